@@ -1,0 +1,369 @@
+"""The agent's side: a session kept alive in the background, VRAM leases as context managers.
+
+``AsyncClient`` is the implementation. ``Client`` runs an ``AsyncClient`` on a private event loop in a
+background thread, so the sync API awaits exactly what the async one does (no sync fake that could hide
+an un-awaited call).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import grpc
+
+from agent_client import errors
+from coordinator.api import coordinator_pb2 as pb
+from coordinator.api import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+__version__ = "0.1.0"
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionNotice:
+    lease_id: str
+    gpu_uuid: str
+    reason: str
+    requested_by: str
+    deadline_unix: float
+
+
+class _LeaseBase:
+    """What a granted VRAM lease carries. ``token`` is the fencing token (see README, "Fencing")."""
+
+    def __init__(self, msg: pb.Lease) -> None:
+        self.id: str = msg.id
+        self.host: str = msg.host
+        self.gpu_uuid: str = msg.gpu_uuid
+        self.gpu_index: int = msg.gpu_index
+        self.vram_mb: int = msg.vram_mb
+        self.priority: int = msg.priority
+        self.preemptible: bool = msg.preemptible
+        self.token: int = msg.token
+        self.request_id: str = msg.request_id
+        self.evicting = threading.Event()
+        self.notice: EvictionNotice | None = None
+        self.released = False
+        self._callbacks: list[Callable[[EvictionNotice], Any]] = []
+
+    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
+        """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has)."""
+        self._callbacks.append(callback)
+        if self.notice is not None:
+            callback(self.notice)
+
+    def _notify(self, notice: EvictionNotice) -> None:
+        if self.notice is not None:
+            return
+        self.notice = notice
+        self.evicting.set()
+        for cb in list(self._callbacks):
+            try:
+                cb(notice)
+            except Exception:
+                log.exception("on_evict callback of lease %s failed", self.id)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(id={self.id!r}, gpu_index={self.gpu_index}, vram_mb={self.vram_mb}, "
+                f"token={self.token})")
+
+
+class AsyncLease(_LeaseBase):
+    def __init__(self, client: AsyncClient, msg: pb.Lease) -> None:
+        super().__init__(msg)
+        self._client = client
+
+    async def release(self) -> bool:
+        if self.released:
+            return False
+        self.released = True
+        return await self._client.release(self.id)
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.release()
+
+
+class AsyncClient:
+    """A session of one agent on one host, talking to any of several coordinator replicas.
+
+    UNAVAILABLE from a replica makes the client move to the next address and retry; acquires are
+    retried with the same request_id, so a retry never mints a second lease.
+    """
+
+    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int = 10,
+                 keepalive_interval: float | None = None, rpc_timeout: float = 10.0,
+                 retry_for: float | None = None) -> None:
+        self.addresses = [a.strip() for a in (addresses.split(",") if isinstance(addresses, str) else addresses)
+                          if a.strip()]
+        if not self.addresses:
+            raise ValueError("addresses: at least one coordinator address is needed")
+        self.agent, self.host, self.ttl = agent, host, ttl
+        self.keepalive_interval = keepalive_interval or max(0.5, ttl / 4)
+        self.rpc_timeout = rpc_timeout
+        self.retry_for = ttl if retry_for is None else retry_for
+        self.session_id = ""
+        self.done = asyncio.Event()        # set when the session is over (closed, expired, orphaned)
+        self.expired = False
+        self._addr_i = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._leases: dict[str, AsyncLease] = {}
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._last_refresh = 0.0
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        addr = self.addresses[self._addr_i % len(self.addresses)]
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+        return pb_grpc.CoordinatorStub(ch)
+
+    def _next_address(self) -> None:
+        self._addr_i = (self._addr_i + 1) % len(self.addresses)
+
+    async def _call(self, method: str, request: Any, timeout: float | None = None, retry_for: float | None = None) -> Any:
+        """A unary call with failover: UNAVAILABLE moves to the next replica until ``retry_for`` passes."""
+        deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
+        delay = 0.05
+        while True:
+            try:
+                return await getattr(self._stub(), method)(request, timeout=timeout or self.rpc_timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
+                    raise errors.from_rpc_error(e) from None
+                log.info("%s: coordinator %s unavailable (%s); trying the next one", method,
+                         self.addresses[self._addr_i], e.details())
+                self._next_address()
+                await asyncio.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 1.0)
+
+    def _ref(self) -> pb.SessionRef:
+        return pb.SessionRef(agent=self.agent, session_id=self.session_id)
+
+    # -- session -------------------------------------------------------------------------------
+    async def connect(self) -> AsyncClient:
+        resp = await self._call("OpenSession", pb.OpenSessionRequest(
+            agent=self.agent, host=self.host, ttl_seconds=self.ttl, pid=os.getpid(), client_version=__version__),
+            retry_for=max(self.retry_for, 5.0))
+        self.session_id, self.ttl = resp.session_id, resp.ttl_seconds
+        self._last_refresh = time.monotonic()
+        self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+        return self
+
+    async def _keepalive(self) -> None:
+        """One KeepAlive stream; on UNAVAILABLE, the next replica, for as long as the TTL allows."""
+        while not self.done.is_set():
+            queue: asyncio.Queue[pb.KeepAliveRequest | None] = asyncio.Queue()
+
+            async def requests() -> Any:
+                while True:
+                    item = await queue.get()
+                    if item is None:
+                        return
+                    yield item
+
+            call = self._stub().KeepAlive(requests())
+
+            async def ticker() -> None:
+                while True:
+                    queue.put_nowait(pb.KeepAliveRequest(session=self._ref()))
+                    await asyncio.sleep(self.keepalive_interval)
+
+            tick = asyncio.get_running_loop().create_task(ticker())
+            try:
+                async for resp in call:
+                    self._last_refresh = time.monotonic()
+                    for n in resp.notices:
+                        self._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
+                                                     n.deadline_unix))
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("session %s of %s expired: %s", self.session_id, self.agent, e.details())
+                    self.expired = True
+                    self.done.set()
+                    return
+                if e.code() == grpc.StatusCode.CANCELLED and self.done.is_set():
+                    return
+                log.info("keepalive stream broke (%s); reconnecting", e.code().name)
+                self._next_address()
+            finally:
+                tick.cancel()
+                queue.put_nowait(None)
+                call.cancel()
+            if time.monotonic() - self._last_refresh > self.ttl:
+                log.warning("session %s: no keepalive for longer than its TTL; it is gone", self.session_id)
+                self.expired = True
+                self.done.set()
+                return
+            await asyncio.sleep(min(0.2, self.keepalive_interval))
+
+    def _deliver(self, notice: EvictionNotice) -> None:
+        lease = self._leases.get(notice.lease_id)
+        if lease is not None:
+            lease._notify(notice)
+
+    async def close(self) -> None:
+        """End the session: revokes its etcd_lease, and so releases every lease it holds."""
+        if self.done.is_set() and not self.session_id:
+            return
+        already = self.done.is_set()
+        self.done.set()
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+        if self.session_id and not already:
+            try:
+                await self._call("CloseSession", pb.CloseSessionRequest(session=self._ref()), retry_for=2.0)
+            except errors.GpucoordError as e:
+                log.info("close session: %s", e)
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def orphan(self) -> None:
+        """Stop keeping the session alive but leave its keys: they go when the TTL passes."""
+        self.done.set()
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- leases --------------------------------------------------------------------------------
+    async def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
+                      wait: float = 0.0, request_id: str | None = None) -> AsyncLease:
+        """Acquire ``vram_mb`` MiB on one GPU. Raises ResourceExhausted when it does not fit (after ``wait``)."""
+        if self.done.is_set():
+            raise errors.SessionExpired(f"session {self.session_id} of {self.agent} is over")
+        request = pb.AcquireRequest(session=self._ref(), vram_mb=vram_mb, gpu="" if gpu is None else str(gpu),
+                                    priority=priority, preemptible=preemptible,
+                                    request_id=request_id or uuid.uuid4().hex, wait_seconds=wait)
+        resp = await self._call("Acquire", request, timeout=self.rpc_timeout + wait,
+                                retry_for=max(self.retry_for, wait))
+        lease = AsyncLease(self, resp.lease)
+        self._leases[lease.id] = lease
+        return lease
+
+    async def release(self, lease_id: str) -> bool:
+        self._leases.pop(lease_id, None)
+        resp = await self._call("Release", pb.ReleaseRequest(session=self._ref(), lease_id=lease_id))
+        return bool(resp.released)
+
+    async def status(self, host: str | None = None) -> pb.GetStatusResponse:
+        return await self._call("GetStatus", pb.GetStatusRequest(host=host or ""))
+
+    async def partition(self) -> dict[str, Any]:
+        """This host's partition (spec and allocation per agent), and this agent's share of it."""
+        resp = await self._call("GetPartition", pb.GetPartitionRequest(host=self.host))
+        doc: dict[str, Any] = json.loads(resp.partition_json)
+        doc["explicit"] = resp.explicit
+        doc["mine"] = next((a for a in doc.get("allocations", ()) if a.get("agent") == self.agent), None)
+        return doc
+
+
+class Lease:
+    """A VRAM lease held through the sync ``Client``; a context manager that releases on exit.
+
+    It reads through to the ``AsyncLease`` that receives the notices: ``id``, ``gpu_uuid``, ``gpu_index``,
+    ``token``, ``vram_mb``, ``evicting`` (a threading.Event), ``notice``, ``on_evict(callback)``.
+    """
+
+    def __init__(self, client: Client, inner: AsyncLease) -> None:
+        self._inner = inner
+        self._sync = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return repr(self._inner).replace("AsyncLease", "Lease")
+
+    def release(self) -> bool:
+        return self._sync._run(self._inner.release())
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class Client:
+    """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``."""
+
+    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int = 10, **kw: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"gpucoord-{agent}", daemon=True)
+        self._thread.start()
+        self._async: AsyncClient = self._run(self._make(addresses, agent, host, ttl, kw))
+
+    async def _make(self, addresses: Any, agent: str, host: str, ttl: int, kw: dict[str, Any]) -> AsyncClient:
+        return AsyncClient(addresses, agent, host, ttl, **kw)
+
+    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        return fut.result(timeout)
+
+    @property
+    def session_id(self) -> str:
+        return self._async.session_id
+
+    @property
+    def expired(self) -> bool:
+        return self._async.expired
+
+    def connect(self) -> Client:
+        self._run(self._async.connect())
+        return self
+
+    def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
+                wait: float = 0.0, request_id: str | None = None) -> Lease:
+        inner = self._run(self._async.acquire(vram_mb, gpu, priority, preemptible, wait, request_id))
+        return Lease(self, inner)
+
+    def release(self, lease_id: str) -> bool:
+        return self._run(self._async.release(lease_id))
+
+    def status(self, host: str | None = None) -> pb.GetStatusResponse:
+        return self._run(self._async.status(host))
+
+    def partition(self) -> dict[str, Any]:
+        return self._run(self._async.partition())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._async.close(), timeout=15)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()
+
+    def orphan(self) -> None:
+        self._run(self._async.orphan())
+
+    def __enter__(self) -> Client:
+        return self.connect()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

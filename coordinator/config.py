@@ -1,0 +1,110 @@
+"""Configuration: one frozen, validated object per process.
+
+Sources, later ones winning: defaults, then a TOML file (``--config``), then ``GPUCOORD_*`` environment
+variables, then command-line flags. Rules that tie values together are checked at start, and a bad value
+fails with the field's name in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from typing import Any, Mapping
+
+from coordinator.keys import DEFAULT_PREFIX
+
+# Documented limits (README "Limits").
+MIN_TTL_S = 2
+MAX_TTL_S = 300
+MAX_PRIORITY = 1_000_000
+MAX_VRAM_MB = 1 << 30  # 1 PiB in MiB: anything above is a typo
+MAX_REQUEST_ID_LEN = 128
+MAX_WAIT_S = 3600.0
+
+
+class ConfigError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    etcd: tuple[str, ...] = ("127.0.0.1:2379",)
+    prefix: str = DEFAULT_PREFIX
+    listen: str = "127.0.0.1:7070"
+    metrics_listen: str = ""             # "host:port" to serve Prometheus metrics; empty: off
+    session_ttl_s: int = 10              # default TTL of an agent's session
+    keepalive_interval_s: float = 3.0    # what clients are told to use; x3 must be <= the TTL
+    etcd_timeout_s: float = 3.0          # deadline of one etcd call; must be < TTL / 2
+    election_ttl_s: int = 5
+    eviction_grace_s: float = 10.0
+    max_queue_per_host: int = 1024
+    max_leases_per_agent: int = 256
+    untracked_vram: bool = True          # subtract NVML-used VRAM that no lease accounts for
+    batch_max: int = 64                  # most acquires decided from one snapshot (group commit)
+    commit_attempts: int = 32            # compare-and-set retries before UNAVAILABLE
+
+    def validate(self) -> CoordinatorConfig:
+        if not self.etcd:
+            raise ConfigError("etcd", "at least one endpoint is needed")
+        for ep in self.etcd:
+            host, _, port = ep.removeprefix("http://").rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError("etcd", f"endpoint {ep!r} is not host:port")
+        if not (self.prefix.startswith("/") and self.prefix.endswith("/")):
+            raise ConfigError("prefix", f"must start and end with '/', got {self.prefix!r}")
+        if not MIN_TTL_S <= self.session_ttl_s <= MAX_TTL_S:
+            raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {self.session_ttl_s}")
+        if self.keepalive_interval_s * 3 > self.session_ttl_s:
+            raise ConfigError("keepalive_interval_s", "keepalive interval x 3 must be <= session_ttl_s")
+        if self.etcd_timeout_s >= self.session_ttl_s / 2:
+            raise ConfigError("etcd_timeout_s", "must be < session_ttl_s / 2")
+        if self.election_ttl_s < MIN_TTL_S:
+            raise ConfigError("election_ttl_s", f"must be >= {MIN_TTL_S}")
+        if self.eviction_grace_s < 0:
+            raise ConfigError("eviction_grace_s", "must be >= 0")
+        if self.max_queue_per_host < 1 or self.batch_max < 1 or self.commit_attempts < 1:
+            raise ConfigError("max_queue_per_host", "limits must be >= 1")
+        return self
+
+    @classmethod
+    def load(cls, file: str | None = None, env: Mapping[str, str] | None = None,
+             flags: Mapping[str, Any] | None = None) -> CoordinatorConfig:
+        values: dict[str, Any] = {}
+        if file:
+            with open(file, "rb") as f:
+                values.update(tomllib.load(f).get("coordinator", {}))
+        env = os.environ if env is None else env
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name in fields:
+            v = env.get(f"GPUCOORD_{name.upper()}")
+            if v is not None:
+                values[name] = v
+        values.update({k: v for k, v in (flags or {}).items() if v is not None})
+        unknown = set(values) - set(fields)
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], "unknown setting")
+        return cls(**{k: _coerce(k, fields[k].type, v) for k, v in values.items()}).validate()
+
+
+def _coerce(name: str, typ: Any, v: Any) -> Any:
+    t = str(typ)
+    try:
+        if t.startswith("tuple"):
+            if isinstance(v, str):
+                return tuple(x.strip() for x in v.split(",") if x.strip())
+            return tuple(v)
+        if t == "bool":
+            if isinstance(v, str):
+                if v.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(v)
+                return v.lower() in ("1", "true", "yes", "on")
+            return bool(v)
+        if t == "int":
+            return int(v)
+        if t == "float":
+            return float(v)
+        return str(v)
+    except (TypeError, ValueError):
+        raise ConfigError(name, f"cannot read {v!r} as {t}") from None

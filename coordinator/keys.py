@@ -1,0 +1,165 @@
+"""The etcd key schema. This module is the only place that builds or parses gpucoord keys.
+
+Every key lives under a prefix (default ``/gpucoord/``, configurable). Values are compact JSON, so
+``etcdctl get --prefix /gpucoord/`` reads well.
+
+=====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
+key                                    value                                                       hangs on              written by                         compare-and-set rule                                deleted by
+=====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
+``hosts/<host>``                       address, inventory (cpu, mem, disk, gpus: index, uuid,      node's etcd_lease     node                               none: one writer per host                           etcd, when the node's etcd_lease expires
+                                       name, vram_total_mb), version
+``usage/<host>``                       per GPU: vram_used_mb from NVML, processes, untracked_mb,   node's etcd_lease     node, when it changes, <= ~1/s     none: one writer per host                           etcd, with the node's etcd_lease
+                                       ts (the node's wall clock)
+``partitions/<host>``                  spec + computed allocation per agent                        nothing (durable)     coordinator (``partition apply``)  apply compares its mod_revision; every acquire      operator (``partition apply`` of shared)
+                                                                                                                                                        compares it too
+``gpus/<host>/<gpu_uuid>``             the GPU's ledger: capacity_mb, seq (last fencing token)     nothing (durable)     every admission on that GPU        admission compares its mod_revision (or version 0   never (it keeps the token sequence)
+                                                                                                                                                        when it is created)
+``leases/<host>/<gpu_uuid>/<lease_id>`` agent, session, vram_mb, priority, preemptible,             agent's session       coordinator                        created with version == 0 on every GPU of the       release (compares mod_revision), session
+                                       request_id, token, created_at                                                                                    host, so a request_id maps to one lease (G6)        expiry, forced eviction
+``queue/<host>/<rank>``                a waiting request; rank sorts by priority (highest first),  waiter's session      coordinator                        created with version == 0                           the grant's transaction, a timed-out or
+                                       then arrival                                                                                                                                                         cancelled waiter, session expiry
+``evictions/<lease_id>``               who asked, why, deadline                                    victim's session      leader                             created with version == 0                           release of the victim, leader at deadline
+``sessions/<agent>/<session_id>``      agent, host, pid, client version, ttl                       the session itself    coordinator                        every admission compares version > 0                CloseSession (revoke) or etcd on expiry
+``election``, ``coordinators/<id>``    leader election, live replicas                              replica's etcd_lease  coordinator                        election: create_revision order                     etcd, with the replica's etcd_lease
+=====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
+
+``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
+(agent, request_id), so a retried acquire can only ever name the same key (G6).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+DEFAULT_PREFIX = "/gpucoord/"
+
+# Names of hosts, agents and GPUs end up inside keys: keep them to a safe alphabet, without '/'.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+def valid_name(name: str) -> bool:
+    return bool(_NAME_RE.match(name))
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key that starts with ``prefix`` (etcd's range_end)."""
+    b = bytearray(prefix)
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+def session_id_from_etcd_lease(etcd_lease_id: int) -> str:
+    return format(etcd_lease_id, "x")
+
+
+def etcd_lease_from_session_id(session_id: str) -> int:
+    return int(session_id, 16)
+
+
+def lease_id_for(agent: str, request_id: str) -> str:
+    """A VRAM lease id that is a function of (agent, request_id): retries cannot mint a second one."""
+    return hashlib.sha256(f"{agent}\0{request_id}".encode()).hexdigest()[:20]
+
+
+class Keys:
+    """Key builders and parsers for one prefix."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        if not prefix.startswith("/") or not prefix.endswith("/"):
+            raise ValueError(f"prefix: must start and end with '/', got {prefix!r}")
+        self.prefix = prefix
+
+    def _k(self, *parts: str) -> bytes:
+        return (self.prefix + "/".join(parts)).encode()
+
+    def _dir(self, *parts: str) -> bytes:
+        return (self.prefix + "".join(p + "/" for p in parts)).encode()
+
+    # -- keys -------------------------------------------------------------------------------
+    def root(self) -> bytes:
+        return self.prefix.encode()
+
+    def host(self, host: str) -> bytes:
+        return self._k("hosts", host)
+
+    def hosts(self) -> bytes:
+        return self._dir("hosts")
+
+    def usage(self, host: str) -> bytes:
+        return self._k("usage", host)
+
+    def usages(self) -> bytes:
+        return self._dir("usage")
+
+    def partition(self, host: str) -> bytes:
+        return self._k("partitions", host)
+
+    def partitions(self) -> bytes:
+        return self._dir("partitions")
+
+    def gpu(self, host: str, gpu_uuid: str) -> bytes:
+        return self._k("gpus", host, gpu_uuid)
+
+    def gpus(self, host: str | None = None) -> bytes:
+        return self._dir("gpus", host) if host else self._dir("gpus")
+
+    def lease(self, host: str, gpu_uuid: str, lease_id: str) -> bytes:
+        return self._k("leases", host, gpu_uuid, lease_id)
+
+    def leases(self, host: str | None = None, gpu_uuid: str | None = None) -> bytes:
+        parts = [p for p in (host, gpu_uuid) if p]
+        return self._dir("leases", *parts)
+
+    def queue_entry(self, host: str, rank: str) -> bytes:
+        return self._k("queue", host, rank)
+
+    def queue(self, host: str | None = None) -> bytes:
+        return self._dir("queue", host) if host else self._dir("queue")
+
+    def eviction(self, lease_id: str) -> bytes:
+        return self._k("evictions", lease_id)
+
+    def evictions(self) -> bytes:
+        return self._dir("evictions")
+
+    def session(self, agent: str, session_id: str) -> bytes:
+        return self._k("sessions", agent, session_id)
+
+    def sessions(self, agent: str | None = None) -> bytes:
+        return self._dir("sessions", agent) if agent else self._dir("sessions")
+
+    def election(self) -> bytes:
+        return self._dir("election")
+
+    def coordinator(self, replica_id: str) -> bytes:
+        return self._k("coordinators", replica_id)
+
+    def coordinators(self) -> bytes:
+        return self._dir("coordinators")
+
+    # -- parsing ----------------------------------------------------------------------------
+    def parse(self, key: bytes) -> tuple[str, list[str]]:
+        """Split a key into (kind, parts): ``/gpucoord/leases/h/g/l`` -> ``("leases", ["h", "g", "l"])``."""
+        s = key.decode()
+        if not s.startswith(self.prefix):
+            raise ValueError(f"key {s!r} is not under prefix {self.prefix!r}")
+        kind, _, rest = s[len(self.prefix):].partition("/")
+        return kind, (rest.split("/") if rest else [])
+
+    @staticmethod
+    def queue_rank(priority: int, arrival_ns: int, request_key: str) -> str:
+        """A rank that sorts lexicographically: highest priority first, then first come, first served.
+
+        Priority is bounded to [-1_000_000, 1_000_000]; it is inverted and zero-padded so that a plain
+        byte order over ``queue/<host>/`` is the service order.
+        """
+        inverted = 1_000_000 - priority
+        return f"{inverted:07d}-{arrival_ns:020d}-{request_key}"
+
+    @staticmethod
+    def parse_queue_rank(rank: str) -> tuple[int, int, str]:
+        inv, arrival, request_key = rank.split("-", 2)
+        return 1_000_000 - int(inv), int(arrival), request_key

@@ -1,0 +1,30 @@
+"""Prometheus metrics of a coordinator replica or a node daemon (text format over HTTP)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry()
+
+ADMISSIONS = Counter("gpucoord_admissions_total", "VRAM leases admitted", ["host"], registry=REGISTRY)
+REFUSALS = Counter("gpucoord_refusals_total", "Acquires refused, by reason", ["reason"], registry=REGISTRY)
+RELEASES = Counter("gpucoord_releases_total", "VRAM leases released explicitly", registry=REGISTRY)
+EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued, and forced revokes", ["kind"], registry=REGISTRY)
+CONFLICTS = Counter("gpucoord_txn_conflicts_total", "Admission compare-and-set transactions that lost", registry=REGISTRY)
+BATCH_SIZE = Histogram("gpucoord_group_commit_size", "Acquires decided from one snapshot",
+                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=REGISTRY)
+ETCD_ERRORS = Counter("gpucoord_etcd_errors_total", "etcd calls that failed, by error", ["error"], registry=REGISTRY)
+ACQUIRE_LATENCY = Histogram("gpucoord_acquire_seconds", "Acquire RPC latency, wait included",
+                            buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5, 1, 5, 30), registry=REGISTRY)
+SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this replica", registry=REGISTRY)
+QUEUE_DEPTH = Gauge("gpucoord_queue_depth", "Waiting requests served by this replica", ["host"], registry=REGISTRY)
+LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (last status read)", ["host"], registry=REGISTRY)
+VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU (last status read)", ["host", "gpu", "kind"], registry=REGISTRY)
+NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=REGISTRY)
+NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=REGISTRY)
+
+
+def serve(listen: str) -> int:
+    """Serve /metrics on ``host:port`` (port 0 picks one); returns the port."""
+    host, _, port = listen.rpartition(":")
+    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY)
+    return int(server.server_port)

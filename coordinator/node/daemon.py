@@ -1,0 +1,225 @@
+"""The node daemon: one per host. Publishes the host's inventory and live VRAM usage under its own
+etcd_lease, and serves the gRPC ``Node`` service (inventory, fencing-token checks).
+
+When the daemon dies its etcd_lease expires and ``hosts/<host>`` disappears: the coordinators then admit
+nothing more on that host.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator import __version__, errors, metrics
+from coordinator.admission import VramLease
+from coordinator.api import node_pb2 as pb
+from coordinator.api import node_pb2_grpc as pb_grpc
+from coordinator.keys import Keys
+from coordinator.models import GpuUsage, HostInventory, dumps
+from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
+from coordinator.store import Store, op_put
+
+log = logging.getLogger(__name__)
+
+
+class NodeDaemon:
+    """Publishes ``hosts/<host>`` and ``usage/<host>``; keeps a watch-fed view of the host's VRAM leases."""
+
+    def __init__(self, store: Store, keys: Keys, host: str, address: str, source: GpuSource, disk_path: str = "/",
+                 ttl_s: int = 10, scan_interval_s: float = 1.0, heartbeat_s: float = 5.0) -> None:
+        self.store, self.keys, self.host, self.address = store, keys, host, address
+        self.source, self.disk_path = source, disk_path
+        self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
+        self.etcd_lease = 0
+        self.inventory: HostInventory | None = None
+        self.leases: dict[str, VramLease] = {}          # lease id -> lease, from the watch
+        self.highest_token: dict[str, int] = {}         # gpu uuid -> highest token seen
+        self.last_usage: tuple[GpuUsage, ...] = ()
+        self._published: Any = None
+        self._last_write = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.ready = asyncio.Event()
+
+    async def start(self) -> None:
+        self.inventory = read_inventory(self.host, self.address, self.source, self.disk_path, __version__)
+        self.etcd_lease = await self.store.grant(self.ttl_s)
+        await self._publish_host()
+        await self._publish_usage(force=True)
+        self._tasks = [asyncio.create_task(self._keepalive_loop()), asyncio.create_task(self._scan_loop()),
+                       asyncio.create_task(self._watch_leases())]
+        self.ready.set()
+
+    async def stop(self, revoke: bool = True) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        if revoke and self.etcd_lease:
+            try:
+                await self.store.revoke(self.etcd_lease)
+            except errors.GpucoordError as e:
+                log.warning("could not revoke the node's etcd_lease: %s", e)
+        self.source.close()
+
+    async def _publish_host(self) -> None:
+        assert self.inventory is not None
+        value = dumps({"address": self.address, "inventory": self.inventory.to_json(), "version": __version__,
+                       "started_at": time.time()})
+        res = await self.store.commit([], [op_put(self.keys.host(self.host), value, self.etcd_lease)])
+        metrics.NODE_WRITES.labels("hosts").inc()
+        log.info("published host %s (%d GPUs) at revision %d", self.host, len(self.inventory.gpus), res.revision)
+
+    async def _publish_usage(self, force: bool = False) -> None:
+        try:
+            usage = self.source.usage()
+        except NvmlScanError as e:
+            log.warning("NVML scan failed, usage not refreshed: %s", e)
+            return
+        self.last_usage = usage
+        leased: dict[str, int] = {}
+        for lease in self.leases.values():
+            leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
+        gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
+                 "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)),
+                 "processes": [{"pid": p.pid, "used_mb": p.used_mb} for p in u.processes]} for u in usage]
+        for u in usage:
+            metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
+        now = time.time()
+        changed = gpus != self._published
+        # Written when it changes (at most about once a second), and at least every heartbeat_s so that
+        # readers can tell fresh usage from a stuck daemon (stale = older than 3 heartbeats).
+        if force or (changed and now - self._last_write >= 1.0) or now - self._last_write >= self.heartbeat_s:
+            value = dumps({"ts": now, "interval_s": self.heartbeat_s, "gpus": gpus})
+            await self.store.commit([], [op_put(self.keys.usage(self.host), value, self.etcd_lease)])
+            metrics.NODE_WRITES.labels("usage").inc()
+            self._published = gpus
+            self._last_write = now
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                ttl = await self.store.keepalive(self.etcd_lease)
+            except errors.GpucoordError as e:
+                log.warning("node keepalive failed: %s", e)
+                continue
+            if ttl <= 0:
+                # Our etcd_lease expired (etcd was unreachable past the TTL): register again.
+                log.warning("the node's etcd_lease expired; registering host %s again", self.host)
+                self.etcd_lease = await self.store.grant(self.ttl_s)
+                await self._publish_host()
+                await self._publish_usage(force=True)
+
+    async def _scan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.scan_interval_s)
+            try:
+                await self._publish_usage()
+            except errors.GpucoordError as e:
+                log.warning("usage publish failed: %s", e)
+
+    async def _watch_leases(self) -> None:
+        prefix = self.keys.leases(self.host)
+        while True:
+            snap = await self.store.get_prefix(prefix)
+            self.leases = {}
+            for kv in snap.ranges[0]:
+                self._on_put(VramLease.from_kv(kv))
+            async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
+                if batch.resync:
+                    break
+                for ev in batch.events:
+                    lease_id = ev.kv.key.decode().rsplit("/", 1)[-1]
+                    if ev.kind == "PUT":
+                        self._on_put(VramLease.from_kv(ev.kv))
+                    else:
+                        self.leases.pop(lease_id, None)
+
+    def _on_put(self, lease: VramLease) -> None:
+        self.leases[lease.id] = lease
+        self.highest_token[lease.gpu_uuid] = max(self.highest_token.get(lease.gpu_uuid, 0), lease.token)
+
+    def check_token(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
+        for lease in self.leases.values():
+            if lease.gpu_uuid == gpu_uuid and lease.token == token:
+                return True, lease.id
+        return False, ""
+
+
+class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self.daemon = daemon
+
+    async def GetInventory(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
+        inv = self.daemon.inventory
+        if inv is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting")
+        usage = {u.uuid: u for u in self.daemon.last_usage}
+        out = pb.GetInventoryResponse(host=inv.host, address=inv.address, cpu_count=inv.cpu_count,
+                                      core_ids=list(inv.core_ids), mem_bytes=inv.mem_bytes, disk_path=inv.disk_path,
+                                      disk_bytes=inv.disk_bytes, version=inv.version, simulated=inv.simulated)
+        for g in inv.gpus:
+            u = usage.get(g.uuid)
+            gp = out.gpus.add(index=g.index, uuid=g.uuid, name=g.name, vram_total_mb=g.vram_total_mb,
+                              vram_used_mb=u.vram_used_mb if u else -1, vram_free_mb=u.vram_free_mb if u else -1)
+            for p in (u.processes if u else ()):
+                gp.processes.add(pid=p.pid, used_mb=p.used_mb)
+        return out
+
+    async def CheckToken(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
+        if not request.gpu_uuid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu_uuid: is required")
+        if request.token <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token: must be > 0")
+        inv = self.daemon.inventory
+        if inv is not None and inv.gpu(request.gpu_uuid) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}")
+        live, lease_id = self.daemon.check_token(request.gpu_uuid, request.token)
+        return pb.CheckTokenResponse(live=live, lease_id=lease_id,
+                                     highest_token=self.daemon.highest_token.get(request.gpu_uuid, 0))
+
+
+async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    pb_grpc.add_NodeServicer_to_server(NodeServicer(daemon), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (pb.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"listen: cannot bind {listen}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
+                   ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
+                   metrics_listen: str = "") -> None:
+    if metrics_listen:
+        metrics.serve(metrics_listen)
+    await store.connect()
+    # Bind first, so that the published address carries the real port.
+    daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s)
+    server, port = await create_node_server(daemon, listen)
+    daemon.address = f"{listen.rpartition(':')[0]}:{port}"
+    await daemon.start()
+    if ready is not None:
+        ready(port)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+        await daemon.stop()
+        await store.close()

@@ -1,0 +1,132 @@
+"""The history checker: replays etcd's whole revision history under a prefix and checks the guarantees.
+
+It reads every event with a watch from revision 1 (with prev_kv), groups them by revision, and after each
+revision checks:
+
+* G1 capacity: on every GPU, the sum of live leases <= usable (ledger capacity - partition headroom), and
+  every agent's leases on a GPU <= its partition's cap there (when the host has an explicit partition);
+* G5 fencing: every new lease's token is greater than every token issued before it on that GPU, and the
+  ledger's sequence number is the highest token;
+* G6 idempotency: never two live leases with the same (agent, request_id).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from typing import Any
+
+from coordinator.keys import Keys
+from coordinator.store import Store, WatchEvent
+
+
+@dataclasses.dataclass
+class HistoryReport:
+    revisions: int = 0
+    events: int = 0
+    leases_created: int = 0
+    max_used: dict[str, int] = dataclasses.field(default_factory=dict)
+    violations: list[str] = dataclasses.field(default_factory=list)
+
+    def assert_ok(self) -> None:
+        assert not self.violations, "\n".join(self.violations[:20])
+        assert self.revisions > 0
+
+
+async def read_history(store: Store, prefix: bytes) -> list[WatchEvent]:
+    """Every event under ``prefix`` from revision 1 until now.
+
+    A sentinel key written under the prefix marks "now": the watch has delivered everything before it
+    once the sentinel's own event arrives.
+    """
+    sentinel = prefix + b"zz-history-sentinel"
+    await store.put(sentinel, b"{}")
+    events: list[WatchEvent] = []
+    async for batch in store.watch(prefix, start_revision=1, prev_kv=True):
+        assert not batch.resync, "history was compacted: the checker needs it whole"
+        for ev in batch.events:
+            if ev.kv.key == sentinel:
+                return events
+            events.append(ev)
+    return events
+
+
+def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
+    rep = HistoryReport(events=len(events))
+    leases: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)  # (host, gpu) -> id -> lease
+    capacity: dict[tuple[str, str], int] = {}
+    seq: dict[tuple[str, str], int] = {}
+    max_token: dict[tuple[str, str], int] = defaultdict(int)
+    partitions: dict[str, dict[str, Any]] = {}
+    by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
+    for ev in events:
+        by_rev[ev.kv.mod_revision].append(ev)
+    for rev in sorted(by_rev):
+        rep.revisions += 1
+        touched: set[tuple[str, str]] = set()
+        for ev in by_rev[rev]:
+            kind, parts = keys.parse(ev.kv.key)
+            if kind == "leases":
+                host, gpu, lease_id = parts
+                touched.add((host, gpu))
+                if ev.kind == "PUT":
+                    lease = json.loads(ev.kv.value)
+                    if ev.kv.version == 1:
+                        rep.leases_created += 1
+                        if lease["token"] <= max_token[(host, gpu)]:
+                            rep.violations.append(
+                                f"rev {rev}: G5 token {lease['token']} on {host}/{gpu} is not above "
+                                f"{max_token[(host, gpu)]}")
+                        max_token[(host, gpu)] = max(max_token[(host, gpu)], lease["token"])
+                    leases[(host, gpu)][lease_id] = lease
+                else:
+                    leases[(host, gpu)].pop(lease_id, None)
+            elif kind == "gpus" and ev.kind == "PUT":
+                host, gpu = parts
+                d = json.loads(ev.kv.value)
+                capacity[(host, gpu)] = int(d["capacity_mb"])
+                seq[(host, gpu)] = int(d["seq"])
+                touched.add((host, gpu))
+            elif kind == "partitions":
+                host = parts[0]
+                if ev.kind == "PUT":
+                    partitions[host] = json.loads(ev.kv.value)["partition"]
+                else:
+                    partitions.pop(host, None)
+                touched |= {k for k in leases if k[0] == host}
+        for hg in touched:
+            host, gpu = hg
+            live = leases[hg]
+            used = sum(int(x["vram_mb"]) for x in live.values())
+            rep.max_used[f"{host}/{gpu}"] = max(rep.max_used.get(f"{host}/{gpu}", 0), used)
+            part = partitions.get(host)
+            headroom = int(part.get("headroom_mb", 0)) if part else 0
+            if hg in capacity and used > capacity[hg] - headroom:
+                rep.violations.append(f"rev {rev}: G1 {host}/{gpu} has {used} MiB leased > usable "
+                                      f"{capacity[hg] - headroom} MiB")
+            if live and hg in seq and max(int(x["token"]) for x in live.values()) > seq[hg]:
+                rep.violations.append(f"rev {rev}: G5 a live token on {host}/{gpu} is above the ledger's seq")
+            if part is not None and part.get("mode") != "shared":
+                caps = {a["agent"]: dict((u, c) for u, c in a.get("vram_caps_mb", []))
+                        for a in part.get("allocations", [])}
+                per_agent: dict[str, int] = defaultdict(int)
+                for x in live.values():
+                    per_agent[x["agent"]] += int(x["vram_mb"])
+                for agent, mb in per_agent.items():
+                    cap = caps.get(agent, {}).get(gpu, 0)
+                    if mb > cap:
+                        rep.violations.append(f"rev {rev}: G1 agent {agent} holds {mb} MiB on {host}/{gpu}, "
+                                              f"above its cap {cap} MiB")
+        # G6 across the whole host set
+        seen: dict[tuple[str, str], str] = {}
+        for hg, live in leases.items():
+            for lease_id, x in live.items():
+                k = (x["agent"], x["request_id"])
+                if k in seen and seen[k] != lease_id:
+                    rep.violations.append(f"rev {rev}: G6 two live leases for request {k}")
+                seen[k] = lease_id
+    return rep
+
+
+async def check_store(store: Store, keys: Keys) -> HistoryReport:
+    return check_history(await read_history(store, keys.root()), keys)

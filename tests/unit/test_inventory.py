@@ -1,0 +1,507 @@
+"""Tests for coordinator.node.inventory.
+
+NVML is faked at the pynvml *function* level, reusing pynvml's real exception classes, and every name
+the fake offers (or the code touches) is checked against the real module so the fake cannot drift.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+import sys
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pynvml
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.models import GpuInfo, GpuProcess, HostInventory
+from coordinator.node.inventory import (
+    MIB,
+    FakeGpuSource,
+    GpuSource,
+    NvmlGpuSource,
+    NvmlScanError,
+    NvmlUnavailable,
+    host_resources,
+    open_gpu_source,
+    parse_fake_gpus,
+    read_inventory,
+)
+
+GIB = 1024 * MIB
+
+
+def nvml_error(code: int) -> pynvml.NVMLError:
+    """A real pynvml error; NVMLError.__new__ maps the code to its subclass (e.g. NVMLError_GpuIsLost)."""
+    return pynvml.NVMLError(code)
+
+
+class FakeDevice:
+    def __init__(self, uuid: str | bytes, name: str | bytes, total: int, used: int = 0,
+                 procs: list[Any] | None = None) -> None:
+        self.uuid = uuid
+        self.name = name
+        self.total = total
+        self.used = used
+        self.procs: list[Any] = procs or []
+        # call name -> error code to raise from that call on this device
+        self.fail: dict[str, int] = {}
+
+
+class FakeNvml:
+    """Stands in for the pynvml module: same function names, real exception classes."""
+
+    NVMLError = pynvml.NVMLError
+
+    def __init__(self, devices: list[FakeDevice]) -> None:
+        self.devices = devices
+        self.init_error: BaseException | None = None
+        self.count_error: int | None = None
+        self.shutdown_error: int | None = None
+        self.calls: list[str] = []
+
+    def _dev(self, handle: Any, call: str) -> FakeDevice:
+        self.calls.append(call)
+        dev: FakeDevice = handle.dev
+        if call in dev.fail:
+            raise nvml_error(dev.fail[call])
+        return dev
+
+    def nvmlInit(self) -> None:
+        self.calls.append("nvmlInit")
+        if self.init_error is not None:
+            raise self.init_error
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("nvmlShutdown")
+        if self.shutdown_error is not None:
+            raise nvml_error(self.shutdown_error)
+
+    def nvmlDeviceGetCount(self) -> int:
+        self.calls.append("nvmlDeviceGetCount")
+        if self.count_error is not None:
+            raise nvml_error(self.count_error)
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        self.calls.append("nvmlDeviceGetHandleByIndex")
+        dev = self.devices[index]
+        if "nvmlDeviceGetHandleByIndex" in dev.fail:
+            raise nvml_error(dev.fail["nvmlDeviceGetHandleByIndex"])
+        return SimpleNamespace(dev=dev)
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str | bytes:
+        return self._dev(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: Any) -> str | bytes:
+        return self._dev(handle, "nvmlDeviceGetName").name
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetMemoryInfo")
+        return SimpleNamespace(total=d.total, used=d.used, free=d.total - d.used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return list(self._dev(handle, "nvmlDeviceGetComputeRunningProcesses").procs)
+
+
+class Recorder:
+    """Wraps a fake and records every attribute the code under test reads from the nvml module."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.seen: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        self.seen.add(name)
+        return getattr(self._inner, name)
+
+
+def four_gpus() -> FakeNvml:
+    return FakeNvml([
+        FakeDevice(b"GPU-aaaa-0000", b"NVIDIA A100-SXM4-80GB", 80 * GIB, used=1 * GIB,
+                   procs=[SimpleNamespace(pid=111, usedGpuMemory=512 * MIB)]),
+        FakeDevice("GPU-bbbb-1111", "NVIDIA GeForce RTX 4090", 24 * GIB + 123),  # odd byte count floors
+        FakeDevice(b"GPU-cccc-2222", "NVIDIA H100 80GB HBM3", 80 * GIB, used=3 * GIB + MIB - 1),
+        FakeDevice("GPU-dddd-3333", b"Tesla T4", 15360 * MIB,
+                   procs=[SimpleNamespace(pid=7, usedGpuMemory=None),
+                          SimpleNamespace(pid=8, usedGpuMemory=2 * GIB)]),
+    ])
+
+
+# ------------------------------------------------------------------------------ the fake vs the real API
+
+def fake_function_names() -> list[str]:
+    return sorted(n for n in vars(FakeNvml) if n.startswith("nvml") and callable(getattr(FakeNvml, n)))
+
+
+def test_fake_functions_exist_in_real_pynvml_with_compatible_signatures() -> None:
+    names = fake_function_names()
+    assert len(names) == 8
+    for name in names:
+        assert hasattr(pynvml, name), f"pynvml has no {name}: the fake drifted from the real API"
+        real = getattr(pynvml, name)
+        assert callable(real)
+        # The fake's positional parameters (minus self) must bind to the real function's signature.
+        fake_params = list(inspect.signature(getattr(FakeNvml, name)).parameters)[1:]
+        inspect.signature(real).bind(*fake_params)
+
+
+def test_code_only_touches_names_that_real_pynvml_has() -> None:
+    nvml = four_gpus()
+    nvml.devices[1].fail["nvmlDeviceGetComputeRunningProcesses"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    rec = Recorder(nvml)
+    src = NvmlGpuSource(rec)
+    src.gpus()
+    src.usage()
+    src.close()
+    assert rec.seen, "the recorder saw nothing"
+    for name in rec.seen:
+        assert hasattr(pynvml, name), f"the code uses pynvml.{name}, which the real module lacks"
+    # Every function the code calls is one the fake implements (so the tests exercise it).
+    assert {n for n in rec.seen if n.startswith("nvml")} <= set(fake_function_names())
+
+
+def test_real_exception_classes_map_from_codes() -> None:
+    assert type(nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)) is pynvml.NVMLError_GpuIsLost
+    assert type(nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)) is pynvml.NVMLError_NotSupported
+    assert type(nvml_error(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)) is pynvml.NVMLError_LibraryNotFound
+
+
+# ------------------------------------------------------------------------------ NvmlGpuSource
+
+def test_four_gpus_static_description() -> None:
+    nvml = four_gpus()
+    src = NvmlGpuSource(nvml)
+    assert isinstance(src, GpuSource)
+    assert src.simulated is False
+    assert src.gpus() == (
+        GpuInfo(0, "GPU-aaaa-0000", "NVIDIA A100-SXM4-80GB", 81920),
+        GpuInfo(1, "GPU-bbbb-1111", "NVIDIA GeForce RTX 4090", 24576),
+        GpuInfo(2, "GPU-cccc-2222", "NVIDIA H100 80GB HBM3", 81920),
+        GpuInfo(3, "GPU-dddd-3333", "Tesla T4", 15360),
+    )
+    for g in src.gpus():
+        assert isinstance(g.uuid, str) and isinstance(g.name, str)
+
+
+def test_four_gpus_usage_and_processes() -> None:
+    src = NvmlGpuSource(four_gpus())
+    u = src.usage()
+    assert [x.index for x in u] == [0, 1, 2, 3]
+    assert [x.uuid for x in u] == ["GPU-aaaa-0000", "GPU-bbbb-1111", "GPU-cccc-2222", "GPU-dddd-3333"]
+    assert (u[0].vram_used_mb, u[0].vram_free_mb) == (1024, 80 * 1024 - 1024)
+    assert u[0].processes == (GpuProcess(pid=111, used_mb=512),)
+    assert (u[1].vram_used_mb, u[1].vram_free_mb) == (0, 24576)  # 24 GiB + 123 bytes floors to 24576
+    assert (u[2].vram_used_mb, u[2].vram_free_mb) == (3072, 81920 - 3073)  # floors on both sides
+    # usedGpuMemory None (e.g. WDDM, or no permission) reads as 0, not a crash.
+    assert u[3].processes == (GpuProcess(pid=7, used_mb=0), GpuProcess(pid=8, used_mb=2048))
+
+
+def test_gpu_lost_mid_scan_skips_only_that_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    nvml = four_gpus()
+    nvml.devices[2].fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    src = NvmlGpuSource(nvml)
+    with caplog.at_level(logging.WARNING, logger="coordinator.node.inventory"):
+        gpus = src.gpus()
+        usage = src.usage()
+    assert [g.index for g in gpus] == [0, 1, 3]
+    assert [x.index for x in usage] == [0, 1, 3]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "a GPU that stays lost warns once, not on every scan"
+    msg = warnings[0].getMessage()
+    assert "GPU 2" in msg and "GpuIsLost" in msg
+
+
+@pytest.mark.parametrize("call", [
+    "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo",
+])
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_UNKNOWN,
+                                  pynvml.NVML_ERROR_RESET_REQUIRED])
+def test_any_per_device_nvml_error_skips_that_gpu(call: str, code: int) -> None:
+    nvml = four_gpus()
+    nvml.devices[0].fail[call] = code
+    src = NvmlGpuSource(nvml)
+    assert [g.index for g in src.gpus()] == [1, 2, 3]
+    assert [u.index for u in src.usage()] == [1, 2, 3]
+
+
+def test_partial_scan_is_not_cached_and_recovery_is_seen(caplog: pytest.LogCaptureFixture) -> None:
+    nvml = four_gpus()
+    nvml.devices[2].fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    src = NvmlGpuSource(nvml)
+    assert len(src.gpus()) == 3
+    del nvml.devices[2].fail["nvmlDeviceGetMemoryInfo"]
+    with caplog.at_level(logging.INFO, logger="coordinator.node.inventory"):
+        assert len(src.gpus()) == 4
+    assert any("GPU 2" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
+
+
+def test_gpus_cached_after_complete_scan_but_usage_rereads() -> None:
+    nvml = four_gpus()
+    src = NvmlGpuSource(nvml)
+    first = src.gpus()
+    nvml.calls.clear()
+    assert src.gpus() == first
+    assert nvml.calls == [], "the static list is cached"
+    # usage() reads live state every time and reports only GPUs readable now.
+    nvml.devices[0].used = 10 * GIB
+    nvml.devices[3].fail["nvmlDeviceGetUUID"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    u = src.usage()
+    assert [x.index for x in u] == [0, 1, 2]
+    assert u[0].vram_used_mb == 10240
+    assert src.gpus() == first  # the static description is unaffected
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_NO_PERMISSION])
+def test_process_query_error_keeps_gpu_without_processes(code: int) -> None:
+    nvml = four_gpus()
+    nvml.devices[0].fail["nvmlDeviceGetComputeRunningProcesses"] = code
+    src = NvmlGpuSource(nvml)
+    u = src.usage()
+    assert [x.index for x in u] == [0, 1, 2, 3]
+    assert u[0].processes == ()
+    assert u[0].vram_used_mb == 1024
+    assert u[3].processes != ()
+
+
+def test_device_count_failure_raises_scan_error() -> None:
+    nvml = four_gpus()
+    src = NvmlGpuSource(nvml)
+    nvml.count_error = pynvml.NVML_ERROR_UNKNOWN
+    with pytest.raises(NvmlScanError) as ei:
+        src.gpus()
+    assert isinstance(ei.value.__cause__, pynvml.NVMLError_Unknown)
+    with pytest.raises(NvmlScanError):
+        src.usage()
+    nvml.count_error = None  # transient: the daemon's retry then succeeds
+    assert len(src.gpus()) == 4
+
+
+def test_zero_gpus_is_not_an_error() -> None:
+    src = NvmlGpuSource(FakeNvml([]))
+    assert src.gpus() == ()
+    assert src.usage() == ()
+
+
+@pytest.mark.parametrize("error", [
+    nvml_error(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+    nvml_error(pynvml.NVML_ERROR_DRIVER_NOT_LOADED),
+    nvml_error(pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH),
+    OSError("libnvidia-ml.so.1: cannot open shared object file"),
+])
+def test_init_failure_raises_nvml_unavailable_with_hint(error: BaseException) -> None:
+    nvml = four_gpus()
+    nvml.init_error = error
+    with pytest.raises(NvmlUnavailable) as ei:
+        NvmlGpuSource(nvml)
+    assert ei.value.__cause__ is error
+    assert "--fake-gpus SPEC (e.g. 4x80GiB)" in str(ei.value)
+    assert "NVML" in str(ei.value)
+
+
+def test_missing_pynvml_module_raises_nvml_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
+    with pytest.raises(NvmlUnavailable) as ei:
+        NvmlGpuSource()
+    assert isinstance(ei.value.__cause__, ImportError)
+    assert "--fake-gpus" in str(ei.value)
+
+
+def _real_nvml_loads() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+@pytest.mark.skipif(_real_nvml_loads(), reason="this machine has a working NVML")
+def test_real_pynvml_without_library_raises_nvml_unavailable() -> None:
+    with pytest.raises(NvmlUnavailable) as ei:
+        NvmlGpuSource()
+    assert isinstance(ei.value.__cause__, pynvml.NVMLError_LibraryNotFound)
+    assert "--fake-gpus SPEC (e.g. 4x80GiB) to simulate GPUs" in str(ei.value)
+    with pytest.raises(NvmlUnavailable):
+        open_gpu_source(None, "h1")
+
+
+def test_close_calls_shutdown_once_and_ignores_errors() -> None:
+    nvml = four_gpus()
+    nvml.shutdown_error = pynvml.NVML_ERROR_UNINITIALIZED
+    src = NvmlGpuSource(nvml)
+    src.close()
+    src.close()
+    assert nvml.calls.count("nvmlShutdown") == 1
+
+
+# ------------------------------------------------------------------------------ parse_fake_gpus
+
+@pytest.mark.parametrize("spec, sizes", [
+    ("4x80GiB", [81920] * 4),
+    ("2x24GiB,1x80GiB", [24576, 24576, 81920]),
+    ("1x16384MiB", [16384]),
+    ("80GiB", [81920]),
+    (" 2 x 24GiB , 80GiB ", [24576, 24576, 81920]),
+    ("1X1mib", [1]),
+    ("64x1GiB", [1024] * 64),
+    ("1x1024GiB", [1024 * 1024]),
+    ("1x1048576MiB", [1024 * 1024]),
+])
+def test_parse_fake_gpus_valid(spec: str, sizes: list[int]) -> None:
+    gpus = parse_fake_gpus(spec, "node-1")
+    assert [g.vram_total_mb for g in gpus] == sizes
+    assert [g.index for g in gpus] == list(range(len(sizes)))  # consecutive across groups
+    assert [g.uuid for g in gpus] == [f"GPU-sim-node-1-{i}" for i in range(len(sizes))]
+    assert parse_fake_gpus(spec, "node-1") == gpus  # deterministic
+
+
+def test_parse_fake_gpus_names() -> None:
+    gpus = parse_fake_gpus("1x80GiB,1x16384MiB,1x1000MiB", "h")
+    assert [g.name for g in gpus] == ["Simulated GPU 80GiB", "Simulated GPU 16GiB", "Simulated GPU 1000MiB"]
+
+
+@pytest.mark.parametrize("spec", [
+    "", "   ", "4x", "x80GiB", "4x80", "4x80GB", "4x80TiB", "0x80GiB", "65x1GiB", "40x1GiB,25x1GiB",
+    "1x0MiB", "1x1025GiB", "1x1048577MiB", "4x80GiB,", ",4x80GiB", "4x80GiB;2x24GiB", "-1x80GiB",
+    "4x-80GiB", "4x80.5GiB", "four x 80GiB", "4x80GiB x2", "１x80GiB", "9" * 5000 + "x1GiB",
+])
+def test_parse_fake_gpus_invalid(spec: str) -> None:
+    with pytest.raises(ValueError) as ei:
+        parse_fake_gpus(spec, "h")
+    msg = str(ei.value)
+    assert repr(spec) in msg, "the message quotes the spec"
+    assert "COUNTxSIZE" in msg and "4x80GiB" in msg, "the message shows the format"
+
+
+@pytest.mark.parametrize("host", ["gpu node/1", "héllo", "a" * 200, "", "x/../y"])
+def test_fake_uuid_is_a_safe_key_segment(host: str) -> None:
+    gpus = parse_fake_gpus("3x1GiB", host)
+    uuids = [g.uuid for g in gpus]
+    assert len(set(uuids)) == 3
+    for u in uuids:
+        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}", u), u
+
+
+def test_fake_uuids_of_long_hosts_stay_distinct() -> None:
+    a = parse_fake_gpus("1GiB", "a" * 200 + "1")[0].uuid
+    b = parse_fake_gpus("1GiB", "a" * 200 + "2")[0].uuid
+    assert a != b
+
+
+group = st.tuples(st.integers(1, 8), st.integers(1, 1024), st.sampled_from(["GiB", "MiB"]))
+
+
+@given(st.lists(group, min_size=1, max_size=8))
+@settings(max_examples=200, deadline=None)
+def test_parse_fake_gpus_roundtrip(groups: list[tuple[int, int, str]]) -> None:
+    spec = ",".join(f"{c}x{s}{u}" for c, s, u in groups)
+    gpus = parse_fake_gpus(spec, "h")
+    expected = [s * 1024 if u == "GiB" else s for c, s, u in groups for _ in range(c)]
+    assert [g.vram_total_mb for g in gpus] == expected
+    assert [g.index for g in gpus] == list(range(len(expected)))
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_parse_fake_gpus_never_crashes(spec: str) -> None:
+    try:
+        gpus = parse_fake_gpus(spec, "h")
+    except ValueError:
+        return
+    assert 1 <= len(gpus) <= 64
+    assert all(1 <= g.vram_total_mb <= 1024 * 1024 for g in gpus)
+
+
+# ------------------------------------------------------------------------------ FakeGpuSource
+
+def test_fake_source_defaults_and_set_used() -> None:
+    src = FakeGpuSource("2x24GiB,1x80GiB", "h1")
+    assert isinstance(src, GpuSource)
+    assert src.simulated is True
+    assert [g.vram_total_mb for g in src.gpus()] == [24576, 24576, 81920]
+    u = src.usage()
+    assert [(x.vram_used_mb, x.vram_free_mb, x.processes) for x in u] == [
+        (0, 24576, ()), (0, 24576, ()), (0, 81920, ())]
+    assert [x.uuid for x in u] == [g.uuid for g in src.gpus()]
+
+    procs = (GpuProcess(pid=42, used_mb=3000),)
+    src.set_used(2, 5000, procs)
+    u = src.usage()
+    assert (u[2].vram_used_mb, u[2].vram_free_mb, u[2].processes) == (5000, 76920, procs)
+    assert u[0].vram_used_mb == 0
+    src.set_used(2, 0)
+    assert src.usage()[2].processes == ()
+    src.close()
+
+
+@pytest.mark.parametrize("index, used", [(3, 0), (-1, 0), (0, -1), (0, 24577)])
+def test_fake_source_set_used_rejects_bad_values(index: int, used: int) -> None:
+    src = FakeGpuSource("2x24GiB,1x80GiB", "h1")
+    with pytest.raises(ValueError):
+        src.set_used(index, used)
+
+
+def test_fake_source_bad_spec_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="'4x80GB'"):
+        FakeGpuSource("4x80GB", "h1")
+
+
+# ------------------------------------------------------------------------------ host / inventory
+
+def test_host_resources_from_psutil(tmp_path: Any) -> None:
+    cpu, cores, mem, disk = host_resources(str(tmp_path))
+    assert cpu > 0 and mem > 0 and disk > 0
+    assert len(cores) > 0 and list(cores) == sorted(cores)
+    if hasattr(os, "sched_getaffinity"):
+        assert set(cores) == os.sched_getaffinity(0)
+
+
+def test_host_resources_missing_disk_path(tmp_path: Any) -> None:
+    with pytest.raises(OSError):
+        host_resources(str(tmp_path / "does-not-exist"))
+
+
+@pytest.mark.parametrize("make_source", [
+    lambda: FakeGpuSource("4x80GiB", "node-1"),
+    lambda: NvmlGpuSource(four_gpus()),
+])
+def test_read_inventory(make_source: Callable[[], GpuSource]) -> None:
+    source = make_source()
+    inv = read_inventory("node-1", "10.0.0.1:7071", source, "/", "0.1.0")
+    assert isinstance(inv, HostInventory)
+    assert (inv.host, inv.address, inv.disk_path, inv.version) == ("node-1", "10.0.0.1:7071", "/", "0.1.0")
+    assert inv.cpu_count > 0 and inv.mem_bytes > 0 and inv.disk_bytes > 0 and inv.core_ids
+    assert inv.gpus == source.gpus() and len(inv.gpus) == 4
+    assert inv.simulated is source.simulated
+    assert HostInventory.from_json(inv.to_json()) == inv  # what the node publishes round-trips
+
+
+# ------------------------------------------------------------------------------ open_gpu_source
+
+def test_open_gpu_source_fake() -> None:
+    src = open_gpu_source("2x24GiB", "h1")
+    assert isinstance(src, FakeGpuSource)
+    assert src.simulated and len(src.gpus()) == 2
+
+
+def test_open_gpu_source_empty_fake_spec_is_an_error_not_nvml() -> None:
+    with pytest.raises(ValueError):
+        open_gpu_source("", "h1", nvml=four_gpus())
+
+
+def test_open_gpu_source_nvml() -> None:
+    src = open_gpu_source(None, "h1", nvml=four_gpus())
+    assert isinstance(src, NvmlGpuSource)
+    assert not src.simulated and len(src.gpus()) == 4
+
+
+def test_open_gpu_source_nvml_missing() -> None:
+    nvml = four_gpus()
+    nvml.init_error = nvml_error(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    with pytest.raises(NvmlUnavailable, match="--fake-gpus"):
+        open_gpu_source(None, "h1", nvml=nvml)
