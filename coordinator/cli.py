@@ -83,7 +83,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     store = Store(args.etcd.split(","), timeout=3.0)
     _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
                                             args.ttl, stop, ready=lambda p: _ready_line("node", p),
-                                            metrics_listen=args.metrics_listen))
+                                            metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat))
     return 0
 
 
@@ -397,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "e.g. 4x80GiB or 2x24GiB,1x80GiB")
     no.add_argument("--disk-path", default="/")
     no.add_argument("--ttl", type=int, default=10, help="TTL of the node's etcd_lease")
+    no.add_argument("--heartbeat", type=float, default=5.0,
+                    help="usage is rewritten at least this often (seconds); stale after 3 heartbeats")
     no.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
     no.add_argument("--metrics-listen", default="")
     no.set_defaults(fn=cmd_node)

@@ -22,7 +22,7 @@ from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
 from coordinator.models import HostInventory, dumps
 from coordinator.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.store import (KV, Snapshot, Store, cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put,
+from coordinator.store import (KV, Snapshot, Store, cmp_exists, cmp_mod_revision, op_delete, op_put,
                                range_req)
 
 log = logging.getLogger(__name__)
@@ -418,8 +418,11 @@ class _HostAdmitter:
             if not batch:
                 return
             sessions = list({c.session.session_id: c.session for c in batch}.values())
+            # The first read may be served locally (serializable): every grant it leads to is validated by
+            # the commit's compares. A retry reads linearizably, so a lagging member cannot starve us.
             snap = await svc.store.snapshot(
-                host_ranges(keys, self.host) + [range_req(keys.session(s.agent, s.session_id)) for s in sessions])
+                host_ranges(keys, self.host) + [range_req(keys.session(s.agent, s.session_id)) for s in sessions],
+                serializable=attempt == 0)
             view = host_view(keys, self.host, snap, svc.config.untracked_vram)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             grants: list[tuple[AcquireCall, VramLease]] = []
@@ -506,22 +509,25 @@ class _HostAdmitter:
         return lease, True
 
     def _transaction(self, view: HostView, grants: Sequence[tuple[AcquireCall, VramLease]]) -> tuple[list[Any], list[Any]]:
-        """Compares: every ledger touched, the partition, the host, each session, each lease id unused."""
+        """Compares: every ledger of the host, the partition, the host, each session.
+
+        Every admission on the host bumps a ledger, so comparing all of them (one compare per GPU, not per
+        grant) proves that nothing was admitted on the host since the snapshot: no lease id can have been
+        taken meanwhile on another GPU (G6), and the batch stays far below etcd's 128 operations per txn.
+        """
         keys = self.svc.keys
-        touched = {lease.gpu_uuid for _, lease in grants}
         compares = [cmp_exists(keys.host(self.host)),
                     cmp_mod_revision(keys.partition(self.host),
                                      view.partition_kv.mod_revision if view.partition_kv else 0)]
+        compares += [cmp_mod_revision(keys.gpu(self.host, u), g.ledger.mod_revision)
+                     for u, g in sorted(view.gpus.items())]
         ops = []
-        for uuid_ in sorted(touched):
+        for uuid_ in sorted({lease.gpu_uuid for _, lease in grants}):
             gpu = view.gpus[uuid_]
-            compares.append(cmp_mod_revision(keys.gpu(self.host, uuid_), gpu.ledger.mod_revision))
             ops.append(op_put(keys.gpu(self.host, uuid_), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq})))
         for c in {c.session.session_id: c for c, _ in grants}.values():
             compares.append(cmp_exists(keys.session(c.session.agent, c.session.session_id)))
         for c, lease in grants:
-            # G6: the id is a function of (agent, request_id); it must be unused on every GPU of the host.
-            compares += [cmp_absent(keys.lease(self.host, u, lease.id)) for u in view.gpus]
             ops.append(op_put(keys.lease(self.host, lease.gpu_uuid, lease.id), dumps(lease.to_json()),
                               c.session.etcd_lease))
         return compares, ops

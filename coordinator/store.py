@@ -237,8 +237,16 @@ class Store:
         except grpc.aio.AioRpcError as e:
             raise _translate(e, write) from e
 
-    async def snapshot(self, ranges: Iterable[Any]) -> Snapshot:
-        """Read several ranges (``range_req``) at one revision, in one read-only transaction."""
+    async def snapshot(self, ranges: Iterable[Any], serializable: bool = False) -> Snapshot:
+        """Read several ranges (``range_req``) at one revision, in one read-only transaction.
+
+        ``serializable`` reads are served by the member the call lands on, without a round of consensus:
+        they may be slightly stale. Use them only where a later compare-and-set validates the decision.
+        """
+        ranges = list(ranges)
+        if serializable:
+            for r in ranges:
+                r.serializable = True
         req = rpc.TxnRequest(success=[rpc.RequestOp(request_range=r) for r in ranges])
         async for attempt in self._retrying():
             with attempt:

@@ -206,12 +206,12 @@ async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.
 
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
-                   metrics_listen: str = "") -> None:
+                   metrics_listen: str = "", heartbeat_s: float = 5.0) -> None:
     if metrics_listen:
         metrics.serve(metrics_listen)
     await store.connect()
     # Bind first, so that the published address carries the real port.
-    daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s)
+    daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s)
     server, port = await create_node_server(daemon, listen)
     daemon.address = f"{listen.rpartition(':')[0]}:{port}"
     await daemon.start()

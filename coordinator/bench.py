@@ -1,0 +1,163 @@
+"""``gpucoord bench``: performance targets as ratios to baselines measured in the same run.
+
+``bench acquire`` starts its own etcd, coordinator and node daemon on loopback, then measures:
+
+* P1: acquire p50 through agent_client, against (empty gRPC unary p50 + raw etcd read-txn p50 +
+  raw compare-and-put txn p50). Target <= 1.3.
+* P2: raft proposals per successful acquire, from etcd's /metrics, serial and with 16 concurrent
+  agents (where group commit batches them). Target <= 1.05.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any, Awaitable, Callable
+
+from coordinator.etcd_process import EtcdCluster
+
+
+def _p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def proposals(metrics_url: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("etcd_server_proposals_committed_total"):
+                return float(line.split()[-1])
+    raise RuntimeError("etcd_server_proposals_committed_total not in etcd's /metrics")
+
+
+async def _time_async(n: int, op: Callable[[], Awaitable[Any]]) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await op()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _spawn(argv: list[str], kind: str) -> tuple[subprocess.Popen[bytes], int]:
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith(f"READY {kind}"):
+        proc.kill()
+        raise RuntimeError(f"{kind} did not start")
+    return proc, int(line.split("port=")[1])
+
+
+def bench_acquire(n: int) -> dict[str, float]:
+    import grpc
+
+    from agent_client import AsyncClient, Client
+    from coordinator.api import coordinator_pb2 as pb
+    from coordinator.api import coordinator_pb2_grpc as pb_grpc
+    from coordinator.store import Store, cmp_mod_revision, op_put, range_req
+
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="gpucoord-bench-") as tmp:
+        etcd = EtcdCluster(1, base_dir=tmp).start()
+        procs = []
+        try:
+            ep = etcd.endpoints[0]
+            metrics_url = etcd.members[0].metrics_url
+            coord, cport = _spawn(["coordinator", "--etcd", ep, "--listen", "127.0.0.1:0"], "coordinator")
+            procs.append(coord)
+            node, _ = _spawn(["node", "--etcd", ep, "--host", "bench", "--listen", "127.0.0.1:0",
+                              "--fake-gpus", "8x80GiB", "--heartbeat", "600"], "node")
+            procs.append(node)
+            addr = f"127.0.0.1:{cport}"
+
+            # Baseline 1: an empty unary RPC to the same server.
+            stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+            for _ in range(50):
+                stub.Ping(pb.PingRequest())
+            grpc_t = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                stub.Ping(pb.PingRequest())
+                grpc_t.append(time.perf_counter() - t0)
+
+            # Baselines 2 and 3: raw etcd read txn and compare-and-put txn, with the same client library.
+            async def raw() -> tuple[list[float], list[float]]:
+                async with Store([ep]) as s:
+                    key = b"/bench/raw"
+                    rev = await s.put(key, b"0")
+                    for _ in range(50):
+                        await s.snapshot([range_req(key)])
+                    reads = await _time_async(n, lambda: s.snapshot([range_req(key)]))
+                    state = {"rev": rev}
+
+                    async def cas() -> None:
+                        res = await s.commit([cmp_mod_revision(key, state["rev"])], [op_put(key, b"1")])
+                        assert res.succeeded
+                        state["rev"] = res.revision
+                    writes = await _time_async(n, cas)
+                    return reads, writes
+            read_t, cas_t = asyncio.run(raw())
+
+            # P1: acquire through agent_client (sync API), release untimed.
+            with Client(addr, agent="bench-a", host="bench") as c:
+                for _ in range(30):
+                    c.acquire(16).release()
+                acq_t = []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    lease = c.acquire(16)
+                    acq_t.append(time.perf_counter() - t0)
+                    lease.release()
+                # P2 serial: only acquires in the window (releases come after).
+                m = min(n, 200)  # stays under the per-agent lease limit
+                before = proposals(metrics_url)
+                held = [c.acquire(16) for _ in range(m)]
+                serial_props = (proposals(metrics_url) - before) / m
+                for lease in held:
+                    lease.release()
+
+            # P2 with 16 concurrent agents on one host: group commit.
+            async def concurrent() -> float:
+                clients = [AsyncClient(addr, agent=f"bench-{i}", host="bench") for i in range(16)]
+                for cl in clients:
+                    await cl.connect()
+                per = max(1, n // 16)
+                before = proposals(metrics_url)
+                leases = await asyncio.gather(*(cl.acquire(16) for cl in clients for _ in range(per)))
+                props = (proposals(metrics_url) - before) / len(leases)
+                for cl in clients:
+                    await cl.close()
+                return props
+            conc_props = asyncio.run(concurrent())
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+            etcd.stop()
+
+    base = _p(grpc_t, .5) + _p(read_t, .5) + _p(cas_t, .5)
+    results.update(grpc_p50_ms=_p(grpc_t, .5) * 1e3, read_txn_p50_ms=_p(read_t, .5) * 1e3,
+                   cas_txn_p50_ms=_p(cas_t, .5) * 1e3, acquire_p50_ms=_p(acq_t, .5) * 1e3,
+                   acquire_p99_ms=_p(acq_t, .99) * 1e3, acquire_mean_ms=statistics.mean(acq_t) * 1e3,
+                   p1_ratio=_p(acq_t, .5) / base, p2_serial=serial_props, p2_concurrent=conc_props)
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.what == "acquire":
+        r = bench_acquire(args.n)
+        print(f"baseline  empty gRPC unary p50     {r['grpc_p50_ms']:.3f} ms")
+        print(f"baseline  raw etcd read txn p50    {r['read_txn_p50_ms']:.3f} ms")
+        print(f"baseline  raw compare-and-put p50  {r['cas_txn_p50_ms']:.3f} ms")
+        print(f"measured  acquire p50 (agent_client) {r['acquire_p50_ms']:.3f} ms  (p99 {r['acquire_p99_ms']:.3f} ms)")
+        print(f"P1 ratio  acquire p50 / sum of baselines = {r['p1_ratio']:.2f}   (target <= 1.3)")
+        print(f"P2        raft proposals per acquire: serial {r['p2_serial']:.3f}, "
+              f"16 concurrent agents {r['p2_concurrent']:.3f}   (target <= 1.05)")
+    return 0
