@@ -79,11 +79,26 @@ def cmd_node(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gpucoord node: --fake-gpus: {e}", file=sys.stderr)
         return 2
+    overrides: dict[str, Any] = {}
+    try:
+        from coordinator.partition import PartitionError, parse_size
+        if args.fake_cpus is not None:
+            if args.fake_cpus < 1:
+                raise ValueError("--fake-cpus: must be >= 1")
+            overrides.update(cpu_count=args.fake_cpus, core_ids=tuple(range(args.fake_cpus)))
+        if args.fake_mem is not None:
+            overrides["mem_bytes"] = parse_size(args.fake_mem, "--fake-mem")
+        if args.fake_disk is not None:
+            overrides["disk_bytes"] = parse_size(args.fake_disk, "--fake-disk")
+    except (ValueError, PartitionError) as e:
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 2
     _setup_logging(args.verbose)
     store = Store(args.etcd.split(","), timeout=3.0)
     _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
                                             args.ttl, stop, ready=lambda p: _ready_line("node", p),
-                                            metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat))
+                                            metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
+                                            overrides=overrides))
     return 0
 
 
@@ -158,6 +173,36 @@ def render_status(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ranges(ids: Sequence[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        elif out and "-" not in out[-1] and int(out[-1]) == i - 1:
+            out[-1] = f"{out[-1]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out) or "-"
+
+
+def render_partition(doc: dict[str, Any]) -> str:
+    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps."""
+    lines = [f"host {doc['host']}: mode {doc['mode']}, VRAM headroom {doc.get('headroom_mb', 0)} MiB per GPU"]
+    for a in doc.get("allocations", []):
+        whole = ", ".join(a["whole_gpus"]) or "none"
+        caps = ", ".join(f"{u} {c} MiB" for u, c in a["vram_caps_mb"]) or "none"
+        lines.append(f"  {a['agent']}: cores {_ranges(a['cores'])} ({len(a['cores'])}), "
+                     f"mem {a['mem_bytes']} B, disk {a['disk_bytes']} B")
+        lines.append(f"    whole GPUs: {whole}")
+        lines.append(f"    VRAM caps:  {caps}")
+    if not doc.get("allocations"):
+        r = (doc.get("spec") or {}).get("reserved", {})
+        lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
+                     f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
+    return "\n".join(lines)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
     try:
@@ -202,7 +247,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
             resp = stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps(spec.to_json()),
                                                                 dry_run=args.dry_run, evict=args.evict), timeout=15)
             doc = json.loads(resp.partition_json)
-            print(json.dumps(doc, indent=2))
+            print(json.dumps(doc, indent=2) if args.json else render_partition(doc))
             print("applied" if resp.applied else "dry run: valid, nothing written", file=sys.stderr)
         else:
             resp = stub.GetPartition(pb.GetPartitionRequest(host=args.host), timeout=10)
@@ -210,11 +255,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(doc | {"explicit": resp.explicit}, indent=2))
             else:
-                print(f"host {doc['host']}: mode {doc['mode']}{'' if resp.explicit else ' (no spec applied)'}, "
-                      f"headroom {doc.get('headroom_mb', 0)} MiB per GPU")
-                for a in doc.get("allocations", []):
-                    print(f"  {a['agent']}: cores={a['cores']} mem={a['mem_bytes']} disk={a['disk_bytes']} "
-                          f"whole_gpus={a['whole_gpus']} vram_caps_mb={a['vram_caps_mb']}")
+                print(render_partition(doc) + ("" if resp.explicit else "\n  (no spec applied: shared)"))
     except grpc.RpcError as e:
         return _fail(e)
     return 0
@@ -396,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     no.add_argument("--fake-gpus", default=None, help="simulate GPUs instead of NVML: COUNTxSIZE[,...], "
                                                       "e.g. 4x80GiB or 2x24GiB,1x80GiB")
     no.add_argument("--disk-path", default="/")
+    no.add_argument("--fake-cpus", type=int, default=None, help="simulated host: report this many cores")
+    no.add_argument("--fake-mem", default=None, help="simulated host: report this much memory, e.g. 64GiB")
+    no.add_argument("--fake-disk", default=None, help="simulated host: report this much disk, e.g. 1TiB")
     no.add_argument("--ttl", type=int, default=10, help="TTL of the node's etcd_lease")
     no.add_argument("--heartbeat", type=float, default=5.0,
                     help="usage is rewritten at least this often (seconds); stale after 3 heartbeats")
@@ -420,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = psub.add_parser("apply", help="apply a TOML partition spec (one transaction)")
     ap.add_argument("file")
     ap.add_argument("--dry-run", action="store_true", help="print the computed allocation, write nothing")
+    ap.add_argument("--json", action="store_true")
     ap.add_argument("--evict", action="store_true",
                     help="send eviction notices to leases that break the new partition (not supported yet: "
                          "answers FAILED_PRECONDITION until eviction lands)")

