@@ -136,12 +136,17 @@ class AsyncClient:
         self._addr_i = (self._addr_i + 1) % len(self.addresses)
 
     async def _call(self, method: str, request: Any, timeout: float | None = None, retry_for: float | None = None) -> Any:
-        """A unary call with failover: UNAVAILABLE moves to the next replica until ``retry_for`` passes."""
+        """A unary call with failover: UNAVAILABLE moves to the next replica until ``retry_for`` passes.
+
+        ``request`` may be a callable that builds the request for each attempt (an acquire sends the
+        wait that is left).
+        """
         deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
         delay = 0.05
         while True:
             try:
-                return await getattr(self._stub(), method)(request, timeout=timeout or self.rpc_timeout)
+                req = request() if callable(request) else request
+                return await getattr(self._stub(), method)(req, timeout=timeout or self.rpc_timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
                     raise errors.from_rpc_error(e) from None
@@ -186,7 +191,8 @@ class AsyncClient:
             tick = asyncio.get_running_loop().create_task(ticker())
             try:
                 async for resp in call:
-                    self._last_refresh = time.monotonic()
+                    if resp.ttl_seconds > 0:
+                        self._last_refresh = time.monotonic()
                     for n in resp.notices:
                         self._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
                                                      n.deadline_unix))
@@ -254,9 +260,15 @@ class AsyncClient:
         """Acquire ``vram_mb`` MiB on one GPU. Raises ResourceExhausted when it does not fit (after ``wait``)."""
         if self.done.is_set():
             raise errors.SessionExpired(f"session {self.session_id} of {self.agent} is over")
-        request = pb.AcquireRequest(session=self._ref(), vram_mb=vram_mb, gpu="" if gpu is None else str(gpu),
-                                    priority=priority, preemptible=preemptible,
-                                    request_id=request_id or uuid.uuid4().hex, wait_seconds=wait)
+        request_id = request_id or uuid.uuid4().hex
+        until = time.monotonic() + wait
+
+        def request() -> pb.AcquireRequest:
+            # A retry (through another replica) keeps the same request_id, so it keeps its place in the
+            # queue, and waits only for what is left of ``wait``.
+            return pb.AcquireRequest(session=self._ref(), vram_mb=vram_mb, gpu="" if gpu is None else str(gpu),
+                                     priority=priority, preemptible=preemptible, request_id=request_id,
+                                     wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0)
         resp = await self._call("Acquire", request, timeout=self.rpc_timeout + wait,
                                 retry_for=max(self.retry_for, wait))
         lease = AsyncLease(self, resp.lease)
@@ -294,6 +306,13 @@ class Lease:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
+        """``callback(notice)`` runs in its own thread, so it may call ``release()`` (which waits on the
+        client's event loop) without blocking the loop that delivers notices."""
+        def in_thread(notice: EvictionNotice) -> None:
+            threading.Thread(target=callback, args=(notice,), name=f"on-evict-{self.id}", daemon=True).start()
+        self._inner.on_evict(in_thread)
+
     def __repr__(self) -> str:
         return repr(self._inner).replace("AsyncLease", "Lease")
 
@@ -321,7 +340,10 @@ class Client:
 
     def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.CancelledError:
+            raise errors.Unavailable("the client was closed while the call was in flight") from None
 
     @property
     def session_id(self) -> str:
@@ -355,9 +377,18 @@ class Client:
         try:
             self._run(self._async.close(), timeout=15)
         finally:
+            # Nothing may hang on a closed client: calls still in flight end with an error now.
+            self._run(self._cancel_all(), timeout=15)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self._loop.close()
+
+    async def _cancel_all(self) -> None:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def orphan(self) -> None:
         self._run(self._async.orphan())

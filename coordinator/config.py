@@ -54,18 +54,27 @@ class CoordinatorConfig:
                 raise ConfigError("etcd", f"endpoint {ep!r} is not host:port")
         if not (self.prefix.startswith("/") and self.prefix.endswith("/")):
             raise ConfigError("prefix", f"must start and end with '/', got {self.prefix!r}")
+        for name in ("keepalive_interval_s", "etcd_timeout_s", "eviction_grace_s"):
+            value = getattr(self, name)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ConfigError(name, f"must be a finite number, got {value}")
         if not MIN_TTL_S <= self.session_ttl_s <= MAX_TTL_S:
             raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {self.session_ttl_s}")
+        if self.keepalive_interval_s <= 0:
+            raise ConfigError("keepalive_interval_s", f"must be > 0, got {self.keepalive_interval_s}")
         if self.keepalive_interval_s * 3 > self.session_ttl_s:
             raise ConfigError("keepalive_interval_s", "keepalive interval x 3 must be <= session_ttl_s")
+        if self.etcd_timeout_s <= 0:
+            raise ConfigError("etcd_timeout_s", f"must be > 0, got {self.etcd_timeout_s}")
         if self.etcd_timeout_s >= self.session_ttl_s / 2:
             raise ConfigError("etcd_timeout_s", "must be < session_ttl_s / 2")
         if self.election_ttl_s < MIN_TTL_S:
             raise ConfigError("election_ttl_s", f"must be >= {MIN_TTL_S}")
         if self.eviction_grace_s < 0:
             raise ConfigError("eviction_grace_s", "must be >= 0")
-        if self.max_queue_per_host < 1 or self.batch_max < 1 or self.commit_attempts < 1:
-            raise ConfigError("max_queue_per_host", "limits must be >= 1")
+        for name in ("max_queue_per_host", "max_leases_per_agent", "batch_max", "commit_attempts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         return self
 
     @classmethod

@@ -18,6 +18,7 @@ from coordinator.api import coordinator_pb2 as pb
 from coordinator.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.service import CoordinatorService, status_json
+from coordinator.view import EvictionRecord
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +67,48 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KeepAliveResponse]:
-        metrics.SESSIONS.inc()
-        try:
-            async for req in request_iterator:
-                try:
+        """Answers each keepalive with the remaining TTL, and pushes eviction notices as they appear."""
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        registered: list[str] = []
+
+        async def read() -> None:
+            try:
+                async for req in request_iterator:
                     info = await self._session(req.session)
                     ttl = await self.svc.keepalive(info)
-                except errors.GpucoordError as e:
-                    await context.abort(e.code, e.message)
-                yield pb.KeepAliveResponse(ttl_seconds=ttl)
+                    if not registered:
+                        registered.append(info.session_id)
+                        self.svc.register_stream(info.session_id, out)
+                    out.put_nowait(pb.KeepAliveResponse(ttl_seconds=ttl))
+                out.put_nowait(None)
+            except errors.GpucoordError as e:
+                out.put_nowait(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                # The caller went away (or the server is stopping): the stream just ends.
+                log.debug("keepalive stream ended: %r", e)
+                out.put_nowait(None)
+
+        metrics.SESSIONS.inc()
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    return
+                if isinstance(item, errors.GpucoordError):
+                    await context.abort(item.code, item.message)
+                if isinstance(item, EvictionRecord):
+                    yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
+                        lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
+                        requested_by=item.requested_by, deadline_unix=item.deadline_unix)])
+                    continue
+                yield item
         finally:
+            reader.cancel()
+            if registered:
+                self.svc.unregister_stream(registered[0], out)
             metrics.SESSIONS.dec()
 
     @_rpc
@@ -104,7 +137,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         revision, views, ttls = await self.svc.status(request.host)
         doc = status_json(revision, views, ttls)
-        out = pb.GetStatusResponse(revision=revision)
+        leader = self.svc.leadership.leader_id if self.svc.leadership is not None else ""
+        out = pb.GetStatusResponse(revision=revision, leader=leader)
         for h in doc["hosts"]:
             hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
                                usage_age_seconds=h["usage_age_s"], partition_mode=h["partition_mode"],
@@ -144,11 +178,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def EvictLease(self, request: pb.EvictLeaseRequest, context: Any) -> pb.EvictLeaseResponse:
-        raise errors.FailedPrecondition("EvictLease: eviction is not supported yet")
+        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason)
+        return pb.EvictLeaseResponse(deadline_unix=deadline)
 
     @_rpc
     async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: Any) -> pb.RevokeLeaseResponse:
-        raise errors.FailedPrecondition("RevokeLease: not supported yet")
+        return pb.RevokeLeaseResponse(revoked=await self.svc.revoke(request.lease_id))
 
     async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
         return pb.PingResponse()
@@ -156,19 +191,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
 async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int, CoordinatorService]:
     """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service)."""
-    svc = CoordinatorService(config)
-    await svc.start()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"listen: cannot bind {config.listen}")
+    svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
+    await svc.start()
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(svc), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, health.SERVICE_NAME,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        await svc.stop()
-        raise OSError(f"listen: cannot bind {config.listen}")
     await server.start()
     await health_servicer.set(pb.DESCRIPTOR.services_by_name["Coordinator"].full_name,
                               health_pb2.HealthCheckResponse.SERVING)

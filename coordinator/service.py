@@ -17,110 +17,17 @@ import uuid
 from typing import Any, Sequence
 
 from coordinator import errors, metrics
-from coordinator.admission import GpuLedger, GpuView, VramLease, best_fit, never_fits
+from coordinator.admission import VramLease
+from coordinator.admitter import AcquireCall, HostAdmitter
 from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
 from coordinator.models import HostInventory, dumps
 from coordinator.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.store import (KV, Snapshot, Store, cmp_exists, cmp_mod_revision, op_delete, op_put,
-                               range_req)
+from coordinator.store import (Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
+                               op_put, range_req)
+from coordinator.view import EvictionRecord, HostView, SessionInfo, host_ranges, host_view
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionInfo:
-    agent: str
-    session_id: str
-    host: str
-    etcd_lease: int
-
-
-@dataclasses.dataclass
-class AcquireCall:
-    session: SessionInfo
-    vram_mb: int
-    gpu_ref: str | None
-    priority: int
-    preemptible: bool
-    request_id: str
-    lease_id: str
-    future: asyncio.Future[VramLease]
-
-
-def _usage_fresh(usage: dict[str, Any] | None, now: float) -> dict[str, int]:
-    """NVML used VRAM per GPU uuid, or {} when the usage is missing or stale (> 3 node intervals old)."""
-    if not usage:
-        return {}
-    interval = float(usage.get("interval_s", 5.0))
-    if now - float(usage.get("ts", 0)) > 3 * interval:
-        return {}
-    return {g["uuid"]: int(g["vram_used_mb"]) for g in usage.get("gpus", ())}
-
-
-@dataclasses.dataclass
-class HostView:
-    """A host as one snapshot shows it."""
-
-    host: str
-    revision: int
-    inventory: HostInventory | None
-    host_kv: KV | None
-    partition: Partition | None
-    partition_kv: KV | None
-    gpus: dict[str, GpuView]
-    leases: dict[str, VramLease]
-    usage: dict[str, Any] | None
-    queue: tuple[KV, ...]
-
-    @property
-    def alive(self) -> bool:
-        return self.host_kv is not None
-
-    def effective_partition(self) -> Partition:
-        if self.partition is not None:
-            return self.partition
-        assert self.inventory is not None
-        return default_partition(self.inventory)
-
-
-def host_ranges(keys: Keys, host: str) -> list[Any]:
-    return [
-        range_req(keys.host(host)),
-        range_req(keys.usage(host)),
-        range_req(keys.partition(host)),
-        range_req(keys.gpus(host), prefix=True),
-        range_req(keys.leases(host), prefix=True),
-        range_req(keys.queue(host), prefix=True),
-    ]
-
-
-def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float | None = None) -> HostView:
-    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``."""
-    now = time.time() if now is None else now
-    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
-    host_kv = host_kvs[0] if host_kvs else None
-    inventory = HostInventory.from_json(host_kv.json()["inventory"]) if host_kv else None
-    part_kv = part_kvs[0] if part_kvs else None
-    partition = Partition.from_json(part_kv.json()["partition"]) if part_kv else None
-    usage = usage_kvs[0].json() if usage_kvs else None
-    used = _usage_fresh(usage, now) if untracked else {}
-    ledgers = {keys.parse(kv.key)[1][-1]: GpuLedger.from_kv(kv) for kv in ledger_kvs}
-    leases = {}
-    by_gpu: dict[str, list[VramLease]] = {}
-    for kv in lease_kvs:
-        lease = VramLease.from_kv(kv)
-        leases[lease.id] = lease
-        by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
-    gpus: dict[str, GpuView] = {}
-    if inventory is not None:
-        part = partition or default_partition(inventory)
-        for g in inventory.gpus:
-            gpus[g.uuid] = GpuView(
-                uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
-                ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
-                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
-    return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs)
 
 
 def _check_name(field: str, value: str) -> str:
@@ -135,23 +42,111 @@ def _check_name(field: str, value: str) -> str:
 class CoordinatorService:
     """The domain side of the Coordinator gRPC service (the servicer translates messages and errors)."""
 
-    def __init__(self, config: CoordinatorConfig, store: Store | None = None) -> None:
+    def __init__(self, config: CoordinatorConfig, store: Store | None = None, advertise: str = "") -> None:
         self.config = config
         self.keys = Keys(config.prefix)
         self.store = store or Store(config.etcd, timeout=config.etcd_timeout_s)
         self.replica_id = uuid.uuid4().hex[:12]
+        self.advertise = advertise
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
-        self._admitters: dict[str, _HostAdmitter] = {}
+        self._admitters: dict[str, HostAdmitter] = {}
+        # Eviction notices, from the watch: lease id -> record. Admission counts their leases as leaving.
+        self.evictions: dict[str, EvictionRecord] = {}
+        # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
+        self._streams: dict[str, set[asyncio.Queue[Any]]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.watch_ready = asyncio.Event()
+        self.leadership: Any = None
         self._closed = False
 
-    async def start(self) -> None:
+    async def start(self, leader_duties: bool = True) -> None:
+        from coordinator.leader import Leadership
         await self.store.connect()
+        self._tasks.append(asyncio.create_task(self._watch()))
+        await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
+        if leader_duties:
+            self.leadership = Leadership(self)
+            self._tasks.append(asyncio.create_task(self.leadership.run()))
 
     async def stop(self) -> None:
         self._closed = True
         for a in self._admitters.values():
             await a.stop()
+        for q in [q for qs in self._streams.values() for q in qs]:
+            q.put_nowait(errors.Unavailable("coordinator is shutting down; reconnect to another replica"))
+        if self.leadership is not None:
+            await self.leadership.resign()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
         await self.store.close()
+
+    # -- the replica's watch ---------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """One watch over the whole prefix: wakes the hosts' admitters and delivers eviction notices."""
+        while not self._closed:
+            snap = await self.store.get_prefix(self.keys.evictions())
+            self.evictions = {r.lease_id: r for r in (EvictionRecord.from_kv(kv) for kv in snap.ranges[0])}
+            self.watch_ready.set()
+            for a in self._admitters.values():
+                a.notify()
+            for session_id in list(self._streams):
+                self._push_pending(session_id)
+            async for batch in self.store.watch(self.keys.root(), start_revision=snap.revision + 1):
+                if batch.resync:
+                    break
+                self._on_events(batch)
+
+    def _on_events(self, batch: WatchBatch) -> None:
+        woken: set[str] = set()
+        for ev in batch.events:
+            try:
+                kind, parts = self.keys.parse(ev.kv.key)
+            except ValueError:
+                continue
+            if kind == "evictions" and parts:
+                if ev.kind == "PUT":
+                    record = EvictionRecord.from_kv(ev.kv)
+                    self.evictions[record.lease_id] = record
+                    self._deliver(record)
+                    if self.leadership is not None:
+                        self.leadership.deadline_wake.set()
+                    woken.add(record.host)
+                else:
+                    gone = self.evictions.pop(parts[0], None)
+                    if gone is not None:
+                        woken.add(gone.host)
+            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus") and parts:
+                woken.add(parts[0])
+        for host in woken:
+            admitter = self._admitters.get(host)
+            if admitter is not None and admitter.has_waiters:
+                admitter.notify()
+
+    # -- eviction notices to KeepAlive streams ---------------------------------------------------
+    def register_stream(self, session_id: str, queue: asyncio.Queue[Any]) -> None:
+        self._streams.setdefault(session_id, set()).add(queue)
+        self._push_pending(session_id, only=queue)
+
+    def unregister_stream(self, session_id: str, queue: asyncio.Queue[Any]) -> None:
+        qs = self._streams.get(session_id)
+        if qs is not None:
+            qs.discard(queue)
+            if not qs:
+                del self._streams[session_id]
+
+    def _deliver(self, record: EvictionRecord, only: asyncio.Queue[Any] | None = None) -> None:
+        for q in ([only] if only is not None else self._streams.get(record.session_id, ())):
+            q.put_nowait(record)
+
+    def _push_pending(self, session_id: str, only: asyncio.Queue[Any] | None = None) -> None:
+        for record in list(self.evictions.values()):
+            if record.session_id == session_id:
+                self._deliver(record, only)
 
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, agent: str, host: str, ttl_s: int, pid: int, client_version: str) -> tuple[str, int]:
@@ -237,11 +232,57 @@ class CoordinatorService:
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
-                           lease_id_for(info.agent, request_id), loop.create_future())
+                           lease_id_for(info.agent, request_id), wait_s, loop.create_future())
         admitter = self._admitters.get(info.host)
         if admitter is None:
-            admitter = self._admitters[info.host] = _HostAdmitter(self, info.host)
+            admitter = self._admitters[info.host] = HostAdmitter(self, info.host)
         return await admitter.submit(call)
+
+    # -- operator: evict and revoke ----------------------------------------------------------------
+    async def evict(self, lease_id: str, grace_s: float, reason: str) -> float:
+        """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
+        if not lease_id or not valid_name(lease_id):
+            raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+        if grace_s < 0 or grace_s != grace_s or grace_s > 3600:
+            raise errors.InvalidArgument("grace_seconds: must be within [0, 3600]", "grace_seconds")
+        grace = grace_s or self.config.eviction_grace_s
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id)
+            if lease is None:
+                raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
+            existing = await self.store.get(self.keys.eviction(lease_id))
+            if existing is not None:
+                return float(EvictionRecord.from_kv(existing).deadline_unix)
+            now = time.time()
+            record = EvictionRecord(
+                lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent,
+                session_id=lease.session_id, victim_priority=lease.priority, requested_by="operator",
+                requester_priority=None, reason=reason or "operator", deadline_unix=now + grace, created_at=now)
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            res = await self.store.commit(
+                [cmp_mod_revision(key, lease.mod_revision), cmp_absent(self.keys.eviction(lease_id))],
+                [op_put(self.keys.eviction(lease_id), dumps(record.to_json()), lease.etcd_lease)])
+            if res.succeeded:
+                metrics.EVICTIONS.labels("notice").inc()
+                return record.deadline_unix
+        raise errors.Unavailable("evict: too much contention; retry")
+
+    async def revoke(self, lease_id: str) -> bool:
+        """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone."""
+        if not lease_id or not valid_name(lease_id):
+            raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id)
+            if lease is None:
+                await self.store.delete(self.keys.eviction(lease_id))
+                return False
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
+                                          [op_delete(key), op_delete(self.keys.eviction(lease_id))])
+            if res.succeeded:
+                metrics.EVICTIONS.labels("revoke").inc()
+                return True
+        raise errors.Unavailable("revoke: too much contention; retry")
 
     # -- release -------------------------------------------------------------------------------
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
@@ -356,181 +397,6 @@ def partition_conflicts(partition: Partition, view: HostView) -> list[str]:
         if gpu.leased_mb > partition.usable_mb(view.inventory.gpu(gpu.uuid)):  # type: ignore[arg-type]
             out.append(f"GPU {gpu.uuid} has {gpu.leased_mb} MiB leased, above the new usable VRAM")
     return out
-
-
-class _HostAdmitter:
-    """Group commit for one host: concurrent acquires are decided from one snapshot, committed in one txn.
-
-    Compare-and-set then only settles the rare conflicts between replicas; within this replica the
-    acquires of a host never fight each other.
-    """
-
-    def __init__(self, svc: CoordinatorService, host: str) -> None:
-        self.svc = svc
-        self.host = host
-        self._pending: list[AcquireCall] = []
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except (asyncio.CancelledError, Exception):
-            pass
-        for c in self._pending:
-            if not c.future.done():
-                c.future.set_exception(errors.Unavailable("coordinator is shutting down; retry"))
-
-    async def submit(self, call: AcquireCall) -> VramLease:
-        self._pending.append(call)
-        self._wake.set()
-        return await call.future
-
-    async def _run(self) -> None:
-        cfg = self.svc.config
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                batch = [c for c in self._pending[: cfg.batch_max] if not c.future.done()]
-                del self._pending[: cfg.batch_max]
-                if not batch:
-                    continue
-                metrics.BATCH_SIZE.observe(len(batch))
-                try:
-                    await self._admit(batch)
-                except errors.GpucoordError as e:
-                    metrics.ETCD_ERRORS.labels(type(e).__name__).inc()
-                    for c in batch:
-                        if not c.future.done():
-                            c.future.set_exception(e)
-                except Exception as e:  # never let one batch kill the host's admitter
-                    log.exception("admission of a batch on %s failed", self.host)
-                    for c in batch:
-                        if not c.future.done():
-                            c.future.set_exception(errors.Unavailable(f"internal error: {e!r}"))
-
-    async def _admit(self, batch: list[AcquireCall]) -> None:
-        svc, keys = self.svc, self.svc.keys
-        for attempt in range(svc.config.commit_attempts):
-            batch = [c for c in batch if not c.future.done()]
-            if not batch:
-                return
-            sessions = list({c.session.session_id: c.session for c in batch}.values())
-            # The first read may be served locally (serializable): every grant it leads to is validated by
-            # the commit's compares. A retry reads linearizably, so a lagging member cannot starve us.
-            snap = await svc.store.snapshot(
-                host_ranges(keys, self.host) + [range_req(keys.session(s.agent, s.session_id)) for s in sessions],
-                serializable=attempt == 0)
-            view = host_view(keys, self.host, snap, svc.config.untracked_vram)
-            live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
-            grants: list[tuple[AcquireCall, VramLease]] = []
-            for c in batch:
-                try:
-                    lease, new = self._decide(c, view, live)
-                except errors.GpucoordError as e:
-                    metrics.REFUSALS.labels(type(e).__name__).inc()
-                    c.future.set_exception(e)
-                    continue
-                if new:
-                    grants.append((c, lease))
-                else:
-                    c.future.set_result(lease)
-            if not grants:
-                return
-            compares, ops = self._transaction(view, grants)
-            try:
-                res = await svc.store.commit(compares, ops)
-            except (errors.SessionGone, errors.OutcomeUnknown):
-                # A session expired under us, or we do not know whether it applied: the lease ids are
-                # deterministic, so reading again settles it either way.
-                res = None
-            if res is not None and res.succeeded:
-                for c, lease in grants:
-                    metrics.ADMISSIONS.labels(self.host).inc()
-                    if not c.future.done():
-                        c.future.set_result(dataclasses.replace(lease, mod_revision=res.revision))
-                return
-            metrics.CONFLICTS.inc()
-            batch = [c for c, _ in grants]
-            await asyncio.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** attempt)))
-        raise errors.Unavailable(f"acquire: admission on host {self.host} lost {svc.config.commit_attempts} "
-                                 "compare-and-set rounds in a row; retry")
-
-    def _decide(self, c: AcquireCall, view: HostView, live: set[str]) -> tuple[VramLease, bool]:
-        """Admit ``c`` into ``view`` (mutating it) or raise why not. Returns (lease, is_new)."""
-        agent = c.session.agent
-        if c.session.session_id not in live:
-            raise errors.SessionGone(f"session: no live session {c.session.session_id} of agent {agent!r} "
-                                     "(unknown or expired)", "session")
-        existing = view.leases.get(c.lease_id)
-        if existing is not None:
-            if existing.agent != agent:
-                raise errors.NotOwner("request_id: names a lease of another agent", "request_id")
-            return existing, False
-        if view.inventory is None or not view.alive:
-            raise errors.FailedPrecondition(
-                f"host: the node daemon of host {self.host!r} is gone; no new admissions there", "host")
-        partition = view.effective_partition()
-        if not partition.allows(agent):
-            raise errors.NotOwner(f"agent: {agent!r} is not in the partition of host {self.host!r}", "agent")
-        mine = sum(1 for lease in view.leases.values() if lease.agent == agent)
-        if mine >= self.svc.config.max_leases_per_agent:
-            raise errors.CapacityError(
-                f"agent: {agent!r} already holds {mine} leases on {self.host!r} (limit "
-                f"{self.svc.config.max_leases_per_agent})", "agent")
-        caps = partition.gpu_caps(agent, view.inventory)
-        candidates = list(view.gpus.values())
-        if c.gpu_ref is not None:
-            info = view.inventory.gpu(c.gpu_ref)
-            if info is None:
-                raise errors.NotFound(f"gpu: host {self.host!r} has no GPU {c.gpu_ref!r}", "gpu")
-            if info.uuid not in caps:
-                raise errors.NotOwner(f"gpu: GPU {c.gpu_ref} of host {self.host!r} is outside the partition of "
-                                      f"agent {agent!r}", "gpu")
-            candidates = [view.gpus[info.uuid]]
-        reason = never_fits(c.vram_mb, candidates, caps)
-        if reason is not None:
-            if "cap" in reason or reason == "no GPU is allowed":
-                raise errors.FailedPrecondition(reason, "vram_mb")
-            raise errors.InvalidArgument(reason, "vram_mb")
-        placement = best_fit(c.vram_mb, agent, candidates, caps)
-        if placement.gpu is None:
-            raise errors.CapacityError(placement.reason, "vram_mb")
-        gpu = placement.gpu
-        gpu.seq += 1
-        lease = VramLease(
-            id=c.lease_id, host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=agent,
-            session_id=c.session.session_id, vram_mb=c.vram_mb, priority=c.priority, preemptible=c.preemptible,
-            request_id=c.request_id, token=gpu.seq, created_at=time.time(), etcd_lease=c.session.etcd_lease)
-        gpu.leases.append(lease)
-        view.leases[lease.id] = lease
-        return lease, True
-
-    def _transaction(self, view: HostView, grants: Sequence[tuple[AcquireCall, VramLease]]) -> tuple[list[Any], list[Any]]:
-        """Compares: every ledger of the host, the partition, the host, each session.
-
-        Every admission on the host bumps a ledger, so comparing all of them (one compare per GPU, not per
-        grant) proves that nothing was admitted on the host since the snapshot: no lease id can have been
-        taken meanwhile on another GPU (G6), and the batch stays far below etcd's 128 operations per txn.
-        """
-        keys = self.svc.keys
-        compares = [cmp_exists(keys.host(self.host)),
-                    cmp_mod_revision(keys.partition(self.host),
-                                     view.partition_kv.mod_revision if view.partition_kv else 0)]
-        compares += [cmp_mod_revision(keys.gpu(self.host, u), g.ledger.mod_revision)
-                     for u, g in sorted(view.gpus.items())]
-        ops = []
-        for uuid_ in sorted({lease.gpu_uuid for _, lease in grants}):
-            gpu = view.gpus[uuid_]
-            ops.append(op_put(keys.gpu(self.host, uuid_), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq})))
-        for c in {c.session.session_id: c for c, _ in grants}.values():
-            compares.append(cmp_exists(keys.session(c.session.agent, c.session.session_id)))
-        for c, lease in grants:
-            ops.append(op_put(keys.lease(self.host, lease.gpu_uuid, lease.id), dumps(lease.to_json()),
-                              c.session.etcd_lease))
-        return compares, ops
 
 
 def client_pid() -> int:

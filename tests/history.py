@@ -7,7 +7,9 @@ revision checks:
   every agent's leases on a GPU <= its partition's cap there (when the host has an explicit partition);
 * G5 fencing: every new lease's token is greater than every token issued before it on that GPU, and the
   ledger's sequence number is the highest token;
-* G6 idempotency: never two live leases with the same (agent, request_id).
+* G6 idempotency: never two live leases with the same (agent, request_id);
+* G3 eviction: every eviction notice made for a request of priority P names a preemptible lease of
+  priority < P, and a request that had victims is admitted only once all of them are gone.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class HistoryReport:
     revisions: int = 0
     events: int = 0
     leases_created: int = 0
+    evictions: int = 0
     max_used: dict[str, int] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
 
@@ -64,8 +67,26 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     for rev in sorted(by_rev):
         rep.revisions += 1
         touched: set[tuple[str, str]] = set()
+        granted_from_queue: list[tuple[str, list[str]]] = []
         for ev in by_rev[rev]:
             kind, parts = keys.parse(ev.kv.key)
+            if kind == "evictions" and ev.kind == "PUT":
+                rec = json.loads(ev.kv.value)
+                rep.evictions += 1
+                victim = leases.get((rec["host"], rec["gpu_uuid"]), {}).get(rec["lease_id"])
+                if victim is None:
+                    rep.violations.append(f"rev {rev}: G3 eviction notice for lease {rec['lease_id']} that is not live")
+                elif rec.get("requester_priority") is not None:
+                    if not victim["preemptible"]:
+                        rep.violations.append(f"rev {rev}: G3 non-preemptible lease {victim['id']} was evicted")
+                    if int(victim["priority"]) >= int(rec["requester_priority"]):
+                        rep.violations.append(
+                            f"rev {rev}: G3 lease {victim['id']} of priority {victim['priority']} evicted for a "
+                            f"request of priority {rec['requester_priority']}")
+            if kind == "queue" and ev.kind == "DELETE" and ev.prev_kv is not None:
+                entry = json.loads(ev.prev_kv.value)
+                if entry.get("victims"):
+                    granted_from_queue.append((entry["lease_id"], list(entry["victims"])))
             if kind == "leases":
                 host, gpu, lease_id = parts
                 touched.add((host, gpu))
@@ -117,14 +138,21 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     if mb > cap:
                         rep.violations.append(f"rev {rev}: G1 agent {agent} holds {mb} MiB on {host}/{gpu}, "
                                               f"above its cap {cap} MiB")
+        # G3: a request with victims is admitted only after they are all gone.
+        live_ids = {lease_id for live in leases.values() for lease_id in live}
+        for lease_id, victims in granted_from_queue:
+            if lease_id in live_ids:
+                still = [v for v in victims if v in live_ids]
+                if still:
+                    rep.violations.append(f"rev {rev}: G3 lease {lease_id} admitted while its victims {still} live")
         # G6 across the whole host set
-        seen: dict[tuple[str, str], str] = {}
+        seen: set[tuple[str, str]] = set()
         for hg, live in leases.items():
             for lease_id, x in live.items():
                 k = (x["agent"], x["request_id"])
-                if k in seen and seen[k] != lease_id:
+                if k in seen:   # the lease id repeats on every GPU: count live leases, not ids
                     rep.violations.append(f"rev {rev}: G6 two live leases for request {k}")
-                seen[k] = lease_id
+                seen.add(k)
     return rep
 
 

@@ -1,0 +1,155 @@
+"""What one snapshot of a host says, as plain records: the input of every admission decision."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from coordinator.admission import GpuLedger, GpuView, VramLease
+from coordinator.keys import Keys
+from coordinator.models import HostInventory
+from coordinator.partition import Partition, default_partition
+from coordinator.store import KV, Snapshot, range_req
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionInfo:
+    agent: str
+    session_id: str
+    host: str
+    etcd_lease: int
+
+
+def _usage_fresh(usage: dict[str, Any] | None, now: float) -> dict[str, int]:
+    """NVML used VRAM per GPU uuid, or {} when the usage is missing or stale (> 3 node intervals old)."""
+    if not usage:
+        return {}
+    interval = float(usage.get("interval_s", 5.0))
+    if now - float(usage.get("ts", 0)) > 3 * interval:
+        return {}
+    return {g["uuid"]: int(g["vram_used_mb"]) for g in usage.get("gpus", ())}
+
+
+@dataclasses.dataclass
+class HostView:
+    """A host as one snapshot shows it."""
+
+    host: str
+    revision: int
+    inventory: HostInventory | None
+    host_kv: KV | None
+    partition: Partition | None
+    partition_kv: KV | None
+    gpus: dict[str, GpuView]
+    leases: dict[str, VramLease]
+    usage: dict[str, Any] | None
+    queue: tuple[KV, ...]
+
+    @property
+    def alive(self) -> bool:
+        return self.host_kv is not None
+
+    def effective_partition(self) -> Partition:
+        if self.partition is not None:
+            return self.partition
+        assert self.inventory is not None
+        return default_partition(self.inventory)
+
+
+def host_ranges(keys: Keys, host: str) -> list[Any]:
+    return [
+        range_req(keys.host(host)),
+        range_req(keys.usage(host)),
+        range_req(keys.partition(host)),
+        range_req(keys.gpus(host), prefix=True),
+        range_req(keys.leases(host), prefix=True),
+        range_req(keys.queue(host), prefix=True),
+    ]
+
+
+def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float | None = None) -> HostView:
+    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``."""
+    now = time.time() if now is None else now
+    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
+    host_kv = host_kvs[0] if host_kvs else None
+    inventory = HostInventory.from_json(host_kv.json()["inventory"]) if host_kv else None
+    part_kv = part_kvs[0] if part_kvs else None
+    partition = Partition.from_json(part_kv.json()["partition"]) if part_kv else None
+    usage = usage_kvs[0].json() if usage_kvs else None
+    used = _usage_fresh(usage, now) if untracked else {}
+    ledgers = {keys.parse(kv.key)[1][-1]: GpuLedger.from_kv(kv) for kv in ledger_kvs}
+    leases = {}
+    by_gpu: dict[str, list[VramLease]] = {}
+    for kv in lease_kvs:
+        lease = VramLease.from_kv(kv)
+        leases[lease.id] = lease
+        by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
+    gpus: dict[str, GpuView] = {}
+    if inventory is not None:
+        part = partition or default_partition(inventory)
+        for g in inventory.gpus:
+            gpus[g.uuid] = GpuView(
+                uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
+                ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
+                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
+    return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs)
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueEntry:
+    """``queue/<host>/<rank>``: a waiting request, complete enough for any replica to grant it."""
+
+    rank: str
+    agent: str
+    session_id: str
+    etcd_lease: int
+    vram_mb: int
+    gpu: str               # the GPU asked for (index or uuid), "" for any
+    priority: int
+    preemptible: bool
+    request_id: str
+    lease_id: str
+    deadline_unix: float   # the waiter gives up then; the leader sweeps entries left past it
+    replica: str           # the replica serving the waiting RPC
+    victims: tuple[str, ...] = ()   # leases evicted for it: it is admitted only once they are gone
+    mod_revision: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("rank")
+        d.pop("mod_revision")
+        d["victims"] = list(self.victims)
+        return d
+
+    @classmethod
+    def from_kv(cls, kv: KV) -> QueueEntry:
+        d = json.loads(kv.value)
+        d["victims"] = tuple(d.get("victims", ()))
+        return cls(rank=kv.key.decode().rsplit("/", 1)[-1], mod_revision=kv.mod_revision, **d)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionRecord:
+    """``evictions/<lease_id>``: a notice to a lease's holder, with the deadline the leader enforces."""
+
+    lease_id: str
+    host: str
+    gpu_uuid: str
+    agent: str              # the victim's agent and session
+    session_id: str
+    victim_priority: int
+    requested_by: str       # "agent/request_id" of the request it makes room for, or "operator"
+    requester_priority: int | None   # None for an operator's eviction
+    reason: str
+    deadline_unix: float
+    created_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_kv(cls, kv: KV) -> EvictionRecord:
+        return cls(**json.loads(kv.value))
