@@ -382,7 +382,9 @@ class HostAdmitter:
             plan.ops.append(op_put(self.keys.gpu(self.host, uuid_),
                                    dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq})))
         if plan.ops:
-            plan.compares += self._guards(view, batch, live)
+            # Admitting or queueing needs a live host; removing entries of a host that is gone does not.
+            adds = bool(plan.new_leases) or any(c.rank is None for c, _ in plan.waits)
+            plan.compares += self._guards(view, batch, live, host_must_live=adds)
         return plan
 
     def _candidates(self, view: HostView, it: _Item) -> tuple[list[GpuView], dict[str, int]]:
@@ -471,11 +473,12 @@ class HostAdmitter:
                           lease_id=c.lease_id, deadline_unix=time.time() + c.wait_s, replica=self.svc.replica_id,
                           victims=victims)
 
-    def _guards(self, view: HostView, batch: list[AcquireCall], live: set[str]) -> list[Any]:
+    def _guards(self, view: HostView, batch: list[AcquireCall], live: set[str], host_must_live: bool) -> list[Any]:
         """What must still hold at commit: nothing admitted or queued on the host since the snapshot."""
         keys = self.keys
-        out = [cmp_exists(keys.host(self.host)),
-               cmp_mod_revision(keys.partition(self.host), view.partition_kv.mod_revision if view.partition_kv else 0)]
+        out = [cmp_exists(keys.host(self.host))] if host_must_live else []
+        out.append(cmp_mod_revision(keys.partition(self.host),
+                                    view.partition_kv.mod_revision if view.partition_kv else 0))
         out += [cmp_mod_revision(keys.gpu(self.host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
         # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
         out.append(_cmp_range_unchanged(keys.queue(self.host), view.revision))

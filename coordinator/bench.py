@@ -6,6 +6,10 @@
   raw compare-and-put txn p50). Target <= 1.3.
 * P2: raft proposals per successful acquire, from etcd's /metrics, serial and with 16 concurrent
   agents (where group commit batches them). Target <= 1.05.
+
+``bench p7`` measures P7 on the same kind of setup: the eviction-notice latency (a priority request
+arrives -> the victim's on_evict callback runs) and the release-to-grant latency (the holder's release
+call starts -> the waiter's acquire returns), p50 and p99. Target p99 <= 50 ms.
 """
 from __future__ import annotations
 
@@ -150,8 +154,75 @@ def bench_acquire(n: int) -> dict[str, float]:
     return results
 
 
+def bench_p7(n: int) -> dict[str, float]:
+    from agent_client import AsyncClient
+    from coordinator.store import Store
+
+    with tempfile.TemporaryDirectory(prefix="gpucoord-bench-") as tmp:
+        etcd = EtcdCluster(1, base_dir=tmp).start()
+        procs = []
+        try:
+            ep = etcd.endpoints[0]
+            coord, cport = _spawn(["coordinator", "--etcd", ep, "--listen", "127.0.0.1:0", "--grace", "30"],
+                                  "coordinator")
+            procs.append(coord)
+            node, _ = _spawn(["node", "--etcd", ep, "--host", "bench", "--listen", "127.0.0.1:0",
+                              "--fake-gpus", "1x16GiB", "--heartbeat", "600"], "node")
+            procs.append(node)
+            addr = f"127.0.0.1:{cport}"
+
+            async def run() -> tuple[list[float], list[float]]:
+                async with Store([ep]) as store, AsyncClient(addr, agent="holder", host="bench") as holder, \
+                        AsyncClient(addr, agent="waiter", host="bench") as waiter:
+                    queue_prefix = b"/gpucoord/queue/bench/"
+
+                    async def queued() -> None:
+                        while not (await store.get_prefix(queue_prefix)).ranges[0]:
+                            await asyncio.sleep(0.001)
+                    promote, notice = [], []
+                    for _ in range(n):
+                        held = await holder.acquire(16384, preemptible=False)
+                        task = asyncio.create_task(waiter.acquire(16384, wait=10))
+                        await asyncio.wait_for(queued(), 10)
+                        t0 = time.perf_counter()
+                        await held.release()
+                        lease = await task
+                        promote.append(time.perf_counter() - t0)
+                        await lease.release()
+                    for _ in range(n):
+                        victim = await holder.acquire(16384, priority=0)
+                        got = asyncio.Event()
+                        stamp: list[float] = []
+
+                        def on_evict(_notice: Any, victim: Any = victim) -> None:
+                            stamp.append(time.perf_counter())
+                            got.set()
+                        victim.on_evict(on_evict)
+                        t0 = time.perf_counter()
+                        task = asyncio.create_task(waiter.acquire(8192, priority=10, wait=10))
+                        await asyncio.wait_for(got.wait(), 10)
+                        notice.append(stamp[0] - t0)
+                        await victim.release()
+                        await (await task).release()
+                    return promote, notice
+            promote, notice = asyncio.run(run())
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(10)
+            etcd.stop()
+    return {"release_to_grant_p50_ms": _p(promote, .5) * 1e3, "release_to_grant_p99_ms": _p(promote, .99) * 1e3,
+            "eviction_notice_p50_ms": _p(notice, .5) * 1e3, "eviction_notice_p99_ms": _p(notice, .99) * 1e3}
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.what == "acquire":
+    if args.what in ("p7", "all"):
+        r = bench_p7(min(args.n, 100))
+        print(f"P7        eviction notice    p50 {r['eviction_notice_p50_ms']:.1f} ms   "
+              f"p99 {r['eviction_notice_p99_ms']:.1f} ms   (target p99 <= 50 ms)")
+        print(f"P7        release -> grant   p50 {r['release_to_grant_p50_ms']:.1f} ms   "
+              f"p99 {r['release_to_grant_p99_ms']:.1f} ms   (target p99 <= 50 ms)")
+    if args.what in ("acquire", "all"):
         r = bench_acquire(args.n)
         print(f"baseline  empty gRPC unary p50     {r['grpc_p50_ms']:.3f} ms")
         print(f"baseline  raw etcd read txn p50    {r['read_txn_p50_ms']:.3f} ms")

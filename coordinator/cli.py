@@ -466,8 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the computed allocation, write nothing")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--evict", action="store_true",
-                    help="send eviction notices to leases that break the new partition (not supported yet: "
-                         "answers FAILED_PRECONDITION until eviction lands)")
+                    help="send eviction notices to the leases that break the new partition, and apply it once "
+                         "they are gone (released, or revoked at their deadline)")
     sh = psub.add_parser("show")
     sh.add_argument("host")
     sh.add_argument("--json", action="store_true")
@@ -485,7 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     le.set_defaults(fn=cmd_lease)
 
     be = sub.add_parser("bench", help="measure against baselines taken in the same run")
-    be.add_argument("what", choices=("acquire",), help="acquire: P1 (latency ratio) and P2 (raft proposals)")
+    be.add_argument("what", choices=("acquire", "p7", "all"),
+                    help="acquire: P1 (latency ratio) and P2 (raft proposals); p7: eviction-notice and "
+                         "release-to-grant latency")
     be.add_argument("--n", type=int, default=300, help="acquire+release pairs to time")
     be.set_defaults(fn=cmd_bench)
     return p

@@ -109,11 +109,13 @@ def agent_main(argv: list[str]) -> int:
     p.add_argument("--vram-mb", type=int, required=True)
     p.add_argument("--ttl", type=int, default=AGENT_TTL)
     p.add_argument("--gpu", default="0")
+    p.add_argument("--wait", type=float, default=0.0)
+    p.add_argument("--priority", type=int, default=0)
     args = p.parse_args(argv)
     from agent_client import Client, errors
     with Client(args.coordinator, agent=args.agent, host=args.host, ttl=args.ttl) as c:
         try:
-            lease = c.acquire(args.vram_mb, gpu=args.gpu)
+            lease = c.acquire(args.vram_mb, gpu=args.gpu, wait=args.wait, priority=args.priority)
         except errors.ResourceExhausted as e:
             print(f"REFUSED (RESOURCE_EXHAUSTED): {e.message}", flush=True)
             return 0

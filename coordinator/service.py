@@ -318,9 +318,8 @@ class CoordinatorService:
         except PartitionError as e:
             raise errors.InvalidArgument(str(e), e.field) from e
         _check_name("host", spec.host)
-        if evict:
-            raise errors.FailedPrecondition("evict: --evict is not supported yet (it comes with eviction)", "evict")
-        for _ in range(self.config.commit_attempts):
+        deadline = time.monotonic() + self.config.eviction_grace_s + 5
+        for _ in range(self.config.commit_attempts * 4):
             snap = await self.store.snapshot(host_ranges(self.keys, spec.host))
             view = host_view(self.keys, spec.host, snap, untracked=False)
             if view.inventory is None:
@@ -329,10 +328,23 @@ class CoordinatorService:
                 partition = compute_partition(view.inventory, spec)
             except PartitionError as e:
                 raise errors.InvalidArgument(str(e), e.field) from e
-            conflicts = partition_conflicts(partition, view)
-            if conflicts:
+            conflicts, offenders = partition_conflicts(partition, view)
+            if conflicts and (not evict or dry_run):
                 raise errors.FailedPrecondition(
-                    "partition: live leases would break the new partition: " + "; ".join(conflicts), "partition")
+                    "partition: live leases would break the new partition: " + "; ".join(conflicts)
+                    + ("" if dry_run else " (apply with --evict to send them eviction notices)"), "partition")
+            if conflicts:
+                # --evict: notices to the offenders; the partition is written once they are gone (released,
+                # or revoked by the leader at their deadline), so no revision ever breaks the new caps.
+                if time.monotonic() > deadline:
+                    raise errors.Unavailable("partition: the evicted leases are still held; retry", "partition")
+                for lease in offenders:
+                    try:
+                        await self.evict(lease.id, 0, f"partition of {spec.host} changes")
+                    except errors.NotFound:
+                        pass
+                await self._host_changed(spec.host, snap.revision, timeout=1.0)
+                continue
             if dry_run:
                 return partition, False
             part_key = self.keys.partition(spec.host)
@@ -344,6 +356,17 @@ class CoordinatorService:
             if res.succeeded:
                 return partition, True
         raise errors.Unavailable("partition apply: too much contention; retry")
+
+    async def _host_changed(self, host: str, revision: int, timeout: float) -> None:
+        """Wait (at most ``timeout``) for any lease on ``host`` to change after ``revision``."""
+        async def watch() -> None:
+            async for batch in self.store.watch(self.keys.leases(host), start_revision=revision + 1):
+                if batch.events or batch.resync:
+                    return
+        try:
+            await asyncio.wait_for(watch(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     async def get_partition(self, host: str) -> tuple[Partition, bool]:
         _check_name("host", host)
@@ -378,25 +401,44 @@ class CoordinatorService:
         return snap.revision, views, ttls
 
 
-def partition_conflicts(partition: Partition, view: HostView) -> list[str]:
-    """Live leases that the new partition would not admit, as readable lines (empty: none)."""
+def partition_conflicts(partition: Partition, view: HostView) -> tuple[list[str], list[VramLease]]:
+    """Live leases that the new partition would not admit: readable lines, and the fewest leases (newest
+    first) whose removal would make it admit the rest."""
     assert view.inventory is not None
-    out = []
-    per_agent_gpu: dict[tuple[str, str], int] = {}
-    for lease in view.leases.values():
-        per_agent_gpu[(lease.agent, lease.gpu_uuid)] = per_agent_gpu.get((lease.agent, lease.gpu_uuid), 0) + lease.vram_mb
-    for (agent, gpu_uuid), used in sorted(per_agent_gpu.items()):
+    lines: list[str] = []
+    offenders: dict[str, VramLease] = {}
+    newest_first = sorted(view.leases.values(), key=lambda x: (-x.created_at, -x.token))
+    per_agent_gpu: dict[tuple[str, str], list[VramLease]] = {}
+    for lease in newest_first:
+        per_agent_gpu.setdefault((lease.agent, lease.gpu_uuid), []).append(lease)
+    for (agent, gpu_uuid), held in sorted(per_agent_gpu.items()):
+        used = sum(x.vram_mb for x in held)
         caps = partition.gpu_caps(agent, view.inventory)
         if not partition.allows(agent):
-            out.append(f"agent {agent} holds {used} MiB on {gpu_uuid} but is not in the partition")
+            lines.append(f"agent {agent} holds {used} MiB on {gpu_uuid} but is not in the partition")
+            offenders.update((x.id, x) for x in held)
         elif gpu_uuid not in caps:
-            out.append(f"agent {agent} holds {used} MiB on {gpu_uuid}, outside its partition")
+            lines.append(f"agent {agent} holds {used} MiB on {gpu_uuid}, outside its partition")
+            offenders.update((x.id, x) for x in held)
         elif used > caps[gpu_uuid]:
-            out.append(f"agent {agent} holds {used} MiB on {gpu_uuid}, above its cap of {caps[gpu_uuid]} MiB")
+            lines.append(f"agent {agent} holds {used} MiB on {gpu_uuid}, above its cap of {caps[gpu_uuid]} MiB")
+            for x in held:
+                if used <= caps[gpu_uuid]:
+                    break
+                offenders[x.id] = x
+                used -= x.vram_mb
     for gpu in view.gpus.values():
-        if gpu.leased_mb > partition.usable_mb(view.inventory.gpu(gpu.uuid)):  # type: ignore[arg-type]
-            out.append(f"GPU {gpu.uuid} has {gpu.leased_mb} MiB leased, above the new usable VRAM")
-    return out
+        usable = partition.usable_mb(view.inventory.gpu(gpu.uuid))  # type: ignore[arg-type]
+        if gpu.leased_mb > usable:
+            lines.append(f"GPU {gpu.uuid} has {gpu.leased_mb} MiB leased, above the new usable {usable} MiB")
+            left = gpu.leased_mb - sum(x.vram_mb for x in offenders.values() if x.gpu_uuid == gpu.uuid)
+            for x in sorted(gpu.leases, key=lambda x: (-x.created_at, -x.token)):
+                if left <= usable:
+                    break
+                if x.id not in offenders:
+                    offenders[x.id] = x
+                    left -= x.vram_mb
+    return lines, list(offenders.values())
 
 
 def client_pid() -> int:

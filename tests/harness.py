@@ -159,12 +159,12 @@ def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: 
     return proc, int(line.split("port=")[1])
 
 
-def spawn_agent(addr: str, host: str, agent: str, vram_mb: int, ttl: int, prefix_env: str = "",
-                log_path: str = os.devnull) -> tuple[subprocess.Popen[bytes], str]:
+def spawn_agent(addr: str, host: str, agent: str, vram_mb: int, ttl: int, log_path: str = os.devnull,
+                wait: float = 0.0, read_answer: bool = True) -> tuple[subprocess.Popen[bytes], str]:
     """A real agent process (``coordinator.demo agent``) that acquires and holds; returns it and its answer."""
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.demo", "agent", "--coordinator", addr, "--host", host,
-                             "--agent", agent, "--vram-mb", str(vram_mb), "--ttl", str(ttl)],
+                             "--agent", agent, "--vram-mb", str(vram_mb), "--ttl", str(ttl), "--wait", str(wait)],
                             stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=open(log_path, "ab"),
                             env=child_env(), cwd=REPO)
     assert proc.stdout is not None
-    return proc, proc.stdout.readline().decode().strip()
+    return proc, proc.stdout.readline().decode().strip() if read_answer else ""

@@ -51,3 +51,26 @@ def test_status_and_keys(cluster: Cluster) -> None:
 def test_status_reports_an_unreachable_coordinator() -> None:
     proc = _cli("status", "--coordinator", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
+
+
+def test_lease_evict_and_revoke_commands(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as c:
+        one, two = c.acquire(1000), c.acquire(1000)
+        evict = _cli("lease", "--coordinator", addr, "evict", one.id, "--grace", "60")
+        assert evict.returncode == 0 and "eviction notice sent" in evict.stdout
+        assert c.status("h1").hosts[0].leases  # still held during its grace period
+        revoke = _cli("lease", "--coordinator", addr, "revoke", two.id)
+        assert revoke.returncode == 0 and "revoked" in revoke.stdout
+        assert {x.id for x in cluster.leases()} == {one.id}
+        missing = _cli("lease", "--coordinator", addr, "evict", "no-such-lease")
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "lease_id" in missing.stderr
+
+
+def test_bench_runs_and_reports_ratios() -> None:
+    """Smoke test only: the bench prints its ratios; CI asserts no timing."""
+    proc = _cli("bench", "all", "--n", "20", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for marker in ("P1 ratio", "P2", "P7", "release -> grant"):
+        assert marker in proc.stdout

@@ -275,3 +275,59 @@ def test_shutdown_answers_waiters_unavailable_and_keeps_their_entries(cluster: C
         wait_for(lambda: queue(cluster) and queue(cluster)[0].replica != "", 5, "the retry to attach")
         a.release(held.id)
         assert retry.result(timeout=10).lease.vram_mb == 1000
+
+
+def test_killed_waiter_leaves_the_queue_within_its_ttl(cluster: Cluster, tmp_path: Any) -> None:
+    import os
+    import signal
+
+    from tests.harness import spawn_agent
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="a", host="h1") as a:
+        a.acquire(8000, preemptible=False)
+        ttl = 3
+        proc, _ = spawn_agent(addr, "h1", "waiter", 4000, ttl, log_path=str(tmp_path / "w.log"), wait=60,
+                              read_answer=False)
+        try:
+            wait_for(lambda: len(queue(cluster)) == 1, 15, "the waiter process to be queued")
+            killed = time.monotonic()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            wait_for(lambda: queue(cluster) == [], ttl + 1, "the dead waiter's entry to go")
+            assert time.monotonic() - killed <= ttl + 1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_waiters_of_a_host_that_is_gone_are_swept(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
+        a.acquire(8000, preemptible=False)
+        waiter = Background(b.acquire, 4000, wait=30)
+        wait_for(lambda: len(queue(cluster)) == 1, 5, "b to be queued")
+        cluster.stop_node("h1")               # the node daemon goes: hosts/h1 is gone
+        with pytest.raises(errors.FailedPrecondition, match="queue|host"):
+            waiter.result(timeout=10)
+        assert queue(cluster) == []
+
+
+def test_partition_apply_with_evict_waits_for_the_offenders(cluster: Cluster) -> None:
+    import json as _json
+    cluster.start_node("h1", "2x8GiB")
+    addr = cluster.start_coordinator(eviction_grace_s=1)
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+    spec = {"host": "h1", "mode": "auto-split", "agents": ["a", "b"]}
+    with Client(addr, agent="a", host="h1") as a:
+        on_gpu1 = a.acquire(2000, gpu=1)     # auto-split gives GPU 1 to b: a must leave it
+        keep = a.acquire(2000, gpu=0)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=_json.dumps(spec)), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--evict" in info.value.details()
+        resp = stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=_json.dumps(spec), evict=True), timeout=30)
+        assert resp.applied
+        assert on_gpu1.evicting.is_set() and not keep.evicting.is_set()
+        assert [x.id for x in cluster.leases()] == [keep.id]
