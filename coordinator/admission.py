@@ -33,15 +33,16 @@ class VramLease:
     mod_revision: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("etcd_lease")
-        d.pop("mod_revision")
-        return d
+        # Not dataclasses.asdict: it deep-copies, and this runs on every admission.
+        return {f: getattr(self, f) for f in _LEASE_FIELDS}
 
     @classmethod
     def from_kv(cls, kv: KV) -> VramLease:
         d = json.loads(kv.value)
         return cls(**d, etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
+
+
+_LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease) if f.name not in ("etcd_lease", "mod_revision"))
 
 
 @dataclasses.dataclass(frozen=True)

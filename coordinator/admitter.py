@@ -101,6 +101,7 @@ class HostAdmitter:
         self._waiting: dict[str, AcquireCall] = {}  # lease_id -> call queued in etcd, served by us
         self._wake = asyncio.Event()
         self._dirty = False
+        self._last_commit = 0   # the mirror is used only once it has caught up with our own commits
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # -- the outside -----------------------------------------------------------------------------
@@ -194,16 +195,31 @@ class HostAdmitter:
 
     async def _round(self, batch: list[AcquireCall]) -> None:
         svc = self.svc
+        mirror = svc.mirror
+        use_mirror = (mirror.ready and not self._waiting and mirror.revision >= self._last_commit
+                      and not mirror.host_items("queue", self.host))
         for attempt in range(svc.config.commit_attempts):
             batch = [c for c in batch if not c.future.done()]
             sessions = list({c.session.session_id: c.session for c in batch}.values())
-            snap = await svc.store.snapshot(
-                host_ranges(self.keys, self.host)
-                + [range_req(self.keys.session(s.agent, s.session_id)) for s in sessions],
-                serializable=attempt == 0)
+            session_keys = [self.keys.session(s.agent, s.session_id) for s in sessions]
+            if use_mirror:
+                # The fast path: decide from the watch-fed mirror, no read. Only a plan made of grants
+                # is committed from it (the compares validate them); anything else is decided again from
+                # a real snapshot, so a stale copy never refuses, queues or evicts.
+                snap = mirror.host_snapshot(self.host, session_keys)
+            else:
+                # The first read may be served locally (serializable): the commit's compares validate it.
+                # A retry reads linearizably, so a lagging member cannot starve us.
+                snap = await svc.store.snapshot(
+                    host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys],
+                    serializable=attempt == 0)
             view = host_view(self.keys, self.host, snap, svc.config.untracked_vram)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             plan = self._decide(view, batch, live)
+            if use_mirror:
+                use_mirror = False
+                if plan.failures or plan.waits or plan.evictions or not plan.ops:
+                    continue
             for c, err in plan.failures:
                 metrics.REFUSALS.labels(type(err).__name__).inc()
                 if not c.future.done():
@@ -216,6 +232,7 @@ class HostAdmitter:
             except (errors.SessionGone, errors.OutcomeUnknown):
                 res = None  # ids are deterministic: reading again settles it
             if res is not None and res.succeeded:
+                self._last_commit = res.revision
                 self._settle(plan, res.revision)
                 return
             metrics.CONFLICTS.inc()

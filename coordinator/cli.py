@@ -131,7 +131,7 @@ def _mib(mb: int) -> str:
 
 def render_status(doc: dict[str, Any]) -> str:
     """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue."""
-    lines = [f"revision {doc.get('revision', 0)}"]
+    lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
     for h in doc.get("hosts", []):
         age = float(h.get("usage_age_seconds", -1))
         state = "alive" if h.get("alive") else "GONE (no new admissions)"

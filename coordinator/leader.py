@@ -40,9 +40,10 @@ class Leadership:
         self.etcd_lease = 0
         self._duties: asyncio.Task[None] | None = None
         self.deadline_wake = asyncio.Event()
+        self._resigned = False
 
     async def run(self) -> None:
-        while True:
+        while not self._resigned:
             try:
                 await self._campaign()
             except asyncio.CancelledError:
@@ -60,25 +61,34 @@ class Leadership:
         await self.svc.store.commit([], [op_put(self.keys.coordinator(me), info, self.etcd_lease),
                                          op_put(self.keys.election() + me.encode(), info, self.etcd_lease)])
         keepalive = asyncio.create_task(self._keepalive())
+        watcher = asyncio.create_task(self._watch_election(me))
         try:
-            snap = await self.svc.store.get_prefix(self.keys.election())
-            self._elect(snap.ranges[0])
-            candidates = {kv.key: kv for kv in snap.ranges[0]}
-            async for batch in self.svc.store.watch(self.keys.election(), start_revision=snap.revision + 1):
-                if keepalive.done():
-                    return
-                if batch.resync:
-                    return
-                for ev in batch.events:
-                    if ev.kind == "PUT":
-                        candidates[ev.kv.key] = ev.kv
-                    else:
-                        candidates.pop(ev.kv.key, None)
-                if self.keys.election() + me.encode() not in candidates:
-                    return   # our etcd_lease expired: campaign again
-                self._elect(list(candidates.values()))
+            # Whichever ends first ends this term: our etcd_lease expired, or our candidacy vanished.
+            await asyncio.wait({keepalive, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             keepalive.cancel()
+            watcher.cancel()
+            for t in (keepalive, watcher):
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    async def _watch_election(self, me: str) -> None:
+        snap = await self.svc.store.get_prefix(self.keys.election())
+        self._elect(snap.ranges[0])
+        candidates = {kv.key: kv for kv in snap.ranges[0]}
+        async for batch in self.svc.store.watch(self.keys.election(), start_revision=snap.revision + 1):
+            if batch.resync:
+                return
+            for ev in batch.events:
+                if ev.kind == "PUT":
+                    candidates[ev.kv.key] = ev.kv
+                else:
+                    candidates.pop(ev.kv.key, None)
+            if self.keys.election() + me.encode() not in candidates:
+                return   # our etcd_lease expired: campaign again
+            self._elect(list(candidates.values()))
 
     def _elect(self, kvs: list) -> None:  # type: ignore[type-arg]
         if not kvs:
@@ -113,6 +123,7 @@ class Leadership:
 
     async def resign(self) -> None:
         """Give up leadership at once (a clean shutdown): the next candidate leads without waiting a TTL."""
+        self._resigned = True
         self._step_down()
         if self.etcd_lease:
             try:
@@ -132,7 +143,7 @@ class Leadership:
             due = [r for r in list(self.svc.evictions.values()) if r.deadline_unix <= now]
             for record in due:
                 try:
-                    revoked = await self.svc.revoke(record.lease_id)
+                    revoked = await self.svc.revoke(record.lease_id, record.host)
                 except errors.GpucoordError as e:
                     log.warning("could not revoke lease %s at its deadline: %s", record.lease_id, e)
                     continue

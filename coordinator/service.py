@@ -20,6 +20,7 @@ from coordinator import errors, metrics
 from coordinator.admission import VramLease
 from coordinator.admitter import AcquireCall, HostAdmitter
 from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
+from coordinator.mirror import Mirror
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
 from coordinator.models import HostInventory, dumps
 from coordinator.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
@@ -56,6 +57,7 @@ class CoordinatorService:
         self._streams: dict[str, set[asyncio.Queue[Any]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.watch_ready = asyncio.Event()
+        self.mirror = Mirror(self.keys)
         self.leadership: Any = None
         self._closed = False
 
@@ -87,10 +89,13 @@ class CoordinatorService:
 
     # -- the replica's watch ---------------------------------------------------------------------
     async def _watch(self) -> None:
-        """One watch over the whole prefix: wakes the hosts' admitters and delivers eviction notices."""
+        """One watch over the whole prefix: keeps the mirror, wakes the hosts' admitters and delivers
+        eviction notices."""
         while not self._closed:
-            snap = await self.store.get_prefix(self.keys.evictions())
-            self.evictions = {r.lease_id: r for r in (EvictionRecord.from_kv(kv) for kv in snap.ranges[0])}
+            snap = await self.store.get_prefix(self.keys.root())
+            self.mirror.reset(snap.ranges[0], snap.revision)
+            self.evictions = {r.lease_id: r for r in (EvictionRecord.from_kv(kv)
+                                                      for kv in self.mirror.items("evictions"))}
             self.watch_ready.set()
             for a in self._admitters.values():
                 a.notify()
@@ -98,7 +103,9 @@ class CoordinatorService:
                 self._push_pending(session_id)
             async for batch in self.store.watch(self.keys.root(), start_revision=snap.revision + 1):
                 if batch.resync:
+                    self.mirror.ready = False
                     break
+                self.mirror.apply(batch)
                 self._on_events(batch)
 
     def _on_events(self, batch: WatchBatch) -> None:
@@ -267,12 +274,12 @@ class CoordinatorService:
                 return record.deadline_unix
         raise errors.Unavailable("evict: too much contention; retry")
 
-    async def revoke(self, lease_id: str) -> bool:
+    async def revoke(self, lease_id: str, host: str | None = None) -> bool:
         """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone."""
         if not lease_id or not valid_name(lease_id):
             raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
         for _ in range(self.config.commit_attempts):
-            lease = await self.find_lease(lease_id)
+            lease = await self.find_lease(lease_id, host)
             if lease is None:
                 await self.store.delete(self.keys.eviction(lease_id))
                 return False
@@ -289,8 +296,13 @@ class CoordinatorService:
         """Delete the lease if it is the caller's. Idempotent: a lease that is gone answers False."""
         if not lease_id or not valid_name(lease_id):
             raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
-        for _ in range(self.config.commit_attempts):
-            lease = await self.find_lease(lease_id, info.host)
+        for attempt in range(self.config.commit_attempts):
+            # First from the mirror (a miss or a lost compare falls back to reading etcd).
+            lease = self._mirrored_lease(lease_id, info.host) if attempt == 0 else None
+            if lease is not None and lease.session_id != info.session_id:
+                lease = None   # only the positive case is trusted from the mirror
+            if lease is None:
+                lease = await self.find_lease(lease_id, info.host)
             if lease is None:
                 return False
             if lease.session_id != info.session_id or lease.agent != info.agent:
@@ -302,6 +314,15 @@ class CoordinatorService:
                 metrics.RELEASES.inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")
+
+    def _mirrored_lease(self, lease_id: str, host: str) -> VramLease | None:
+        if not self.mirror.ready:
+            return None
+        suffix = b"/" + lease_id.encode()
+        for kv in self.mirror.host_items("leases", host):
+            if kv.key.endswith(suffix):
+                return VramLease.from_kv(kv)
+        return None
 
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         prefix = self.keys.leases(host) if host else self.keys.leases()

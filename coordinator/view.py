@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from typing import Any
@@ -53,8 +54,8 @@ class HostView:
     def effective_partition(self) -> Partition:
         if self.partition is not None:
             return self.partition
-        assert self.inventory is not None
-        return default_partition(self.inventory)
+        assert self.host_kv is not None
+        return _default_partition(self.host_kv.value)
 
 
 def host_ranges(keys: Keys, host: str) -> list[Any]:
@@ -68,14 +69,31 @@ def host_ranges(keys: Keys, host: str) -> list[Any]:
     ]
 
 
+# Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
+# they are cached by their exact bytes.
+@functools.lru_cache(maxsize=4096)
+def _inventory(value: bytes) -> HostInventory:
+    return HostInventory.from_json(json.loads(value)["inventory"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition(value: bytes) -> Partition:
+    return Partition.from_json(json.loads(value)["partition"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_partition(host_value: bytes) -> Partition:
+    return default_partition(_inventory(host_value))
+
+
 def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float | None = None) -> HostView:
     """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``."""
     now = time.time() if now is None else now
     host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
     host_kv = host_kvs[0] if host_kvs else None
-    inventory = HostInventory.from_json(host_kv.json()["inventory"]) if host_kv else None
+    inventory = _inventory(host_kv.value) if host_kv else None
     part_kv = part_kvs[0] if part_kvs else None
-    partition = Partition.from_json(part_kv.json()["partition"]) if part_kv else None
+    partition = _partition(part_kv.value) if part_kv else None
     usage = usage_kvs[0].json() if usage_kvs else None
     used = _usage_fresh(usage, now) if untracked else {}
     ledgers = {keys.parse(kv.key)[1][-1]: GpuLedger.from_kv(kv) for kv in ledger_kvs}
@@ -87,7 +105,7 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float
         by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
     gpus: dict[str, GpuView] = {}
     if inventory is not None:
-        part = partition or default_partition(inventory)
+        part = partition or _default_partition(host_kv.value)  # type: ignore[union-attr]
         for g in inventory.gpus:
             gpus[g.uuid] = GpuView(
                 uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
