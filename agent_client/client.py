@@ -281,7 +281,8 @@ class AsyncClient:
         return bool(resp.released)
 
     async def status(self, host: str | None = None) -> pb.GetStatusResponse:
-        return await self._call("GetStatus", pb.GetStatusRequest(host=host or ""))
+        resp: pb.GetStatusResponse = await self._call("GetStatus", pb.GetStatusRequest(host=host or ""))
+        return resp
 
     async def partition(self) -> dict[str, Any]:
         """This host's partition (spec and allocation per agent), and this agent's share of it."""

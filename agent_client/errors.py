@@ -57,8 +57,8 @@ _BY_CODE: dict[grpc.StatusCode, type[GpucoordError]] = {
 
 
 def from_rpc_error(e: grpc.RpcError) -> GpucoordError:
-    code = e.code()  # type: ignore[attr-defined]
-    details = e.details() or code.name  # type: ignore[attr-defined]
+    code = e.code()
+    details = e.details() or code.name
     if code == grpc.StatusCode.NOT_FOUND and details.startswith("session"):
         return SessionExpired(details)
     return _BY_CODE.get(code, GpucoordError)(details)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from coordinator import errors
 from coordinator.models import dumps
-from coordinator.store import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
 from coordinator.view import QueueEntry
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class Leadership:
                 return   # our etcd_lease expired: campaign again
             self._elect(list(candidates.values()))
 
-    def _elect(self, kvs: list) -> None:  # type: ignore[type-arg]
+    def _elect(self, kvs: Sequence[KV]) -> None:
         if not kvs:
             return
         first = min(kvs, key=lambda kv: kv.create_revision)

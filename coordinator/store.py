@@ -158,14 +158,14 @@ class _Client(aetcd.Client):  # type: ignore[misc]
             return
         # Round robin over the members: a dead member leaves the rotation, so an etcd minority loss
         # costs at most one failed (and retried) call.
-        options = {
+        options: dict[str, Any] = {
             "grpc.lb_policy_name": "round_robin",
             "grpc.keepalive_time_ms": 10_000,
             "grpc.keepalive_timeout_ms": 5_000,
             "grpc.enable_retries": 1,
             **self._options,
         }
-        self._options = options
+        self._options: dict[str, Any] = options
         orig = aetcd.rpc.insecure_channel
         target = self._gpucoord_target
         try:

@@ -6,7 +6,6 @@ generated imports read ``from coordinator.api import ...`` while the wire packag
 from __future__ import annotations
 
 import pathlib
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto" / "gpucoord" / "v1"
@@ -36,4 +35,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

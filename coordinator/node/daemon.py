@@ -166,6 +166,7 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
         inv = self.daemon.inventory
         if inv is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting")
+        assert inv is not None  # abort() raises
         usage = {u.uuid: u for u in self.daemon.last_usage}
         out = pb.GetInventoryResponse(host=inv.host, address=inv.address, cpu_count=inv.cpu_count,
                                       core_ids=list(inv.core_ids), mem_bytes=inv.mem_bytes, disk_path=inv.disk_path,
