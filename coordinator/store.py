@@ -233,7 +233,9 @@ class Store:
     # -- reads ---------------------------------------------------------------------------------
     async def _txn(self, req: Any, write: bool) -> Any:
         try:
-            return await self._kv.Txn(req, timeout=self.timeout)
+            # wait_for_ready: while etcd is briefly unreachable (a restart, a leader change) the call waits for
+            # the channel, up to its deadline, rather than failing at once.
+            return await self._kv.Txn(req, timeout=self.timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, write) from e
 
@@ -276,7 +278,8 @@ class Store:
     # -- etcd_leases ---------------------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
         try:
-            resp = await self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self.timeout)
+            resp = await self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self.timeout,
+                                                           wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, write=True) from e
         return int(resp.ID)
@@ -284,7 +287,8 @@ class Store:
     async def revoke(self, etcd_lease: int) -> None:
         """Revoke an etcd_lease, deleting every key on it. Revoking one that is gone is not an error."""
         try:
-            await self._client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=etcd_lease), timeout=self.timeout)
+            await self._client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=etcd_lease), timeout=self.timeout,
+                                                     wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             err = _translate(e, write=True)
             if not isinstance(err, errors.SessionGone):
@@ -294,7 +298,7 @@ class Store:
         """Remaining TTL in seconds, -1 when the etcd_lease is gone."""
         try:
             resp = await self._client.leasestub.LeaseTimeToLive(
-                rpc.LeaseTimeToLiveRequest(ID=etcd_lease), timeout=self.timeout)
+                rpc.LeaseTimeToLiveRequest(ID=etcd_lease), timeout=self.timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, write=False) from e
         return int(resp.TTL)
@@ -325,7 +329,7 @@ class Store:
                         return
                     yield item
 
-            call = rpc.WatchStub(self._client.channel).Watch(_reqs())
+            call = rpc.WatchStub(self._client.channel).Watch(_reqs(), wait_for_ready=True)
             try:
                 async for resp in call:
                     backoff = 0.05
@@ -383,7 +387,7 @@ class _KeepAliveStream:
                     return
                 yield item
 
-        call = self._store._client.leasestub.LeaseKeepAlive(_reqs())
+        call = self._store._client.leasestub.LeaseKeepAlive(_reqs(), wait_for_ready=True)
         try:
             async for resp in call:
                 q = self._waiters.get(resp.ID)
