@@ -87,8 +87,9 @@ class AsyncLease(_LeaseBase):
     async def release(self) -> bool:
         if self.released:
             return False
+        result = await self._client.release(self.id)   # a failure leaves it releasable again
         self.released = True
-        return await self._client.release(self.id)
+        return result
 
     async def __aenter__(self) -> AsyncLease:
         return self
@@ -121,6 +122,7 @@ class AsyncClient:
         self._addr_i = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leases: dict[str, AsyncLease] = {}
+        self._early_notices: dict[str, EvictionNotice] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
         self._last_refresh = 0.0
 
@@ -221,6 +223,9 @@ class AsyncClient:
         lease = self._leases.get(notice.lease_id)
         if lease is not None:
             lease._notify(notice)
+        else:
+            # It may come before the acquire that made the lease has returned: keep it for that lease.
+            self._early_notices[notice.lease_id] = notice
 
     async def close(self) -> None:
         """End the session: revokes its etcd_lease, and so releases every lease it holds."""
@@ -273,11 +278,14 @@ class AsyncClient:
                                 retry_for=max(self.retry_for, wait))
         lease = AsyncLease(self, resp.lease)
         self._leases[lease.id] = lease
+        early = self._early_notices.pop(lease.id, None)
+        if early is not None:
+            lease._notify(early)
         return lease
 
     async def release(self, lease_id: str) -> bool:
-        self._leases.pop(lease_id, None)
         resp = await self._call("Release", pb.ReleaseRequest(session=self._ref(), lease_id=lease_id))
+        self._leases.pop(lease_id, None)
         return bool(resp.released)
 
     async def status(self, host: str | None = None) -> pb.GetStatusResponse:

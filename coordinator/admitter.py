@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
     from coordinator.service import CoordinatorService
 
 log = logging.getLogger(__name__)
+
+# etcd refuses a transaction with more than 128 compares, or 128 operations (--max-txn-ops). A round stops
+# deciding before it would pass these budgets; the rest is decided in the next round.
+TXN_OPS_BUDGET = 120
+TXN_COMPARES_BUDGET = 120
 
 
 @dataclasses.dataclass(eq=False)
@@ -87,6 +93,7 @@ class _Round:
     waits: list[tuple[AcquireCall, str]] = dataclasses.field(default_factory=list)
     failures: list[tuple[AcquireCall, errors.GpucoordError]] = dataclasses.field(default_factory=list)
     new_leases: list[VramLease] = dataclasses.field(default_factory=list)
+    deferred: list[AcquireCall] = dataclasses.field(default_factory=list)  # past the budget: next round
     evictions: int = 0
 
 
@@ -106,12 +113,12 @@ class HostAdmitter:
 
     # -- the outside -----------------------------------------------------------------------------
     async def submit(self, call: AcquireCall) -> VramLease:
+        if self._task.done():
+            raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         self._pending.append(call)
         self._wake.set()
         # A caller that goes away (cancelled RPC) must leave the queue: wake up to remove its entry.
         call.future.add_done_callback(lambda f: self.notify() if f.cancelled() else None)
-        if call.wait_s > 0:
-            asyncio.get_running_loop().call_later(call.wait_s, self.notify)
         return await call.future
 
     def notify(self) -> None:
@@ -141,6 +148,7 @@ class HostAdmitter:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            batch: list[AcquireCall] = []
             try:
                 await self._expire()
                 while self._pending or self._dirty:
@@ -151,6 +159,7 @@ class HostAdmitter:
                         continue
                     metrics.BATCH_SIZE.observe(max(1, len(batch)))
                     await self._round(batch)
+                    batch = []
                 metrics.QUEUE_DEPTH.labels(self.host).set(len(self._waiting))
             except asyncio.CancelledError:
                 raise
@@ -159,10 +168,12 @@ class HostAdmitter:
                 if not isinstance(e, errors.GpucoordError):
                     log.exception("admission round on %s failed", self.host)
                 metrics.ETCD_ERRORS.labels(type(err).__name__).inc()
-                for c in [c for c in self._pending if not c.future.done()]:
-                    c.future.set_exception(err)
+                # Every caller of the failed round and every one still pending is answered: nothing hangs.
+                # (A caller whose entry is already in etcd stays a waiter: its entry keeps its place.)
+                for c in [*batch, *self._pending]:
+                    if not c.future.done() and c.lease_id not in self._waiting:
+                        c.future.set_exception(err)
                 self._pending.clear()
-                # Waiters keep waiting (their entries are in etcd); try again shortly.
                 if self._waiting:
                     asyncio.get_running_loop().call_later(0.2, self.notify)
 
@@ -172,21 +183,25 @@ class HostAdmitter:
         for lease_id, c in list(self._waiting.items()):
             if not (c.future.done() or now >= c.deadline):
                 continue
-            del self._waiting[lease_id]
             assert c.rank is not None
             key = self.keys.queue_entry(self.host, c.rank)
-            res = await self.svc.store.commit([cmp_exists(key)], [op_delete(key)])
-            if res.succeeded:
-                if not c.future.done():
-                    metrics.REFUSALS.labels("wait_timeout").inc()
-                    c.future.set_exception(errors.CapacityError(
-                        f"vram_mb: {c.vram_mb} MiB still did not fit after waiting {c.wait_s:g} s", "vram_mb"))
+            try:
+                res = await self.svc.store.commit([cmp_exists(key)], [op_delete(key)])
+                lease = None if res.succeeded else await self.svc.find_lease(c.lease_id, self.host)
+            except errors.GpucoordError as e:
+                # Not removed yet: it stays ours, and we try again shortly.
+                log.warning("could not remove the expired waiter %s from the queue: %s", lease_id, e)
+                asyncio.get_running_loop().call_later(0.2, self.notify)
                 continue
-            # The entry is gone: granted (by any replica) or swept. The lease tells which.
-            lease = await self.svc.find_lease(c.lease_id, self.host)
+            if self._waiting.get(lease_id) is c:
+                del self._waiting[lease_id]
             if c.future.done():
                 continue
-            if lease is not None:
+            if res.succeeded:
+                metrics.REFUSALS.labels("wait_timeout").inc()
+                c.future.set_exception(errors.CapacityError(
+                    f"vram_mb: {c.vram_mb} MiB still did not fit after waiting {c.wait_s:g} s", "vram_mb"))
+            elif lease is not None:   # the entry went with a grant (by any replica)
                 c.future.set_result(lease)
             else:
                 c.future.set_exception(errors.FailedPrecondition(
@@ -195,6 +210,7 @@ class HostAdmitter:
 
     async def _round(self, batch: list[AcquireCall]) -> None:
         svc = self.svc
+        batch = _merge_duplicates(batch)
         mirror = svc.mirror
         use_mirror = (mirror.ready and not self._waiting and mirror.revision >= self._last_commit
                       and not mirror.host_items("queue", self.host))
@@ -208,11 +224,10 @@ class HostAdmitter:
                 # a real snapshot, so a stale copy never refuses, queues or evicts.
                 snap = mirror.host_snapshot(self.host, session_keys)
             else:
-                # The first read may be served locally (serializable): the commit's compares validate it.
-                # A retry reads linearizably, so a lagging member cannot starve us.
+                # Linearizable: a refusal, a wait or "no such session" must reflect every write acknowledged
+                # before this request (read-your-writes), not what a lagging member has applied.
                 snap = await svc.store.snapshot(
-                    host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys],
-                    serializable=attempt == 0)
+                    host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys])
             view = host_view(self.keys, self.host, snap, svc.config.untracked_vram)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             plan = self._decide(view, batch, live)
@@ -244,6 +259,7 @@ class HostAdmitter:
                 c.future.set_exception(err)
 
     def _settle(self, plan: _Round, revision: int) -> None:
+        new = {id(x) for x in plan.new_leases}
         for c, lease in plan.grants:
             metrics.ADMISSIONS.labels(self.host).inc()
             if c is None:
@@ -251,11 +267,27 @@ class HostAdmitter:
             self._waiting.pop(c.lease_id, None)
             if not c.future.done():
                 c.future.set_result(dataclasses.replace(lease, mod_revision=revision) if revision else lease)
+            elif id(lease) in new and revision:
+                # Its caller went away while the grant was being committed: nobody knows the lease, so it
+                # is given back rather than held for the rest of the session.
+                asyncio.get_running_loop().create_task(self._give_back(lease, revision))
+        if plan.deferred:
+            self._pending[:0] = plan.deferred
+            self.notify()
+        loop = asyncio.get_running_loop()
         for c, rank in plan.waits:
             c.rank = rank
-            if not c.future.done():
-                self._waiting[c.lease_id] = c
+            # Recorded even if its caller has gone meanwhile: _expire then removes the entry at once.
+            self._waiting[c.lease_id] = c
+            loop.call_later(max(0.0, c.deadline - time.monotonic()), self.notify)
         metrics.EVICTIONS.labels("notice").inc(plan.evictions)
+
+    async def _give_back(self, lease: VramLease, revision: int) -> None:
+        key = self.keys.lease(self.host, lease.gpu_uuid, lease.id)
+        try:
+            await self.svc.store.commit([cmp_mod_revision(key, revision)], [op_delete(key)])
+        except errors.GpucoordError as e:
+            log.warning("could not give back lease %s of a caller that went away: %s", lease.id, e)
 
     # -- the decision (pure over the snapshot) ---------------------------------------------------
     def _decide(self, view: HostView, batch: list[AcquireCall], live: set[str]) -> _Round:
@@ -302,7 +334,19 @@ class HostAdmitter:
         blocked: set[str] = set()   # GPUs that a request ranked earlier is still waiting for
         queued = len(queue)
         evicting = {lease_id for lease_id in self.svc.evictions}
-        for it in items:
+        guard_compares = 3 + len(view.gpus) + len({c.session.session_id for c in batch})
+
+        def fits_budget(ops: int, compares: int) -> bool:
+            used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
+            return (used_ops + ops <= TXN_OPS_BUDGET
+                    and len(plan.compares) + guard_compares + compares <= TXN_COMPARES_BUDGET)
+
+        for n, it in enumerate(items):
+            if not fits_budget(2, 1):
+                # The rest waits for the next round: new callers go back to the front of the line.
+                plan.deferred = [x.call for x in items[n:] if x.call is not None and x.entry is None]
+                self._dirty = True
+                break
             agent = it.agent
             lease_id = it.field("lease_id")
             existing = view.leases.get(lease_id)
@@ -359,6 +403,9 @@ class HostAdmitter:
             victims = list(it.entry.victims) if it.entry else []
             if not victims_pending:
                 new = self._plan_eviction(free_of_queue, caps, vram, priority, agent, evicting)
+                if new and not fits_budget(len(new) + 2, 2 * len(new) + 2):
+                    new = []              # too many for this transaction: evict in the next round
+                    self._dirty = True
                 for victim in new:
                     plan.ops.append(self._eviction_op(victim, it, priority))
                     plan.compares.append(cmp_mod_revision(
@@ -510,3 +557,25 @@ def _cmp_range_unchanged(prefix: bytes, revision: int) -> Any:
     from coordinator.keys import prefix_range_end
     return rpc.Compare(key=prefix, range_end=prefix_range_end(prefix), target=rpc.Compare.MOD,
                        result=rpc.Compare.LESS, mod_revision=revision + 1)
+
+
+def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:
+    """Calls of one round that name the same request (agent, request_id) are one request: the first one is
+    decided, and the others get its answer."""
+    first: dict[str, AcquireCall] = {}
+    for c in batch:
+        primary = first.setdefault(c.lease_id, c)
+        if primary is not c:
+            primary.future.add_done_callback(functools.partial(_copy_outcome, c.future))
+    return list(first.values())
+
+
+def _copy_outcome(target: asyncio.Future[VramLease], source: asyncio.Future[VramLease]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.set_exception(errors.Unavailable("the request was cancelled; retry"))
+    elif source.exception() is not None:
+        target.set_exception(source.exception())  # type: ignore[arg-type]
+    else:
+        target.set_result(source.result())

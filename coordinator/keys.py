@@ -25,7 +25,7 @@ key                                    value                                    
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
-(agent, request_id), so a retried acquire can only ever name the same key (G6).
+(host, agent, request_id), so a retried acquire can only ever name the same key (G6).
 """
 from __future__ import annotations
 
@@ -60,9 +60,10 @@ def etcd_lease_from_session_id(session_id: str) -> int:
     return int(session_id, 16)
 
 
-def lease_id_for(agent: str, request_id: str) -> str:
-    """A VRAM lease id that is a function of (agent, request_id): retries cannot mint a second one."""
-    return hashlib.sha256(f"{agent}\0{request_id}".encode()).hexdigest()[:20]
+def lease_id_for(agent: str, request_id: str, host: str) -> str:
+    """A VRAM lease id that is a function of (agent, request_id, host): retries cannot mint a second one,
+    and ids are unique across hosts (``evictions/<lease_id>`` is not host-qualified)."""
+    return hashlib.sha256(f"{host}\0{agent}\0{request_id}".encode()).hexdigest()[:20]
 
 
 class Keys:

@@ -164,7 +164,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def ApplyPartition(self, request: pb.ApplyPartitionRequest, context: Any) -> pb.ApplyPartitionResponse:
         try:
             spec = json.loads(request.spec_json)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise errors.InvalidArgument(f"spec_json: not valid JSON: {e}", "spec_json") from e
         if not isinstance(spec, dict):
             raise errors.InvalidArgument("spec_json: must be a JSON object", "spec_json")
@@ -222,6 +222,7 @@ async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None =
     try:
         await (stop.wait() if stop is not None else asyncio.Event().wait())
     finally:
-        # Waiting RPCs get UNAVAILABLE (their queue entries stay in etcd); nothing hangs.
+        # Waiting RPCs get UNAVAILABLE (their queue entries stay in etcd), and so does anything that
+        # arrives while we stop; nothing hangs.
         await svc.stop()
         await server.stop(grace=1.0)

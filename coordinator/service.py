@@ -31,6 +31,15 @@ from coordinator.view import EvictionRecord, HostView, SessionInfo, host_ranges,
 log = logging.getLogger(__name__)
 
 
+def _logged(task: asyncio.Task[None], name: str) -> asyncio.Task[None]:
+    """A background task whose failure is logged when it happens, not found at shutdown."""
+    def done(t: asyncio.Task[None]) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            log.error("background task %s died: %r", name, t.exception(), exc_info=t.exception())
+    task.add_done_callback(done)
+    return task
+
+
 def _check_name(field: str, value: str) -> str:
     if not value:
         raise errors.InvalidArgument(f"{field}: is required", field)
@@ -64,11 +73,11 @@ class CoordinatorService:
     async def start(self, leader_duties: bool = True) -> None:
         from coordinator.leader import Leadership
         await self.store.connect()
-        self._tasks.append(asyncio.create_task(self._watch()))
+        self._tasks.append(_logged(asyncio.create_task(self._watch()), "watch"))
         await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
         if leader_duties:
             self.leadership = Leadership(self)
-            self._tasks.append(asyncio.create_task(self.leadership.run()))
+            self._tasks.append(_logged(asyncio.create_task(self.leadership.run()), "leadership"))
 
     async def stop(self) -> None:
         self._closed = True
@@ -90,8 +99,22 @@ class CoordinatorService:
     # -- the replica's watch ---------------------------------------------------------------------
     async def _watch(self) -> None:
         """One watch over the whole prefix: keeps the mirror, wakes the hosts' admitters and delivers
-        eviction notices."""
+        eviction notices. It never gives up: an error starts it over from a fresh read."""
+        backoff = 0.1
         while not self._closed:
+            try:
+                await self._watch_once()
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.mirror.ready = False
+                log.warning("the replica's watch failed (%r); starting over in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _watch_once(self) -> None:
+        if True:
             snap = await self.store.get_prefix(self.keys.root())
             self.mirror.reset(snap.ranges[0], snap.revision)
             self.evictions = {r.lease_id: r for r in (EvictionRecord.from_kv(kv)
@@ -104,7 +127,7 @@ class CoordinatorService:
             async for batch in self.store.watch(self.keys.root(), start_revision=snap.revision + 1):
                 if batch.resync:
                     self.mirror.ready = False
-                    break
+                    return
                 self.mirror.apply(batch)
                 self._on_events(batch)
 
@@ -117,7 +140,11 @@ class CoordinatorService:
                 continue
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
-                    record = EvictionRecord.from_kv(ev.kv)
+                    try:
+                        record = EvictionRecord.from_kv(ev.kv)
+                    except (ValueError, TypeError, KeyError) as e:
+                        log.warning("ignoring a malformed eviction notice %r: %r", ev.kv.key, e)
+                        continue
                     self.evictions[record.lease_id] = record
                     self._deliver(record)
                     if self.leadership is not None:
@@ -236,10 +263,12 @@ class CoordinatorService:
             raise errors.InvalidArgument(f"wait_seconds: must be within [0, {MAX_WAIT_S}]", "wait_seconds")
         if gpu and not valid_name(gpu):
             raise errors.InvalidArgument(f"gpu: {gpu!r} is neither a GPU index nor a uuid", "gpu")
+        if self._closed:
+            raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
-                           lease_id_for(info.agent, request_id), wait_s, loop.create_future())
+                           lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future())
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self, info.host)

@@ -371,6 +371,7 @@ class _KeepAliveStream:
         self._requests: asyncio.Queue[Any] | None = None
         self._waiters: dict[int, deque[asyncio.Future[int]]] = defaultdict(deque)
         self._task: asyncio.Task[None] | None = None
+        self._last_response = 0.0
 
     def _ensure_running(self) -> asyncio.Queue[Any]:
         if self._task is None or self._task.done():
@@ -390,6 +391,7 @@ class _KeepAliveStream:
         call = self._store._client.leasestub.LeaseKeepAlive(_reqs(), wait_for_ready=True)
         try:
             async for resp in call:
+                self._last_response = asyncio.get_running_loop().time()
                 q = self._waiters.get(resp.ID)
                 if q:
                     fut = q.popleft()
@@ -410,11 +412,13 @@ class _KeepAliveStream:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters[etcd_lease].append(fut)
         requests.put_nowait(rpc.LeaseKeepAliveRequest(ID=etcd_lease))
+        sent_at = asyncio.get_running_loop().time()
         try:
             return await asyncio.wait_for(fut, self._store.timeout)
         except asyncio.TimeoutError:
-            # A stuck stream: drop it so that the next refresh opens a fresh one.
-            if self._task is not None:
+            # A stuck stream (no answer to anyone since we asked): drop it, so that the next refresh opens
+            # a fresh one. A stream that answers others is left alone.
+            if self._task is not None and self._last_response < sent_at:
                 self._task.cancel()
             raise errors.Timeout(f"etcd keepalive of etcd_lease {etcd_lease:x} timed out") from None
         finally:

@@ -92,7 +92,7 @@ class History:
         """Put a new lease and, like an admission, bump the GPU's ledger in the same revision (own txn if none open)."""
         if token is None:
             token = self.seq.get(gpu, 0) + 1
-        lease_id = lease_id or lease_id_for(agent, request_id)
+        lease_id = lease_id or lease_id_for(agent, request_id, host)
         own_txn = self._pending is None
         if own_txn:
             self.txn()
@@ -498,7 +498,7 @@ def test_grant_while_victims_live_is_detected() -> None:
     h.ledger(G0)
     victim = h.lease("a", "r1", 4000, priority=1)
     rank = Keys.queue_rank(10, 1, "x")
-    waiter = lease_id_for("b", "r9")
+    waiter = lease_id_for("b", "r9", HOST)
     h.put(K.queue_entry(HOST, rank), {"lease_id": waiter, "victims": [victim]})
     _evict(h, victim, requester_priority=10)
     with h.txn():

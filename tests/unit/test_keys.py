@@ -170,8 +170,9 @@ def test_prefix_range_end_bounds_the_prefix(prefix: bytes, suffix: bytes, other:
 # -- ids ----------------------------------------------------------------------------------------
 
 def test_lease_id_for_is_deterministic_hex() -> None:
-    a = lease_id_for("agent-a", "req-1")
-    assert a == lease_id_for("agent-a", "req-1")
+    a = lease_id_for("agent-a", "req-1", "h1")
+    assert a == lease_id_for("agent-a", "req-1", "h1")
+    assert a != lease_id_for("agent-a", "req-1", "h2")
     assert len(a) == 20
     int(a, 16)
     assert valid_name(a)
@@ -180,18 +181,19 @@ def test_lease_id_for_is_deterministic_hex() -> None:
 def test_lease_id_for_known_value() -> None:
     # Pinned: a change would orphan every lease created by an older coordinator (G6 across upgrades).
     import hashlib
-    assert lease_id_for("a", "r") == hashlib.sha256(b"a\0r").hexdigest()[:20]
+    assert lease_id_for("a", "r", "h") == hashlib.sha256(b"h\0a\0r").hexdigest()[:20]
 
 
 @PROPS
 @given(a1=names, r1=st.text(max_size=20), a2=names, r2=st.text(max_size=20))
 def test_lease_id_for_differs_per_agent_and_request(a1: str, r1: str, a2: str, r2: str) -> None:
-    assert (lease_id_for(a1, r1) == lease_id_for(a2, r2)) == ((a1, r1) == (a2, r2))
+    assert (lease_id_for(a1, r1, "h") == lease_id_for(a2, r2, "h")) == ((a1, r1) == (a2, r2))
 
 
 def test_lease_id_for_no_concatenation_ambiguity() -> None:
-    assert lease_id_for("ab", "c") != lease_id_for("a", "bc")
-    assert lease_id_for("a", "") != lease_id_for("", "a")
+    assert lease_id_for("ab", "c", "h") != lease_id_for("a", "bc", "h")
+    assert lease_id_for("a", "", "h") != lease_id_for("", "a", "h")
+    assert lease_id_for("a", "r", "h") != lease_id_for("h", "r", "a")
 
 
 @PROPS
