@@ -185,8 +185,11 @@ class HostAdmitter:
                 continue
             assert c.rank is not None
             key = self.keys.queue_entry(self.host, c.rank)
+            entry_kv = self.svc.mirror.get(key)
             try:
                 res = await self.svc.store.commit([cmp_exists(key)], [op_delete(key)])
+                if res.succeeded and entry_kv is not None:
+                    await self.svc.withdraw_evictions(QueueEntry.from_kv(entry_kv))
                 lease = None if res.succeeded else await self.svc.find_lease(c.lease_id, self.host)
             except errors.GpucoordError as e:
                 # Not removed yet: it stays ours, and we try again shortly.

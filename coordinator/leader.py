@@ -186,5 +186,6 @@ class Leadership:
                     compares.append(cmp_absent(keys.host(host)))
                 res = await self.svc.store.commit(compares, [op_delete(kv.key)])
                 if res.succeeded:
+                    await self.svc.withdraw_evictions(entry)
                     log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent,
                              "host gone" if gone_host else "waiter gone")

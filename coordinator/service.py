@@ -26,7 +26,7 @@ from coordinator.models import HostInventory, dumps
 from coordinator.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
 from coordinator.store import (Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
                                op_put, range_req)
-from coordinator.view import EvictionRecord, HostView, SessionInfo, host_ranges, host_view
+from coordinator.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +273,19 @@ class CoordinatorService:
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self, info.host)
         return await admitter.submit(call)
+
+    async def withdraw_evictions(self, entry: QueueEntry) -> None:
+        """The request that evicted these leases left without a grant: its notices are withdrawn, so that
+        nobody is revoked for a request that no longer needs the room (G3)."""
+        requested_by = f"{entry.agent}/{entry.request_id}"
+        for victim in entry.victims:
+            key = self.keys.eviction(victim)
+            kv = self.mirror.get(key)
+            if kv is None or EvictionRecord.from_kv(kv).requested_by != requested_by:
+                continue
+            res = await self.store.commit([cmp_mod_revision(key, kv.mod_revision)], [op_delete(key)])
+            if res.succeeded:
+                log.info("withdrew the eviction notice of lease %s: its requester left", victim)
 
     # -- operator: evict and revoke ----------------------------------------------------------------
     async def evict(self, lease_id: str, grace_s: float, reason: str) -> float:

@@ -331,3 +331,16 @@ def test_partition_apply_with_evict_waits_for_the_offenders(cluster: Cluster) ->
         assert resp.applied
         assert on_gpu1.evicting.is_set() and not keep.evicting.is_set()
         assert [x.id for x in cluster.leases()] == [keep.id]
+
+
+def test_notices_are_withdrawn_when_the_requester_gives_up(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator(eviction_grace_s=30)
+    with Client(addr, agent="low", host="h1") as low, Client(addr, agent="high", host="h1") as high:
+        victim = low.acquire(8000, priority=0)
+        with pytest.raises(errors.ResourceExhausted, match="after waiting"):
+            high.acquire(6000, priority=5, wait=1)
+        assert victim.evicting.is_set()
+        # The requester left: nobody needs the room any more, so the victim is not revoked.
+        wait_for(lambda: cluster.get_prefix(cluster.keys.evictions()) == [], 5, "the notice to be withdrawn")
+        assert [x.id for x in cluster.leases()] == [victim.id]
