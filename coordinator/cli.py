@@ -326,7 +326,7 @@ class Child:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd_process import EtcdCluster, etcd_binary
+    from coordinator.etcd_process import EtcdCluster, etcd_binary, port_is_free
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
 
     fake = args.fake_gpus
@@ -340,7 +340,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="gpucoord-up-"))
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"data directory: {data_dir}")
-    etcd = EtcdCluster(1, base_dir=data_dir)
+    # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
+    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0)
     children: list[Child] = []
     py = sys.executable
     try:

@@ -30,6 +30,15 @@ def etcd_binary(name: str = "etcd") -> str:
     return str(path)
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -39,10 +48,11 @@ def free_port() -> int:
 class EtcdMember:
     """One etcd member process: client, peer and metrics ports on 127.0.0.1."""
 
-    def __init__(self, name: str, data_dir: pathlib.Path, log_path: pathlib.Path | None = None) -> None:
+    def __init__(self, name: str, data_dir: pathlib.Path, log_path: pathlib.Path | None = None,
+                 client_port: int = 0) -> None:
         self.name = name
         self.data_dir = data_dir
-        self.client_port = free_port()
+        self.client_port = client_port or free_port()
         self.peer_port = free_port()
         self.metrics_port = free_port()
         self.log_path = log_path or data_dir.parent / f"{name}.log"
@@ -123,10 +133,12 @@ class EtcdMember:
 class EtcdCluster:
     """N etcd members on loopback with temporary (or given) data directories."""
 
-    def __init__(self, size: int = 1, base_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, size: int = 1, base_dir: str | os.PathLike[str] | None = None,
+                 client_port: int = 0) -> None:
         self._own_dir = base_dir is None
         self.base_dir = pathlib.Path(base_dir or tempfile.mkdtemp(prefix="gpucoord-etcd-"))
-        self.members = [EtcdMember(f"m{i}", self.base_dir / f"m{i}.etcd") for i in range(size)]
+        self.members = [EtcdMember(f"m{i}", self.base_dir / f"m{i}.etcd", client_port=client_port if i == 0 else 0)
+                        for i in range(size)]
 
     @property
     def endpoints(self) -> list[str]:
