@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 __version__ = "0.1.0"
 T = TypeVar("T")
 
+# gRPC's default reconnect backoff grows to minutes: a replica back after a restart must be found again
+# well within a session TTL, so the client retries connecting at least every second.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class EvictionNotice:
@@ -131,7 +139,7 @@ class AsyncClient:
         addr = self.addresses[self._addr_i % len(self.addresses)]
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr)
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
         return pb_grpc.CoordinatorStub(ch)
 
     def _next_address(self) -> None:
@@ -163,6 +171,8 @@ class AsyncClient:
 
     # -- session -------------------------------------------------------------------------------
     async def connect(self) -> AsyncClient:
+        if self.session_id:
+            return self   # already connected: a second session would orphan the first one's leases
         resp = await self._call("OpenSession", pb.OpenSessionRequest(
             agent=self.agent, host=self.host, ttl_seconds=self.ttl, pid=os.getpid(), client_version=__version__),
             retry_for=max(self.retry_for, 5.0))
@@ -184,20 +194,40 @@ class AsyncClient:
                     yield item
 
             call = self._stub().KeepAlive(requests())
+            opened = time.monotonic()
 
             async def ticker() -> None:
                 while True:
                     queue.put_nowait(pb.KeepAliveRequest(session=self._ref()))
                     await asyncio.sleep(self.keepalive_interval)
 
-            tick = asyncio.get_running_loop().create_task(ticker())
-            try:
+            async def read() -> None:
                 async for resp in call:
                     if resp.ttl_seconds > 0:
                         self._last_refresh = time.monotonic()
                     for n in resp.notices:
                         self._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
                                                      n.deadline_unix))
+
+            async def watchdog() -> None:
+                # A replica that hangs without closing its socket (SIGSTOP, a stuck loop, a partition that
+                # drops packets) never breaks the stream: no answer for two intervals means move on.
+                stale = max(1.0, 2 * self.keepalive_interval)
+                while time.monotonic() - max(self._last_refresh, opened) < stale:
+                    await asyncio.sleep(min(0.5, self.keepalive_interval / 2))
+
+            tick = asyncio.get_running_loop().create_task(ticker())
+            reader = asyncio.get_running_loop().create_task(read())
+            dog = asyncio.get_running_loop().create_task(watchdog())
+            try:
+                await asyncio.wait({reader, dog}, return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    reader.result()          # raises what broke the stream
+                    self._next_address()     # the server ended it: try the next replica
+                else:
+                    log.info("keepalive: no answer from %s for %.1fs; trying the next replica",
+                             self.addresses[self._addr_i], time.monotonic() - self._last_refresh)
+                    self._next_address()
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("session %s of %s expired: %s", self.session_id, self.agent, e.details())
@@ -209,7 +239,8 @@ class AsyncClient:
                 log.info("keepalive stream broke (%s); reconnecting", e.code().name)
                 self._next_address()
             finally:
-                tick.cancel()
+                for t in (tick, reader, dog):
+                    t.cancel()
                 queue.put_nowait(None)
                 call.cancel()
             if time.monotonic() - self._last_refresh > self.ttl:
@@ -348,6 +379,10 @@ class Client:
         return AsyncClient(addresses, agent, host, ttl, **kw)
 
     def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        if self._loop.is_closed() or not self._thread.is_alive():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise errors.Unavailable("the client is closed")
         fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
         try:
             return fut.result(timeout)
@@ -363,7 +398,11 @@ class Client:
         return self._async.expired
 
     def connect(self) -> Client:
-        self._run(self._async.connect())
+        try:
+            self._run(self._async.connect())
+        except BaseException:
+            self.close()   # do not leave the event-loop thread behind
+            raise
         return self
 
     def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # deciding before it would pass these budgets; the rest is decided in the next round.
 TXN_OPS_BUDGET = 120
 TXN_COMPARES_BUDGET = 120
+ORPHAN_GRACE_S = 2.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,6 +95,7 @@ class _Round:
     failures: list[tuple[AcquireCall, errors.GpucoordError]] = dataclasses.field(default_factory=list)
     new_leases: list[VramLease] = dataclasses.field(default_factory=list)
     deferred: list[AcquireCall] = dataclasses.field(default_factory=list)  # past the budget: next round
+    sessions: dict[str, SessionInfo] = dataclasses.field(default_factory=dict)  # of new grants and waits
     evictions: int = 0
 
 
@@ -109,6 +111,7 @@ class HostAdmitter:
         self._wake = asyncio.Event()
         self._dirty = False
         self._last_commit = 0   # the mirror is used only once it has caught up with our own commits
+        self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # -- the outside -----------------------------------------------------------------------------
@@ -267,13 +270,17 @@ class HostAdmitter:
             metrics.ADMISSIONS.labels(self.host).inc()
             if c is None:
                 continue
+            if not c.future.done():
+                self._orphans.pop(lease.id, None)   # a retry claims a lease its cancelled first try got
             self._waiting.pop(c.lease_id, None)
             if not c.future.done():
                 c.future.set_result(dataclasses.replace(lease, mod_revision=revision) if revision else lease)
             elif id(lease) in new and revision:
                 # Its caller went away while the grant was being committed: nobody knows the lease, so it
-                # is given back rather than held for the rest of the session.
-                asyncio.get_running_loop().create_task(self._give_back(lease, revision))
+                # is given back rather than held for the rest of the session, unless a retry of the same
+                # request claims it first (a client retries at once after a cancelled call).
+                self._orphans[lease.id] = revision
+                asyncio.get_running_loop().call_later(ORPHAN_GRACE_S, self._schedule_give_back, lease)
         if plan.deferred:
             self._pending[:0] = plan.deferred
             self.notify()
@@ -285,7 +292,13 @@ class HostAdmitter:
             loop.call_later(max(0.0, c.deadline - time.monotonic()), self.notify)
         metrics.EVICTIONS.labels("notice").inc(plan.evictions)
 
-    async def _give_back(self, lease: VramLease, revision: int) -> None:
+    def _schedule_give_back(self, lease: VramLease) -> None:
+        asyncio.get_running_loop().create_task(self._give_back(lease))
+
+    async def _give_back(self, lease: VramLease) -> None:
+        revision = self._orphans.pop(lease.id, None)
+        if revision is None:
+            return   # claimed by a retry
         key = self.keys.lease(self.host, lease.gpu_uuid, lease.id)
         try:
             await self.svc.store.commit([cmp_mod_revision(key, revision)], [op_delete(key)])
@@ -337,12 +350,12 @@ class HostAdmitter:
         blocked: set[str] = set()   # GPUs that a request ranked earlier is still waiting for
         queued = len(queue)
         evicting = {lease_id for lease_id in self.svc.evictions}
-        guard_compares = 3 + len(view.gpus) + len({c.session.session_id for c in batch})
-
         def fits_budget(ops: int, compares: int) -> bool:
             used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
+            # Guards: host, partition, queue, every ledger, and one per caller's session (+1 for this one).
+            guards = 3 + len(view.gpus) + len(plan.sessions) + 1
             return (used_ops + ops <= TXN_OPS_BUDGET
-                    and len(plan.compares) + guard_compares + compares <= TXN_COMPARES_BUDGET)
+                    and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 
         for n, it in enumerate(items):
             if not fits_budget(2, 1):
@@ -381,6 +394,8 @@ class HostAdmitter:
             victims_pending = it.entry is not None and any(v in view.leases for v in it.entry.victims)
             placement = best_fit(vram, agent, free_of_queue, caps) if not victims_pending else None
             if placement is not None and placement.gpu is not None:
+                if it.call is not None and it.entry is None:
+                    plan.sessions[it.call.session.session_id] = it.call.session
                 lease = self._grant(view, it, placement.gpu)
                 plan.grants.append((it.call, lease))
                 plan.new_leases.append(lease)
@@ -421,6 +436,7 @@ class HostAdmitter:
             blocked |= {g.uuid for g in candidates}
             if it.entry is None:
                 assert it.call is not None
+                plan.sessions[it.call.session.session_id] = it.call.session
                 entry = self._entry(it.call, it.rank, tuple(victims))
                 key = self.keys.queue_entry(self.host, it.rank)
                 plan.compares.append(cmp_absent(key))
@@ -451,7 +467,7 @@ class HostAdmitter:
         if plan.ops:
             # Admitting or queueing needs a live host; removing entries of a host that is gone does not.
             adds = bool(plan.new_leases) or any(c.rank is None for c, _ in plan.waits)
-            plan.compares += self._guards(view, batch, live, host_must_live=adds)
+            plan.compares += self._guards(view, list(plan.sessions.values()), host_must_live=adds)
         return plan
 
     def _candidates(self, view: HostView, it: _Item) -> tuple[list[GpuView], dict[str, int]]:
@@ -540,8 +556,9 @@ class HostAdmitter:
                           lease_id=c.lease_id, deadline_unix=time.time() + c.wait_s, replica=self.svc.replica_id,
                           victims=victims)
 
-    def _guards(self, view: HostView, batch: list[AcquireCall], live: set[str], host_must_live: bool) -> list[Any]:
-        """What must still hold at commit: nothing admitted or queued on the host since the snapshot."""
+    def _guards(self, view: HostView, sessions: list[SessionInfo], host_must_live: bool) -> list[Any]:
+        """What must still hold at commit: nothing admitted or queued on the host since the snapshot, and
+        the sessions of the new grants and entries still live."""
         keys = self.keys
         out = [cmp_exists(keys.host(self.host))] if host_must_live else []
         out.append(cmp_mod_revision(keys.partition(self.host),
@@ -549,8 +566,7 @@ class HostAdmitter:
         out += [cmp_mod_revision(keys.gpu(self.host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
         # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
         out.append(_cmp_range_unchanged(keys.queue(self.host), view.revision))
-        out += [cmp_exists(keys.session(c.session.agent, c.session.session_id))
-                for c in {c.session.session_id: c for c in batch if c.session.session_id in live}.values()]
+        out += [cmp_exists(keys.session(x.agent, x.session_id)) for x in sessions]
         return out
 
 

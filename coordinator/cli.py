@@ -244,8 +244,10 @@ def cmd_partition(args: argparse.Namespace) -> int:
             except (PartitionError, OSError) as e:
                 print(f"error: {args.file}: {e}", file=sys.stderr)
                 return 1
+            # With --evict the coordinator waits for the offenders to go (up to their grace period).
             resp = stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps(spec.to_json()),
-                                                                dry_run=args.dry_run, evict=args.evict), timeout=15)
+                                                                dry_run=args.dry_run, evict=args.evict),
+                                       timeout=3600 if args.evict else 15)
             doc = json.loads(resp.partition_json)
             print(json.dumps(doc, indent=2) if args.json else render_partition(doc))
             print("applied" if resp.applied else "dry run: valid, nothing written", file=sys.stderr)

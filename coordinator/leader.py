@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 from coordinator import errors
 from coordinator.models import dumps
 from coordinator.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.view import QueueEntry
+from coordinator.view import EvictionRecord, QueueEntry
 
 if TYPE_CHECKING:
     from coordinator.service import CoordinatorService
@@ -99,6 +99,7 @@ class Leadership:
             log.info("replica %s is the leader", self.svc.replica_id)
             self.is_leader = True
             self._duties = asyncio.create_task(self._lead())
+            self._duties.add_done_callback(_log_death)
         elif self.leader_id != self.svc.replica_id:
             self._step_down()
 
@@ -141,22 +142,47 @@ class Leadership:
         while True:
             now = time.time()
             due = [r for r in list(self.svc.evictions.values()) if r.deadline_unix <= now]
+            failed = False
             for record in due:
                 try:
-                    revoked = await self.svc.revoke(record.lease_id, record.host)
+                    await self._deadline(record)
                 except errors.GpucoordError as e:
-                    log.warning("could not revoke lease %s at its deadline: %s", record.lease_id, e)
+                    log.warning("could not enforce the deadline of lease %s: %s", record.lease_id, e)
+                    failed = True
                     continue
-                if revoked:
-                    log.info("revoked lease %s of %s at its eviction deadline", record.lease_id, record.agent)
                 self.svc.evictions.pop(record.lease_id, None)
             upcoming = [r.deadline_unix for r in self.svc.evictions.values()]
             timeout = max(0.0, min(upcoming) - time.time()) if upcoming else 1.0
+            if failed:
+                timeout = max(timeout, 0.2)   # etcd is failing us: do not spin
             self.deadline_wake.clear()
             try:
                 await asyncio.wait_for(self.deadline_wake.wait(), min(timeout, 1.0))
             except asyncio.TimeoutError:
                 pass
+
+    async def _deadline(self, record: EvictionRecord) -> None:
+        """Revoke the lease, unless the request it was evicted for has gone (then the notice is withdrawn:
+        nobody needs the room)."""
+        key = self.keys.eviction(record.lease_id)
+        kv = self.svc.mirror.get(key)
+        if kv is None:
+            return
+        if record.requester_priority is not None and not self._still_waiting(record):
+            res = await self.svc.store.commit([cmp_mod_revision(key, kv.mod_revision)], [op_delete(key)])
+            if res.succeeded:
+                log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
+                         record.requested_by)
+            return
+        if await self.svc.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision):
+            log.info("revoked lease %s of %s at its eviction deadline", record.lease_id, record.agent)
+
+    def _still_waiting(self, record: EvictionRecord) -> bool:
+        for kv in self.svc.mirror.host_items("queue", record.host):
+            entry = QueueEntry.from_kv(kv)
+            if f"{entry.agent}/{entry.request_id}" == record.requested_by:
+                return True
+        return False
 
     async def _sweep_queue(self) -> None:
         while True:
@@ -189,3 +215,8 @@ class Leadership:
                     await self.svc.withdraw_evictions(entry)
                     log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent,
                              "host gone" if gone_host else "waiter gone")
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the leader's duties died: %r", task.exception(), exc_info=task.exception())

@@ -24,7 +24,7 @@ from coordinator.mirror import Mirror
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
 from coordinator.models import HostInventory, dumps
 from coordinator.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.store import (Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
+from coordinator.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
                                op_put, range_req)
 from coordinator.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
 
@@ -299,10 +299,23 @@ class CoordinatorService:
             lease = await self.find_lease(lease_id)
             if lease is None:
                 raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
+            now = time.time()
             existing = await self.store.get(self.keys.eviction(lease_id))
             if existing is not None:
-                return float(EvictionRecord.from_kv(existing).deadline_unix)
-            now = time.time()
+                record = EvictionRecord.from_kv(existing)
+                if record.requested_by == "operator":
+                    return float(record.deadline_unix)
+                # A request's notice becomes the operator's: it must not be withdrawn if that request
+                # gives up, and the operator's grace may bring the deadline forward.
+                record = dataclasses.replace(record, requested_by="operator", requester_priority=None,
+                                             reason=reason or "operator",
+                                             deadline_unix=min(record.deadline_unix, now + grace))
+                res = await self.store.commit(
+                    [cmp_mod_revision(existing.key, existing.mod_revision)],
+                    [op_put(existing.key, dumps(record.to_json()), existing.etcd_lease)])
+                if res.succeeded:
+                    return record.deadline_unix
+                continue
             record = EvictionRecord(
                 lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent,
                 session_id=lease.session_id, victim_priority=lease.priority, requested_by="operator",
@@ -316,21 +329,33 @@ class CoordinatorService:
                 return record.deadline_unix
         raise errors.Unavailable("evict: too much contention; retry")
 
-    async def revoke(self, lease_id: str, host: str | None = None) -> bool:
-        """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone."""
+    async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None) -> bool:
+        """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone.
+
+        With ``notice_revision`` (the leader at a deadline) it happens only while that very notice still
+        stands: a notice withdrawn meanwhile (its requester left) saves the lease.
+        """
         if not lease_id or not valid_name(lease_id):
             raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+        notice_key = self.keys.eviction(lease_id)
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, host)
             if lease is None:
-                await self.store.delete(self.keys.eviction(lease_id))
+                if notice_revision is None:
+                    await self.store.delete(notice_key)
+                else:
+                    await self.store.commit([cmp_mod_revision(notice_key, notice_revision)], [op_delete(notice_key)])
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
-                                          [op_delete(key), op_delete(self.keys.eviction(lease_id))])
+            compares = [cmp_mod_revision(key, lease.mod_revision)]
+            if notice_revision is not None:
+                compares.append(cmp_mod_revision(notice_key, notice_revision))
+            res = await self.store.commit(compares, [op_delete(key), op_delete(notice_key)])
             if res.succeeded:
                 metrics.EVICTIONS.labels("revoke").inc()
                 return True
+            if notice_revision is not None and (await self.store.get(notice_key)) is None:
+                return False   # withdrawn: nothing to enforce any more
         raise errors.Unavailable("revoke: too much contention; retry")
 
     # -- release -------------------------------------------------------------------------------
@@ -446,19 +471,22 @@ class CoordinatorService:
         """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
         if host:
             _check_name("host", host)
-            hosts = [host]
+            snap = await self.store.snapshot(host_ranges(self.keys, host))
+            views = [host_view(self.keys, host, snap, self.config.untracked_vram)]
         else:
-            snap = await self.store.snapshot([range_req(self.keys.hosts(), prefix=True, keys_only=True),
-                                              range_req(self.keys.gpus(), prefix=True, keys_only=True),
-                                              range_req(self.keys.partitions(), prefix=True, keys_only=True)])
-            names = {self.keys.parse(kv.key)[1][0] for r in snap.ranges for kv in r}
-            hosts = sorted(names)
-        ranges = [r for h in hosts for r in host_ranges(self.keys, h)]
-        snap = await self.store.snapshot(ranges)
-        views = []
-        for i, h in enumerate(hosts):
-            sub = Snapshot(snap.revision, snap.ranges[6 * i: 6 * i + 6])
-            views.append(host_view(self.keys, h, sub, self.config.untracked_vram))
+            # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
+            # would pass etcd's limit of operations per transaction).
+            kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue")
+            snap = await self.store.snapshot([range_req(self.keys.root() + k.encode() + b"/", prefix=True)
+                                              for k in kinds])
+            per_host: dict[str, list[list[KV]]] = {}
+            for i, kvs in enumerate(snap.ranges):
+                for kv in kvs:
+                    h = self.keys.parse(kv.key)[1][0]
+                    per_host.setdefault(h, [[] for _ in kinds])[i].append(kv)
+            views = [host_view(self.keys, h, Snapshot(snap.revision, tuple(tuple(r) for r in per_host[h])),
+                               self.config.untracked_vram)
+                     for h in sorted(per_host)]
         etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
         ttls = dict(zip(etcd_leases, await asyncio.gather(*(self.store.time_to_live(x) for x in etcd_leases))))
         return snap.revision, views, ttls

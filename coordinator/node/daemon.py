@@ -39,9 +39,11 @@ class NodeDaemon:
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
         self.overrides = overrides or {}   # simulated hosts: cpu_count, core_ids, mem_bytes, disk_bytes
         self.etcd_lease = 0
+        self._registered = False
         self.inventory: HostInventory | None = None
         self.leases: dict[str, VramLease] = {}          # lease id -> lease, from the watch
         self.highest_token: dict[str, int] = {}         # gpu uuid -> highest token seen
+        self.leases_ready = False                       # the watch-fed view is current
         self.last_usage: tuple[GpuUsage, ...] = ()
         self._published: Any = None
         self._last_write = 0.0
@@ -54,6 +56,7 @@ class NodeDaemon:
         self.etcd_lease = await self.store.grant(self.ttl_s)
         await self._publish_host()
         await self._publish_usage(force=True)
+        self._registered = True
         self._tasks = [asyncio.create_task(self._keepalive_loop()), asyncio.create_task(self._scan_loop()),
                        asyncio.create_task(self._watch_leases())]
         self.ready.set()
@@ -83,7 +86,9 @@ class NodeDaemon:
 
     async def _publish_usage(self, force: bool = False) -> None:
         try:
-            usage = self.source.usage()
+            # NVML calls can block (a GPU in trouble): off the event loop, so keepalives and the gRPC
+            # server keep going meanwhile.
+            usage = await asyncio.to_thread(self.source.usage)
         except NvmlScanError as e:
             log.warning("NVML scan failed, usage not refreshed: %s", e)
             return
@@ -111,16 +116,20 @@ class NodeDaemon:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
             try:
-                ttl = await self.store.keepalive(self.etcd_lease)
+                ttl = await self.store.keepalive(self.etcd_lease) if self.etcd_lease else 0
+                if ttl <= 0:
+                    # Our etcd_lease expired (etcd was unreachable past the TTL): register again.
+                    log.warning("the node's etcd_lease is gone; registering host %s again", self.host)
+                    self.etcd_lease = 0
+                    self._registered = False
+                    self.etcd_lease = await self.store.grant(self.ttl_s)
+                if not self._registered:
+                    # Until both keys are written, every round tries again.
+                    await self._publish_host()
+                    await self._publish_usage(force=True)
+                    self._registered = True
             except errors.GpucoordError as e:
                 log.warning("node keepalive failed: %s", e)
-                continue
-            if ttl <= 0:
-                # Our etcd_lease expired (etcd was unreachable past the TTL): register again.
-                log.warning("the node's etcd_lease expired; registering host %s again", self.host)
-                self.etcd_lease = await self.store.grant(self.ttl_s)
-                await self._publish_host()
-                await self._publish_usage(force=True)
 
     async def _scan_loop(self) -> None:
         while True:
@@ -131,21 +140,33 @@ class NodeDaemon:
                 log.warning("usage publish failed: %s", e)
 
     async def _watch_leases(self) -> None:
+        """Keeps ``leases`` (for CheckToken) current; an error starts it over from a fresh read."""
         prefix = self.keys.leases(self.host)
+        backoff = 0.1
         while True:
-            snap = await self.store.get_prefix(prefix)
-            self.leases = {}
-            for kv in snap.ranges[0]:
-                self._on_put(VramLease.from_kv(kv))
-            async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
-                if batch.resync:
-                    break
-                for ev in batch.events:
-                    lease_id = ev.kv.key.decode().rsplit("/", 1)[-1]
-                    if ev.kind == "PUT":
-                        self._on_put(VramLease.from_kv(ev.kv))
-                    else:
-                        self.leases.pop(lease_id, None)
+            try:
+                self.leases_ready = False
+                snap = await self.store.get_prefix(prefix)
+                self.leases = {}
+                for kv in snap.ranges[0]:
+                    self._on_put(VramLease.from_kv(kv))
+                self.leases_ready = True
+                backoff = 0.1
+                async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
+                    if batch.resync:
+                        break
+                    for ev in batch.events:
+                        lease_id = ev.kv.key.decode().rsplit("/", 1)[-1]
+                        if ev.kind == "PUT":
+                            self._on_put(VramLease.from_kv(ev.kv))
+                        else:
+                            self.leases.pop(lease_id, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("the node's lease watch failed (%r); starting over in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     def _on_put(self, lease: VramLease) -> None:
         self.leases[lease.id] = lease
@@ -188,6 +209,8 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
         if inv is not None and inv.gpu(request.gpu_uuid) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}")
+        if not self.daemon.leases_ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is resynchronising its view of leases; retry")
         live, lease_id = self.daemon.check_token(request.gpu_uuid, request.token)
         return pb.CheckTokenResponse(live=live, lease_id=lease_id,
                                      highest_token=self.daemon.highest_token.get(request.gpu_uuid, 0))
