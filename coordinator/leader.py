@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from coordinator import errors
+from coordinator.aio import log_failure
 from coordinator.models import dumps
 from coordinator.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
 from coordinator.view import EvictionRecord, QueueEntry
@@ -99,7 +100,7 @@ class Leadership:
             log.info("replica %s is the leader", self.svc.replica_id)
             self.is_leader = True
             self._duties = asyncio.create_task(self._lead())
-            self._duties.add_done_callback(_log_death)
+            log_failure(self._duties, "leader duties")
         elif self.leader_id != self.svc.replica_id:
             self._step_down()
 
@@ -216,7 +217,3 @@ class Leadership:
                     log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent,
                              "host gone" if gone_host else "waiter gone")
 
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the leader's duties died: %r", task.exception(), exc_info=task.exception())

@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Sequence
 
 from coordinator import errors, metrics
+from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.admission import VramLease
 from coordinator.admitter import AcquireCall, HostAdmitter
 from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
@@ -29,15 +30,6 @@ from coordinator.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_
 from coordinator.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
 
 log = logging.getLogger(__name__)
-
-
-def _logged(task: asyncio.Task[None], name: str) -> asyncio.Task[None]:
-    """A background task whose failure is logged when it happens, not found at shutdown."""
-    def done(t: asyncio.Task[None]) -> None:
-        if not t.cancelled() and t.exception() is not None:
-            log.error("background task %s died: %r", name, t.exception(), exc_info=t.exception())
-    task.add_done_callback(done)
-    return task
 
 
 def _check_name(field: str, value: str) -> str:
@@ -73,11 +65,11 @@ class CoordinatorService:
     async def start(self, leader_duties: bool = True) -> None:
         from coordinator.leader import Leadership
         await self.store.connect()
-        self._tasks.append(_logged(asyncio.create_task(self._watch()), "watch"))
+        self._tasks.append(log_failure(asyncio.create_task(self._watch()), "watch"))
         await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
         if leader_duties:
             self.leadership = Leadership(self)
-            self._tasks.append(_logged(asyncio.create_task(self.leadership.run()), "leadership"))
+            self._tasks.append(log_failure(asyncio.create_task(self.leadership.run()), "leadership"))
 
     async def stop(self) -> None:
         self._closed = True
@@ -87,49 +79,34 @@ class CoordinatorService:
             q.put_nowait(errors.Unavailable("coordinator is shutting down; reconnect to another replica"))
         if self.leadership is not None:
             await self.leadership.resign()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._tasks)
         await self.store.close()
 
     # -- the replica's watch ---------------------------------------------------------------------
     async def _watch(self) -> None:
         """One watch over the whole prefix: keeps the mirror, wakes the hosts' admitters and delivers
         eviction notices. It never gives up: an error starts it over from a fresh read."""
-        backoff = 0.1
-        while not self._closed:
-            try:
-                await self._watch_once()
-                backoff = 0.1
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.mirror.ready = False
-                log.warning("the replica's watch failed (%r); starting over in %.1fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        def not_ready() -> None:
+            self.mirror.ready = False
+        await retry_forever("the replica's watch", self._watch_once, on_error=not_ready,
+                            stop=lambda: self._closed)
 
     async def _watch_once(self) -> None:
-        if True:
-            snap = await self.store.get_prefix(self.keys.root())
-            self.mirror.reset(snap.ranges[0], snap.revision)
-            self.evictions = {r.lease_id: r for r in (EvictionRecord.from_kv(kv)
-                                                      for kv in self.mirror.items("evictions"))}
-            self.watch_ready.set()
-            for a in self._admitters.values():
-                a.notify()
-            for session_id in list(self._streams):
-                self._push_pending(session_id)
-            async for batch in self.store.watch(self.keys.root(), start_revision=snap.revision + 1):
-                if batch.resync:
-                    self.mirror.ready = False
-                    return
-                self.mirror.apply(batch)
-                self._on_events(batch)
+        snap = await self.store.get_prefix(self.keys.root())
+        self.mirror.reset(snap.ranges[0], snap.revision)
+        self.evictions = {r.lease_id: r for r in (EvictionRecord.from_kv(kv)
+                                                  for kv in self.mirror.items("evictions"))}
+        self.watch_ready.set()
+        for a in self._admitters.values():
+            a.notify()
+        for session_id in list(self._streams):
+            self._push_pending(session_id)
+        async for batch in self.store.watch(self.keys.root(), start_revision=snap.revision + 1):
+            if batch.resync:
+                self.mirror.ready = False
+                return
+            self.mirror.apply(batch)
+            self._on_events(batch)
 
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()

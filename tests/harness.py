@@ -41,6 +41,32 @@ class LoopThread:
         self.thread.join(5)
 
 
+class Background:
+    """Run a blocking call in a thread; ``result()`` waits for it (with a deadline) and re-raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.finished_at = 0.0
+
+        def run() -> None:
+            try:
+                self.value = fn(*args, **kw)
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                self.error = e
+            finally:
+                self.finished_at = time.monotonic()
+                self.done.set()
+        threading.Thread(target=run, daemon=True).start()
+
+    def result(self, timeout: float = 30) -> Any:
+        assert self.done.wait(timeout), "the background call did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
     """Poll ``predicate`` until it is truthy, with a deadline (never a bare sleep as synchronisation)."""
     deadline = time.monotonic() + timeout

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import __version__, errors, metrics
+from coordinator.aio import cancel_and_wait, retry_forever
 from coordinator.admission import VramLease
 from coordinator.api import node_pb2 as pb
 from coordinator.api import node_pb2_grpc as pb_grpc
@@ -62,13 +63,7 @@ class NodeDaemon:
         self.ready.set()
 
     async def stop(self, revoke: bool = True) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._tasks)
         if revoke and self.etcd_lease:
             try:
                 await self.store.revoke(self.etcd_lease)
@@ -141,32 +136,27 @@ class NodeDaemon:
 
     async def _watch_leases(self) -> None:
         """Keeps ``leases`` (for CheckToken) current; an error starts it over from a fresh read."""
+        def not_ready() -> None:
+            self.leases_ready = False
+        await retry_forever("the node's lease watch", self._watch_leases_once, on_error=not_ready)
+
+    async def _watch_leases_once(self) -> None:
         prefix = self.keys.leases(self.host)
-        backoff = 0.1
-        while True:
-            try:
-                self.leases_ready = False
-                snap = await self.store.get_prefix(prefix)
-                self.leases = {}
-                for kv in snap.ranges[0]:
-                    self._on_put(VramLease.from_kv(kv))
-                self.leases_ready = True
-                backoff = 0.1
-                async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
-                    if batch.resync:
-                        break
-                    for ev in batch.events:
-                        lease_id = ev.kv.key.decode().rsplit("/", 1)[-1]
-                        if ev.kind == "PUT":
-                            self._on_put(VramLease.from_kv(ev.kv))
-                        else:
-                            self.leases.pop(lease_id, None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("the node's lease watch failed (%r); starting over in %.1fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        self.leases_ready = False
+        snap = await self.store.get_prefix(prefix)
+        self.leases = {}
+        for kv in snap.ranges[0]:
+            self._on_put(VramLease.from_kv(kv))
+        self.leases_ready = True
+        async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
+            if batch.resync:
+                return
+            for ev in batch.events:
+                lease_id = ev.kv.key.decode().rsplit("/", 1)[-1]
+                if ev.kind == "PUT":
+                    self._on_put(VramLease.from_kv(ev.kv))
+                else:
+                    self.leases.pop(lease_id, None)
 
     def _on_put(self, lease: VramLease) -> None:
         self.leases[lease.id] = lease

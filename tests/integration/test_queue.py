@@ -16,7 +16,7 @@ from agent_client import AsyncClient, Client, errors
 from coordinator.api import coordinator_pb2 as pb
 from coordinator.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.view import QueueEntry
-from tests.harness import Cluster, LoopThread, wait_for
+from tests.harness import Background, Cluster, LoopThread, wait_for
 from tests.history import check_store
 
 pytestmark = pytest.mark.integration
@@ -33,30 +33,6 @@ def queue(cluster: Cluster, host: str = "h1") -> list[QueueEntry]:
     return [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue(host))]
 
 
-class Background:
-    """Run a blocking call in a thread; ``result()`` waits for it (with a deadline)."""
-
-    def __init__(self, fn: Any, *args: Any, **kw: Any) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.finished_at = 0.0
-
-        def run() -> None:
-            try:
-                self.value = fn(*args, **kw)
-            except BaseException as e:  # noqa: BLE001 - handed to the test
-                self.error = e
-            finally:
-                self.finished_at = time.monotonic()
-                self.done.set()
-        threading.Thread(target=run, daemon=True).start()
-
-    def result(self, timeout: float = 30) -> Any:
-        assert self.done.wait(timeout), "the background call did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def test_waiter_is_granted_right_after_a_release(cluster: Cluster) -> None:

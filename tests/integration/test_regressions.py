@@ -20,7 +20,7 @@ from coordinator.api import coordinator_pb2 as pb
 from coordinator.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.store import Snapshot, WatchBatch
 from coordinator.view import QueueEntry
-from tests.harness import Cluster, LoopThread, wait_for
+from tests.harness import Background, Cluster, LoopThread, wait_for
 from tests.history import check_store
 
 pytestmark = pytest.mark.integration
@@ -74,26 +74,6 @@ def patch_commit(cluster: Cluster, svc: Any,
     return undo
 
 
-class Background:
-    def __init__(self, fn: Any, *args: Any, **kw: Any) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-        def run() -> None:
-            try:
-                self.value = fn(*args, **kw)
-            except BaseException as e:  # noqa: BLE001
-                self.error = e
-            finally:
-                self.done.set()
-        threading.Thread(target=run, daemon=True).start()
-
-    def result(self, timeout: float = 30) -> Any:
-        assert self.done.wait(timeout), "the background call did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 @pytest.fixture

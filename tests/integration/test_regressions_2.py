@@ -27,7 +27,7 @@ from coordinator.api import node_pb2
 from coordinator.api import node_pb2_grpc
 from coordinator.store import WatchBatch
 from coordinator.view import QueueEntry
-from tests.harness import REPO, Cluster, child_env, spawn_coordinator, wait_for
+from tests.harness import Background, REPO, Cluster, child_env, spawn_coordinator, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -63,26 +63,6 @@ def patch_method(cluster: Cluster, obj: Any, name: str, replacement: Callable[..
     return lambda: obj.__dict__.pop(name, None)
 
 
-class Background:
-    def __init__(self, fn: Any, *args: Any, **kw: Any) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-        def run() -> None:
-            try:
-                self.value = fn(*args, **kw)
-            except BaseException as e:  # noqa: BLE001
-                self.error = e
-            finally:
-                self.done.set()
-        threading.Thread(target=run, daemon=True).start()
-
-    def result(self, timeout: float = 30) -> Any:
-        assert self.done.wait(timeout), "the background call did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 # == agent_client ==================================================================================

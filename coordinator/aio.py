@@ -1,0 +1,49 @@
+"""Small asyncio helpers shared by the coordinator and the node daemon."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+
+def log_failure(task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
+    """A background task whose failure is logged when it happens, not found at shutdown."""
+    def done(t: asyncio.Task[Any]) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            log.error("background task %s died: %r", name, t.exception(), exc_info=t.exception())
+    task.add_done_callback(done)
+    return task
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel the tasks and wait until each has finished, whatever it raised."""
+    tasks = list(tasks)
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        try:
+            await t
+        except (asyncio.CancelledError, Exception):
+            pass
+
+
+async def retry_forever(what: str, body: Callable[[], Awaitable[None]], first_backoff: float = 0.1,
+                        max_backoff: float = 5.0, on_error: Callable[[], None] | None = None,
+                        stop: Callable[[], bool] = lambda: False) -> None:
+    """Run ``body`` again and again until ``stop()``: a pass that raises is logged and retried after a
+    growing backoff; a pass that returns resets it. For the watches that must never stay dead."""
+    backoff = first_backoff
+    while not stop():
+        try:
+            await body()
+            backoff = first_backoff
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if on_error is not None:
+                on_error()
+            log.warning("%s failed (%r); starting over in %.1fs", what, e, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, max_backoff)
