@@ -21,7 +21,7 @@ key                                    value                                    
 ``evictions/<lease_id>``               who asked (and its priority), why, deadline                 victim's session      the deciding coordinator, or an    created with version == 0, comparing the victim's   release of the victim, leader at deadline
                                                                                                                          operator; the leader enforces      mod_revision
 ``sessions/<agent>/<session_id>``      agent, host, pid, client version, ttl                       the session itself    coordinator                        every admission compares version > 0                CloseSession (revoke) or etcd on expiry
-``election``, ``coordinators/<id>``    leader election, live replicas                              replica's etcd_lease  coordinator                        election: create_revision order                     etcd, with the replica's etcd_lease
+``election/<id>``, ``coordinators/<id>`` leader election, live replicas                            replica's etcd_lease  coordinator                        election: lowest create_revision leads              etcd, with the replica's etcd_lease
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
