@@ -10,11 +10,9 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
-import random
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any
 
 from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
@@ -507,10 +505,6 @@ def partition_conflicts(partition: Partition, view: HostView) -> tuple[list[str]
                     offenders[x.id] = x
                     left -= x.vram_mb
     return lines, list(offenders.values())
-
-
-def client_pid() -> int:
-    return os.getpid()
 
 
 def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> dict[str, Any]:

@@ -115,10 +115,6 @@ def cmp_absent(key: bytes) -> Any:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL, version=0)
 
 
-def cmp_value(key: bytes, value: bytes) -> Any:
-    return rpc.Compare(key=key, target=rpc.Compare.VALUE, result=rpc.Compare.EQUAL, value=value)
-
-
 def _translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
     """The one place etcd's failures become gpucoord errors."""
     code, details = e.code(), (e.details() or "")
