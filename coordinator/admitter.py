@@ -331,9 +331,9 @@ class HostAdmitter:
                 continue
             entry = by_lease.get(c.lease_id)
             if entry is not None:      # a retry of a request that is already waiting: keep its place
-                if entry.agent != c.session.agent:
-                    plan.failures.append((c, errors.NotOwner("request_id: names a request of another agent",
-                                                             "request_id")))
+                if entry.session_id != c.session.session_id:
+                    plan.failures.append((c, errors.FailedPrecondition(
+                        "request_id: already waiting in another session of this agent", "request_id")))
                     continue
                 prior = self._waiting.get(c.lease_id)
                 if prior is not None and prior is not c and not prior.future.done():
@@ -367,10 +367,11 @@ class HostAdmitter:
             lease_id = it.field("lease_id")
             existing = view.leases.get(lease_id)
             if existing is not None:
-                if existing.agent != agent:
-                    if it.call is not None and it.entry is None:
-                        plan.failures.append((it.call, errors.NotOwner(
-                            "request_id: names a lease of another agent", "request_id")))
+                if it.call is not None and it.entry is None and existing.session_id != it.call.session.session_id:
+                    # The same request from another session of the agent: handing it a lease that it could
+                    # neither release nor keep (it lives and dies with the other session) would be wrong.
+                    plan.failures.append((it.call, errors.FailedPrecondition(
+                        "request_id: already holds a lease in another session of this agent", "request_id")))
                     continue
                 plan.grants.append((it.call, existing))
                 if it.entry is not None:

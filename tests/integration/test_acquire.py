@@ -94,3 +94,14 @@ def test_no_admission_on_a_host_whose_node_is_gone(cluster: Cluster) -> None:
         cluster.stop_node("h1")
         with pytest.raises(errors.FailedPrecondition, match="host"):
             c.acquire(1000)
+
+
+def test_same_request_id_from_another_session_is_refused(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as first, Client(addr, agent="agent-a", host="h1") as second:
+        lease = first.acquire(1000, request_id="job-7")
+        before = cluster.state()
+        with pytest.raises(errors.FailedPrecondition, match="request_id"):
+            second.acquire(1000, request_id="job-7")
+        assert cluster.state() == before and [x.id for x in cluster.leases()] == [lease.id]
