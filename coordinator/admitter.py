@@ -210,9 +210,7 @@ class HostAdmitter:
             elif lease is not None:   # the entry went with a grant (by any replica)
                 c.future.set_result(lease)
             else:
-                c.future.set_exception(errors.FailedPrecondition(
-                    "queue: the waiting request was removed from the queue (host gone, or partition changed)",
-                    "queue"))
+                c.future.set_exception(_swept())
 
     async def _round(self, batch: list[AcquireCall]) -> None:
         svc = self.svc
@@ -320,9 +318,7 @@ class HostAdmitter:
                 if lease is not None:
                     plan.grants.append((c, lease))
                 else:
-                    plan.failures.append((c, errors.FailedPrecondition(
-                        "queue: the waiting request was removed from the queue (host gone, or partition changed)",
-                        "queue")))
+                    plan.failures.append((c, _swept()))
         for c in batch:
             if c.session.session_id not in live:
                 plan.failures.append((c, errors.SessionGone(
@@ -375,9 +371,7 @@ class HostAdmitter:
                     continue
                 plan.grants.append((it.call, existing))
                 if it.entry is not None:
-                    key = self.keys.queue_entry(self.host, it.entry.rank)
-                    plan.compares.append(cmp_mod_revision(key, it.entry.mod_revision))
-                    plan.ops.append(op_delete(key))
+                    self._remove_entry(plan, it.entry)
                 continue
             try:
                 candidates, caps = self._candidates(view, it)
@@ -386,9 +380,7 @@ class HostAdmitter:
                     plan.failures.append((it.call, e))
                     self._waiting.pop(lease_id, None)
                 if it.entry is not None:   # it can never be granted any more: it leaves the queue
-                    key = self.keys.queue_entry(self.host, it.entry.rank)
-                    plan.compares.append(cmp_mod_revision(key, it.entry.mod_revision))
-                    plan.ops.append(op_delete(key))
+                    self._remove_entry(plan, it.entry)
                 continue
             vram, priority = int(it.field("vram_mb")), int(it.field("priority"))
             free_of_queue = [g for g in candidates if g.uuid not in blocked]
@@ -401,9 +393,7 @@ class HostAdmitter:
                 plan.grants.append((it.call, lease))
                 plan.new_leases.append(lease)
                 if it.entry is not None:
-                    key = self.keys.queue_entry(self.host, it.entry.rank)
-                    plan.compares.append(cmp_mod_revision(key, it.entry.mod_revision))
-                    plan.ops.append(op_delete(key))
+                    self._remove_entry(plan, it.entry)
                 continue
             may_wait = it.entry is not None or (it.call is not None and it.call.wait_s > 0)
             if not may_wait:
@@ -470,6 +460,12 @@ class HostAdmitter:
             adds = bool(plan.new_leases) or any(c.rank is None for c, _ in plan.waits)
             plan.compares += self._guards(view, list(plan.sessions.values()), host_must_live=adds)
         return plan
+
+    def _remove_entry(self, plan: _Round, entry: QueueEntry) -> None:
+        """The entry leaves the queue in this round's transaction, if nobody changed it since the snapshot."""
+        key = self.keys.queue_entry(self.host, entry.rank)
+        plan.compares.append(cmp_mod_revision(key, entry.mod_revision))
+        plan.ops.append(op_delete(key))
 
     def _candidates(self, view: HostView, it: _Item) -> tuple[list[GpuView], dict[str, int]]:
         """The GPUs this request may ever use, with the agent's cap on each; raises why there are none."""
@@ -577,6 +573,11 @@ def _cmp_range_unchanged(prefix: bytes, revision: int) -> Any:
     from coordinator.keys import prefix_range_end
     return rpc.Compare(key=prefix, range_end=prefix_range_end(prefix), target=rpc.Compare.MOD,
                        result=rpc.Compare.LESS, mod_revision=revision + 1)
+
+
+def _swept() -> errors.FailedPrecondition:
+    return errors.FailedPrecondition(
+        "queue: the waiting request was removed from the queue (host gone, or partition changed)", "queue")
 
 
 def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:

@@ -265,8 +265,7 @@ class CoordinatorService:
     # -- operator: evict and revoke ----------------------------------------------------------------
     async def evict(self, lease_id: str, grace_s: float, reason: str) -> float:
         """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
-        if not lease_id or not valid_name(lease_id):
-            raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+        _check_lease_id(lease_id)
         if grace_s < 0 or grace_s != grace_s or grace_s > 3600:
             raise errors.InvalidArgument("grace_seconds: must be within [0, 3600]", "grace_seconds")
         grace = grace_s or self.config.eviction_grace_s
@@ -310,8 +309,7 @@ class CoordinatorService:
         With ``notice_revision`` (the leader at a deadline) it happens only while that very notice still
         stands: a notice withdrawn meanwhile (its requester left) saves the lease.
         """
-        if not lease_id or not valid_name(lease_id):
-            raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+        _check_lease_id(lease_id)
         notice_key = self.keys.eviction(lease_id)
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, host)
@@ -336,8 +334,7 @@ class CoordinatorService:
     # -- release -------------------------------------------------------------------------------
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
         """Delete the lease if it is the caller's. Idempotent: a lease that is gone answers False."""
-        if not lease_id or not valid_name(lease_id):
-            raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+        _check_lease_id(lease_id)
         for attempt in range(self.config.commit_attempts):
             # First from the mirror (a miss or a lost compare falls back to reading etcd).
             lease = self._mirrored_lease(lease_id, info.host) if attempt == 0 else None
@@ -360,19 +357,12 @@ class CoordinatorService:
     def _mirrored_lease(self, lease_id: str, host: str) -> VramLease | None:
         if not self.mirror.ready:
             return None
-        suffix = b"/" + lease_id.encode()
-        for kv in self.mirror.host_items("leases", host):
-            if kv.key.endswith(suffix):
-                return VramLease.from_kv(kv)
-        return None
+        return _lease_named(self.mirror.host_items("leases", host), lease_id)
 
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         prefix = self.keys.leases(host) if host else self.keys.leases()
         snap = await self.store.get_prefix(prefix)
-        for kv in snap.ranges[0]:
-            if kv.key.endswith(b"/" + lease_id.encode()):
-                return VramLease.from_kv(kv)
-        return None
+        return _lease_named(snap.ranges[0], lease_id)
 
     # -- partitions ----------------------------------------------------------------------------
     async def apply_partition(self, spec_data: dict[str, Any], dry_run: bool, evict: bool) -> tuple[Partition, bool]:
@@ -465,6 +455,20 @@ class CoordinatorService:
         etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
         ttls = dict(zip(etcd_leases, await asyncio.gather(*(self.store.time_to_live(x) for x in etcd_leases))))
         return snap.revision, views, ttls
+
+
+def _check_lease_id(lease_id: str) -> None:
+    if not lease_id or not valid_name(lease_id):
+        raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+
+
+def _lease_named(kvs: Any, lease_id: str) -> VramLease | None:
+    """The lease with this id among ``leases/<host>/<gpu>/<id>`` keys (ids are unique across hosts)."""
+    suffix = b"/" + lease_id.encode()
+    for kv in kvs:
+        if kv.key.endswith(suffix):
+            return VramLease.from_kv(kv)
+    return None
 
 
 def partition_conflicts(partition: Partition, view: HostView) -> tuple[list[str], list[VramLease]]:
