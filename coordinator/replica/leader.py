@@ -21,6 +21,7 @@ from coordinator import errors
 from coordinator.aio import log_failure
 from coordinator.records import dumps
 from coordinator.etcd.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.replica.admitter import Removal, remove_entries
 from coordinator.replica.view import EvictionRecord, QueueEntry
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 1.0
 SWEEP_GRACE_S = 2.0
+# A waiter's own replica removes its entry within moments of its deadline; the leader removes one that is
+# still there this long after it only as a safety net (and the waiter's replica still answers it right).
+OVERDUE_S = 20.0
 
 
 class Leadership:
@@ -194,6 +198,11 @@ class Leadership:
             await asyncio.sleep(SWEEP_INTERVAL_S)
 
     async def _sweep_once(self) -> None:
+        """Remove the entries nobody else will: those of hosts that are gone, those whose replica died, and
+        (a safety net) those long past their deadline. Removals go in batched transactions, each entry
+        compared on its mod_revision, so an entry that a replica granted, removed or rewrote meanwhile
+        stays as it is. The waiter's replica answers from what it then reads (FAILED_PRECONDITION only if
+        the host is gone or the partition changed), so a sweep never changes the answer."""
         keys = self.keys
         snap = await self.svc.store.snapshot([range_req(keys.hosts(), prefix=True, keys_only=True),
                                               range_req(keys.queue(), prefix=True),
@@ -201,19 +210,20 @@ class Leadership:
         hosts = {keys.parse(kv.key)[1][0] for kv in snap.ranges[0]}
         replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[2]}
         now = time.time()
+        removals: list[Removal] = []
+        swept: list[tuple[QueueEntry, str]] = []
         for kv in snap.ranges[1]:
             host = keys.parse(kv.key)[1][0]
             entry = QueueEntry.from_kv(kv)
             gone_host = host not in hosts
             abandoned = entry.deadline_unix + SWEEP_GRACE_S < now and entry.replica not in replicas
-            overdue = entry.deadline_unix + 10 * SWEEP_GRACE_S < now
+            overdue = entry.deadline_unix + OVERDUE_S < now
             if gone_host or abandoned or overdue:
-                compares = [cmp_mod_revision(kv.key, kv.mod_revision)]
-                if gone_host:
-                    compares.append(cmp_absent(keys.host(host)))
-                res = await self.svc.store.commit(compares, [op_delete(kv.key)])
-                if res.succeeded:
-                    await self.svc.withdraw_evictions(entry)
-                    log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent,
-                             "host gone" if gone_host else "waiter gone")
-
+                removals.append(Removal(kv.key, kv.mod_revision, (cmp_absent(keys.host(host)),) if gone_host else ()))
+                swept.append((entry, "host gone" if gone_host else "waiter gone" if abandoned else "overdue"))
+        if not removals:
+            return
+        for (entry, why), out in zip(swept, await remove_entries(self.svc.store, removals)):
+            if out.removed is not None:
+                await self.svc.withdraw_evictions(entry)
+                log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent, why)

@@ -149,6 +149,13 @@ class QueueEntry:
         return cls(rank=kv.key.decode().rsplit("/", 1)[-1], mod_revision=kv.mod_revision, **d)
 
 
+@functools.lru_cache(maxsize=8192)
+def queue_entry(kv: KV) -> QueueEntry:
+    """``QueueEntry.from_kv``, cached: every round reads the host's whole queue, and entries rarely change
+    (a KV is immutable, and equal only with the same key, value and revisions)."""
+    return QueueEntry.from_kv(kv)
+
+
 @dataclasses.dataclass(frozen=True)
 class EvictionRecord:
     """``evictions/<lease_id>``: a notice to a lease's holder, with the deadline the leader enforces."""
