@@ -250,9 +250,12 @@ class HostAdmitter:
                     self._expired(c, QueueEntry.from_kv(out.removed))
                 elif out.current is None:
                     granted.append(c)   # gone meanwhile: with a grant (by any replica), or removed
-                elif _served_here(out.current, self.svc.replica_id, c.lease_id) and tries < 5:
+                elif _served_here(out.current, self.svc.replica_id, c.lease_id):
                     c.entry_revision = out.current.mod_revision   # rewritten by one of our rounds
-                    retry.append(c)
+                    if tries < 3:
+                        retry.append(c)
+                    else:   # our rounds keep rewriting it: still ours, removed on the next pass
+                        asyncio.get_running_loop().call_later(0.05, self._expire_wake.set)
                 else:
                     # Another replica serves a retry of this request now: its entry is that replica's.
                     self._expired(c, None)
@@ -429,13 +432,13 @@ class HostAdmitter:
         items = [_Item(e.rank, e, attached.get(e.lease_id) or self._waiting.get(e.lease_id)) for e in queue]
         items += fresh
         items.sort(key=lambda it: it.rank)
-        fresh_calls = {id(c) for c in attached.values()}
+        attached_calls = {id(c) for c in attached.values()}
 
         def leaving(it: _Item) -> bool:
             """Our waiter whose caller went away or whose wait is over: the expiry removes its entry, so it
             neither blocks a GPU nor counts against the queue bounds, and it is not granted any more."""
             c = it.call
-            return (c is not None and it.entry is not None and id(c) not in fresh_calls
+            return (c is not None and it.entry is not None and id(c) not in attached_calls
                     and (c.future.done() or now >= c.deadline))
 
         blocked: set[str] = set()   # GPUs that a request ranked earlier is still waiting for
