@@ -1,4 +1,4 @@
-"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, bench."""
+"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, run, bench."""
 from __future__ import annotations
 
 import argparse
@@ -281,6 +281,50 @@ def cmd_lease(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vram_mb(text: str) -> int:
+    """``--vram``: a size with a unit (``1GiB``, ``4096MiB``, ``1.5GB``), rounded up to whole MiB."""
+    from coordinator.partition import PartitionError, parse_size
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"--vram: {text!r} has no unit; give a size such as 4096MiB or 4GiB")
+    try:
+        n = parse_size(text, "--vram")
+    except PartitionError as e:
+        raise ValueError(str(e)) from None
+    if n <= 0:
+        raise ValueError("--vram: must be more than 0")
+    return -(-n // (1 << 20))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent_client.run import run_command
+    from coordinator.keys import valid_name
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    try:
+        if not cmd:
+            raise ValueError("a command is needed after --, e.g. gpucoord run --agent a --vram 1GiB -- python x.py")
+        vram_mb = _vram_mb(args.vram)
+        host = args.host or socket.gethostname()
+        for field, value in (("--agent", args.agent), ("--host", host)):
+            if not valid_name(value):
+                raise ValueError(f"{field}: {value!r} is not a valid name")
+        if args.kill_after is not None and not 0 <= args.kill_after <= 3600:
+            raise ValueError("--kill-after: must be within [0, 3600] seconds")
+        if args.wait < 0:
+            raise ValueError("--wait: must be >= 0")
+    except ValueError as e:
+        print(f"gpucoord run: {e}", file=sys.stderr)
+        return 2
+    if args.verbose:
+        _setup_logging(True)
+    return asyncio.run(run_command(
+        args.coordinator, args.agent, host, cmd, vram_mb, ttl=args.ttl, gpu=args.gpu, priority=args.priority,
+        preemptible=not args.no_preemptible, wait=args.wait, kill_after=args.kill_after,
+        cgroup_root=args.cgroup_root))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from coordinator.bench import main as bench_main
     return bench_main(args)
@@ -486,6 +530,25 @@ def build_parser() -> argparse.ArgumentParser:
     rv = lsub.add_parser("revoke", help="delete the lease now")
     rv.add_argument("id")
     le.set_defaults(fn=cmd_lease)
+
+    ru = sub.add_parser("run", help="run a command under a VRAM lease: GPU by uuid, partition limits, SIGTERM on "
+                                     "eviction notice, SIGKILL at the deadline or when the lease is lost",
+                        usage="gpucoord run --agent NAME [--host H] --vram SIZE [options] -- CMD [ARGS...]")
+    ru.add_argument("--agent", required=True)
+    ru.add_argument("--host", default=None, help="this host's name in gpucoord (default: the hostname)")
+    ru.add_argument("--vram", required=True, help="VRAM to lease, with a unit: 4096MiB, 24GiB")
+    ru.add_argument("--gpu", default=None, help="GPU index or uuid (default: best fit)")
+    ru.add_argument("--priority", type=int, default=0)
+    ru.add_argument("--no-preemptible", action="store_true", help="never evict this lease for another request")
+    ru.add_argument("--wait", type=float, default=0.0, help="queue up to this many seconds for the VRAM")
+    ru.add_argument("--kill-after", type=float, default=None,
+                    help="on an eviction notice, SIGKILL this long after SIGTERM (never later than the deadline)")
+    ru.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    ru.add_argument("--cgroup-root", default=None,
+                    help="a writable cgroup v2 directory (e.g. a delegated systemd slice) for memory.max and cpu.max")
+    ru.add_argument("--ttl", type=int, default=10, help="session TTL, seconds")
+    ru.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    ru.set_defaults(fn=cmd_run)
 
     be = sub.add_parser("bench", help="measure against baselines taken in the same run")
     be.add_argument("what", choices=("acquire", "p7", "all"),

@@ -29,7 +29,7 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
     return pb.Lease(id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, gpu_index=lease.gpu_index,
                     vram_mb=lease.vram_mb, priority=lease.priority, preemptible=lease.preemptible, token=lease.token,
                     agent=lease.agent, session_id=lease.session_id, request_id=lease.request_id,
-                    created_at=lease.created_at, ttl_remaining=ttl_remaining)
+                    created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
 
 
 def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -132,6 +132,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         info = await self._session(request.session)
         return pb.ReleaseResponse(released=await self.svc.release(info, request.lease_id))
+
+    @_rpc
+    async def AttachProcesses(self, request: pb.AttachProcessesRequest, context: Any) -> pb.AttachProcessesResponse:
+        info = await self._session(request.session)
+        changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid)
+        return pb.AttachProcessesResponse(changed=changed)
 
     @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:

@@ -18,7 +18,7 @@ from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.admission import VramLease
 from coordinator.admitter import AcquireCall, HostAdmitter
-from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
+from coordinator.config import MAX_ATTACHED_PIDS, MAX_PID, MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
 from coordinator.mirror import Mirror
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
 from coordinator.models import HostInventory, dumps
@@ -353,6 +353,35 @@ class CoordinatorService:
                 metrics.RELEASES.inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")
+
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
+        """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
+        keeps everything else, token included. False when it already recorded exactly these."""
+        _check_lease_id(lease_id)
+        if len(pids) > MAX_ATTACHED_PIDS:
+            raise errors.InvalidArgument(f"pids: at most {MAX_ATTACHED_PIDS}, got {len(pids)}", "pids")
+        bad = [p for p in pids if not 1 <= p <= MAX_PID]
+        if bad:
+            raise errors.InvalidArgument(f"pids: {bad[0]} is not a process id (1..{MAX_PID})", "pids")
+        if not 0 <= pgid <= MAX_PID:
+            raise errors.InvalidArgument(f"pgid: {pgid} is not a process group id (0 for none, or 1..{MAX_PID})",
+                                         "pgid")
+        wanted = tuple(sorted(set(pids)))
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id, info.host)
+            if lease is None:
+                raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
+            if lease.session_id != info.session_id or lease.agent != info.agent:
+                raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
+            if (lease.pids, lease.pgid) == (wanted, pgid):
+                return False
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            value = dumps(dataclasses.replace(lease, pids=wanted, pgid=pgid).to_json())
+            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
+                                          [op_put(key, value, lease.etcd_lease)])
+            if res.succeeded:
+                return True
+        raise errors.Unavailable("attach processes: too much contention; retry")
 
     def _mirrored_lease(self, lease_id: str, host: str) -> VramLease | None:
         if not self.mirror.ready:
