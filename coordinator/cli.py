@@ -72,12 +72,13 @@ def cmd_node(args: argparse.Namespace) -> int:
         print(f"gpucoord node: --host {host!r} is not a valid host name", file=sys.stderr)
         return 2
     try:
-        source = open_gpu_source(args.fake_gpus, host)
+        source = open_gpu_source(args.fake_gpus, host, fake_processes=args.fake_processes)
     except NvmlUnavailable as e:
         print(f"gpucoord node: {e}", file=sys.stderr)
         return 3
     except ValueError as e:
-        print(f"gpucoord node: --fake-gpus: {e}", file=sys.stderr)
+        print(f"gpucoord node: {e if args.fake_processes and args.fake_gpus is None else f'--fake-gpus: {e}'}",
+              file=sys.stderr)
         return 2
     overrides: dict[str, Any] = {}
     try:
@@ -90,6 +91,11 @@ def cmd_node(args: argparse.Namespace) -> int:
             overrides["mem_bytes"] = parse_size(args.fake_mem, "--fake-mem")
         if args.fake_disk is not None:
             overrides["disk_bytes"] = parse_size(args.fake_disk, "--fake-disk")
+        from coordinator.node.enforce import Enforcer
+        tolerance_mb = parse_size(args.over_use_tolerance, "--over-use-tolerance") // (1 << 20)
+        if args.untracked_grace < 0:
+            raise ValueError("--untracked-grace: must be >= 0")
+        enforcer = Enforcer(args.enforce, tolerance_mb, args.untracked_grace)
     except (ValueError, PartitionError) as e:
         print(f"gpucoord node: {e}", file=sys.stderr)
         return 2
@@ -98,7 +104,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
                                             args.ttl, stop, ready=lambda p: _ready_line("node", p),
                                             metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
-                                            overrides=overrides))
+                                            overrides=overrides, enforcer=enforcer))
     return 0
 
 
@@ -146,6 +152,19 @@ def render_status(doc: dict[str, Any]) -> str:
                          f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
                          f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
                          f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
+        for g in h.get("gpus", []):
+            for u in g.get("lease_use", []):
+                if u.get("over_use"):
+                    lines.append(f"  OVER-USE on GPU {g['index']}: lease {u['lease_id']} ({u['agent']}) uses "
+                                 f"{_mib(int(u['used_mb']))} of {_mib(int(u['vram_mb']))} leased "
+                                 f"(pids {', '.join(str(x) for x in u.get('pids', []))})")
+            for p in g.get("processes", []):
+                if p.get("state") == "orphaned":
+                    lines.append(f"  ORPHANED on GPU {g['index']}: pid {p['pid']} uses {_mib(int(p['used_mb']))}; "
+                                 f"its lease {p['lease_id']} no longer exists")
+                elif p.get("state") in ("untracked", "leased_elsewhere"):
+                    lines.append(f"  {p['state']} on GPU {g['index']}: pid {p['pid']} uses {_mib(int(p['used_mb']))}"
+                                 + (f" (its lease {p['lease_id']} is on another GPU)" if p.get("lease_id") else ""))
         if h.get("agents") and h.get("partition_mode") != "shared":
             lines.append("  partition:")
             for a in h["agents"]:
@@ -405,6 +424,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                      "--listen", args.node_listen]
         if fake:
             node_argv += ["--fake-gpus", fake]
+        if args.fake_processes:
+            node_argv += ["--fake-processes", args.fake_processes]
+        node_argv += ["--enforce", args.enforce]
         node = Child("node", node_argv, data_dir / "node.log")
         children.append(node)
         nport = node.wait_ready(30)
@@ -464,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-listen", default="127.0.0.1:7170")
     up.add_argument("--data-dir", help="etcd data and logs (default: a new temporary directory)")
     up.add_argument("--session-ttl", type=int, default=10)
+    up.add_argument("--fake-processes", default=None, metavar="FILE",
+                    help="with simulated GPUs: JSON {GPU index: {pid: MiB}} of processes on them, re-read each scan")
+    up.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
+                    help="the node daemon's action on GPU processes whose lease is gone (default: report)")
     up.set_defaults(fn=cmd_up)
 
     co = sub.add_parser("coordinator", help="run a coordinator replica")
@@ -492,6 +518,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="usage is rewritten at least this often (seconds); stale after 3 heartbeats")
     no.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
     no.add_argument("--metrics-listen", default="")
+    no.add_argument("--fake-processes", default=None, metavar="FILE",
+                    help="with --fake-gpus: JSON {GPU index: {pid: MiB}} of processes on the simulated GPUs, "
+                         "re-read each scan")
+    no.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
+                    help="GPU processes whose lease no longer exists: report them, or SIGKILL them (kill); "
+                         "kill-untracked also kills processes no lease covers (default: report)")
+    no.add_argument("--over-use-tolerance", default="256MiB",
+                    help="a lease's processes may use this much above the lease before it counts as over-use")
+    no.add_argument("--untracked-grace", type=float, default=30.0,
+                    help="with --enforce kill-untracked: seconds a process may stay untracked before it is killed")
     no.set_defaults(fn=cmd_node)
 
     st = sub.add_parser("status", help="hosts, GPUs, partitions, leases and the queue")

@@ -548,12 +548,16 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         inv = v.inventory
         part = v.partition or (default_partition(inv) if inv else None)
         usage_age = now - float(v.usage["ts"]) if v.usage else -1.0
+        # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
+        reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
         for g in sorted(v.gpus.values(), key=lambda g: g.index):
             gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
                          "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
                          "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
-                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else ""})
+                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else "",
+                         "processes": list(reported.get(g.uuid, {}).get("processes", ())),
+                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ()))})
         leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}
                   for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
         agents = []
