@@ -24,7 +24,8 @@ from agent_client.api import node_pb2_grpc as pb_grpc
 from coordinator.keys import Keys
 from coordinator.records import GpuUsage, HostInventory, dumps
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
-from coordinator.etcd.store import Store, op_put
+from coordinator.etcd.store import Store
+from coordinator.etcd.ops import op_put
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Sequence
 from coordinator import errors
 from coordinator.aio import log_failure
 from coordinator.records import dumps
-from coordinator.etcd.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.etcd.store import KV
+from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
 from coordinator.replica.view import EvictionRecord, QueueEntry
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from coordinator.replica.mirror import Mirror
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
 from coordinator.records import HostInventory, dumps
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.etcd.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
-                               op_put, range_req)
+from coordinator.etcd.store import KV, Snapshot, Store, WatchBatch
+from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
 from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ from coordinator.policy.admission import GpuLedger, GpuView, VramLease
 from coordinator.keys import Keys
 from coordinator.records import HostInventory
 from coordinator.policy.partition import Partition, default_partition
-from coordinator.etcd.store import KV, Snapshot, range_req
+from coordinator.etcd.store import KV, Snapshot
+from coordinator.etcd.ops import range_req
 
 
 @dataclasses.dataclass(frozen=True)
