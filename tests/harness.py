@@ -159,7 +159,7 @@ class Cluster:
         return out
 
     def leases(self) -> list[Any]:
-        from coordinator.policy.admission import VramLease
+        from coordinator.records import VramLease
         return [VramLease.from_kv(kv) for kv in self.get_prefix(self.keys.leases())]
 
 

@@ -18,11 +18,10 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator import __version__, errors, metrics
 from coordinator.aio import cancel_and_wait, retry_forever
-from coordinator.policy.admission import VramLease
+from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
 from agent_client.api import node_pb2 as pb
 from agent_client.api import node_pb2_grpc as pb_grpc
 from coordinator.keys import Keys
-from coordinator.records import GpuUsage, HostInventory, dumps
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
 from coordinator.etcd.store import Store
 from coordinator.etcd.ops import op_put

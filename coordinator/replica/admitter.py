@@ -28,12 +28,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from coordinator import errors, metrics
-from coordinator.policy.admission import GpuView, VramLease, best_fit, choose_victims, never_fits
+from coordinator.policy.admission import GpuView, best_fit, choose_victims, never_fits
+from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.keys import Keys
-from coordinator.records import dumps
 from coordinator.etcd.ops import (cmp_absent, cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_delete, op_put,
                                   range_req)
-from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
+from coordinator.replica.view import HostView, host_ranges, host_view
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Sequence
 
 from coordinator import errors
 from coordinator.aio import log_failure
-from coordinator.records import dumps
+from coordinator.records import EvictionRecord, QueueEntry, dumps
 from coordinator.etcd.store import KV
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.replica.view import EvictionRecord, QueueEntry
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService

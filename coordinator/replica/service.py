@@ -16,16 +16,15 @@ from typing import Any
 
 from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
-from coordinator.policy.admission import VramLease
+from coordinator.records import EvictionRecord, HostInventory, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.replica.admitter import AcquireCall, HostAdmitter
 from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
 from coordinator.replica.mirror import Mirror
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
-from coordinator.records import HostInventory, dumps
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
 from coordinator.etcd.store import KV, Snapshot, Store, WatchBatch
 from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
+from coordinator.replica.view import HostView, host_ranges, host_view
 
 log = logging.getLogger(__name__)
 

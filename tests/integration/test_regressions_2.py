@@ -26,7 +26,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2
 from agent_client.api import node_pb2_grpc
 from coordinator.etcd.store import WatchBatch
-from coordinator.replica.view import QueueEntry
+from coordinator.records import QueueEntry
 from tests.harness import Background, REPO, Cluster, child_env, spawn_coordinator, wait_for
 
 pytestmark = pytest.mark.integration
