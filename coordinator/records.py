@@ -9,6 +9,8 @@ import dataclasses
 import json
 from typing import Any, Protocol
 
+from coordinator.keys import last_segment
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuInfo:
@@ -186,7 +188,7 @@ class QueueEntry:
     def from_kv(cls, kv: StoredKV) -> QueueEntry:
         d = json.loads(kv.value)
         d["victims"] = tuple(d.get("victims", ()))
-        return cls(rank=kv.key.decode().rsplit("/", 1)[-1], mod_revision=kv.mod_revision, **d)
+        return cls(rank=last_segment(kv.key), mod_revision=kv.mod_revision, **d)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from coordinator.aio import cancel_and_wait, retry_forever
 from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
 from agent_client.api import node_pb2 as pb
 from agent_client.api import node_pb2_grpc as pb_grpc
-from coordinator.keys import Keys
+from coordinator.keys import Keys, last_segment
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
 from coordinator.etcd.store import Store
 from coordinator.etcd.ops import op_put
@@ -152,7 +152,7 @@ class NodeDaemon:
             if batch.resync:
                 return
             for ev in batch.events:
-                lease_id = ev.kv.key.decode().rsplit("/", 1)[-1]
+                lease_id = last_segment(ev.kv.key)
                 if ev.kind == "PUT":
                     self._on_put(VramLease.from_kv(ev.kv))
                 else:
