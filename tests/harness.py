@@ -16,7 +16,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import Keys
-from coordinator.node.daemon import NodeDaemon, create_node_server
+from coordinator.node.daemon import NodeDaemon
+from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
 from coordinator.rpc.coordinator_server import create_server
 from coordinator.etcd.store import Store

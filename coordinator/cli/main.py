@@ -33,7 +33,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
-    from coordinator.node.daemon import run_node
+    from coordinator.rpc.node_server import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.etcd.store import Store
 

@@ -513,7 +513,8 @@ def test_slow_nvml_call_does_not_stall_the_node(cluster: Cluster) -> None:
     blocks, nothing else runs: the etcd_lease keepalive, the lease watch, CheckToken and GetInventory. With a
     stall longer than the node's TTL, hosts/<host> expires and the host takes no admissions although the
     daemon is alive. The scan should run in a thread (run_in_executor / asyncio.to_thread)."""
-    from coordinator.node.daemon import NodeDaemon, create_node_server
+    from coordinator.node.daemon import NodeDaemon
+    from coordinator.rpc.node_server import create_node_server
     from coordinator.node.inventory import MIB, NvmlGpuSource
     from coordinator.etcd.store import Store
     from tests.harness import LoopThread
