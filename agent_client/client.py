@@ -16,16 +16,14 @@ import random
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 
 from agent_client import errors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from agent_client.run import AsyncBoundProcess, BoundProcess
+from agent_client.run import AsyncBoundProcess, BoundProcess
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +334,6 @@ class AsyncClient:
     def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> AsyncBoundProcess:
         """A command bound to a new VRAM lease of this session: ``async with client.run([...], vram_mb=...)
         as proc``. See :mod:`agent_client.run` for the options and what happens on eviction."""
-        from agent_client.run import AsyncBoundProcess
         return AsyncBoundProcess(self, cmd, vram_mb, **options)
 
     async def status(self, host: str | None = None) -> pb.GetStatusResponse:
@@ -443,7 +440,6 @@ class Client:
     def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> BoundProcess:
         """``with client.run(["python", "train.py"], vram_mb=4096) as proc: proc.wait()``: the command runs
         under a new VRAM lease of this session (see :mod:`agent_client.run`)."""
-        from agent_client.run import BoundProcess
         return BoundProcess(self, self._async.run(cmd, vram_mb, **options))
 
     def partition(self) -> dict[str, Any]:

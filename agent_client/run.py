@@ -36,14 +36,35 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import IO, Any, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from agent_client import errors
 
-if TYPE_CHECKING:
-    from agent_client.client import AsyncClient, AsyncLease, Client, EvictionNotice
-
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SessionClient(Protocol):
+    """What a bound process needs of its client (``AsyncClient`` is one; this module does not import it,
+    so that the client can import this module)."""
+
+    agent: str
+    keepalive_interval: float
+    done: asyncio.Event
+    expired: bool
+
+    async def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
+                      wait: float = 0.0, request_id: str | None = None) -> Any: ...
+
+    async def partition(self) -> dict[str, Any]: ...
+
+    async def attach_processes(self, lease_id: str, pids: Sequence[int], pgid: int = 0) -> bool: ...
+
+
+class LoopRunner(Protocol):
+    """The sync ``Client``: runs a coroutine on its event loop and waits for it."""
+
+    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T: ...
 
 KILL_MARGIN_S = 0.5
 """SIGKILL comes this long before an eviction deadline: the leader revokes at the deadline, and the
@@ -166,7 +187,7 @@ def prepare_cgroup(root: str | None, name: str, mem_bytes: int, cpu_max: str) ->
     return path, notes
 
 
-def child_env(base: Mapping[str, str], lease: AsyncLease) -> dict[str, str]:
+def child_env(base: Mapping[str, str], lease: Any) -> dict[str, str]:
     """The command's environment: ``base`` plus the lease's GPU and identity."""
     env = dict(base)
     env.update({
@@ -208,7 +229,7 @@ class AsyncBoundProcess:
     the log).
     """
 
-    def __init__(self, client: AsyncClient, cmd: Sequence[str], vram_mb: int, *, gpu: int | str | None = None,
+    def __init__(self, client: SessionClient, cmd: Sequence[str], vram_mb: int, *, gpu: int | str | None = None,
                  priority: int = 0, preemptible: bool = True, wait: float = 0.0, request_id: str | None = None,
                  kill_after: float | None = None, cgroup_root: str | None = None,
                  env: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -226,7 +247,7 @@ class AsyncBoundProcess:
         self._popen = dict(cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
         self.check_interval = check_interval
         self._say = say or (lambda msg: log.warning("%s", msg))
-        self.lease: AsyncLease | None = None
+        self.lease: Any = None   # the AsyncLease, once acquired
         self.pid = 0
         self.pgid = 0
         self.limits: LimitPlan | None = None
@@ -235,7 +256,7 @@ class AsyncBoundProcess:
         self.returncode: int | None = None   # shell style: 128+N for signal N
         self.reason = ""                     # exited | evicted | lease lost | stopped
         self.message = ""
-        self.notice: EvictionNotice | None = None
+        self.notice: Any = None   # the EvictionNotice, once one came
         self.killed_by = ""                  # "the deadline" or "--kill-after", when SIGKILL ended it
         self._proc: subprocess.Popen[bytes] | None = None
         self._task: asyncio.Task[int] | None = None
@@ -314,7 +335,7 @@ class AsyncBoundProcess:
                                          f"process into it ({e.strerror or e})")
 
     # -- events --------------------------------------------------------------------------------
-    def _on_notice(self, notice: EvictionNotice) -> None:
+    def _on_notice(self, notice: Any) -> None:
         if self.notice is None:
             self.notice = notice
             self._evicted.set()
@@ -486,7 +507,7 @@ class BoundProcess:
     """The sync face of :class:`AsyncBoundProcess`, from ``Client.run``:
     ``with client.run(["python", "train.py"], vram_mb=4096, wait=60) as proc: status = proc.wait()``."""
 
-    def __init__(self, client: Client, inner: AsyncBoundProcess) -> None:
+    def __init__(self, client: LoopRunner, inner: AsyncBoundProcess) -> None:
         self._client = client
         self.inner = inner
 
@@ -512,63 +533,5 @@ class BoundProcess:
         self._client._run(self.inner.__aexit__(*exc))
 
 
-async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd: Sequence[str], vram_mb: int,
-                      *, ttl: int = 10, **options: Any) -> int:
-    """``gpucoord run``: a session of its own, the command under a lease, SIGINT/SIGTERM/SIGHUP forwarded.
-
-    Returns the command's exit status (128+N for signal N); 125 when gpucoord itself fails (no lease),
-    126 or 127 when the command cannot be run.
-    """
-    from agent_client.client import AsyncClient
-
-    def say(msg: str) -> None:
-        print(f"gpucoord run: {msg}", file=sys.stderr, flush=True)
-
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-    assert main is not None
-    client = AsyncClient(addresses, agent=agent, host=host, ttl=ttl)
-    proc = AsyncBoundProcess(client, cmd, vram_mb, say=say, **options)
-    interrupted: list[int] = []
-
-    def on_signal(sig: int) -> None:
-        if proc.started and not proc.finished:
-            proc.send_signal(sig)
-        elif not interrupted:
-            interrupted.append(sig)
-            main.cancel()
-
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    for sig in signals:
-        loop.add_signal_handler(sig, on_signal, sig)
-    final = ""
-    try:
-        await client.connect()
-        await proc.start()
-        status = await proc.wait()
-        final = proc.message
-        return status
-    except asyncio.CancelledError:
-        if not interrupted:
-            raise
-        final = f"interrupted by {signal.Signals(interrupted[0]).name} before the command started"
-        return 128 + interrupted[0]
-    except errors.GpucoordError as e:
-        final = f"no lease: {type(e).__name__}: {e.message}"
-        return 125
-    except FileNotFoundError as e:
-        final = str(e.strerror or e)
-        return 127
-    except PermissionError as e:
-        final = str(e)
-        return 126
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-        await client.close()
-        if final:
-            say(final)
-
-
-__all__ = ["AsyncBoundProcess", "BoundProcess", "KILL_MARGIN_S", "LimitPlan", "child_env", "exit_status",
-           "plan_limits", "prepare_cgroup", "run_command"]
+__all__ = ["AsyncBoundProcess", "BoundProcess", "KILL_MARGIN_S", "LoopRunner", "SessionClient", "LimitPlan", "child_env", "exit_status",
+           "plan_limits", "prepare_cgroup"]

@@ -33,8 +33,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import psutil
 
 from coordinator import metrics
-from coordinator.admission import VramLease
-from coordinator.models import GpuUsage
+from coordinator.records import GpuUsage, VramLease
 
 log = logging.getLogger(__name__)
 

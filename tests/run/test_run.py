@@ -22,9 +22,9 @@ import pytest
 from agent_client import Client
 from agent_client.run import KILL_MARGIN_S
 from coordinator import metrics
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.cli import fetch_status
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.cli.common import fetch_status
 from tests.harness import REPO, Background, Cluster, child_env, wait_for
 
 pytestmark = pytest.mark.integration

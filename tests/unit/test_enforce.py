@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.models import GpuProcess, GpuUsage
+from coordinator.records import GpuProcess, GpuUsage
 from coordinator.node.enforce import Covered, Enforcer, ProcInfo, attribute
 
 G0, G1 = "GPU-0", "GPU-1"
@@ -137,7 +137,7 @@ class FakeOs:
 
 
 def test_the_enforcer_remembers_the_processes_of_deleted_leases() -> None:
-    from coordinator.admission import VramLease
+    from coordinator.records import VramLease
     fake = FakeOs()
     fake.info = {10: ProcInfo(10, 100.0)}
     e = Enforcer("kill", proc_info=fake.info.get, kill=fake.kill, remember_s=60)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from agent_client.run import exit_status, plan_limits, prepare_cgroup
-from coordinator.models import GpuProcess
+from coordinator.records import GpuProcess
 from coordinator.node.inventory import FakeGpuSource, parse_fake_processes
 
 

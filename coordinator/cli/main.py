@@ -4,49 +4,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import os
-import pathlib
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Sequence
 
-DEFAULT_COORDINATOR = "127.0.0.1:7070"
-DEFAULT_ETCD = "127.0.0.1:2379"
+from coordinator.cli.common import (DEFAULT_COORDINATOR, DEFAULT_ETCD, _env, _fail, _ready_line, _run_until_signal,
+                                    _setup_logging, _stub, fetch_status)
+from coordinator.cli.render import render_partition, render_status
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"GPUCOORD_{name}", default)
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def _run_until_signal(main: Any) -> None:
-    """Run ``main(stop_event)`` until SIGINT/SIGTERM sets the event."""
-    async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await main(stop)
-    asyncio.run(runner())
-
-
-def _ready_line(kind: str, port: int) -> None:
-    print(f"READY {kind} port={port}", flush=True)
-
-
-# -- coordinator / node ---------------------------------------------------------------------------
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import ConfigError, CoordinatorConfig
-    from coordinator.server import serve
+    from coordinator.rpc.coordinator_server import serve
 
     flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
@@ -63,9 +33,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
-    from coordinator.node.daemon import run_node
+    from coordinator.rpc.node_server import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
 
     host = args.host or socket.gethostname()
     if not valid_name(host):
@@ -82,7 +52,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 2
     overrides: dict[str, Any] = {}
     try:
-        from coordinator.partition import PartitionError, parse_size
+        from coordinator.policy.partition import PartitionError, parse_size
         if args.fake_cpus is not None:
             if args.fake_cpus < 1:
                 raise ValueError("--fake-cpus: must be >= 1")
@@ -108,120 +78,6 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- operator commands ----------------------------------------------------------------------------
-def _stub(address: str) -> Any:
-    import grpc
-
-    from coordinator.api import coordinator_pb2_grpc as pb_grpc
-    return pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
-
-
-def _fail(e: Any) -> int:
-    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-    return 1
-
-
-def fetch_status(address: str, host: str = "") -> dict[str, Any]:
-    from google.protobuf import json_format
-
-    from coordinator.api import coordinator_pb2 as pb
-    resp = _stub(address).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
-    doc: dict[str, Any] = json_format.MessageToDict(resp, preserving_proto_field_name=True,
-                                                    always_print_fields_with_no_presence=True)
-    return doc
-
-
-def _mib(mb: int) -> str:
-    return f"{mb / 1024:.1f}G" if abs(mb) >= 1024 else f"{mb}M"
-
-
-def render_status(doc: dict[str, Any]) -> str:
-    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue."""
-    lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
-    for h in doc.get("hosts", []):
-        age = float(h.get("usage_age_seconds", -1))
-        state = "alive" if h.get("alive") else "GONE (no new admissions)"
-        sim = " simulated" if h.get("simulated") else ""
-        lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
-                     f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}")
-        lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
-                     f"{'untracked':>9} {'free':>8} {'token':>6}")
-        for g in h.get("gpus", []):
-            used = int(g.get("used_mb", -1))
-            lines.append(f"  {g['index']:>3} {g['uuid'][:24]:<24} {_mib(int(g['total_mb'])):>8} "
-                         f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
-                         f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
-                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
-        for g in h.get("gpus", []):
-            for u in g.get("lease_use", []):
-                if u.get("over_use"):
-                    lines.append(f"  OVER-USE on GPU {g['index']}: lease {u['lease_id']} ({u['agent']}) uses "
-                                 f"{_mib(int(u['used_mb']))} of {_mib(int(u['vram_mb']))} leased "
-                                 f"(pids {', '.join(str(x) for x in u.get('pids', []))})")
-            for p in g.get("processes", []):
-                if p.get("state") == "orphaned":
-                    lines.append(f"  ORPHANED on GPU {g['index']}: pid {p['pid']} uses {_mib(int(p['used_mb']))}; "
-                                 f"its lease {p['lease_id']} no longer exists")
-                elif p.get("state") in ("untracked", "leased_elsewhere"):
-                    lines.append(f"  {p['state']} on GPU {g['index']}: pid {p['pid']} uses {_mib(int(p['used_mb']))}"
-                                 + (f" (its lease {p['lease_id']} is on another GPU)" if p.get("lease_id") else ""))
-        if h.get("agents") and h.get("partition_mode") != "shared":
-            lines.append("  partition:")
-            for a in h["agents"]:
-                alloc = json.loads(a["allocation_json"])
-                caps = ", ".join(f"{u[-6:]}:{_mib(c)}" for u, c in alloc.get("vram_caps_mb", []))
-                lines.append(f"    {a['agent']:<16} cores={len(alloc.get('cores', []))} "
-                             f"mem={int(alloc.get('mem_bytes', 0)) / 2**30:.1f}GiB "
-                             f"gpus={len(alloc.get('whole_gpus', []))} caps=[{caps}] "
-                             f"leased={_mib(int(a.get('leased_mb', 0)))} ({a.get('leases', 0)} leases)")
-        if h.get("leases"):
-            lines.append(f"  {'lease':<20} {'agent':<14} {'GPU':>3} {'vram':>8} {'prio':>5} {'pre':>3} "
-                         f"{'token':>6} {'ttl':>4}")
-            for lease in sorted(h["leases"], key=lambda x: (x["gpu_index"], int(x["token"]))):
-                lines.append(f"  {lease['id']:<20} {lease['agent']:<14} {lease['gpu_index']:>3} "
-                             f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
-                             f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
-                             f"{lease.get('ttl_remaining', '?'):>4}")
-        else:
-            lines.append("  no leases")
-        for q in h.get("queue", []):
-            lines.append(f"  waiting: {q['agent']} {_mib(int(q['vram_mb']))} priority {q['priority']}"
-                         f" gpu={q.get('gpu') or 'any'}")
-    if not doc.get("hosts"):
-        lines.append("no hosts registered")
-    return "\n".join(lines)
-
-
-def _ranges(ids: Sequence[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    out: list[str] = []
-    for i in sorted(ids):
-        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == i - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        elif out and "-" not in out[-1] and int(out[-1]) == i - 1:
-            out[-1] = f"{out[-1]}-{i}"
-        else:
-            out.append(str(i))
-    return ",".join(out) or "-"
-
-
-def render_partition(doc: dict[str, Any]) -> str:
-    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps."""
-    lines = [f"host {doc['host']}: mode {doc['mode']}, VRAM headroom {doc.get('headroom_mb', 0)} MiB per GPU"]
-    for a in doc.get("allocations", []):
-        whole = ", ".join(a["whole_gpus"]) or "none"
-        caps = ", ".join(f"{u} {c} MiB" for u, c in a["vram_caps_mb"]) or "none"
-        lines.append(f"  {a['agent']}: cores {_ranges(a['cores'])} ({len(a['cores'])}), "
-                     f"mem {a['mem_bytes']} B, disk {a['disk_bytes']} B")
-        lines.append(f"    whole GPUs: {whole}")
-        lines.append(f"    VRAM caps:  {caps}")
-    if not doc.get("allocations"):
-        r = (doc.get("spec") or {}).get("reserved", {})
-        lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
-                     f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
-    return "\n".join(lines)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
     try:
@@ -233,7 +89,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
 
     async def dump() -> None:
         async with Store(args.etcd.split(",")) as store:
@@ -253,11 +109,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_partition(args: argparse.Namespace) -> int:
     import grpc
 
-    from coordinator.api import coordinator_pb2 as pb
+    from agent_client.api import coordinator_pb2 as pb
     stub = _stub(args.coordinator)
     try:
         if args.partition_cmd == "apply":
-            from coordinator.partition import PartitionError, load_spec_file
+            from coordinator.policy.partition import PartitionError, load_spec_file
             try:
                 spec = load_spec_file(args.file)
             except (PartitionError, OSError) as e:
@@ -285,7 +141,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 def cmd_lease(args: argparse.Namespace) -> int:
     import grpc
 
-    from coordinator.api import coordinator_pb2 as pb
+    from agent_client.api import coordinator_pb2 as pb
     stub = _stub(args.coordinator)
     try:
         if args.lease_cmd == "evict":
@@ -302,7 +158,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
 
 def _vram_mb(text: str) -> int:
     """``--vram``: a size with a unit (``1GiB``, ``4096MiB``, ``1.5GB``), rounded up to whole MiB."""
-    from coordinator.partition import PartitionError, parse_size
+    from coordinator.policy.partition import PartitionError, parse_size
     if text.strip().replace(".", "", 1).isdigit():
         raise ValueError(f"--vram: {text!r} has no unit; give a size such as 4096MiB or 4GiB")
     try:
@@ -315,7 +171,7 @@ def _vram_mb(text: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent_client.run import run_command
+    from agent_client.command import run_command
     from coordinator.keys import valid_name
 
     cmd = list(args.cmd)
@@ -345,132 +201,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from coordinator.bench import main as bench_main
+    from coordinator.cli.bench import main as bench_main
     return bench_main(args)
 
 
-# -- up -------------------------------------------------------------------------------------------
-class Child:
-    """A child process that prints ``READY <kind> port=N`` once it serves."""
-
-    def __init__(self, kind: str, argv: Sequence[str], log_path: pathlib.Path) -> None:
-        self.kind = kind
-        self.log_path = log_path
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL)
-        self.port = 0
-
-    def wait_ready(self, timeout: float) -> int:
-        import selectors
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.2):
-                line = self.proc.stdout.readline().decode()
-                if line.startswith(f"READY {self.kind} port="):
-                    self.port = int(line.split("port=")[1])
-                    return self.port
-                if not line and self.proc.poll() is not None:
-                    break
-            elif self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"{self.kind} did not start (exit {self.proc.poll()}); log {self.log_path}:\n"
-                           + self.log_path.read_text()[-3000:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd_process import EtcdCluster, etcd_binary, port_is_free
-    from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
-
-    fake = args.fake_gpus
-    if fake is None:
-        try:
-            open_gpu_source(None, "probe").close()
-            print("NVML found: using the real GPUs")
-        except NvmlUnavailable:
-            fake = "2x16GiB"
-            print(f"NVML not available: simulating GPUs --fake-gpus {fake}")
-    data_dir = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="gpucoord-up-"))
-    data_dir.mkdir(parents=True, exist_ok=True)
-    print(f"data directory: {data_dir}")
-    # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0)
-    children: list[Child] = []
-    py = sys.executable
-    try:
-        etcd.start()
-        ep = etcd.endpoints[0]
-        print(f"etcd:        {ep}   (etcdctl: {etcd_binary('etcdctl')} --endpoints={ep} get --prefix /gpucoord/)")
-        coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
-                                      "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
-                                      "--session-ttl", str(args.session_ttl)], data_dir / "coordinator.log")
-        children.append(coord)
-        cport = coord.wait_ready(30)
-        caddr = f"127.0.0.1:{cport}"
-        print(f"coordinator: {caddr}   (log {coord.log_path})")
-        node_argv = [py, "-m", "coordinator.cli", "node", "--etcd", ep, "--host", args.host,
-                     "--listen", args.node_listen]
-        if fake:
-            node_argv += ["--fake-gpus", fake]
-        if args.fake_processes:
-            node_argv += ["--fake-processes", args.fake_processes]
-        node_argv += ["--enforce", args.enforce]
-        node = Child("node", node_argv, data_dir / "node.log")
-        children.append(node)
-        nport = node.wait_ready(30)
-        print(f"node:        127.0.0.1:{nport} host={args.host}   (log {node.log_path})")
-        _wait_host(caddr, args.host, 15)
-        print(render_status(fetch_status(caddr)))
-        if args.demo:
-            from coordinator.demo import run_demo
-            run_demo(caddr, args.host, data_dir)
-            if not args.keep:
-                print("demo finished; shutting down")
-                return 0
-        print("gpucoord is up. Press Ctrl-C to stop.", flush=True)
-        # Block the signals and wait for one, while watching that the children stay up.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        while all(c.proc.poll() is None for c in children):
-            if signal.sigtimedwait({signal.SIGINT, signal.SIGTERM}, 0.5) is not None:
-                break
-        else:
-            print("a child process exited; shutting down", file=sys.stderr)
-        return 0
-    finally:
-        for c in reversed(children):
-            c.stop()
-        etcd.stop()
-        print(f"stopped; etcd data kept in {data_dir}")
-
-
-def _wait_host(caddr: str, host: str, timeout: float) -> None:
-    import grpc
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            doc = fetch_status(caddr, host)
-            if doc["hosts"] and doc["hosts"][0]["alive"]:
-                return
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"host {host} did not register within {timeout}s")
-        time.sleep(0.1)
-
-
-# -- parser ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpucoord", description="Coordinator for shared GPU hosts (state in etcd).")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -490,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with simulated GPUs: JSON {GPU index: {pid: MiB}} of processes on them, re-read each scan")
     up.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
                     help="the node daemon's action on GPU processes whose lease is gone (default: report)")
-    up.set_defaults(fn=cmd_up)
+    up.set_defaults(fn=_cmd_up)
 
     co = sub.add_parser("coordinator", help="run a coordinator replica")
     co.add_argument("--etcd", default=None, help=f"comma-separated etcd endpoints (default {DEFAULT_ETCD})")
@@ -593,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--n", type=int, default=300, help="acquire+release pairs to time")
     be.set_defaults(fn=cmd_bench)
     return p
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.cli.up import cmd_up
+    return cmd_up(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
