@@ -26,7 +26,7 @@ async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd
     main = asyncio.current_task()
     assert main is not None
     client = AsyncClient(addresses, agent=agent, host=host, ttl=ttl)
-    proc = AsyncBoundProcess(client, cmd, vram_mb, say=say, **options)
+    proc = AsyncBoundProcess(client, cmd, vram_mb, say=say, foreground=True, **options)
     interrupted: list[int] = []
 
     def on_signal(sig: int) -> None:

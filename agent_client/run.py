@@ -235,7 +235,7 @@ class AsyncBoundProcess:
                  env: Mapping[str, str] | None = None, cwd: str | None = None,
                  stdin: int | IO[Any] | None = None, stdout: int | IO[Any] | None = None,
                  stderr: int | IO[Any] | None = None, check_interval: float | None = None,
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None, foreground: bool = False) -> None:
         if not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError("cmd: a non-empty list of strings is needed")
         if kill_after is not None and not 0 <= kill_after <= 3600:
@@ -246,6 +246,8 @@ class AsyncBoundProcess:
         self._env = dict(os.environ if env is None else env)
         self._popen = dict(cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
         self.check_interval = check_interval
+        self.foreground = foreground
+        self._tty = -1   # the terminal whose foreground process group we handed to the command
         self._say = say or (lambda msg: log.warning("%s", msg))
         self.lease: Any = None   # the AsyncLease, once acquired
         self.pid = 0
@@ -300,6 +302,7 @@ class AsyncBoundProcess:
             assert self._proc is not None
             self.pid = self.pgid = self._proc.pid
             self._apply_limits()
+            self._take_terminal()
             for note in self.not_enforced:
                 self._say(f"not enforced: {note}")
             # The lease names the group before the command runs: the node never sees it unattributed.
@@ -309,6 +312,7 @@ class AsyncBoundProcess:
             if self._proc is not None:
                 self._kill(signal.SIGKILL)
                 await asyncio.to_thread(self._proc.wait)
+            self._give_terminal_back()
             await self._release_and_clean()
             raise
         finally:
@@ -333,6 +337,31 @@ class AsyncBoundProcess:
             except OSError as e:
                 self.not_enforced.append(f"the cgroup limits in {self.cgroup} are not enforced: cannot move the "
                                          f"process into it ({e.strerror or e})")
+
+    def _take_terminal(self) -> None:
+        """``foreground``: when stdin is our terminal and we are its foreground, the command becomes the
+        foreground (so it may read the terminal, and Ctrl-C reaches it directly)."""
+        if not self.foreground or self._popen.get("stdin") is not None:
+            return
+        try:
+            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
+                os.tcsetpgrp(0, self.pgid)
+                self._tty = 0
+        except OSError as e:
+            log.debug("the terminal stays ours: %s", e)
+
+    def _give_terminal_back(self) -> None:
+        if self._tty < 0:
+            return
+        # We are a background process now: tcsetpgrp would stop us with SIGTTOU unless it is blocked.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+        try:
+            os.tcsetpgrp(self._tty, os.getpgrp())
+        except OSError as e:
+            log.debug("could not take the terminal back: %s", e)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            self._tty = -1
 
     # -- events --------------------------------------------------------------------------------
     def _on_notice(self, notice: Any) -> None:
@@ -435,6 +464,7 @@ class AsyncBoundProcess:
         except asyncio.CancelledError:
             # The client is shutting down under us: its session (and so the lease) is going away.
             self._kill(signal.SIGKILL)
+            self._give_terminal_back()
             raise
         finally:
             if killer is not None:
@@ -442,6 +472,7 @@ class AsyncBoundProcess:
             for t in (watcher, *waits.values()):
                 t.cancel()
         self._kill(signal.SIGKILL)   # leftovers of the group: the lease is about to go
+        self._give_terminal_back()
         self.returncode = exit_status(returncode)
         what = f"{self.cmd[0]} (pid {self.pid}) {_describe(returncode)}"
         if self._lost.is_set():

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -326,3 +329,24 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
     assert metrics.REGISTRY.get_sample_value("gpucoord_node_lease_vram_used_mb", sample) == 1500
     _, err = run.communicate(input="", timeout=30)
     assert run.returncode == 0, err
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs script(1) to give the command a terminal")
+def test_an_interactive_command_gets_the_terminal(cluster: Cluster, started: list[int]) -> None:
+    """On a terminal, the command's process group becomes the foreground: it can read the terminal
+    (a background group would be stopped by SIGTTIN) and Ctrl-C reaches it."""
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    inner = " ".join(shlex.quote(a) for a in (
+        sys.executable, "-m", "coordinator.cli", "run", "--coordinator", addr, "--host", "h1", "--agent", "a",
+        "--vram", "1GiB", "--", sys.executable, "-c", "import sys; print('got', sys.stdin.readline().strip())"))
+    try:
+        out = subprocess.run(["script", "-qec", inner, "/dev/null"], input="hello\n", capture_output=True, text=True,
+                             env=child_env(), cwd=REPO, timeout=30)
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else str(e.stdout)
+        for pid in re.findall(r"as pid (\d+)", text):
+            started.append(int(pid))   # stopped in the background: the fixture kills it
+        raise AssertionError(f"the command hung (stopped reading the terminal?): {text}") from None
+    assert out.returncode == 0, out.stdout
+    assert "got hello" in out.stdout

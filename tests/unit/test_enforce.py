@@ -123,7 +123,8 @@ def test_every_process_gets_one_verdict_and_report_never_kills(rows: list[tuple[
     killed = {k.pid for k in r.kills}
     assert not killed & live_pids
     if mode == "kill":
-        assert killed == {v.pid for v in r.processes if v.state == "orphaned"}
+        # pid 1 (init) is never killed, whatever covers it.
+        assert killed == {v.pid for v in r.processes if v.state == "orphaned"} - {1}
 
 
 class FakeOs:
