@@ -13,7 +13,7 @@ from agent_client.run import AsyncBoundProcess
 
 
 async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd: Sequence[str], vram_mb: int,
-                      *, ttl: int = 10, **options: Any) -> int:
+                      *, ttl: int | None = None, **options: Any) -> int:
     """``gpucoord run``: a session of its own, the command under a lease, SIGINT/SIGTERM/SIGHUP forwarded.
 
     Returns the command's exit status (128+N for signal N); 125 when gpucoord itself fails (no lease),

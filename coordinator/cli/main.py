@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
     ru.add_argument("--cgroup-root", default=None,
                     help="a writable cgroup v2 directory (e.g. a delegated systemd slice) for memory.max and cpu.max")
-    ru.add_argument("--ttl", type=int, default=10, help="session TTL, seconds")
+    ru.add_argument("--ttl", type=int, default=None, help="session TTL, seconds (default: the coordinator's)")
     ru.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     ru.set_defaults(fn=cmd_run)
 
