@@ -22,6 +22,8 @@ MAX_PRIORITY = 1_000_000
 MAX_VRAM_MB = 1 << 30  # 1 PiB in MiB: anything above is a typo
 MAX_REQUEST_ID_LEN = 128          # characters (so at most 512 bytes of UTF-8); no '/' or NUL
 MAX_WAIT_S = 3600.0
+MAX_ATTACHED_PIDS = 64    # processes one lease may name (AttachProcesses)
+MAX_PID = 1 << 22         # Linux's highest pid_max
 MAX_CLIENT_VERSION_BYTES = 256    # OpenSession.client_version, UTF-8
 MAX_REASON_BYTES = 256            # EvictLease.reason, UTF-8
 MAX_SESSION_ID_LEN = 16           # lowercase hex of an etcd_lease id (64 bits)
@@ -53,8 +55,8 @@ class CoordinatorConfig:
     listen: str = "127.0.0.1:7070"
     metrics_listen: str = ""             # "host:port" to serve Prometheus metrics; empty: off
     session_ttl_s: int = 10              # default TTL of an agent's session
-    keepalive_interval_s: float = 3.0    # what clients are told to use; x3 must be <= the TTL
-    etcd_timeout_s: float = 3.0          # deadline of one etcd call; must be < TTL / 2
+    keepalive_interval_s: float = 0.0    # what clients are told to use; x3 must be <= the TTL (0: min(3, TTL/3))
+    etcd_timeout_s: float = 0.0          # deadline of one etcd call; must be < TTL / 2 (0: min(3, TTL/3))
     election_ttl_s: int = 5
     eviction_grace_s: float = 10.0
     max_queue_per_host: int = 1024      # waiting requests per host (a higher-priority arrival displaces)
@@ -65,6 +67,14 @@ class CoordinatorConfig:
     commit_attempts: int = 32            # compare-and-set retries before UNAVAILABLE
 
     def validate(self) -> CoordinatorConfig:
+        """The checked config, with the values left at 0 derived from the session TTL (so a short TTL works
+        without setting them)."""
+        if not MIN_TTL_S <= self.session_ttl_s <= MAX_TTL_S:
+            raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {self.session_ttl_s}")
+        derived: dict[str, Any] = {name: min(3.0, self.session_ttl_s / 3)
+                                   for name in ("keepalive_interval_s", "etcd_timeout_s") if getattr(self, name) == 0}
+        if derived:
+            return dataclasses.replace(self, **derived).validate()
         if not self.etcd:
             raise ConfigError("etcd", "at least one endpoint is needed")
         for ep in self.etcd:
@@ -77,8 +87,6 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if value != value or value in (float("inf"), float("-inf")):
                 raise ConfigError(name, f"must be a finite number, got {value}")
-        if not MIN_TTL_S <= self.session_ttl_s <= MAX_TTL_S:
-            raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {self.session_ttl_s}")
         if self.keepalive_interval_s <= 0:
             raise ConfigError("keepalive_interval_s", f"must be > 0, got {self.keepalive_interval_s}")
         if self.keepalive_interval_s * 3 > self.session_ttl_s:

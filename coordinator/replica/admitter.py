@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure
-from coordinator.policy.admission import GpuView, VramLease, best_fit, choose_victims, never_fits
+from coordinator.policy.admission import GpuView, best_fit, choose_victims, never_fits
+from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.keys import Keys
-from coordinator.records import dumps
-from coordinator.etcd.store import (KV, Store, TxnResult, cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_get,
-                                    op_put, range_req)
-from coordinator.replica.view import (EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view,
-                                      queue_entry)
+from coordinator.etcd.ops import (cmp_absent, cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_delete, op_put,
+                                  range_req)
+from coordinator.etcd.removals import Removal, remove_entries
+from coordinator.etcd.store import KV
+from coordinator.replica.view import HostView, host_ranges, host_view, queue_entry
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService
@@ -720,17 +721,9 @@ class HostAdmitter:
                                     view.partition_kv.mod_revision if view.partition_kv else 0))
         out += [cmp_mod_revision(keys.gpu(self.host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
         # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
-        out.append(_cmp_range_unchanged(keys.queue(self.host), view.revision))
+        out.append(cmp_range_unchanged(keys.queue(self.host), view.revision))
         out += [cmp_exists(keys.session(x.agent, x.session_id)) for x in sessions]
         return out
-
-
-def _cmp_range_unchanged(prefix: bytes, revision: int) -> Any:
-    from aetcd import rpc
-
-    from coordinator.keys import prefix_range_end
-    return rpc.Compare(key=prefix, range_end=prefix_range_end(prefix), target=rpc.Compare.MOD,
-                       result=rpc.Compare.LESS, mod_revision=revision + 1)
 
 
 def _wait_over(c: AcquireCall) -> errors.CapacityError:
@@ -764,76 +757,6 @@ def _lease_in(kvs: Sequence[KV], lease_id: str) -> VramLease | None:
         if kv.key.endswith(suffix):
             return VramLease.from_kv(kv)
     return None
-
-
-# -- removing queue entries in batches ------------------------------------------------------------
-
-# Each removal takes one compare (plus its own extra ones), one delete and one read: etcd's limit of 128 per
-# transaction (--max-txn-ops) bounds how many go into one transaction.
-REMOVALS_PER_TXN = 120
-
-
-@dataclasses.dataclass(frozen=True)
-class Removal:
-    """Delete ``key`` if it was not written since ``mod_revision`` and every compare in ``also`` holds."""
-
-    key: bytes
-    mod_revision: int
-    also: tuple[Any, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class RemovalOutcome:
-    removed: KV | None   # the entry as it was when this call deleted it
-    current: KV | None   # not removed: the entry as it is now (None: it is gone)
-
-
-async def remove_entries(store: Store, removals: Sequence[Removal], attempts: int = 3) -> list[RemovalOutcome]:
-    """Remove many queue entries in few transactions, each entry only if its compares hold.
-
-    One transaction per ``REMOVALS_PER_TXN`` entries (run concurrently): it compares every entry and
-    deletes them all, or, if any compare fails, reads them all. An entry that changed is reported with its
-    current value; the others of that transaction are tried again (at most ``attempts`` times in all).
-    Raises what ``Store.commit`` raises (then some entries may be gone, and a caller that tries again sees
-    them as gone).
-    """
-    out: list[RemovalOutcome | None] = [None] * len(removals)
-    current: dict[int, KV | None] = {}
-    todo = list(range(len(removals)))
-    for _ in range(attempts):
-        if not todo:
-            break
-        chunks: list[list[int]] = []
-        size = 0
-        for i in todo:
-            cost = 1 + len(removals[i].also)
-            if not chunks or size + cost > REMOVALS_PER_TXN:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(i)
-            size += cost
-
-        async def one(chunk: list[int]) -> TxnResult:
-            compares = [c for i in chunk for c in (cmp_mod_revision(removals[i].key, removals[i].mod_revision),
-                                                   *removals[i].also)]
-            return await store.commit(compares, [op_delete(removals[i].key, prev_kv=True) for i in chunk],
-                                      [op_get(removals[i].key) for i in chunk])
-        results = await asyncio.gather(*(one(chunk) for chunk in chunks))
-        todo = []
-        for chunk, res in zip(chunks, results):
-            for i, resp in zip(chunk, res.responses):
-                if res.succeeded:
-                    prev = resp.response_delete_range.prev_kvs
-                    out[i] = RemovalOutcome(KV.from_pb(prev[0]) if prev else None, None)
-                    continue
-                kvs = resp.response_range.kvs
-                current[i] = KV.from_pb(kvs[0]) if kvs else None
-                now = current[i]
-                if now is not None and now.mod_revision == removals[i].mod_revision:
-                    todo.append(i)     # unchanged: another entry (or an extra compare) failed the transaction
-                else:
-                    out[i] = RemovalOutcome(None, now)
-    return [o if o is not None else RemovalOutcome(None, current.get(i)) for i, o in enumerate(out)]
 
 
 def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:

@@ -16,18 +16,19 @@ from typing import Any
 
 from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
-from coordinator.policy.admission import VramLease
+from coordinator.records import EvictionRecord, HostInventory, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.replica.admitter import AcquireCall, HostAdmitter
-from coordinator.config import (MAX_CLIENT_VERSION_BYTES, MAX_GRACE_S, MAX_PARTITION_BYTES, MAX_PRIORITY,
-                                MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_SPEC_BYTES, MAX_TTL_S,
-                                MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig, quote)
+from coordinator.config import (MAX_ATTACHED_PIDS, MAX_CLIENT_VERSION_BYTES, MAX_GRACE_S, MAX_PARTITION_BYTES, MAX_PID,
+                                MAX_PRIORITY, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_SPEC_BYTES,
+                                MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig, quote)
 from coordinator.replica.mirror import Mirror
-from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
-from coordinator.records import HostInventory, dumps
+from coordinator.keys import (Keys, etcd_lease_from_session_id, last_segment, lease_id_for, session_id_from_etcd_lease,
+                              valid_name)
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.etcd.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
-                               op_put, range_req)
-from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
+from coordinator.etcd.election import Election
+from coordinator.etcd.store import KV, Snapshot, Store, WatchBatch
+from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.replica.view import HostView, host_ranges, host_view
 
 log = logging.getLogger(__name__)
 
@@ -347,30 +348,36 @@ class CoordinatorService:
                 return record.deadline_unix
         raise errors.Unavailable("evict: too much contention; retry")
 
-    async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None) -> bool:
+    async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
+                     fence: Election | None = None) -> bool:
         """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone.
 
         With ``notice_revision`` (the leader at a deadline) it happens only while that very notice still
-        stands: a notice withdrawn meanwhile (its requester left) saves the lease.
+        stands: a notice withdrawn meanwhile (its requester left) saves the lease. With ``fence`` (the
+        leader) every write also compares the leader's candidacy, and a deposed leader gets NotOwner.
         """
         check_lease_id(lease_id)
         notice_key = self.keys.eviction(lease_id)
+        fenced = fence.fence() if fence is not None else []
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, host)
             if lease is None:
                 if notice_revision is None:
                     await self.store.delete(notice_key)
                 else:
-                    await self.store.commit([cmp_mod_revision(notice_key, notice_revision)], [op_delete(notice_key)])
+                    await self.store.commit([cmp_mod_revision(notice_key, notice_revision), *fenced],
+                                            [op_delete(notice_key)])
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            compares = [cmp_mod_revision(key, lease.mod_revision)]
+            compares = [cmp_mod_revision(key, lease.mod_revision), *fenced]
             if notice_revision is not None:
                 compares.append(cmp_mod_revision(notice_key, notice_revision))
             res = await self.store.commit(compares, [op_delete(key), op_delete(notice_key)])
             if res.succeeded:
                 metrics.EVICTIONS.labels("revoke").inc()
                 return True
+            if fence is not None and not await fence.holds():
+                raise errors.NotOwner("leader: this replica is no longer the leader", "leader")
             if notice_revision is not None and (await self.store.get(notice_key)) is None:
                 return False   # withdrawn: nothing to enforce any more
         raise errors.Unavailable("revoke: too much contention; retry")
@@ -397,6 +404,27 @@ class CoordinatorService:
                 metrics.RELEASES.inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")
+
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
+        """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
+        keeps everything else, token included. False when it already recorded exactly these."""
+        validate_attach(lease_id, pids, pgid)
+        wanted = tuple(sorted(set(pids)))
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id, info.host)
+            if lease is None:
+                raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
+            if lease.session_id != info.session_id or lease.agent != info.agent:
+                raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
+            if (lease.pids, lease.pgid) == (wanted, pgid):
+                return False
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            value = dumps(dataclasses.replace(lease, pids=wanted, pgid=pgid).to_json())
+            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
+                                          [op_put(key, value, lease.etcd_lease)])
+            if res.succeeded:
+                return True
+        raise errors.Unavailable("attach processes: too much contention; retry")
 
     def _mirrored_lease(self, lease_id: str, host: str) -> VramLease | None:
         if not self.mirror.ready:
@@ -494,7 +522,7 @@ class CoordinatorService:
             # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
             # would pass etcd's limit of operations per transaction).
             kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue")
-            snap = await self.store.snapshot([range_req(self.keys.root() + k.encode() + b"/", prefix=True)
+            snap = await self.store.snapshot([range_req(self.keys.kind(k), prefix=True)
                                               for k in kinds])
             per_host: dict[str, list[list[KV]]] = {}
             for i, kvs in enumerate(snap.ranges):
@@ -509,6 +537,19 @@ class CoordinatorService:
         return snap.revision, views, ttls
 
 
+def validate_attach(lease_id: str, pids: list[int], pgid: int) -> None:
+    """Every field of AttachProcesses, before anything is read (not even the session)."""
+    check_lease_id(lease_id)
+    if len(pids) > MAX_ATTACHED_PIDS:
+        raise errors.InvalidArgument(f"pids: at most {MAX_ATTACHED_PIDS}, got {len(pids)}", "pids")
+    bad = [p for p in pids if not 1 <= p <= MAX_PID]
+    if bad:
+        raise errors.InvalidArgument(f"pids: {bad[0]} is not a process id (1..{MAX_PID})", "pids")
+    if not 0 <= pgid <= MAX_PID:
+        raise errors.InvalidArgument(f"pgid: {pgid} is not a process group id (0 for none, or 1..{MAX_PID})",
+                                     "pgid")
+
+
 def check_lease_id(lease_id: str) -> None:
     if not lease_id or not valid_name(lease_id):
         raise errors.InvalidArgument(f"lease_id: {quote(lease_id)} is not a lease id", "lease_id")
@@ -516,9 +557,8 @@ def check_lease_id(lease_id: str) -> None:
 
 def _lease_named(kvs: Any, lease_id: str) -> VramLease | None:
     """The lease with this id among ``leases/<host>/<gpu>/<id>`` keys (ids are unique across hosts)."""
-    suffix = b"/" + lease_id.encode()
     for kv in kvs:
-        if kv.key.endswith(suffix):
+        if last_segment(kv.key) == lease_id:
             return VramLease.from_kv(kv)
     return None
 
@@ -571,12 +611,16 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         inv = v.inventory
         part = v.partition or (default_partition(inv) if inv else None)
         usage_age = now - float(v.usage["ts"]) if v.usage else -1.0
+        # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
+        reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
         for g in sorted(v.gpus.values(), key=lambda g: g.index):
             gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
                          "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
                          "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
-                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else ""})
+                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else "",
+                         "processes": list(reported.get(g.uuid, {}).get("processes", ())),
+                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ()))})
         leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}
                   for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
         agents = []
@@ -585,7 +629,7 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                 used = [lease for lease in v.leases.values() if lease.agent == alloc.agent]
                 agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
                                "leased_mb": sum(x.vram_mb for x in used), "leases": len(used)})
-        queue = [json.loads(kv.value) | {"rank": v_key.decode().rsplit("/", 1)[-1]}
+        queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
                  for kv in v.queue for v_key in [kv.key]]
         hosts.append({
             "host": v.host, "alive": v.alive, "address": v.host_kv.json().get("address", "") if v.host_kv else "",

@@ -13,12 +13,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import errors, metrics
-from coordinator.policy.admission import VramLease
+from coordinator.records import EvictionRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
-from coordinator.replica.service import CoordinatorService, check_lease_id, status_json, validate_acquire
-from coordinator.replica.view import EvictionRecord
+from coordinator.replica.service import (CoordinatorService, check_lease_id, status_json, validate_acquire,
+                                         validate_attach)
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
     return pb.Lease(id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, gpu_index=lease.gpu_index,
                     vram_mb=lease.vram_mb, priority=lease.priority, preemptible=lease.preemptible, token=lease.token,
                     agent=lease.agent, session_id=lease.session_id, request_id=lease.request_id,
-                    created_at=lease.created_at, ttl_remaining=ttl_remaining)
+                    created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
 
 
 def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -40,7 +40,7 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         try:
             return await fn(self, request, context)
         except errors.GpucoordError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(grpc.StatusCode[e.code], e.message)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -63,7 +63,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
         sid, ttl = await self.svc.open_session(request.agent, request.host, request.ttl_seconds, request.pid,
                                                request.client_version)
-        return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl)
+        interval = min(self.svc.config.keepalive_interval_s, ttl / 3)
+        return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl, keepalive_interval_seconds=interval)
 
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KeepAliveResponse]:
@@ -98,7 +99,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 if item is None:
                     return
                 if isinstance(item, errors.GpucoordError):
-                    await context.abort(item.code, item.message)
+                    await context.abort(grpc.StatusCode[item.code], item.message)
                 if isinstance(item, EvictionRecord):
                     yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
                         lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
@@ -138,6 +139,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.ReleaseResponse(released=await self.svc.release(info, request.lease_id))
 
     @_rpc
+    async def AttachProcesses(self, request: pb.AttachProcessesRequest, context: Any) -> pb.AttachProcessesResponse:
+        validate_attach(request.lease_id, list(request.pids), request.pgid)
+        info = await self._session(request.session)
+        changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid)
+        return pb.AttachProcessesResponse(changed=changed)
+
+    @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         revision, views, ttls = await self.svc.status(request.host)
         doc = status_json(revision, views, ttls)
@@ -148,9 +156,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                usage_age_seconds=h["usage_age_s"], partition_mode=h["partition_mode"],
                                cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
             for g in h["gpus"]:
-                hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
-                            usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
-                            untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"])
+                gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
+                                 usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
+                                 untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"])
+                for p in g["processes"]:
+                    gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
+                                     lease_id=str(p.get("lease_id", "")))
+                for u in g["lease_use"]:
+                    gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
+                                     used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
+                                     pids=[int(x) for x in u["pids"]])
                 metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
                 metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
             for a in h["agents"]:

@@ -162,6 +162,11 @@ def test_over_bound_values_are_refused_naming_the_field_and_leave_nothing(env: A
         ("lease_id", lambda: stub.Release(pb.ReleaseRequest(session=me, lease_id=huge), timeout=10)),
         ("lease_id", lambda: stub.Release(pb.ReleaseRequest(
             session=pb.SessionRef(agent="agent-a", session_id="123abc"), lease_id=huge), timeout=10)),
+        ("lease_id", lambda: stub.AttachProcesses(pb.AttachProcessesRequest(
+            session=pb.SessionRef(agent="agent-a", session_id="123abc"), lease_id=huge, pids=[1]), timeout=10)),
+        ("pids", lambda: stub.AttachProcesses(pb.AttachProcessesRequest(
+            session=pb.SessionRef(agent="agent-a", session_id="123abc"), lease_id=lease.id, pids=[1] * 65),
+            timeout=10)),
         ("reason", lambda: stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, reason=over["reason"]),
                                            timeout=10)),
         ("reason", lambda: stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, reason=huge), timeout=10)),

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import pytest
 
 from agent_client import Client, errors
-from coordinator.replica.view import QueueEntry
+from coordinator.records import QueueEntry
 from tests.harness import Background, Cluster, wait_for
 from tests.history import check_store
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
 from agent_client import AsyncClient, Client, errors
-from coordinator.replica.view import QueueEntry
+from coordinator.records import QueueEntry
 from tests.harness import Cluster, LoopThread, wait_for
 from tests.history import check_store
 
