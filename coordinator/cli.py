@@ -63,7 +63,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
-    from coordinator.node.daemon import run_node
+    from coordinator.node.daemon import HostTaken, run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.store import Store
 
@@ -95,10 +95,14 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 2
     _setup_logging(args.verbose)
     store = Store(args.etcd.split(","), timeout=3.0)
-    _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
-                                            args.ttl, stop, ready=lambda p: _ready_line("node", p),
-                                            metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
-                                            overrides=overrides))
+    try:
+        _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
+                                                args.ttl, stop, ready=lambda p: _ready_line("node", p),
+                                                metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
+                                                overrides=overrides))
+    except HostTaken as e:
+        print(f"gpucoord node: {e.message}; stop it first, or give this daemon another --host", file=sys.stderr)
+        return 4
     return 0
 
 

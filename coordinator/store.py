@@ -115,6 +115,17 @@ def cmp_absent(key: bytes) -> Any:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL, version=0)
 
 
+def cmp_lease(key: bytes, etcd_lease: int) -> Any:
+    """True while ``key`` exists on ``etcd_lease`` (an absent key compares as etcd_lease 0)."""
+    return rpc.Compare(key=key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=etcd_lease)
+
+
+def op_txn(compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> Any:
+    """A transaction nested in another one's branch: how one transaction says "A, or else B"."""
+    return rpc.RequestOp(request_txn=rpc.TxnRequest(compare=list(compares), success=list(success),
+                                                    failure=list(failure)))
+
+
 def _translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
     """The one place etcd's failures become gpucoord errors."""
     code, details = e.code(), (e.details() or "")

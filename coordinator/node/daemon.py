@@ -3,12 +3,22 @@ etcd_lease, and serves the gRPC ``Node`` service (inventory, fencing-token check
 
 When the daemon dies its etcd_lease expires and ``hosts/<host>`` disappears: the coordinators then admit
 nothing more on that host.
+
+A host has one daemon. ``hosts/<host>`` is written only by a transaction that compares it is absent or
+already on this daemon's etcd_lease, and ``usage/<host>`` only while ``hosts/<host>`` is on it, so a second
+daemon never overwrites the first: at start it fails with :class:`HostTaken`, naming the live one. A
+daemon watches its own key and registers again at once when it disappears. One that finds its host taken
+by another daemon later (its own etcd_lease expired while etcd was out of reach, and another daemon
+registered meanwhile) keeps serving, logs an error naming the owner every keepalive round, and takes the
+host back as soon as the owner's registration goes away.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -21,12 +31,52 @@ from coordinator.aio import cancel_and_wait, retry_forever
 from coordinator.admission import VramLease
 from coordinator.api import node_pb2 as pb
 from coordinator.api import node_pb2_grpc as pb_grpc
-from coordinator.keys import Keys
+from coordinator.keys import Keys, valid_name
 from coordinator.models import GpuUsage, HostInventory, dumps
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
-from coordinator.store import Store, op_put
+from coordinator.store import KV, Store, cmp_absent, cmp_lease, op_get, op_put, op_txn, range_req
 
 log = logging.getLogger(__name__)
+
+MAX_PROCESSES_STORED = 64
+"""Processes per GPU written to ``usage/<host>`` (the largest users first); the rest are only counted."""
+
+
+def _quote(value: object, limit: int = 40) -> str:
+    """A value for an error message: at most a short prefix of it, quoted."""
+    text = str(value)
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+class HostTaken(errors.FailedPrecondition):
+    """``hosts/<host>`` belongs to another daemon (another etcd_lease): this one must not publish."""
+
+
+async def describe_owner(store: Store, host: str, kv: KV) -> str:
+    """Who holds ``hosts/<host>``, for an error message: address, pid, start time, etcd_lease and its TTL."""
+    try:
+        doc = json.loads(kv.value)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {}
+    started = doc.get("started_at")
+    parts = [f"address {_quote(doc.get('address', '?'))}"]
+    if doc.get("pid") is not None:
+        parts.append(f"pid {_quote(doc['pid'], 12)}")
+    if isinstance(started, (int, float)):
+        parts.append("started " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)))
+    if kv.etcd_lease:
+        parts.append(f"etcd_lease {kv.etcd_lease:x}")
+        try:
+            ttl = await store.time_to_live(kv.etcd_lease)
+        except errors.GpucoordError:
+            ttl = -1
+        if ttl > 0:
+            parts.append(f"its registration expires within {ttl} s if that daemon is gone")
+    else:
+        parts.append("written without an etcd_lease (by hand?): delete it to free the host")
+    return f"host {host!r} already has a live node daemon ({', '.join(parts)})"
 
 
 class NodeDaemon:
@@ -40,7 +90,9 @@ class NodeDaemon:
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
         self.overrides = overrides or {}   # simulated hosts: cpu_count, core_ids, mem_bytes, disk_bytes
         self.etcd_lease = 0
-        self._registered = False
+        self.pid, self.started_at = os.getpid(), time.time()
+        self._need_register = True              # set by the host watch, or when a usage write is refused
+        self._wake = asyncio.Event()            # wakes the keepalive loop to register at once
         self.inventory: HostInventory | None = None
         self.leases: dict[str, VramLease] = {}          # lease id -> lease, from the watch
         self.highest_token: dict[str, int] = {}         # gpu uuid -> highest token seen
@@ -54,28 +106,66 @@ class NodeDaemon:
     async def start(self) -> None:
         self.inventory = dataclasses.replace(
             read_inventory(self.host, self.address, self.source, self.disk_path, __version__), **self.overrides)
+        await self.ensure_host_free()
         self.etcd_lease = await self.store.grant(self.ttl_s)
-        await self._publish_host()
-        await self._publish_usage(force=True)
-        self._registered = True
+        try:
+            await self._register()
+        except BaseException:
+            await self._revoke()   # a daemon that may not run leaves no etcd_lease behind
+            raise
         self._tasks = [asyncio.create_task(self._keepalive_loop()), asyncio.create_task(self._scan_loop()),
-                       asyncio.create_task(self._watch_leases())]
+                       asyncio.create_task(self._watch_leases()), asyncio.create_task(self._watch_host())]
         self.ready.set()
+
+    async def ensure_host_free(self) -> None:
+        """Raise HostTaken if another daemon holds ``hosts/<host>`` now: a check before binding a port and
+        granting an etcd_lease, for a clear error. The registration transaction is what enforces it."""
+        kv = await self.store.get(self.keys.host(self.host))
+        if kv is not None and (not self.etcd_lease or kv.etcd_lease != self.etcd_lease):
+            raise HostTaken(await describe_owner(self.store, self.host, kv), "host")
 
     async def stop(self, revoke: bool = True) -> None:
         await cancel_and_wait(self._tasks)
-        if revoke and self.etcd_lease:
-            try:
-                await self.store.revoke(self.etcd_lease)
-            except errors.GpucoordError as e:
-                log.warning("could not revoke the node's etcd_lease: %s", e)
+        if revoke:
+            await self._revoke()
         self.source.close()
 
+    async def _revoke(self) -> None:
+        if not self.etcd_lease:
+            return
+        try:
+            await self.store.revoke(self.etcd_lease)
+            self.etcd_lease = 0
+        except errors.GpucoordError as e:
+            log.warning("could not revoke the node's etcd_lease: %s", e)
+
+    async def _register(self) -> None:
+        """Publish ``hosts/<host>`` and then ``usage/<host>``; raises HostTaken if another daemon holds it."""
+        self._need_register = False
+        try:
+            await self._publish_host()
+            await self._publish_usage(force=True)
+        except BaseException:
+            self._need_register = True
+            raise
+
     async def _publish_host(self) -> None:
+        """One transaction: put ``hosts/<host>`` if it is on our etcd_lease, or else if it is absent, or else
+        read it (to name the owner in HostTaken)."""
         assert self.inventory is not None
+        key = self.keys.host(self.host)
         value = dumps({"address": self.address, "inventory": self.inventory.to_json(), "version": __version__,
-                       "started_at": time.time()})
-        res = await self.store.commit([], [op_put(self.keys.host(self.host), value, self.etcd_lease)])
+                       "pid": self.pid, "started_at": self.started_at})
+        put = op_put(key, value, self.etcd_lease)
+        res = await self.store.commit([cmp_lease(key, self.etcd_lease)], [put],
+                                      [op_txn([cmp_absent(key)], [put], [op_get(key)])])
+        if not res.succeeded:
+            inner = res.responses[0].response_txn
+            if not inner.succeeded:
+                kvs = inner.responses[0].response_range.kvs
+                if not kvs:   # it went away between the two compares of one revision: impossible, but retry
+                    raise errors.Unavailable(f"hosts/{self.host}: registration raced; retry")
+                raise HostTaken(await describe_owner(self.store, self.host, KV.from_pb(kvs[0])), "host")
         metrics.NODE_WRITES.labels("hosts").inc()
         log.info("published host %s (%d GPUs) at revision %d", self.host, len(self.inventory.gpus), res.revision)
 
@@ -92,39 +182,80 @@ class NodeDaemon:
         for lease in self.leases.values():
             leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
         gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
-                 "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)),
-                 "processes": [{"pid": p.pid, "used_mb": p.used_mb} for p in u.processes]} for u in usage]
+                 "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)), **_stored_processes(u)}
+                for u in usage]
         for u in usage:
             metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
         now = time.time()
         changed = gpus != self._published
         # Written when it changes (at most about once a second), and at least every heartbeat_s so that
         # readers can tell fresh usage from a stuck daemon (stale = older than 3 heartbeats).
+        if self._need_register and not force:
+            return    # not registered: the registration writes usage (and a standby writes none)
         if force or (changed and now - self._last_write >= 1.0) or now - self._last_write >= self.heartbeat_s:
             value = dumps({"ts": now, "interval_s": self.heartbeat_s, "gpus": gpus})
-            await self.store.commit([], [op_put(self.keys.usage(self.host), value, self.etcd_lease)])
+            res = await self.store.commit([cmp_lease(self.keys.host(self.host), self.etcd_lease)],
+                                          [op_put(self.keys.usage(self.host), value, self.etcd_lease)])
+            if not res.succeeded:
+                # hosts/<host> is not ours (gone, or another daemon's): never write over its usage.
+                self._host_lost(f"a usage write found hosts/{self.host} not on this daemon's etcd_lease")
+                return
             metrics.NODE_WRITES.labels("usage").inc()
             self._published = gpus
             self._last_write = now
 
+    def _host_lost(self, why: str) -> None:
+        """Register again at once (the keepalive loop does it)."""
+        if not self._need_register:
+            log.warning("%s; registering again", why)
+        self._need_register = True
+        self._wake.set()
+
     async def _keepalive_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.ttl_s / 3)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
             try:
                 ttl = await self.store.keepalive(self.etcd_lease) if self.etcd_lease else 0
                 if ttl <= 0:
                     # Our etcd_lease expired (etcd was unreachable past the TTL): register again.
                     log.warning("the node's etcd_lease is gone; registering host %s again", self.host)
                     self.etcd_lease = 0
-                    self._registered = False
+                    self._need_register = True
                     self.etcd_lease = await self.store.grant(self.ttl_s)
-                if not self._registered:
+                if self._need_register:
                     # Until both keys are written, every round tries again.
-                    await self._publish_host()
-                    await self._publish_usage(force=True)
-                    self._registered = True
+                    await self._register()
+            except HostTaken as e:
+                # Another daemon registered while we were cut off: it is the host's daemon now. We stay
+                # a standby that takes the host back when its registration goes (the host watch wakes us).
+                log.error("%s; this daemon (pid %d) is not registered and retries every %.1f s",
+                          e.message, self.pid, self.ttl_s / 3)
             except errors.GpucoordError as e:
                 log.warning("node keepalive failed: %s", e)
+
+    async def _watch_host(self) -> None:
+        """Registers again at once when ``hosts/<host>`` disappears (deleted by hand, or expired)."""
+        await retry_forever("the node's watch of its host key", self._watch_host_once)
+
+    async def _watch_host_once(self) -> None:
+        key = self.keys.host(self.host)
+        snap = await self.store.snapshot([range_req(key)])
+        self._check_host(snap.ranges[0][0] if snap.ranges[0] else None)
+        async for batch in self.store.watch(key, prefix=False, start_revision=snap.revision + 1):
+            if batch.resync:
+                return
+            for ev in batch.events:
+                self._check_host(ev.kv if ev.kind == "PUT" else None)
+
+    def _check_host(self, kv: KV | None) -> None:
+        if kv is None:
+            self._host_lost(f"hosts/{self.host} disappeared")
+        elif kv.etcd_lease != self.etcd_lease:
+            self._host_lost(f"hosts/{self.host} is on another etcd_lease")
 
     async def _scan_loop(self) -> None:
         while True:
@@ -169,6 +300,15 @@ class NodeDaemon:
         return False, ""
 
 
+def _stored_processes(u: GpuUsage) -> dict[str, Any]:
+    """The processes of one GPU as stored in etcd: the largest users first, at most MAX_PROCESSES_STORED."""
+    procs = sorted(u.processes, key=lambda p: (-p.used_mb, p.pid))
+    out: dict[str, Any] = {"processes": [{"pid": p.pid, "used_mb": p.used_mb} for p in procs[:MAX_PROCESSES_STORED]]}
+    if len(procs) > MAX_PROCESSES_STORED:
+        out["processes_omitted"] = len(procs) - MAX_PROCESSES_STORED
+    return out
+
+
 class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     def __init__(self, daemon: NodeDaemon) -> None:
         self.daemon = daemon
@@ -191,19 +331,30 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
         return out
 
     async def CheckToken(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
-        if not request.gpu_uuid:
+        """``gpu_uuid`` names the GPU by uuid or by index (all digits). One that is neither is
+        INVALID_ARGUMENT; a well-formed index or uuid that this host does not have is NOT_FOUND."""
+        ref = request.gpu_uuid
+        if not ref:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu_uuid: is required")
+        if not valid_name(ref):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"gpu_uuid: {_quote(ref)} is neither a GPU index nor a GPU uuid")
         if request.token <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token: must be > 0")
         inv = self.daemon.inventory
-        if inv is not None and inv.gpu(request.gpu_uuid) is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}")
+        if inv is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting; retry")
+        assert inv is not None  # abort() raises
+        gpu = inv.gpu(int(ref)) if ref.isdigit() else inv.gpu(ref)
+        if gpu is None:
+            what = f"index {int(ref)}" if ref.isdigit() else _quote(ref)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"gpu_uuid: host {inv.host!r} has no GPU {what}")
+        assert gpu is not None
         if not self.daemon.leases_ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is resynchronising its view of leases; retry")
-        live, lease_id = self.daemon.check_token(request.gpu_uuid, request.token)
+        live, lease_id = self.daemon.check_token(gpu.uuid, request.token)
         return pb.CheckTokenResponse(live=live, lease_id=lease_id,
-                                     highest_token=self.daemon.highest_token.get(request.gpu_uuid, 0))
+                                     highest_token=self.daemon.highest_token.get(gpu.uuid, 0))
 
 
 async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.Server, int]:
@@ -224,20 +375,24 @@ async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
                    metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None) -> None:
+    """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon."""
     if metrics_listen:
         metrics.serve(metrics_listen)
     await store.connect()
-    # Bind first, so that the published address carries the real port.
+    server: grpc.aio.Server | None = None
     daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
                         overrides=overrides)
-    server, port = await create_node_server(daemon, listen)
-    daemon.address = f"{listen.rpartition(':')[0]}:{port}"
-    await daemon.start()
-    if ready is not None:
-        ready(port)
     try:
+        await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
+        # Bind first, so that the published address carries the real port.
+        server, port = await create_node_server(daemon, listen)
+        daemon.address = f"{listen.rpartition(':')[0]}:{port}"
+        await daemon.start()
+        if ready is not None:
+            ready(port)
         await stop.wait()
     finally:
-        await server.stop(grace=1.0)
+        if server is not None:
+            await server.stop(grace=1.0)
         await daemon.stop()
         await store.close()
