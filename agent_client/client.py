@@ -21,8 +21,8 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import grpc
 
 from agent_client import errors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The error tree, and the one table that maps it to gRPC status codes.
 
-Only the etcd boundary (``coordinator.store``) and the request validation raise these. Each carries a
+Only the etcd boundary (``coordinator.etcd.store``) and the request validation raise these. Each carries a
 human message that names the field or key at fault.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.etcd_process import EtcdCluster  # noqa: E402
+from coordinator.etcd.process import EtcdCluster  # noqa: E402
 from tests.harness import Cluster  # noqa: E402
 
 

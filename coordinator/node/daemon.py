@@ -28,13 +28,13 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator import __version__, errors, metrics
 from coordinator.aio import cancel_and_wait, retry_forever
-from coordinator.admission import VramLease
-from coordinator.api import node_pb2 as pb
-from coordinator.api import node_pb2_grpc as pb_grpc
+from coordinator.policy.admission import VramLease
+from agent_client.api import node_pb2 as pb
+from agent_client.api import node_pb2_grpc as pb_grpc
 from coordinator.keys import Keys, valid_name
-from coordinator.models import GpuUsage, HostInventory, dumps
+from coordinator.records import GpuUsage, HostInventory, dumps
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
-from coordinator.store import KV, Store, cmp_absent, cmp_lease, op_get, op_put, op_txn, range_req
+from coordinator.etcd.store import KV, Store, cmp_absent, cmp_lease, op_get, op_put, op_txn, range_req
 
 log = logging.getLogger(__name__)
 

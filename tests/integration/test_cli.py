@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent_client import Client
-from coordinator.etcd_process import free_port
+from coordinator.etcd.process import free_port
 from tests.harness import REPO, Cluster, child_env
 
 pytestmark = pytest.mark.integration

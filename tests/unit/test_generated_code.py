@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pathlib
 
-from coordinator.api import gen
+from agent_client.api import gen
 
 API = pathlib.Path(gen.__file__).parent
 GENERATED = ("coordinator_pb2.py", "coordinator_pb2.pyi", "coordinator_pb2_grpc.py",
@@ -13,9 +13,9 @@ GENERATED = ("coordinator_pb2.py", "coordinator_pb2.pyi", "coordinator_pb2_grpc.
 def test_generated_modules_match_the_protos(tmp_path: pathlib.Path) -> None:
     gen.generate(tmp_path)
     for name in GENERATED:
-        fresh = (tmp_path / "coordinator" / "api" / name).read_text()
+        fresh = (tmp_path / "agent_client" / "api" / name).read_text()
         committed = (API / name).read_text()
-        assert fresh == committed, f"coordinator/api/{name} is stale: run `python -m coordinator.api.gen`"
+        assert fresh == committed, f"agent_client/api/{name} is stale: run `python -m agent_client.api.gen`"
 
 
 def test_generated_runtime_versions_are_pinned_together() -> None:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from coordinator.api import node_pb2 as coordinator_dot_api_dot_node__pb2
+from agent_client.api import node_pb2 as agent__client_dot_api_dot_node__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in coordinator/api/node_pb2_grpc.py depends on'
+        + ' but the generated code in agent_client/api/node_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class NodeStub:
         """
         self.GetInventory = channel.unary_unary(
                 '/gpucoord.v1.Node/GetInventory',
-                request_serializer=coordinator_dot_api_dot_node__pb2.GetInventoryRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_node__pb2.GetInventoryResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_node__pb2.GetInventoryRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_node__pb2.GetInventoryResponse.FromString,
                 _registered_method=True)
         self.CheckToken = channel.unary_unary(
                 '/gpucoord.v1.Node/CheckToken',
-                request_serializer=coordinator_dot_api_dot_node__pb2.CheckTokenRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_node__pb2.CheckTokenResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_node__pb2.CheckTokenRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_node__pb2.CheckTokenResponse.FromString,
                 _registered_method=True)
 
 
@@ -69,13 +69,13 @@ def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInventory': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInventory,
-                    request_deserializer=coordinator_dot_api_dot_node__pb2.GetInventoryRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_node__pb2.GetInventoryResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_node__pb2.GetInventoryRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_node__pb2.GetInventoryResponse.SerializeToString,
             ),
             'CheckToken': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckToken,
-                    request_deserializer=coordinator_dot_api_dot_node__pb2.CheckTokenRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_node__pb2.CheckTokenResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_node__pb2.CheckTokenRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_node__pb2.CheckTokenResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class Node:
             request,
             target,
             '/gpucoord.v1.Node/GetInventory',
-            coordinator_dot_api_dot_node__pb2.GetInventoryRequest.SerializeToString,
-            coordinator_dot_api_dot_node__pb2.GetInventoryResponse.FromString,
+            agent__client_dot_api_dot_node__pb2.GetInventoryRequest.SerializeToString,
+            agent__client_dot_api_dot_node__pb2.GetInventoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class Node:
             request,
             target,
             '/gpucoord.v1.Node/CheckToken',
-            coordinator_dot_api_dot_node__pb2.CheckTokenRequest.SerializeToString,
-            coordinator_dot_api_dot_node__pb2.CheckTokenResponse.FromString,
+            agent__client_dot_api_dot_node__pb2.CheckTokenRequest.SerializeToString,
+            agent__client_dot_api_dot_node__pb2.CheckTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,7 @@
 """Regenerates the committed gRPC modules from proto/gpucoord/v1/*.proto.
 
-Run ``python -m coordinator.api.gen``. The .proto files are mapped onto this package's directory, so the
-generated imports read ``from coordinator.api import ...`` while the wire package stays ``gpucoord.v1``.
+Run ``python -m agent_client.api.gen``. The .proto files are mapped onto this package's directory, so the
+generated imports read ``from agent_client.api import ...`` while the wire package stays ``gpucoord.v1``.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ def generate(out_dir: pathlib.Path) -> None:
     args = [
         "grpc_tools.protoc",
         f"-I{include}",
-        f"-Icoordinator/api={PROTO_DIR}",
+        f"-Iagent_client/api={PROTO_DIR}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        *[f"coordinator/api/{p}" for p in PROTOS],
+        *[f"agent_client/api/{p}" for p in PROTOS],
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")

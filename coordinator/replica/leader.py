@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Sequence
 
 from coordinator import errors
 from coordinator.aio import log_failure
-from coordinator.models import dumps
-from coordinator.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.view import EvictionRecord, QueueEntry
+from coordinator.records import dumps
+from coordinator.etcd.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.replica.view import EvictionRecord, QueueEntry
 
 if TYPE_CHECKING:
-    from coordinator.service import CoordinatorService
+    from coordinator.replica.service import CoordinatorService
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ import json
 import time
 from typing import Any
 
-from coordinator.admission import GpuLedger, GpuView, VramLease
+from coordinator.policy.admission import GpuLedger, GpuView, VramLease
 from coordinator.keys import Keys
-from coordinator.models import HostInventory
-from coordinator.partition import Partition, default_partition
-from coordinator.store import KV, Snapshot, range_req
+from coordinator.records import HostInventory
+from coordinator.policy.partition import Partition, default_partition
+from coordinator.etcd.store import KV, Snapshot, range_req
 
 
 @dataclasses.dataclass(frozen=True)

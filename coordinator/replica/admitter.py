@@ -28,14 +28,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from coordinator import errors, metrics
-from coordinator.admission import GpuView, VramLease, best_fit, choose_victims, never_fits
+from coordinator.policy.admission import GpuView, VramLease, best_fit, choose_victims, never_fits
 from coordinator.keys import Keys
-from coordinator.models import dumps
-from coordinator.store import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
+from coordinator.records import dumps
+from coordinator.etcd.store import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
 
 if TYPE_CHECKING:
-    from coordinator.service import CoordinatorService
+    from coordinator.replica.service import CoordinatorService
 
 log = logging.getLogger(__name__)
 

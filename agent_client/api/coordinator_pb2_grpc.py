@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from coordinator.api import coordinator_pb2 as coordinator_dot_api_dot_coordinator__pb2
+from agent_client.api import coordinator_pb2 as agent__client_dot_api_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in coordinator/api/coordinator_pb2_grpc.py depends on'
+        + ' but the generated code in agent_client/api/coordinator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,58 +36,58 @@ class CoordinatorStub:
         """
         self.OpenSession = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/OpenSession',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.OpenSessionResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
         self.KeepAlive = channel.stream_stream(
                 '/gpucoord.v1.Coordinator/KeepAlive',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.KeepAliveRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.KeepAliveResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/CloseSession',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.CloseSessionResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/Acquire',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.AcquireRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.AcquireResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.AcquireResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/Release',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.ReleaseResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/GetStatus',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.GetStatusResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
         self.ApplyPartition = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/ApplyPartition',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.ApplyPartitionRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.ApplyPartitionResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.ApplyPartitionRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.ApplyPartitionResponse.FromString,
                 _registered_method=True)
         self.GetPartition = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/GetPartition',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.GetPartitionRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.GetPartitionResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.GetPartitionRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.GetPartitionResponse.FromString,
                 _registered_method=True)
         self.EvictLease = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/EvictLease',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.EvictLeaseRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.EvictLeaseResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.EvictLeaseRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.EvictLeaseResponse.FromString,
                 _registered_method=True)
         self.RevokeLease = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/RevokeLease',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.RevokeLeaseRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.RevokeLeaseResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.RevokeLeaseRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.RevokeLeaseResponse.FromString,
                 _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/Ping',
-                request_serializer=coordinator_dot_api_dot_coordinator__pb2.PingRequest.SerializeToString,
-                response_deserializer=coordinator_dot_api_dot_coordinator__pb2.PingResponse.FromString,
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.PingRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.PingResponse.FromString,
                 _registered_method=True)
 
 
@@ -175,58 +175,58 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.OpenSessionRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.OpenSessionResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.OpenSessionRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.OpenSessionResponse.SerializeToString,
             ),
             'KeepAlive': grpc.stream_stream_rpc_method_handler(
                     servicer.KeepAlive,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.KeepAliveRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.KeepAliveResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.CloseSessionRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.CloseSessionResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.CloseSessionRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.CloseSessionResponse.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.AcquireRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.AcquireResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.AcquireRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.AcquireResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.ReleaseRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.GetStatusRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.GetStatusResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.GetStatusRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.GetStatusResponse.SerializeToString,
             ),
             'ApplyPartition': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyPartition,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.ApplyPartitionRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.ApplyPartitionResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.ApplyPartitionRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.ApplyPartitionResponse.SerializeToString,
             ),
             'GetPartition': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPartition,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.GetPartitionRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.GetPartitionResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.GetPartitionRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.GetPartitionResponse.SerializeToString,
             ),
             'EvictLease': grpc.unary_unary_rpc_method_handler(
                     servicer.EvictLease,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.EvictLeaseRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.EvictLeaseResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.EvictLeaseRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.EvictLeaseResponse.SerializeToString,
             ),
             'RevokeLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RevokeLease,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.RevokeLeaseRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.RevokeLeaseResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.RevokeLeaseRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.RevokeLeaseResponse.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
-                    request_deserializer=coordinator_dot_api_dot_coordinator__pb2.PingRequest.FromString,
-                    response_serializer=coordinator_dot_api_dot_coordinator__pb2.PingResponse.SerializeToString,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.PingRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.PingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -254,8 +254,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/OpenSession',
-            coordinator_dot_api_dot_coordinator__pb2.OpenSessionRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.OpenSessionResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.OpenSessionRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.OpenSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,8 +281,8 @@ class Coordinator:
             request_iterator,
             target,
             '/gpucoord.v1.Coordinator/KeepAlive',
-            coordinator_dot_api_dot_coordinator__pb2.KeepAliveRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.KeepAliveResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.KeepAliveRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/CloseSession',
-            coordinator_dot_api_dot_coordinator__pb2.CloseSessionRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.CloseSessionResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.CloseSessionRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -335,8 +335,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/Acquire',
-            coordinator_dot_api_dot_coordinator__pb2.AcquireRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.AcquireResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.AcquireRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.AcquireResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -362,8 +362,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/Release',
-            coordinator_dot_api_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.ReleaseResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -389,8 +389,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/GetStatus',
-            coordinator_dot_api_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.GetStatusResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -416,8 +416,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/ApplyPartition',
-            coordinator_dot_api_dot_coordinator__pb2.ApplyPartitionRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.ApplyPartitionResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.ApplyPartitionRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.ApplyPartitionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -443,8 +443,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/GetPartition',
-            coordinator_dot_api_dot_coordinator__pb2.GetPartitionRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.GetPartitionResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.GetPartitionRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.GetPartitionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -470,8 +470,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/EvictLease',
-            coordinator_dot_api_dot_coordinator__pb2.EvictLeaseRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.EvictLeaseResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.EvictLeaseRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.EvictLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -497,8 +497,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/RevokeLease',
-            coordinator_dot_api_dot_coordinator__pb2.RevokeLeaseRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.RevokeLeaseResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.RevokeLeaseRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.RevokeLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -524,8 +524,8 @@ class Coordinator:
             request,
             target,
             '/gpucoord.v1.Coordinator/Ping',
-            coordinator_dot_api_dot_coordinator__pb2.PingRequest.SerializeToString,
-            coordinator_dot_api_dot_coordinator__pb2.PingResponse.FromString,
+            agent__client_dot_api_dot_coordinator__pb2.PingRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.PingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
-from coordinator.store import KV
+from coordinator.etcd.store import KV
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from typing import Any, Awaitable, Callable
 
-from coordinator.etcd_process import EtcdCluster
+from coordinator.etcd.process import EtcdCluster
 
 
 def _p(values: list[float], q: float) -> float:
@@ -63,9 +63,9 @@ def bench_acquire(n: int) -> dict[str, float]:
     import grpc
 
     from agent_client import AsyncClient, Client
-    from coordinator.api import coordinator_pb2 as pb
-    from coordinator.api import coordinator_pb2_grpc as pb_grpc
-    from coordinator.store import Store, cmp_mod_revision, op_put, range_req
+    from agent_client.api import coordinator_pb2 as pb
+    from agent_client.api import coordinator_pb2_grpc as pb_grpc
+    from coordinator.etcd.store import Store, cmp_mod_revision, op_put, range_req
 
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gpucoord-bench-") as tmp:
@@ -156,7 +156,7 @@ def bench_acquire(n: int) -> dict[str, float]:
 
 def bench_p7(n: int) -> dict[str, float]:
     from agent_client import AsyncClient
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
 
     with tempfile.TemporaryDirectory(prefix="gpucoord-bench-") as tmp:
         etcd = EtcdCluster(1, base_dir=tmp).start()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from coordinator.keys import Keys
-from coordinator.store import KV, Snapshot, WatchBatch
+from coordinator.etcd.store import KV, Snapshot, WatchBatch
 
 _PER_HOST = ("gpus", "leases", "queue")
 

@@ -46,7 +46,7 @@ def _ready_line(kind: str, port: int) -> None:
 # -- coordinator / node ---------------------------------------------------------------------------
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import ConfigError, CoordinatorConfig
-    from coordinator.server import serve
+    from coordinator.rpc.coordinator_server import serve
 
     flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
@@ -65,7 +65,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
     from coordinator.node.daemon import HostTaken, run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
 
     host = args.host or socket.gethostname()
     if not valid_name(host):
@@ -81,7 +81,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 2
     overrides: dict[str, Any] = {}
     try:
-        from coordinator.partition import PartitionError, parse_size
+        from coordinator.policy.partition import PartitionError, parse_size
         if args.fake_cpus is not None:
             if args.fake_cpus < 1:
                 raise ValueError("--fake-cpus: must be >= 1")
@@ -110,7 +110,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 def _stub(address: str) -> Any:
     import grpc
 
-    from coordinator.api import coordinator_pb2_grpc as pb_grpc
+    from agent_client.api import coordinator_pb2_grpc as pb_grpc
     return pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
 
 
@@ -122,7 +122,7 @@ def _fail(e: Any) -> int:
 def fetch_status(address: str, host: str = "") -> dict[str, Any]:
     from google.protobuf import json_format
 
-    from coordinator.api import coordinator_pb2 as pb
+    from agent_client.api import coordinator_pb2 as pb
     resp = _stub(address).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
     doc: dict[str, Any] = json_format.MessageToDict(resp, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True)
@@ -218,7 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
 
     async def dump() -> None:
         async with Store(args.etcd.split(",")) as store:
@@ -238,11 +238,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_partition(args: argparse.Namespace) -> int:
     import grpc
 
-    from coordinator.api import coordinator_pb2 as pb
+    from agent_client.api import coordinator_pb2 as pb
     stub = _stub(args.coordinator)
     try:
         if args.partition_cmd == "apply":
-            from coordinator.partition import PartitionError, load_spec_file
+            from coordinator.policy.partition import PartitionError, load_spec_file
             try:
                 spec = load_spec_file(args.file)
             except (PartitionError, OSError) as e:
@@ -270,7 +270,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 def cmd_lease(args: argparse.Namespace) -> int:
     import grpc
 
-    from coordinator.api import coordinator_pb2 as pb
+    from agent_client.api import coordinator_pb2 as pb
     stub = _stub(args.coordinator)
     try:
         if args.lease_cmd == "evict":
@@ -286,7 +286,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from coordinator.bench import main as bench_main
+    from coordinator.cli.bench import main as bench_main
     return bench_main(args)
 
 
@@ -332,7 +332,7 @@ class Child:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd_process import EtcdCluster, etcd_binary, port_is_free
+    from coordinator.etcd.process import EtcdCluster, etcd_binary, port_is_free
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
 
     fake = args.fake_gpus
@@ -372,7 +372,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         _wait_host(caddr, args.host, 15)
         print(render_status(fetch_status(caddr)))
         if args.demo:
-            from coordinator.demo import run_demo
+            from coordinator.cli.demo import run_demo
             run_demo(caddr, args.host, data_dir)
             if not args.keep:
                 print("demo finished; shutting down")

@@ -13,12 +13,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import errors, metrics
-from coordinator.admission import VramLease
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.policy.admission import VramLease
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
-from coordinator.service import CoordinatorService, status_json
-from coordinator.view import EvictionRecord
+from coordinator.replica.service import CoordinatorService, status_json
+from coordinator.replica.view import EvictionRecord
 
 log = logging.getLogger(__name__)
 

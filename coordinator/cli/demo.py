@@ -21,12 +21,12 @@ AGENT_TTL = 3
 
 
 class AgentProcess:
-    """``python -m coordinator.demo agent ...``: acquires once, reports on stdout, holds until told to go."""
+    """``python -m coordinator.cli.demo agent ...``: acquires once, reports on stdout, holds until told to go."""
 
     def __init__(self, addr: str, host: str, agent: str, vram_mb: int, log: IO[bytes]) -> None:
         self.agent = agent
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.demo", "agent", "--coordinator", addr, "--host", host,
+            [sys.executable, "-m", "coordinator.cli.demo", "agent", "--coordinator", addr, "--host", host,
              "--agent", agent, "--vram-mb", str(vram_mb), "--ttl", str(AGENT_TTL)],
             stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=log)
 
@@ -49,13 +49,13 @@ class AgentProcess:
 
 
 def _status(addr: str, host: str, title: str) -> None:
-    from coordinator.cli import fetch_status, render_status
+    from coordinator.cli.main import fetch_status, render_status
     print(f"\n=== {title}")
     print(render_status(fetch_status(addr, host)), flush=True)
 
 
 def _gpu0(addr: str, host: str) -> tuple[int, int]:
-    from coordinator.cli import fetch_status
+    from coordinator.cli.main import fetch_status
     g = fetch_status(addr, host)["hosts"][0]["gpus"][0]
     return int(g["usable_mb"]), int(g["free_mb"])
 
@@ -102,7 +102,7 @@ def run_demo(addr: str, host: str, data_dir: pathlib.Path) -> None:
 
 
 def agent_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="coordinator.demo agent")
+    p = argparse.ArgumentParser(prog="coordinator.cli.demo agent")
     p.add_argument("--coordinator", required=True)
     p.add_argument("--host", required=True)
     p.add_argument("--agent", required=True)
@@ -129,4 +129,4 @@ def agent_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "agent":
         sys.exit(agent_main(sys.argv[2:]))
-    sys.exit("usage: python -m coordinator.demo agent ...")
+    sys.exit("usage: python -m coordinator.cli.demo agent ...")

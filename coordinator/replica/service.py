@@ -16,16 +16,16 @@ from typing import Any
 
 from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
-from coordinator.admission import VramLease
-from coordinator.admitter import AcquireCall, HostAdmitter
+from coordinator.policy.admission import VramLease
+from coordinator.replica.admitter import AcquireCall, HostAdmitter
 from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
-from coordinator.mirror import Mirror
+from coordinator.replica.mirror import Mirror
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
-from coordinator.models import HostInventory, dumps
-from coordinator.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
+from coordinator.records import HostInventory, dumps
+from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
+from coordinator.etcd.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
                                op_put, range_req)
-from coordinator.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
+from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class CoordinatorService:
         self._closed = False
 
     async def start(self, leader_duties: bool = True) -> None:
-        from coordinator.leader import Leadership
+        from coordinator.replica.leader import Leadership
         await self.store.connect()
         self._tasks.append(log_failure(asyncio.create_task(self._watch()), "watch"))
         await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
