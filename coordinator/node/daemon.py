@@ -62,8 +62,8 @@ async def describe_owner(store: Store, host: str, kv: KV) -> str:
         doc = {}
     started = doc.get("started_at")
     parts = [f"address {_quote(doc.get('address', '?'))}"]
-    if doc.get("pid") is not None:
-        parts.append(f"pid {_quote(doc['pid'], 12)}")
+    if isinstance(doc.get("pid"), int):
+        parts.append(f"pid {doc['pid']}")
     if isinstance(started, (int, float)):
         parts.append("started " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)))
     if kv.etcd_lease:
