@@ -118,11 +118,36 @@ class NodeDaemon:
         self.ready.set()
 
     async def ensure_host_free(self) -> None:
-        """Raise HostTaken if another daemon holds ``hosts/<host>`` now: a check before binding a port and
-        granting an etcd_lease, for a clear error. The registration transaction is what enforces it."""
-        kv = await self.store.get(self.keys.host(self.host))
-        if kv is not None and (not self.etcd_lease or kv.etcd_lease != self.etcd_lease):
-            raise HostTaken(await describe_owner(self.store, self.host, kv), "host")
+        """Return once ``hosts/<host>`` is free; raise HostTaken while a live daemon holds it.
+
+        Called before binding a port and granting an etcd_lease, for a clear error (the registration
+        transaction is what enforces one daemon a host). A live daemon refreshes its etcd_lease every
+        TTL/3, so the remaining TTL of a live registration goes up within that time; one that only runs
+        down is left by a daemon that died (kill -9, a crash), and is waited out, so that a daemon
+        restarted at once takes over its host when the old registration expires.
+        """
+        key = self.keys.host(self.host)
+        watched, lowest = 0, 0
+        give_up = 0.0
+        while True:
+            kv = await self.store.get(key)
+            if kv is None:
+                return
+            if not kv.etcd_lease:
+                raise HostTaken(await describe_owner(self.store, self.host, kv), "host")
+            remaining = await self.store.time_to_live(kv.etcd_lease)
+            if remaining < 0:
+                continue        # it expired just now: read again
+            now = time.monotonic()
+            if kv.etcd_lease != watched:
+                watched, lowest = kv.etcd_lease, remaining
+                give_up = now + remaining + 2.0
+                log.info("hosts/%s is on etcd_lease %x (%d s left): waiting to see whether its daemon is alive",
+                         self.host, watched, remaining)
+            elif remaining > lowest or now > give_up:
+                raise HostTaken(await describe_owner(self.store, self.host, kv), "host")
+            lowest = min(lowest, remaining)
+            await asyncio.sleep(0.5)
 
     async def stop(self, revoke: bool = True) -> None:
         await cancel_and_wait(self._tasks)

@@ -95,6 +95,18 @@ def test_registration_is_create_only_even_when_two_daemons_race(cluster: Cluster
     assert cluster.get_prefix(cluster.keys.usage("h1")) == usage_before
 
 
+def test_a_daemon_restarted_after_a_crash_takes_over_when_the_old_registration_expires(cluster: Cluster) -> None:
+    """A dead daemon's registration only runs down (nobody refreshes its etcd_lease): a new daemon waits it
+    out instead of refusing, so a supervisor's immediate restart works."""
+    cluster.start_node("h1", "1x16GiB", ttl=3)
+    old = host_kv(cluster)
+    assert old is not None
+    cluster.stop_node("h1", revoke=False)          # as if killed: hosts/h1 stays until the TTL passes
+    new = cluster.start_node("h1", "1x16GiB", ttl=3)
+    now = host_kv(cluster)
+    assert now is not None and now.etcd_lease == new.etcd_lease != old.etcd_lease
+
+
 def test_a_host_key_deleted_by_hand_is_restored_within_a_heartbeat(cluster: Cluster) -> None:
     # A long heartbeat: the usage write that comes with it must not be what repairs the key.
     heartbeat = 30.0
