@@ -6,8 +6,9 @@ nothing more on that host.
 
 A host has one daemon. ``hosts/<host>`` is written only by a transaction that compares it is absent or
 already on this daemon's etcd_lease, and ``usage/<host>`` only while ``hosts/<host>`` is on it, so a second
-daemon never overwrites the first: at start it fails with :class:`HostTaken`, naming the live one. A
-daemon watches its own key and registers again at once when it disappears. One that finds its host taken
+daemon never overwrites the first: at start it fails with :class:`HostTaken`, naming the live one (a
+registration left by a dead daemon is waited out instead). A daemon watches its own key and registers
+again at once when it disappears. One that finds its host taken
 by another daemon later (its own etcd_lease expired while etcd was out of reach, and another daemon
 registered meanwhile) keeps serving, logs an error naming the owner every keepalive round, and takes the
 host back as soon as the owner's registration goes away.
@@ -52,8 +53,8 @@ class HostTaken(errors.FailedPrecondition):
     """``hosts/<host>`` belongs to another daemon (another etcd_lease): this one must not publish."""
 
 
-async def describe_owner(store: Store, host: str, kv: KV) -> str:
-    """Who holds ``hosts/<host>``, for an error message: address, pid, start time, etcd_lease and its TTL."""
+def describe_owner(host: str, kv: KV) -> str:
+    """Who holds ``hosts/<host>``, for an error message: address, pid, start time and etcd_lease."""
     try:
         doc = json.loads(kv.value)
     except ValueError:
@@ -68,12 +69,6 @@ async def describe_owner(store: Store, host: str, kv: KV) -> str:
         parts.append("started " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)))
     if kv.etcd_lease:
         parts.append(f"etcd_lease {kv.etcd_lease:x}")
-        try:
-            ttl = await store.time_to_live(kv.etcd_lease)
-        except errors.GpucoordError:
-            ttl = -1
-        if ttl > 0:
-            parts.append(f"its registration expires within {ttl} s if that daemon is gone")
     else:
         parts.append("written without an etcd_lease (by hand?): delete it to free the host")
     return f"host {host!r} already has a live node daemon ({', '.join(parts)})"
@@ -134,7 +129,7 @@ class NodeDaemon:
             if kv is None:
                 return
             if not kv.etcd_lease:
-                raise HostTaken(await describe_owner(self.store, self.host, kv), "host")
+                raise HostTaken(describe_owner(self.host, kv), "host")
             remaining = await self.store.time_to_live(kv.etcd_lease)
             if remaining < 0:
                 continue        # it expired just now: read again
@@ -145,7 +140,7 @@ class NodeDaemon:
                 log.info("hosts/%s is on etcd_lease %x (%d s left): waiting to see whether its daemon is alive",
                          self.host, watched, remaining)
             elif remaining > lowest or now > give_up:
-                raise HostTaken(await describe_owner(self.store, self.host, kv), "host")
+                raise HostTaken(describe_owner(self.host, kv), "host")
             lowest = min(lowest, remaining)
             await asyncio.sleep(0.5)
 
@@ -190,7 +185,7 @@ class NodeDaemon:
                 kvs = inner.responses[0].response_range.kvs
                 if not kvs:   # it went away between the two compares of one revision: impossible, but retry
                     raise errors.Unavailable(f"hosts/{self.host}: registration raced; retry")
-                raise HostTaken(await describe_owner(self.store, self.host, KV.from_pb(kvs[0])), "host")
+                raise HostTaken(describe_owner(self.host, KV.from_pb(kvs[0])), "host")
         metrics.NODE_WRITES.labels("hosts").inc()
         log.info("published host %s (%d GPUs) at revision %d", self.host, len(self.inventory.gpus), res.revision)
 
