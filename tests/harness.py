@@ -16,7 +16,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import Keys
-from coordinator.node.daemon import NodeDaemon, create_node_server
+from coordinator.node.daemon import NodeDaemon
+from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
 from coordinator.rpc.coordinator_server import create_server
 from coordinator.etcd.store import Store
@@ -159,7 +160,7 @@ class Cluster:
         return out
 
     def leases(self) -> list[Any]:
-        from coordinator.policy.admission import VramLease
+        from coordinator.records import VramLease
         return [VramLease.from_kv(kv) for kv in self.get_prefix(self.keys.leases())]
 
 

@@ -65,7 +65,8 @@ def bench_acquire(n: int) -> dict[str, float]:
     from agent_client import AsyncClient, Client
     from agent_client.api import coordinator_pb2 as pb
     from agent_client.api import coordinator_pb2_grpc as pb_grpc
-    from coordinator.etcd.store import Store, cmp_mod_revision, op_put, range_req
+    from coordinator.etcd.store import Store
+    from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gpucoord-bench-") as tmp:

@@ -49,13 +49,14 @@ class AgentProcess:
 
 
 def _status(addr: str, host: str, title: str) -> None:
-    from coordinator.cli.main import fetch_status, render_status
+    from coordinator.cli.common import fetch_status
+    from coordinator.cli.render import render_status
     print(f"\n=== {title}")
     print(render_status(fetch_status(addr, host)), flush=True)
 
 
 def _gpu0(addr: str, host: str) -> tuple[int, int]:
-    from coordinator.cli.main import fetch_status
+    from coordinator.cli.common import fetch_status
     g = fetch_status(addr, host)["hosts"][0]["gpus"][0]
     return int(g["usable_mb"]), int(g["free_mb"])
 

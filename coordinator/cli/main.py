@@ -4,46 +4,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import os
-import pathlib
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Sequence
 
-DEFAULT_COORDINATOR = "127.0.0.1:7070"
-DEFAULT_ETCD = "127.0.0.1:2379"
+from coordinator.cli.common import (DEFAULT_COORDINATOR, DEFAULT_ETCD, _env, _fail, _ready_line, _run_until_signal,
+                                    _setup_logging, _stub, fetch_status)
+from coordinator.cli.render import render_partition, render_status
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"GPUCOORD_{name}", default)
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def _run_until_signal(main: Any) -> None:
-    """Run ``main(stop_event)`` until SIGINT/SIGTERM sets the event."""
-    async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await main(stop)
-    asyncio.run(runner())
-
-
-def _ready_line(kind: str, port: int) -> None:
-    print(f"READY {kind} port={port}", flush=True)
-
-
-# -- coordinator / node ---------------------------------------------------------------------------
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import ConfigError, CoordinatorConfig
     from coordinator.rpc.coordinator_server import serve
@@ -63,7 +33,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
-    from coordinator.node.daemon import HostTaken, run_node
+    from coordinator.node.daemon import HostTaken
+    from coordinator.rpc.node_server import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.etcd.store import Store
 
@@ -104,107 +75,6 @@ def cmd_node(args: argparse.Namespace) -> int:
         print(f"gpucoord node: {e.message}; stop it first, or give this daemon another --host", file=sys.stderr)
         return 4
     return 0
-
-
-# -- operator commands ----------------------------------------------------------------------------
-def _stub(address: str) -> Any:
-    import grpc
-
-    from agent_client.api import coordinator_pb2_grpc as pb_grpc
-    return pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
-
-
-def _fail(e: Any) -> int:
-    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-    return 1
-
-
-def fetch_status(address: str, host: str = "") -> dict[str, Any]:
-    from google.protobuf import json_format
-
-    from agent_client.api import coordinator_pb2 as pb
-    resp = _stub(address).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
-    doc: dict[str, Any] = json_format.MessageToDict(resp, preserving_proto_field_name=True,
-                                                    always_print_fields_with_no_presence=True)
-    return doc
-
-
-def _mib(mb: int) -> str:
-    return f"{mb / 1024:.1f}G" if abs(mb) >= 1024 else f"{mb}M"
-
-
-def render_status(doc: dict[str, Any]) -> str:
-    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue."""
-    lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
-    for h in doc.get("hosts", []):
-        age = float(h.get("usage_age_seconds", -1))
-        state = "alive" if h.get("alive") else "GONE (no new admissions)"
-        sim = " simulated" if h.get("simulated") else ""
-        lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
-                     f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}")
-        lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
-                     f"{'untracked':>9} {'free':>8} {'token':>6}")
-        for g in h.get("gpus", []):
-            used = int(g.get("used_mb", -1))
-            lines.append(f"  {g['index']:>3} {g['uuid'][:24]:<24} {_mib(int(g['total_mb'])):>8} "
-                         f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
-                         f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
-                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
-        if h.get("agents") and h.get("partition_mode") != "shared":
-            lines.append("  partition:")
-            for a in h["agents"]:
-                alloc = json.loads(a["allocation_json"])
-                caps = ", ".join(f"{u[-6:]}:{_mib(c)}" for u, c in alloc.get("vram_caps_mb", []))
-                lines.append(f"    {a['agent']:<16} cores={len(alloc.get('cores', []))} "
-                             f"mem={int(alloc.get('mem_bytes', 0)) / 2**30:.1f}GiB "
-                             f"gpus={len(alloc.get('whole_gpus', []))} caps=[{caps}] "
-                             f"leased={_mib(int(a.get('leased_mb', 0)))} ({a.get('leases', 0)} leases)")
-        if h.get("leases"):
-            lines.append(f"  {'lease':<20} {'agent':<14} {'GPU':>3} {'vram':>8} {'prio':>5} {'pre':>3} "
-                         f"{'token':>6} {'ttl':>4}")
-            for lease in sorted(h["leases"], key=lambda x: (x["gpu_index"], int(x["token"]))):
-                lines.append(f"  {lease['id']:<20} {lease['agent']:<14} {lease['gpu_index']:>3} "
-                             f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
-                             f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
-                             f"{lease.get('ttl_remaining', '?'):>4}")
-        else:
-            lines.append("  no leases")
-        for q in h.get("queue", []):
-            lines.append(f"  waiting: {q['agent']} {_mib(int(q['vram_mb']))} priority {q['priority']}"
-                         f" gpu={q.get('gpu') or 'any'}")
-    if not doc.get("hosts"):
-        lines.append("no hosts registered")
-    return "\n".join(lines)
-
-
-def _ranges(ids: Sequence[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    out: list[str] = []
-    for i in sorted(ids):
-        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == i - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        elif out and "-" not in out[-1] and int(out[-1]) == i - 1:
-            out[-1] = f"{out[-1]}-{i}"
-        else:
-            out.append(str(i))
-    return ",".join(out) or "-"
-
-
-def render_partition(doc: dict[str, Any]) -> str:
-    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps."""
-    lines = [f"host {doc['host']}: mode {doc['mode']}, VRAM headroom {doc.get('headroom_mb', 0)} MiB per GPU"]
-    for a in doc.get("allocations", []):
-        whole = ", ".join(a["whole_gpus"]) or "none"
-        caps = ", ".join(f"{u} {c} MiB" for u, c in a["vram_caps_mb"]) or "none"
-        lines.append(f"  {a['agent']}: cores {_ranges(a['cores'])} ({len(a['cores'])}), "
-                     f"mem {a['mem_bytes']} B, disk {a['disk_bytes']} B")
-        lines.append(f"    whole GPUs: {whole}")
-        lines.append(f"    VRAM caps:  {caps}")
-    if not doc.get("allocations"):
-        r = (doc.get("spec") or {}).get("reserved", {})
-        lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
-                     f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
-    return "\n".join(lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -290,125 +160,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
-# -- up -------------------------------------------------------------------------------------------
-class Child:
-    """A child process that prints ``READY <kind> port=N`` once it serves."""
-
-    def __init__(self, kind: str, argv: Sequence[str], log_path: pathlib.Path) -> None:
-        self.kind = kind
-        self.log_path = log_path
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL)
-        self.port = 0
-
-    def wait_ready(self, timeout: float) -> int:
-        import selectors
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.2):
-                line = self.proc.stdout.readline().decode()
-                if line.startswith(f"READY {self.kind} port="):
-                    self.port = int(line.split("port=")[1])
-                    return self.port
-                if not line and self.proc.poll() is not None:
-                    break
-            elif self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"{self.kind} did not start (exit {self.proc.poll()}); log {self.log_path}:\n"
-                           + self.log_path.read_text()[-3000:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd.process import EtcdCluster, etcd_binary, port_is_free
-    from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
-
-    fake = args.fake_gpus
-    if fake is None:
-        try:
-            open_gpu_source(None, "probe").close()
-            print("NVML found: using the real GPUs")
-        except NvmlUnavailable:
-            fake = "2x16GiB"
-            print(f"NVML not available: simulating GPUs --fake-gpus {fake}")
-    data_dir = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="gpucoord-up-"))
-    data_dir.mkdir(parents=True, exist_ok=True)
-    print(f"data directory: {data_dir}")
-    # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0)
-    children: list[Child] = []
-    py = sys.executable
-    try:
-        etcd.start()
-        ep = etcd.endpoints[0]
-        print(f"etcd:        {ep}   (etcdctl: {etcd_binary('etcdctl')} --endpoints={ep} get --prefix /gpucoord/)")
-        coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
-                                      "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
-                                      "--session-ttl", str(args.session_ttl)], data_dir / "coordinator.log")
-        children.append(coord)
-        cport = coord.wait_ready(30)
-        caddr = f"127.0.0.1:{cport}"
-        print(f"coordinator: {caddr}   (log {coord.log_path})")
-        node_argv = [py, "-m", "coordinator.cli", "node", "--etcd", ep, "--host", args.host,
-                     "--listen", args.node_listen]
-        if fake:
-            node_argv += ["--fake-gpus", fake]
-        node = Child("node", node_argv, data_dir / "node.log")
-        children.append(node)
-        nport = node.wait_ready(30)
-        print(f"node:        127.0.0.1:{nport} host={args.host}   (log {node.log_path})")
-        _wait_host(caddr, args.host, 15)
-        print(render_status(fetch_status(caddr)))
-        if args.demo:
-            from coordinator.cli.demo import run_demo
-            run_demo(caddr, args.host, data_dir)
-            if not args.keep:
-                print("demo finished; shutting down")
-                return 0
-        print("gpucoord is up. Press Ctrl-C to stop.", flush=True)
-        # Block the signals and wait for one, while watching that the children stay up.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        while all(c.proc.poll() is None for c in children):
-            if signal.sigtimedwait({signal.SIGINT, signal.SIGTERM}, 0.5) is not None:
-                break
-        else:
-            print("a child process exited; shutting down", file=sys.stderr)
-        return 0
-    finally:
-        for c in reversed(children):
-            c.stop()
-        etcd.stop()
-        print(f"stopped; etcd data kept in {data_dir}")
-
-
-def _wait_host(caddr: str, host: str, timeout: float) -> None:
-    import grpc
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            doc = fetch_status(caddr, host)
-            if doc["hosts"] and doc["hosts"][0]["alive"]:
-                return
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"host {host} did not register within {timeout}s")
-        time.sleep(0.1)
-
-
-# -- parser ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpucoord", description="Coordinator for shared GPU hosts (state in etcd).")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -424,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-listen", default="127.0.0.1:7170")
     up.add_argument("--data-dir", help="etcd data and logs (default: a new temporary directory)")
     up.add_argument("--session-ttl", type=int, default=10)
-    up.set_defaults(fn=cmd_up)
+    up.set_defaults(fn=_cmd_up)
 
     co = sub.add_parser("coordinator", help="run a coordinator replica")
     co.add_argument("--etcd", default=None, help=f"comma-separated etcd endpoints (default {DEFAULT_ETCD})")
@@ -498,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--n", type=int, default=300, help="acquire+release pairs to time")
     be.set_defaults(fn=cmd_bench)
     return p
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.cli.up import cmd_up
+    return cmd_up(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,58 +7,9 @@ one transaction that compares every revision the decision read.
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from coordinator.etcd.store import KV
-
-
-@dataclasses.dataclass(frozen=True)
-class VramLease:
-    """A VRAM lease as stored under ``leases/<host>/<gpu_uuid>/<lease_id>``, with its etcd metadata."""
-
-    id: str
-    host: str
-    gpu_uuid: str
-    gpu_index: int
-    agent: str
-    session_id: str
-    vram_mb: int
-    priority: int
-    preemptible: bool
-    request_id: str
-    token: int
-    created_at: float
-    etcd_lease: int = 0
-    mod_revision: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        # Not dataclasses.asdict: it deep-copies, and this runs on every admission.
-        return {f: getattr(self, f) for f in _LEASE_FIELDS}
-
-    @classmethod
-    def from_kv(cls, kv: KV) -> VramLease:
-        d = json.loads(kv.value)
-        return cls(**d, etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
-
-
-_LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease) if f.name not in ("etcd_lease", "mod_revision"))
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuLedger:
-    """``gpus/<host>/<gpu_uuid>``: the compare-and-set point of admission on one GPU."""
-
-    capacity_mb: int
-    seq: int
-    mod_revision: int = 0  # 0: the ledger does not exist yet
-
-    @classmethod
-    def from_kv(cls, kv: KV | None) -> GpuLedger:
-        if kv is None:
-            return cls(0, 0, 0)
-        d = json.loads(kv.value)
-        return cls(int(d["capacity_mb"]), int(d["seq"]), kv.mod_revision)
+from coordinator.records import GpuLedger, VramLease
 
 
 @dataclasses.dataclass

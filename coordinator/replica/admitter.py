@@ -28,11 +28,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from coordinator import errors, metrics
-from coordinator.policy.admission import GpuView, VramLease, best_fit, choose_victims, never_fits
+from coordinator.policy.admission import GpuView, best_fit, choose_victims, never_fits
+from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.keys import Keys
-from coordinator.records import dumps
-from coordinator.etcd.store import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
+from coordinator.etcd.ops import (cmp_absent, cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_delete, op_put,
+                                  range_req)
+from coordinator.replica.view import HostView, host_ranges, host_view
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService
@@ -562,17 +563,9 @@ class HostAdmitter:
                                     view.partition_kv.mod_revision if view.partition_kv else 0))
         out += [cmp_mod_revision(keys.gpu(self.host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
         # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
-        out.append(_cmp_range_unchanged(keys.queue(self.host), view.revision))
+        out.append(cmp_range_unchanged(keys.queue(self.host), view.revision))
         out += [cmp_exists(keys.session(x.agent, x.session_id)) for x in sessions]
         return out
-
-
-def _cmp_range_unchanged(prefix: bytes, revision: int) -> Any:
-    from aetcd import rpc
-
-    from coordinator.keys import prefix_range_end
-    return rpc.Compare(key=prefix, range_end=prefix_range_end(prefix), target=rpc.Compare.MOD,
-                       result=rpc.Compare.LESS, mod_revision=revision + 1)
 
 
 def _swept() -> errors.FailedPrecondition:

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Sequence
 
 from coordinator import errors
 from coordinator.aio import log_failure
-from coordinator.records import dumps
-from coordinator.etcd.store import KV, cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.replica.view import EvictionRecord, QueueEntry
+from coordinator.keys import last_segment
+from coordinator.records import EvictionRecord, QueueEntry, dumps
+from coordinator.etcd.store import KV
+from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService
@@ -60,7 +61,7 @@ class Leadership:
         me = self.svc.replica_id
         info = dumps({"replica": me, "address": self.svc.advertise, "started_at": time.time()})
         await self.svc.store.commit([], [op_put(self.keys.coordinator(me), info, self.etcd_lease),
-                                         op_put(self.keys.election() + me.encode(), info, self.etcd_lease)])
+                                         op_put(self.keys.candidate(me), info, self.etcd_lease)])
         keepalive = asyncio.create_task(self._keepalive())
         watcher = asyncio.create_task(self._watch_election(me))
         try:
@@ -87,7 +88,7 @@ class Leadership:
                     candidates[ev.kv.key] = ev.kv
                 else:
                     candidates.pop(ev.kv.key, None)
-            if self.keys.election() + me.encode() not in candidates:
+            if self.keys.candidate(me) not in candidates:
                 return   # our etcd_lease expired: campaign again
             self._elect(list(candidates.values()))
 
@@ -95,7 +96,7 @@ class Leadership:
         if not kvs:
             return
         first = min(kvs, key=lambda kv: kv.create_revision)
-        self.leader_id = first.key.decode().rsplit("/", 1)[-1]
+        self.leader_id = last_segment(first.key)
         if self.leader_id == self.svc.replica_id and not self.is_leader:
             log.info("replica %s is the leader", self.svc.replica_id)
             self.is_leader = True

@@ -76,5 +76,5 @@ class Mirror:
 
     def items(self, kind: str) -> list[KV]:
         """Every flat key of one kind (e.g. ``evictions``)."""
-        prefix = self.keys.root() + kind.encode() + b"/"
+        prefix = self.keys.kind(kind)
         return [kv for key, kv in self._flat.items() if key.startswith(prefix)]

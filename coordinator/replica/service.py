@@ -16,16 +16,16 @@ from typing import Any
 
 from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
-from coordinator.policy.admission import VramLease
+from coordinator.records import EvictionRecord, HostInventory, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.replica.admitter import AcquireCall, HostAdmitter
 from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
 from coordinator.replica.mirror import Mirror
-from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
-from coordinator.records import HostInventory, dumps
+from coordinator.keys import (Keys, etcd_lease_from_session_id, last_segment, lease_id_for, session_id_from_etcd_lease,
+                              valid_name)
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.etcd.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
-                               op_put, range_req)
-from coordinator.replica.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
+from coordinator.etcd.store import KV, Snapshot, Store, WatchBatch
+from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.replica.view import HostView, host_ranges, host_view
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +442,7 @@ class CoordinatorService:
             # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
             # would pass etcd's limit of operations per transaction).
             kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue")
-            snap = await self.store.snapshot([range_req(self.keys.root() + k.encode() + b"/", prefix=True)
+            snap = await self.store.snapshot([range_req(self.keys.kind(k), prefix=True)
                                               for k in kinds])
             per_host: dict[str, list[list[KV]]] = {}
             for i, kvs in enumerate(snap.ranges):
@@ -464,9 +464,8 @@ def _check_lease_id(lease_id: str) -> None:
 
 def _lease_named(kvs: Any, lease_id: str) -> VramLease | None:
     """The lease with this id among ``leases/<host>/<gpu>/<id>`` keys (ids are unique across hosts)."""
-    suffix = b"/" + lease_id.encode()
     for kv in kvs:
-        if kv.key.endswith(suffix):
+        if last_segment(kv.key) == lease_id:
             return VramLease.from_kv(kv)
     return None
 
@@ -533,7 +532,7 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                 used = [lease for lease in v.leases.values() if lease.agent == alloc.agent]
                 agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
                                "leased_mb": sum(x.vram_mb for x in used), "leases": len(used)})
-        queue = [json.loads(kv.value) | {"rank": v_key.decode().rsplit("/", 1)[-1]}
+        queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
                  for kv in v.queue for v_key in [kv.key]]
         hosts.append({
             "host": v.host, "alive": v.alive, "address": v.host_kv.json().get("address", "") if v.host_kv else "",

@@ -7,19 +7,12 @@ import json
 import time
 from typing import Any
 
-from coordinator.policy.admission import GpuLedger, GpuView, VramLease
+from coordinator.policy.admission import GpuView
 from coordinator.keys import Keys
-from coordinator.records import HostInventory
+from coordinator.records import GpuLedger, HostInventory, VramLease
 from coordinator.policy.partition import Partition, default_partition
-from coordinator.etcd.store import KV, Snapshot, range_req
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionInfo:
-    agent: str
-    session_id: str
-    host: str
-    etcd_lease: int
+from coordinator.etcd.store import KV, Snapshot
+from coordinator.etcd.ops import range_req
 
 
 def _usage_fresh(usage: dict[str, Any] | None, now: float) -> dict[str, int]:
@@ -112,62 +105,3 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
                 leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
     return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs)
-
-
-
-
-@dataclasses.dataclass(frozen=True)
-class QueueEntry:
-    """``queue/<host>/<rank>``: a waiting request, complete enough for any replica to grant it."""
-
-    rank: str
-    agent: str
-    session_id: str
-    etcd_lease: int
-    vram_mb: int
-    gpu: str               # the GPU asked for (index or uuid), "" for any
-    priority: int
-    preemptible: bool
-    request_id: str
-    lease_id: str
-    deadline_unix: float   # the waiter gives up then; the leader sweeps entries left past it
-    replica: str           # the replica serving the waiting RPC
-    victims: tuple[str, ...] = ()   # leases evicted for it: it is admitted only once they are gone
-    mod_revision: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("rank")
-        d.pop("mod_revision")
-        d["victims"] = list(self.victims)
-        return d
-
-    @classmethod
-    def from_kv(cls, kv: KV) -> QueueEntry:
-        d = json.loads(kv.value)
-        d["victims"] = tuple(d.get("victims", ()))
-        return cls(rank=kv.key.decode().rsplit("/", 1)[-1], mod_revision=kv.mod_revision, **d)
-
-
-@dataclasses.dataclass(frozen=True)
-class EvictionRecord:
-    """``evictions/<lease_id>``: a notice to a lease's holder, with the deadline the leader enforces."""
-
-    lease_id: str
-    host: str
-    gpu_uuid: str
-    agent: str              # the victim's agent and session
-    session_id: str
-    victim_priority: int
-    requested_by: str       # "agent/request_id" of the request it makes room for, or "operator"
-    requester_priority: int | None   # None for an operator's eviction
-    reason: str
-    deadline_unix: float
-    created_at: float
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_kv(cls, kv: KV) -> EvictionRecord:
-        return cls(**json.loads(kv.value))

@@ -13,12 +13,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import errors, metrics
-from coordinator.policy.admission import VramLease
+from coordinator.records import EvictionRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.replica.service import CoordinatorService, status_json
-from coordinator.replica.view import EvictionRecord
 
 log = logging.getLogger(__name__)
 

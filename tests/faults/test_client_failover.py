@@ -14,12 +14,10 @@ from typing import Iterator
 import pytest
 
 from agent_client import Client
-from coordinator.cli.main import fetch_status
-from coordinator.replica.view import QueueEntry
+from coordinator.cli.common import fetch_status
+from coordinator.records import QueueEntry
 from tests.harness import Background, Cluster, spawn_coordinator, wait_for
 from tests.history import check_store
-
-pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 
 class Replica:

@@ -9,8 +9,6 @@ from agent_client.api import node_pb2 as npb
 from agent_client.api import node_pb2_grpc as npb_grpc
 from tests.harness import Cluster, wait_for
 
-pytestmark = pytest.mark.integration
-
 
 def test_check_token_accepts_a_gpu_index_and_refuses_what_is_neither(cluster: Cluster) -> None:
     daemon = cluster.start_node("h1", "2x16GiB")

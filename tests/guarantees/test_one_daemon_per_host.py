@@ -18,11 +18,10 @@ from typing import Any, Callable
 import pytest
 
 from coordinator.etcd.store import KV, Store
-from coordinator.node.daemon import HostTaken, NodeDaemon, create_node_server
+from coordinator.node.daemon import HostTaken, NodeDaemon
+from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
 from tests.harness import REPO, Cluster, child_env, wait_for
-
-pytestmark = pytest.mark.integration
 
 
 def spawn_node(cluster: Cluster, host: str, fake_gpus: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:

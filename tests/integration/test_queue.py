@@ -15,7 +15,7 @@ import pytest
 from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.replica.view import QueueEntry
+from coordinator.records import QueueEntry
 from tests.harness import Background, Cluster, LoopThread, wait_for
 from tests.history import check_store
 

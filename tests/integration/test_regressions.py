@@ -19,7 +19,7 @@ from coordinator import errors as cerrors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.etcd.store import Snapshot, WatchBatch
-from coordinator.replica.view import QueueEntry
+from coordinator.records import QueueEntry
 from tests.harness import Background, Cluster, LoopThread, wait_for
 from tests.history import check_store
 

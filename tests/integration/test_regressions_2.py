@@ -26,7 +26,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2
 from agent_client.api import node_pb2_grpc
 from coordinator.etcd.store import WatchBatch
-from coordinator.replica.view import QueueEntry
+from coordinator.records import QueueEntry
 from tests.harness import Background, REPO, Cluster, child_env, spawn_coordinator, wait_for
 
 pytestmark = pytest.mark.integration
@@ -513,7 +513,8 @@ def test_slow_nvml_call_does_not_stall_the_node(cluster: Cluster) -> None:
     blocks, nothing else runs: the etcd_lease keepalive, the lease watch, CheckToken and GetInventory. With a
     stall longer than the node's TTL, hosts/<host> expires and the host takes no admissions although the
     daemon is alive. The scan should run in a thread (run_in_executor / asyncio.to_thread)."""
-    from coordinator.node.daemon import NodeDaemon, create_node_server
+    from coordinator.node.daemon import NodeDaemon
+    from coordinator.rpc.node_server import create_node_server
     from coordinator.node.inventory import MIB, NvmlGpuSource
     from coordinator.etcd.store import Store
     from tests.harness import LoopThread

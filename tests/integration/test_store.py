@@ -9,7 +9,8 @@ import pytest
 
 from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
-from coordinator.etcd.store import Store, cmp_mod_revision, op_put, range_req
+from coordinator.etcd.store import Store
+from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from tests.conftest import EtcdEndpoint
 from tests.harness import LoopThread
 

@@ -10,16 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy.admission import (
-    GpuLedger,
-    GpuView,
-    Placement,
-    VramLease,
-    best_fit,
-    choose_victims,
-    never_fits,
-    room_for,
-)
+from coordinator.policy.admission import GpuView, Placement, best_fit, choose_victims, never_fits, room_for
+from coordinator.records import GpuLedger, VramLease
 from coordinator.etcd.store import KV
 
 _ids = itertools.count(1)

@@ -1,9 +1,7 @@
 """Turning a spec and a host inventory into a ``Partition`` (shared, auto-split, manual)."""
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from coordinator.records import GpuInfo, HostInventory
 from coordinator.policy.partition.model import AgentAllocation

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from typing import Any
 
 from coordinator.keys import valid_name

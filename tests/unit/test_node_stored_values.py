@@ -3,14 +3,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from coordinator.node.daemon import MAX_PROCESSES_STORED, _stored_processes
 from coordinator.node.inventory import MAX_GPU_NAME, MIB, NvmlGpuSource
 from coordinator.records import GpuProcess, GpuUsage
 from tests.unit.test_inventory import FakeDevice, FakeNvml
-
-pytestmark = pytest.mark.unit
 
 
 def test_a_long_gpu_name_is_cut_and_a_gpu_without_a_usable_uuid_is_not_offered() -> None:
