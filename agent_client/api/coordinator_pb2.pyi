@@ -29,12 +29,14 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., host: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "ttl_seconds")
+    __slots__ = ("session_id", "ttl_seconds", "keepalive_interval_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ttl_seconds: int
-    def __init__(self, session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    keepalive_interval_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., keepalive_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session",)

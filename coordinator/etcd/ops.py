@@ -62,3 +62,8 @@ def cmp_range_unchanged(prefix: bytes, revision: int) -> Any:
     """True while no key under ``prefix`` was created or modified after ``revision``."""
     return rpc.Compare(key=prefix, range_end=prefix_range_end(prefix), target=rpc.Compare.MOD,
                        result=rpc.Compare.LESS, mod_revision=revision + 1)
+
+
+def cmp_create_revision(key: bytes, create_revision: int) -> Any:
+    """True while ``key`` is the very key created at ``create_revision`` (not deleted and written again)."""
+    return rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=create_revision)

@@ -39,7 +39,7 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         try:
             return await fn(self, request, context)
         except errors.GpucoordError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(grpc.StatusCode[e.code], e.message)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -62,7 +62,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
         sid, ttl = await self.svc.open_session(request.agent, request.host, request.ttl_seconds, request.pid,
                                                request.client_version)
-        return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl)
+        interval = min(self.svc.config.keepalive_interval_s, ttl / 3)
+        return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl, keepalive_interval_seconds=interval)
 
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KeepAliveResponse]:
@@ -97,7 +98,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 if item is None:
                     return
                 if isinstance(item, errors.GpucoordError):
-                    await context.abort(item.code, item.message)
+                    await context.abort(grpc.StatusCode[item.code], item.message)
                 if isinstance(item, EvictionRecord):
                     yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
                         lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
