@@ -33,14 +33,18 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
-    from coordinator.node.daemon import HostTaken
+    from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
     from coordinator.rpc.node_server import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.etcd.store import Store
 
     host = args.host or socket.gethostname()
     if not valid_name(host):
-        print(f"gpucoord node: --host {host!r} is not a valid host name", file=sys.stderr)
+        print(f"gpucoord node: --host {quote_prefix(host)} is not a valid host name "
+              "(letters, digits, '.', '_', ':', '@', '-'; at most 128 characters)", file=sys.stderr)
+        return 2
+    if len(args.disk_path) > MAX_DISK_PATH:
+        print(f"gpucoord node: --disk-path: at most {MAX_DISK_PATH} characters", file=sys.stderr)
         return 2
     try:
         source = open_gpu_source(args.fake_gpus, host)

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 MAX_PROCESSES_STORED = 64
 """Processes per GPU written to ``usage/<host>`` (the largest users first); the rest are only counted."""
 
+MAX_DISK_PATH = 256
+"""Characters of ``--disk-path``, which is stored in ``hosts/<host>``."""
+
 
 def quote_prefix(value: object, limit: int = 40) -> str:
     """A value for an error message: at most a short prefix of it, quoted."""
