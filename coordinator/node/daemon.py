@@ -227,6 +227,7 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
     if metrics_listen:
         metrics.serve(metrics_listen)
     await store.connect()
+    await store.check_server_version()
     # Bind first, so that the published address carries the real port.
     daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
                         overrides=overrides)
