@@ -25,7 +25,7 @@ import grpc
 from aetcd import rpc
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
-from coordinator import errors
+from coordinator import errors, metrics
 from coordinator.etcd.versions import MINIMUM_PRODUCTION, crash_bugs, format_version, parse_etcd_version
 from coordinator.keys import prefix_range_end
 
@@ -127,6 +127,12 @@ def cmp_absent(key: bytes) -> Any:
 def _translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
     """The one place etcd's failures become gpucoord errors."""
     code, details = e.code(), (e.details() or "")
+    if "database space exceeded" in details:
+        metrics.ETCD_NOSPACE.inc()
+        return errors.EtcdNoSpace(
+            "etcd is out of space (alarm NOSPACE, \"database space exceeded\"): it refuses every write until an "
+            "operator frees space: etcdctl compact <current revision>, etcdctl defrag (every member), then "
+            "etcdctl alarm disarm; or raise --quota-backend-bytes (see the README, \"Production: etcd\")")
     if "lease not found" in details:
         return errors.SessionGone(f"etcd: {details}")
     if "compacted" in details:
@@ -227,10 +233,11 @@ class Store:
       the revision R, the other ranges (and further pages) are Ranges at R, read concurrently. A prefix is
       read in pages (``PAGE_KEYS``, halved while a page exceeds gRPC's message limit), all at R, so a read
       has no size limit. It may be retried (no side effect), and is retried as a whole when R has been
-      compacted meanwhile. Raises Unavailable or Timeout.
+      compacted meanwhile. Raises Unavailable or Timeout; EtcdNoSpace never (reads work under NOSPACE).
     * ``commit`` is ONE write transaction with compares. It is never retried here: a compare failure is
       ``TxnResult(succeeded=False)``, and the caller re-reads and decides again. A write whose outcome is
-      unknown raises OutcomeUnknown; a put on an expired etcd_lease raises SessionGone. A transaction without a put or delete is refused (ValueError)
+      unknown raises OutcomeUnknown; a put on an expired etcd_lease raises SessionGone; a full etcd
+      (alarm NOSPACE) raises EtcdNoSpace. A transaction without a put or delete is refused (ValueError)
       before it is sent: it would be a read-only transaction, which crashes etcd 3.5.0-3.5.6.
     * ``grant``/``revoke``/``keepalive`` manage etcd_leases. All sessions of a process share one
       LeaseKeepAlive stream. ``keepalive`` answers the remaining TTL, 0 when the etcd_lease is gone.
