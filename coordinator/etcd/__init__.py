@@ -1,1 +1,1 @@
-"""etcd as gpucoord uses it: which servers are safe, and (later) the store, sessions and processes."""
+"""The etcd boundary: the store (the only code that talks to etcd) and etcd processes for up and tests."""

@@ -6,7 +6,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 import pytest
 
-import coordinator.store as store_module
+import coordinator.etcd.store as store_module
 
 
 class EtcdCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]

@@ -12,8 +12,8 @@ import pathlib
 import pytest
 
 from coordinator import errors
-from coordinator.etcd_process import EtcdCluster, binary_version, etcd_binary
-from coordinator.store import Store, op_put, range_req
+from coordinator.etcd.process import EtcdCluster, binary_version, etcd_binary
+from coordinator.etcd.store import Store, op_put, range_req
 from tests.harness import LoopThread
 
 pytestmark = pytest.mark.integration

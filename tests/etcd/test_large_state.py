@@ -15,13 +15,13 @@ import grpc
 import pytest
 
 from agent_client import Client
-from coordinator.admission import VramLease
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.etcd_process import EtcdCluster
+from coordinator.records import VramLease
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.etcd.process import EtcdCluster
 from coordinator.keys import Keys, session_id_from_etcd_lease
-from coordinator.models import dumps
-from coordinator.store import Store, op_put
+from coordinator.records import dumps
+from coordinator.etcd.store import Store, op_put
 from tests.etcd.proxy import TcpProxy
 from tests.harness import REPO, Cluster, child_env, wait_for
 
@@ -90,7 +90,7 @@ def test_a_coordinator_starts_serves_and_resyncs_with_10k_sessions_and_10k_lease
         assert sum(len(h.leases) for h in status.hosts) == LEASES
 
         # The replica's watch loses its history: a cut, two writes and a compaction while it is away.
-        caplog.set_level(logging.WARNING, logger="coordinator.store")
+        caplog.set_level(logging.WARNING, logger="coordinator.etcd.store")
         late = cluster.keys.session("agent-late", "1234")
         proxy.cut()
 

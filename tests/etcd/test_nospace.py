@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from coordinator import errors, metrics
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.etcd_process import EtcdCluster, EtcdOptions, etcd_binary
-from coordinator.store import Store
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.etcd.process import EtcdCluster, EtcdOptions, etcd_binary
+from coordinator.etcd.store import Store
 from tests.harness import Cluster
 
 pytestmark = pytest.mark.integration
@@ -51,7 +51,7 @@ def test_nospace_is_a_clear_error_a_metric_and_recoverable(tmp_path: pathlib.Pat
                         return e
                 raise AssertionError("etcd never ran out of space")
             err = cluster.lt.run(fill())
-            assert isinstance(err, errors.EtcdNoSpace) and err.code == grpc.StatusCode.UNAVAILABLE
+            assert isinstance(err, errors.EtcdNoSpace) and err.code == "UNAVAILABLE"
             assert "alarm disarm" in err.message and "defrag" in err.message and "compact" in err.message
             assert "NOSPACE" in _etcdctl(ep, "alarm", "list")
             # Reads are Ranges, which a full etcd still serves.

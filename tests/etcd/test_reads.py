@@ -10,18 +10,22 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-import coordinator.store as store_module
+import coordinator.etcd.store as store_module
 from agent_client import Client, errors as client_errors
 from coordinator import errors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.etcd_process import EtcdCluster
-from coordinator.store import Store, cmp_exists, op_delete, op_get, op_put, range_req
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.etcd.process import EtcdCluster
+from coordinator.etcd.store import Store, cmp_exists, op_delete, op_put, range_req
 from tests.conftest import EtcdEndpoint
 from tests.etcd.calls import record_etcd_calls, read_only
 from tests.harness import Cluster, LoopThread
 
 pytestmark = pytest.mark.integration
+
+
+def op_get(key: bytes) -> Any:
+    return store_module.rpc.RequestOp(request_range=range_req(key))
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +183,7 @@ def test_the_server_version_is_read_and_a_crashing_one_is_warned_about(own_etcd:
     async def go() -> dict[str, str]:
         async with Store([*own_etcd.endpoints, "127.0.0.1:1"], timeout=1) as s:
             return await s.check_server_version()
-    with caplog.at_level(logging.INFO, logger="coordinator.store"):
+    with caplog.at_level(logging.INFO, logger="coordinator.etcd.store"):
         versions = lt.run(go())
     assert versions == {own_etcd.endpoints[0]: "3.5.1", "127.0.0.1:1": ""}
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]

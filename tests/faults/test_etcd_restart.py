@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 import pytest
 
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.etcd_process import EtcdCluster
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.etcd.process import EtcdCluster
 from tests.harness import Background, Cluster, wait_for
 
 pytestmark = pytest.mark.fault
@@ -79,6 +79,6 @@ def test_every_replica_answers_within_5s_of_etcds_return(tmp_path: pathlib.Path)
 
 def test_the_etcd_channel_caps_its_reconnect_backoff_at_about_a_second() -> None:
     # gRPC's default grows to 120 s; after a long etcd outage a replica could stay away for a minute or more.
-    from coordinator.store import CHANNEL_OPTIONS
+    from coordinator.etcd.store import CHANNEL_OPTIONS
     assert CHANNEL_OPTIONS["grpc.max_reconnect_backoff_ms"] <= 1_000
     assert CHANNEL_OPTIONS["grpc.initial_reconnect_backoff_ms"] <= 1_000

