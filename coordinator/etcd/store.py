@@ -101,7 +101,8 @@ def _translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
         return errors.SessionGone(f"etcd: {details}")
     if "compacted" in details:
         return errors.Compacted(f"etcd: {details}", 0)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    # etcd answers a deadline that passed while it served the call as UNKNOWN "context deadline exceeded".
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or "context deadline exceeded" in details:
         if write:
             return errors.OutcomeUnknown(f"etcd write timed out, outcome unknown: {details}")
         return errors.Timeout(f"etcd read timed out: {details}")

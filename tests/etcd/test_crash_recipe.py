@@ -55,7 +55,9 @@ def test_snapshots_cancelled_by_their_deadline_do_not_crash_etcd_3_5_1(tmp_path:
         try:
             lt.run(hammer(), timeout=240)
         except errors.Unavailable as e:
-            pytest.fail(f"etcd stopped answering after {outcomes}: {e}\n{member.log_path.read_text()[-3000:]}")
+            alive = member.proc is not None and member.proc.poll() is None
+            pytest.fail(f"a snapshot failed after {outcomes} (etcd {'alive' if alive else 'dead'}): {e}\n"
+                        f"{member.log_path.read_text()[-3000:]}")
 
         assert member.proc is not None and member.proc.poll() is None, (
             f"etcd exited ({outcomes}):\n{member.log_path.read_text()[-3000:]}")
