@@ -9,13 +9,15 @@ key                                    value                                    
 ``hosts/<host>``                       address, inventory (cpu, mem, disk, gpus: index, uuid,      node's etcd_lease     node                               none: one writer per host                           etcd, when the node's etcd_lease expires
                                        name, vram_total_mb), version
 ``usage/<host>``                       per GPU: vram_used_mb from NVML, processes, untracked_mb,   node's etcd_lease     node, when it changes, <= ~1/s     none: one writer per host                           etcd, with the node's etcd_lease
-                                       ts (the node's wall clock)
+                                       ts (the node's wall clock); each process's attribution
+                                       (state, lease_id) and each lease's VRAM use (over_use)
 ``partitions/<host>``                  spec + computed allocation per agent                        nothing (durable)     coordinator (``partition apply``)  apply compares its mod_revision; every acquire      operator (``partition apply`` of shared)
                                                                                                                                                         compares it too
 ``gpus/<host>/<gpu_uuid>``             the GPU's ledger: capacity_mb, seq (last fencing token)     nothing (durable)     every admission on that GPU        admission compares its mod_revision (or version 0   never (it keeps the token sequence)
                                                                                                                                                         when it is created)
 ``leases/<host>/<gpu_uuid>/<lease_id>`` agent, session, vram_mb, priority, preemptible,             agent's session       coordinator                        created comparing every ledger of the host, so no   release (compares mod_revision), session
-                                       request_id, token, created_at                                                                                    other admission raced it (G6: one id per request)   expiry, forced eviction
+                                       request_id, token, created_at; pids, pgid once                                                                   other admission raced it (G6: one id per request);  expiry, forced eviction
+                                       AttachProcesses recorded them                                                                                    AttachProcesses compares its mod_revision
 ``queue/<host>/<rank>``                a waiting request; rank sorts by priority (highest first),  waiter's session      coordinator                        created with version == 0; every admission compares the grant's transaction, a timed-out or
                                        then arrival                                                                                                             that no entry changed since its snapshot            cancelled waiter, session expiry, leader sweep
 ``evictions/<lease_id>``               who asked (and its priority), why, deadline                 victim's session      the deciding coordinator, or an    created with version == 0, comparing the victim's   release of the victim, leader at deadline

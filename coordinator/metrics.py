@@ -23,6 +23,16 @@ LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (last status read)"
 VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU (last status read)", ["host", "gpu", "kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=REGISTRY)
 NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=REGISTRY)
+NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_mb", "VRAM used by the processes of each lease (NVML)",
+                             ["gpu", "lease"], registry=REGISTRY)
+NODE_LEASE_OVER_USE = Gauge("gpucoord_node_lease_over_use_mb",
+                            "MiB a lease's processes use above the lease, when beyond the tolerance (else 0)",
+                            ["gpu", "lease"], registry=REGISTRY)
+NODE_GPU_PROCESSES = Gauge("gpucoord_node_gpu_processes",
+                           "Processes on each GPU by attribution: leased, leased_elsewhere, orphaned, untracked",
+                           ["gpu", "state"], registry=REGISTRY)
+NODE_ENFORCE_KILLS = Counter("gpucoord_node_enforce_kills_total", "GPU processes the node SIGKILLed, by reason",
+                             ["reason"], registry=REGISTRY)
 
 
 def serve(listen: str) -> int:

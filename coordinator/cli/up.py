@@ -107,6 +107,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                      "--listen", args.node_listen]
         if fake:
             node_argv += ["--fake-gpus", fake]
+        if args.fake_processes:
+            node_argv += ["--fake-processes", args.fake_processes]
+        node_argv += ["--enforce", args.enforce]
         node = Child("node", node_argv, data_dir / "node.log")
         children.append(node)
         nport = node.wait_ready(30)

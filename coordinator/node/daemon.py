@@ -17,6 +17,7 @@ from coordinator import __version__, errors, metrics
 from coordinator.aio import cancel_and_wait, retry_forever
 from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
 from coordinator.keys import Keys, last_segment
+from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
 from coordinator.etcd.store import Store
 from coordinator.etcd.ops import op_put
@@ -29,7 +30,7 @@ class NodeDaemon:
 
     def __init__(self, store: Store, keys: Keys, host: str, address: str, source: GpuSource, disk_path: str = "/",
                  ttl_s: int = 10, scan_interval_s: float = 1.0, heartbeat_s: float = 5.0,
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None, enforcer: Enforcer | None = None) -> None:
         self.store, self.keys, self.host, self.address = store, keys, host, address
         self.source, self.disk_path = source, disk_path
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
@@ -41,6 +42,8 @@ class NodeDaemon:
         self.highest_token: dict[str, int] = {}         # gpu uuid -> highest token seen
         self.leases_ready = False                       # the watch-fed view is current
         self.last_usage: tuple[GpuUsage, ...] = ()
+        # GPU processes against leases (see coordinator/node/enforce.py); report-only unless told.
+        self.enforcer = enforcer or Enforcer()
         self._published: Any = None
         self._last_write = 0.0
         self._tasks: list[asyncio.Task[None]] = []
@@ -83,12 +86,13 @@ class NodeDaemon:
             log.warning("NVML scan failed, usage not refreshed: %s", e)
             return
         self.last_usage = usage
+        attribution = await asyncio.to_thread(self.enforcer.scan, usage, time.time())
         leased: dict[str, int] = {}
         for lease in self.leases.values():
             leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
         gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
                  "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)),
-                 "processes": [{"pid": p.pid, "used_mb": p.used_mb} for p in u.processes]} for u in usage]
+                 **usage_doc(*attribution.for_gpu(u.uuid))} for u in usage]
         for u in usage:
             metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
         now = time.time()
@@ -139,9 +143,11 @@ class NodeDaemon:
         prefix = self.keys.leases(self.host)
         self.leases_ready = False
         snap = await self.store.get_prefix(prefix)
-        self.leases = {}
+        before, self.leases = self.leases, {}
         for kv in snap.ranges[0]:
             self._on_put(VramLease.from_kv(kv))
+        for lease_id in before.keys() - self.leases.keys():
+            self.enforcer.lease_deleted(lease_id, time.time())   # deleted while the watch was down
         self.leases_ready = True
         async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
             if batch.resync:
@@ -152,9 +158,11 @@ class NodeDaemon:
                     self._on_put(VramLease.from_kv(ev.kv))
                 else:
                     self.leases.pop(lease_id, None)
+                    self.enforcer.lease_deleted(lease_id, time.time())
 
     def _on_put(self, lease: VramLease) -> None:
         self.leases[lease.id] = lease
+        self.enforcer.lease_put(lease)
         self.highest_token[lease.gpu_uuid] = max(self.highest_token.get(lease.gpu_uuid, 0), lease.token)
 
     def check_token(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
