@@ -13,11 +13,8 @@ are paginated, so no response comes near gRPC's 4 MiB message limit whatever the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import random
-from collections import defaultdict, deque
 from typing import Any, AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
 
 import aetcd
@@ -25,10 +22,17 @@ import grpc
 from aetcd import rpc
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
-from coordinator import errors, metrics
-from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req  # noqa: F401 (re-exported)
+from coordinator import errors
+from coordinator.etcd.keepalive import KeepAliveStream
+from coordinator.etcd.translate import translate
+from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.etcd.types import KV, Snapshot, TxnResult, WatchBatch, WatchEvent
 from coordinator.etcd.versions import MINIMUM_PRODUCTION, crash_bugs, format_version, parse_etcd_version
 from coordinator.keys import prefix_range_end
+
+# Re-exported for callers written against the store module alone.
+__all__ = ["KV", "PAGE_KEYS", "Snapshot", "Store", "TxnResult", "WatchBatch", "WatchEvent", "cmp_absent", "cmp_exists",
+           "cmp_mod_revision", "op_delete", "op_put", "range_req"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,83 +40,6 @@ T = TypeVar("T")
 # Keys per page of a range read: about 0.5 MiB with gpucoord's values, far below gRPC's 4 MiB limit. A page
 # that still exceeds it (large values) is read again at half the size.
 PAGE_KEYS = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class KV:
-    """One etcd key with its metadata. Every update is a compare-and-set on ``mod_revision``."""
-
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    etcd_lease: int
-
-    @classmethod
-    def from_pb(cls, kv: Any) -> KV:
-        return cls(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
-
-    def json(self) -> Any:
-        return json.loads(self.value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """Several ranges read at one etcd ``revision`` (the state just after that revision)."""
-
-    revision: int
-    ranges: tuple[tuple[KV, ...], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class TxnResult:
-    succeeded: bool
-    revision: int
-    responses: tuple[Any, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class WatchEvent:
-    kind: str  # "PUT" or "DELETE"
-    kv: KV
-    prev_kv: KV | None
-
-
-@dataclasses.dataclass(frozen=True)
-class WatchBatch:
-    """Events of one watch response. ``resync`` means history was lost (compaction): re-read state."""
-
-    revision: int
-    events: tuple[WatchEvent, ...]
-    resync: bool = False
-
-
-def _translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
-    """The one place etcd's failures become gpucoord errors."""
-    code, details = e.code(), (e.details() or "")
-    if "database space exceeded" in details:
-        metrics.ETCD_NOSPACE.inc()
-        return errors.EtcdNoSpace(
-            "etcd is out of space (alarm NOSPACE, \"database space exceeded\"): it refuses every write until an "
-            "operator frees space: etcdctl compact <current revision>, etcdctl defrag (every member), then "
-            "etcdctl alarm disarm; or raise --quota-backend-bytes (see the README, \"Production: etcd\")")
-    if "lease not found" in details:
-        return errors.SessionGone(f"etcd: {details}")
-    if "compacted" in details:
-        return errors.Compacted(f"etcd: {details}", 0)
-    # etcd answers a deadline that passed while it served the call as UNKNOWN "context deadline exceeded".
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED or "context deadline exceeded" in details:
-        if write:
-            return errors.OutcomeUnknown(f"etcd write timed out, outcome unknown: {details}")
-        return errors.Timeout(f"etcd read timed out: {details}")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-        if write and code != grpc.StatusCode.UNAVAILABLE:
-            return errors.OutcomeUnknown(f"etcd write interrupted, outcome unknown: {details}")
-        return errors.Unavailable(f"etcd unavailable: {details}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return errors.InvalidArgument(f"etcd rejected the request: {details}")
-    return errors.Unavailable(f"etcd error {code.name}: {details}")
 
 
 def _target(endpoints: Sequence[str]) -> str:
@@ -192,27 +119,7 @@ async def _gather(coros: Iterable[Awaitable[T]]) -> list[T]:
 
 
 class Store:
-    """etcd as gpucoord uses it.
-
-    * ``snapshot`` reads several ranges at ONE revision, never as a transaction: a linearizable Range fixes
-      the revision R, the other ranges (and further pages) are Ranges at R, read concurrently. A prefix is
-      read in pages (``PAGE_KEYS``, halved while a page exceeds gRPC's message limit), all at R, so a read
-      has no size limit. It may be retried (no side effect), and is retried as a whole when R has been
-      compacted meanwhile. Raises Unavailable or Timeout; EtcdNoSpace never (reads work under NOSPACE).
-    * ``commit`` is ONE write transaction with compares. It is never retried here: a compare failure is
-      ``TxnResult(succeeded=False)``, and the caller re-reads and decides again. A write whose outcome is
-      unknown raises OutcomeUnknown; a put on an expired etcd_lease raises SessionGone; a full etcd
-      (alarm NOSPACE) raises EtcdNoSpace. A transaction without a put or delete is refused (ValueError)
-      before it is sent: it would be a read-only transaction, which crashes etcd 3.5.0-3.5.6.
-    * ``grant``/``revoke``/``keepalive`` manage etcd_leases. All sessions of a process share one
-      LeaseKeepAlive stream. ``keepalive`` answers the remaining TTL, 0 when the etcd_lease is gone.
-    * ``watch`` yields batches from a start revision and resumes by itself after a disconnect, from the
-      revision after the last one delivered. After a compaction it yields one ``resync`` batch and carries
-      on from the current revision: the caller must re-read what it caches.
-    * ``check_server_version`` asks every endpoint for its version (Maintenance Status) and logs a
-      WARNING for versions with known crash bugs. It never raises.
-    Every etcd call has a deadline (``timeout``).
-    """
+    """etcd as gpucoord uses it: the implementation of ``coordinator.etcd.contract.KVStore``."""
 
     def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, retry_for: float = 10.0) -> None:
         if not endpoints:
@@ -221,12 +128,12 @@ class Store:
         self.timeout = timeout
         self.retry_for = retry_for
         self._client = _Client(endpoints, timeout=int(max(1, timeout)))
-        self._keepalive: _KeepAliveStream | None = None
+        self._keepalive: KeepAliveStream | None = None
         self.closed = False
 
     async def connect(self) -> None:
         await self._client.connect()
-        self._keepalive = _KeepAliveStream(self)
+        self._keepalive = KeepAliveStream(lambda: self._client.leasestub, self.timeout)
 
     async def close(self) -> None:
         self.closed = True
@@ -305,7 +212,7 @@ class Store:
                 if serializable and revision and _future_revision(e):
                     serializable = False
                     continue
-                raise _translate(e, write=False) from e
+                raise translate(e, write=False) from e
             if not revision:
                 revision, serializable = resp.header.revision, True
             out.extend(KV.from_pb(kv) for kv in resp.kvs)
@@ -330,7 +237,7 @@ class Store:
         try:
             resp = await self._kv.Txn(req, timeout=self.timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
-            raise _translate(e, write=True) from e
+            raise translate(e, write=True) from e
         return TxnResult(resp.succeeded, resp.header.revision, tuple(resp.responses))
 
     async def compact(self, revision: int) -> None:
@@ -339,7 +246,7 @@ class Store:
             await self._kv.Compact(rpc.CompactionRequest(revision=revision), timeout=self.timeout,
                                    wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
-            raise _translate(e, write=True) from e
+            raise translate(e, write=True) from e
 
     async def put(self, key: bytes, value: bytes, etcd_lease: int = 0) -> int:
         return (await self.commit([], [op_put(key, value, etcd_lease)])).revision
@@ -353,7 +260,7 @@ class Store:
             resp = await self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self.timeout,
                                                            wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
-            raise _translate(e, write=True) from e
+            raise translate(e, write=True) from e
         return int(resp.ID)
 
     async def revoke(self, etcd_lease: int) -> None:
@@ -362,7 +269,7 @@ class Store:
             await self._client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=etcd_lease), timeout=self.timeout,
                                                      wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
-            err = _translate(e, write=True)
+            err = translate(e, write=True)
             if not isinstance(err, errors.SessionGone):
                 raise err from e
 
@@ -372,7 +279,7 @@ class Store:
             resp = await self._client.leasestub.LeaseTimeToLive(
                 rpc.LeaseTimeToLiveRequest(ID=etcd_lease), timeout=self.timeout, wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
-            raise _translate(e, write=False) from e
+            raise translate(e, write=False) from e
         return int(resp.TTL)
 
     async def keepalive(self, etcd_lease: int) -> int:
@@ -467,80 +374,3 @@ class Store:
             finally:
                 requests.put_nowait(None)
                 call.cancel()
-
-
-class _KeepAliveStream:
-    """One LeaseKeepAlive stream for every etcd_lease of the process (etcd's Go client does the same)."""
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._requests: asyncio.Queue[Any] | None = None
-        self._waiters: dict[int, deque[asyncio.Future[int]]] = defaultdict(deque)
-        self._task: asyncio.Task[None] | None = None
-        self._last_response = 0.0
-
-    def _ensure_running(self) -> asyncio.Queue[Any]:
-        if self._task is None or self._task.done():
-            self._requests = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._requests))
-        assert self._requests is not None
-        return self._requests
-
-    async def _run(self, requests: asyncio.Queue[Any]) -> None:
-        async def _reqs() -> AsyncIterator[Any]:
-            while True:
-                item = await requests.get()
-                if item is None:
-                    return
-                yield item
-
-        call = self._store._client.leasestub.LeaseKeepAlive(_reqs(), wait_for_ready=True)
-        try:
-            async for resp in call:
-                self._last_response = asyncio.get_running_loop().time()
-                q = self._waiters.get(resp.ID)
-                if q:
-                    fut = q.popleft()
-                    if not fut.done():
-                        fut.set_result(int(resp.TTL))
-        except grpc.aio.AioRpcError as e:
-            err = _translate(e, write=False)
-            for q in self._waiters.values():
-                while q:
-                    fut = q.popleft()
-                    if not fut.done():
-                        fut.set_exception(err)
-        finally:
-            call.cancel()
-
-    async def refresh(self, etcd_lease: int) -> int:
-        requests = self._ensure_running()
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiters[etcd_lease].append(fut)
-        requests.put_nowait(rpc.LeaseKeepAliveRequest(ID=etcd_lease))
-        sent_at = asyncio.get_running_loop().time()
-        try:
-            return await asyncio.wait_for(fut, self._store.timeout)
-        except asyncio.TimeoutError:
-            # A stuck stream (no answer to anyone since we asked): drop it, so that the next refresh opens
-            # a fresh one. A stream that answers others is left alone.
-            if self._task is not None and self._last_response < sent_at:
-                self._task.cancel()
-            raise errors.Timeout(f"etcd keepalive of etcd_lease {etcd_lease:x} timed out") from None
-        finally:
-            q = self._waiters.get(etcd_lease)
-            if q is not None:
-                if fut in q:
-                    q.remove(fut)
-                if not q:
-                    self._waiters.pop(etcd_lease, None)
-
-    async def close(self) -> None:
-        if self._requests is not None:
-            self._requests.put_nowait(None)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass

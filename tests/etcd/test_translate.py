@@ -1,11 +1,11 @@
-"""etcd's failures become gpucoord errors in one place (``_translate``): the ones that need care."""
+"""etcd's failures become gpucoord errors in one place (``coordinator.etcd.translate``): the ones that need care."""
 from __future__ import annotations
 
 import grpc
 import pytest
 
 from coordinator import errors, metrics
-from coordinator.etcd.store import _translate
+from coordinator.etcd.translate import translate as _translate
 
 pytestmark = pytest.mark.unit
 
