@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_client import errors
+from agent_client.run import AsyncBoundProcess, BoundProcess
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 
@@ -99,6 +100,11 @@ class AsyncLease(_LeaseBase):
         result = await self._client.release(self.id)   # a failure leaves it releasable again
         self.released = True
         return result
+
+    async def attach(self, pids: Sequence[int] | None = None, pgid: int = 0) -> bool:
+        """Record the processes this lease covers (default: this process), so that the node daemon can
+        match the GPU's processes to it. Replaces what was recorded before."""
+        return await self._client.attach_processes(self.id, [os.getpid()] if pids is None else pids, pgid)
 
     async def __aenter__(self) -> AsyncLease:
         return self
@@ -410,6 +416,17 @@ class AsyncClient:
         self._leases.pop(lease_id, None)
         return bool(resp.released)
 
+    async def attach_processes(self, lease_id: str, pids: Sequence[int], pgid: int = 0) -> bool:
+        """Record the processes a lease of this session covers; NotFound once the lease is gone."""
+        resp = await self._call("AttachProcesses", pb.AttachProcessesRequest(
+            session=self._ref(), lease_id=lease_id, pids=list(pids), pgid=pgid))
+        return bool(resp.changed)
+
+    def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> AsyncBoundProcess:
+        """A command bound to a new VRAM lease of this session: ``async with client.run([...], vram_mb=...)
+        as proc``. See :mod:`agent_client.run` for the options and what happens on eviction."""
+        return AsyncBoundProcess(self, cmd, vram_mb, **options)
+
     async def status(self, host: str | None = None) -> pb.GetStatusResponse:
         resp: pb.GetStatusResponse = await self._call("GetStatus", pb.GetStatusRequest(host=host or ""))
         return resp
@@ -449,6 +466,10 @@ class Lease:
 
     def release(self) -> bool:
         return self._sync._run(self._inner.release())
+
+    def attach(self, pids: Sequence[int] | None = None, pgid: int = 0) -> bool:
+        """Record the processes this lease covers (default: this process)."""
+        return self._sync._run(self._inner.attach(pids, pgid))
 
     def __enter__(self) -> Lease:
         return self
@@ -507,6 +528,11 @@ class Client:
 
     def status(self, host: str | None = None) -> pb.GetStatusResponse:
         return self._run(self._async.status(host))
+
+    def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> BoundProcess:
+        """``with client.run(["python", "train.py"], vram_mb=4096) as proc: proc.wait()``: the command runs
+        under a new VRAM lease of this session (see :mod:`agent_client.run`)."""
+        return BoundProcess(self, self._async.run(cmd, vram_mb, **options))
 
     def partition(self) -> dict[str, Any]:
         return self._run(self._async.partition())

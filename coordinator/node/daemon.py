@@ -28,14 +28,15 @@ from coordinator import __version__, errors, metrics
 from coordinator.aio import cancel_and_wait, retry_forever
 from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
 from coordinator.keys import Keys, last_segment
+from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
 from coordinator.etcd.store import KV, Store
 from coordinator.etcd.ops import cmp_absent, cmp_lease, op_get, op_put, op_txn, range_req
 
 log = logging.getLogger(__name__)
 
-MAX_PROCESSES_STORED = 64
-"""Processes per GPU written to ``usage/<host>`` (the largest users first); the rest are only counted."""
+MAX_LISTED = 64
+"""Entries of each list written to ``usage/<host>`` per GPU (processes, leases, a lease's pids)."""
 
 MAX_DISK_PATH = 256
 """Characters of ``--disk-path``, which is stored in ``hosts/<host>``."""
@@ -77,7 +78,7 @@ class NodeDaemon:
 
     def __init__(self, store: Store, keys: Keys, host: str, address: str, source: GpuSource, disk_path: str = "/",
                  ttl_s: int = 10, scan_interval_s: float = 1.0, heartbeat_s: float = 5.0,
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None, enforcer: Enforcer | None = None) -> None:
         self.store, self.keys, self.host, self.address = store, keys, host, address
         self.source, self.disk_path = source, disk_path
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
@@ -91,6 +92,8 @@ class NodeDaemon:
         self.highest_token: dict[str, int] = {}         # gpu uuid -> highest token seen
         self.leases_ready = False                       # the watch-fed view is current
         self.last_usage: tuple[GpuUsage, ...] = ()
+        # GPU processes against leases (see coordinator/node/enforce.py); report-only unless told.
+        self.enforcer = enforcer or Enforcer()
         self._published: Any = None
         self._last_write = 0.0
         self._tasks: list[asyncio.Task[None]] = []
@@ -196,12 +199,13 @@ class NodeDaemon:
             log.warning("NVML scan failed, usage not refreshed: %s", e)
             return
         self.last_usage = usage
+        attribution = await asyncio.to_thread(self.enforcer.scan, usage, time.time())
         leased: dict[str, int] = {}
         for lease in self.leases.values():
             leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
         gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
-                 "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)), **_stored_processes(u)}
-                for u in usage]
+                 "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)),
+                 **bounded_usage(usage_doc(*attribution.for_gpu(u.uuid)))} for u in usage]
         for u in usage:
             metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
         now = time.time()
@@ -293,9 +297,11 @@ class NodeDaemon:
         prefix = self.keys.leases(self.host)
         self.leases_ready = False
         snap = await self.store.get_prefix(prefix)
-        self.leases = {}
+        before, self.leases = self.leases, {}
         for kv in snap.ranges[0]:
             self._on_put(VramLease.from_kv(kv))
+        for lease_id in before.keys() - self.leases.keys():
+            self.enforcer.lease_deleted(lease_id, time.time())   # deleted while the watch was down
         self.leases_ready = True
         async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
             if batch.resync:
@@ -306,9 +312,11 @@ class NodeDaemon:
                     self._on_put(VramLease.from_kv(ev.kv))
                 else:
                     self.leases.pop(lease_id, None)
+                    self.enforcer.lease_deleted(lease_id, time.time())
 
     def _on_put(self, lease: VramLease) -> None:
         self.leases[lease.id] = lease
+        self.enforcer.lease_put(lease)
         self.highest_token[lease.gpu_uuid] = max(self.highest_token.get(lease.gpu_uuid, 0), lease.token)
 
     def check_token(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
@@ -318,10 +326,24 @@ class NodeDaemon:
         return False, ""
 
 
-def _stored_processes(u: GpuUsage) -> dict[str, Any]:
-    """The processes of one GPU as stored in etcd: the largest users first, at most MAX_PROCESSES_STORED."""
-    procs = sorted(u.processes, key=lambda p: (-p.used_mb, p.pid))
-    out: dict[str, Any] = {"processes": [{"pid": p.pid, "used_mb": p.used_mb} for p in procs[:MAX_PROCESSES_STORED]]}
-    if len(procs) > MAX_PROCESSES_STORED:
-        out["processes_omitted"] = len(procs) - MAX_PROCESSES_STORED
+def _largest(items: list[dict[str, Any]], what: str, out: dict[str, Any]) -> list[dict[str, Any]]:
+    items = sorted(items, key=lambda d: -int(d.get("used_mb", 0)))
+    if len(items) > MAX_LISTED:
+        out[f"{what}_omitted"] = len(items) - MAX_LISTED
+    return items[:MAX_LISTED]
+
+
+def bounded_usage(doc: dict[str, Any]) -> dict[str, Any]:
+    """The per-GPU lists of ``usage/<host>`` cut to MAX_LISTED each, the largest users of VRAM first;
+    ``<list>_omitted`` counts what was left out."""
+    out: dict[str, Any] = {}
+    out["processes"] = _largest(list(doc.get("processes", ())), "processes", out)
+    leases = []
+    for lease in _largest(list(doc.get("leases", ())), "leases", out):
+        pids = list(lease.get("pids", ()))
+        lease = {**lease, "pids": pids[:MAX_LISTED]}
+        if len(pids) > MAX_LISTED:
+            lease["pids_omitted"] = len(pids) - MAX_LISTED
+        leases.append(lease)
+    out["leases"] = leases
     return out

@@ -14,6 +14,7 @@ from coordinator import metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
+from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
 
 
@@ -82,14 +83,16 @@ async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.
 
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
-                   metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None) -> None:
+                   metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
+                   enforcer: Enforcer | None = None) -> None:
     """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon."""
     if metrics_listen:
         metrics.serve(metrics_listen)
     await store.connect()
+    await store.check_server_version()
     server: grpc.aio.Server | None = None
     daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
-                        overrides=overrides)
+                        overrides=overrides, enforcer=enforcer)
     try:
         await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
         # Bind first, so that the published address carries the real port.

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import json
 
-from coordinator.node.daemon import MAX_PROCESSES_STORED, _stored_processes
+from coordinator.node.daemon import MAX_LISTED, bounded_usage
 from coordinator.node.inventory import MAX_GPU_NAME, MIB, NvmlGpuSource
-from coordinator.records import GpuProcess, GpuUsage
 from tests.unit.test_inventory import FakeDevice, FakeNvml
 
 
@@ -23,12 +22,16 @@ def test_a_long_gpu_name_is_cut_and_a_gpu_without_a_usable_uuid_is_not_offered()
     assert [u.uuid for u in source.usage()] == ["GPU-aaaa", "GPU-dddd"]
 
 
-def test_usage_stores_the_largest_processes_and_counts_the_rest() -> None:
-    procs = tuple(GpuProcess(pid=1000 + i, used_mb=i) for i in range(5000))
-    stored = _stored_processes(GpuUsage(0, "GPU-a", 0, 0, procs))
-    assert len(stored["processes"]) == MAX_PROCESSES_STORED
-    assert stored["processes"][0] == {"pid": 1000 + 4999, "used_mb": 4999}
-    assert stored["processes_omitted"] == 5000 - MAX_PROCESSES_STORED
-    assert len(json.dumps(stored)) < 4096
-    few = _stored_processes(GpuUsage(0, "GPU-a", 0, 0, procs[:3]))
-    assert "processes_omitted" not in few and len(few["processes"]) == 3
+def test_usage_stores_the_largest_processes_and_leases_and_counts_the_rest() -> None:
+    doc = {"processes": [{"pid": 1000 + i, "used_mb": i, "state": "untracked", "lease_id": ""} for i in range(5000)],
+           "leases": [{"lease_id": f"l{i}", "agent": "a", "vram_mb": 1, "used_mb": i, "over_use": False,
+                       "pids": list(range(i * 10, i * 10 + 200))} for i in range(300)]}
+    stored = bounded_usage(doc)
+    assert len(stored["processes"]) == MAX_LISTED and stored["processes_omitted"] == 5000 - MAX_LISTED
+    assert stored["processes"][0]["pid"] == 1000 + 4999
+    assert len(stored["leases"]) == MAX_LISTED and stored["leases_omitted"] == 300 - MAX_LISTED
+    assert stored["leases"][0]["lease_id"] == "l299"
+    assert all(len(x["pids"]) == MAX_LISTED and x["pids_omitted"] == 200 - MAX_LISTED for x in stored["leases"])
+    assert len(json.dumps(stored)) < 64 * 1024
+    few = bounded_usage({"processes": doc["processes"][:3], "leases": []})
+    assert set(few) == {"processes", "leases"} and len(few["processes"]) == 3
