@@ -36,7 +36,7 @@ from coordinator.keys import Keys
 from coordinator.etcd.ops import (cmp_absent, cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_delete, op_put,
                                   range_req)
 from coordinator.etcd.removals import Removal, remove_entries
-from coordinator.etcd.store import KV
+from coordinator.etcd.types import KV
 from coordinator.replica.view import HostView, host_ranges, host_view, queue_entry
 
 if TYPE_CHECKING:
