@@ -28,7 +28,8 @@ from coordinator.policy.partition import Partition, PartitionError, compute_part
 from coordinator.etcd.election import Election
 from coordinator.etcd.store import KV, Snapshot, Store, WatchBatch
 from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.replica.view import HostView, host_ranges, host_view
+from coordinator.policy.host import HostView
+from coordinator.replica.view import host_ranges, host_view
 
 log = logging.getLogger(__name__)
 
@@ -632,7 +633,7 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
                  for kv in v.queue for v_key in [kv.key]]
         hosts.append({
-            "host": v.host, "alive": v.alive, "address": v.host_kv.json().get("address", "") if v.host_kv else "",
+            "host": v.host, "alive": v.alive, "address": json.loads(v.host_kv.value).get("address", "") if v.host_kv else "",
             "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(usage_age, 1),
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
             "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",

@@ -1,13 +1,13 @@
 """What one snapshot of a host says, as plain records: the input of every admission decision."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import time
 from typing import Any
 
 from coordinator.policy.admission import GpuView
+from coordinator.policy.host import HostView
 from coordinator.keys import Keys
 from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease
 from coordinator.policy.partition import Partition, default_partition
@@ -23,32 +23,6 @@ def _usage_fresh(usage: dict[str, Any] | None, now: float) -> dict[str, int]:
     if now - float(usage.get("ts", 0)) > 3 * interval:
         return {}
     return {g["uuid"]: int(g["vram_used_mb"]) for g in usage.get("gpus", ())}
-
-
-@dataclasses.dataclass
-class HostView:
-    """A host as one snapshot shows it."""
-
-    host: str
-    revision: int
-    inventory: HostInventory | None
-    host_kv: KV | None
-    partition: Partition | None
-    partition_kv: KV | None
-    gpus: dict[str, GpuView]
-    leases: dict[str, VramLease]
-    usage: dict[str, Any] | None
-    queue: tuple[KV, ...]
-
-    @property
-    def alive(self) -> bool:
-        return self.host_kv is not None
-
-    def effective_partition(self) -> Partition:
-        if self.partition is not None:
-            return self.partition
-        assert self.host_kv is not None
-        return _default_partition(self.host_kv.value)
 
 
 def host_ranges(keys: Keys, host: str) -> list[Any]:
@@ -104,7 +78,8 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float
                 uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
                 leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
-    return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs)
+    return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs,
+                    tuple(queue_entry(kv) for kv in queue_kvs))
 
 
 @functools.lru_cache(maxsize=8192)
