@@ -23,6 +23,8 @@ import grpc
 from agent_client import errors
 from coordinator.api import coordinator_pb2 as pb
 from coordinator.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.security.tls import aio_channel
+from coordinator.security.tls import resolve as resolve_tls
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +117,15 @@ class AsyncClient:
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int = 10,
                  keepalive_interval: float | None = None, rpc_timeout: float = 10.0,
-                 retry_for: float | None = None) -> None:
+                 retry_for: float | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.addresses = [a.strip() for a in (addresses.split(",") if isinstance(addresses, str) else addresses)
                           if a.strip()]
         if not self.addresses:
             raise ValueError("addresses: at least one coordinator address is needed")
         self.agent, self.host, self.ttl = agent, host, ttl
+        # mTLS: the three files from the arguments, else GPUCOORD_TLS_CA/CERT/KEY; none: plaintext.
+        self._tls = resolve_tls(tls_ca, tls_cert, tls_key)
         self.keepalive_interval = keepalive_interval or max(0.5, ttl / 4)
         self.rpc_timeout = rpc_timeout
         self.retry_for = ttl if retry_for is None else retry_for
@@ -139,7 +144,7 @@ class AsyncClient:
         addr = self.addresses[self._addr_i % len(self.addresses)]
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+            ch = self._channels[addr] = aio_channel(addr, self._tls, _CHANNEL_OPTIONS)
         return pb_grpc.CoordinatorStub(ch)
 
     def _next_address(self) -> None:

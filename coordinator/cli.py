@@ -50,14 +50,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
-             "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on"}
+             "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",
+             "max_sessions_per_agent": args.max_sessions_per_agent, "tls_ca": args.tls_ca,
+             "tls_cert": args.tls_cert, "tls_key": args.tls_key, "insecure": args.insecure,
+             "etcd_ca": args.etcd_ca, "etcd_cert": args.etcd_cert, "etcd_key": args.etcd_key,
+             "etcd_user": args.etcd_user, "etcd_password": args.etcd_password,
+             "etcd_password_file": args.etcd_password_file}
     try:
         config = CoordinatorConfig.load(args.config, flags=flags)
     except (ConfigError, OSError) as e:
         print(f"gpucoord coordinator: bad configuration: {e}", file=sys.stderr)
         return 2
     _setup_logging(args.verbose)
-    _run_until_signal(lambda stop: serve(config, ready=lambda p: _ready_line("coordinator", p), stop=stop))
+    try:
+        _run_until_signal(lambda stop: serve(config, ready=lambda p: _ready_line("coordinator", p), stop=stop))
+    except (OSError, ValueError) as e:   # a port in use, unreadable TLS files
+        print(f"gpucoord coordinator: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -65,8 +74,19 @@ def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
     from coordinator.node.daemon import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.security import etcd_auth, tls
     from coordinator.store import Store
 
+    try:
+        tls_files = tls.from_args(args)
+        etcd_security = etcd_auth.from_args(args)
+        for address, what in ((args.listen, "--listen"), (args.metrics_listen, "--metrics-listen")):
+            error = tls.listen_error(address, tls_files, bool(args.insecure), what) if address else None
+            if error:
+                raise ValueError(error)
+    except ValueError as e:
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 2
     host = args.host or socket.gethostname()
     if not valid_name(host):
         print(f"gpucoord node: --host {host!r} is not a valid host name", file=sys.stderr)
@@ -94,20 +114,29 @@ def cmd_node(args: argparse.Namespace) -> int:
         print(f"gpucoord node: {e}", file=sys.stderr)
         return 2
     _setup_logging(args.verbose)
-    store = Store(args.etcd.split(","), timeout=3.0)
-    _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
-                                            args.ttl, stop, ready=lambda p: _ready_line("node", p),
-                                            metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
-                                            overrides=overrides))
+    store = Store(args.etcd.split(","), timeout=3.0, security=etcd_security)
+    try:
+        _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source,
+                                                args.disk_path, args.ttl, stop, ready=lambda p: _ready_line("node", p),
+                                                metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
+                                                overrides=overrides, tls=tls_files, insecure=bool(args.insecure)))
+    except (OSError, ValueError) as e:   # a port in use (no SO_REUSEPORT: never shared), unreadable TLS files
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 # -- operator commands ----------------------------------------------------------------------------
-def _stub(address: str) -> Any:
-    import grpc
-
+def _stub(address: str, tls: Any = None) -> Any:
     from coordinator.api import coordinator_pb2_grpc as pb_grpc
-    return pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
+    from coordinator.security.tls import sync_channel
+    return pb_grpc.CoordinatorStub(sync_channel(address, tls))
+
+
+def _client_tls(args: argparse.Namespace) -> Any:
+    """The operator's TLS files: --tls-* flags, else GPUCOORD_TLS_CA/CERT/KEY."""
+    from coordinator.security.tls import from_args
+    return from_args(args)
 
 
 def _fail(e: Any) -> int:
@@ -115,11 +144,11 @@ def _fail(e: Any) -> int:
     return 1
 
 
-def fetch_status(address: str, host: str = "") -> dict[str, Any]:
+def fetch_status(address: str, host: str = "", tls: Any = None) -> dict[str, Any]:
     from google.protobuf import json_format
 
     from coordinator.api import coordinator_pb2 as pb
-    resp = _stub(address).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
+    resp = _stub(address, tls).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
     doc: dict[str, Any] = json_format.MessageToDict(resp, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True)
     return doc
@@ -206,7 +235,7 @@ def render_partition(doc: dict[str, Any]) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
     try:
-        doc = fetch_status(args.coordinator, args.host or "")
+        doc = fetch_status(args.coordinator, args.host or "", _client_tls(args))
     except grpc.RpcError as e:
         return _fail(e)
     print(json.dumps(doc, indent=2) if args.json else render_status(doc))
@@ -214,10 +243,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
+    from coordinator.security import etcd_auth
     from coordinator.store import Store
+    try:
+        security = etcd_auth.from_args(args)
+    except ValueError as e:
+        print(f"gpucoord keys: {e}", file=sys.stderr)
+        return 2
 
     async def dump() -> None:
-        async with Store(args.etcd.split(",")) as store:
+        async with Store(args.etcd.split(","), security=security) as store:
             snap = await store.get_prefix(args.prefix.encode())
             for kv in snap.ranges[0]:
                 try:
@@ -235,7 +270,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     import grpc
 
     from coordinator.api import coordinator_pb2 as pb
-    stub = _stub(args.coordinator)
+    stub = _stub(args.coordinator, _client_tls(args))
     try:
         if args.partition_cmd == "apply":
             from coordinator.partition import PartitionError, load_spec_file
@@ -267,7 +302,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
     import grpc
 
     from coordinator.api import coordinator_pb2 as pb
-    stub = _stub(args.coordinator)
+    stub = _stub(args.coordinator, _client_tls(args))
     try:
         if args.lease_cmd == "evict":
             resp = stub.EvictLease(pb.EvictLeaseRequest(lease_id=args.id, grace_seconds=args.grace or 0,
@@ -342,34 +377,64 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="gpucoord-up-"))
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"data directory: {data_dir}")
+    secure = None
+    if args.secure:
+        from coordinator.demo import DEMO_AGENTS
+        from coordinator.etcd_process import ClientTls
+        from coordinator.security.commands import prepare_secure
+        secure = prepare_secure(data_dir, args.host, DEMO_AGENTS if args.demo else (args.agent,))
+        print(f"certificates: {secure.dir} (CA {secure.ca})")
     # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0)
+    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0,
+                       client_tls=None if secure is None else ClientTls(secure.ca, secure.etcd_server.cert,
+                                                                        secure.etcd_server.key))
     children: list[Child] = []
     py = sys.executable
+    operator_tls = None if secure is None else secure.operator
     try:
         etcd.start()
         ep = etcd.endpoints[0]
-        print(f"etcd:        {ep}   (etcdctl: {etcd_binary('etcdctl')} --endpoints={ep} get --prefix /gpucoord/)")
+        etcdctl = f"{etcd_binary('etcdctl')} --endpoints={ep}"
+        coord_extra: list[str] = []
+        node_extra: list[str] = []
+        if secure is not None:
+            from coordinator.security.etcd_auth import setup_roles
+            asyncio.run(setup_roles(ep, secure.etcd_security(secure.etcd_root), "/gpucoord/", [args.host]))
+            etcdctl += (f" --cacert={secure.ca} --cert={secure.etcd_root.cert} --key={secure.etcd_root.key}")
+            coord_extra = secure.tls_flags(secure.coordinator) + secure.etcd_flags(secure.coordinator)
+            node_extra = secure.tls_flags(secure.node) + secure.etcd_flags(secure.node)
+            print("etcd:        client-certificate TLS, auth enabled (users root, gpucoord-coordinator, "
+                  f"gpucoord-operator, gpucoord-node-{args.host})")
+        print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
-                                      "--session-ttl", str(args.session_ttl)], data_dir / "coordinator.log")
+                                      "--session-ttl", str(args.session_ttl), *coord_extra],
+                      data_dir / "coordinator.log")
         children.append(coord)
         cport = coord.wait_ready(30)
         caddr = f"127.0.0.1:{cport}"
         print(f"coordinator: {caddr}   (log {coord.log_path})")
         node_argv = [py, "-m", "coordinator.cli", "node", "--etcd", ep, "--host", args.host,
-                     "--listen", args.node_listen]
+                     "--listen", args.node_listen, *node_extra]
         if fake:
             node_argv += ["--fake-gpus", fake]
         node = Child("node", node_argv, data_dir / "node.log")
         children.append(node)
         nport = node.wait_ready(30)
         print(f"node:        127.0.0.1:{nport} host={args.host}   (log {node.log_path})")
-        _wait_host(caddr, args.host, 15)
-        print(render_status(fetch_status(caddr)))
+        _wait_host(caddr, args.host, 15, operator_tls)
+        print(render_status(fetch_status(caddr, tls=operator_tls)))
+        if secure is not None:
+            print("\nmTLS is on. An agent needs these three variables (agent_client reads them):")
+            for name, files in secure.agents.items():
+                print(f"  # gpucoord://agent/{name}")
+                print("  " + " ".join(f"export {k}={v}" for k, v in files.env().items()))
+            print("  # the operator (gpucoord status, partition, lease)")
+            print("  " + " ".join(f"export {k}={v}" for k, v in secure.operator.env().items()), flush=True)
         if args.demo:
             from coordinator.demo import run_demo
-            run_demo(caddr, args.host, data_dir)
+            run_demo(caddr, args.host, data_dir, tls=operator_tls,
+                     agent_tls=None if secure is None else secure.agents)
             if not args.keep:
                 print("demo finished; shutting down")
                 return 0
@@ -389,12 +454,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"stopped; etcd data kept in {data_dir}")
 
 
-def _wait_host(caddr: str, host: str, timeout: float) -> None:
+def _wait_host(caddr: str, host: str, timeout: float, tls: Any = None) -> None:
     import grpc
     deadline = time.monotonic() + timeout
     while True:
         try:
-            doc = fetch_status(caddr, host)
+            doc = fetch_status(caddr, host, tls)
             if doc["hosts"] and doc["hosts"][0]["alive"]:
                 return
         except grpc.RpcError:
@@ -406,6 +471,9 @@ def _wait_host(caddr: str, host: str, timeout: float) -> None:
 
 # -- parser ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from coordinator.security.commands import add_parsers as security_parsers
+    from coordinator.security.etcd_auth import add_arguments as etcd_args
+    from coordinator.security.tls import add_arguments as tls_args
     p = argparse.ArgumentParser(prog="gpucoord", description="Coordinator for shared GPU hosts (state in etcd).")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -420,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-listen", default="127.0.0.1:7170")
     up.add_argument("--data-dir", help="etcd data and logs (default: a new temporary directory)")
     up.add_argument("--session-ttl", type=int, default=10)
+    up.add_argument("--secure", action="store_true",
+                    help="a CA and certificates in the data dir, etcd with client-certificate TLS and auth, "
+                         "coordinator and node with mTLS; prints the environment an agent needs")
+    up.add_argument("--agent", default="agent-a", help="with --secure: the agent name to issue a certificate for")
     up.set_defaults(fn=cmd_up)
 
     co = sub.add_parser("coordinator", help="run a coordinator replica")
@@ -430,7 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--session-ttl", type=int, default=None)
     co.add_argument("--grace", type=float, default=None, help="eviction grace period, seconds")
     co.add_argument("--untracked-vram", choices=("on", "off"), default=None)
-    co.add_argument("--config", default=None, help="TOML file with a [coordinator] table")
+    co.add_argument("--config", default=None, help="TOML file with a [coordinator] table (and [tls])")
+    co.add_argument("--max-sessions-per-agent", type=int, default=None)
+    tls_args(co, server=True)
+    etcd_args(co)
     co.set_defaults(fn=cmd_coordinator)
 
     no = sub.add_parser("node", help="run the node daemon of this host")
@@ -448,21 +523,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="usage is rewritten at least this often (seconds); stale after 3 heartbeats")
     no.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
     no.add_argument("--metrics-listen", default="")
+    tls_args(no, server=True)
+    etcd_args(no)
     no.set_defaults(fn=cmd_node)
 
     st = sub.add_parser("status", help="hosts, GPUs, partitions, leases and the queue")
     st.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
     st.add_argument("--host", default=None)
     st.add_argument("--json", action="store_true")
+    tls_args(st)
     st.set_defaults(fn=cmd_status)
 
     ke = sub.add_parser("keys", help="dump the etcd keys readably")
     ke.add_argument("--etcd", default=_env("ETCD", DEFAULT_ETCD))
     ke.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
+    etcd_args(ke)
     ke.set_defaults(fn=cmd_keys)
 
     pa = sub.add_parser("partition", help="apply or show a host's partition")
     pa.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    tls_args(pa)
     psub = pa.add_subparsers(dest="partition_cmd", required=True)
     ap = psub.add_parser("apply", help="apply a TOML partition spec (one transaction)")
     ap.add_argument("file")
@@ -478,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     le = sub.add_parser("lease", help="operator actions on VRAM leases")
     le.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    tls_args(le)
     lsub = le.add_subparsers(dest="lease_cmd", required=True)
     ev = lsub.add_parser("evict", help="send an eviction notice with a grace period")
     ev.add_argument("id")
@@ -493,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "release-to-grant latency")
     be.add_argument("--n", type=int, default=300, help="acquire+release pairs to time")
     be.set_defaults(fn=cmd_bench)
+    security_parsers(sub, DEFAULT_ETCD)
     return p
 
 

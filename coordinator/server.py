@@ -17,6 +17,8 @@ from coordinator.admission import VramLease
 from coordinator.api import coordinator_pb2 as pb
 from coordinator.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
+from coordinator.security.interceptor import SecurityInterceptor, current_caller
+from coordinator.security.tls import add_port, check_listen, server_options
 from coordinator.service import CoordinatorService, status_json
 from coordinator.view import EvictionRecord
 
@@ -178,7 +180,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def EvictLease(self, request: pb.EvictLeaseRequest, context: Any) -> pb.EvictLeaseResponse:
-        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason)
+        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason,
+                                        asked_by=str(current_caller() or "unknown"))
         return pb.EvictLeaseResponse(deadline_unix=deadline)
 
     @_rpc
@@ -191,12 +194,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
 async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int, CoordinatorService]:
     """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"listen: cannot bind {config.listen}")
+    tls = config.tls_files()
+    check_listen(config.listen, tls, config.insecure)
+    # Identity, authorization, bounds and audit: one interceptor, before any handler (coordinator.security).
+    guard = SecurityInterceptor(tls is not None)
+    server = grpc.aio.server(interceptors=[guard], options=server_options())
+    port = add_port(server, config.listen, tls)
     svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
     await svc.start()
+    guard.agent_hosts = svc.agent_hosts
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(svc), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -214,7 +220,7 @@ async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None =
                 stop: asyncio.Event | None = None) -> None:
     """Run a coordinator until ``stop`` is set (or forever)."""
     if config.metrics_listen:
-        metrics.serve(config.metrics_listen)
+        metrics.serve(config.metrics_listen, config.tls_files())
     server, port, svc = await create_server(config)
     log.info("coordinator %s serving on port %d", svc.replica_id, port)
     if ready is not None:

@@ -23,8 +23,8 @@ from coordinator.mirror import Mirror
 from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease, valid_name
 from coordinator.models import HostInventory, dumps
 from coordinator.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision, op_delete,
-                               op_put, range_req)
+from coordinator.store import (KV, Snapshot, Store, WatchBatch, cmp_absent, cmp_exists, cmp_mod_revision,
+                               cmp_prefix_unchanged, op_delete, op_put, range_req)
 from coordinator.view import EvictionRecord, HostView, QueueEntry, SessionInfo, host_ranges, host_view
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class CoordinatorService:
     def __init__(self, config: CoordinatorConfig, store: Store | None = None, advertise: str = "") -> None:
         self.config = config
         self.keys = Keys(config.prefix)
-        self.store = store or Store(config.etcd, timeout=config.etcd_timeout_s)
+        self.store = store or Store(config.etcd, timeout=config.etcd_timeout_s, security=config.etcd_security())
         self.replica_id = uuid.uuid4().hex[:12]
         self.advertise = advertise
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
@@ -166,8 +166,13 @@ class CoordinatorService:
             raise errors.InvalidArgument(f"ttl_seconds: must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {ttl}",
                                          "ttl_seconds")
         for _ in range(self.config.commit_attempts):
-            snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host))])
-            host_kvs, part_kvs = snap.ranges
+            snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host)),
+                                              range_req(self.keys.sessions(agent), prefix=True, keys_only=True)])
+            host_kvs, part_kvs, own_sessions = snap.ranges
+            if len(own_sessions) >= self.config.max_sessions_per_agent:
+                raise errors.CapacityError(
+                    f"sessions: agent {agent!r} has {len(own_sessions)} open sessions, the most allowed "
+                    f"(max_sessions_per_agent); close one first", "sessions")
             if not host_kvs:
                 raise errors.NotFound(f"host: no node daemon has registered host {host!r}", "host")
             if part_kvs:
@@ -180,14 +185,21 @@ class CoordinatorService:
             value = dumps({"agent": agent, "host": host, "pid": pid, "client_version": client_version,
                            "ttl": ttl, "opened_at": time.time(), "coordinator": self.replica_id})
             part_rev = part_kvs[0].mod_revision if part_kvs else 0
+            # No session of the agent opened since the count: the cap holds under concurrent opens.
             res = await self.store.commit(
-                [cmp_exists(self.keys.host(host)), cmp_mod_revision(self.keys.partition(host), part_rev)],
+                [cmp_exists(self.keys.host(host)), cmp_mod_revision(self.keys.partition(host), part_rev),
+                 cmp_prefix_unchanged(self.keys.sessions(agent), snap.revision)],
                 [op_put(self.keys.session(agent, session_id), value, etcd_lease)])
             if res.succeeded:
                 self._sessions[(agent, session_id)] = SessionInfo(agent, session_id, host, etcd_lease)
                 return session_id, ttl
             await self.store.revoke(etcd_lease)
         raise errors.Unavailable("open session: too much contention on the host's partition; retry")
+
+    async def agent_hosts(self, agent: str) -> set[str]:
+        """The hosts on which ``agent`` has a live session (authorization of an agent's reads)."""
+        snap = await self.store.get_prefix(self.keys.sessions(agent))
+        return {str(kv.json().get("host", "")) for kv in snap.ranges[0]}
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
         """The session's (cached) identity. Liveness is checked by every transaction, not here."""
@@ -263,7 +275,7 @@ class CoordinatorService:
                 log.info("withdrew the eviction notice of lease %s: its requester left", victim)
 
     # -- operator: evict and revoke ----------------------------------------------------------------
-    async def evict(self, lease_id: str, grace_s: float, reason: str) -> float:
+    async def evict(self, lease_id: str, grace_s: float, reason: str, asked_by: str = "") -> float:
         """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
         _check_lease_id(lease_id)
         if grace_s < 0 or grace_s != grace_s or grace_s > 3600:
@@ -282,7 +294,7 @@ class CoordinatorService:
                 # A request's notice becomes the operator's: it must not be withdrawn if that request
                 # gives up, and the operator's grace may bring the deadline forward.
                 record = dataclasses.replace(record, requested_by="operator", requester_priority=None,
-                                             reason=reason or "operator",
+                                             reason=reason or "operator", asked_by=asked_by,
                                              deadline_unix=min(record.deadline_unix, now + grace))
                 res = await self.store.commit(
                     [cmp_mod_revision(existing.key, existing.mod_revision)],
@@ -293,7 +305,8 @@ class CoordinatorService:
             record = EvictionRecord(
                 lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent,
                 session_id=lease.session_id, victim_priority=lease.priority, requested_by="operator",
-                requester_priority=None, reason=reason or "operator", deadline_unix=now + grace, created_at=now)
+                requester_priority=None, reason=reason or "operator", deadline_unix=now + grace, created_at=now,
+                asked_by=asked_by)
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             res = await self.store.commit(
                 [cmp_mod_revision(key, lease.mod_revision), cmp_absent(self.keys.eviction(lease_id))],

@@ -24,6 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from coordinator import errors
 from coordinator.keys import prefix_range_end
+from coordinator.security.etcd_auth import EtcdSecurity
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,12 @@ def cmp_mod_revision(key: bytes, mod_revision: int) -> Any:
     return rpc.Compare(key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=mod_revision)
 
 
+def cmp_prefix_unchanged(prefix: bytes, revision: int) -> Any:
+    """True while no key under ``prefix`` was created or modified after ``revision`` (deletions pass)."""
+    return rpc.Compare(key=prefix, range_end=prefix_range_end(prefix), target=rpc.Compare.MOD,
+                       result=rpc.Compare.LESS, mod_revision=revision + 1)
+
+
 def cmp_exists(key: bytes) -> Any:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.GREATER, version=0)
 
@@ -145,9 +152,11 @@ def _target(endpoints: Sequence[str]) -> str:
 class _Client(aetcd.Client):  # type: ignore[misc]
     """aetcd's client, connected to a list of endpoints rather than one host:port."""
 
-    def __init__(self, endpoints: Sequence[str], timeout: float, **kw: Any) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout: float, security: EtcdSecurity | None = None,
+                 **kw: Any) -> None:
         super().__init__(host="unused", port=0, timeout=timeout, **kw)
         self._gpucoord_target = _target(endpoints)
+        self._gpucoord_security = security or EtcdSecurity()
 
     async def connect(self) -> None:
         if self._connected.is_set():
@@ -163,9 +172,10 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         }
         self._options: dict[str, Any] = options
         orig = aetcd.rpc.insecure_channel
-        target = self._gpucoord_target
+        target, security = self._gpucoord_target, self._gpucoord_security
         try:
-            aetcd.rpc.insecure_channel = lambda _t, options=None: orig(target, options=options)
+            # The one place that picks plaintext or TLS, and adds etcd's auth token (security.channel).
+            aetcd.rpc.insecure_channel = lambda _t, options=None: security.channel(target, list(options or ()))
             await super().connect()
         finally:
             aetcd.rpc.insecure_channel = orig
@@ -187,13 +197,14 @@ class Store:
     Every call has a deadline (``timeout``).
     """
 
-    def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, retry_for: float = 10.0) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, retry_for: float = 10.0,
+                 security: EtcdSecurity | None = None) -> None:
         if not endpoints:
             raise ValueError("etcd endpoints: at least one is needed")
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self.retry_for = retry_for
-        self._client = _Client(endpoints, timeout=int(max(1, timeout)))
+        self._client = _Client(endpoints, timeout=int(max(1, timeout)), security=security)
         self._keepalive: _KeepAliveStream | None = None
         self.closed = False
 
