@@ -102,7 +102,7 @@ __all__ = [
 
 MODES: tuple[str, ...] = ("shared", "auto-split", "manual")
 KINDS: tuple[str, ...] = ("cpu", "mem", "disk", "gpus", "vram")
-MAX_AGENTS = 1024
+MAX_AGENTS = 256
 MAX_ITEMS = 4096
 MAX_INT = 2**63 - 1
 MAX_SIZE_STR = 64

@@ -112,7 +112,7 @@ class Cluster:
         self.lt.run(stop())
 
     def start_node(self, host: str, fake_gpus: str = "1x16GiB", ttl: int = 10, heartbeat_s: float = 5.0,
-                   **overrides: Any) -> NodeDaemon:
+                   tls: Any = None, **overrides: Any) -> NodeDaemon:
         source = FakeGpuSource(fake_gpus, host)
 
         async def start() -> tuple[NodeDaemon, Any]:
@@ -120,7 +120,7 @@ class Cluster:
             await store.connect()
             daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
                                 heartbeat_s=heartbeat_s, overrides=overrides)
-            server, port = await create_node_server(daemon, "127.0.0.1:0")
+            server, port = await create_node_server(daemon, "127.0.0.1:0", tls)
             daemon.address = f"127.0.0.1:{port}"
             await daemon.start()
             return daemon, server
