@@ -170,7 +170,8 @@ class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         self.token = token
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        if details.method.endswith("/Authenticate"):
+        method = details.method.decode() if isinstance(details.method, bytes) else str(details.method)
+        if method.endswith("/Authenticate"):
             return await continuation(details, request)
         value = await self.token.get()
         call = await continuation(_with_token(details, value), request)
