@@ -21,10 +21,9 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 import grpc
 
 from agent_client import errors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.security.tls import aio_channel
-from coordinator.security.tls import resolve as resolve_tls
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.tls import aio_channel, credentials
 
 log = logging.getLogger(__name__)
 
@@ -115,20 +114,26 @@ class AsyncClient:
     retried with the same request_id, so a retry never mints a second lease.
     """
 
-    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int = 10,
+    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
                  keepalive_interval: float | None = None, rpc_timeout: float = 10.0,
                  retry_for: float | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
+        """``ttl`` None takes the coordinator's session TTL, and ``keepalive_interval`` None the interval the
+        coordinator answers (at most a third of the TTL). ``tls_ca``/``tls_cert``/``tls_key`` (else
+        ``GPUCOORD_TLS_CA/CERT/KEY``) turn on mTLS."""
         self.addresses = [a.strip() for a in (addresses.split(",") if isinstance(addresses, str) else addresses)
                           if a.strip()]
         if not self.addresses:
             raise ValueError("addresses: at least one coordinator address is needed")
-        self.agent, self.host, self.ttl = agent, host, ttl
+        self.agent, self.host = agent, host
         # mTLS: the three files from the arguments, else GPUCOORD_TLS_CA/CERT/KEY; none: plaintext.
-        self._tls = resolve_tls(tls_ca, tls_cert, tls_key)
-        self.keepalive_interval = keepalive_interval or max(0.5, ttl / 4)
+        self._tls = credentials(tls_ca, tls_cert, tls_key)
+        self.ttl = ttl or 0                 # 0 until connected: the coordinator's default
+        self._keepalive_arg = keepalive_interval
+        self.keepalive_interval = keepalive_interval or max(0.5, (ttl or 10) / 4)
         self.rpc_timeout = rpc_timeout
-        self.retry_for = ttl if retry_for is None else retry_for
+        self._retry_for_arg = retry_for
+        self.retry_for = retry_for if retry_for is not None else float(ttl or 10)
         self.session_id = ""
         self.done = asyncio.Event()        # set when the session is over (closed, expired, orphaned)
         self.expired = False
@@ -182,6 +187,10 @@ class AsyncClient:
             agent=self.agent, host=self.host, ttl_seconds=self.ttl, pid=os.getpid(), client_version=__version__),
             retry_for=max(self.retry_for, 5.0))
         self.session_id, self.ttl = resp.session_id, resp.ttl_seconds
+        if self._keepalive_arg is None and resp.keepalive_interval_seconds > 0:
+            self.keepalive_interval = resp.keepalive_interval_seconds
+        if self._retry_for_arg is None:
+            self.retry_for = float(self.ttl)
         self._last_refresh = time.monotonic()
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
         return self
@@ -374,13 +383,14 @@ class Lease:
 class Client:
     """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``."""
 
-    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int = 10, **kw: Any) -> None:
+    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
+                 **kw: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"gpucoord-{agent}", daemon=True)
         self._thread.start()
         self._async: AsyncClient = self._run(self._make(addresses, agent, host, ttl, kw))
 
-    async def _make(self, addresses: Any, agent: str, host: str, ttl: int, kw: dict[str, Any]) -> AsyncClient:
+    async def _make(self, addresses: Any, agent: str, host: str, ttl: int | None, kw: dict[str, Any]) -> AsyncClient:
         return AsyncClient(addresses, agent, host, ttl, **kw)
 
     def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:

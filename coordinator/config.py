@@ -39,8 +39,8 @@ class CoordinatorConfig:
     listen: str = "127.0.0.1:7070"
     metrics_listen: str = ""             # "host:port" to serve Prometheus metrics; empty: off
     session_ttl_s: int = 10              # default TTL of an agent's session
-    keepalive_interval_s: float = 3.0    # what clients are told to use; x3 must be <= the TTL
-    etcd_timeout_s: float = 3.0          # deadline of one etcd call; must be < TTL / 2
+    keepalive_interval_s: float = 0.0    # what clients are told to use; x3 must be <= the TTL (0: min(3, TTL/3))
+    etcd_timeout_s: float = 0.0          # deadline of one etcd call; must be < TTL / 2 (0: min(3, TTL/3))
     election_ttl_s: int = 5
     eviction_grace_s: float = 10.0
     max_queue_per_host: int = 1024
@@ -62,6 +62,14 @@ class CoordinatorConfig:
     etcd_password_file: str = ""
 
     def validate(self) -> CoordinatorConfig:
+        """The checked config, with the values left at 0 derived from the session TTL (so a short TTL works
+        without setting them)."""
+        if not MIN_TTL_S <= self.session_ttl_s <= MAX_TTL_S:
+            raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {self.session_ttl_s}")
+        derived: dict[str, Any] = {name: min(3.0, self.session_ttl_s / 3)
+                                   for name in ("keepalive_interval_s", "etcd_timeout_s") if getattr(self, name) == 0}
+        if derived:
+            return dataclasses.replace(self, **derived).validate()
         if not self.etcd:
             raise ConfigError("etcd", "at least one endpoint is needed")
         for ep in self.etcd:
@@ -74,8 +82,6 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if value != value or value in (float("inf"), float("-inf")):
                 raise ConfigError(name, f"must be a finite number, got {value}")
-        if not MIN_TTL_S <= self.session_ttl_s <= MAX_TTL_S:
-            raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {self.session_ttl_s}")
         if self.keepalive_interval_s <= 0:
             raise ConfigError("keepalive_interval_s", f"must be > 0, got {self.keepalive_interval_s}")
         if self.keepalive_interval_s * 3 > self.session_ttl_s:

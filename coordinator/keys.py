@@ -52,6 +52,11 @@ def prefix_range_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+def last_segment(key: bytes) -> str:
+    """The last path segment of a key: the lease id of ``leases/h/g/<id>``, the rank of ``queue/h/<rank>``."""
+    return key.decode().rsplit("/", 1)[-1]
+
+
 def session_id_from_etcd_lease(etcd_lease_id: int) -> str:
     return format(etcd_lease_id, "x")
 
@@ -135,6 +140,14 @@ class Keys:
 
     def election(self) -> bytes:
         return self._dir("election")
+
+    def candidate(self, replica_id: str) -> bytes:
+        """``election/<id>``: a replica's candidacy; the lowest create_revision leads."""
+        return self._k("election", replica_id)
+
+    def kind(self, kind: str) -> bytes:
+        """The prefix of every key of one kind: ``kind("leases")`` -> ``/gpucoord/leases/``."""
+        return self._dir(kind)
 
     def coordinator(self, replica_id: str) -> bytes:
         return self._k("coordinators", replica_id)

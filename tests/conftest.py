@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import pathlib
 import sys
 from typing import Iterator, Protocol
 
@@ -17,7 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.etcd_process import EtcdCluster  # noqa: E402
+from coordinator.etcd.process import EtcdCluster  # noqa: E402
 from tests.harness import Cluster  # noqa: E402
 
 
@@ -103,3 +104,18 @@ def cluster(etcd: EtcdEndpoint, prefix: str) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+# Tiers by folder: tests/unit is pure logic (``-m unit`` runs it without starting etcd), tests/static reads
+# the source, tests/faults kill and stop processes; everything else runs against a real etcd.
+_TIERS = {"unit": "unit", "static": "static", "faults": "fault"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = pathlib.Path(__file__).resolve().parent
+    for item in items:
+        try:
+            tier = pathlib.Path(str(item.path)).resolve().relative_to(root).parts[0]
+        except ValueError:
+            continue
+        item.add_marker(getattr(pytest.mark, _TIERS.get(tier, "integration")))

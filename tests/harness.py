@@ -16,10 +16,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import Keys
-from coordinator.node.daemon import NodeDaemon, create_node_server
+from coordinator.node.daemon import NodeDaemon
+from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
-from coordinator.server import create_server
-from coordinator.store import Store
+from coordinator.rpc.coordinator_server import create_server
+from coordinator.etcd.store import Store
 
 T = TypeVar("T")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,7 +160,7 @@ class Cluster:
         return out
 
     def leases(self) -> list[Any]:
-        from coordinator.admission import VramLease
+        from coordinator.records import VramLease
         return [VramLease.from_kv(kv) for kv in self.get_prefix(self.keys.leases())]
 
 
@@ -187,8 +188,8 @@ def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: 
 
 def spawn_agent(addr: str, host: str, agent: str, vram_mb: int, ttl: int, log_path: str = os.devnull,
                 wait: float = 0.0, read_answer: bool = True) -> tuple[subprocess.Popen[bytes], str]:
-    """A real agent process (``coordinator.demo agent``) that acquires and holds; returns it and its answer."""
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.demo", "agent", "--coordinator", addr, "--host", host,
+    """A real agent process (``coordinator.cli.demo agent``) that acquires and holds; returns it and its answer."""
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli.demo", "agent", "--coordinator", addr, "--host", host,
                              "--agent", agent, "--vram-mb", str(vram_mb), "--ttl", str(ttl), "--wait", str(wait)],
                             stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=open(log_path, "ab"),
                             env=child_env(), cwd=REPO)

@@ -19,7 +19,7 @@ from collections import defaultdict
 from typing import Any
 
 from coordinator.keys import Keys
-from coordinator.store import Store, WatchEvent
+from coordinator.etcd.store import Store, WatchEvent
 
 
 @dataclasses.dataclass

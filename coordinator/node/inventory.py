@@ -9,7 +9,7 @@ Two GPU sources share one small protocol, so the daemon never cares which one it
 * :class:`FakeGpuSource` simulates GPUs from a ``--fake-gpus`` spec such as ``4x80GiB``, for
   development hosts and tests without NVIDIA hardware.
 
-Units follow :mod:`coordinator.models`: VRAM in MiB (floor of NVML's bytes), host memory and disk in bytes.
+Units follow :mod:`coordinator.records`: VRAM in MiB (floor of NVML's bytes), host memory and disk in bytes.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import psutil
 
-from coordinator.models import GpuInfo, GpuProcess, GpuUsage, HostInventory
+from coordinator.records import GpuInfo, GpuProcess, GpuUsage, HostInventory
 
 log = logging.getLogger(__name__)
 

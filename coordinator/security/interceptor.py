@@ -126,7 +126,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 await interceptor._check(caller, method, request)
             except errors.GpucoordError as e:
-                await context.abort(e.code, e.message)
+                await context.abort(grpc.StatusCode[e.code], e.message)
             return caller
 
         if inspect.isasyncgenfunction(behavior):
@@ -164,7 +164,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 await interceptor._check(caller, method, None)
             except errors.GpucoordError as e:
-                await context.abort(e.code, e.message)
+                await context.abort(grpc.StatusCode[e.code], e.message)
             return caller
 
         async def checked(caller: Caller, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:

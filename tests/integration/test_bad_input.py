@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_client import Client
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from tests.harness import Cluster
 
 pytestmark = pytest.mark.integration

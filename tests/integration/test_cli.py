@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent_client import Client
-from coordinator.etcd_process import free_port
+from coordinator.etcd.process import free_port
 from tests.harness import REPO, Cluster, child_env
 
 pytestmark = pytest.mark.integration
@@ -74,3 +74,53 @@ def test_bench_runs_and_reports_ratios() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     for marker in ("P1 ratio", "P2", "P7", "release -> grant"):
         assert marker in proc.stdout
+
+
+_HOLDER = """
+import sys
+from agent_client import Client
+c = Client(sys.argv[1], agent="holder", host=sys.argv[2]).connect()   # no ttl: the coordinator's default
+lease = c.acquire(vram_mb=1024)
+print(c._async.ttl, c._async.keepalive_interval, lease.id, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_up_with_a_short_session_ttl_reclaims_a_killed_client_within_4_s(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from coordinator.cli.common import fetch_status
+    up = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "--session-ttl", "3", "--fake-gpus", "1x16GiB",
+                           "--host", "ttl-host", "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0",
+                           "--node-listen", "127.0.0.1:0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
+    holder = None
+    try:
+        assert up.stdout is not None
+        addr = ""
+        for line in up.stdout:
+            if line.startswith("coordinator:"):
+                addr = line.split()[1]
+            if "gpucoord is up" in line:
+                break
+        assert addr, "up did not print the coordinator's address"
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, addr, "ttl-host"], stdout=subprocess.PIPE,
+                                  stdin=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+        assert holder.stdout is not None
+        ttl, interval, lease_id = holder.stdout.readline().split()
+        assert (int(ttl), float(interval)) == (3, 1.0)
+        holder.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        holder.wait()
+
+        def leases() -> list[str]:
+            return [x["id"] for h in fetch_status(addr)["hosts"] for x in h.get("leases", [])]
+        while lease_id in leases():
+            assert time.monotonic() - killed < 4.0, "the killed client's lease outlived TTL + 1 s"
+            time.sleep(0.05)
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+        up.send_signal(signal.SIGTERM)
+        up.wait(30)

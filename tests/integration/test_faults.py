@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import pytest
 
 from agent_client import Client
-from coordinator.cli import fetch_status
-from coordinator.view import QueueEntry
+from coordinator.cli.common import fetch_status
+from coordinator.records import QueueEntry
 from tests.harness import Cluster, spawn_coordinator, wait_for
 from tests.history import check_store
 

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from agent_client import Client
-from coordinator.api import node_pb2 as npb
-from coordinator.api import node_pb2_grpc as npb_grpc
-from coordinator.models import GpuProcess
+from agent_client.api import node_pb2 as npb
+from agent_client.api import node_pb2_grpc as npb_grpc
+from coordinator.records import GpuProcess
 from tests.harness import REPO, Cluster, child_env, wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from agent_client import AsyncClient, Client, errors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from tests.harness import Cluster, LoopThread
 from tests.history import check_store
 

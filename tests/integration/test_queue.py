@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from agent_client import AsyncClient, Client, errors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.view import QueueEntry
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.records import QueueEntry
 from tests.harness import Background, Cluster, LoopThread, wait_for
 from tests.history import check_store
 

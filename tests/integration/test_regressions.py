@@ -16,10 +16,10 @@ import pytest
 
 from agent_client import AsyncClient, Client, errors
 from coordinator import errors as cerrors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.store import Snapshot, WatchBatch
-from coordinator.view import QueueEntry
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.etcd.store import Snapshot, WatchBatch
+from coordinator.records import QueueEntry
 from tests.harness import Background, Cluster, LoopThread, wait_for
 from tests.history import check_store
 
@@ -340,7 +340,7 @@ def test_watch_task_survives_an_etcd_error_during_resync(cluster: Cluster, monke
     """CoordinatorService._watch has no error handling: after a compaction resync, a get_prefix that fails
     (etcd down longer than retry_for) ends the task; its exception is only retrieved at stop(). The replica
     then never wakes waiters on a release, never delivers notices, and as leader never enforces deadlines."""
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
     cluster.start_node("h1", "1x8GiB")
     orig_watch, orig_get_prefix = Store.watch, Store.get_prefix
     arm = {"resync": False, "fail": False}

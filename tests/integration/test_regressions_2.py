@@ -21,12 +21,12 @@ import pytest
 
 from agent_client import Client, errors
 from coordinator import errors as cerrors
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.api import node_pb2
-from coordinator.api import node_pb2_grpc
-from coordinator.store import WatchBatch
-from coordinator.view import QueueEntry
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import node_pb2
+from agent_client.api import node_pb2_grpc
+from coordinator.etcd.store import WatchBatch
+from coordinator.records import QueueEntry
 from tests.harness import Background, REPO, Cluster, child_env, spawn_coordinator, wait_for
 
 pytestmark = pytest.mark.integration
@@ -114,7 +114,7 @@ def test_sessions_survive_a_coordinator_outage_shorter_than_their_ttl(cluster: C
     cluster.start_node("h1", "1x16GiB")
     proc, port = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / "c1.log"))
     addr = f"127.0.0.1:{port}"
-    agents = [subprocess.Popen([sys.executable, "-m", "coordinator.demo", "agent", "--coordinator", addr, "--host", "h1",
+    agents = [subprocess.Popen([sys.executable, "-m", "coordinator.cli.demo", "agent", "--coordinator", addr, "--host", "h1",
                                 "--agent", f"a{i}", "--vram-mb", "1000", "--ttl", "10"], stdout=subprocess.PIPE,
                                stdin=subprocess.PIPE, stderr=open(tmp_path / f"a{i}.log", "ab"), env=child_env(),
                                cwd=REPO) for i in range(16)]
@@ -189,7 +189,7 @@ def test_node_lease_watch_survives_an_etcd_error_after_a_resync(cluster: Cluster
     nobody notices. From then on CheckToken answers from a frozen copy: a released lease's token stays
     ``live`` (G5: fencing says yes to a stale token) and new leases are never ``live``; untracked VRAM is
     computed against the frozen lease set too."""
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
     leases_prefix = cluster.keys.leases("h1")
     orig_watch, orig_get_prefix = Store.watch, Store.get_prefix
     arm = {"resync": False, "fail": False}
@@ -329,7 +329,7 @@ def test_notices_of_a_requester_whose_session_expired_are_withdrawn(cluster: Clu
     addr = cluster.start_coordinator(eviction_grace_s=6)
     with Client(addr, agent="low", host="h1", ttl=30) as low:
         victim = low.acquire(8000, priority=0)
-        proc = subprocess.Popen([sys.executable, "-m", "coordinator.demo", "agent", "--coordinator", addr, "--host", "h1",
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli.demo", "agent", "--coordinator", addr, "--host", "h1",
                                  "--agent", "high", "--vram-mb", "6000", "--ttl", "2", "--wait", "60",
                                  "--priority", "5"], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                                 stderr=open(tmp_path / "high.log", "ab"), env=child_env(), cwd=REPO)
@@ -513,9 +513,10 @@ def test_slow_nvml_call_does_not_stall_the_node(cluster: Cluster) -> None:
     blocks, nothing else runs: the etcd_lease keepalive, the lease watch, CheckToken and GetInventory. With a
     stall longer than the node's TTL, hosts/<host> expires and the host takes no admissions although the
     daemon is alive. The scan should run in a thread (run_in_executor / asyncio.to_thread)."""
-    from coordinator.node.daemon import NodeDaemon, create_node_server
+    from coordinator.node.daemon import NodeDaemon
+    from coordinator.rpc.node_server import create_node_server
     from coordinator.node.inventory import MIB, NvmlGpuSource
-    from coordinator.store import Store
+    from coordinator.etcd.store import Store
     from tests.harness import LoopThread
     from tests.unit.test_inventory import FakeDevice, FakeNvml
 

@@ -8,8 +8,9 @@ from typing import Any, Iterator
 import pytest
 
 from coordinator import errors
-from coordinator.etcd_process import EtcdCluster
-from coordinator.store import Store, cmp_mod_revision, op_put, range_req
+from coordinator.etcd.process import EtcdCluster
+from coordinator.etcd.store import Store
+from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from tests.conftest import EtcdEndpoint
 from tests.harness import LoopThread
 
@@ -111,7 +112,7 @@ def test_watch_reports_a_compaction_as_resync(tmp_path: Any, lt: LoopThread) -> 
 
 
 def test_unreachable_etcd_is_unavailable(lt: LoopThread) -> None:
-    from coordinator.etcd_process import free_port
+    from coordinator.etcd.process import free_port
 
     async def go() -> None:
         s = Store([f"127.0.0.1:{free_port()}"], timeout=0.5, retry_for=1)

@@ -1,4 +1,4 @@
-"""Tests of coordinator.admission: best fit, never_fits, room_for, untracked VRAM and G3 victim choice."""
+"""Tests of coordinator.policy.admission: best fit, never_fits, room_for, untracked VRAM and G3 victim choice."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,17 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.admission import (
-    GpuLedger,
-    GpuView,
-    Placement,
-    VramLease,
-    best_fit,
-    choose_victims,
-    never_fits,
-    room_for,
-)
-from coordinator.store import KV
+from coordinator.policy.admission import GpuView, Placement, best_fit, choose_victims, never_fits, room_for
+from coordinator.records import GpuLedger, VramLease
+from coordinator.etcd.store import KV
 
 _ids = itertools.count(1)
 

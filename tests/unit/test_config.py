@@ -36,7 +36,7 @@ def field_error(**values: Any) -> str:
 
 def test_defaults() -> None:
     c = load()
-    assert c == CoordinatorConfig()
+    assert c == CoordinatorConfig().validate()
     assert c.etcd == ("127.0.0.1:2379",)
     assert c.prefix == DEFAULT_PREFIX
     assert c.listen == "127.0.0.1:7070"
@@ -48,7 +48,9 @@ def test_defaults() -> None:
 
 
 def test_defaults_are_valid() -> None:
-    assert CoordinatorConfig().validate() == CoordinatorConfig()
+    c = CoordinatorConfig().validate()
+    assert c.validate() == c
+    assert (c.keepalive_interval_s, c.etcd_timeout_s) == (3.0, 3.0)   # derived from the TTL of 10 s
 
 
 def test_config_is_frozen() -> None:
@@ -90,7 +92,7 @@ insecure = true
 
 def test_toml_file_without_coordinator_table(tmp_path: Path) -> None:
     f = write_toml(tmp_path, '[node]\nhost = "x"\n\n[other]\nsession_ttl_s = 99\n')
-    assert load(file=f) == CoordinatorConfig()
+    assert load(file=f) == CoordinatorConfig().validate()
 
 
 def test_toml_etcd_as_string(tmp_path: Path) -> None:
@@ -170,7 +172,7 @@ def test_env_uncoercible(var: str, raw: str, field: str) -> None:
 
 def test_env_ignores_unrelated_variables() -> None:
     assert load(env={"GPUCOORD_NO_SUCH_THING": "1", "PATH": "/bin", "gpucoord_session_ttl_s": "99"}) == \
-        CoordinatorConfig()
+        CoordinatorConfig().validate()
 
 
 # -- precedence ---------------------------------------------------------------------------------
@@ -208,11 +210,19 @@ def test_precedence_property(tmp_path_factory: pytest.TempPathFactory, file_v: i
 
 
 def test_validation_sees_the_merged_values(tmp_path: Path) -> None:
-    # The file's TTL alone is too short for the default keepalive; a flag fixes it.
+    # The file's TTL is too short for the keepalive given by a flag; a shorter flag fixes it.
     f = write_toml(tmp_path, "[coordinator]\nsession_ttl_s = 6\n")
     with pytest.raises(ConfigError):
-        load(file=f)
+        load(file=f, flags={"keepalive_interval_s": 3})
     assert load(file=f, flags={"keepalive_interval_s": 2, "etcd_timeout_s": 2}).session_ttl_s == 6
+
+
+@settings(max_examples=100, deadline=None)
+@given(ttl=st.integers(MIN_TTL_S, MAX_TTL_S))
+def test_a_short_ttl_works_without_setting_the_keepalive_or_the_etcd_timeout(ttl: int) -> None:
+    c = load(flags={"session_ttl_s": ttl})
+    assert c.keepalive_interval_s * 3 <= ttl and c.etcd_timeout_s < ttl / 2
+    assert c.keepalive_interval_s == c.etcd_timeout_s == min(3.0, ttl / 3)
 
 
 def test_flags_are_coerced() -> None:
@@ -316,8 +326,7 @@ def test_nan_is_rejected(var: str) -> None:
         load(env={var: "nan"})
 
 
-@pytest.mark.parametrize(("field", "value"), [("keepalive_interval_s", 0), ("keepalive_interval_s", -1),
-                                              ("etcd_timeout_s", 0), ("etcd_timeout_s", -3),
+@pytest.mark.parametrize(("field", "value"), [("keepalive_interval_s", -1), ("etcd_timeout_s", -3),
                                               ("max_leases_per_agent", 0)])
 def test_non_positive_durations_and_limits_are_rejected(field: str, value: float) -> None:
     assert field_error(**{field: value}) == field

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from coordinator.keys import Keys, lease_id_for
-from coordinator.store import KV, WatchEvent
+from coordinator.etcd.store import KV, WatchEvent
 from tests.history import HistoryReport, check_history
 
 K = Keys("/t/")

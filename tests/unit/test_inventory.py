@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.models import GpuInfo, GpuProcess, HostInventory
+from coordinator.records import GpuInfo, GpuProcess, HostInventory
 from coordinator.node.inventory import (
     MIB,
     FakeGpuSource,

@@ -1,4 +1,4 @@
-"""Tests of coordinator.partition: spec parsing, the three modes, every rejection rule, properties."""
+"""Tests of coordinator.policy.partition: spec parsing, the three modes, every rejection rule, properties."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.models import GpuInfo, HostInventory, dumps
-from coordinator.partition import (
+from coordinator.records import GpuInfo, HostInventory, dumps
+from coordinator.policy.partition import (
     KINDS,
     MODES,
     AgentAllocation,

@@ -1,0 +1,319 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionRef(_message.Message):
+    __slots__ = ("agent", "session_id")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    session_id: str
+    def __init__(self, agent: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("agent", "host", "ttl_seconds", "pid", "client_version")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    host: str
+    ttl_seconds: int
+    pid: int
+    client_version: str
+    def __init__(self, agent: _Optional[str] = ..., host: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., pid: _Optional[int] = ..., client_version: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "ttl_seconds", "keepalive_interval_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_seconds: int
+    keepalive_interval_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., keepalive_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
+
+class EvictionNotice(_message.Message):
+    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    gpu_uuid: str
+    reason: str
+    requested_by: str
+    deadline_unix: float
+    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("ttl_seconds", "notices")
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: int
+    notices: _containers.RepeatedCompositeFieldContainer[EvictionNotice]
+    def __init__(self, ttl_seconds: _Optional[int] = ..., notices: _Optional[_Iterable[_Union[EvictionNotice, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    TTL_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    host: str
+    gpu_uuid: str
+    gpu_index: int
+    vram_mb: int
+    priority: int
+    preemptible: bool
+    token: int
+    agent: str
+    session_id: str
+    request_id: str
+    created_at: float
+    ttl_remaining: int
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    vram_mb: int
+    gpu: str
+    priority: int
+    preemptible: bool
+    request_id: str
+    wait_seconds: float
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session", "lease_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    lease_id: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ("host",)
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    def __init__(self, host: _Optional[str] = ...) -> None: ...
+
+class GpuProcess(_message.Message):
+    __slots__ = ("pid", "used_mb")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USED_MB_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    used_mb: int
+    def __init__(self, pid: _Optional[int] = ..., used_mb: _Optional[int] = ...) -> None: ...
+
+class GpuStatus(_message.Message):
+    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MB_FIELD_NUMBER: _ClassVar[int]
+    USABLE_MB_FIELD_NUMBER: _ClassVar[int]
+    LEASED_MB_FIELD_NUMBER: _ClassVar[int]
+    USED_MB_FIELD_NUMBER: _ClassVar[int]
+    UNTRACKED_MB_FIELD_NUMBER: _ClassVar[int]
+    FREE_MB_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    total_mb: int
+    usable_mb: int
+    leased_mb: int
+    used_mb: int
+    untracked_mb: int
+    free_mb: int
+    seq: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class AgentUse(_message.Message):
+    __slots__ = ("agent", "allocation_json", "leased_mb", "leases")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEASED_MB_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    allocation_json: str
+    leased_mb: int
+    leases: int
+    def __init__(self, agent: _Optional[str] = ..., allocation_json: _Optional[str] = ..., leased_mb: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+
+class QueueEntry(_message.Message):
+    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    rank: str
+    agent: str
+    vram_mb: int
+    priority: int
+    gpu: str
+    request_id: str
+    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class HostStatus(_message.Message):
+    __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SIMULATED_FIELD_NUMBER: _ClassVar[int]
+    USAGE_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_MODE_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    address: str
+    alive: bool
+    simulated: bool
+    usage_age_seconds: float
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuStatus]
+    partition_mode: str
+    agents: _containers.RepeatedCompositeFieldContainer[AgentUse]
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    queue: _containers.RepeatedCompositeFieldContainer[QueueEntry]
+    cpu_count: int
+    mem_bytes: int
+    disk_bytes: int
+    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("hosts", "revision", "leader")
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
+    revision: int
+    leader: str
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+
+class ApplyPartitionRequest(_message.Message):
+    __slots__ = ("spec_json", "dry_run", "evict")
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    spec_json: str
+    dry_run: bool
+    evict: bool
+    def __init__(self, spec_json: _Optional[str] = ..., dry_run: _Optional[bool] = ..., evict: _Optional[bool] = ...) -> None: ...
+
+class ApplyPartitionResponse(_message.Message):
+    __slots__ = ("partition_json", "applied")
+    PARTITION_JSON_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    partition_json: str
+    applied: bool
+    def __init__(self, partition_json: _Optional[str] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class GetPartitionRequest(_message.Message):
+    __slots__ = ("host",)
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    def __init__(self, host: _Optional[str] = ...) -> None: ...
+
+class GetPartitionResponse(_message.Message):
+    __slots__ = ("partition_json", "explicit")
+    PARTITION_JSON_FIELD_NUMBER: _ClassVar[int]
+    EXPLICIT_FIELD_NUMBER: _ClassVar[int]
+    partition_json: str
+    explicit: bool
+    def __init__(self, partition_json: _Optional[str] = ..., explicit: _Optional[bool] = ...) -> None: ...
+
+class EvictLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "grace_seconds", "reason")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    grace_seconds: float
+    reason: str
+    def __init__(self, lease_id: _Optional[str] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EvictLeaseResponse(_message.Message):
+    __slots__ = ("deadline_unix",)
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    deadline_unix: float
+    def __init__(self, deadline_unix: _Optional[float] = ...) -> None: ...
+
+class RevokeLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class RevokeLeaseResponse(_message.Message):
+    __slots__ = ("revoked",)
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    revoked: bool
+    def __init__(self, revoked: _Optional[bool] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

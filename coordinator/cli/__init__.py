@@ -1,0 +1,1 @@
+"""The ``gpucoord`` command line."""

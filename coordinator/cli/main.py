@@ -1,0 +1,310 @@
+"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, bench."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+from typing import Any, Sequence
+
+from coordinator.cli.common import (DEFAULT_COORDINATOR, DEFAULT_ETCD, _env, _fail, _ready_line, _run_until_signal,
+                                    _setup_logging, _stub, _client_tls, fetch_status)
+from coordinator.cli.render import render_partition, render_status
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.config import ConfigError, CoordinatorConfig
+    from coordinator.rpc.coordinator_server import serve
+
+    flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
+             "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
+             "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",
+             "max_sessions_per_agent": args.max_sessions_per_agent, "tls_ca": args.tls_ca,
+             "tls_cert": args.tls_cert, "tls_key": args.tls_key, "insecure": args.insecure,
+             "etcd_ca": args.etcd_ca, "etcd_cert": args.etcd_cert, "etcd_key": args.etcd_key,
+             "etcd_user": args.etcd_user, "etcd_password": args.etcd_password,
+             "etcd_password_file": args.etcd_password_file}
+    try:
+        config = CoordinatorConfig.load(args.config, flags=flags)
+    except (ConfigError, OSError) as e:
+        print(f"gpucoord coordinator: bad configuration: {e}", file=sys.stderr)
+        return 2
+    _setup_logging(args.verbose)
+    try:
+        _run_until_signal(lambda stop: serve(config, ready=lambda p: _ready_line("coordinator", p), stop=stop))
+    except (OSError, ValueError) as e:   # a port in use, unreadable TLS files
+        print(f"gpucoord coordinator: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from coordinator.keys import Keys, valid_name
+    from coordinator.rpc.node_server import run_node
+    from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.etcd.store import Store
+    from coordinator.security import etcd_auth, tls
+
+    try:
+        tls_files = tls.from_args(args)
+        etcd_security = etcd_auth.from_args(args)
+        for address, what in ((args.listen, "--listen"), (args.metrics_listen, "--metrics-listen")):
+            error = tls.listen_error(address, tls_files, bool(args.insecure), what) if address else None
+            if error:
+                raise ValueError(error)
+    except ValueError as e:
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 2
+    host = args.host or socket.gethostname()
+    if not valid_name(host):
+        print(f"gpucoord node: --host {host!r} is not a valid host name", file=sys.stderr)
+        return 2
+    try:
+        source = open_gpu_source(args.fake_gpus, host)
+    except NvmlUnavailable as e:
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 3
+    except ValueError as e:
+        print(f"gpucoord node: --fake-gpus: {e}", file=sys.stderr)
+        return 2
+    overrides: dict[str, Any] = {}
+    try:
+        from coordinator.policy.partition import PartitionError, parse_size
+        if args.fake_cpus is not None:
+            if args.fake_cpus < 1:
+                raise ValueError("--fake-cpus: must be >= 1")
+            overrides.update(cpu_count=args.fake_cpus, core_ids=tuple(range(args.fake_cpus)))
+        if args.fake_mem is not None:
+            overrides["mem_bytes"] = parse_size(args.fake_mem, "--fake-mem")
+        if args.fake_disk is not None:
+            overrides["disk_bytes"] = parse_size(args.fake_disk, "--fake-disk")
+    except (ValueError, PartitionError) as e:
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 2
+    _setup_logging(args.verbose)
+    store = Store(args.etcd.split(","), timeout=3.0, security=etcd_security)
+    try:
+        _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source,
+                                                args.disk_path, args.ttl, stop, ready=lambda p: _ready_line("node", p),
+                                                metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
+                                                overrides=overrides, tls=tls_files, insecure=bool(args.insecure)))
+    except (OSError, ValueError) as e:   # a port in use (no SO_REUSEPORT: never shared), unreadable TLS files
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+    try:
+        doc = fetch_status(args.coordinator, args.host or "", _client_tls(args))
+    except grpc.RpcError as e:
+        return _fail(e)
+    print(json.dumps(doc, indent=2) if args.json else render_status(doc))
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from coordinator.etcd.store import Store
+    from coordinator.security import etcd_auth
+    try:
+        security = etcd_auth.from_args(args)
+    except ValueError as e:
+        print(f"gpucoord keys: {e}", file=sys.stderr)
+        return 2
+
+    async def dump() -> None:
+        async with Store(args.etcd.split(","), security=security) as store:
+            snap = await store.get_prefix(args.prefix.encode())
+            for kv in snap.ranges[0]:
+                try:
+                    value = json.dumps(json.loads(kv.value), sort_keys=True)
+                except ValueError:
+                    value = repr(kv.value)
+                lease = f" etcd_lease={kv.etcd_lease:x}" if kv.etcd_lease else ""
+                print(f"{kv.key.decode()}  (mod_revision={kv.mod_revision}{lease})\n    {value}")
+            print(f"# {len(snap.ranges[0])} keys at revision {snap.revision}")
+    asyncio.run(dump())
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    import grpc
+
+    from agent_client.api import coordinator_pb2 as pb
+    stub = _stub(args.coordinator, _client_tls(args))
+    try:
+        if args.partition_cmd == "apply":
+            from coordinator.policy.partition import PartitionError, load_spec_file
+            try:
+                spec = load_spec_file(args.file)
+            except (PartitionError, OSError) as e:
+                print(f"error: {args.file}: {e}", file=sys.stderr)
+                return 1
+            # With --evict the coordinator waits for the offenders to go (up to their grace period).
+            resp = stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps(spec.to_json()),
+                                                                dry_run=args.dry_run, evict=args.evict),
+                                       timeout=3600 if args.evict else 15)
+            doc = json.loads(resp.partition_json)
+            print(json.dumps(doc, indent=2) if args.json else render_partition(doc))
+            print("applied" if resp.applied else "dry run: valid, nothing written", file=sys.stderr)
+        else:
+            resp = stub.GetPartition(pb.GetPartitionRequest(host=args.host), timeout=10)
+            doc = json.loads(resp.partition_json)
+            if args.json:
+                print(json.dumps(doc | {"explicit": resp.explicit}, indent=2))
+            else:
+                print(render_partition(doc) + ("" if resp.explicit else "\n  (no spec applied: shared)"))
+    except grpc.RpcError as e:
+        return _fail(e)
+    return 0
+
+
+def cmd_lease(args: argparse.Namespace) -> int:
+    import grpc
+
+    from agent_client.api import coordinator_pb2 as pb
+    stub = _stub(args.coordinator, _client_tls(args))
+    try:
+        if args.lease_cmd == "evict":
+            resp = stub.EvictLease(pb.EvictLeaseRequest(lease_id=args.id, grace_seconds=args.grace or 0,
+                                                        reason=args.reason), timeout=10)
+            print(f"eviction notice sent; deadline {time.strftime('%H:%M:%S', time.localtime(resp.deadline_unix))}")
+        else:
+            resp = stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=args.id), timeout=10)
+            print("revoked" if resp.revoked else "no such lease")
+    except grpc.RpcError as e:
+        return _fail(e)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from coordinator.cli.bench import main as bench_main
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from coordinator.security.commands import add_parsers as security_parsers
+    from coordinator.security.etcd_auth import add_arguments as etcd_args
+    from coordinator.security.tls import add_arguments as tls_args
+    p = argparse.ArgumentParser(prog="gpucoord", description="Coordinator for shared GPU hosts (state in etcd).")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="run etcd, a coordinator and a node daemon on loopback")
+    up.add_argument("--fake-gpus", help="simulate GPUs, e.g. 4x80GiB or 2x24GiB,1x80GiB (default: NVML, "
+                                        "else 2x16GiB)")
+    up.add_argument("--demo", action="store_true", help="run a short scripted scene with agent processes, then exit")
+    up.add_argument("--keep", action="store_true", help="with --demo: stay up after the scene")
+    up.add_argument("--host", default=socket.gethostname().split(".")[0] or "localhost")
+    up.add_argument("--listen", default=DEFAULT_COORDINATOR)
+    up.add_argument("--node-listen", default="127.0.0.1:7170")
+    up.add_argument("--data-dir", help="etcd data and logs (default: a new temporary directory)")
+    up.add_argument("--session-ttl", type=int, default=10)
+    up.add_argument("--secure", action="store_true",
+                    help="a CA and certificates in the data dir, etcd with client-certificate TLS and auth, "
+                         "coordinator and node with mTLS; prints the environment an agent needs")
+    up.add_argument("--agent", default="agent-a", help="with --secure: the agent name to issue a certificate for")
+    up.set_defaults(fn=_cmd_up)
+
+    co = sub.add_parser("coordinator", help="run a coordinator replica")
+    co.add_argument("--etcd", default=None, help=f"comma-separated etcd endpoints (default {DEFAULT_ETCD})")
+    co.add_argument("--listen", default=None, help=f"gRPC address (default {DEFAULT_COORDINATOR})")
+    co.add_argument("--prefix", default=None)
+    co.add_argument("--metrics-listen", default=None, help="host:port for Prometheus /metrics")
+    co.add_argument("--session-ttl", type=int, default=None)
+    co.add_argument("--grace", type=float, default=None, help="eviction grace period, seconds")
+    co.add_argument("--untracked-vram", choices=("on", "off"), default=None)
+    co.add_argument("--config", default=None, help="TOML file with a [coordinator] table (and [tls])")
+    co.add_argument("--max-sessions-per-agent", type=int, default=None)
+    tls_args(co, server=True)
+    etcd_args(co)
+    co.set_defaults(fn=cmd_coordinator)
+
+    no = sub.add_parser("node", help="run the node daemon of this host")
+    no.add_argument("--etcd", default=_env("ETCD", DEFAULT_ETCD))
+    no.add_argument("--host", default=None, help="host name (default: the hostname)")
+    no.add_argument("--listen", default="127.0.0.1:7170")
+    no.add_argument("--fake-gpus", default=None, help="simulate GPUs instead of NVML: COUNTxSIZE[,...], "
+                                                      "e.g. 4x80GiB or 2x24GiB,1x80GiB")
+    no.add_argument("--disk-path", default="/")
+    no.add_argument("--fake-cpus", type=int, default=None, help="simulated host: report this many cores")
+    no.add_argument("--fake-mem", default=None, help="simulated host: report this much memory, e.g. 64GiB")
+    no.add_argument("--fake-disk", default=None, help="simulated host: report this much disk, e.g. 1TiB")
+    no.add_argument("--ttl", type=int, default=10, help="TTL of the node's etcd_lease")
+    no.add_argument("--heartbeat", type=float, default=5.0,
+                    help="usage is rewritten at least this often (seconds); stale after 3 heartbeats")
+    no.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
+    no.add_argument("--metrics-listen", default="")
+    tls_args(no, server=True)
+    etcd_args(no)
+    no.set_defaults(fn=cmd_node)
+
+    st = sub.add_parser("status", help="hosts, GPUs, partitions, leases and the queue")
+    st.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    st.add_argument("--host", default=None)
+    st.add_argument("--json", action="store_true")
+    tls_args(st)
+    st.set_defaults(fn=cmd_status)
+
+    ke = sub.add_parser("keys", help="dump the etcd keys readably")
+    ke.add_argument("--etcd", default=_env("ETCD", DEFAULT_ETCD))
+    ke.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
+    etcd_args(ke)
+    ke.set_defaults(fn=cmd_keys)
+
+    pa = sub.add_parser("partition", help="apply or show a host's partition")
+    pa.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    tls_args(pa)
+    psub = pa.add_subparsers(dest="partition_cmd", required=True)
+    ap = psub.add_parser("apply", help="apply a TOML partition spec (one transaction)")
+    ap.add_argument("file")
+    ap.add_argument("--dry-run", action="store_true", help="print the computed allocation, write nothing")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--evict", action="store_true",
+                    help="send eviction notices to the leases that break the new partition, and apply it once "
+                         "they are gone (released, or revoked at their deadline)")
+    sh = psub.add_parser("show")
+    sh.add_argument("host")
+    sh.add_argument("--json", action="store_true")
+    pa.set_defaults(fn=cmd_partition)
+
+    le = sub.add_parser("lease", help="operator actions on VRAM leases")
+    le.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    tls_args(le)
+    lsub = le.add_subparsers(dest="lease_cmd", required=True)
+    ev = lsub.add_parser("evict", help="send an eviction notice with a grace period")
+    ev.add_argument("id")
+    ev.add_argument("--grace", type=float, default=None)
+    ev.add_argument("--reason", default="operator")
+    rv = lsub.add_parser("revoke", help="delete the lease now")
+    rv.add_argument("id")
+    le.set_defaults(fn=cmd_lease)
+
+    be = sub.add_parser("bench", help="measure against baselines taken in the same run")
+    be.add_argument("what", choices=("acquire", "p7", "all"),
+                    help="acquire: P1 (latency ratio) and P2 (raft proposals); p7: eviction-notice and "
+                         "release-to-grant latency")
+    be.add_argument("--n", type=int, default=300, help="acquire+release pairs to time")
+    be.set_defaults(fn=cmd_bench)
+    security_parsers(sub, DEFAULT_ETCD)
+    return p
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.cli.up import cmd_up
+    return cmd_up(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Tables for people: ``gpucoord status`` and ``gpucoord partition``. Pure formatting of JSON documents."""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+
+def _mib(mb: int) -> str:
+    return f"{mb / 1024:.1f}G" if abs(mb) >= 1024 else f"{mb}M"
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue."""
+    lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
+    for h in doc.get("hosts", []):
+        age = float(h.get("usage_age_seconds", -1))
+        state = "alive" if h.get("alive") else "GONE (no new admissions)"
+        sim = " simulated" if h.get("simulated") else ""
+        lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
+                     f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}")
+        lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
+                     f"{'untracked':>9} {'free':>8} {'token':>6}")
+        for g in h.get("gpus", []):
+            used = int(g.get("used_mb", -1))
+            lines.append(f"  {g['index']:>3} {g['uuid'][:24]:<24} {_mib(int(g['total_mb'])):>8} "
+                         f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
+                         f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
+                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
+        if h.get("agents") and h.get("partition_mode") != "shared":
+            lines.append("  partition:")
+            for a in h["agents"]:
+                alloc = json.loads(a["allocation_json"])
+                caps = ", ".join(f"{u[-6:]}:{_mib(c)}" for u, c in alloc.get("vram_caps_mb", []))
+                lines.append(f"    {a['agent']:<16} cores={len(alloc.get('cores', []))} "
+                             f"mem={int(alloc.get('mem_bytes', 0)) / 2**30:.1f}GiB "
+                             f"gpus={len(alloc.get('whole_gpus', []))} caps=[{caps}] "
+                             f"leased={_mib(int(a.get('leased_mb', 0)))} ({a.get('leases', 0)} leases)")
+        if h.get("leases"):
+            lines.append(f"  {'lease':<20} {'agent':<14} {'GPU':>3} {'vram':>8} {'prio':>5} {'pre':>3} "
+                         f"{'token':>6} {'ttl':>4}")
+            for lease in sorted(h["leases"], key=lambda x: (x["gpu_index"], int(x["token"]))):
+                lines.append(f"  {lease['id']:<20} {lease['agent']:<14} {lease['gpu_index']:>3} "
+                             f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
+                             f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
+                             f"{lease.get('ttl_remaining', '?'):>4}")
+        else:
+            lines.append("  no leases")
+        for q in h.get("queue", []):
+            lines.append(f"  waiting: {q['agent']} {_mib(int(q['vram_mb']))} priority {q['priority']}"
+                         f" gpu={q.get('gpu') or 'any'}")
+    if not doc.get("hosts"):
+        lines.append("no hosts registered")
+    return "\n".join(lines)
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        elif out and "-" not in out[-1] and int(out[-1]) == i - 1:
+            out[-1] = f"{out[-1]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out) or "-"
+
+
+def render_partition(doc: dict[str, Any]) -> str:
+    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps."""
+    lines = [f"host {doc['host']}: mode {doc['mode']}, VRAM headroom {doc.get('headroom_mb', 0)} MiB per GPU"]
+    for a in doc.get("allocations", []):
+        whole = ", ".join(a["whole_gpus"]) or "none"
+        caps = ", ".join(f"{u} {c} MiB" for u, c in a["vram_caps_mb"]) or "none"
+        lines.append(f"  {a['agent']}: cores {_ranges(a['cores'])} ({len(a['cores'])}), "
+                     f"mem {a['mem_bytes']} B, disk {a['disk_bytes']} B")
+        lines.append(f"    whole GPUs: {whole}")
+        lines.append(f"    VRAM caps:  {caps}")
+    if not doc.get("allocations"):
+        r = (doc.get("spec") or {}).get("reserved", {})
+        lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
+                     f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Leader election on etcd, etcd's own recipe: every candidate puts a key under its session's etcd_lease, and
+the candidate whose key has the lowest create_revision leads. When the leader's session ends, its key goes
+and the next candidate leads.
+
+``fence()`` is what makes a leader's writes safe after a pause (SIGSTOP, a long GC, a VM stall): a compare,
+to put in the same transaction as the write, that holds only while this very candidacy still exists. A
+deposed leader that wakes up and writes fails the compare instead of acting beside its successor.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from coordinator.etcd.ops import cmp_create_revision, cmp_absent, op_put
+from coordinator.etcd.session import EtcdSession
+from coordinator.etcd.store import KV
+from coordinator.keys import Keys, last_segment
+
+log = logging.getLogger(__name__)
+
+
+class Election:
+    def __init__(self, session: EtcdSession, keys: Keys, candidate_id: str) -> None:
+        self.session = session
+        self.store = session.store
+        self.keys = keys
+        self.candidate_id = candidate_id
+        self.key = keys.candidate(candidate_id)
+        self.create_revision = 0     # of our candidacy, once campaigned
+        self.leader_id = ""
+
+    @property
+    def is_leader(self) -> bool:
+        return bool(self.leader_id) and self.leader_id == self.candidate_id
+
+    async def campaign(self, value: bytes, extra_puts: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """Stand: put the candidacy (and ``extra_puts``, e.g. the replica's registration) under the session."""
+        ops = [op_put(self.key, value, self.session.etcd_lease)]
+        ops += [op_put(k, v, self.session.etcd_lease) for k, v in extra_puts]
+        res = await self.store.commit([cmp_absent(self.key)], ops)
+        if not res.succeeded:
+            raise RuntimeError(f"candidate {self.candidate_id} already stands")
+        self.create_revision = res.revision
+
+    def fence(self) -> list[Any]:
+        """The compare that keeps a leader's write from landing once this candidacy is gone."""
+        return [cmp_create_revision(self.key, self.create_revision)]
+
+    async def observe(self, on_change: Callable[[str], None]) -> None:
+        """Follow the election; ``on_change(leader_id)`` on every change of leader. Returns when our own
+        candidacy is gone (the session ended) or the watch lost history (stand again to be sure)."""
+        prefix = self.keys.election()
+        snap = await self.store.get_prefix(prefix)
+        candidates = {kv.key: kv for kv in snap.ranges[0]}
+        self._elect(candidates.values(), on_change)
+        async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
+            if batch.resync:
+                return
+            for ev in batch.events:
+                if ev.kind == "PUT":
+                    candidates[ev.kv.key] = ev.kv
+                else:
+                    candidates.pop(ev.kv.key, None)
+            if self.key not in candidates:
+                self.leader_id = ""
+                on_change("")
+                return
+            self._elect(candidates.values(), on_change)
+
+    def _elect(self, kvs: Any, on_change: Callable[[str], None]) -> None:
+        kv_list: list[KV] = list(kvs)
+        leader = last_segment(min(kv_list, key=lambda kv: kv.create_revision).key) if kv_list else ""
+        if leader != self.leader_id:
+            self.leader_id = leader
+            on_change(leader)

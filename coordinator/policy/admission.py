@@ -1,0 +1,116 @@
+"""The admission decision: pure functions over plain data, no I/O.
+
+The coordinator takes one etcd snapshot of a host (ledgers, leases, usage, partition, queue), builds
+``GpuView``s from it, and asks these functions what to do. They answer; the caller commits the answer in
+one transaction that compares every revision the decision read.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping, Sequence
+
+from coordinator.records import GpuLedger, VramLease
+
+
+@dataclasses.dataclass
+class GpuView:
+    """One GPU as admission sees it in a snapshot. Mutable: a batch updates it as it decides."""
+
+    uuid: str
+    index: int
+    total_mb: int
+    usable_mb: int
+    ledger: GpuLedger
+    leases: list[VramLease]
+    nvml_used_mb: int | None = None  # None: unknown or stale, then untracked counts as 0
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        self.seq = self.ledger.seq
+
+    @property
+    def leased_mb(self) -> int:
+        return sum(lease.vram_mb for lease in self.leases)
+
+    @property
+    def untracked_mb(self) -> int:
+        """VRAM used outside gpucoord: NVML's used memory beyond what leases account for."""
+        if self.nvml_used_mb is None:
+            return 0
+        return max(0, self.nvml_used_mb - self.leased_mb)
+
+    @property
+    def free_mb(self) -> int:
+        return self.usable_mb - self.leased_mb - self.untracked_mb
+
+    def agent_mb(self, agent: str) -> int:
+        return sum(lease.vram_mb for lease in self.leases if lease.agent == agent)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    gpu: GpuView | None
+    reason: str = ""  # why nothing fits, when gpu is None
+
+
+def room_for(gpu: GpuView, agent: str, cap_mb: int) -> int:
+    """How much this agent could still take on this GPU now: the GPU's free VRAM, within its cap."""
+    return min(gpu.free_mb, cap_mb - gpu.agent_mb(agent))
+
+
+def never_fits(vram_mb: int, gpus: Sequence[GpuView], caps: Mapping[str, int]) -> str | None:
+    """Why the request can never be admitted on any of these GPUs (even with all of them empty), or None."""
+    candidates = [g for g in gpus if g.uuid in caps]
+    if not candidates:
+        return "no GPU is allowed"
+    if all(vram_mb > g.usable_mb for g in candidates):
+        best = max(g.usable_mb for g in candidates)
+        return f"vram_mb: {vram_mb} MiB is more than the usable VRAM of every allowed GPU (largest: {best} MiB)"
+    if all(vram_mb > min(caps[g.uuid], g.usable_mb) for g in candidates):
+        best = max(min(caps[g.uuid], g.usable_mb) for g in candidates)
+        return f"vram_mb: {vram_mb} MiB is more than the partition's cap on every allowed GPU (largest: {best} MiB)"
+    return None
+
+
+def best_fit(vram_mb: int, agent: str, gpus: Iterable[GpuView], caps: Mapping[str, int]) -> Placement:
+    """Best fit: the allowed GPU with the least free VRAM left after placing; ties go to the lowest index."""
+    fitting = [g for g in gpus if g.uuid in caps and vram_mb <= room_for(g, agent, caps[g.uuid])]
+    if not fitting:
+        return Placement(None, f"vram_mb: {vram_mb} MiB does not fit now on any allowed GPU")
+    return Placement(min(fitting, key=lambda g: (g.free_mb - vram_mb, g.index)))
+
+
+def choose_victims(vram_mb: int, priority: int, agent: str, gpu: GpuView, cap_mb: int) -> list[VramLease] | None:
+    """G3: the fewest preemptible leases of priority < ``priority`` on ``gpu`` whose removal makes the request fit.
+
+    Victims are taken lowest priority first, then newest first. Returns None when no such set exists
+    (evicting every candidate would still not make it fit), and [] when it fits already.
+    """
+    if vram_mb <= room_for(gpu, agent, cap_mb):
+        return []
+    candidates = sorted(
+        (lease for lease in gpu.leases if lease.preemptible and lease.priority < priority),
+        key=lambda lease: (lease.priority, -lease.created_at, -lease.token),
+    )
+    victims: list[VramLease] = []
+    freed = 0
+    freed_own = 0
+    need_gpu = vram_mb - gpu.free_mb
+    need_cap = vram_mb - (cap_mb - gpu.agent_mb(agent))
+    for lease in candidates:
+        if freed >= need_gpu and freed_own >= need_cap:
+            break
+        victims.append(lease)
+        freed += lease.vram_mb
+        if lease.agent == agent:
+            freed_own += lease.vram_mb
+    if freed >= need_gpu and freed_own >= need_cap:
+        # Drop victims that turned out unnecessary (a later, larger one covered them), keeping order.
+        for lease in list(victims):
+            rest = [v for v in victims if v is not lease]
+            rest_freed = sum(v.vram_mb for v in rest)
+            rest_own = sum(v.vram_mb for v in rest if v.agent == agent)
+            if rest_freed >= need_gpu and rest_own >= need_cap:
+                victims = rest
+        return victims
+    return None

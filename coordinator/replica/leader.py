@@ -1,0 +1,220 @@
+"""Leader election through etcd, and the duties that need a single actor.
+
+Every replica registers ``coordinators/<id>`` and campaigns with ``election/<id>``, both on one etcd_lease
+of ``election_ttl_s``. The leader is the candidate whose key has the lowest create_revision (etcd's own
+election recipe). When the leader dies its keys expire and the next candidate leads within the TTL.
+
+The leader's duties, all restartable from etcd alone:
+
+* eviction deadlines: a lease still held when its notice's deadline passes is revoked;
+* the queue sweep: entries of hosts that are gone, and entries past their waiter's deadline whose
+  replica is no longer there to remove them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from coordinator import errors
+from coordinator.aio import log_failure
+from coordinator.keys import last_segment
+from coordinator.records import EvictionRecord, QueueEntry, dumps
+from coordinator.etcd.store import KV
+from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
+
+if TYPE_CHECKING:
+    from coordinator.replica.service import CoordinatorService
+
+log = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 1.0
+SWEEP_GRACE_S = 2.0
+
+
+class Leadership:
+    def __init__(self, svc: CoordinatorService) -> None:
+        self.svc = svc
+        self.keys = svc.keys
+        self.is_leader = False
+        self.leader_id = ""
+        self.etcd_lease = 0
+        self._duties: asyncio.Task[None] | None = None
+        self.deadline_wake = asyncio.Event()
+        self._resigned = False
+
+    async def run(self) -> None:
+        while not self._resigned:
+            try:
+                await self._campaign()
+            except asyncio.CancelledError:
+                raise
+            except errors.GpucoordError as e:
+                log.warning("election: %s; campaigning again", e)
+            self._step_down()
+            await asyncio.sleep(0.5)
+
+    async def _campaign(self) -> None:
+        cfg = self.svc.config
+        self.etcd_lease = await self.svc.store.grant(cfg.election_ttl_s)
+        me = self.svc.replica_id
+        info = dumps({"replica": me, "address": self.svc.advertise, "started_at": time.time()})
+        await self.svc.store.commit([], [op_put(self.keys.coordinator(me), info, self.etcd_lease),
+                                         op_put(self.keys.candidate(me), info, self.etcd_lease)])
+        keepalive = asyncio.create_task(self._keepalive())
+        watcher = asyncio.create_task(self._watch_election(me))
+        try:
+            # Whichever ends first ends this term: our etcd_lease expired, or our candidacy vanished.
+            await asyncio.wait({keepalive, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            keepalive.cancel()
+            watcher.cancel()
+            for t in (keepalive, watcher):
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    async def _watch_election(self, me: str) -> None:
+        snap = await self.svc.store.get_prefix(self.keys.election())
+        self._elect(snap.ranges[0])
+        candidates = {kv.key: kv for kv in snap.ranges[0]}
+        async for batch in self.svc.store.watch(self.keys.election(), start_revision=snap.revision + 1):
+            if batch.resync:
+                return
+            for ev in batch.events:
+                if ev.kind == "PUT":
+                    candidates[ev.kv.key] = ev.kv
+                else:
+                    candidates.pop(ev.kv.key, None)
+            if self.keys.candidate(me) not in candidates:
+                return   # our etcd_lease expired: campaign again
+            self._elect(list(candidates.values()))
+
+    def _elect(self, kvs: Sequence[KV]) -> None:
+        if not kvs:
+            return
+        first = min(kvs, key=lambda kv: kv.create_revision)
+        self.leader_id = last_segment(first.key)
+        if self.leader_id == self.svc.replica_id and not self.is_leader:
+            log.info("replica %s is the leader", self.svc.replica_id)
+            self.is_leader = True
+            self._duties = asyncio.create_task(self._lead())
+            log_failure(self._duties, "leader duties")
+        elif self.leader_id != self.svc.replica_id:
+            self._step_down()
+
+    def _step_down(self) -> None:
+        if self.is_leader:
+            log.info("replica %s is no longer the leader", self.svc.replica_id)
+        self.is_leader = False
+        if self._duties is not None:
+            self._duties.cancel()
+            self._duties = None
+
+    async def _keepalive(self) -> None:
+        interval = self.svc.config.election_ttl_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if await self.svc.store.keepalive(self.etcd_lease) <= 0:
+                    log.warning("the replica's etcd_lease expired")
+                    return
+            except errors.GpucoordError as e:
+                log.warning("replica keepalive failed: %s", e)
+
+    async def resign(self) -> None:
+        """Give up leadership at once (a clean shutdown): the next candidate leads without waiting a TTL."""
+        self._resigned = True
+        self._step_down()
+        if self.etcd_lease:
+            try:
+                await self.svc.store.revoke(self.etcd_lease)
+            except errors.GpucoordError:
+                pass
+
+    # -- duties ----------------------------------------------------------------------------------
+    async def _lead(self) -> None:
+        await asyncio.gather(self._enforce_deadlines(), self._sweep_queue())
+
+    async def _enforce_deadlines(self) -> None:
+        """Revoke every lease whose eviction deadline passed. Deadlines live in etcd, so a new leader
+        picks them up from the replica's watch-fed cache of ``evictions/``."""
+        while True:
+            now = time.time()
+            due = [r for r in list(self.svc.evictions.values()) if r.deadline_unix <= now]
+            failed = False
+            for record in due:
+                try:
+                    await self._deadline(record)
+                except errors.GpucoordError as e:
+                    log.warning("could not enforce the deadline of lease %s: %s", record.lease_id, e)
+                    failed = True
+                    continue
+                self.svc.evictions.pop(record.lease_id, None)
+            upcoming = [r.deadline_unix for r in self.svc.evictions.values()]
+            timeout = max(0.0, min(upcoming) - time.time()) if upcoming else 1.0
+            if failed:
+                timeout = max(timeout, 0.2)   # etcd is failing us: do not spin
+            self.deadline_wake.clear()
+            try:
+                await asyncio.wait_for(self.deadline_wake.wait(), min(timeout, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _deadline(self, record: EvictionRecord) -> None:
+        """Revoke the lease, unless the request it was evicted for has gone (then the notice is withdrawn:
+        nobody needs the room)."""
+        key = self.keys.eviction(record.lease_id)
+        kv = self.svc.mirror.get(key)
+        if kv is None:
+            return
+        if record.requester_priority is not None and not self._still_waiting(record):
+            res = await self.svc.store.commit([cmp_mod_revision(key, kv.mod_revision)], [op_delete(key)])
+            if res.succeeded:
+                log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
+                         record.requested_by)
+            return
+        if await self.svc.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision):
+            log.info("revoked lease %s of %s at its eviction deadline", record.lease_id, record.agent)
+
+    def _still_waiting(self, record: EvictionRecord) -> bool:
+        for kv in self.svc.mirror.host_items("queue", record.host):
+            entry = QueueEntry.from_kv(kv)
+            if f"{entry.agent}/{entry.request_id}" == record.requested_by:
+                return True
+        return False
+
+    async def _sweep_queue(self) -> None:
+        while True:
+            try:
+                await self._sweep_once()
+            except errors.GpucoordError as e:
+                log.warning("queue sweep failed: %s", e)
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+
+    async def _sweep_once(self) -> None:
+        keys = self.keys
+        snap = await self.svc.store.snapshot([range_req(keys.hosts(), prefix=True, keys_only=True),
+                                              range_req(keys.queue(), prefix=True),
+                                              range_req(keys.coordinators(), prefix=True, keys_only=True)])
+        hosts = {keys.parse(kv.key)[1][0] for kv in snap.ranges[0]}
+        replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[2]}
+        now = time.time()
+        for kv in snap.ranges[1]:
+            host = keys.parse(kv.key)[1][0]
+            entry = QueueEntry.from_kv(kv)
+            gone_host = host not in hosts
+            abandoned = entry.deadline_unix + SWEEP_GRACE_S < now and entry.replica not in replicas
+            overdue = entry.deadline_unix + 10 * SWEEP_GRACE_S < now
+            if gone_host or abandoned or overdue:
+                compares = [cmp_mod_revision(kv.key, kv.mod_revision)]
+                if gone_host:
+                    compares.append(cmp_absent(keys.host(host)))
+                res = await self.svc.store.commit(compares, [op_delete(kv.key)])
+                if res.succeeded:
+                    await self.svc.withdraw_evictions(entry)
+                    log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent,
+                             "host gone" if gone_host else "waiter gone")
+

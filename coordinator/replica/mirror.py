@@ -1,0 +1,80 @@
+"""A watch-fed copy of every key under the prefix, consistent at one revision.
+
+The replica's single watch keeps it current. Admission may decide from it instead of reading a snapshot:
+a mirror at revision R is exactly the snapshot etcd would have served at R, and every grant decided from
+it is validated by the commit's compares (any admission since R changed a ledger). Decisions that a
+stale copy could get wrong in the other direction (a refusal, a wait, an unknown session) are never
+answered from the mirror: the caller reads etcd instead.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from coordinator.keys import Keys
+from coordinator.etcd.store import KV, Snapshot, WatchBatch
+
+_PER_HOST = ("gpus", "leases", "queue")
+
+
+class Mirror:
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+        self.revision = 0
+        self.ready = False
+        self._flat: dict[bytes, KV] = {}
+        self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
+
+    def reset(self, kvs: Iterable[KV], revision: int) -> None:
+        self._flat.clear()
+        self._buckets.clear()
+        for kv in kvs:
+            self._put(kv)
+        self.revision = revision
+        self.ready = True
+
+    def apply(self, batch: WatchBatch) -> None:
+        for ev in batch.events:
+            if ev.kind == "PUT":
+                self._put(ev.kv)
+            else:
+                self._delete(ev.kv.key)
+            self.revision = max(self.revision, ev.kv.mod_revision)
+
+    def _bucket(self, key: bytes) -> dict[bytes, KV] | None:
+        try:
+            kind, parts = self.keys.parse(key)
+        except ValueError:
+            return None
+        if kind in _PER_HOST and len(parts) > 1:
+            return self._buckets.setdefault((kind, parts[0]), {})
+        return None
+
+    def _put(self, kv: KV) -> None:
+        bucket = self._bucket(kv.key)
+        (bucket if bucket is not None else self._flat)[kv.key] = kv
+
+    def _delete(self, key: bytes) -> None:
+        bucket = self._bucket(key)
+        (bucket if bucket is not None else self._flat).pop(key, None)
+
+    def get(self, key: bytes) -> KV | None:
+        bucket = self._bucket(key)
+        return (bucket if bucket is not None else self._flat).get(key)
+
+    def host_items(self, kind: str, host: str) -> tuple[KV, ...]:
+        bucket = self._buckets.get((kind, host), {})
+        return tuple(bucket[k] for k in sorted(bucket))
+
+    def host_snapshot(self, host: str, extra_keys: Iterable[bytes] = ()) -> Snapshot:
+        """The same ranges as ``view.host_ranges`` (plus single keys), as of ``revision``."""
+        k = self.keys
+        single = [k.host(host), k.usage(host), k.partition(host)]
+        ranges = [tuple(x for x in [self._flat.get(key)] if x is not None) for key in single]
+        ranges += [self.host_items(kind, host) for kind in _PER_HOST]
+        ranges += [tuple(x for x in [self._flat.get(key)] if x is not None) for key in extra_keys]
+        return Snapshot(self.revision, tuple(ranges))
+
+    def items(self, kind: str) -> list[KV]:
+        """Every flat key of one kind (e.g. ``evictions``)."""
+        prefix = self.keys.kind(kind)
+        return [kv for key, kv in self._flat.items() if key.startswith(prefix)]

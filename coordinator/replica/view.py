@@ -1,0 +1,107 @@
+"""What one snapshot of a host says, as plain records: the input of every admission decision."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from typing import Any
+
+from coordinator.policy.admission import GpuView
+from coordinator.keys import Keys
+from coordinator.records import GpuLedger, HostInventory, VramLease
+from coordinator.policy.partition import Partition, default_partition
+from coordinator.etcd.store import KV, Snapshot
+from coordinator.etcd.ops import range_req
+
+
+def _usage_fresh(usage: dict[str, Any] | None, now: float) -> dict[str, int]:
+    """NVML used VRAM per GPU uuid, or {} when the usage is missing or stale (> 3 node intervals old)."""
+    if not usage:
+        return {}
+    interval = float(usage.get("interval_s", 5.0))
+    if now - float(usage.get("ts", 0)) > 3 * interval:
+        return {}
+    return {g["uuid"]: int(g["vram_used_mb"]) for g in usage.get("gpus", ())}
+
+
+@dataclasses.dataclass
+class HostView:
+    """A host as one snapshot shows it."""
+
+    host: str
+    revision: int
+    inventory: HostInventory | None
+    host_kv: KV | None
+    partition: Partition | None
+    partition_kv: KV | None
+    gpus: dict[str, GpuView]
+    leases: dict[str, VramLease]
+    usage: dict[str, Any] | None
+    queue: tuple[KV, ...]
+
+    @property
+    def alive(self) -> bool:
+        return self.host_kv is not None
+
+    def effective_partition(self) -> Partition:
+        if self.partition is not None:
+            return self.partition
+        assert self.host_kv is not None
+        return _default_partition(self.host_kv.value)
+
+
+def host_ranges(keys: Keys, host: str) -> list[Any]:
+    return [
+        range_req(keys.host(host)),
+        range_req(keys.usage(host)),
+        range_req(keys.partition(host)),
+        range_req(keys.gpus(host), prefix=True),
+        range_req(keys.leases(host), prefix=True),
+        range_req(keys.queue(host), prefix=True),
+    ]
+
+
+# Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
+# they are cached by their exact bytes.
+@functools.lru_cache(maxsize=4096)
+def _inventory(value: bytes) -> HostInventory:
+    return HostInventory.from_json(json.loads(value)["inventory"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition(value: bytes) -> Partition:
+    return Partition.from_json(json.loads(value)["partition"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_partition(host_value: bytes) -> Partition:
+    return default_partition(_inventory(host_value))
+
+
+def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float | None = None) -> HostView:
+    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``."""
+    now = time.time() if now is None else now
+    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
+    host_kv = host_kvs[0] if host_kvs else None
+    inventory = _inventory(host_kv.value) if host_kv else None
+    part_kv = part_kvs[0] if part_kvs else None
+    partition = _partition(part_kv.value) if part_kv else None
+    usage = usage_kvs[0].json() if usage_kvs else None
+    used = _usage_fresh(usage, now) if untracked else {}
+    ledgers = {keys.parse(kv.key)[1][-1]: GpuLedger.from_kv(kv) for kv in ledger_kvs}
+    leases = {}
+    by_gpu: dict[str, list[VramLease]] = {}
+    for kv in lease_kvs:
+        lease = VramLease.from_kv(kv)
+        leases[lease.id] = lease
+        by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
+    gpus: dict[str, GpuView] = {}
+    if inventory is not None:
+        part = partition or _default_partition(host_kv.value)  # type: ignore[union-attr]
+        for g in inventory.gpus:
+            gpus[g.uuid] = GpuView(
+                uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
+                ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
+                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
+    return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs)

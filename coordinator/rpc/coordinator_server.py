@@ -1,0 +1,234 @@
+"""The Coordinator gRPC server: translates messages and errors around ``CoordinatorService``."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator import errors, metrics
+from coordinator.records import EvictionRecord, VramLease
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.config import CoordinatorConfig
+from coordinator.replica.service import CoordinatorService, status_json
+from coordinator.security.interceptor import SecurityInterceptor, current_caller
+from coordinator.security.tls import add_port, check_listen, server_options
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
+    return pb.Lease(id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, gpu_index=lease.gpu_index,
+                    vram_mb=lease.vram_mb, priority=lease.priority, preemptible=lease.preemptible, token=lease.token,
+                    agent=lease.agent, session_id=lease.session_id, request_id=lease.request_id,
+                    created_at=lease.created_at, ttl_remaining=ttl_remaining)
+
+
+def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Every error becomes a gRPC status with its message: the one translation point of the server."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await fn(self, request, context)
+        except errors.GpucoordError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
+    def __init__(self, svc: CoordinatorService) -> None:
+        self.svc = svc
+        self.streams: set[asyncio.Task[Any]] = set()
+
+    async def _session(self, ref: pb.SessionRef) -> Any:
+        return await self.svc.session(ref.agent, ref.session_id)
+
+    @_rpc
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+        sid, ttl = await self.svc.open_session(request.agent, request.host, request.ttl_seconds, request.pid,
+                                               request.client_version)
+        interval = min(self.svc.config.keepalive_interval_s, ttl / 3)
+        return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl, keepalive_interval_seconds=interval)
+
+    async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KeepAliveResponse]:
+        """Answers each keepalive with the remaining TTL, and pushes eviction notices as they appear."""
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        registered: list[str] = []
+
+        async def read() -> None:
+            try:
+                async for req in request_iterator:
+                    info = await self._session(req.session)
+                    ttl = await self.svc.keepalive(info)
+                    if not registered:
+                        registered.append(info.session_id)
+                        self.svc.register_stream(info.session_id, out)
+                    out.put_nowait(pb.KeepAliveResponse(ttl_seconds=ttl))
+                out.put_nowait(None)
+            except errors.GpucoordError as e:
+                out.put_nowait(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                # The caller went away (or the server is stopping): the stream just ends.
+                log.debug("keepalive stream ended: %r", e)
+                out.put_nowait(None)
+
+        metrics.SESSIONS.inc()
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    return
+                if isinstance(item, errors.GpucoordError):
+                    await context.abort(grpc.StatusCode[item.code], item.message)
+                if isinstance(item, EvictionRecord):
+                    yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
+                        lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
+                        requested_by=item.requested_by, deadline_unix=item.deadline_unix)])
+                    continue
+                yield item
+        finally:
+            reader.cancel()
+            if registered:
+                self.svc.unregister_stream(registered[0], out)
+            metrics.SESSIONS.dec()
+
+    @_rpc
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+        await self.svc.close_session(await self._session(request.session))
+        return pb.CloseSessionResponse()
+
+    @_rpc
+    async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
+        t0 = time.perf_counter()
+        try:
+            info = await self._session(request.session)
+            preemptible = request.preemptible if request.HasField("preemptible") else True
+            lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
+                                           request.request_id, request.wait_seconds)
+            return pb.AcquireResponse(lease=lease_pb(lease))
+        finally:
+            metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        info = await self._session(request.session)
+        return pb.ReleaseResponse(released=await self.svc.release(info, request.lease_id))
+
+    @_rpc
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
+        revision, views, ttls = await self.svc.status(request.host)
+        doc = status_json(revision, views, ttls)
+        leader = self.svc.leadership.leader_id if self.svc.leadership is not None else ""
+        out = pb.GetStatusResponse(revision=revision, leader=leader)
+        for h in doc["hosts"]:
+            hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
+                               usage_age_seconds=h["usage_age_s"], partition_mode=h["partition_mode"],
+                               cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
+            for g in h["gpus"]:
+                hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
+                            usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
+                            untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"])
+                metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
+                metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
+            for a in h["agents"]:
+                hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
+                              leased_mb=a["leased_mb"], leases=a["leases"])
+            for lease in views[[v.host for v in views].index(h["host"])].leases.values():
+                hs.leases.append(lease_pb(lease, ttls.get(lease.etcd_lease, -1)))
+            for q in h["queue"]:
+                hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
+                             priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
+            metrics.LEASES.labels(h["host"]).set(len(h["leases"]))
+        return out
+
+    @_rpc
+    async def ApplyPartition(self, request: pb.ApplyPartitionRequest, context: Any) -> pb.ApplyPartitionResponse:
+        try:
+            spec = json.loads(request.spec_json)
+        except (ValueError, RecursionError) as e:
+            raise errors.InvalidArgument(f"spec_json: not valid JSON: {e}", "spec_json") from e
+        if not isinstance(spec, dict):
+            raise errors.InvalidArgument("spec_json: must be a JSON object", "spec_json")
+        partition, applied = await self.svc.apply_partition(spec, request.dry_run, request.evict)
+        return pb.ApplyPartitionResponse(partition_json=json.dumps(partition.to_json()), applied=applied)
+
+    @_rpc
+    async def GetPartition(self, request: pb.GetPartitionRequest, context: Any) -> pb.GetPartitionResponse:
+        partition, explicit = await self.svc.get_partition(request.host)
+        return pb.GetPartitionResponse(partition_json=json.dumps(partition.to_json()), explicit=explicit)
+
+    @_rpc
+    async def EvictLease(self, request: pb.EvictLeaseRequest, context: Any) -> pb.EvictLeaseResponse:
+        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason,
+                                        asked_by=str(current_caller() or "unknown"))
+        return pb.EvictLeaseResponse(deadline_unix=deadline)
+
+    @_rpc
+    async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: Any) -> pb.RevokeLeaseResponse:
+        return pb.RevokeLeaseResponse(revoked=await self.svc.revoke(request.lease_id))
+
+    async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
+        return pb.PingResponse()
+
+
+async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int, CoordinatorService]:
+    """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service)."""
+    tls = config.tls_files()
+    check_listen(config.listen, tls, config.insecure)
+    # Identity, authorization, bounds and audit: one interceptor, before any handler (coordinator.security).
+    guard = SecurityInterceptor(tls is not None)
+    server = grpc.aio.server(interceptors=[guard], options=server_options())
+    port = add_port(server, config.listen, tls)
+    svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
+    await svc.start()
+    guard.agent_hosts = svc.agent_hosts
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(svc), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    await server.start()
+    await health_servicer.set(pb.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+                              health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port, svc
+
+
+async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run a coordinator until ``stop`` is set (or forever)."""
+    if config.metrics_listen:
+        metrics.serve(config.metrics_listen, config.tls_files())
+    server, port, svc = await create_server(config)
+    log.info("coordinator %s serving on port %d", svc.replica_id, port)
+    if ready is not None:
+        ready(port)
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        # Waiting RPCs get UNAVAILABLE (their queue entries stay in etcd), and so does anything that
+        # arrives while we stop; nothing hangs.
+        await svc.stop()
+        await server.stop(grace=1.0)

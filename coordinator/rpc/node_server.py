@@ -1,0 +1,98 @@
+"""The Node gRPC server around a ``NodeDaemon``: inventory and fencing-token checks, health and reflection."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent_client.api import node_pb2 as pb
+from agent_client.api import node_pb2_grpc as pb_grpc
+from coordinator import metrics
+from coordinator.etcd.store import Store
+from coordinator.keys import Keys
+from coordinator.node.daemon import NodeDaemon
+from coordinator.node.inventory import GpuSource
+from coordinator.security.bounds import MAX_GPU_UUID_LEN
+from coordinator.security.interceptor import SecurityInterceptor
+from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
+
+
+class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
+    def __init__(self, daemon: NodeDaemon) -> None:
+        self.daemon = daemon
+
+    async def GetInventory(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
+        inv = self.daemon.inventory
+        if inv is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting")
+        assert inv is not None  # abort() raises
+        usage = {u.uuid: u for u in self.daemon.last_usage}
+        out = pb.GetInventoryResponse(host=inv.host, address=inv.address, cpu_count=inv.cpu_count,
+                                      core_ids=list(inv.core_ids), mem_bytes=inv.mem_bytes, disk_path=inv.disk_path,
+                                      disk_bytes=inv.disk_bytes, version=inv.version, simulated=inv.simulated)
+        for g in inv.gpus:
+            u = usage.get(g.uuid)
+            gp = out.gpus.add(index=g.index, uuid=g.uuid, name=g.name, vram_total_mb=g.vram_total_mb,
+                              vram_used_mb=u.vram_used_mb if u else -1, vram_free_mb=u.vram_free_mb if u else -1)
+            for p in (u.processes if u else ()):
+                gp.processes.add(pid=p.pid, used_mb=p.used_mb)
+        return out
+
+    async def CheckToken(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
+        if not request.gpu_uuid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu_uuid: is required")
+        if request.token <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token: must be > 0")
+        inv = self.daemon.inventory
+        if inv is not None and inv.gpu(request.gpu_uuid) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}")
+        if not self.daemon.leases_ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is resynchronising its view of leases; retry")
+        live, lease_id = self.daemon.check_token(request.gpu_uuid, request.token)
+        return pb.CheckTokenResponse(live=live, lease_id=lease_id,
+                                     highest_token=self.daemon.highest_token.get(request.gpu_uuid, 0))
+
+
+async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | None = None,
+                             insecure: bool = False) -> tuple[grpc.aio.Server, int]:
+    check_listen(listen, tls, insecure)
+    # The same guard as the coordinator's (coordinator.security): identity, authorization, bounds; no
+    # SO_REUSEPORT, so a second daemon on a port in use fails to start instead of sharing it.
+    server = grpc.aio.server(interceptors=[SecurityInterceptor(tls is not None)], options=server_options())
+    pb_grpc.add_NodeServicer_to_server(NodeServicer(daemon), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (pb.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = add_port(server, listen, tls)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
+                   ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
+                   metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
+                   tls: TlsFiles | None = None, insecure: bool = False) -> None:
+    if metrics_listen:
+        check_listen(metrics_listen, tls, insecure, what="metrics-listen")
+        metrics.serve(metrics_listen, tls)
+    await store.connect()
+    # Bind first, so that the published address carries the real port.
+    daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
+                        overrides=overrides)
+    server, port = await create_node_server(daemon, listen, tls, insecure)
+    daemon.address = f"{listen.rpartition(':')[0]}:{port}"
+    await daemon.start()
+    if ready is not None:
+        ready(port)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+        await daemon.stop()
+        await store.close()
