@@ -10,9 +10,9 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.api import node_pb2
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import node_pb2
 from coordinator.config import CoordinatorConfig
 from tests.harness import Cluster, wait_for
 
@@ -31,7 +31,7 @@ def env(cluster: Cluster) -> Iterator[tuple[Cluster, str, str, grpc.Channel]]:
 
 
 def _revision(cluster: Cluster) -> int:
-    from coordinator.store import range_req
+    from coordinator.etcd.ops import range_req
     return int(cluster.lt.run(cluster.store.snapshot([range_req(b"/")])).revision)
 
 
@@ -126,7 +126,7 @@ def test_ten_thousand_open_sessions_leave_at_most_the_cap(env: tuple[Cluster, st
 
 def test_node_check_token_bounds(env: tuple[Cluster, str, str, grpc.Channel]) -> None:
     _, _, node_addr, _ = env
-    from coordinator.api import node_pb2_grpc
+    from agent_client.api import node_pb2_grpc
     with grpc.insecure_channel(node_addr) as ch:
         stub: Any = node_pb2_grpc.NodeStub(ch)
         with pytest.raises(grpc.RpcError) as info:

@@ -17,11 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.api import coordinator_pb2 as pb
-from coordinator.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.api import node_pb2, node_pb2_grpc
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import TlsFiles, channel_credentials
-from coordinator.store import range_req
+from coordinator.etcd.ops import range_req
 from tests.conftest import EtcdEndpoint
 from tests.harness import Cluster, wait_for
 from tests.security.conftest import Pki

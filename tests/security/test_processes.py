@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from coordinator.etcd_process import etcd_binary, free_port
+from coordinator.etcd.process import etcd_binary, free_port
 from tests.conftest import EtcdEndpoint
 from tests.harness import REPO, Cluster, child_env, wait_for
 
