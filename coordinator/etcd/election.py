@@ -73,3 +73,8 @@ class Election:
         if leader != self.leader_id:
             self.leader_id = leader
             on_change(leader)
+
+    async def holds(self) -> bool:
+        """Whether our candidacy still stands (read from etcd, linearizable)."""
+        kv = await self.store.get(self.key)
+        return kv is not None and kv.create_revision == self.create_revision

@@ -1,8 +1,10 @@
 """Leader election through etcd, and the duties that need a single actor.
 
 Every replica registers ``coordinators/<id>`` and campaigns with ``election/<id>``, both on one etcd_lease
-of ``election_ttl_s``. The leader is the candidate whose key has the lowest create_revision (etcd's own
-election recipe). When the leader dies its keys expire and the next candidate leads within the TTL.
+of ``election_ttl_s`` (``etcd/session.py``, ``etcd/election.py``). The leader is the candidate whose key has
+the lowest create_revision (etcd's own election recipe). When the leader dies its keys expire and the next
+candidate leads within the TTL. Every write made as leader compares the leader's own candidacy in the
+same transaction (``Election.fence``), so a leader paused past its TTL cannot act beside its successor.
 
 The leader's duties, all restartable from etcd alone:
 
@@ -15,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any
 
 from coordinator import errors
 from coordinator.aio import log_failure
-from coordinator.keys import last_segment
 from coordinator.records import EvictionRecord, QueueEntry, dumps
-from coordinator.etcd.store import KV
-from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
+from coordinator.etcd.election import Election
+from coordinator.etcd.session import EtcdSession
+from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, range_req
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService
@@ -34,107 +36,91 @@ SWEEP_GRACE_S = 2.0
 
 
 class Leadership:
+    """This replica's candidacy (``etcd/election.py`` on an ``etcd/session.py`` session) and, while it
+    leads, the duties. Every write made as leader carries the election's fence."""
+
     def __init__(self, svc: CoordinatorService) -> None:
         self.svc = svc
         self.keys = svc.keys
-        self.is_leader = False
-        self.leader_id = ""
-        self.etcd_lease = 0
+        self.election: Election | None = None
+        self._session: EtcdSession | None = None
         self._duties: asyncio.Task[None] | None = None
         self.deadline_wake = asyncio.Event()
         self._resigned = False
 
+    @property
+    def is_leader(self) -> bool:
+        return self.election is not None and self.election.is_leader
+
+    @property
+    def leader_id(self) -> str:
+        return self.election.leader_id if self.election is not None else ""
+
     async def run(self) -> None:
         while not self._resigned:
             try:
-                await self._campaign()
+                await self._term()
             except asyncio.CancelledError:
                 raise
             except errors.GpucoordError as e:
                 log.warning("election: %s; campaigning again", e)
             self._step_down()
+            if self._session is not None and not self._resigned:
+                await self._session.orphan()
             await asyncio.sleep(0.5)
 
-    async def _campaign(self) -> None:
-        cfg = self.svc.config
-        self.etcd_lease = await self.svc.store.grant(cfg.election_ttl_s)
+    async def _term(self) -> None:
+        """One candidacy: stand, then follow the election until our session ends."""
         me = self.svc.replica_id
+        session = self._session = await EtcdSession(self.svc.store, self.svc.config.election_ttl_s,
+                                                    f"replica {me}").open()
+        election = self.election = Election(session, self.keys, me)
         info = dumps({"replica": me, "address": self.svc.advertise, "started_at": time.time()})
-        await self.svc.store.commit([], [op_put(self.keys.coordinator(me), info, self.etcd_lease),
-                                         op_put(self.keys.candidate(me), info, self.etcd_lease)])
-        keepalive = asyncio.create_task(self._keepalive())
-        watcher = asyncio.create_task(self._watch_election(me))
+        await election.campaign(info, extra_puts=[(self.keys.coordinator(me), info)])
+        ended = asyncio.create_task(session.done.wait())
         try:
-            # Whichever ends first ends this term: our etcd_lease expired, or our candidacy vanished.
-            await asyncio.wait({keepalive, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            keepalive.cancel()
-            watcher.cancel()
-            for t in (keepalive, watcher):
-                try:
-                    await t
-                except (asyncio.CancelledError, Exception):
-                    pass
-
-    async def _watch_election(self, me: str) -> None:
-        snap = await self.svc.store.get_prefix(self.keys.election())
-        self._elect(snap.ranges[0])
-        candidates = {kv.key: kv for kv in snap.ranges[0]}
-        async for batch in self.svc.store.watch(self.keys.election(), start_revision=snap.revision + 1):
-            if batch.resync:
-                return
-            for ev in batch.events:
-                if ev.kind == "PUT":
-                    candidates[ev.kv.key] = ev.kv
+            while not session.done.is_set():
+                observer = asyncio.create_task(election.observe(self._on_leader))
+                await asyncio.wait({observer, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if observer.done():
+                    observer.result()      # an error of the watch ends the term
                 else:
-                    candidates.pop(ev.kv.key, None)
-            if self.keys.candidate(me) not in candidates:
-                return   # our etcd_lease expired: campaign again
-            self._elect(list(candidates.values()))
+                    observer.cancel()
+                    await asyncio.gather(observer, return_exceptions=True)
+                if not await election.holds():
+                    return    # our candidacy is gone: stand again
+        finally:
+            ended.cancel()
 
-    def _elect(self, kvs: Sequence[KV]) -> None:
-        if not kvs:
-            return
-        first = min(kvs, key=lambda kv: kv.create_revision)
-        self.leader_id = last_segment(first.key)
-        if self.leader_id == self.svc.replica_id and not self.is_leader:
-            log.info("replica %s is the leader", self.svc.replica_id)
-            self.is_leader = True
+    def _on_leader(self, leader_id: str) -> None:
+        me = self.svc.replica_id
+        if leader_id == me and self._duties is None:
+            log.info("replica %s is the leader", me)
             self._duties = asyncio.create_task(self._lead())
             log_failure(self._duties, "leader duties")
-        elif self.leader_id != self.svc.replica_id:
+        elif leader_id != me:
             self._step_down()
 
     def _step_down(self) -> None:
-        if self.is_leader:
-            log.info("replica %s is no longer the leader", self.svc.replica_id)
-        self.is_leader = False
         if self._duties is not None:
+            log.info("replica %s is no longer the leader", self.svc.replica_id)
             self._duties.cancel()
             self._duties = None
-
-    async def _keepalive(self) -> None:
-        interval = self.svc.config.election_ttl_s / 3
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                if await self.svc.store.keepalive(self.etcd_lease) <= 0:
-                    log.warning("the replica's etcd_lease expired")
-                    return
-            except errors.GpucoordError as e:
-                log.warning("replica keepalive failed: %s", e)
 
     async def resign(self) -> None:
         """Give up leadership at once (a clean shutdown): the next candidate leads without waiting a TTL."""
         self._resigned = True
         self._step_down()
-        if self.etcd_lease:
-            try:
-                await self.svc.store.revoke(self.etcd_lease)
-            except errors.GpucoordError:
-                pass
+        if self._session is not None:
+            await self._session.close()
 
     # -- duties ----------------------------------------------------------------------------------
+    def _fence(self) -> list[Any]:
+        """Compares that every write made as leader carries: it fails once our candidacy is gone."""
+        if self.election is None:
+            raise errors.NotOwner("leader: this replica does not lead", "leader")
+        return self.election.fence()
+
     async def _lead(self) -> None:
         await asyncio.gather(self._enforce_deadlines(), self._sweep_queue())
 
@@ -171,12 +157,13 @@ class Leadership:
         if kv is None:
             return
         if record.requester_priority is not None and not self._still_waiting(record):
-            res = await self.svc.store.commit([cmp_mod_revision(key, kv.mod_revision)], [op_delete(key)])
+            res = await self.svc.store.commit([cmp_mod_revision(key, kv.mod_revision), *self._fence()],
+                                              [op_delete(key)])
             if res.succeeded:
                 log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
                          record.requested_by)
             return
-        if await self.svc.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision):
+        if await self.svc.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=self.election):
             log.info("revoked lease %s of %s at its eviction deadline", record.lease_id, record.agent)
 
     def _still_waiting(self, record: EvictionRecord) -> bool:
@@ -209,7 +196,7 @@ class Leadership:
             abandoned = entry.deadline_unix + SWEEP_GRACE_S < now and entry.replica not in replicas
             overdue = entry.deadline_unix + 10 * SWEEP_GRACE_S < now
             if gone_host or abandoned or overdue:
-                compares = [cmp_mod_revision(kv.key, kv.mod_revision)]
+                compares = [cmp_mod_revision(kv.key, kv.mod_revision), *self._fence()]
                 if gone_host:
                     compares.append(cmp_absent(keys.host(host)))
                 res = await self.svc.store.commit(compares, [op_delete(kv.key)])

@@ -23,6 +23,7 @@ from coordinator.replica.mirror import Mirror
 from coordinator.keys import (Keys, etcd_lease_from_session_id, last_segment, lease_id_for, session_id_from_etcd_lease,
                               valid_name)
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
+from coordinator.etcd.election import Election
 from coordinator.etcd.store import KV, Snapshot, Store, WatchBatch
 from coordinator.etcd.ops import (cmp_absent, cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_delete, op_put,
                                  range_req)
@@ -317,30 +318,36 @@ class CoordinatorService:
                 return record.deadline_unix
         raise errors.Unavailable("evict: too much contention; retry")
 
-    async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None) -> bool:
+    async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
+                     fence: Election | None = None) -> bool:
         """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone.
 
         With ``notice_revision`` (the leader at a deadline) it happens only while that very notice still
-        stands: a notice withdrawn meanwhile (its requester left) saves the lease.
+        stands: a notice withdrawn meanwhile (its requester left) saves the lease. With ``fence`` (the
+        leader) every write also compares the leader's candidacy, and a deposed leader gets NotOwner.
         """
         _check_lease_id(lease_id)
         notice_key = self.keys.eviction(lease_id)
+        fenced = fence.fence() if fence is not None else []
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, host)
             if lease is None:
                 if notice_revision is None:
                     await self.store.delete(notice_key)
                 else:
-                    await self.store.commit([cmp_mod_revision(notice_key, notice_revision)], [op_delete(notice_key)])
+                    await self.store.commit([cmp_mod_revision(notice_key, notice_revision), *fenced],
+                                            [op_delete(notice_key)])
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            compares = [cmp_mod_revision(key, lease.mod_revision)]
+            compares = [cmp_mod_revision(key, lease.mod_revision), *fenced]
             if notice_revision is not None:
                 compares.append(cmp_mod_revision(notice_key, notice_revision))
             res = await self.store.commit(compares, [op_delete(key), op_delete(notice_key)])
             if res.succeeded:
                 metrics.EVICTIONS.labels("revoke").inc()
                 return True
+            if fence is not None and not await fence.holds():
+                raise errors.NotOwner("leader: this replica is no longer the leader", "leader")
             if notice_revision is not None and (await self.store.get(notice_key)) is None:
                 return False   # withdrawn: nothing to enforce any more
         raise errors.Unavailable("revoke: too much contention; retry")
