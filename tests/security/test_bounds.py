@@ -21,6 +21,15 @@ C = grpc.StatusCode
 
 
 @pytest.fixture
+def cluster(own_etcd: list[str], prefix: str) -> Iterator[Cluster]:
+    c = Cluster(own_etcd, prefix)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
 def env(cluster: Cluster) -> Iterator[tuple[Cluster, str, str, grpc.Channel]]:
     daemon = cluster.start_node("h1", "2x16GiB", heartbeat_s=3600)
     addr = cluster.start_coordinator()

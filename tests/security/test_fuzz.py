@@ -22,7 +22,6 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.etcd.ops import range_req
-from tests.conftest import EtcdEndpoint
 from tests.harness import Cluster, wait_for
 
 pytestmark = pytest.mark.integration
@@ -51,8 +50,8 @@ class Target:
 
 
 @pytest.fixture(scope="module")
-def target(etcd: EtcdEndpoint) -> Iterator[Target]:
-    cluster = Cluster(etcd.endpoints, f"/gpucoord-fuzz-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
+def target(own_etcd: list[str]) -> Iterator[Target]:
+    cluster = Cluster(own_etcd, f"/gpucoord-fuzz-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
     try:
         daemon = cluster.start_node(HOST, "2x16GiB", heartbeat_s=3600)
         addr = cluster.start_coordinator()

@@ -22,7 +22,6 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import TlsFiles, channel_credentials
 from coordinator.etcd.ops import range_req
-from tests.conftest import EtcdEndpoint
 from tests.harness import Cluster, wait_for
 from tests.security.conftest import Pki
 
@@ -91,8 +90,8 @@ IDENTITY = {"self": "gpucoord://agent/agent-a", "other": "gpucoord://agent/agent
 
 
 @pytest.fixture(scope="module")
-def world(etcd: EtcdEndpoint, pki: Pki) -> Iterator[World]:
-    cluster = Cluster(etcd.endpoints, f"/gpucoord-g9-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
+def world(own_etcd: list[str], pki: Pki) -> Iterator[World]:
+    cluster = Cluster(own_etcd, f"/gpucoord-g9-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
     try:
         # No usage heartbeats during the module: the revision moves only when a call writes.
         daemon = cluster.start_node(HOST, "2x16GiB", heartbeat_s=3600, tls=pki["node"])
