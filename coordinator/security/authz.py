@@ -60,7 +60,7 @@ class Denied(errors.NotOwner):
 
 
 def rpc_name(method: str) -> str:
-    return method.rsplit("/", 1)[-1]
+    return method.rpartition("/")[2]
 
 
 def target_of(method: str, request: Any) -> str:

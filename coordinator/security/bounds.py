@@ -20,7 +20,7 @@ MAX_GPU_UUID_LEN = 128
 
 def check_request(method: str, request: Any) -> None:
     """INVALID_ARGUMENT naming the field when a request is out of bounds. Pure: no I/O."""
-    name = method.rsplit("/", 1)[-1]
+    name = method.rpartition("/")[2]
     if name == "ApplyPartition" and len(request.spec_json) > MAX_SPEC_BYTES:
         raise errors.InvalidArgument(
             f"spec_json: {len(request.spec_json)} bytes, above the limit of {MAX_SPEC_BYTES}", "spec_json")
