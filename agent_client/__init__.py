@@ -1,5 +1,8 @@
-"""gpucoord's agent client: sessions and VRAM leases, sync (``Client``) and asyncio (``AsyncClient``)."""
+"""gpucoord's agent client: sessions and VRAM leases, sync (``Client``) and asyncio (``AsyncClient``);
+commands bound to a lease (``client.run``, see ``agent_client.run``)."""
 from agent_client import errors
 from agent_client.client import AsyncClient, AsyncLease, Client, EvictionNotice, Lease
+from agent_client.run import AsyncBoundProcess, BoundProcess
 
-__all__ = ["AsyncClient", "AsyncLease", "Client", "EvictionNotice", "Lease", "errors"]
+__all__ = ["AsyncBoundProcess", "AsyncClient", "AsyncLease", "BoundProcess", "Client", "EvictionNotice", "Lease",
+           "errors"]

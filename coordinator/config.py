@@ -24,6 +24,8 @@ MAX_PRIORITY = 1_000_000
 MAX_VRAM_MB = 1 << 30  # 1 PiB in MiB: anything above is a typo
 MAX_REQUEST_ID_LEN = 128
 MAX_WAIT_S = 3600.0
+MAX_ATTACHED_PIDS = 64    # processes one lease may name (AttachProcesses)
+MAX_PID = 1 << 22         # Linux's highest pid_max
 
 
 class ConfigError(ValueError):

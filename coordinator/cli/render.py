@@ -26,6 +26,19 @@ def render_status(doc: dict[str, Any]) -> str:
                          f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
                          f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
                          f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
+        for g in h.get("gpus", []):
+            for u in g.get("lease_use", []):
+                if u.get("over_use"):
+                    lines.append(f"  OVER-USE on GPU {g['index']}: lease {u['lease_id']} ({u['agent']}) uses "
+                                 f"{_mib(int(u['used_mb']))} of {_mib(int(u['vram_mb']))} leased "
+                                 f"(pids {', '.join(str(x) for x in u.get('pids', []))})")
+            for p in g.get("processes", []):
+                if p.get("state") == "orphaned":
+                    lines.append(f"  ORPHANED on GPU {g['index']}: pid {p['pid']} uses {_mib(int(p['used_mb']))}; "
+                                 f"its lease {p['lease_id']} no longer exists")
+                elif p.get("state") in ("untracked", "leased_elsewhere"):
+                    lines.append(f"  {p['state']} on GPU {g['index']}: pid {p['pid']} uses {_mib(int(p['used_mb']))}"
+                                 + (f" (its lease {p['lease_id']} is on another GPU)" if p.get("lease_id") else ""))
         if h.get("agents") and h.get("partition_mode") != "shared":
             lines.append("  partition:")
             for a in h["agents"]:

@@ -56,8 +56,24 @@ class Child:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd.process import ClientTls, EtcdCluster, etcd_binary, port_is_free
+    from coordinator.etcd.process import ClientTls, EtcdCluster, EtcdOptions, choose_etcd, port_is_free
+    from coordinator.etcd.versions import MINIMUM_PRODUCTION
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.policy.partition import PartitionError, parse_size
+
+    try:
+        binary = choose_etcd(args.etcd_binary)
+        retention = args.etcd_auto_compaction_retention or ("5m" if args.etcd_auto_compaction_mode == "periodic"
+                                                             else "10000")
+        options = EtcdOptions(args.etcd_auto_compaction_mode, retention, parse_size(args.etcd_quota, "--etcd-quota"))
+    except (FileNotFoundError, PartitionError, ValueError) as e:
+        print(f"gpucoord up: {e}", file=sys.stderr)
+        return 2
+    print(f"etcd binary: {binary.describe()}")
+    if binary.crash_bugs:
+        print(f"WARNING: this etcd has known crash bugs: {'; '.join(binary.crash_bugs)}. gpucoord never sends "
+              f"the requests that trigger them, but other clients may: for production run etcd "
+              f"{MINIMUM_PRODUCTION} or newer (--etcd-binary PATH or $GPUCOORD_ETCD_BINARY).")
 
     fake = args.fake_gpus
     if fake is None:
@@ -77,7 +93,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         secure = prepare_secure(data_dir, args.host, DEMO_AGENTS if args.demo else (args.agent,))
         print(f"certificates: {secure.dir} (CA {secure.ca})")
     # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0,
+    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0, binary=binary.path,
+                       options=options,
                        client_tls=None if secure is None else ClientTls(secure.ca, secure.etcd_server.cert,
                                                                         secure.etcd_server.key))
     children: list[Child] = []
@@ -86,19 +103,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         etcd.start()
         ep = etcd.endpoints[0]
-        etcdctl = f"{etcd_binary('etcdctl')} --endpoints={ep}"
+        etcdctl = f"{binary.etcdctl()} --endpoints={ep}"
         coord_extra: list[str] = []
         node_extra: list[str] = []
         if secure is not None:
             from coordinator.security.etcd_auth import setup_roles
             asyncio.run(setup_roles(ep, secure.etcd_security(secure.etcd_root), "/gpucoord/", [args.host]))
-            etcdctl = (f"{etcd_binary('etcdctl')} --endpoints=https://{ep} --cacert={secure.ca} "
+            etcdctl = (f"{binary.etcdctl()} --endpoints=https://{ep} --cacert={secure.ca} "
                        f"--cert={secure.etcd_root.cert} --key={secure.etcd_root.key}")
             coord_extra = secure.tls_flags(secure.coordinator) + secure.etcd_flags(secure.coordinator)
             node_extra = secure.tls_flags(secure.node) + secure.etcd_flags(secure.node)
             print("etcd:        client-certificate TLS, auth enabled (users root, gpucoord-coordinator, "
                   f"gpucoord-operator, gpucoord-node-{args.host})")
         print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
+        print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
+              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
                                       "--session-ttl", str(args.session_ttl), *coord_extra],
@@ -111,6 +130,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                      "--listen", args.node_listen, *node_extra]
         if fake:
             node_argv += ["--fake-gpus", fake]
+        if args.fake_processes:
+            node_argv += ["--fake-processes", args.fake_processes]
+        node_argv += ["--enforce", args.enforce]
         node = Child("node", node_argv, data_dir / "node.log")
         children.append(node)
         nport = node.wait_ready(30)

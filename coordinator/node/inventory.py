@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import psutil
 
+from coordinator.keys import valid_name
 from coordinator.records import GpuInfo, GpuProcess, GpuUsage, HostInventory
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,9 @@ MIB = 1024 * 1024
 """Bytes per MiB: NVML reports bytes, gpucoord counts VRAM in MiB."""
 
 _FAKE_HINT = "pass --fake-gpus SPEC (e.g. 4x80GiB) to simulate GPUs"
+
+MAX_GPU_NAME = 128
+"""Characters of a GPU's name that are kept (and stored in etcd): NVML's names are short, but unbounded."""
 
 # pynvml maps "not available" to None already; guard against a raw 2**64-1 from other builds anyway.
 _NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
@@ -179,34 +184,49 @@ class NvmlGpuSource:
             call = "nvmlDeviceGetUUID"
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
             call = "nvmlDeviceGetName"
-            name = _text(nvml.nvmlDeviceGetName(handle))
+            name = _text(nvml.nvmlDeviceGetName(handle))[:MAX_GPU_NAME]
             call = "nvmlDeviceGetMemoryInfo"
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             total_mb = _mib(mem.total)
         except self._errors as e:
             self._gpu_failed(index, call, e)
             return None
+        if not valid_name(uuid):
+            # It would be an etcd key segment (gpus/<host>/<uuid>): a GPU that cannot be named is not offered.
+            self._gpu_failed(index, "nvmlDeviceGetUUID", ValueError(
+                f"uuid {uuid[:40]!r} is not a valid name ([A-Za-z0-9._:@-], at most 128 characters)"))
+            return None
         self._gpu_ok(index)
         return handle, GpuInfo(index=index, uuid=uuid, name=name, vram_total_mb=total_mb), mem
 
     def _processes(self, index: int, handle: Any) -> tuple[GpuProcess, ...]:
-        """Compute processes on one GPU; () when NVML cannot list them (NotSupported, no permission...)."""
-        try:
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except self._errors as e:
-            why = _err_text(e)
+        """Compute and graphics processes on one GPU (one row per pid); () when NVML cannot list them
+        (NotSupported, no permission...)."""
+        rows: dict[int, int] = {}
+        failed = False
+        for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            fn = getattr(self._nvml, call, None)
+            if fn is None:
+                continue
+            try:
+                procs = fn(handle)
+            except self._errors as e:
+                why = f"{call}: {_err_text(e)}"
+                with self._lock:
+                    first = self._no_procs.get(index) != why
+                    self._no_procs[index] = why
+                # Expected on some devices and drivers; it only costs per-process detail, so no warning.
+                log.log(logging.INFO if first else logging.DEBUG,
+                        "GPU %d: cannot list processes (%s); reporting none from it", index, why)
+                failed = True
+                continue
+            for p in procs or ():
+                pid = int(p.pid)
+                rows[pid] = max(rows.get(pid, 0), _mib(getattr(p, "usedGpuMemory", None)))
+        if not failed:
             with self._lock:
-                first = self._no_procs.get(index) != why
-                self._no_procs[index] = why
-            # Expected on some devices and drivers; it only costs per-process detail, so no warning.
-            log.log(logging.INFO if first else logging.DEBUG,
-                    "GPU %d: cannot list compute processes (%s); reporting none", index, why)
-            return ()
-        with self._lock:
-            self._no_procs.pop(index, None)
-        return tuple(
-            GpuProcess(pid=int(p.pid), used_mb=_mib(getattr(p, "usedGpuMemory", None))) for p in procs or ()
-        )
+                self._no_procs.pop(index, None)
+        return tuple(GpuProcess(pid=pid, used_mb=mb) for pid, mb in rows.items())
 
     # -- GpuSource ------------------------------------------------------------------------------------
 
@@ -332,15 +352,74 @@ def parse_fake_gpus(spec: str, host: str) -> tuple[GpuInfo, ...]:
     return tuple(gpus)
 
 
+def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[GpuProcess, ...]]:
+    """A ``--fake-processes`` document: ``{"<GPU index>": {"<pid>": MiB, ...}, ...}``.
+
+    Raises ValueError naming the bad entry.
+    """
+    if not isinstance(doc, dict):
+        raise ValueError("expected a JSON object mapping GPU index to {pid: MiB}")
+    out: dict[int, tuple[GpuProcess, ...]] = {}
+    for key, procs in doc.items():
+        if not str(key).isdigit() or not 0 <= int(key) < gpu_count:
+            raise ValueError(f"GPU {key!r}: not a simulated GPU index (have 0..{gpu_count - 1})")
+        if not isinstance(procs, dict):
+            raise ValueError(f"GPU {key}: expected an object {{pid: MiB}}")
+        rows = []
+        for pid, mb in procs.items():
+            if not str(pid).isdigit() or int(pid) < 1:
+                raise ValueError(f"GPU {key}: {pid!r} is not a pid")
+            if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+                raise ValueError(f"GPU {key}, pid {pid}: MiB must be a whole number >= 0, got {mb!r}")
+            rows.append(GpuProcess(pid=int(pid), used_mb=mb))
+        out[int(key)] = tuple(rows)
+    return out
+
+
+def _process_alive(pid: int) -> bool:
+    """NVML lists only running processes: a simulated row of an exited (or zombie) process is dropped."""
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
 class FakeGpuSource:
-    """Simulated GPUs for hosts without NVIDIA hardware; memory use is whatever :meth:`set_used` says."""
+    """Simulated GPUs for hosts without NVIDIA hardware.
+
+    Memory use is whatever :meth:`set_used` says, plus the processes of ``processes_file``
+    (``--fake-processes``): JSON mapping a GPU index to ``{pid: MiB}``, re-read on every scan, so that
+    tests and demos put real processes on simulated GPUs. Rows of processes that no longer run are
+    dropped, as NVML would. A file that is missing counts as empty; a malformed one is ignored with a
+    warning.
+    """
 
     simulated: bool = True
 
-    def __init__(self, spec: str, host: str) -> None:
+    def __init__(self, spec: str, host: str, processes_file: str | None = None) -> None:
         self._gpus = parse_fake_gpus(spec, host)
         self._lock = threading.Lock()  # the daemon's usage loop and a demo may run in different threads
         self._used: dict[int, tuple[int, tuple[GpuProcess, ...]]] = {g.index: (0, ()) for g in self._gpus}
+        self.processes_file = processes_file
+        self._file_error = ""
+
+    def _file_processes(self) -> dict[int, tuple[GpuProcess, ...]]:
+        if not self.processes_file:
+            return {}
+        try:
+            with open(self.processes_file, encoding="utf-8") as f:
+                doc = json.load(f)
+            found = parse_fake_processes(doc, len(self._gpus))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            why = f"--fake-processes {self.processes_file}: {e}; ignoring it"
+            if why != self._file_error:
+                log.warning("%s", why)
+                self._file_error = why
+            return {}
+        self._file_error = ""
+        return {i: tuple(p for p in rows if _process_alive(p.pid)) for i, rows in found.items()}
 
     def gpus(self) -> tuple[GpuInfo, ...]:
         return self._gpus
@@ -358,16 +437,15 @@ class FakeGpuSource:
     def usage(self) -> tuple[GpuUsage, ...]:
         with self._lock:
             used = dict(self._used)
-        return tuple(
-            GpuUsage(
-                index=g.index,
-                uuid=g.uuid,
-                vram_used_mb=used[g.index][0],
-                vram_free_mb=g.vram_total_mb - used[g.index][0],
-                processes=used[g.index][1],
-            )
-            for g in self._gpus
-        )
+        extra = self._file_processes()
+        out = []
+        for g in self._gpus:
+            base, procs = used[g.index]
+            rows = extra.get(g.index, ())
+            total = min(g.vram_total_mb, base + sum(p.used_mb for p in rows))
+            out.append(GpuUsage(index=g.index, uuid=g.uuid, vram_used_mb=total,
+                                vram_free_mb=g.vram_total_mb - total, processes=procs + rows))
+        return tuple(out)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -412,14 +490,17 @@ def read_inventory(host: str, address: str, source: GpuSource, disk_path: str, v
     )
 
 
-def open_gpu_source(fake_gpus: str | None, host: str, nvml: Any = None) -> GpuSource:
+def open_gpu_source(fake_gpus: str | None, host: str, nvml: Any = None,
+                    fake_processes: str | None = None) -> GpuSource:
     """Simulated GPUs when ``--fake-gpus`` is given, else real NVML.
 
     Raises :class:`NvmlUnavailable` when NVML is missing, and ValueError for a bad spec; never falls
     back silently, since a node publishing fake GPUs on a real host would be worse than refusing.
     """
     if fake_gpus is not None:
-        return FakeGpuSource(fake_gpus, host)
+        return FakeGpuSource(fake_gpus, host, fake_processes)
+    if fake_processes is not None:
+        raise ValueError("--fake-processes needs --fake-gpus: it simulates processes on simulated GPUs")
     return NvmlGpuSource(nvml)
 
 
@@ -433,5 +514,6 @@ __all__ = [
     "host_resources",
     "open_gpu_source",
     "parse_fake_gpus",
+    "parse_fake_processes",
     "read_inventory",
 ]

@@ -18,7 +18,7 @@ from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.records import EvictionRecord, HostInventory, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.replica.admitter import AcquireCall, HostAdmitter
-from coordinator.config import MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
+from coordinator.config import MAX_ATTACHED_PIDS, MAX_PID, MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
 from coordinator.replica.mirror import Mirror
 from coordinator.keys import (Keys, etcd_lease_from_session_id, last_segment, lease_id_for, session_id_from_etcd_lease,
                               valid_name)
@@ -375,6 +375,35 @@ class CoordinatorService:
                 return True
         raise errors.Unavailable("release: too much contention; retry")
 
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
+        """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
+        keeps everything else, token included. False when it already recorded exactly these."""
+        _check_lease_id(lease_id)
+        if len(pids) > MAX_ATTACHED_PIDS:
+            raise errors.InvalidArgument(f"pids: at most {MAX_ATTACHED_PIDS}, got {len(pids)}", "pids")
+        bad = [p for p in pids if not 1 <= p <= MAX_PID]
+        if bad:
+            raise errors.InvalidArgument(f"pids: {bad[0]} is not a process id (1..{MAX_PID})", "pids")
+        if not 0 <= pgid <= MAX_PID:
+            raise errors.InvalidArgument(f"pgid: {pgid} is not a process group id (0 for none, or 1..{MAX_PID})",
+                                         "pgid")
+        wanted = tuple(sorted(set(pids)))
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id, info.host)
+            if lease is None:
+                raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
+            if lease.session_id != info.session_id or lease.agent != info.agent:
+                raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
+            if (lease.pids, lease.pgid) == (wanted, pgid):
+                return False
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            value = dumps(dataclasses.replace(lease, pids=wanted, pgid=pgid).to_json())
+            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
+                                          [op_put(key, value, lease.etcd_lease)])
+            if res.succeeded:
+                return True
+        raise errors.Unavailable("attach processes: too much contention; retry")
+
     def _mirrored_lease(self, lease_id: str, host: str) -> VramLease | None:
         if not self.mirror.ready:
             return None
@@ -539,12 +568,16 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         inv = v.inventory
         part = v.partition or (default_partition(inv) if inv else None)
         usage_age = now - float(v.usage["ts"]) if v.usage else -1.0
+        # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
+        reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
         for g in sorted(v.gpus.values(), key=lambda g: g.index):
             gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
                          "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
                          "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
-                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else ""})
+                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else "",
+                         "processes": list(reported.get(g.uuid, {}).get("processes", ())),
+                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ()))})
         leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}
                   for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
         agents = []

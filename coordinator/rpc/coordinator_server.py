@@ -30,7 +30,7 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
     return pb.Lease(id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, gpu_index=lease.gpu_index,
                     vram_mb=lease.vram_mb, priority=lease.priority, preemptible=lease.preemptible, token=lease.token,
                     agent=lease.agent, session_id=lease.session_id, request_id=lease.request_id,
-                    created_at=lease.created_at, ttl_remaining=ttl_remaining)
+                    created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
 
 
 def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -136,6 +136,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.ReleaseResponse(released=await self.svc.release(info, request.lease_id))
 
     @_rpc
+    async def AttachProcesses(self, request: pb.AttachProcessesRequest, context: Any) -> pb.AttachProcessesResponse:
+        info = await self._session(request.session)
+        changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid)
+        return pb.AttachProcessesResponse(changed=changed)
+
+    @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         revision, views, ttls = await self.svc.status(request.host)
         doc = status_json(revision, views, ttls)
@@ -146,9 +152,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                usage_age_seconds=h["usage_age_s"], partition_mode=h["partition_mode"],
                                cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
             for g in h["gpus"]:
-                hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
-                            usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
-                            untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"])
+                gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
+                                 usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
+                                 untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"])
+                for p in g["processes"]:
+                    gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
+                                     lease_id=str(p.get("lease_id", "")))
+                for u in g["lease_use"]:
+                    gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
+                                     used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
+                                     pids=[int(x) for x in u["pids"]])
                 metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
                 metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
             for a in h["agents"]:
@@ -222,6 +235,7 @@ async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None =
     if config.metrics_listen:
         metrics.serve(config.metrics_listen, config.tls_files())
     server, port, svc = await create_server(config)
+    await svc.store.check_server_version()
     log.info("coordinator %s serving on port %d", svc.replica_id, port)
     if ready is not None:
         ready(port)

@@ -12,8 +12,9 @@ from agent_client.api import node_pb2 as pb
 from agent_client.api import node_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.etcd.store import Store
-from coordinator.keys import Keys
-from coordinator.node.daemon import NodeDaemon
+from coordinator.keys import Keys, valid_name
+from coordinator.node.daemon import NodeDaemon, quote_prefix
+from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
 from coordinator.security.bounds import MAX_GPU_UUID_LEN
 from coordinator.security.interceptor import SecurityInterceptor
@@ -42,19 +43,30 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
         return out
 
     async def CheckToken(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
-        if not request.gpu_uuid:
+        """``gpu_uuid`` names the GPU by uuid or by index (all digits). One that is neither is
+        INVALID_ARGUMENT; a well-formed index or uuid that this host does not have is NOT_FOUND."""
+        ref = request.gpu_uuid
+        if not ref:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu_uuid: is required")
+        if not valid_name(ref):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"gpu_uuid: {quote_prefix(ref)} is neither a GPU index nor a GPU uuid")
         if request.token <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token: must be > 0")
         inv = self.daemon.inventory
-        if inv is not None and inv.gpu(request.gpu_uuid) is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}")
+        if inv is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting; retry")
+        assert inv is not None  # abort() raises
+        gpu = inv.gpu(int(ref)) if ref.isdigit() else inv.gpu(ref)
+        if gpu is None:
+            what = f"index {int(ref)}" if ref.isdigit() else quote_prefix(ref)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"gpu_uuid: host {inv.host!r} has no GPU {what}")
+        assert gpu is not None
         if not self.daemon.leases_ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is resynchronising its view of leases; retry")
-        live, lease_id = self.daemon.check_token(request.gpu_uuid, request.token)
+        live, lease_id = self.daemon.check_token(gpu.uuid, request.token)
         return pb.CheckTokenResponse(live=live, lease_id=lease_id,
-                                     highest_token=self.daemon.highest_token.get(request.gpu_uuid, 0))
+                                     highest_token=self.daemon.highest_token.get(gpu.uuid, 0))
 
 
 async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | None = None,
@@ -77,22 +89,27 @@ async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | No
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
                    metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
-                   tls: TlsFiles | None = None, insecure: bool = False) -> None:
+                   enforcer: Enforcer | None = None, tls: TlsFiles | None = None, insecure: bool = False) -> None:
+    """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon."""
     if metrics_listen:
         check_listen(metrics_listen, tls, insecure, what="metrics-listen")
         metrics.serve(metrics_listen, tls)
     await store.connect()
-    # Bind first, so that the published address carries the real port.
+    await store.check_server_version()
+    server: grpc.aio.Server | None = None
     daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
-                        overrides=overrides)
-    server, port = await create_node_server(daemon, listen, tls, insecure)
-    daemon.address = f"{listen.rpartition(':')[0]}:{port}"
-    await daemon.start()
-    if ready is not None:
-        ready(port)
+                        overrides=overrides, enforcer=enforcer)
     try:
+        await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
+        # Bind first, so that the published address carries the real port.
+        server, port = await create_node_server(daemon, listen, tls, insecure)
+        daemon.address = f"{listen.rpartition(':')[0]}:{port}"
+        await daemon.start()
+        if ready is not None:
+            ready(port)
         await stop.wait()
     finally:
-        await server.stop(grace=1.0)
+        if server is not None:
+            await server.stop(grace=1.0)
         await daemon.stop()
         await store.close()

@@ -8,7 +8,8 @@ RPC                                agent                          operator    no
 =================================  =============================  ==========  =====  ===========
 Coordinator.OpenSession            as itself (``agent``)          yes         no     no
 Coordinator.KeepAlive, Acquire,    on its own sessions            yes         no     no
-  Release, CloseSession            (``session.agent``)
+  Release, CloseSession,           (``session.agent``)
+  AttachProcesses
 Coordinator.GetStatus,             one host it has a live         yes         no     no
   GetPartition                     session on (``host``)
 Coordinator.ApplyPartition,        no                             yes         no     no
@@ -43,7 +44,7 @@ NODE = "/gpucoord.v1.Node/"
 HEALTH = "/grpc.health.v1.Health/"
 REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
-SESSION_RPCS = frozenset({"KeepAlive", "Acquire", "Release", "CloseSession"})
+SESSION_RPCS = frozenset({"KeepAlive", "Acquire", "Release", "CloseSession", "AttachProcesses"})
 HOST_READ_RPCS = frozenset({"GetStatus", "GetPartition"})
 OPERATOR_RPCS = frozenset({"ApplyPartition", "EvictLease", "RevokeLease"})
 
@@ -72,7 +73,7 @@ def target_of(method: str, request: Any) -> str:
         return f"agent {request.agent!r} on host {request.host!r}"
     if name in SESSION_RPCS:
         what = f"session {request.session.session_id!r} of agent {request.session.agent!r}"
-        return what + (f", lease {request.lease_id!r}" if name == "Release" else "")
+        return what + (f", lease {request.lease_id!r}" if name in ("Release", "AttachProcesses") else "")
     if name in ("EvictLease", "RevokeLease"):
         return f"lease {request.lease_id!r}"
     if name in HOST_READ_RPCS:

@@ -119,6 +119,9 @@ def requests(t: Target) -> st.SearchStrategy[tuple[str, Any]]:
                   st.booleans(), texts,
                   st.sampled_from([0.0, -1.0, math.nan, math.inf, -math.inf, 1e9, 3601.0, -0.0])),
         st.builds(lambda s, i: ("Release", pb.ReleaseRequest(session=s, lease_id=i)), live, lease_ids),
+        st.builds(lambda s, i, p, g: ("AttachProcesses", pb.AttachProcessesRequest(session=s, lease_id=i, pids=p,
+                                                                                  pgid=g)),
+                  live, st.one_of(st.just(t.lease.id), lease_ids), st.lists(int64s, max_size=70), int64s),
         st.builds(lambda h: ("GetStatus", pb.GetStatusRequest(host=h)), st.one_of(st.just(HOST), texts)),
         st.builds(lambda s, d, e: ("ApplyPartition", pb.ApplyPartitionRequest(spec_json=s, dry_run=d, evict=e)),
                   spec_json, st.booleans(), st.just(False)),
@@ -131,7 +134,7 @@ def requests(t: Target) -> st.SearchStrategy[tuple[str, Any]]:
                   st.one_of(st.just(t.gpu_uuid), texts), int64s),
         st.just(("Node.GetInventory", node_pb2.GetInventoryRequest())),
         st.builds(lambda m, b: ("raw:" + m, b),
-                  st.sampled_from(["OpenSession", "Acquire", "Release", "CloseSession", "GetStatus", "ApplyPartition",
+                  st.sampled_from(["OpenSession", "Acquire", "Release", "AttachProcesses", "CloseSession", "GetStatus", "ApplyPartition",
                                    "GetPartition", "EvictLease", "RevokeLease", "KeepAlive", "Node.CheckToken"]),
                   st.binary(max_size=300)),
     )

@@ -124,6 +124,10 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     if rpc == "Release":
         lease = w.acquire()
         return lambda: s.coord.Release(pb.ReleaseRequest(session=w.ref(), lease_id=lease.id), timeout=10)
+    if rpc == "AttachProcesses":
+        lease = w.acquire()
+        return lambda: s.coord.AttachProcesses(pb.AttachProcessesRequest(session=w.ref(), lease_id=lease.id,
+                                                                         pids=[os.getpid()]), timeout=10)
     if rpc == "CloseSession":
         sid = w.open_session()
         return lambda: s.coord.CloseSession(pb.CloseSessionRequest(session=w.ref(sid)), timeout=10)
@@ -156,7 +160,7 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     raise AssertionError(rpc)
 
 
-RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "CloseSession", "GetStatus(host)", "GetStatus(all)",
+RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
         "Node.CheckToken", "Node.Health")
 ALLOWED = {
@@ -177,6 +181,8 @@ def _check_success(rpc: str, resp: Any) -> None:
         assert resp.released
     elif rpc == "RevokeLease":
         assert resp.revoked
+    elif rpc == "AttachProcesses":
+        assert resp.changed
     elif rpc == "GetStatus(host)":
         assert [h.host for h in resp.hosts] == [HOST]
     elif rpc == "Node.CheckToken":

@@ -42,12 +42,13 @@ def nvml_error(code: int) -> pynvml.NVMLError:
 
 class FakeDevice:
     def __init__(self, uuid: str | bytes, name: str | bytes, total: int, used: int = 0,
-                 procs: list[Any] | None = None) -> None:
+                 procs: list[Any] | None = None, graphics: list[Any] | None = None) -> None:
         self.uuid = uuid
         self.name = name
         self.total = total
         self.used = used
         self.procs: list[Any] = procs or []
+        self.graphics: list[Any] = graphics or []
         # call name -> error code to raise from that call on this device
         self.fail: dict[str, int] = {}
 
@@ -107,6 +108,9 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         return list(self._dev(handle, "nvmlDeviceGetComputeRunningProcesses").procs)
 
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        return list(self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses").graphics)
+
 
 class Recorder:
     """Wraps a fake and records every attribute the code under test reads from the nvml module."""
@@ -140,7 +144,7 @@ def fake_function_names() -> list[str]:
 
 def test_fake_functions_exist_in_real_pynvml_with_compatible_signatures() -> None:
     names = fake_function_names()
-    assert len(names) == 8
+    assert len(names) == 9
     for name in names:
         assert hasattr(pynvml, name), f"pynvml has no {name}: the fake drifted from the real API"
         real = getattr(pynvml, name)

@@ -1,0 +1,568 @@
+"""Binding leases: a command that runs under a VRAM lease and stops when the lease ends.
+
+``gpucoord run`` and ``client.run(...)`` both use :class:`AsyncBoundProcess`. It
+
+1. acquires a VRAM lease on the client's session (queueing up to ``wait`` seconds);
+2. starts the command in its own process group, held before ``exec`` until the lease records the
+   group (``AttachProcesses``), so the node daemon can attribute the GPU's processes before the
+   command has touched the GPU, and the command never runs without a lease;
+3. gives it ``CUDA_VISIBLE_DEVICES=<GPU uuid>`` (a uuid, so numbering cannot drift),
+   ``GPUCOORD_LEASE_ID``, ``GPUCOORD_TOKEN``, ``GPUCOORD_GPU_UUID``, ``GPUCOORD_VRAM_MB`` and
+   ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`` (device 0 is the only one the command sees, so an
+   MPS-enabled host caps its VRAM in the driver);
+4. applies the agent's partition where the host allows it: CPU affinity to the partition's cores, and
+   ``memory.max`` / ``cpu.max`` in a cgroup v2 directory under ``cgroup_root`` when one is given and
+   writable. What cannot be enforced is said once, with the reason (``not_enforced``);
+5. on an eviction notice sends SIGTERM to the group at once and SIGKILL at the notice's deadline
+   (``KILL_MARGIN_S`` before it, so the process is gone before the leader revokes the lease and the
+   evicting request is granted), or ``kill_after`` seconds after the SIGTERM if that comes first;
+6. on losing the lease (revoked, the session expired or closed) sends SIGKILL at once: a process
+   without a lease must not hold the GPU;
+7. when the command exits, kills what is left of its process group, releases the lease and reports why
+   it ended (``reason``: exited, evicted, lease lost, stopped; ``message``: one readable line).
+
+The session stays the client's: ``gpucoord run`` opens one for the command and closes it afterwards.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import IO, Any, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
+
+from agent_client import errors
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SessionClient(Protocol):
+    """What a bound process needs of its client (``AsyncClient`` is one; this module does not import it,
+    so that the client can import this module)."""
+
+    agent: str
+    keepalive_interval: float
+    done: asyncio.Event
+    expired: bool
+
+    async def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
+                      wait: float = 0.0, request_id: str | None = None) -> Any: ...
+
+    async def partition(self) -> dict[str, Any]: ...
+
+    async def attach_processes(self, lease_id: str, pids: Sequence[int], pgid: int = 0) -> bool: ...
+
+
+class LoopRunner(Protocol):
+    """The sync ``Client``: runs a coroutine on its event loop and waits for it."""
+
+    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T: ...
+
+KILL_MARGIN_S = 0.5
+"""SIGKILL comes this long before an eviction deadline: the leader revokes at the deadline, and the
+evicting request must not be granted while the process still runs."""
+
+DEFAULT_STOP_GRACE_S = 10.0
+"""``stop()`` (and leaving the ``with`` block early): SIGTERM, then SIGKILL after this long."""
+
+CPU_PERIOD_US = 100_000
+
+# Runs between fork and the command's exec: waits for the supervisor's go (the lease has recorded the
+# process group by then), then execs. EOF instead of a go (the supervisor died) means: never run.
+_TRAMPOLINE = (
+    "import os,sys\n"
+    "r=int(sys.argv[1])\n"
+    "go=os.read(r,1)\n"
+    "os.close(r)\n"
+    "if go!=b'g':os._exit(125)\n"
+    "try:os.execvp(sys.argv[2],sys.argv[2:])\n"
+    "except OSError as e:\n"
+    " sys.stderr.write('gpucoord run: cannot run %r: %s\\n'%(sys.argv[2],e.strerror))\n"
+    " os._exit(127 if e.errno==2 else 126)\n"
+)
+
+
+def _ranges(ids: Iterable[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    out: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out) or "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class LimitPlan:
+    """What of an agent's partition applies to its process: a pure function of the allocation."""
+
+    cores: tuple[int, ...]      # CPU affinity to set; () for none
+    mem_bytes: int              # memory.max; 0 for none
+    cpu_max: str                # cpu.max ("quota period"); "" for none
+    notes: tuple[str, ...]      # limits that cannot be enforced, and why
+
+
+def plan_limits(allocation: Mapping[str, Any] | None, available_cores: Iterable[int]) -> LimitPlan:
+    """The limits of ``allocation`` (an agent's share from ``client.partition()["mine"]``; None in a
+    shared partition, which limits nothing) on a machine whose usable cores are ``available_cores``."""
+    if allocation is None:
+        return LimitPlan((), 0, "", ())
+    cores = sorted({int(c) for c in allocation.get("cores", ())})
+    avail = set(available_cores)
+    usable = tuple(c for c in cores if c in avail)
+    notes: list[str] = []
+    if cores and not usable:
+        notes.append(f"CPU affinity (cores {_ranges(cores)}) is not enforced: none of these cores is available "
+                     f"here (this process may use cores {_ranges(avail)})")
+    elif len(usable) < len(cores):
+        notes.append(f"CPU affinity is enforced on cores {_ranges(usable)} only: cores "
+                     f"{_ranges(set(cores) - avail)} of the partition are not available here")
+    mem = max(0, int(allocation.get("mem_bytes", 0)))
+    cpu_max = f"{len(cores) * CPU_PERIOD_US} {CPU_PERIOD_US}" if cores else ""
+    return LimitPlan(usable, mem, cpu_max, tuple(notes))
+
+
+def prepare_cgroup(root: str | None, name: str, mem_bytes: int, cpu_max: str) -> tuple[pathlib.Path | None, list[str]]:
+    """Create ``root/name`` with ``memory.max`` and ``cpu.max`` where the cgroup v2 ``root`` allows it.
+
+    Returns the directory (None when nothing could be set) and what is not enforced, with the reason.
+    """
+    wanted: dict[str, tuple[str, str, str]] = {}   # controller -> (file, value, readable limit)
+    if mem_bytes:
+        wanted["memory"] = ("memory.max", str(mem_bytes), f"the memory limit (memory.max = {mem_bytes} B)")
+    if cpu_max:
+        wanted["cpu"] = ("cpu.max", cpu_max, f"the CPU limit (cpu.max = {cpu_max})")
+    if not wanted:
+        return None, []
+    if not root:
+        return None, [f"{w[2]} is not enforced: no --cgroup-root (a writable cgroup v2 directory, e.g. a delegated "
+                      "systemd slice) was given" for w in wanted.values()]
+    base = pathlib.Path(root)
+    try:
+        controllers = set((base / "cgroup.controllers").read_text().split())
+    except OSError as e:
+        return None, [f"{w[2]} is not enforced: {root} is not a cgroup v2 directory "
+                      f"({e.strerror or e})" for w in wanted.values()]
+    try:
+        enabled = set((base / "cgroup.subtree_control").read_text().split())
+    except OSError:
+        enabled = set()
+    notes: list[str] = []
+    usable: dict[str, tuple[str, str, str]] = {}
+    for ctl, w in wanted.items():
+        if ctl not in controllers:
+            notes.append(f"{w[2]} is not enforced: the {ctl} controller is not available in {root} "
+                         f"(cgroup.controllers: {' '.join(sorted(controllers)) or 'none'})")
+            continue
+        if ctl not in enabled:
+            try:
+                (base / "cgroup.subtree_control").write_text(f"+{ctl}")
+            except OSError as e:
+                notes.append(f"{w[2]} is not enforced: cannot enable the {ctl} controller for the children of "
+                             f"{root} ({e.strerror or e})")
+                continue
+        usable[ctl] = w
+    if not usable:
+        return None, notes
+    path = base / name
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as e:
+        return None, notes + [f"{w[2]} is not enforced: cannot create {path} ({e.strerror or e})"
+                              for w in usable.values()]
+    for w in usable.values():
+        try:
+            (path / w[0]).write_text(w[1])
+        except OSError as e:
+            notes.append(f"{w[2]} is not enforced: cannot write {path / w[0]} ({e.strerror or e})")
+    return path, notes
+
+
+def child_env(base: Mapping[str, str], lease: Any) -> dict[str, str]:
+    """The command's environment: ``base`` plus the lease's GPU and identity."""
+    env = dict(base)
+    env.update({
+        "CUDA_VISIBLE_DEVICES": lease.gpu_uuid,
+        "GPUCOORD_LEASE_ID": lease.id,
+        "GPUCOORD_TOKEN": str(lease.token),
+        "GPUCOORD_GPU_UUID": lease.gpu_uuid,
+        "GPUCOORD_VRAM_MB": str(lease.vram_mb),
+        # MPS names devices by ordinal as the client sees them: with one visible device, that is 0.
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.vram_mb}M",
+    })
+    return env
+
+
+def exit_status(returncode: int) -> int:
+    """A shell's exit status: the code, or 128+N for a process killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (status {exit_status(returncode)})"
+    return f"exited with status {returncode}"
+
+
+class AsyncBoundProcess:
+    """A command bound to a VRAM lease of ``client``'s session. ``async with client.run(cmd, vram_mb=...)
+    as proc: await proc.wait()``; see the module's docstring for what binds it.
+
+    Options: ``gpu``, ``priority``, ``preemptible``, ``wait``, ``request_id`` (as ``acquire``);
+    ``kill_after`` (seconds from SIGTERM to SIGKILL on eviction, never past the deadline; and on
+    ``stop()``); ``cgroup_root``; ``env`` (default: this process's), ``cwd``, ``stdin``, ``stdout``,
+    ``stderr`` (as ``subprocess.Popen``); ``check_interval`` (how often the lease's existence is
+    checked; default the session's keepalive interval); ``say`` (where the one-line notes go; default
+    the log).
+    """
+
+    def __init__(self, client: SessionClient, cmd: Sequence[str], vram_mb: int, *, gpu: int | str | None = None,
+                 priority: int = 0, preemptible: bool = True, wait: float = 0.0, request_id: str | None = None,
+                 kill_after: float | None = None, cgroup_root: str | None = None,
+                 env: Mapping[str, str] | None = None, cwd: str | None = None,
+                 stdin: int | IO[Any] | None = None, stdout: int | IO[Any] | None = None,
+                 stderr: int | IO[Any] | None = None, check_interval: float | None = None,
+                 say: Callable[[str], None] | None = None, foreground: bool = False) -> None:
+        if not cmd or not all(isinstance(a, str) for a in cmd):
+            raise ValueError("cmd: a non-empty list of strings is needed")
+        if kill_after is not None and not 0 <= kill_after <= 3600:
+            raise ValueError("kill_after: must be within [0, 3600] seconds")
+        self.client, self.cmd, self.vram_mb = client, list(cmd), vram_mb
+        self._acquire = dict(gpu=gpu, priority=priority, preemptible=preemptible, wait=wait, request_id=request_id)
+        self.kill_after, self.cgroup_root = kill_after, cgroup_root
+        self._env = dict(os.environ if env is None else env)
+        self._popen = dict(cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
+        self.check_interval = check_interval
+        self.foreground = foreground
+        self._tty = -1   # the terminal whose foreground process group we handed to the command
+        self._say = say or (lambda msg: log.warning("%s", msg))
+        self.lease: Any = None   # the AsyncLease, once acquired
+        self.pid = 0
+        self.pgid = 0
+        self.limits: LimitPlan | None = None
+        self.cgroup: pathlib.Path | None = None
+        self.not_enforced: list[str] = []
+        self.returncode: int | None = None   # shell style: 128+N for signal N
+        self.reason = ""                     # exited | evicted | lease lost | stopped
+        self.message = ""
+        self.notice: Any = None   # the EvictionNotice, once one came
+        self.killed_by = ""                  # "the deadline" or "--kill-after", when SIGKILL ended it
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._task: asyncio.Task[int] | None = None
+        self._evicted = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._lost_why = ""
+        self._stop = asyncio.Event()
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.returncode is not None
+
+    # -- start ---------------------------------------------------------------------------------
+    async def start(self) -> AsyncBoundProcess:
+        if self._task is not None:
+            return self
+        if shutil.which(self.cmd[0], path=self._env.get("PATH", os.defpath)) is None:
+            raise FileNotFoundError(errno.ENOENT, f"command not found or not executable: {self.cmd[0]!r}")
+        lease = await self.client.acquire(self.vram_mb, **self._acquire)  # type: ignore[arg-type]
+        self.lease = lease
+        go = -1
+        try:
+            lease.on_evict(self._on_notice)
+            mine = (await self.client.partition()).get("mine")
+            self.limits = plan_limits(mine, os.sched_getaffinity(0))
+            name = f"gpucoord-{self.client.agent}-{lease.id}"
+            self.cgroup, cg_notes = prepare_cgroup(self.cgroup_root, name, self.limits.mem_bytes, self.limits.cpu_max)
+            self.not_enforced = [*self.limits.notes, *cg_notes]
+            read_end, go = os.pipe()
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(read_end), *self.cmd],
+                    pass_fds=(read_end,), process_group=0, env=child_env(self._env, lease),
+                    **self._popen)  # type: ignore[call-overload]
+            finally:
+                os.close(read_end)
+            assert self._proc is not None
+            self.pid = self.pgid = self._proc.pid
+            self._apply_limits()
+            self._take_terminal()
+            for note in self.not_enforced:
+                self._say(f"not enforced: {note}")
+            # The lease names the group before the command runs: the node never sees it unattributed.
+            await self.client.attach_processes(lease.id, [self.pid], self.pgid)
+            os.write(go, b"g")
+        except BaseException:
+            if self._proc is not None:
+                self._kill(signal.SIGKILL)
+                await asyncio.to_thread(self._proc.wait)
+            self._give_terminal_back()
+            await self._release_and_clean()
+            raise
+        finally:
+            if go >= 0:
+                os.close(go)
+        self._say(f"lease {lease.id}: GPU {lease.gpu_index} ({lease.gpu_uuid}), {lease.vram_mb} MiB, token "
+                  f"{lease.token}; started {self.cmd[0]} as pid {self.pid}")
+        self._task = asyncio.get_running_loop().create_task(self._supervise())
+        return self
+
+    def _apply_limits(self) -> None:
+        assert self.limits is not None
+        if self.limits.cores:
+            try:
+                os.sched_setaffinity(self.pid, self.limits.cores)
+            except OSError as e:
+                self.not_enforced.append(f"CPU affinity (cores {_ranges(self.limits.cores)}) is not enforced: "
+                                         f"sched_setaffinity failed ({e.strerror or e})")
+        if self.cgroup is not None:
+            try:
+                (self.cgroup / "cgroup.procs").write_text(str(self.pid))
+            except OSError as e:
+                self.not_enforced.append(f"the cgroup limits in {self.cgroup} are not enforced: cannot move the "
+                                         f"process into it ({e.strerror or e})")
+
+    def _take_terminal(self) -> None:
+        """``foreground``: when stdin is our terminal and we are its foreground, the command becomes the
+        foreground (so it may read the terminal, and Ctrl-C reaches it directly)."""
+        if not self.foreground or self._popen.get("stdin") is not None:
+            return
+        try:
+            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
+                os.tcsetpgrp(0, self.pgid)
+                self._tty = 0
+        except OSError as e:
+            log.debug("the terminal stays ours: %s", e)
+
+    def _give_terminal_back(self) -> None:
+        if self._tty < 0:
+            return
+        # We are a background process now: tcsetpgrp would stop us with SIGTTOU unless it is blocked.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+        try:
+            os.tcsetpgrp(self._tty, os.getpgrp())
+        except OSError as e:
+            log.debug("could not take the terminal back: %s", e)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            self._tty = -1
+
+    # -- events --------------------------------------------------------------------------------
+    def _on_notice(self, notice: Any) -> None:
+        if self.notice is None:
+            self.notice = notice
+            self._evicted.set()
+
+    def _lose(self, why: str) -> None:
+        if not self._lost.is_set():
+            self._lost_why = why
+            self._lost.set()
+
+    def _kill(self, sig: int) -> None:
+        """Signal the whole process group (what is left of it once the leader is gone)."""
+        if self.pgid:
+            try:
+                os.killpg(self.pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def send_signal(self, sig: int) -> None:
+        """Forward a signal to the command's process group (``gpucoord run`` does this for SIGINT, SIGTERM
+        and SIGHUP)."""
+        if self.started and not self.finished:
+            self._kill(sig)
+
+    async def _wait_exit(self) -> int:
+        proc = self._proc
+        assert proc is not None
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            return await asyncio.to_thread(proc.wait)
+        loop = asyncio.get_running_loop()
+        readable: asyncio.Future[None] = loop.create_future()
+        def on_readable() -> None:
+            if not readable.done():
+                readable.set_result(None)
+        loop.add_reader(fd, on_readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        return proc.wait()
+
+    async def _watch_lease(self) -> None:
+        """The lease can end without a notice (an operator's revoke, the session's expiry): check it."""
+        assert self.lease is not None
+        interval = self.check_interval or self.client.keepalive_interval
+        while True:
+            try:
+                await asyncio.wait_for(self.client.done.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            if self.client.done.is_set():
+                self._lose("the session expired: no keepalive for longer than its TTL" if self.client.expired
+                           else "the session was closed")
+                return
+            try:
+                await self.client.attach_processes(self.lease.id, [self.pid], self.pgid)
+            except errors.NotFound as e:
+                self._lose(f"the lease is gone: {e.message}")
+                return
+            except errors.GpucoordError as e:
+                log.info("lease %s: cannot check it now (%s); the session's TTL decides", self.lease.id, e)
+
+    async def _supervise(self) -> int:
+        assert self._proc is not None and self.lease is not None
+        loop = asyncio.get_running_loop()
+        exited = loop.create_task(self._wait_exit())
+        watcher = loop.create_task(self._watch_lease())
+        waits: dict[str, asyncio.Future[Any]] = {
+            n: loop.create_task(e.wait()) for n, e in (("evicted", self._evicted), ("lost", self._lost),
+                                                       ("stop", self._stop))}
+        killer: asyncio.TimerHandle | None = None
+        try:
+            while not exited.done():
+                await asyncio.wait({exited, *waits.values()}, return_when=asyncio.FIRST_COMPLETED)
+                if waits["lost"].done() and not exited.done():
+                    self._kill(signal.SIGKILL)
+                    waits["lost"] = loop.create_future()   # handled
+                if waits["evicted"].done() and not exited.done():
+                    waits["evicted"] = loop.create_future()
+                    assert self.notice is not None
+                    self._kill(signal.SIGTERM)
+                    delay, by = self.notice.deadline_unix - time.time() - KILL_MARGIN_S, "the eviction deadline"
+                    if self.kill_after is not None and self.kill_after < delay:
+                        delay, by = self.kill_after, "--kill-after"
+                    if killer is not None:
+                        killer.cancel()
+                    killer = loop.call_later(max(0.0, delay), self._kill_after_notice, by)
+                if waits["stop"].done() and not exited.done():
+                    waits["stop"] = loop.create_future()
+                    self._kill(signal.SIGTERM)
+                    grace = DEFAULT_STOP_GRACE_S if self.kill_after is None else self.kill_after
+                    if killer is None:
+                        killer = loop.call_later(grace, self._kill, signal.SIGKILL)
+            returncode = exited.result()
+        except asyncio.CancelledError:
+            # The client is shutting down under us: its session (and so the lease) is going away.
+            self._kill(signal.SIGKILL)
+            self._give_terminal_back()
+            raise
+        finally:
+            if killer is not None:
+                killer.cancel()
+            for t in (watcher, *waits.values()):
+                t.cancel()
+        self._kill(signal.SIGKILL)   # leftovers of the group: the lease is about to go
+        self._give_terminal_back()
+        self.returncode = exit_status(returncode)
+        what = f"{self.cmd[0]} (pid {self.pid}) {_describe(returncode)}"
+        if self._lost.is_set():
+            self.reason = "lease lost"
+            self.message = f"lease lost ({self._lost_why}): {what}"
+        elif self.notice is not None:
+            n = self.notice
+            self.reason = "evicted"
+            how = f"SIGKILL at {self.killed_by}" if self.killed_by else "it ended after SIGTERM"
+            self.message = (f"evicted by {n.requested_by or 'unknown'} ({n.reason or 'no reason given'}): "
+                            f"SIGTERM at the notice, {how}; {what}")
+        elif self._stop.is_set():
+            self.reason = "stopped"
+            self.message = f"stopped: {what}"
+        else:
+            self.reason = "exited"
+            self.message = what
+        await self._release_and_clean()
+        return self.returncode
+
+    def _kill_after_notice(self, by: str) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self.killed_by = by
+        self._kill(signal.SIGKILL)
+
+    async def _release_and_clean(self) -> None:
+        if self.lease is not None and not self._lost.is_set() and not self.client.done.is_set():
+            try:
+                await self.lease.release()
+            except errors.GpucoordError as e:
+                log.warning("could not release lease %s: %s (it goes with the session)", self.lease.id, e)
+        if self.cgroup is not None:
+            try:
+                self.cgroup.rmdir()
+            except OSError as e:
+                log.debug("cgroup %s left in place: %s", self.cgroup, e)
+
+    # -- waiting and stopping ------------------------------------------------------------------
+    async def wait(self) -> int:
+        """The command's exit status (128+N for signal N), once it has exited and the lease is released."""
+        if self._task is None:
+            raise RuntimeError("the process was not started")
+        return await asyncio.shield(self._task)
+
+    async def stop(self) -> int:
+        """SIGTERM now, SIGKILL after ``kill_after`` (default 10 s); then release. Returns the status."""
+        if self._task is None:
+            raise RuntimeError("the process was not started")
+        self._stop.set()
+        return await self.wait()
+
+    async def __aenter__(self) -> AsyncBoundProcess:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._task is not None and not self._task.done():
+            await self.stop()
+        elif self._task is not None:
+            await self._task
+
+
+class BoundProcess:
+    """The sync face of :class:`AsyncBoundProcess`, from ``Client.run``:
+    ``with client.run(["python", "train.py"], vram_mb=4096, wait=60) as proc: status = proc.wait()``."""
+
+    def __init__(self, client: LoopRunner, inner: AsyncBoundProcess) -> None:
+        self._client = client
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        # pid, pgid, lease, returncode, reason, message, notice, limits, cgroup, not_enforced, send_signal
+        return getattr(self.inner, name)
+
+    def start(self) -> BoundProcess:
+        self._client._run(self.inner.start())
+        return self
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; TimeoutError if it is still running after ``timeout`` seconds."""
+        return self._client._run(self.inner.wait(), timeout)
+
+    def stop(self) -> int:
+        return self._client._run(self.inner.stop())
+
+    def __enter__(self) -> BoundProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._client._run(self.inner.__aexit__(*exc))
+
+
+__all__ = ["AsyncBoundProcess", "BoundProcess", "KILL_MARGIN_S", "LoopRunner", "SessionClient", "LimitPlan", "child_env", "exit_status",
+           "plan_limits", "prepare_cgroup"]

@@ -1,0 +1,108 @@
+"""AttachProcesses (a lease records the processes it covers) and the Python face of binding leases,
+against a real etcd."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any, Iterator
+
+import grpc
+import pytest
+
+from agent_client import Client, errors
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from tests.harness import Cluster, wait_for
+
+pytestmark = pytest.mark.integration
+C = grpc.StatusCode
+
+
+@pytest.fixture
+def env(cluster: Cluster) -> Iterator[tuple[Cluster, Any, Client]]:
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    channel = grpc.insecure_channel(addr)
+    with Client(addr, agent="agent-a", host="h1") as c:
+        yield cluster, pb_grpc.CoordinatorStub(channel), c
+    channel.close()
+
+
+def _lease_value(cluster: Cluster) -> tuple[dict[str, Any], int, int]:
+    (kv,) = cluster.get_prefix(cluster.keys.leases())
+    return json.loads(kv.value), kv.mod_revision, kv.etcd_lease
+
+
+def test_attach_records_pids_and_group_keeping_everything_else(env: tuple[Cluster, Any, Client]) -> None:
+    cluster, _, c = env
+    lease = c.acquire(1000)
+    before, rev, etcd_lease = _lease_value(cluster)
+    assert "pids" not in before
+    assert lease.attach() is True                      # default: this process
+    after, rev2, etcd_lease2 = _lease_value(cluster)
+    assert after == before | {"pids": [os.getpid()], "pgid": 0}
+    assert rev2 > rev and etcd_lease2 == etcd_lease    # still on the session
+    assert lease.attach() is False                     # the same again: no write
+    assert _lease_value(cluster)[1] == rev2
+    assert lease.attach([3, 2, 3], pgid=2) is True
+    assert _lease_value(cluster)[0]["pids"] == [2, 3]
+    (st,) = c.status("h1").hosts[0].leases
+    assert (list(st.pids), st.pgid, st.token) == ([2, 3], 2, lease.token)
+    lease.release()
+    with pytest.raises(errors.NotFound, match="lease_id"):
+        lease.attach()
+
+
+def _expect(cluster: Cluster, fn: Any, code: grpc.StatusCode, field: str) -> None:
+    before = cluster.state()
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.code() == code, info.value.details()
+    assert field in info.value.details(), info.value.details()
+    assert cluster.state() == before, "a refused request wrote to etcd"
+
+
+def test_attach_bad_input_and_foreign_leases_change_nothing(env: tuple[Cluster, Any, Client]) -> None:
+    cluster, stub, c = env
+    lease = c.acquire(1000)
+    ref = pb.SessionRef(agent="agent-a", session_id=c.session_id)
+
+    def attach(**kw: Any) -> Any:
+        return lambda: stub.AttachProcesses(pb.AttachProcessesRequest(**{"session": ref, "lease_id": lease.id,
+                                                                         **kw}), timeout=10)
+    _expect(cluster, attach(pids=[0]), C.INVALID_ARGUMENT, "pids")
+    _expect(cluster, attach(pids=[-5]), C.INVALID_ARGUMENT, "pids")
+    _expect(cluster, attach(pids=[(1 << 22) + 1]), C.INVALID_ARGUMENT, "pids")
+    _expect(cluster, attach(pids=list(range(1, 66))), C.INVALID_ARGUMENT, "pids")
+    _expect(cluster, attach(pgid=-1), C.INVALID_ARGUMENT, "pgid")
+    _expect(cluster, attach(lease_id="no/such"), C.INVALID_ARGUMENT, "lease_id")
+    _expect(cluster, attach(lease_id="0123456789abcdef0123"), C.NOT_FOUND, "lease_id")
+    with Client(c._async.addresses, agent="agent-b",
+                host="h1") as other:
+        other_ref = pb.SessionRef(agent="agent-b", session_id=other.session_id)
+        _expect(cluster, lambda: stub.AttachProcesses(pb.AttachProcessesRequest(
+            session=other_ref, lease_id=lease.id, pids=[1]), timeout=10), C.PERMISSION_DENIED, "lease_id")
+
+
+def test_client_run_binds_a_command_from_python(env: tuple[Cluster, Any, Client]) -> None:
+    cluster, _, c = env
+    with c.run([sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['GPUCOORD_VRAM_MB']) % 256)"],
+               vram_mb=1003) as proc:
+        assert proc.wait(timeout=30) == 1003 % 256
+        assert proc.reason == "exited"
+    assert cluster.get_prefix(cluster.keys.leases()) == []
+    # An operator's revoke: the lease is lost, so the command is SIGKILLed at once.
+    with c.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                      "signal.pause()"], vram_mb=1000, check_interval=0.2) as proc:
+        wait_for(lambda: _lease_value(cluster)[0].get("pgid") == proc.pgid, 10, "the lease to record the group")
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(c._async.addresses[0]))
+        assert stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=proc.lease.id), timeout=10).revoked
+        assert proc.wait(timeout=30) == 128 + signal.SIGKILL
+        assert proc.reason == "lease lost" and "the lease is gone" in proc.message
+    # Leaving the block early stops the command (SIGTERM) and releases.
+    with c.run(["sleep", "60"], vram_mb=1000) as proc:
+        pass
+    assert proc.returncode == 128 + signal.SIGTERM and proc.reason == "stopped"
+    assert cluster.get_prefix(cluster.keys.leases()) == []
