@@ -1,6 +1,7 @@
 """Certificates for the security tests: one CA with every role, another CA, an expired certificate."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import pathlib
@@ -10,6 +11,7 @@ import pytest
 
 from coordinator.security import certs
 from coordinator.security.tls import TlsFiles
+from tests.harness import Cluster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,3 +62,28 @@ def own_etcd() -> Iterator[list[str]]:
         yield cluster.endpoints
     finally:
         cluster.stop()
+
+
+def revision(cluster: Cluster) -> int:
+    from coordinator.etcd.ops import range_req
+    return int(cluster.lt.run(cluster.store.snapshot([range_req(b"/")])).revision)
+
+
+def writes_since(cluster: Cluster, before: int) -> list[str]:
+    """Keys written (put or deleted) after revision ``before``, other than the node daemon's own
+    ``hosts/`` and ``usage/`` (it republishes usage by itself when leases change): on an etcd of the
+    module's own, an empty list means nothing that a request could have caused was written."""
+    now = revision(cluster)
+    if now == before:
+        return []
+
+    async def collect() -> list[tuple[str, bytes, int]]:
+        seen: list[tuple[str, bytes, int]] = []
+        async for batch in cluster.store.watch(b"/", start_revision=before + 1):
+            seen += [(ev.kind, ev.kv.key, ev.kv.mod_revision) for ev in batch.events]
+            if any(rev >= now for *_, rev in seen):
+                return seen
+        return seen
+    events = cluster.lt.run(asyncio.wait_for(collect(), 10))
+    return [f"{kind} {key.decode(errors='replace')}" for kind, key, rev in events
+            if rev <= now and cluster.keys.parse(key)[0] not in ("hosts", "usage")]
