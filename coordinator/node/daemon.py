@@ -30,6 +30,7 @@ from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
 from coordinator.keys import Keys, last_segment
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
+from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import KV, Store
 from coordinator.etcd.ops import cmp_absent, cmp_lease, op_get, op_put, op_txn, range_req
 
@@ -83,7 +84,7 @@ class NodeDaemon:
         self.source, self.disk_path = source, disk_path
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
         self.overrides = overrides or {}   # simulated hosts: cpu_count, core_ids, mem_bytes, disk_bytes
-        self.etcd_lease = 0
+        self.session: EtcdSession | None = None    # the daemon's etcd_lease: hosts/ and usage/ hang on it
         self.pid, self.started_at = os.getpid(), time.time()
         self._need_register = True              # set by the host watch, or when a usage write is refused
         self._wake = asyncio.Event()            # wakes the keepalive loop to register at once
@@ -103,13 +104,13 @@ class NodeDaemon:
         self.inventory = dataclasses.replace(
             read_inventory(self.host, self.address, self.source, self.disk_path, __version__), **self.overrides)
         await self.ensure_host_free()
-        self.etcd_lease = await self.store.grant(self.ttl_s)
+        self.session = await self._new_session()
         try:
             await self._register()
         except BaseException:
-            await self._revoke()   # a daemon that may not run leaves no etcd_lease behind
+            await self.session.close()   # a daemon that may not run leaves no etcd_lease behind
             raise
-        self._tasks = [asyncio.create_task(self._keepalive_loop()), asyncio.create_task(self._scan_loop()),
+        self._tasks = [asyncio.create_task(self._registration_loop()), asyncio.create_task(self._scan_loop()),
                        asyncio.create_task(self._watch_leases()), asyncio.create_task(self._watch_host())]
         self.ready.set()
 
@@ -145,20 +146,18 @@ class NodeDaemon:
             lowest = min(lowest, remaining)
             await asyncio.sleep(0.5)
 
+    @property
+    def etcd_lease(self) -> int:
+        return self.session.etcd_lease if self.session is not None else 0
+
+    async def _new_session(self) -> EtcdSession:
+        return await EtcdSession(self.store, self.ttl_s, f"node {self.host}").open()
+
     async def stop(self, revoke: bool = True) -> None:
         await cancel_and_wait(self._tasks)
-        if revoke:
-            await self._revoke()
+        if self.session is not None:
+            await (self.session.close() if revoke else self.session.orphan())
         self.source.close()
-
-    async def _revoke(self) -> None:
-        if not self.etcd_lease:
-            return
-        try:
-            await self.store.revoke(self.etcd_lease)
-            self.etcd_lease = 0
-        except errors.GpucoordError as e:
-            log.warning("could not revoke the node's etcd_lease: %s", e)
 
     async def _register(self) -> None:
         """Publish ``hosts/<host>`` and then ``usage/<host>``; raises HostTaken if another daemon holds it."""
@@ -233,21 +232,23 @@ class NodeDaemon:
         self._need_register = True
         self._wake.set()
 
-    async def _keepalive_loop(self) -> None:
+    async def _registration_loop(self) -> None:
+        """Keeps the registration: a new session when ours ended (etcd out of reach past the TTL), and a
+        new registration whenever the host key is not ours. The session refreshes itself."""
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.ttl_s / 3)
-            except asyncio.TimeoutError:
-                pass
+            assert self.session is not None
+            ended = asyncio.create_task(self.session.done.wait())
+            woken = asyncio.create_task(self._wake.wait())
+            await asyncio.wait({ended, woken}, timeout=self.ttl_s / 3, return_when=asyncio.FIRST_COMPLETED)
+            for t in (ended, woken):
+                t.cancel()
+            await asyncio.gather(ended, woken, return_exceptions=True)
             self._wake.clear()
             try:
-                ttl = await self.store.keepalive(self.etcd_lease) if self.etcd_lease else 0
-                if ttl <= 0:
-                    # Our etcd_lease expired (etcd was unreachable past the TTL): register again.
+                if self.session.done.is_set():
                     log.warning("the node's etcd_lease is gone; registering host %s again", self.host)
-                    self.etcd_lease = 0
                     self._need_register = True
-                    self.etcd_lease = await self.store.grant(self.ttl_s)
+                    self.session = await self._new_session()
                 if self._need_register:
                     # Until both keys are written, every round tries again.
                     await self._register()
