@@ -19,6 +19,8 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.replica.service import (CoordinatorService, check_lease_id, status_json, validate_acquire,
                                          validate_attach)
+from coordinator.security.interceptor import SecurityInterceptor, current_caller
+from coordinator.security.tls import add_port, check_listen, server_options
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +199,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def EvictLease(self, request: pb.EvictLeaseRequest, context: Any) -> pb.EvictLeaseResponse:
-        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason)
+        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason,
+                                        asked_by=str(current_caller() or "unknown"))
         return pb.EvictLeaseResponse(deadline_unix=deadline)
 
     @_rpc
@@ -210,12 +213,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
 async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int, CoordinatorService]:
     """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"listen: cannot bind {config.listen}")
+    tls = config.tls_files()
+    check_listen(config.listen, tls, config.insecure)
+    # Identity, authorization, bounds and audit: one interceptor, before any handler (coordinator.security).
+    guard = SecurityInterceptor(tls is not None)
+    server = grpc.aio.server(interceptors=[guard], options=server_options())
+    port = add_port(server, config.listen, tls)
     svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
     await svc.start()
+    guard.agent_hosts = svc.agent_hosts
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(svc), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -233,7 +239,7 @@ async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None =
                 stop: asyncio.Event | None = None) -> None:
     """Run a coordinator until ``stop`` is set (or forever)."""
     if config.metrics_listen:
-        metrics.serve(config.metrics_listen)
+        metrics.serve(config.metrics_listen, config.tls_files())
     server, port, svc = await create_server(config)
     await svc.store.check_server_version()
     log.info("coordinator %s serving on port %d", svc.replica_id, port)
