@@ -8,7 +8,6 @@ added without touching a test.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import pathlib
@@ -20,13 +19,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.etcd.process import EtcdCluster, choose_etcd  # noqa: E402
-from tests.harness import Cluster  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class EtcdEndpoint:
-    endpoints: list[str]
-    metrics_url: str
+from tests.harness import Cluster, EtcdEndpoint, LoopThread  # noqa: E402
+from tests.history import check_store  # noqa: E402
 
 
 class EtcdProvider(Protocol):
@@ -113,6 +107,23 @@ def cluster(etcd: EtcdEndpoint, prefix: str) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def history_checked(cluster: Cluster) -> Iterator[None]:
+    """After the test, the history checker replays the test's whole etcd history (G1, G3, G5, G6 at every
+    revision). Use it with ``pytestmark = pytest.mark.usefixtures("history_checked")`` or per test."""
+    yield
+    # A test of thousands of revisions, and the shared etcd's whole history to scan for them: allow time.
+    cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=240).assert_ok()
+
+
+@pytest.fixture
+def lt() -> Iterator[LoopThread]:
+    """An event loop in a thread of its own, for tests that drive a Store directly."""
+    loop = LoopThread()
+    yield loop
+    loop.close()
 
 
 # Tiers by folder: tests/unit is pure logic (``-m unit`` runs it without starting etcd), tests/static reads

@@ -1,20 +1,43 @@
-"""In-process services on a background event loop, for integration tests against a real etcd.
+"""The one home of the tests' shared helpers and fakes; test modules import only this, ``tests.history``
+and ``tests.static.import_graph``, never each other.
 
-Coordinators and node daemons here are the real servers (real gRPC on loopback, real etcd); they only
-share one Python process with the test so that starting them is cheap. Tests that kill processes use
-``spawn_coordinator``/``spawn_agent`` instead, which start real child processes.
+* waiting: ``wait_for`` (poll with a deadline), ``pass_time`` (when the passing of time is itself the
+  test), ``Background``, ``LoopThread``;
+* in-process services: ``Cluster`` runs real coordinators and node daemons (real gRPC on loopback, real
+  etcd) in the test's process, so that starting them is cheap; ``queue``, ``session_alive`` read state;
+* gRPC: ``coordinator_stub``, ``node_stub``, ``acquire_req``, ``expect_refused``;
+* fault injection by wrapping one component's own objects, never by editing the code under test:
+  ``patch_method``, ``patch_commit``;
+* child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_agent``, ``child_env``;
+* fakes: ``FakeNvml``/``FakeDevice`` (the pynvml module at its function level);
+* the etcd boundary: ``EtcdEndpoint``, ``record_etcd_calls``, ``read_only``, ``TcpProxy``;
+* security: ``make_pki``/``Pki``, ``writes_since``.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
 import os
+import pathlib
+import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
+import grpc
+import pynvml
+import pytest
+
+import coordinator.etcd.store as store_module
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import node_pb2_grpc as npb_grpc
 from coordinator.config import CoordinatorConfig
+from coordinator.records import QueueEntry
 from coordinator.keys import Keys
 from coordinator.node.daemon import NodeDaemon
 from coordinator.node.enforce import Enforcer
@@ -22,6 +45,9 @@ from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
 from coordinator.rpc.coordinator_server import create_server
 from coordinator.etcd.store import Store
+
+if TYPE_CHECKING:
+    from coordinator.security.tls import TlsFiles
 
 T = TypeVar("T")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,6 +107,21 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def pass_time(seconds: float, what: str) -> None:
+    """Let wall-clock time pass (a TTL, a grace period) when what happens meanwhile is the thing under test.
+
+    Never to let something finish: wait for that with ``wait_for`` and its condition."""
+    until = time.monotonic() + seconds
+    wait_for(lambda: time.monotonic() >= until, seconds + 5, what, interval=0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdEndpoint:
+    """What the ``etcd`` fixture hands a test: client endpoints and the metrics URL of the first member."""
+    endpoints: list[str]
+    metrics_url: str
+
+
 class Cluster:
     """Coordinators and node daemons of one test, all under the test's own key prefix."""
 
@@ -104,6 +145,10 @@ class Cluster:
         addr = f"127.0.0.1:{port}"
         self.coordinators[addr] = (server, svc)
         return addr
+
+    def service(self, addr: str) -> Any:
+        """The CoordinatorService of the in-process coordinator at ``addr``."""
+        return self.coordinators[addr][1]
 
     def stop_coordinator(self, addr: str) -> None:
         server, svc = self.coordinators.pop(addr)
@@ -168,6 +213,81 @@ class Cluster:
         return [VramLease.from_kv(kv) for kv in self.get_prefix(self.keys.leases())]
 
 
+def queue(cluster: Cluster, host: str = "h1") -> list[QueueEntry]:
+    """The host's queue entries in etcd, in rank order."""
+    return [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue(host))]
+
+
+def session_alive(cluster: Cluster, agent: str, session_id: str) -> bool:
+    return bool(cluster.get_prefix(cluster.keys.session(agent, session_id)))
+
+
+# -- gRPC --------------------------------------------------------------------------------------------
+
+def coordinator_stub(addr: str) -> pb_grpc.CoordinatorStub:
+    return pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+
+
+def node_stub(address: str) -> npb_grpc.NodeStub:
+    return npb_grpc.NodeStub(grpc.insecure_channel(address))
+
+
+def acquire_req(agent: str, session_id: str, vram_mb: int, request_id: str, wait: float = 0.0,
+                **kw: Any) -> pb.AcquireRequest:
+    return pb.AcquireRequest(session=pb.SessionRef(agent=agent, session_id=session_id), vram_mb=vram_mb,
+                             request_id=request_id, wait_seconds=wait, **kw)
+
+
+def expect_refused(cluster: Cluster, fn: Callable[[], Any], code: grpc.StatusCode, field: str) -> None:
+    """``fn()`` fails with ``code``, its message names ``field``, and it wrote nothing to etcd."""
+    before = cluster.state()
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.code() == code, info.value.details()
+    assert field in info.value.details(), info.value.details()
+    assert cluster.state() == before, "a refused request wrote to etcd"
+
+
+# -- fault injection ---------------------------------------------------------------------------------
+
+def patch_method(cluster: Cluster, obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    """Install ``obj.name = replacement`` on the cluster's loop thread (where ``obj`` is used); returns an
+    undo that removes it there again and waits until it is gone."""
+    cluster.lt.loop.call_soon_threadsafe(lambda: setattr(obj, name, replacement))
+    wait_for(lambda: obj.__dict__.get(name) is replacement, 2, f"the patch of {name}")
+
+    def undo() -> None:
+        if cluster.lt.thread.is_alive():
+            cluster.lt.loop.call_soon_threadsafe(lambda: obj.__dict__.pop(name, None))
+            wait_for(lambda: obj.__dict__.get(name) is not replacement, 2, f"the undo of the patch of {name}")
+        else:
+            obj.__dict__.pop(name, None)
+    return undo
+
+
+def patch_commit(cluster: Cluster, svc: Any,
+                 hook: Callable[[Any, Any, Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> Callable[[], None]:
+    """Wrap ``svc.store.commit``: ``await hook(compares, success, commit)`` decides, ``commit()`` being the
+    real call. Returns an undo."""
+    store = svc.store
+    orig = store.commit
+
+    async def commit(compares: Any, success: Any, failure: Any = ()) -> Any:
+        return await hook(list(compares), list(success), lambda: orig(compares, success, failure))
+    return patch_method(cluster, store, "commit", commit)
+
+
+def is_put(op: Any, key_part: bytes) -> bool:
+    """``op`` (an etcd RequestOp) puts a key containing ``key_part``."""
+    return bool(op.HasField("request_put") and key_part in op.request_put.key)
+
+
+def is_delete(op: Any, key_part: bytes) -> bool:
+    return bool(op.HasField("request_delete_range") and key_part in op.request_delete_range.key)
+
+
+# -- child processes ---------------------------------------------------------------------------------
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -191,11 +311,269 @@ def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: 
 
 
 def spawn_agent(addr: str, host: str, agent: str, vram_mb: int, ttl: int, log_path: str = os.devnull,
-                wait: float = 0.0, read_answer: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+                wait: float = 0.0, read_answer: bool = True,
+                extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """A real agent process (``coordinator.cli.demo agent``) that acquires and holds; returns it and its answer."""
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli.demo", "agent", "--coordinator", addr, "--host", host,
-                             "--agent", agent, "--vram-mb", str(vram_mb), "--ttl", str(ttl), "--wait", str(wait)],
+                             "--agent", agent, "--vram-mb", str(vram_mb), "--ttl", str(ttl), "--wait", str(wait),
+                             *(extra or [])],
                             stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=open(log_path, "ab"),
                             env=child_env(), cwd=REPO)
     assert proc.stdout is not None
     return proc, proc.stdout.readline().decode().strip() if read_answer else ""
+
+
+# -- fakes -------------------------------------------------------------------------------------------
+
+def nvml_error(code: int) -> pynvml.NVMLError:
+    """A real pynvml error; NVMLError.__new__ maps the code to its subclass (e.g. NVMLError_GpuIsLost)."""
+    return pynvml.NVMLError(code)
+
+
+class FakeDevice:
+    def __init__(self, uuid: str | bytes, name: str | bytes, total: int, used: int = 0,
+                 procs: list[Any] | None = None, graphics: list[Any] | None = None) -> None:
+        self.uuid = uuid
+        self.name = name
+        self.total = total
+        self.used = used
+        self.procs: list[Any] = procs or []
+        self.graphics: list[Any] = graphics or []
+        # call name -> error code to raise from that call on this device
+        self.fail: dict[str, int] = {}
+
+
+class FakeNvml:
+    """Stands in for the pynvml module: same function names, real exception classes (tests/unit/
+    test_inventory.py checks every name against the real module, so the fake cannot drift)."""
+
+    NVMLError = pynvml.NVMLError
+
+    def __init__(self, devices: list[FakeDevice]) -> None:
+        self.devices = devices
+        self.init_error: BaseException | None = None
+        self.count_error: int | None = None
+        self.shutdown_error: int | None = None
+        self.calls: list[str] = []
+
+    def _dev(self, handle: Any, call: str) -> FakeDevice:
+        self.calls.append(call)
+        dev: FakeDevice = handle.dev
+        if call in dev.fail:
+            raise nvml_error(dev.fail[call])
+        return dev
+
+    def nvmlInit(self) -> None:
+        self.calls.append("nvmlInit")
+        if self.init_error is not None:
+            raise self.init_error
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("nvmlShutdown")
+        if self.shutdown_error is not None:
+            raise nvml_error(self.shutdown_error)
+
+    def nvmlDeviceGetCount(self) -> int:
+        self.calls.append("nvmlDeviceGetCount")
+        if self.count_error is not None:
+            raise nvml_error(self.count_error)
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        self.calls.append("nvmlDeviceGetHandleByIndex")
+        dev = self.devices[index]
+        if "nvmlDeviceGetHandleByIndex" in dev.fail:
+            raise nvml_error(dev.fail["nvmlDeviceGetHandleByIndex"])
+        return SimpleNamespace(dev=dev)
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str | bytes:
+        return self._dev(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: Any) -> str | bytes:
+        return self._dev(handle, "nvmlDeviceGetName").name
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetMemoryInfo")
+        return SimpleNamespace(total=d.total, used=d.used, free=d.total - d.used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return list(self._dev(handle, "nvmlDeviceGetComputeRunningProcesses").procs)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        return list(self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses").graphics)
+
+
+# -- the etcd boundary -------------------------------------------------------------------------------
+
+class EtcdCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Every unary etcd call of every Store opened while installed: (method name, request). A client
+    interceptor on the Store's own channel: etcd stays real."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        # Awaited before a call goes out, to act between two calls of one operation.
+        self.before: Callable[[str, Any], Awaitable[None]] | None = None
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        name = method.rsplit("/", 1)[-1]
+        self.calls.append((name, request))
+        if self.before is not None:
+            await self.before(name, request)
+        return await continuation(details, request)
+
+    def of(self, name: str) -> list[Any]:
+        return [req for n, req in self.calls if n == name]
+
+
+def record_etcd_calls(monkeypatch: pytest.MonkeyPatch) -> EtcdCalls:
+    calls = EtcdCalls()
+
+    def open_channel(target: str, security: Any = None) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(target, options=list(store_module.CHANNEL_OPTIONS.items()),
+                                         interceptors=[calls])
+    monkeypatch.setattr(store_module, "_open_channel", open_channel)
+    return calls
+
+
+def read_only(txn: Any) -> bool:
+    """etcd's own rule (isTxnReadonly): every op of both branches is a range."""
+    return all(op.WhichOneof("request") == "request_range" for op in (*txn.success, *txn.failure))
+
+
+class TcpProxy:
+    """A TCP proxy on loopback between gpucoord and etcd, so a test can cut the connections at will (a
+    network blip: every stream through it breaks, and new connections are refused until ``restore``)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, _, port = upstream.rpartition(":")
+        self.upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._refusing = False
+        self._stopped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            with self._lock:
+                if self._refusing:
+                    client.close()
+                    continue
+                try:
+                    server = socket.create_connection(self.upstream, timeout=5)
+                except OSError:
+                    client.close()
+                    continue
+                server.settimeout(None)
+                self._conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        """Break every connection through the proxy and refuse new ones."""
+        with self._lock:
+            self._refusing = True
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def restore(self) -> None:
+        with self._lock:
+            self._refusing = False
+
+    def close(self) -> None:
+        self._stopped.set()
+        self.cut()
+        self._listener.close()
+
+
+# -- security ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Pki:
+    """Certificates for the security tests: one CA with every role, another CA, an expired certificate."""
+    dir: pathlib.Path
+    ca: str
+    files: dict[str, TlsFiles]   # "coordinator", "node", "agent-a", "agent-b", "operator", "other-ca", "expired"
+
+    def __getitem__(self, name: str) -> TlsFiles:
+        return self.files[name]
+
+
+def make_pki(base: pathlib.Path, host: str = "h1") -> Pki:
+    from coordinator.security import certs
+    from coordinator.security.tls import TlsFiles
+    d = base / "pki"
+    certs.init_ca(d)
+    ca = str(d / "ca.crt")
+
+    def issue(kind: str, name: str, directory: pathlib.Path = d, **kw: object) -> TlsFiles:
+        f = certs.issue(directory, kind, name, **kw)  # type: ignore[arg-type]
+        return TlsFiles(str(directory / "ca.crt"), str(f.cert), str(f.key))
+
+    files = {"coordinator": issue("coordinator", "c1"), "node": issue("node", host),
+             "agent-a": issue("agent", "agent-a"), "agent-b": issue("agent", "agent-b"),
+             "operator": issue("operator", "ops")}
+    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=2)
+    files["expired"] = issue("agent", "agent-a", not_before=past - datetime.timedelta(days=1),
+                             not_after=past, out_name="expired-agent-a")
+    other = base / "other-pki"
+    certs.init_ca(other)
+    theirs = issue("agent", "agent-a", directory=other)
+    # Presented to our servers, verified against OUR CA: its client cert is from the other CA.
+    files["other-ca"] = TlsFiles(ca, theirs.cert, theirs.key)
+    return Pki(d, ca, files)
+
+
+def revision(cluster: Cluster) -> int:
+    """etcd's current revision."""
+    from coordinator.etcd.ops import range_req
+    return int(cluster.lt.run(cluster.store.snapshot([range_req(b"/")])).revision)
+
+
+def writes_since(cluster: Cluster, before: int) -> list[str]:
+    """Keys written (put or deleted) after revision ``before``, other than the node daemon's own
+    ``hosts/`` and ``usage/`` (it republishes usage by itself when leases change): on an etcd of the
+    module's own, an empty list means nothing that a request could have caused was written."""
+    now = revision(cluster)
+    if now == before:
+        return []
+
+    async def collect() -> list[tuple[str, bytes, int]]:
+        seen: list[tuple[str, bytes, int]] = []
+        async for batch in cluster.store.watch(b"/", start_revision=before + 1):
+            seen += [(ev.kind, ev.kv.key, ev.kv.mod_revision) for ev in batch.events]
+            if any(rev >= now for *_, rev in seen):
+                return seen
+        return seen
+    events = cluster.lt.run(asyncio.wait_for(collect(), 10))
+    return [f"{kind} {key.decode(errors='replace')}" for kind, key, rev in events
+            if rev <= now and cluster.keys.parse(key)[0] not in ("hosts", "usage")]

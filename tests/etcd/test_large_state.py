@@ -22,8 +22,7 @@ from coordinator.etcd.process import EtcdCluster
 from coordinator.keys import Keys, session_id_from_etcd_lease
 from coordinator.records import dumps
 from coordinator.etcd.store import Store, op_put
-from tests.etcd.proxy import TcpProxy
-from tests.harness import REPO, Cluster, child_env, wait_for
+from tests.harness import REPO, Cluster, TcpProxy, child_env, wait_for
 
 pytestmark = pytest.mark.integration
 

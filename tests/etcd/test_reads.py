@@ -17,9 +17,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store, cmp_exists, op_delete, op_put, range_req
-from tests.conftest import EtcdEndpoint
-from tests.etcd.calls import record_etcd_calls, read_only
-from tests.harness import Cluster, LoopThread
+from tests.harness import Cluster, EtcdEndpoint, LoopThread, read_only, record_etcd_calls
 
 pytestmark = pytest.mark.integration
 
@@ -33,13 +31,6 @@ def own_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
     # Its own etcd: these tests compact, which would take the history other tests' checkers read.
     with EtcdCluster(1, base_dir=tmp_path_factory.mktemp("reads-etcd")) as cluster:
         yield cluster
-
-
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    yield loop
-    loop.close()
 
 
 def test_a_snapshot_is_ranges_at_one_revision_never_a_transaction(own_etcd: EtcdCluster, lt: LoopThread,

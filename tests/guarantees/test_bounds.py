@@ -24,7 +24,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import (MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SPEC_BYTES,
                                 MAX_TTL_S)
-from tests.harness import Cluster, LoopThread, wait_for
+from tests.harness import Cluster, LoopThread, patch_method
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -199,8 +199,7 @@ def test_a_session_whose_write_fails_leaves_no_etcd_lease(env: Any) -> None:
     failure (here an etcd error, injected by wrapping the replica's Store)."""
     from coordinator import errors as cerrors
     cluster, stub, _ = env
-    svc = next(iter(cluster.coordinators.values()))[1]
-    store = svc.store
+    store = next(iter(cluster.coordinators.values()))[1].store
     orig = store.commit
     failures = [cerrors.Unavailable("etcd unavailable: injected"), cerrors.OutcomeUnknown("etcd write: injected")]
 
@@ -209,8 +208,7 @@ def test_a_session_whose_write_fails_leaves_no_etcd_lease(env: Any) -> None:
             raise failures.pop(0)
         return await orig(compares, success, failure)
 
-    cluster.lt.loop.call_soon_threadsafe(lambda: setattr(store, "commit", commit))
-    wait_for(lambda: store.__dict__.get("commit") is commit, 2, "the wrapper to be installed")
+    undo = patch_method(cluster, store, "commit", commit)
     try:
         for _ in range(2):
             leases_before = _etcd_leases(cluster)
@@ -220,4 +218,4 @@ def test_a_session_whose_write_fails_leaves_no_etcd_lease(env: Any) -> None:
             assert not _etcd_leases(cluster) - leases_before, "the failed session left its etcd_lease behind"
         assert not failures
     finally:
-        cluster.lt.loop.call_soon_threadsafe(lambda: store.__dict__.pop("commit", None))
+        undo()

@@ -12,27 +12,14 @@ Small bounds keep it fast. Every test ends with the history checker (G1, G3, G5,
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from agent_client import Client, errors
-from coordinator.records import QueueEntry
-from tests.harness import Background, Cluster, wait_for
-from tests.history import check_store
+from tests.harness import Background, Cluster, queue, wait_for
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(autouse=True)
-def history_checked(cluster: Cluster) -> Iterator[None]:
-    yield
-    report = cluster.lt.run(check_store(cluster.store, cluster.keys))
-    report.assert_ok()
-
-
-def queue(cluster: Cluster, host: str = "h1") -> list[QueueEntry]:
-    return [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue(host))]
+pytestmark = pytest.mark.usefixtures("history_checked")
 
 
 def waiting(cluster: Cluster, request_id: str) -> bool:

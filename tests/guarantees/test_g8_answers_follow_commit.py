@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import grpc
 import pytest
@@ -23,19 +23,10 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.records import QueueEntry
-from tests.harness import Background, Cluster, wait_for
-from tests.history import check_store
+from tests.harness import Background, Cluster, queue, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("history_checked")
 HOLD_S = 0.5
-
-
-@pytest.fixture(autouse=True)
-def history_checked(cluster: Cluster) -> Iterator[None]:
-    yield
-    report = cluster.lt.run(check_store(cluster.store, cluster.keys))
-    report.assert_ok()
 
 
 class CommitGate:
@@ -74,16 +65,8 @@ class CommitGate:
         self.cluster.lt.loop.call_soon_threadsafe(lambda: self.store.__dict__.pop("commit", None))
 
 
-def queue(cluster: Cluster, host: str = "h1") -> list[QueueEntry]:
-    return [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue(host))]
-
-
 def deletes(key: bytes) -> Callable[[list[Any]], bool]:
     return lambda ops: any(op.HasField("request_delete_range") and op.request_delete_range.key == key for op in ops)
-
-
-def svc_of(cluster: Cluster, addr: str) -> Any:
-    return cluster.coordinators[addr][1]
 
 
 def answer_then_look(cluster: Cluster, call: Callable[[], Any], rank: Callable[[], str]) -> Background:
@@ -122,7 +105,7 @@ def test_a_swept_waiter_is_answered_after_its_entry_is_gone(cluster: Cluster) ->
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
         waiter, key = queued_waiter(cluster, b, wait=30)
-        gate = CommitGate(cluster, svc_of(cluster, addr), deletes(key))
+        gate = CommitGate(cluster, cluster.service(addr), deletes(key))
         try:
             cluster.stop_node("h1")               # hosts/h1 goes: the waiter can never be granted there
             outcome = check_follows_commit(gate, waiter)
@@ -137,7 +120,7 @@ def test_a_waiter_shut_out_by_a_new_partition_is_answered_after_its_entry_is_gon
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
         waiter, key = queued_waiter(cluster, b, wait=30)
-        gate = CommitGate(cluster, svc_of(cluster, addr), deletes(key))
+        gate = CommitGate(cluster, cluster.service(addr), deletes(key))
         try:
             stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
             spec = {"host": "h1", "mode": "auto-split", "agents": ["a"]}   # b is not in it any more
@@ -153,7 +136,7 @@ def test_a_wait_that_ends_is_answered_after_its_entry_is_gone(cluster: Cluster) 
     addr = cluster.start_coordinator()
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
-        gate = CommitGate(cluster, svc_of(cluster, addr), lambda ops: any(
+        gate = CommitGate(cluster, cluster.service(addr), lambda ops: any(
             op.HasField("request_delete_range") and b"/queue/" in op.request_delete_range.key for op in ops))
         try:
             waiter, _ = queued_waiter(cluster, b, wait=1.5)
@@ -169,7 +152,7 @@ def test_a_displaced_waiter_is_answered_after_its_entry_is_gone(cluster: Cluster
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
         waiter, key = queued_waiter(cluster, b, wait=30, priority=1)
-        gate = CommitGate(cluster, svc_of(cluster, addr), deletes(key))
+        gate = CommitGate(cluster, cluster.service(addr), deletes(key))
         try:
             vip = Background(a.acquire, 4000, priority=5, wait=1)
             outcome = check_follows_commit(gate, waiter)
@@ -186,7 +169,7 @@ def test_a_grant_is_answered_after_its_lease_is_written(cluster: Cluster) -> Non
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         held = a.acquire(8000, preemptible=False)
         waiter, key = queued_waiter(cluster, b, wait=30)
-        gate = CommitGate(cluster, svc_of(cluster, addr), deletes(key))
+        gate = CommitGate(cluster, cluster.service(addr), deletes(key))
         try:
             held.release()
             lease = check_follows_commit(gate, waiter)
@@ -208,7 +191,7 @@ def test_a_refusal_that_needs_no_write_is_answered_while_the_rounds_transaction_
                 puts_queue[0] += 1
                 return True
             return False
-        gate = CommitGate(cluster, svc_of(cluster, addr), queues)
+        gate = CommitGate(cluster, cluster.service(addr), queues)
         try:
             first = Background(b.acquire, 4000, wait=30, request_id="first")   # its round's commit is held
             wait_for(gate.holding, 10, "the first round's commit to be held")
@@ -216,7 +199,7 @@ def test_a_refusal_that_needs_no_write_is_answered_while_the_rounds_transaction_
             # waits (a queue entry to write: held again), the other is refused (nothing to write).
             second = Background(c.acquire, 4000, wait=30, request_id="second")
             refused = Background(c.acquire, 4000, request_id="refused")
-            wait_for(lambda: len(svc_of(cluster, addr)._admitters["h1"]._pending) == 2, 10,
+            wait_for(lambda: len(cluster.service(addr)._admitters["h1"]._pending) == 2, 10,
                      "both calls to reach the admitter")
             cluster.lt.loop.call_soon_threadsafe(gate._open.set)
             cluster.lt.loop.call_soon_threadsafe(gate._open.clear)

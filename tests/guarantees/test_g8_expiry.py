@@ -16,28 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterator
 
 import pytest
 
 from agent_client import AsyncClient, Client, errors
 from coordinator.records import QueueEntry
 from tests.harness import Cluster, LoopThread, wait_for
-from tests.history import check_store
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("history_checked")
 
 AGENTS = 16
 PER_AGENT = 64
 LATE_S = 1.0
-
-
-@pytest.fixture(autouse=True)
-def history_checked(cluster: Cluster) -> Iterator[None]:
-    yield
-    # Thousands of revisions here, and the shared etcd's whole history to scan for them: allow time.
-    report = cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=240)
-    report.assert_ok()
 
 
 def _mass_expiry(cluster: Cluster, addrs: list[str]) -> None:

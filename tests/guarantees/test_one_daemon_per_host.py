@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -21,7 +21,7 @@ from coordinator.etcd.store import KV, Store
 from coordinator.node.daemon import HostTaken, NodeDaemon
 from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
-from tests.harness import REPO, Cluster, child_env, wait_for
+from tests.harness import REPO, Cluster, child_env, patch_method, wait_for
 
 
 def spawn_node(cluster: Cluster, host: str, fake_gpus: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -41,13 +41,6 @@ def spawn_node(cluster: Cluster, host: str, fake_gpus: str, log_path: Path) -> t
 def host_kv(cluster: Cluster, host: str = "h1") -> KV | None:
     kvs = cluster.get_prefix(cluster.keys.host(host))
     return kvs[0] if kvs else None
-
-
-def patch_method(cluster: Cluster, obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
-    """Install ``obj.name = replacement`` on the cluster's loop thread; returns an undo."""
-    cluster.lt.loop.call_soon_threadsafe(lambda: setattr(obj, name, replacement))
-    wait_for(lambda: obj.__dict__.get(name) is replacement, 2, f"the patch of {name}")
-    return lambda: cluster.lt.loop.call_soon_threadsafe(lambda: obj.__dict__.pop(name, None))
 
 
 def test_a_second_daemon_for_a_live_host_exits_naming_the_live_one(cluster: Cluster, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, wait_for
+from tests.harness import Cluster, expect_refused, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -55,15 +55,6 @@ def test_attach_records_pids_and_group_keeping_everything_else(env: tuple[Cluste
         lease.attach()
 
 
-def _expect(cluster: Cluster, fn: Any, code: grpc.StatusCode, field: str) -> None:
-    before = cluster.state()
-    with pytest.raises(grpc.RpcError) as info:
-        fn()
-    assert info.value.code() == code, info.value.details()
-    assert field in info.value.details(), info.value.details()
-    assert cluster.state() == before, "a refused request wrote to etcd"
-
-
 def test_attach_bad_input_and_foreign_leases_change_nothing(env: tuple[Cluster, Any, Client]) -> None:
     cluster, stub, c = env
     lease = c.acquire(1000)
@@ -72,17 +63,17 @@ def test_attach_bad_input_and_foreign_leases_change_nothing(env: tuple[Cluster, 
     def attach(**kw: Any) -> Any:
         return lambda: stub.AttachProcesses(pb.AttachProcessesRequest(**{"session": ref, "lease_id": lease.id,
                                                                          **kw}), timeout=10)
-    _expect(cluster, attach(pids=[0]), C.INVALID_ARGUMENT, "pids")
-    _expect(cluster, attach(pids=[-5]), C.INVALID_ARGUMENT, "pids")
-    _expect(cluster, attach(pids=[(1 << 22) + 1]), C.INVALID_ARGUMENT, "pids")
-    _expect(cluster, attach(pids=list(range(1, 66))), C.INVALID_ARGUMENT, "pids")
-    _expect(cluster, attach(pgid=-1), C.INVALID_ARGUMENT, "pgid")
-    _expect(cluster, attach(lease_id="no/such"), C.INVALID_ARGUMENT, "lease_id")
-    _expect(cluster, attach(lease_id="0123456789abcdef0123"), C.NOT_FOUND, "lease_id")
+    expect_refused(cluster, attach(pids=[0]), C.INVALID_ARGUMENT, "pids")
+    expect_refused(cluster, attach(pids=[-5]), C.INVALID_ARGUMENT, "pids")
+    expect_refused(cluster, attach(pids=[(1 << 22) + 1]), C.INVALID_ARGUMENT, "pids")
+    expect_refused(cluster, attach(pids=list(range(1, 66))), C.INVALID_ARGUMENT, "pids")
+    expect_refused(cluster, attach(pgid=-1), C.INVALID_ARGUMENT, "pgid")
+    expect_refused(cluster, attach(lease_id="no/such"), C.INVALID_ARGUMENT, "lease_id")
+    expect_refused(cluster, attach(lease_id="0123456789abcdef0123"), C.NOT_FOUND, "lease_id")
     with Client(c._async.addresses, agent="agent-b",
                 host="h1") as other:
         other_ref = pb.SessionRef(agent="agent-b", session_id=other.session_id)
-        _expect(cluster, lambda: stub.AttachProcesses(pb.AttachProcessesRequest(
+        expect_refused(cluster, lambda: stub.AttachProcesses(pb.AttachProcessesRequest(
             session=other_ref, lease_id=lease.id, pids=[1]), timeout=10), C.PERMISSION_DENIED, "lease_id")
 
 

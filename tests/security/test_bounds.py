@@ -14,8 +14,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2
 from coordinator.config import CoordinatorConfig
-from tests.harness import Cluster, wait_for
-from tests.security.conftest import writes_since
+from tests.harness import Cluster, revision, wait_for, writes_since
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -40,16 +39,11 @@ def env(cluster: Cluster) -> Iterator[tuple[Cluster, str, str, grpc.Channel]]:
         yield cluster, addr, daemon.address, ch
 
 
-def _revision(cluster: Cluster) -> int:
-    from coordinator.etcd.ops import range_req
-    return int(cluster.lt.run(cluster.store.snapshot([range_req(b"/")])).revision)
-
-
 def test_malformed_bytes_are_invalid_argument_without_a_traceback(
         env: tuple[Cluster, str, str, grpc.Channel], caplog: pytest.LogCaptureFixture) -> None:
     cluster, _, node_addr, ch = env
     caplog.set_level(logging.INFO)
-    before = _revision(cluster)
+    before = revision(cluster)
     garbage = [b"\xff\xff\xff\xff", b"\x0a\xff\x01abc", b"\x08" + b"\xff" * 11, b"\x12\x05ab"]
     methods = ["OpenSession", "Acquire", "Release", "CloseSession", "GetStatus", "ApplyPartition", "GetPartition",
                "EvictLease", "RevokeLease", "Ping"]
@@ -76,7 +70,7 @@ def test_malformed_bytes_are_invalid_argument_without_a_traceback(
 def test_message_and_spec_size_and_agent_count(env: tuple[Cluster, str, str, grpc.Channel]) -> None:
     cluster, _, _, ch = env
     stub = pb_grpc.CoordinatorStub(ch)
-    before = _revision(cluster)
+    before = revision(cluster)
     with pytest.raises(grpc.RpcError) as info:   # over gRPC's max receive size (1 MiB)
         stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json="x" * (1 << 20 + 1)), timeout=10)
     assert info.value.code() == C.RESOURCE_EXHAUSTED

@@ -22,8 +22,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.etcd.ops import range_req
-from tests.harness import Cluster, wait_for
-from tests.security.conftest import writes_since
+from tests.harness import Cluster, wait_for, writes_since
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

@@ -12,8 +12,7 @@ from typing import Iterator
 import pytest
 
 from coordinator.etcd.process import etcd_binary, free_port
-from tests.conftest import EtcdEndpoint
-from tests.harness import REPO, Cluster, child_env, wait_for
+from tests.harness import REPO, Cluster, EtcdEndpoint, child_env, wait_for
 
 pytestmark = pytest.mark.integration
 

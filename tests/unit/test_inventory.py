@@ -32,84 +32,9 @@ from coordinator.node.inventory import (
     read_inventory,
 )
 
+from tests.harness import FakeDevice, FakeNvml, nvml_error
+
 GIB = 1024 * MIB
-
-
-def nvml_error(code: int) -> pynvml.NVMLError:
-    """A real pynvml error; NVMLError.__new__ maps the code to its subclass (e.g. NVMLError_GpuIsLost)."""
-    return pynvml.NVMLError(code)
-
-
-class FakeDevice:
-    def __init__(self, uuid: str | bytes, name: str | bytes, total: int, used: int = 0,
-                 procs: list[Any] | None = None, graphics: list[Any] | None = None) -> None:
-        self.uuid = uuid
-        self.name = name
-        self.total = total
-        self.used = used
-        self.procs: list[Any] = procs or []
-        self.graphics: list[Any] = graphics or []
-        # call name -> error code to raise from that call on this device
-        self.fail: dict[str, int] = {}
-
-
-class FakeNvml:
-    """Stands in for the pynvml module: same function names, real exception classes."""
-
-    NVMLError = pynvml.NVMLError
-
-    def __init__(self, devices: list[FakeDevice]) -> None:
-        self.devices = devices
-        self.init_error: BaseException | None = None
-        self.count_error: int | None = None
-        self.shutdown_error: int | None = None
-        self.calls: list[str] = []
-
-    def _dev(self, handle: Any, call: str) -> FakeDevice:
-        self.calls.append(call)
-        dev: FakeDevice = handle.dev
-        if call in dev.fail:
-            raise nvml_error(dev.fail[call])
-        return dev
-
-    def nvmlInit(self) -> None:
-        self.calls.append("nvmlInit")
-        if self.init_error is not None:
-            raise self.init_error
-
-    def nvmlShutdown(self) -> None:
-        self.calls.append("nvmlShutdown")
-        if self.shutdown_error is not None:
-            raise nvml_error(self.shutdown_error)
-
-    def nvmlDeviceGetCount(self) -> int:
-        self.calls.append("nvmlDeviceGetCount")
-        if self.count_error is not None:
-            raise nvml_error(self.count_error)
-        return len(self.devices)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
-        self.calls.append("nvmlDeviceGetHandleByIndex")
-        dev = self.devices[index]
-        if "nvmlDeviceGetHandleByIndex" in dev.fail:
-            raise nvml_error(dev.fail["nvmlDeviceGetHandleByIndex"])
-        return SimpleNamespace(dev=dev)
-
-    def nvmlDeviceGetUUID(self, handle: Any) -> str | bytes:
-        return self._dev(handle, "nvmlDeviceGetUUID").uuid
-
-    def nvmlDeviceGetName(self, handle: Any) -> str | bytes:
-        return self._dev(handle, "nvmlDeviceGetName").name
-
-    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
-        d = self._dev(handle, "nvmlDeviceGetMemoryInfo")
-        return SimpleNamespace(total=d.total, used=d.used, free=d.total - d.used)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
-        return list(self._dev(handle, "nvmlDeviceGetComputeRunningProcesses").procs)
-
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
-        return list(self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses").graphics)
 
 
 class Recorder:
