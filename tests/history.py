@@ -7,7 +7,8 @@ revision checks:
   every agent's leases on a GPU <= its partition's cap there (when the host has an explicit partition);
 * G5 fencing: every new lease's token is greater than every token issued before it on that GPU, and the
   ledger's sequence number is the highest token;
-* G6 idempotency: never two live leases with the same (agent, request_id);
+* G6 idempotency: never two live leases with the same (host, agent, request_id) (a request is of one
+  host: agent a's request_id on h2 is another request than on h1);
 * G3 eviction: every eviction notice made for a request of priority P names a preemptible lease of
   priority < P, and a request that had victims is admitted only once all of them are gone.
 """
@@ -145,11 +146,11 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                 still = [v for v in victims if v in live_ids]
                 if still:
                     rep.violations.append(f"rev {rev}: G3 lease {lease_id} admitted while its victims {still} live")
-        # G6 across the whole host set
-        seen: set[tuple[str, str]] = set()
-        for hg, live in leases.items():
+        # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id)
+        seen: set[tuple[str, str, str]] = set()
+        for (host, _), live in leases.items():
             for lease_id, x in live.items():
-                k = (x["agent"], x["request_id"])
+                k = (host, x["agent"], x["request_id"])
                 if k in seen:   # the lease id repeats on every GPU: count live leases, not ids
                     rep.violations.append(f"rev {rev}: G6 two live leases for request {k}")
                 seen.add(k)

@@ -393,6 +393,15 @@ def test_same_request_on_two_gpus_detected() -> None:
     assert_one_violation(check(h), "G6")
 
 
+def test_same_request_id_on_two_hosts_is_two_requests() -> None:
+    h = History()
+    h.ledger(G0)
+    h.ledger(G1, host="h2")
+    h.lease("a", "r1", 100, G0)
+    h.lease("a", "r1", 100, G1, host="h2")  # a session is of one host: another host, another request
+    assert check(h).violations == []
+
+
 # -- one revision, applied together -------------------------------------------------------------
 
 def test_delete_and_put_in_one_revision_are_applied_together() -> None:
