@@ -1,9 +1,10 @@
-"""The etcd boundary against real etcd processes: snapshots, compare-and-set, the shared keepalive
-stream, watches that resume after a disconnect or a compaction, and error translation."""
+"""The store contract (``coordinator.etcd.store``) against real etcd processes: snapshots, compare-and-set,
+the shared keepalive stream, watches that resume after a disconnect or a compaction, and error
+translation."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -11,17 +12,7 @@ from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
 from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
-from tests.conftest import EtcdEndpoint
-from tests.harness import LoopThread
-
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    yield loop
-    loop.close()
+from tests.harness import EtcdEndpoint, LoopThread, wait_for
 
 
 def test_snapshot_reads_every_range_at_one_revision(etcd: EtcdEndpoint, prefix: str, lt: LoopThread) -> None:
@@ -91,7 +82,6 @@ def test_watch_resumes_after_etcd_restarts(tmp_path: Any, lt: LoopThread) -> Non
 
 
 def _wait_healthy(member: Any) -> None:
-    from tests.harness import wait_for
     wait_for(member.healthy, 20, "etcd to come back")
 
 

@@ -1,7 +1,7 @@
-"""The agent client leaves a hung replica (SIGSTOP) for the next address within a few seconds, for an
-acquire in flight and for one that waits in the queue; the retry keeps its request_id, so it gets the same
-lease. Coordinators are real child processes; every test ends with SIGCONT, cleanup by PID and the
-history checker."""
+"""G7: the agent client leaves a hung replica (SIGSTOP) for the next address within a few seconds, for an
+acquire in flight, for one that waits in the queue, and for the keepalive stream of its session; the retry
+keeps its request_id, so it gets the same lease, and the session lives on. Coordinators are real child
+processes; every test ends with SIGCONT, cleanup by PID and the history checker."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ import pytest
 from agent_client import Client
 from coordinator.cli.common import fetch_status
 from coordinator.records import QueueEntry
-from tests.harness import Background, Cluster, spawn_coordinator, wait_for
+from tests.harness import Background, Cluster, pass_time, session_alive, spawn_coordinator, wait_for
 from tests.history import check_store
 
 
@@ -109,3 +109,22 @@ def test_waiting_acquire_leaves_a_replica_that_hangs_mid_call(cluster: Cluster, 
         assert [x.id for x in cluster.leases()] == [lease.id]
         assert not waiter.expired
         lease.release()
+
+
+def test_the_keepalive_stream_leaves_a_hung_replica(cluster: Cluster, replicas: list[Replica]) -> None:
+    """A replica that stops answering without closing its socket (SIGSTOP, a hung event loop, a partition
+    that drops packets) does not hold the client's session hostage: the keepalive moves to the next
+    replica within the TTL, and the session and its lease live on. (Review finding R1: the KeepAlive stream
+    was read with no deadline and no gRPC ping, so the session expired while the client, its ``expired``
+    still False, believed it alive.)"""
+    cluster.start_node("h1", "1x8GiB")
+    first, second = replicas
+    with Client([first.addr, second.addr], agent="a", host="h1", ttl=3) as c:
+        lease = c.acquire(1000)
+        first.stop()                            # the replica serving the stream hangs
+        pass_time(3 + 2, "the session TTL and more")
+        alive = session_alive(cluster, "a", c.session_id)
+        held = [x.id for x in cluster.leases()]
+        first.resume()
+        assert (alive, held) == (True, [lease.id]), \
+            f"session alive={alive}, leases={held}, client.expired={c.expired}"

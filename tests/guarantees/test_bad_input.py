@@ -1,6 +1,8 @@
-"""Bad input gets a specific gRPC status, a message that names the field, and writes nothing to etcd."""
+"""Bad input gets a specific gRPC status, a message that names the field, and writes nothing to etcd; it
+never crashes a process nor leaves anything behind (not even a client's thread)."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 import grpc
@@ -8,12 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent_client import Client
+from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster
+from tests.harness import Cluster, coordinator_stub, expect_refused, pass_time
 
-pytestmark = pytest.mark.integration
 C = grpc.StatusCode
 
 
@@ -27,15 +28,6 @@ def env(cluster: Cluster) -> Iterator[tuple[Cluster, Any, Client]]:
     channel.close()
 
 
-def _expect(cluster: Cluster, fn: Any, code: grpc.StatusCode, field: str) -> None:
-    before = cluster.state()
-    with pytest.raises(grpc.RpcError) as info:
-        fn()
-    assert info.value.code() == code, info.value.details()
-    assert field in info.value.details(), info.value.details()
-    assert cluster.state() == before, "a refused request wrote to etcd"
-
-
 def test_acquire_bad_fields(env: tuple[Cluster, Any, Client]) -> None:
     cluster, stub, c = env
     me = pb.SessionRef(agent="agent-a", session_id=c.session_id)
@@ -45,19 +37,21 @@ def test_acquire_bad_fields(env: tuple[Cluster, Any, Client]) -> None:
         req = pb.AcquireRequest(session=kw.pop("session", me), **{"vram_mb": 1000, **kw})
         return lambda: stub.Acquire(req, timeout=10)
 
-    _expect(cluster, acq(vram_mb=0), C.INVALID_ARGUMENT, "vram_mb")
-    _expect(cluster, acq(vram_mb=-5), C.INVALID_ARGUMENT, "vram_mb")
-    _expect(cluster, acq(vram_mb=20000), C.INVALID_ARGUMENT, "vram_mb")
-    _expect(cluster, acq(gpu="7"), C.NOT_FOUND, "gpu")
-    _expect(cluster, acq(gpu="GPU-nope"), C.NOT_FOUND, "gpu")
-    _expect(cluster, acq(gpu="a/b"), C.INVALID_ARGUMENT, "gpu")
-    _expect(cluster, acq(priority=10**9), C.INVALID_ARGUMENT, "priority")
-    _expect(cluster, acq(wait_seconds=-1), C.INVALID_ARGUMENT, "wait_seconds")
-    _expect(cluster, acq(request_id="x" * 500), C.INVALID_ARGUMENT, "request_id")
-    _expect(cluster, acq(session=pb.SessionRef(agent="agent-a", session_id="123abc")), C.NOT_FOUND, "session")
-    _expect(cluster, acq(session=pb.SessionRef(agent="agent-a", session_id="zz")), C.INVALID_ARGUMENT, "session_id")
-    _expect(cluster, acq(session=pb.SessionRef(agent="", session_id=c.session_id)), C.INVALID_ARGUMENT, "agent")
-    _expect(cluster, acq(session=pb.SessionRef(agent="agent-b", session_id=c.session_id)), C.NOT_FOUND, "session")
+    expect_refused(cluster, acq(vram_mb=0), C.INVALID_ARGUMENT, "vram_mb")
+    expect_refused(cluster, acq(vram_mb=-5), C.INVALID_ARGUMENT, "vram_mb")
+    expect_refused(cluster, acq(vram_mb=20000), C.INVALID_ARGUMENT, "vram_mb")
+    expect_refused(cluster, acq(gpu="7"), C.NOT_FOUND, "gpu")
+    expect_refused(cluster, acq(gpu="GPU-nope"), C.NOT_FOUND, "gpu")
+    expect_refused(cluster, acq(gpu="a/b"), C.INVALID_ARGUMENT, "gpu")
+    expect_refused(cluster, acq(priority=10**9), C.INVALID_ARGUMENT, "priority")
+    expect_refused(cluster, acq(wait_seconds=-1), C.INVALID_ARGUMENT, "wait_seconds")
+    expect_refused(cluster, acq(request_id="x" * 500), C.INVALID_ARGUMENT, "request_id")
+    expect_refused(cluster, acq(session=pb.SessionRef(agent="agent-a", session_id="123abc")), C.NOT_FOUND, "session")
+    expect_refused(cluster, acq(session=pb.SessionRef(agent="agent-a", session_id="zz")),
+                   C.INVALID_ARGUMENT, "session_id")
+    expect_refused(cluster, acq(session=pb.SessionRef(agent="", session_id=c.session_id)), C.INVALID_ARGUMENT, "agent")
+    expect_refused(cluster, acq(session=pb.SessionRef(agent="agent-b", session_id=c.session_id)),
+                   C.NOT_FOUND, "session")
     held.release()
 
 
@@ -70,7 +64,7 @@ def test_open_session_bad_fields(env: tuple[Cluster, Any, Client]) -> None:
         (pb.OpenSessionRequest(agent="agent-x", host="h1", ttl_seconds=1), C.INVALID_ARGUMENT, "ttl_seconds"),
         (pb.OpenSessionRequest(agent="agent-x", host="h1", ttl_seconds=100000), C.INVALID_ARGUMENT, "ttl_seconds"),
     ]:
-        _expect(cluster, lambda: stub.OpenSession(req, timeout=10), code, field)
+        expect_refused(cluster, lambda: stub.OpenSession(req, timeout=10), code, field)
 
 
 def test_expired_session_and_foreign_lease(env: tuple[Cluster, Any, Client]) -> None:
@@ -78,14 +72,14 @@ def test_expired_session_and_foreign_lease(env: tuple[Cluster, Any, Client]) -> 
     lease = c.acquire(1000)
     with Client(list(cluster.coordinators)[0], agent="agent-b", host="h1") as other:
         ref_b = pb.SessionRef(agent="agent-b", session_id=other.session_id)
-        _expect(cluster, lambda: stub.Release(pb.ReleaseRequest(session=ref_b, lease_id=lease.id), timeout=10),
+        expect_refused(cluster, lambda: stub.Release(pb.ReleaseRequest(session=ref_b, lease_id=lease.id), timeout=10),
                 C.PERMISSION_DENIED, "lease_id")
-        _expect(cluster, lambda: stub.Release(pb.ReleaseRequest(session=ref_b, lease_id="../x"), timeout=10),
+        expect_refused(cluster, lambda: stub.Release(pb.ReleaseRequest(session=ref_b, lease_id="../x"), timeout=10),
                 C.INVALID_ARGUMENT, "lease_id")
     # agent-b's session is closed now: anything on it is NOT_FOUND and writes nothing.
-    _expect(cluster, lambda: stub.Acquire(pb.AcquireRequest(session=ref_b, vram_mb=10), timeout=10),
+    expect_refused(cluster, lambda: stub.Acquire(pb.AcquireRequest(session=ref_b, vram_mb=10), timeout=10),
             C.NOT_FOUND, "session")
-    _expect(cluster, lambda: stub.Release(pb.ReleaseRequest(session=ref_b, lease_id=lease.id), timeout=10),
+    expect_refused(cluster, lambda: stub.Release(pb.ReleaseRequest(session=ref_b, lease_id=lease.id), timeout=10),
             C.NOT_FOUND, "session")
     assert [x.id for x in cluster.leases()] == [lease.id]
 
@@ -109,3 +103,30 @@ def test_random_acquires_never_crash_or_leak(env: tuple[Cluster, Any, Client], v
         assert cluster.state() == before
     else:
         stub.Release(pb.ReleaseRequest(session=me, lease_id=resp.lease.id), timeout=10)
+
+
+def test_a_deeply_nested_partition_spec_is_invalid_argument(cluster: Cluster) -> None:
+    """A spec nested deeper than the JSON parser recurses is INVALID_ARGUMENT, like any malformed spec.
+    (Review finding F13: the RecursionError escaped as INTERNAL.)"""
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+    with pytest.raises(grpc.RpcError) as info:
+        coordinator_stub(addr).ApplyPartition(pb.ApplyPartitionRequest(spec_json="[" * 100_000), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details())
+
+
+def test_a_refused_connect_leaves_no_client_thread_behind(cluster: Cluster) -> None:
+    """``with Client(...)`` whose connect is refused (here: no such host) stops the client's event-loop
+    thread: an agent that retries connecting (its host not registered yet, its partition not applied yet)
+    leaks nothing per attempt. (Review finding R3: __exit__ never ran, and one thread leaked per attempt.)"""
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+
+    def leaked() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "gpucoord-leaky" and t.is_alive()]
+    for _ in range(3):
+        with pytest.raises(errors.NotFound):
+            with Client(addr, agent="leaky", host="no-such-host"):
+                pass
+    pass_time(0.5, "the threads to wind down")
+    assert leaked() == [], f"{len(leaked())} client loop threads left running after failed connects"

@@ -1,17 +1,23 @@
-"""G2 and the fair queue: bounds per agent and per host never stop a more important request.
+"""G2 order and the queue: a waiting request is never overtaken on its GPU by a later request of the same or
+lower priority; equal priorities are served first come, first served.
 
-* One agent filling its own bound (``max_queue_per_agent``) is refused past it, and another agent's request
-  of higher priority still waits and is granted first.
-* A full host queue (``max_queue_per_host``) does not refuse an arrival that outranks its lowest waiter: the
-  arrival may evict (G3), and it takes the lowest waiter's place; that waiter is answered
-  RESOURCE_EXHAUSTED naming ``queue``, also when another replica serves it. An arrival that does not
-  outrank the lowest waiter is refused, naming ``queue``.
+* A release wakes the queue: the next waiter is granted at once, not at a polling tick; a wait that ends
+  without a grant leaves the queue before its caller is answered.
+* Waiters are served by priority, then in arrival order; a later request that would fit now still queues
+  behind an earlier waiter of the same or higher priority.
+* The queue is bounded, and the bounds per agent and per host never stop a more important request. One
+  agent filling its own bound (``max_queue_per_agent``) is refused past it, and another agent's request of
+  higher priority still waits and is granted first. A full host queue (``max_queue_per_host``) does not
+  refuse an arrival that outranks its lowest waiter: the arrival may evict (G3), and it takes the lowest
+  waiter's place; that waiter is answered RESOURCE_EXHAUSTED naming ``queue``, also when another replica
+  serves it. An arrival that does not outrank the lowest waiter is refused, naming ``queue``.
 
 Small bounds keep it fast. Every test ends with the history checker (G1, G3, G5, G6 at every revision).
 """
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -111,3 +117,95 @@ def test_a_waiter_displaced_through_another_replica_is_told_queue(cluster: Clust
         with pytest.raises(errors.ResourceExhausted, match="after waiting"):
             h.result(15)
         assert queue(cluster) == []
+
+
+def test_waiter_is_granted_right_after_a_release(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as a, Client(addr, agent="agent-b", host="h1") as b:
+        first = a.acquire(4000)
+        a.acquire(4000)
+        with pytest.raises(errors.ResourceExhausted):
+            b.acquire(4000)
+        waiter = Background(b.acquire, 4000, wait=5)
+        wait_for(lambda: len(queue(cluster)) == 1, 5, "the waiter to be queued")
+        released_at = time.monotonic()
+        first.release()
+        lease = waiter.result()
+        assert lease.vram_mb == 4000 and lease.token == 3
+        assert waiter.finished_at - released_at < 2.0
+        assert queue(cluster) == []
+
+
+def test_wait_that_times_out_leaves_the_queue_first(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as a:
+        a.acquire(8000, preemptible=False)
+        t0 = time.monotonic()
+        with pytest.raises(errors.ResourceExhausted, match="after waiting"):
+            a.acquire(4000, wait=1)
+        assert time.monotonic() - t0 >= 1.0
+        assert queue(cluster) == []
+
+
+def test_waiters_are_served_by_priority_then_fifo(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+    order: list[str] = []
+    with Client(addr, agent="holder", host="h1") as holder:
+        blocker = holder.acquire(8192, preemptible=False)
+        clients = {name: Client(addr, agent=name, host="h1").connect() for name in ("p1", "p5-first", "p5-second")}
+        try:
+            waiters = {}
+            for name, prio in (("p1", 1), ("p5-first", 5), ("p5-second", 5)):
+                def take(name: str = name, prio: int = prio) -> Any:
+                    lease = clients[name].acquire(8192, priority=prio, wait=20)
+                    order.append(name)
+                    return lease
+                waiters[name] = Background(take)
+                n = len(waiters)
+                wait_for(lambda: len(queue(cluster)) == n, 5, f"{name} to be queued")
+            # Rank order in etcd already says 5, 5, 1.
+            assert [e.agent for e in queue(cluster)] == ["p5-first", "p5-second", "p1"]
+            blocker.release()
+            for name in ("p5-first", "p5-second", "p1"):
+                lease = waiters[name].result()
+                wait_for(lambda: len(order) >= 1, 5, "a grant")
+                lease.release()
+            assert order == ["p5-first", "p5-second", "p1"]
+        finally:
+            for c in clients.values():
+                c.close()
+
+
+def test_a_later_request_does_not_overtake_waiters(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
+        a.acquire(6000, preemptible=False)
+        waiter = Background(b.acquire, 4000, priority=3, wait=10)
+        wait_for(lambda: len(queue(cluster)) == 1, 5, "b to be queued")
+        # 2000 would fit now, but b (priority 3) waits on this GPU: equal or lower priority must queue.
+        with pytest.raises(errors.ResourceExhausted, match="overtaking"):
+            a.acquire(1000, priority=3)
+        # A higher priority request may go first.
+        a.acquire(1000, priority=4).release()
+        b.close()
+        with pytest.raises(errors.GpucoordError):
+            waiter.result()
+
+
+def test_queue_length_is_bounded(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    addr = cluster.start_coordinator(max_queue_per_host=2)
+    with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
+        a.acquire(8000, preemptible=False)
+        waiters = [Background(b.acquire, 1000, wait=20) for _ in range(2)]
+        wait_for(lambda: len(queue(cluster)) == 2, 5, "two waiters")
+        with pytest.raises(errors.ResourceExhausted, match="queue"):
+            b.acquire(1000, wait=5)
+        b.close()
+        for w in waiters:
+            with pytest.raises(errors.GpucoordError):
+                w.result()

@@ -1,10 +1,15 @@
-"""The node daemon against a real etcd: publishing, the Node service, usage, fencing checks, death."""
+"""The node daemon against a real etcd: publishing, the Node service, usage, fencing checks, death; and it
+keeps its host registered through etcd errors and slow NVML calls, so a live daemon's host takes admissions.
+"""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -12,10 +17,9 @@ import pytest
 from agent_client import Client
 from agent_client.api import node_pb2 as npb
 from agent_client.api import node_pb2_grpc as npb_grpc
+from coordinator import errors as cerrors
 from coordinator.records import GpuProcess
-from tests.harness import REPO, Cluster, child_env, wait_for
-
-pytestmark = pytest.mark.integration
+from tests.harness import REPO, Cluster, FakeDevice, FakeNvml, LoopThread, child_env, node_stub, patch_method, wait_for
 
 
 def test_node_publishes_inventory_and_usage_under_its_etcd_lease(cluster: Cluster) -> None:
@@ -104,3 +108,91 @@ def test_node_rejects_a_bad_fake_gpu_spec(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "node", "--fake-gpus", "lots", "--host", "h1"],
                           capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60)
     assert proc.returncode == 2 and "--fake-gpus" in proc.stderr
+
+
+def test_the_node_registers_again_when_its_first_attempt_fails(cluster: Cluster) -> None:
+    """When the node's etcd_lease has expired (etcd out of reach past the TTL), the daemon grants a new one
+    and publishes hosts/<host> again, and keeps trying when a write fails (etcd still flapping): its host
+    comes back. (Review finding R6: one failed write ended the registration loop; the daemon kept serving
+    gRPC, but its host was gone for good.)"""
+    daemon = cluster.start_node("h1", "1x8GiB", ttl=3)
+    store = daemon.store
+    orig_commit = store.commit
+    failed: list[int] = []
+
+    async def commit(compares: Any, success: Any, failure: Any = ()) -> Any:
+        if not failed and any(op.HasField("request_put") and op.request_put.key == cluster.keys.host("h1")
+                              for op in success):
+            failed.append(1)
+            raise cerrors.Unavailable("etcd unavailable: injected")
+        return await orig_commit(compares, success, failure)
+
+    undo = patch_method(cluster, store, "commit", commit)
+    try:
+        cluster.lt.run(cluster.store.revoke(daemon.etcd_lease))   # as if etcd was unreachable past the TTL
+        wait_for(lambda: failed, 10, "the node to try to register again")
+        wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")), 8, "hosts/h1 to be published again")
+    finally:
+        undo()
+
+
+def test_a_slow_nvml_call_stalls_neither_the_nodes_grpc_nor_its_registration(cluster: Cluster) -> None:
+    """NVML calls can block for seconds (a GPU in a bad state, a driver without persistence mode). The
+    daemon scans off its event loop: during a 4.5 s NVML call it answers GetInventory, and its host stays
+    registered (its TTL is 3 s). (Review finding R14: the scan ran on the event loop, which stalled the
+    keepalive, the lease watch, CheckToken and GetInventory; the host expired although the daemon lived.)"""
+    from coordinator.node.daemon import NodeDaemon
+    from coordinator.node.inventory import MIB, NvmlGpuSource
+    from coordinator.rpc.node_server import create_node_server
+    from coordinator.etcd.store import Store
+
+    stall = threading.Event()
+
+    class SlowNvml(FakeNvml):
+        def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+            if stall.is_set():
+                stall.clear()
+                time.sleep(4.5)                 # one NVML call that hangs for a while (the fault, not a wait)
+            return super().nvmlDeviceGetMemoryInfo(handle)
+
+    source = NvmlGpuSource(SlowNvml([FakeDevice("GPU-slow-0", "Sick GPU", 8192 * MIB)]))
+    lt = LoopThread()                           # its own loop, so that the stall only stops the node
+
+    async def start() -> tuple[Any, Any]:
+        store = Store(cluster.endpoints)
+        await store.connect()
+        daemon = NodeDaemon(store, cluster.keys, "h1", "127.0.0.1:0", source, "/", 3, scan_interval_s=0.2)
+        server, port = await create_node_server(daemon, "127.0.0.1:0")
+        daemon.address = f"127.0.0.1:{port}"
+        await daemon.start()
+        return daemon, server
+    daemon, server = lt.run(start())
+    try:
+        node = node_stub(daemon.address)
+        node.GetInventory(npb.GetInventoryRequest(), timeout=5)
+        stall.set()
+        wait_for(lambda: not stall.is_set(), 5, "the scan to reach the slow call")
+        t0 = time.monotonic()
+        try:
+            node.GetInventory(npb.GetInventoryRequest(), timeout=1)
+            answered = "answered"
+        except grpc.RpcError as e:
+            answered = e.code().name
+        gone: dict[str, float] = {}
+
+        def gone_or_window_over() -> bool:
+            if not cluster.get_prefix(cluster.keys.host("h1")):
+                gone["at"] = time.monotonic() - t0
+                return True
+            return time.monotonic() - t0 >= 5
+        wait_for(gone_or_window_over, 10, "hosts/h1 to go, or the stall window to end")
+        gone_at = gone.get("at")
+        assert answered == "answered" and gone_at is None, \
+            f"during a 4.5 s NVML call: GetInventory {answered}; hosts/h1 gone after {gone_at}"
+    finally:
+        async def stop() -> None:
+            await server.stop(grace=0.2)
+            await daemon.stop()
+            await daemon.store.close()
+        lt.run(stop())
+        lt.close()

@@ -1,9 +1,15 @@
-"""Partitions enforced by admission, against a real etcd and real coordinators."""
+"""Partitions: enforced by admission (an agent leases only inside its partition, G1's caps), applied in one
+transaction that is refused while live leases would break it, unless ``--evict`` is given: the offenders
+then get eviction notices, and the apply waits for them, however long their grace period.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -12,10 +18,8 @@ import pytest
 from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, LoopThread
+from tests.harness import REPO, Cluster, LoopThread, child_env, coordinator_stub, wait_for
 from tests.history import check_store
-
-pytestmark = pytest.mark.integration
 
 MANUAL = {
     "host": "h1", "mode": "manual", "agents": ["agent-a", "agent-b"],
@@ -28,8 +32,8 @@ MANUAL = {
 
 
 def _apply(addr: str, spec: dict[str, Any], dry_run: bool = False) -> Any:
-    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
-    return stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps(spec), dry_run=dry_run), timeout=10)
+    request = pb.ApplyPartitionRequest(spec_json=json.dumps(spec), dry_run=dry_run)
+    return coordinator_stub(addr).ApplyPartition(request, timeout=10)
 
 
 def test_agent_leases_only_inside_its_partition(cluster: Cluster) -> None:
@@ -155,3 +159,45 @@ def test_apply_and_acquire_race_without_breaking_caps(cluster: Cluster, replicas
     assert outcomes.get("granted", 0) > 20 and outcomes.get("applied", 0) > 0, outcomes
     report = cluster.lt.run(check_store(cluster.store, cluster.keys))
     report.assert_ok()
+
+
+@pytest.mark.usefixtures("history_checked")
+def test_partition_apply_with_evict_waits_for_the_offenders(cluster: Cluster) -> None:
+    cluster.start_node("h1", "2x8GiB")
+    addr = cluster.start_coordinator(eviction_grace_s=1)
+    spec = {"host": "h1", "mode": "auto-split", "agents": ["a", "b"]}
+    with Client(addr, agent="a", host="h1") as a:
+        on_gpu1 = a.acquire(2000, gpu=1)     # auto-split gives GPU 1 to b: a must leave it
+        keep = a.acquire(2000, gpu=0)
+        with pytest.raises(grpc.RpcError) as info:
+            _apply(addr, spec)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--evict" in info.value.details()
+        request = pb.ApplyPartitionRequest(spec_json=json.dumps(spec), evict=True)
+        resp = coordinator_stub(addr).ApplyPartition(request, timeout=30)
+        assert resp.applied
+        assert on_gpu1.evicting.is_set() and not keep.evicting.is_set()
+        assert [x.id for x in cluster.leases()] == [keep.id]
+
+
+def test_partition_apply_evict_from_the_cli_waits_out_a_grace_period_longer_than_15s(cluster: Cluster,
+                                                                                     tmp_path: Path) -> None:
+    """`gpucoord partition apply --evict` waits as long as the server needs (the offenders' grace, then the
+    leader's revoke): the partition is applied, rather than the offenders revoked at their deadline for a
+    partition that was never written. (Review finding R9: the CLI gave up after a fixed 15 s, which
+    cancelled the server's handler, while the notices it had sent stood.)"""
+    cluster.start_node("h1", "2x8GiB")
+    addr = cluster.start_coordinator(eviction_grace_s=16)
+    spec = tmp_path / "p.toml"
+    spec.write_text('host = "h1"\nmode = "auto-split"\nagents = ["a", "b"]\n')
+    with Client(addr, agent="a", host="h1", ttl=30) as a:
+        on_gpu1 = a.acquire(2000, gpu=1)       # auto-split gives GPU 1 to b: a must leave it
+        proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "partition", "--coordinator", addr, "apply",
+                               str(spec), "--evict"], capture_output=True, text=True, env=child_env(), cwd=REPO,
+                              timeout=120)
+        applied = bool(cluster.get_prefix(cluster.keys.partition("h1")))
+        wait_for(lambda: on_gpu1.id not in [x.id for x in cluster.leases()] or applied, 10, "the deadline to pass")
+        revoked = on_gpu1.id not in [x.id for x in cluster.leases()]
+        applied = bool(cluster.get_prefix(cluster.keys.partition("h1")))
+        assert proc.returncode == 0 and applied, \
+            f"cli rc={proc.returncode} ({proc.stderr.strip()[-120:]}); partition applied={applied}; " \
+            f"offender revoked={revoked}"
