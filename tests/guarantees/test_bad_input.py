@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, coordinator_stub, expect_refused, pass_time
+from tests.harness import Cluster, coordinator_stub, expect_refused, wait_for
 
 C = grpc.StatusCode
 
@@ -128,5 +128,4 @@ def test_a_refused_connect_leaves_no_client_thread_behind(cluster: Cluster) -> N
         with pytest.raises(errors.NotFound):
             with Client(addr, agent="leaky", host="no-such-host"):
                 pass
-    pass_time(0.5, "the threads to wind down")
-    assert leaked() == [], f"{len(leaked())} client loop threads left running after failed connects"
+    wait_for(lambda: leaked() == [], 5, "the loop threads of the refused clients to stop")

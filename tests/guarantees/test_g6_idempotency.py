@@ -17,7 +17,8 @@ import pytest
 
 from agent_client import Client, errors
 from coordinator import errors as cerrors
-from tests.harness import (Cluster, acquire_req, coordinator_stub, is_delete, is_put, pass_time, patch_commit, queue,
+from coordinator.replica.admitter import ORPHAN_GRACE_S
+from tests.harness import (Cluster, acquire_req, coordinator_stub, is_delete, is_put, patch_commit, patch_method, queue,
                            wait_for)
 
 pytestmark = pytest.mark.usefixtures("history_checked")
@@ -92,12 +93,14 @@ def test_two_calls_with_one_request_id_in_one_round_get_one_queue_entry_and_the_
 def test_a_retry_claims_the_lease_its_cancelled_first_call_was_granted(cluster: Cluster) -> None:
     """A caller that goes away while its grant is being committed, and retries with the same request_id,
     gets that lease, and keeps it: the retry claims it, so the give-back that the replica schedules for a
-    lease nobody knows leaves it alone. (Review finding R12: the retry was answered with the lease, then the
+    lease nobody knows (ORPHAN_GRACE_S after the commit) leaves it alone. The test waits until that
+    give-back has run before it looks. (Review finding R12: the retry was answered with the lease, then the
     give-back deleted it: a lease that no longer existed, whose VRAM went to others.)"""
     cluster.start_node("h1", "1x8GiB")
     addr = cluster.start_coordinator()
     svc = cluster.service(addr)
     in_commit, release_commit = threading.Event(), threading.Event()
+    gave_back = threading.Event()
 
     async def hook(compares: Any, success: Any, commit: Any) -> Any:
         if not in_commit.is_set() and any(is_put(op, b"/leases/") for op in success):
@@ -107,22 +110,34 @@ def test_a_retry_claims_the_lease_its_cancelled_first_call_was_granted(cluster: 
 
     with Client(addr, agent="b", host="h1", ttl=30) as b:
         undo = patch_commit(cluster, svc, hook)
+        undo_give_back = None
         try:
             s = coordinator_stub(addr)
             req = acquire_req("b", b.session_id, 1000, "x")
             first = s.Acquire.future(req, timeout=30)
             assert in_commit.wait(5)
             admitter = svc._admitters["h1"]
+            orig_give_back = admitter._give_back
+
+            async def give_back(lease: Any) -> None:
+                try:
+                    await orig_give_back(lease)
+                finally:
+                    gave_back.set()
+            undo_give_back = patch_method(cluster, admitter, "_give_back", give_back)
             first.cancel()                      # the caller gives up (a client-side deadline, a cancelled task)
             wait_for(lambda: first.done(), 5, "the cancel")
             retry = s.Acquire.future(req, timeout=10)   # ... and retries with the same request_id
             wait_for(lambda: len(admitter._pending) == 1, 5, "the retry to be pending")
             release_commit.set()
             lease = retry.result().lease
-            pass_time(1.0, "the give-back of the cancelled call to run")
+            # The give-back of the cancelled call runs ORPHAN_GRACE_S after the commit, claimed or not.
+            wait_for(gave_back.is_set, ORPHAN_GRACE_S + 10, "the give-back of the cancelled call to run")
             assert lease.id in [x.id for x in cluster.leases()], "the retry was answered with a lease that is gone"
         finally:
             release_commit.set()
+            if undo_give_back is not None:
+                undo_give_back()
             undo()
 
 
