@@ -9,9 +9,14 @@ Layers, bottom up (a module may import its own layer's modules and those of the 
     rpc      the gRPC servers and message conversion                    (all of the above, agent_client.api)
     cli      commands, rendering, up, demo, bench                       (everything)
 ``agent_client`` imports nothing of ``coordinator``.
+
+The tests have a rule of their own: a test module (and a conftest) imports, of ``tests``, only the shared
+helpers (``tests.harness``, ``tests.history``, ``tests.static.import_graph``), never another test module.
 """
 from __future__ import annotations
 
+import ast
+import pathlib
 import re
 import subprocess
 import sys
@@ -89,3 +94,32 @@ def test_no_key_is_built_or_parsed_outside_keys_py() -> None:
                 if _KEY_BUILDING.search(line):
                     offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+# What a test may import of ``tests``: the shared helpers, never another test module or a conftest.
+TEST_HELPERS = {"tests.harness", "tests.history", "tests.static.import_graph"}
+
+
+def _imports_of_tests(path: pathlib.Path) -> set[str]:
+    """The modules of ``tests`` that ``path`` imports (relative imports resolved), wherever written."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            # "from tests import harness" names a module; "from tests.harness import X" names X in one
+            found |= {f"{base}.{a.name}" if base in ("tests", "tests.static") else base for a in node.names}
+    return {m for m in found if m == "tests" or m.startswith("tests.")}
+
+
+def test_no_test_module_imports_another() -> None:
+    files = sorted([*(REPO / "tests").rglob("test_*.py"), *(REPO / "tests").rglob("conftest.py")])
+    assert len(files) > 50, "the test files were not found"
+    bad = [f"{path.relative_to(REPO)} imports {mod}" for path in files
+           for mod in sorted(_imports_of_tests(path)) if mod not in TEST_HELPERS]
+    assert not bad, "\n".join(bad)
