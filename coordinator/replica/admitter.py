@@ -205,8 +205,7 @@ class HostAdmitter:
             if c.future.done():
                 continue
             if res.succeeded:
-                metrics.REFUSALS.labels("wait_timeout").inc()
-                c.future.set_exception(errors.CapacityError(
+                c.future.set_exception(errors.WaitTimeout(
                     f"vram_mb: {c.vram_mb} MiB still did not fit after waiting {c.wait_s:g} s", "vram_mb"))
             elif lease is not None:   # the entry went with a grant (by any replica)
                 c.future.set_result(lease)
@@ -240,8 +239,7 @@ class HostAdmitter:
                 use_mirror = False
                 if plan.failures or plan.waits or plan.evictions or not plan.ops:
                     continue
-            for c, err in plan.failures:
-                metrics.REFUSALS.labels(type(err).__name__).inc()
+            for c, err in plan.failures:   # counted where the RPC answers (gpucoord_refusals_total)
                 if not c.future.done():
                     c.future.set_exception(err)
             if not plan.ops:

@@ -10,12 +10,19 @@ from grpc_reflection.v1alpha import reflection
 
 from agent_client.api import node_pb2 as pb
 from agent_client.api import node_pb2_grpc as pb_grpc
-from coordinator import metrics
+from coordinator import errors, metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
+from coordinator.records import VramLease
 from coordinator.node.daemon import NodeDaemon
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
+
+
+async def _refuse(context: grpc.aio.ServicerContext, rpc: str, error: errors.GpucoordError) -> None:
+    """Answer with ``error``'s status, counted in gpucoord_refusals_total like the coordinator's refusals."""
+    metrics.count_refusal(rpc, error)
+    await context.abort(grpc.StatusCode[error.code], error.message)
 
 
 class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
@@ -25,7 +32,7 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     async def GetInventory(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
         inv = self.daemon.inventory
         if inv is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting")
+            await _refuse(context, "GetInventory", errors.Unavailable("the node daemon is starting"))
         assert inv is not None  # abort() raises
         usage = {u.uuid: u for u in self.daemon.last_usage}
         out = pb.GetInventoryResponse(host=inv.host, address=inv.address, cpu_count=inv.cpu_count,
@@ -41,18 +48,35 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
 
     async def CheckToken(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
         if not request.gpu_uuid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu_uuid: is required")
+            await _refuse(context, "CheckToken", errors.InvalidArgument("gpu_uuid: is required", "gpu_uuid"))
         if request.token <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token: must be > 0")
+            await _refuse(context, "CheckToken", errors.InvalidArgument("token: must be > 0", "token"))
         inv = self.daemon.inventory
         if inv is not None and inv.gpu(request.gpu_uuid) is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}")
+            await _refuse(context, "CheckToken", errors.NotFound(
+                f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}", "gpu_uuid"))
         if not self.daemon.leases_ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is resynchronising its view of leases; retry")
+            await _refuse(context, "CheckToken",
+                          errors.Unavailable("the node is resynchronising its view of leases; retry"))
         live, lease_id = self.daemon.check_token(request.gpu_uuid, request.token)
+        if not live and request.token > self.daemon.highest_token.get(request.gpu_uuid, 0):
+            # Newer than any token this node has seen: a grant its watch may not have delivered yet (an agent
+            # checks right after its acquire returned), so etcd answers rather than a "no" that is too early.
+            try:
+                live, lease_id = await self._check_token_in_etcd(request.gpu_uuid, request.token)
+            except errors.GpucoordError as e:
+                await _refuse(context, "CheckToken", e)
         return pb.CheckTokenResponse(live=live, lease_id=lease_id,
                                      highest_token=self.daemon.highest_token.get(request.gpu_uuid, 0))
+
+
+    async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
+        d = self.daemon
+        snap = await d.store.get_prefix(d.keys.leases(d.host, gpu_uuid))
+        for lease in map(VramLease.from_kv, snap.ranges[0]):
+            if lease.token == token:
+                return True, lease.id
+        return False, ""
 
 
 async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.Server, int]:
@@ -73,7 +97,9 @@ async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
                    metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
-                   enforcer: Enforcer | None = None) -> None:
+                   enforcer: Enforcer | None = None, advertise: str | None = None) -> None:
+    """Serve the node until ``stop``. ``advertise`` is the address published in ``hosts/<host>`` (default: the
+    listen address with the bound port), for a node that listens on 0.0.0.0 or behind a NAT."""
     if metrics_listen:
         metrics.serve(metrics_listen)
     await store.connect()
@@ -81,7 +107,7 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
     daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
                         overrides=overrides, enforcer=enforcer)
     server, port = await create_node_server(daemon, listen)
-    daemon.address = f"{listen.rpartition(':')[0]}:{port}"
+    daemon.address = advertise or f"{listen.rpartition(':')[0]}:{port}"
     await daemon.start()
     if ready is not None:
         ready(port)
