@@ -230,7 +230,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
                                                                 dry_run=args.dry_run, evict=args.evict),
                                        timeout=3600 if args.evict else 15)
             doc = json.loads(resp.partition_json)
-            print(json.dumps(doc, indent=2) if args.json else render_partition(doc))
+            print(json.dumps(doc, indent=2) if args.json else render_partition(doc), flush=True)
             print("applied" if resp.applied else "dry run: valid, nothing written", file=sys.stderr)
         else:
             resp = stub.GetPartition(pb.GetPartitionRequest(host=args.host), timeout=10)
