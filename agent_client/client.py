@@ -116,7 +116,8 @@ class AsyncClient:
     """A session of one agent on one host, talking to any of several coordinator replicas.
 
     UNAVAILABLE from a replica makes the client move to the next address and retry; acquires are
-    retried with the same request_id, so a retry never mints a second lease.
+    retried with the same request_id, so a retry never mints a second lease. The session is opened by
+    ``connect()`` (``async with``) or by the first call that needs one.
     """
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
@@ -414,7 +415,9 @@ class Lease:
 
 
 class Client:
-    """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``."""
+    """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``.
+
+    ``with`` is optional: the first call that needs a session opens it, and ``close()`` ends it."""
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
                  **kw: Any) -> None:

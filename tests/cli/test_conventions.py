@@ -227,3 +227,38 @@ def test_revoke_prints_revoked_and_exits_0(coord: str) -> None:
         proc = cli("lease", "revoke", lease.id, "--coordinator", coord)
         assert proc.returncode == 0 and proc.stdout.strip() == "revoked"
         wait_for(lambda: not c.status("h1").hosts[0].leases, 10, "the revoked lease to go")
+
+
+def test_a_port_left_in_time_wait_is_free_for_up(tmp_path: Path) -> None:
+    """`up` takes etcd's 2379 (or any port) right after its last user closed it: connections lingering in
+    TIME_WAIT do not stop a server that sets SO_REUSEADDR, as etcd and gRPC do, so they must not make `up`
+    think the port is taken."""
+    from coordinator.etcd.process import port_is_free
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the etcd that had the port did
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()            # the side that closes first keeps the port in TIME_WAIT
+    client.close()
+    server.close()
+    assert port_is_free(port)
+
+
+def test_node_advertises_the_given_address(cluster: Cluster) -> None:
+    addr = cluster.start_coordinator()
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "node", "--etcd", cluster.endpoints[0],
+                             "--prefix", cluster.prefix, "--host", "h9", "--fake-gpus", "1x16GiB",
+                             "--listen", "127.0.0.1:0", "--advertise", "gpu-node-9.example:7170"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(), cwd=REPO)
+    try:
+        def address() -> str:
+            doc = json.loads(cli("status", "--json", "--host", "h9", "--coordinator", addr).stdout or "{}")
+            hosts = doc.get("hosts", [])
+            return str(hosts[0]["address"]) if hosts and hosts[0]["alive"] else ""
+        assert wait_for(address, 30, "node h9 to register", interval=0.2) == "gpu-node-9.example:7170"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
