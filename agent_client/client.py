@@ -19,6 +19,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_client import errors
 from agent_client.run import AsyncBoundProcess, BoundProcess
@@ -112,28 +113,47 @@ class AsyncLease(_LeaseBase):
         await self.release()
 
 
+class _ReplicaHung(Exception):
+    """A replica stopped answering health checks while an attempt waited on it."""
+
+
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class AsyncClient:
     """A session of one agent on one host, talking to any of several coordinator replicas.
 
-    UNAVAILABLE from a replica makes the client move to the next address and retry; acquires are
-    retried with the same request_id, so a retry never mints a second lease. The session is opened by
-    ``connect()`` (``async with``) or by the first call that needs one.
+    Failover: every attempt of a call has its own short deadline, ``attempt_timeout`` (3 s), plus the wait
+    left for an acquire. An attempt that answers UNAVAILABLE, or runs past its deadline, or waits on a
+    replica that stops answering health checks (probed every ``attempt_timeout`` while an acquire waits),
+    moves the client to the next address, which gets the same request, until ``retry_for`` (default: the
+    session TTL) has passed. No call outlasts ``rpc_timeout`` (plus the wait of an acquire).
+
+    Only calls that are safe to repeat are retried: an acquire keeps its request_id, so a retry never mints
+    a second lease; a release, a close and the reads are idempotent. An OpenSession whose answer was lost
+    may have opened a session on the replica that hung: that session holds nothing and nobody keeps it
+    alive, so etcd removes it when its TTL passes.
+
+    The session is opened by ``connect()`` (``async with``) or by the first call that needs one.
     """
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
                  keepalive_interval: float | None = None, rpc_timeout: float = 10.0,
-                 retry_for: float | None = None) -> None:
+                 retry_for: float | None = None, attempt_timeout: float = 3.0) -> None:
         """``ttl`` None takes the coordinator's session TTL, and ``keepalive_interval`` None the interval the
         coordinator answers (at most a third of the TTL)."""
         self.addresses = [a.strip() for a in (addresses.split(",") if isinstance(addresses, str) else addresses)
                           if a.strip()]
         if not self.addresses:
             raise ValueError("addresses: at least one coordinator address is needed")
+        if not attempt_timeout > 0:
+            raise ValueError(f"attempt_timeout: must be > 0, got {attempt_timeout}")
         self.agent, self.host = agent, host
         self.ttl = ttl or 0                 # 0 until connected: the coordinator's default
         self._keepalive_arg = keepalive_interval
         self.keepalive_interval = keepalive_interval or max(0.5, (ttl or 10) / 4)
         self.rpc_timeout = rpc_timeout
+        self.attempt_timeout = attempt_timeout
         self._retry_for_arg = retry_for
         self.retry_for = retry_for if retry_for is not None else float(ttl or 10)
         self.session_id = ""
@@ -148,36 +168,98 @@ class AsyncClient:
         self._connecting = asyncio.Lock()
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _stub(self) -> pb_grpc.CoordinatorStub:
-        addr = self.addresses[self._addr_i % len(self.addresses)]
+    def _channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
         if ch is None:
             ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
-        return pb_grpc.CoordinatorStub(ch)
+        return ch
+
+    def _address(self) -> str:
+        return self.addresses[self._addr_i % len(self.addresses)]
+
+    def _stub(self) -> pb_grpc.CoordinatorStub:
+        return pb_grpc.CoordinatorStub(self._channel(self._address()))
 
     def _next_address(self) -> None:
         self._addr_i = (self._addr_i + 1) % len(self.addresses)
 
-    async def _call(self, method: str, request: Any, timeout: float | None = None, retry_for: float | None = None) -> Any:
-        """A unary call with failover: UNAVAILABLE moves to the next replica until ``retry_for`` passes.
+    def _move_from(self, addr: str) -> None:
+        """Leave ``addr`` for the next address, unless another call has moved on from it already."""
+        if self._address() == addr:
+            self._next_address()
 
-        ``request`` may be a callable that builds the request for each attempt (an acquire sends the
-        wait that is left).
+    async def _call(self, method: str, request: Any, retry_for: float | None = None,
+                    wait_left: Callable[[], float] | None = None) -> Any:
+        """A unary call with failover (see the class docstring). Only for calls that are safe to repeat.
+
+        ``request`` may be a callable that builds the request for each attempt, and ``wait_left`` says how
+        long the server may hold an attempt by design (an acquire sends the wait that is left).
         """
-        deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
+        started = time.monotonic()
+        retry_until = started + (self.retry_for if retry_for is None else retry_for)
+        give_up_at = started + self.rpc_timeout + (wait_left() if wait_left else 0.0)
         delay = 0.05
         while True:
+            addr = self._address()
+            req = request() if callable(request) else request
+            waiting = wait_left() if wait_left else 0.0
+            timeout = max(0.05, min(self.attempt_timeout + waiting, give_up_at - time.monotonic()))
             try:
-                req = request() if callable(request) else request
-                return await getattr(self._stub(), method)(req, timeout=timeout or self.rpc_timeout)
+                return await self._attempt(addr, method, req, timeout, probe=waiting > 0)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
-                    raise errors.from_rpc_error(e) from None
-                log.info("%s: coordinator %s unavailable (%s); trying the next one", method,
-                         self.addresses[self._addr_i], e.details())
-                self._next_address()
+                code, why = e.code(), f"{e.code().name}: {e.details()}"
+                last: errors.GpucoordError = errors.from_rpc_error(e)
+            except _ReplicaHung as e:
+                code, why = grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
+                last = errors.DeadlineExceeded(f"{method}: coordinator {addr} stopped answering")
+            now = time.monotonic()
+            if code not in _FAILOVER_CODES or now + delay > min(retry_until, give_up_at - 0.1):
+                raise last from None
+            log.info("%s: coordinator %s failed (%s); trying the next one", method, addr, why)
+            self._move_from(addr)
+            if code == grpc.StatusCode.UNAVAILABLE:
+                # Refused at once (a replica down, or all of them): back off. A timed-out attempt has
+                # waited already.
                 await asyncio.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 1.0)
+
+    async def _attempt(self, addr: str, method: str, request: Any, timeout: float, probe: bool) -> Any:
+        """One attempt on one replica. With ``probe``, the replica's health is checked while it holds
+        the call, so that a replica that hangs (SIGSTOP, a stuck loop, packets dropped) is left within
+        two ``attempt_timeout`` rather than at the end of the wait."""
+        call = getattr(pb_grpc.CoordinatorStub(self._channel(addr)), method)(request, timeout=timeout)
+        if not probe:
+            return await call
+        hung = asyncio.get_running_loop().create_task(self._hung(addr))
+
+        def said_hung(t: asyncio.Task[bool]) -> bool:
+            return t.done() and not t.cancelled() and t.exception() is None and t.result()
+        hung.add_done_callback(lambda t: call.cancel() if said_hung(t) else None)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if said_hung(hung) and (task is None or not task.cancelling()):
+                raise _ReplicaHung(f"no answer to a health check within {self.attempt_timeout:.1f}s") from None
+            raise
+        finally:
+            hung.cancel()
+
+    async def _hung(self, addr: str) -> bool:
+        """True once the replica at ``addr`` leaves a health check unanswered for ``attempt_timeout``."""
+        stub = health_pb2_grpc.HealthStub(self._channel(addr))
+        while True:
+            await asyncio.sleep(self.attempt_timeout)
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.attempt_timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return True
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    return False   # no health service there: nothing to tell from
+                # UNAVAILABLE: the connection broke, and the call fails with it by itself.
+            except Exception:   # noqa: BLE001 - e.g. the channel was closed: the call ends by itself
+                return False
 
     def _ref(self) -> pb.SessionRef:
         return pb.SessionRef(agent=self.agent, session_id=self.session_id)
@@ -300,7 +382,8 @@ class AsyncClient:
             self._keepalive_task.cancel()
         if self.session_id and not already:
             try:
-                await self._call("CloseSession", pb.CloseSessionRequest(session=self._ref()), retry_for=2.0)
+                await self._call("CloseSession", pb.CloseSessionRequest(session=self._ref()),
+                                 retry_for=2 * self.attempt_timeout)
             except errors.GpucoordError as e:
                 log.info("close session: %s", e)
         for ch in self._channels.values():
@@ -338,8 +421,8 @@ class AsyncClient:
             return pb.AcquireRequest(session=session, vram_mb=vram_mb, gpu="" if gpu is None else str(gpu),
                                      priority=priority, preemptible=preemptible, request_id=request_id,
                                      wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0)
-        resp = await self._call("Acquire", request, timeout=self.rpc_timeout + wait,
-                                retry_for=max(self.retry_for, wait))
+        resp = await self._call("Acquire", request, retry_for=max(self.retry_for, wait),
+                                wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
         lease = AsyncLease(self, resp.lease)
         self._leases[lease.id] = lease
         early = self._early_notices.pop(lease.id, None)

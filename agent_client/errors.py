@@ -47,6 +47,9 @@ class Unavailable(GpucoordError):
 
 
 class DeadlineExceeded(GpucoordError):
+    """No replica answered in time: attempts ran past their deadline (or their replica hung) on every
+    address tried, until the call's own deadline passed."""
+
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 

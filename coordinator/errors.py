@@ -66,6 +66,12 @@ class OutcomeUnknown(Unavailable):
     """A write timed out: it may or may not have been applied. Retry only idempotent writes."""
 
 
+class EtcdNoSpace(Unavailable):
+    """etcd raised its NOSPACE alarm (database space exceeded) and refuses every write until an operator
+    compacts, defragments and disarms it. UNAVAILABLE rather than RESOURCE_EXHAUSTED: it is not the GPU that
+    is full, and the write was certainly not applied, so a retry after the repair is safe."""
+
+
 class Timeout(GpucoordError):
     """A deadline passed (a wait for capacity, or an etcd call with no side effect)."""
 

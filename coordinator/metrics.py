@@ -19,6 +19,8 @@ CONFLICTS = Counter("gpucoord_txn_conflicts_total", "Admission compare-and-set t
 BATCH_SIZE = Histogram("gpucoord_group_commit_size", "Acquires decided from one snapshot",
                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=REGISTRY)
 ETCD_ERRORS = Counter("gpucoord_etcd_errors_total", "etcd calls that failed, by error", ["error"], registry=REGISTRY)
+ETCD_NOSPACE = Counter("gpucoord_etcd_nospace_total", "etcd writes refused because etcd is out of space "
+                       "(alarm NOSPACE): compact, defrag and disarm it", registry=REGISTRY)
 ACQUIRE_LATENCY = Histogram("gpucoord_acquire_seconds", "Acquire RPC latency, wait included",
                             buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5, 1, 5, 30), registry=REGISTRY)
 SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this replica", registry=REGISTRY)

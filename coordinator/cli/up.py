@@ -78,8 +78,23 @@ def _check_free(flag: str, value: str) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd.process import EtcdCluster, etcd_binary, port_is_free
+    from coordinator.etcd.process import EtcdCluster, EtcdOptions, choose_etcd, port_is_free
+    from coordinator.etcd.versions import MINIMUM_PRODUCTION
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.policy.partition import PartitionError, parse_size
+
+    try:
+        binary = choose_etcd(args.etcd_binary)
+        retention = args.etcd_auto_compaction_retention or ("5m" if args.etcd_auto_compaction_mode == "periodic"
+                                                             else "10000")
+        options = EtcdOptions(args.etcd_auto_compaction_mode, retention, parse_size(args.etcd_quota, "--etcd-quota"))
+    except (FileNotFoundError, PartitionError, ValueError) as e:
+        raise UsageError(str(e), "see 'gpucoord up --help'") from e
+    print(f"etcd binary: {binary.describe()}")
+    if binary.crash_bugs:
+        print(f"WARNING: this etcd has known crash bugs: {'; '.join(binary.crash_bugs)}. gpucoord never sends "
+              f"the requests that trigger them, but other clients may: for production run etcd "
+              f"{MINIMUM_PRODUCTION} or newer (--etcd-binary PATH or $GPUCOORD_ETCD_BINARY).")
 
     try:
         host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
@@ -113,7 +128,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="gpucoord-up-"))
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"data directory: {data_dir}")
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=etcd_port)
+    etcd = EtcdCluster(1, base_dir=data_dir, client_port=etcd_port, binary=binary.path, options=options)
     children: list[Child] = []
     py = sys.executable
     try:
@@ -123,7 +138,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise CliError(f"etcd did not start: {str(e).splitlines()[0]}",
                            f"its log is in {data_dir}; with --data-dir, the directory may belong to another etcd")
         ep = etcd.endpoints[0]
-        print(f"etcd:        {ep}   (etcdctl: {etcd_binary('etcdctl')} --endpoints={ep} get --prefix /gpucoord/)")
+        print(f"etcd:        {ep}   (etcdctl: {binary.etcdctl()} --endpoints={ep} get --prefix /gpucoord/)")
+        print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
+              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", listen, "--metrics-listen", metrics_listen,
                                       "--session-ttl", str(args.session_ttl)], data_dir / "coordinator.log")

@@ -5,7 +5,7 @@ these and hand them to ``Store.commit`` / ``Store.snapshot``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from aetcd import rpc
 
@@ -17,6 +17,10 @@ def range_req(key: bytes, prefix: bool = False, keys_only: bool = False) -> Any:
     if prefix:
         r.range_end = prefix_range_end(key)
     return r
+
+
+def op_get(key: bytes, prefix: bool = False) -> Any:
+    return rpc.RequestOp(request_range=range_req(key, prefix))
 
 
 def op_put(key: bytes, value: bytes, etcd_lease: int = 0) -> Any:
@@ -41,6 +45,17 @@ def cmp_exists(key: bytes) -> Any:
 
 def cmp_absent(key: bytes) -> Any:
     return rpc.Compare(key=key, target=rpc.Compare.VERSION, result=rpc.Compare.EQUAL, version=0)
+
+
+def cmp_lease(key: bytes, etcd_lease: int) -> Any:
+    """True while ``key`` exists on ``etcd_lease`` (an absent key compares as etcd_lease 0)."""
+    return rpc.Compare(key=key, target=rpc.Compare.LEASE, result=rpc.Compare.EQUAL, lease=etcd_lease)
+
+
+def op_txn(compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> Any:
+    """A transaction nested in another one's branch: how one transaction says "A, or else B"."""
+    return rpc.RequestOp(request_txn=rpc.TxnRequest(compare=list(compares), success=list(success),
+                                                    failure=list(failure)))
 
 
 def cmp_range_unchanged(prefix: bytes, revision: int) -> Any:

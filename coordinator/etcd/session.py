@@ -86,6 +86,7 @@ class EtcdSession:
         if self.etcd_lease:
             try:
                 await self.store.revoke(self.etcd_lease)
+                self.etcd_lease = 0
             except errors.GpucoordError as e:
                 log.warning("%s: could not revoke etcd_lease %x (it expires with its TTL): %s", self.name,
                             self.etcd_lease, e)

@@ -3,12 +3,23 @@ etcd_lease, and serves the gRPC ``Node`` service (inventory, fencing-token check
 
 When the daemon dies its etcd_lease expires and ``hosts/<host>`` disappears: the coordinators then admit
 nothing more on that host.
+
+A host has one daemon. ``hosts/<host>`` is written only by a transaction that compares it is absent or
+already on this daemon's etcd_lease, and ``usage/<host>`` only while ``hosts/<host>`` is on it, so a second
+daemon never overwrites the first: at start it fails with :class:`HostTaken`, naming the live one (a
+registration left by a dead daemon is waited out instead). A daemon watches its own key and registers
+again at once when it disappears. One that finds its host taken
+by another daemon later (its own etcd_lease expired while etcd was out of reach, and another daemon
+registered meanwhile) keeps serving, logs an error naming the owner every keepalive round, and takes the
+host back as soon as the owner's registration goes away.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -19,10 +30,48 @@ from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
 from coordinator.keys import Keys, last_segment
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
-from coordinator.etcd.store import Store
-from coordinator.etcd.ops import op_put
+from coordinator.etcd.session import EtcdSession
+from coordinator.etcd.store import KV, Store
+from coordinator.etcd.ops import cmp_absent, cmp_lease, op_get, op_put, op_txn, range_req
 
 log = logging.getLogger(__name__)
+
+MAX_LISTED = 64
+"""Entries of each list written to ``usage/<host>`` per GPU (processes, leases, a lease's pids)."""
+
+MAX_DISK_PATH = 256
+"""Characters of ``--disk-path``, which is stored in ``hosts/<host>``."""
+
+
+def quote_prefix(value: object, limit: int = 40) -> str:
+    """A value for an error message: at most a short prefix of it, quoted."""
+    text = str(value)
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+class HostTaken(errors.FailedPrecondition):
+    """``hosts/<host>`` belongs to another daemon (another etcd_lease): this one must not publish."""
+
+
+def describe_owner(host: str, kv: KV) -> str:
+    """Who holds ``hosts/<host>``, for an error message: address, pid, start time and etcd_lease."""
+    try:
+        doc = json.loads(kv.value)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {}
+    started = doc.get("started_at")
+    parts = [f"address {quote_prefix(doc.get('address', '?'))}"]
+    if isinstance(doc.get("pid"), int):
+        parts.append(f"pid {doc['pid']}")
+    if isinstance(started, (int, float)):
+        parts.append("started " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)))
+    if kv.etcd_lease:
+        parts.append(f"etcd_lease {kv.etcd_lease:x}")
+    else:
+        parts.append("written without an etcd_lease (by hand?): delete it to free the host")
+    return f"host {host!r} already has a live node daemon ({', '.join(parts)})"
 
 
 class NodeDaemon:
@@ -35,8 +84,10 @@ class NodeDaemon:
         self.source, self.disk_path = source, disk_path
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
         self.overrides = overrides or {}   # simulated hosts: cpu_count, core_ids, mem_bytes, disk_bytes
-        self.etcd_lease = 0
-        self._registered = False
+        self.session: EtcdSession | None = None    # the daemon's etcd_lease: hosts/ and usage/ hang on it
+        self.pid, self.started_at = os.getpid(), time.time()
+        self._need_register = True              # set by the host watch, or when a usage write is refused
+        self._wake = asyncio.Event()            # wakes the keepalive loop to register at once
         self.inventory: HostInventory | None = None
         self.leases: dict[str, VramLease] = {}          # lease id -> lease, from the watch
         self.highest_token: dict[str, int] = {}         # gpu uuid -> highest token seen
@@ -52,28 +103,89 @@ class NodeDaemon:
     async def start(self) -> None:
         self.inventory = dataclasses.replace(
             read_inventory(self.host, self.address, self.source, self.disk_path, __version__), **self.overrides)
-        self.etcd_lease = await self.store.grant(self.ttl_s)
-        await self._publish_host()
-        await self._publish_usage(force=True)
-        self._registered = True
-        self._tasks = [asyncio.create_task(self._keepalive_loop()), asyncio.create_task(self._scan_loop()),
-                       asyncio.create_task(self._watch_leases())]
+        await self.ensure_host_free()
+        self.session = await self._new_session()
+        try:
+            await self._register()
+        except BaseException:
+            await self.session.close()   # a daemon that may not run leaves no etcd_lease behind
+            raise
+        self._tasks = [asyncio.create_task(self._registration_loop()), asyncio.create_task(self._scan_loop()),
+                       asyncio.create_task(self._watch_leases()), asyncio.create_task(self._watch_host())]
         self.ready.set()
+
+    async def ensure_host_free(self) -> None:
+        """Return once ``hosts/<host>`` is free; raise HostTaken while a live daemon holds it.
+
+        Called before binding a port and granting an etcd_lease, for a clear error (the registration
+        transaction is what enforces one daemon a host). A live daemon refreshes its etcd_lease every
+        TTL/3, so the remaining TTL of a live registration goes up within that time; one that only runs
+        down is left by a daemon that died (kill -9, a crash), and is waited out, so that a daemon
+        restarted at once takes over its host when the old registration expires.
+        """
+        key = self.keys.host(self.host)
+        watched, lowest = 0, 0
+        give_up = 0.0
+        while True:
+            kv = await self.store.get(key)
+            if kv is None:
+                return
+            if not kv.etcd_lease:
+                raise HostTaken(describe_owner(self.host, kv), "host")
+            remaining = await self.store.time_to_live(kv.etcd_lease)
+            if remaining < 0:
+                continue        # it expired just now: read again
+            now = time.monotonic()
+            if kv.etcd_lease != watched:
+                watched, lowest = kv.etcd_lease, remaining
+                give_up = now + remaining + 2.0
+                log.info("hosts/%s is on etcd_lease %x (%d s left): waiting to see whether its daemon is alive",
+                         self.host, watched, remaining)
+            elif remaining > lowest or now > give_up:
+                raise HostTaken(describe_owner(self.host, kv), "host")
+            lowest = min(lowest, remaining)
+            await asyncio.sleep(0.5)
+
+    @property
+    def etcd_lease(self) -> int:
+        return self.session.etcd_lease if self.session is not None else 0
+
+    async def _new_session(self) -> EtcdSession:
+        return await EtcdSession(self.store, self.ttl_s, f"node {self.host}").open()
 
     async def stop(self, revoke: bool = True) -> None:
         await cancel_and_wait(self._tasks)
-        if revoke and self.etcd_lease:
-            try:
-                await self.store.revoke(self.etcd_lease)
-            except errors.GpucoordError as e:
-                log.warning("could not revoke the node's etcd_lease: %s", e)
+        if self.session is not None:
+            await (self.session.close() if revoke else self.session.orphan())
         self.source.close()
 
+    async def _register(self) -> None:
+        """Publish ``hosts/<host>`` and then ``usage/<host>``; raises HostTaken if another daemon holds it."""
+        self._need_register = False
+        try:
+            await self._publish_host()
+            await self._publish_usage(force=True)
+        except BaseException:
+            self._need_register = True
+            raise
+
     async def _publish_host(self) -> None:
+        """One transaction: put ``hosts/<host>`` if it is on our etcd_lease, or else if it is absent, or else
+        read it (to name the owner in HostTaken)."""
         assert self.inventory is not None
+        key = self.keys.host(self.host)
         value = dumps({"address": self.address, "inventory": self.inventory.to_json(), "version": __version__,
-                       "started_at": time.time()})
-        res = await self.store.commit([], [op_put(self.keys.host(self.host), value, self.etcd_lease)])
+                       "pid": self.pid, "started_at": self.started_at})
+        put = op_put(key, value, self.etcd_lease)
+        res = await self.store.commit([cmp_lease(key, self.etcd_lease)], [put],
+                                      [op_txn([cmp_absent(key)], [put], [op_get(key)])])
+        if not res.succeeded:
+            inner = res.responses[0].response_txn
+            if not inner.succeeded:
+                kvs = inner.responses[0].response_range.kvs
+                if not kvs:   # it went away between the two compares of one revision: impossible, but retry
+                    raise errors.Unavailable(f"hosts/{self.host}: registration raced; retry")
+                raise HostTaken(describe_owner(self.host, KV.from_pb(kvs[0])), "host")
         metrics.NODE_WRITES.labels("hosts").inc()
         log.info("published host %s (%d GPUs) at revision %d", self.host, len(self.inventory.gpus), res.revision)
 
@@ -92,38 +204,81 @@ class NodeDaemon:
             leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
         gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
                  "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)),
-                 **usage_doc(*attribution.for_gpu(u.uuid))} for u in usage]
+                 **bounded_usage(usage_doc(*attribution.for_gpu(u.uuid)))} for u in usage]
         for u in usage:
             metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
         now = time.time()
         changed = gpus != self._published
         # Written when it changes (at most about once a second), and at least every heartbeat_s so that
         # readers can tell fresh usage from a stuck daemon (stale = older than 3 heartbeats).
+        if self._need_register and not force:
+            return    # not registered: the registration writes usage (and a standby writes none)
         if force or (changed and now - self._last_write >= 1.0) or now - self._last_write >= self.heartbeat_s:
             value = dumps({"ts": now, "interval_s": self.heartbeat_s, "gpus": gpus})
-            await self.store.commit([], [op_put(self.keys.usage(self.host), value, self.etcd_lease)])
+            res = await self.store.commit([cmp_lease(self.keys.host(self.host), self.etcd_lease)],
+                                          [op_put(self.keys.usage(self.host), value, self.etcd_lease)])
+            if not res.succeeded:
+                # hosts/<host> is not ours (gone, or another daemon's): never write over its usage.
+                self._host_lost(f"a usage write found hosts/{self.host} not on this daemon's etcd_lease")
+                return
             metrics.NODE_WRITES.labels("usage").inc()
             self._published = gpus
             self._last_write = now
 
-    async def _keepalive_loop(self) -> None:
+    def _host_lost(self, why: str) -> None:
+        """Register again at once (the keepalive loop does it)."""
+        if not self._need_register:
+            log.warning("%s; registering again", why)
+        self._need_register = True
+        self._wake.set()
+
+    async def _registration_loop(self) -> None:
+        """Keeps the registration: a new session when ours ended (etcd out of reach past the TTL), and a
+        new registration whenever the host key is not ours. The session refreshes itself."""
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            assert self.session is not None
+            ended = asyncio.create_task(self.session.done.wait())
+            woken = asyncio.create_task(self._wake.wait())
+            await asyncio.wait({ended, woken}, timeout=self.ttl_s / 3, return_when=asyncio.FIRST_COMPLETED)
+            for t in (ended, woken):
+                t.cancel()
+            await asyncio.gather(ended, woken, return_exceptions=True)
+            self._wake.clear()
             try:
-                ttl = await self.store.keepalive(self.etcd_lease) if self.etcd_lease else 0
-                if ttl <= 0:
-                    # Our etcd_lease expired (etcd was unreachable past the TTL): register again.
+                if self.session.done.is_set():
                     log.warning("the node's etcd_lease is gone; registering host %s again", self.host)
-                    self.etcd_lease = 0
-                    self._registered = False
-                    self.etcd_lease = await self.store.grant(self.ttl_s)
-                if not self._registered:
+                    self._need_register = True
+                    self.session = await self._new_session()
+                if self._need_register:
                     # Until both keys are written, every round tries again.
-                    await self._publish_host()
-                    await self._publish_usage(force=True)
-                    self._registered = True
+                    await self._register()
+            except HostTaken as e:
+                # Another daemon registered while we were cut off: it is the host's daemon now. We stay
+                # a standby that takes the host back when its registration goes (the host watch wakes us).
+                log.error("%s; this daemon (pid %d) is not registered and retries every %.1f s",
+                          e.message, self.pid, self.ttl_s / 3)
             except errors.GpucoordError as e:
                 log.warning("node keepalive failed: %s", e)
+
+    async def _watch_host(self) -> None:
+        """Registers again at once when ``hosts/<host>`` disappears (deleted by hand, or expired)."""
+        await retry_forever("the node's watch of its host key", self._watch_host_once)
+
+    async def _watch_host_once(self) -> None:
+        key = self.keys.host(self.host)
+        snap = await self.store.snapshot([range_req(key)])
+        self._check_host(snap.ranges[0][0] if snap.ranges[0] else None)
+        async for batch in self.store.watch(key, prefix=False, start_revision=snap.revision + 1):
+            if batch.resync:
+                return
+            for ev in batch.events:
+                self._check_host(ev.kv if ev.kind == "PUT" else None)
+
+    def _check_host(self, kv: KV | None) -> None:
+        if kv is None:
+            self._host_lost(f"hosts/{self.host} disappeared")
+        elif kv.etcd_lease != self.etcd_lease:
+            self._host_lost(f"hosts/{self.host} is on another etcd_lease")
 
     async def _scan_loop(self) -> None:
         while True:
@@ -170,3 +325,26 @@ class NodeDaemon:
             if lease.gpu_uuid == gpu_uuid and lease.token == token:
                 return True, lease.id
         return False, ""
+
+
+def _largest(items: list[dict[str, Any]], what: str, out: dict[str, Any]) -> list[dict[str, Any]]:
+    items = sorted(items, key=lambda d: -int(d.get("used_mb", 0)))
+    if len(items) > MAX_LISTED:
+        out[f"{what}_omitted"] = len(items) - MAX_LISTED
+    return items[:MAX_LISTED]
+
+
+def bounded_usage(doc: dict[str, Any]) -> dict[str, Any]:
+    """The per-GPU lists of ``usage/<host>`` cut to MAX_LISTED each, the largest users of VRAM first;
+    ``<list>_omitted`` counts what was left out."""
+    out: dict[str, Any] = {}
+    out["processes"] = _largest(list(doc.get("processes", ())), "processes", out)
+    leases = []
+    for lease in _largest(list(doc.get("leases", ())), "leases", out):
+        pids = list(lease.get("pids", ()))
+        lease = {**lease, "pids": pids[:MAX_LISTED]}
+        if len(pids) > MAX_LISTED:
+            lease["pids_omitted"] = len(pids) - MAX_LISTED
+        leases.append(lease)
+    out["leases"] = leases
+    return out

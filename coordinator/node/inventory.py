@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import psutil
 
+from coordinator.keys import valid_name
 from coordinator.records import GpuInfo, GpuProcess, GpuUsage, HostInventory
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ MIB = 1024 * 1024
 """Bytes per MiB: NVML reports bytes, gpucoord counts VRAM in MiB."""
 
 _FAKE_HINT = "pass --fake-gpus SPEC (e.g. 4x80GiB) to simulate GPUs"
+
+MAX_GPU_NAME = 128
+"""Characters of a GPU's name that are kept (and stored in etcd): NVML's names are short, but unbounded."""
 
 # pynvml maps "not available" to None already; guard against a raw 2**64-1 from other builds anyway.
 _NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
@@ -180,12 +184,17 @@ class NvmlGpuSource:
             call = "nvmlDeviceGetUUID"
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
             call = "nvmlDeviceGetName"
-            name = _text(nvml.nvmlDeviceGetName(handle))
+            name = _text(nvml.nvmlDeviceGetName(handle))[:MAX_GPU_NAME]
             call = "nvmlDeviceGetMemoryInfo"
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             total_mb = _mib(mem.total)
         except self._errors as e:
             self._gpu_failed(index, call, e)
+            return None
+        if not valid_name(uuid):
+            # It would be an etcd key segment (gpus/<host>/<uuid>): a GPU that cannot be named is not offered.
+            self._gpu_failed(index, "nvmlDeviceGetUUID", ValueError(
+                f"uuid {uuid[:40]!r} is not a valid name ([A-Za-z0-9._:@-], at most 128 characters)"))
             return None
         self._gpu_ok(index)
         return handle, GpuInfo(index=index, uuid=uuid, name=name, vram_total_mb=total_mb), mem

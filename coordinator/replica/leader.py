@@ -91,6 +91,7 @@ class Leadership:
                     return    # our candidacy is gone: stand again
         finally:
             ended.cancel()
+            await asyncio.gather(ended, return_exceptions=True)
 
     def _on_leader(self, leader_id: str) -> None:
         me = self.svc.replica_id

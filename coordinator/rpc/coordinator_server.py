@@ -241,6 +241,7 @@ async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None =
     if config.metrics_listen:
         metrics.serve(config.metrics_listen)
     server, port, svc = await create_server(config)
+    await svc.store.check_server_version()
     log.info("coordinator %s serving on port %d", svc.replica_id, port)
     if ready is not None:
         ready(port)

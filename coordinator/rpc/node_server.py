@@ -12,9 +12,9 @@ from agent_client.api import node_pb2 as pb
 from agent_client.api import node_pb2_grpc as pb_grpc
 from coordinator import errors, metrics
 from coordinator.etcd.store import Store
-from coordinator.keys import Keys
+from coordinator.keys import Keys, valid_name
+from coordinator.node.daemon import NodeDaemon, quote_prefix
 from coordinator.records import VramLease
-from coordinator.node.daemon import NodeDaemon
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
 
@@ -47,27 +47,39 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
         return out
 
     async def CheckToken(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
-        if not request.gpu_uuid:
+        """``gpu_uuid`` names the GPU by uuid or by index (all digits). One that is neither is
+        INVALID_ARGUMENT; a well-formed index or uuid that this host does not have is NOT_FOUND."""
+        ref = request.gpu_uuid
+        if not ref:
             await _refuse(context, "CheckToken", errors.InvalidArgument("gpu_uuid: is required", "gpu_uuid"))
+        if not valid_name(ref):
+            await _refuse(context, "CheckToken", errors.InvalidArgument(
+                f"gpu_uuid: {quote_prefix(ref)} is neither a GPU index nor a GPU uuid", "gpu_uuid"))
         if request.token <= 0:
             await _refuse(context, "CheckToken", errors.InvalidArgument("token: must be > 0", "token"))
         inv = self.daemon.inventory
-        if inv is not None and inv.gpu(request.gpu_uuid) is None:
-            await _refuse(context, "CheckToken", errors.NotFound(
-                f"gpu_uuid: host {inv.host!r} has no GPU {request.gpu_uuid!r}", "gpu_uuid"))
+        if inv is None:
+            await _refuse(context, "CheckToken", errors.Unavailable("the node daemon is starting; retry"))
+        assert inv is not None  # abort() raises
+        gpu = inv.gpu(int(ref)) if ref.isdigit() else inv.gpu(ref)
+        if gpu is None:
+            what = f"index {int(ref)}" if ref.isdigit() else quote_prefix(ref)
+            await _refuse(context, "CheckToken",
+                          errors.NotFound(f"gpu_uuid: host {inv.host!r} has no GPU {what}", "gpu_uuid"))
+        assert gpu is not None
         if not self.daemon.leases_ready:
             await _refuse(context, "CheckToken",
                           errors.Unavailable("the node is resynchronising its view of leases; retry"))
-        live, lease_id = self.daemon.check_token(request.gpu_uuid, request.token)
-        if not live and request.token > self.daemon.highest_token.get(request.gpu_uuid, 0):
+        live, lease_id = self.daemon.check_token(gpu.uuid, request.token)
+        if not live and request.token > self.daemon.highest_token.get(gpu.uuid, 0):
             # Newer than any token this node has seen: a grant its watch may not have delivered yet (an agent
             # checks right after its acquire returned), so etcd answers rather than a "no" that is too early.
             try:
-                live, lease_id = await self._check_token_in_etcd(request.gpu_uuid, request.token)
+                live, lease_id = await self._check_token_in_etcd(gpu.uuid, request.token)
             except errors.GpucoordError as e:
                 await _refuse(context, "CheckToken", e)
         return pb.CheckTokenResponse(live=live, lease_id=lease_id,
-                                     highest_token=self.daemon.highest_token.get(request.gpu_uuid, 0))
+                                     highest_token=self.daemon.highest_token.get(gpu.uuid, 0))
 
 
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
@@ -98,22 +110,27 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
                    metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
                    enforcer: Enforcer | None = None, advertise: str | None = None) -> None:
-    """Serve the node until ``stop``. ``advertise`` is the address published in ``hosts/<host>`` (default: the
-    listen address with the bound port), for a node that listens on 0.0.0.0 or behind a NAT."""
+    """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon.
+    ``advertise`` is the address published in ``hosts/<host>`` (default: the listen address with the bound
+    port), for a node that listens on 0.0.0.0 or behind a NAT."""
     if metrics_listen:
         metrics.serve(metrics_listen)
     await store.connect()
-    # Bind first, so that the published address carries the real port.
+    await store.check_server_version()
+    server: grpc.aio.Server | None = None
     daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
                         overrides=overrides, enforcer=enforcer)
-    server, port = await create_node_server(daemon, listen)
-    daemon.address = advertise or f"{listen.rpartition(':')[0]}:{port}"
-    await daemon.start()
-    if ready is not None:
-        ready(port)
     try:
+        await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
+        # Bind first, so that the published address carries the real port.
+        server, port = await create_node_server(daemon, listen)
+        daemon.address = advertise or f"{listen.rpartition(':')[0]}:{port}"
+        await daemon.start()
+        if ready is not None:
+            ready(port)
         await stop.wait()
     finally:
-        await server.stop(grace=1.0)
+        if server is not None:
+            await server.stop(grace=1.0)
         await daemon.stop()
         await store.close()

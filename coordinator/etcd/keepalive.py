@@ -1,0 +1,90 @@
+"""One LeaseKeepAlive stream for every etcd_lease of a process (etcd's Go client does the same)."""
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict, deque
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from aetcd import rpc
+
+from coordinator import errors
+from coordinator.etcd.translate import translate
+
+
+class KeepAliveStream:
+    """One LeaseKeepAlive stream for every etcd_lease of the process (etcd's Go client does the same)."""
+
+    def __init__(self, lease_stub: Callable[[], Any], timeout: float) -> None:
+        self._lease_stub = lease_stub   # etcd's Lease stub of the store's current channel
+        self._timeout = timeout
+        self._requests: asyncio.Queue[Any] | None = None
+        self._waiters: dict[int, deque[asyncio.Future[int]]] = defaultdict(deque)
+        self._task: asyncio.Task[None] | None = None
+        self._last_response = 0.0
+
+    def _ensure_running(self) -> asyncio.Queue[Any]:
+        if self._task is None or self._task.done():
+            self._requests = asyncio.Queue()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._requests))
+        assert self._requests is not None
+        return self._requests
+
+    async def _run(self, requests: asyncio.Queue[Any]) -> None:
+        async def _reqs() -> AsyncIterator[Any]:
+            while True:
+                item = await requests.get()
+                if item is None:
+                    return
+                yield item
+
+        call = self._lease_stub().LeaseKeepAlive(_reqs(), wait_for_ready=True)
+        try:
+            async for resp in call:
+                self._last_response = asyncio.get_running_loop().time()
+                q = self._waiters.get(resp.ID)
+                if q:
+                    fut = q.popleft()
+                    if not fut.done():
+                        fut.set_result(int(resp.TTL))
+        except grpc.aio.AioRpcError as e:
+            err = translate(e, write=False)
+            for q in self._waiters.values():
+                while q:
+                    fut = q.popleft()
+                    if not fut.done():
+                        fut.set_exception(err)
+        finally:
+            call.cancel()
+
+    async def refresh(self, etcd_lease: int) -> int:
+        requests = self._ensure_running()
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters[etcd_lease].append(fut)
+        requests.put_nowait(rpc.LeaseKeepAliveRequest(ID=etcd_lease))
+        sent_at = asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(fut, self._timeout)
+        except asyncio.TimeoutError:
+            # A stuck stream (no answer to anyone since we asked): drop it, so that the next refresh opens
+            # a fresh one. A stream that answers others is left alone.
+            if self._task is not None and self._last_response < sent_at:
+                self._task.cancel()
+            raise errors.Timeout(f"etcd keepalive of etcd_lease {etcd_lease:x} timed out") from None
+        finally:
+            q = self._waiters.get(etcd_lease)
+            if q is not None:
+                if fut in q:
+                    q.remove(fut)
+                if not q:
+                    self._waiters.pop(etcd_lease, None)
+
+    async def close(self) -> None:
+        if self._requests is not None:
+            self._requests.put_nowait(None)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass

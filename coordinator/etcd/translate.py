@@ -1,0 +1,33 @@
+"""The one place where etcd's failures become gpucoord errors (``coordinator.errors``)."""
+from __future__ import annotations
+
+import grpc
+
+from coordinator import errors, metrics
+
+
+def translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
+    """The one place etcd's failures become gpucoord errors."""
+    code, details = e.code(), (e.details() or "")
+    if "database space exceeded" in details:
+        metrics.ETCD_NOSPACE.inc()
+        return errors.EtcdNoSpace(
+            "etcd is out of space (alarm NOSPACE, \"database space exceeded\"): it refuses every write until an "
+            "operator frees space: etcdctl compact <current revision>, etcdctl defrag (every member), then "
+            "etcdctl alarm disarm; or raise --quota-backend-bytes (see the README, \"Production: etcd\")")
+    if "lease not found" in details:
+        return errors.SessionGone(f"etcd: {details}")
+    if "compacted" in details:
+        return errors.Compacted(f"etcd: {details}", 0)
+    # etcd answers a deadline that passed while it served the call as UNKNOWN "context deadline exceeded".
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or "context deadline exceeded" in details:
+        if write:
+            return errors.OutcomeUnknown(f"etcd write timed out, outcome unknown: {details}")
+        return errors.Timeout(f"etcd read timed out: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+        if write and code != grpc.StatusCode.UNAVAILABLE:
+            return errors.OutcomeUnknown(f"etcd write interrupted, outcome unknown: {details}")
+        return errors.Unavailable(f"etcd unavailable: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return errors.InvalidArgument(f"etcd rejected the request: {details}")
+    return errors.Unavailable(f"etcd error {code.name}: {details}")

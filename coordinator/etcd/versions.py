@@ -1,0 +1,46 @@
+"""Which etcd server versions are safe to run gpucoord against. Pure logic, no I/O.
+
+``up``, the test fixtures and the version check at start of the coordinator and the node daemon all
+use these two functions, so the rule lives in one place.
+"""
+from __future__ import annotations
+
+import re
+
+Version = tuple[int, int, int]
+
+# (first affected, first fixed, what goes wrong). Both bugs crash the server on a read-only transaction
+# whose context is cancelled (a client deadline, a paused process). gpucoord never sends read-only
+# transactions, but other clients of the same etcd may.
+KNOWN_CRASH_BUGS: tuple[tuple[Version, Version, str], ...] = (
+    ((3, 5, 0), (3, 5, 5), "panics when a read-only transaction is cancelled by its client deadline "
+                           "(etcd-io/etcd#14110, fixed in 3.5.5)"),
+    ((3, 5, 5), (3, 5, 7), "nil-pointer panic when a read-only transaction is cancelled after a pause "
+                           "(etcd-io/etcd#14891, fixed in 3.5.7)"),
+)
+
+# The oldest releases gpucoord recommends for production, per minor line (the README says the same).
+MINIMUM_PRODUCTION = "3.5.7 (or 3.4.23 on the 3.4 line)"
+
+_VERSION = re.compile(r"(?<![\d.])v?(\d+)\.(\d+)\.(\d+)")
+
+
+def parse_etcd_version(text: str) -> Version | None:
+    """The version in etcd's ``--version`` output ("etcd Version: 3.5.1 ...") or a Status answer
+    ("3.5.1"); ``None`` when there is none. The first line naming etcd's version wins over the Go version."""
+    for line in text.splitlines() or [text]:
+        if "go version" in line.lower() or "git sha" in line.lower():
+            continue
+        m = _VERSION.search(line)
+        if m:
+            return int(m.group(1)), int(m.group(2)), int(m.group(3))
+    return None
+
+
+def crash_bugs(version: Version) -> list[str]:
+    """The known crash bugs of this etcd server version (empty: none known)."""
+    return [what for first, fixed, what in KNOWN_CRASH_BUGS if first <= version < fixed]
+
+
+def format_version(version: Version | None) -> str:
+    return "unknown" if version is None else ".".join(map(str, version))

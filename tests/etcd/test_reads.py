@@ -1,0 +1,191 @@
+"""Reads that cannot crash etcd and have no size limit: a snapshot is Ranges at one revision (never a
+read-only transaction), prefix reads come in pages, and ``commit`` refuses a transaction without a write."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pathlib
+from typing import Any, Iterator
+
+import grpc
+import pytest
+
+import coordinator.etcd.store as store_module
+from agent_client import Client, errors as client_errors
+from coordinator import errors
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.etcd.process import EtcdCluster
+from coordinator.etcd.store import Store, cmp_exists, op_delete, op_put, range_req
+from tests.conftest import EtcdEndpoint
+from tests.etcd.calls import record_etcd_calls, read_only
+from tests.harness import Cluster, LoopThread
+
+pytestmark = pytest.mark.integration
+
+
+def op_get(key: bytes) -> Any:
+    return store_module.rpc.RequestOp(request_range=range_req(key))
+
+
+@pytest.fixture(scope="module")
+def own_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    # Its own etcd: these tests compact, which would take the history other tests' checkers read.
+    with EtcdCluster(1, base_dir=tmp_path_factory.mktemp("reads-etcd")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def lt() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+def test_a_snapshot_is_ranges_at_one_revision_never_a_transaction(own_etcd: EtcdCluster, lt: LoopThread,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = record_etcd_calls(monkeypatch)
+
+    async def go() -> None:
+        async with Store(own_etcd.endpoints) as s:
+            await s.put(b"/one/a", b"1")
+            for i in range(3):
+                await s.put(b"/one/b/%d" % i, b"x")
+            calls.calls.clear()
+            snap = await s.snapshot([range_req(b"/one/a"), range_req(b"/one/b/", prefix=True), range_req(b"/none")])
+            assert [len(r) for r in snap.ranges] == [1, 3, 0]
+            assert await s.get(b"/one/a") is not None and len((await s.get_prefix(b"/one/")).ranges[0]) == 4
+    lt.run(go())
+    assert calls.of("Txn") == [], "a read went out as a transaction"
+    ranges = calls.of("Range")
+    assert len(ranges) == 5
+    # The first range fixes the revision (linearizable, "now"); the others are read at that revision.
+    assert ranges[0].revision == 0 and not ranges[0].serializable
+    assert len({r.revision for r in ranges[1:3]}) == 1 and ranges[1].revision > 0
+
+
+def test_pages_of_a_prefix_read_are_all_at_the_first_pages_revision(own_etcd: EtcdCluster, lt: LoopThread,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_module, "PAGE_KEYS", 7)
+    calls = record_etcd_calls(monkeypatch)
+    prefix = b"/paged/"
+    written: dict[bytes, int] = {}
+
+    async def go() -> None:
+        async with Store(own_etcd.endpoints) as s, Store(own_etcd.endpoints) as writer:
+            for i in range(50):
+                written[prefix + b"%03d" % i] = await s.put(prefix + b"%03d" % i, b"v")
+            n = 50
+
+            async def write_between_pages(name: str, req: Any) -> None:
+                # Every page after the first: another key lands under the prefix, before and after it.
+                nonlocal n
+                if name == "Range" and req.revision:
+                    for key in (prefix + b"%03d" % n, prefix + b"!%03d" % n):
+                        written[key] = await writer.put(key, b"late")
+                    n += 1
+            calls.before = write_between_pages
+            snap = await s.get_prefix(prefix)
+            calls.before = None
+            got = [kv.key for kv in snap.ranges[0]]
+            assert got == sorted(k for k, rev in written.items() if rev <= snap.revision)
+            assert len(got) == 50 and len(written) > 50, "writes between pages must not show in the read"
+    lt.run(go())
+    assert len(calls.of("Range")) >= 50 // 7 + 1
+
+
+def test_a_page_larger_than_grpcs_message_limit_is_read_in_smaller_pages(own_etcd: EtcdCluster,
+                                                                          lt: LoopThread) -> None:
+    # Five 1.2 MB values: 6 MB under one prefix, more than gRPC's 4 MiB per response (issue 12 saw a replica
+    # fail to start on "Received message larger than max (14339783 vs. 4194304)").
+    big = b"x" * 1_200_000
+
+    async def go() -> None:
+        async with Store(own_etcd.endpoints) as s:
+            for i in range(5):
+                await s.put(b"/big/%d" % i, big)
+            snap = await s.snapshot([range_req(b"/big/", prefix=True), range_req(b"/big/", prefix=True, keys_only=True)])
+            assert [len(r) for r in snap.ranges] == [5, 5]
+            assert all(kv.value == big for kv in snap.ranges[0])
+            await s.delete(b"/big/", prefix=True)
+    lt.run(go())
+
+
+def test_a_snapshot_whose_revision_is_compacted_meanwhile_is_read_again(own_etcd: EtcdCluster, lt: LoopThread,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = record_etcd_calls(monkeypatch)
+
+    async def go() -> None:
+        async with Store(own_etcd.endpoints) as s, Store(own_etcd.endpoints) as other:
+            await s.put(b"/cmp/a", b"1")
+            compacted: list[int] = []
+
+            async def compact_once(name: str, req: Any) -> None:
+                if name == "Range" and req.revision and not compacted:
+                    rev = await other.put(b"/cmp/a", b"2")      # history moves on, then is compacted
+                    await other.compact(rev)
+                    compacted.append(rev)
+            calls.before = compact_once
+            snap = await s.snapshot([range_req(b"/cmp/a"), range_req(b"/cmp/", prefix=True)])
+            calls.before = None
+            assert compacted and snap.revision >= compacted[0]
+            assert [kv.value for kv in snap.ranges[0]] == [kv.value for kv in snap.ranges[1]] == [b"2"]
+    lt.run(go())
+
+
+def test_commit_refuses_a_transaction_without_a_write(lt: LoopThread) -> None:
+    async def go() -> None:
+        s = Store(["127.0.0.1:1"], timeout=0.2, retry_for=0)   # nothing listens: a refusal sends nothing
+        await s.connect()
+        try:
+            nested_read = store_module.rpc.RequestOp(request_txn=store_module.rpc.TxnRequest(success=[op_get(b"k")]))
+            for compares, success, failure in [([cmp_exists(b"k")], [], []), ([], [op_get(b"k")], []),
+                                               ([cmp_exists(b"k")], [op_get(b"k")], [op_get(b"j")]),
+                                               ([], [nested_read], [])]:
+                with pytest.raises(ValueError, match="read-only"):
+                    await s.commit(compares, success, failure)
+            # A write in either branch makes it a write transaction: it is sent (and fails here, no etcd).
+            for success, failure in [([op_put(b"k", b"v")], []), ([op_get(b"k")], [op_delete(b"k")])]:
+                with pytest.raises((errors.Unavailable, errors.Timeout)):
+                    await s.commit([cmp_exists(b"k")], success, failure)
+        finally:
+            await s.close()
+    lt.run(go())
+
+
+def test_no_read_only_transaction_leaves_a_working_coordinator(etcd: EtcdEndpoint, prefix: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit of every etcd call: a coordinator, a node daemon and an agent at work send Ranges for every
+    read, and only transactions that write."""
+    calls = record_etcd_calls(monkeypatch)
+    cluster = Cluster(etcd.endpoints, prefix)
+    try:
+        cluster.start_node("h1", "1x8GiB")
+        addr = cluster.start_coordinator()
+        with Client(addr, agent="agent-a", host="h1") as c, Client(addr, agent="agent-b", host="h1") as d:
+            lease = c.acquire(6000, priority=1)
+            with pytest.raises(client_errors.ResourceExhausted):
+                d.acquire(4000, priority=1)
+            stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+            assert stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts
+            assert stub.GetPartition(pb.GetPartitionRequest(host="h1"), timeout=10)
+            lease.release()
+            d.acquire(4000).release()
+    finally:
+        cluster.close()
+    txns = calls.of("Txn")
+    assert txns and calls.of("Range")
+    assert not [t for t in txns if read_only(t)], "a read-only transaction was sent"
+
+
+def test_the_server_version_is_read_and_a_crashing_one_is_warned_about(own_etcd: EtcdCluster, lt: LoopThread,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> dict[str, str]:
+        async with Store([*own_etcd.endpoints, "127.0.0.1:1"], timeout=1) as s:
+            return await s.check_server_version()
+    with caplog.at_level(logging.INFO, logger="coordinator.etcd.store"):
+        versions = lt.run(go())
+    assert versions == {own_etcd.endpoints[0]: "3.5.1", "127.0.0.1:1": ""}
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "3.5.1" in warning.getMessage() and "etcd-io/etcd#14110" in warning.getMessage()
+    assert own_etcd.endpoints[0] in warning.getMessage()

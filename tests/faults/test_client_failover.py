@@ -1,0 +1,111 @@
+"""The agent client leaves a hung replica (SIGSTOP) for the next address within a few seconds, for an
+acquire in flight and for one that waits in the queue; the retry keeps its request_id, so it gets the same
+lease. Coordinators are real child processes; every test ends with SIGCONT, cleanup by PID and the
+history checker."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from agent_client import Client
+from coordinator.cli.common import fetch_status
+from coordinator.records import QueueEntry
+from tests.harness import Background, Cluster, spawn_coordinator, wait_for
+from tests.history import check_store
+
+
+class Replica:
+    def __init__(self, proc: "subprocess.Popen[bytes]", addr: str) -> None:  # noqa: F821
+        self.proc, self.addr, self.id = proc, addr, ""
+        self.stopped = False
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def resume(self) -> None:
+        if self.stopped and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        self.stopped = False
+
+
+@pytest.fixture
+def replicas(cluster: Cluster, tmp_path: Path) -> Iterator[list[Replica]]:
+    """Two coordinator processes, with their replica ids."""
+    reps = []
+    try:
+        for i in range(2):
+            proc, port = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / f"c{i}.log"))
+            reps.append(Replica(proc, f"127.0.0.1:{port}"))
+
+        def registered() -> bool:
+            for kv in cluster.get_prefix(cluster.keys.coordinators()):
+                info = json.loads(kv.value)
+                for r in reps:
+                    if info["address"] == r.addr:
+                        r.id = info["replica"]
+            return all(r.id for r in reps)
+        wait_for(registered, 10, "both replicas to register")
+        yield reps
+    finally:
+        for r in reps:
+            r.resume()
+        for r in reps:
+            if r.proc.poll() is None:
+                r.proc.terminate()
+                r.proc.wait(10)
+    cluster.lt.run(check_store(cluster.store, cluster.keys)).assert_ok()
+
+
+def test_acquire_sent_to_a_hung_replica_is_answered_through_the_next(cluster: Cluster, replicas: list[Replica]) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    first, second = replicas
+    with Client([first.addr, second.addr], agent="a", host="h1") as c:
+        first.stop()        # the replica the client talks to hangs, its socket still open
+        t0 = time.monotonic()
+        lease = c.acquire(1000, request_id="through-the-next")
+        took = time.monotonic() - t0
+        # One attempt deadline (3 s) and a retry; before, this was DEADLINE_EXCEEDED after rpc_timeout (10 s).
+        assert took < 7.0, f"answered after {took:.1f}s"
+        again = c.acquire(1000, request_id="through-the-next")
+        assert (again.id, again.token) == (lease.id, lease.token)
+        assert [x.id for x in cluster.leases()] == [lease.id]
+        first.resume()
+        fetch_status(first.addr)            # it serves again, having seen the cancelled call
+        assert [x.id for x in cluster.leases()] == [lease.id]
+        lease.release()
+
+
+def test_waiting_acquire_leaves_a_replica_that_hangs_mid_call(cluster: Cluster, replicas: list[Replica]) -> None:
+    cluster.start_node("h1", "1x8GiB")
+    first, second = replicas
+    entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]  # noqa: E731
+    with Client(second.addr, agent="holder", host="h1") as holder, \
+            Client([first.addr, second.addr], agent="waiter", host="h1") as waiter:
+        held = holder.acquire(8000, preemptible=False)
+        call = Background(waiter.acquire, 4000, wait=60, request_id="mid-call")
+        wait_for(lambda: len(entries()) == 1, 10, "the waiter to be queued")
+        assert entries()[0].replica == first.id
+        first.stop()        # mid-call: it holds the waiting request
+        stopped_at = time.monotonic()
+        held.release()      # through the other replica: the room is there now
+        lease = call.result(timeout=60)
+        took = call.finished_at - stopped_at
+        assert first.stopped and first.proc.poll() is None
+        # Found hung within two health checks (2 x 3 s), then granted through the other replica; without
+        # failover it would wait on the stopped replica for the whole 60 s.
+        assert took < 12.0, f"granted {took:.1f}s after the replica hung"
+        assert lease.vram_mb == 4000
+        again = waiter.acquire(4000, request_id="mid-call")
+        assert (again.id, again.token) == (lease.id, lease.token)
+        first.resume()
+        fetch_status(first.addr)
+        assert [x.id for x in cluster.leases()] == [lease.id]
+        assert not waiter.expired
+        lease.release()
