@@ -77,7 +77,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Lease(_message.Message):
     TTL_REMAINING_FIELD_NUMBER: _ClassVar[int]
     PIDS_FIELD_NUMBER: _ClassVar[int]
     PGID_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -108,7 +109,8 @@ class Lease(_message.Message):
     ttl_remaining: int
     pids: _containers.RepeatedScalarFieldContainer[int]
     pgid: int
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ...) -> None: ...
+    eviction: EvictionNotice
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds")

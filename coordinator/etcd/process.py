@@ -127,10 +127,13 @@ class EtcdOptions:
         return out
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR, as etcd and gRPC servers set it: a
+    port whose last connections linger in TIME_WAIT is free for them, and so it is here."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
         return True

@@ -406,8 +406,8 @@ class _Planner(Generic[C]):
         return out
 
 
-def wait_over(vram_mb: int, wait_s: float) -> errors.CapacityError:
-    return errors.CapacityError(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
+def wait_over(vram_mb: int, wait_s: float) -> errors.WaitTimeout:
+    return errors.WaitTimeout(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
 
 
 def _left_the_queue(e: errors.GpucoordError) -> errors.FailedPrecondition:

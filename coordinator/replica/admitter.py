@@ -122,8 +122,7 @@ class HostAdmitter:
         """Tell the caller (once the transaction that makes it true, if any, has committed)."""
         if self._waiting.get(c.lease_id) is c:
             del self._waiting[c.lease_id]
-        if not c.future.done():
-            metrics.REFUSALS.labels(type(err).__name__).inc()
+        if not c.future.done():   # counted where the RPC answers (gpucoord_refusals_total)
             c.future.set_exception(err)
 
     # -- the loop --------------------------------------------------------------------------------

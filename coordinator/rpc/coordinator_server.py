@@ -42,11 +42,13 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         try:
             return await fn(self, request, context)
         except errors.GpucoordError as e:
+            metrics.count_refusal(fn.__name__, e)
             await context.abort(grpc.StatusCode[e.code], e.message)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("%s failed", fn.__name__)
+            metrics.count_refusal(fn.__name__, e)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
         raise AssertionError("unreachable")
 
@@ -101,6 +103,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 if item is None:
                     return
                 if isinstance(item, errors.GpucoordError):
+                    metrics.count_refusal("KeepAlive", item)
                     await context.abort(grpc.StatusCode[item.code], item.message)
                 if isinstance(item, EvictionRecord):
                     yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
@@ -151,6 +154,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         revision, views, ttls = await self.svc.status(request.host)
         doc = status_json(revision, views, ttls)
+        # The notices, read just after the snapshot: shown next to the leases they are about.
+        notices = {n.lease_id: n for n in map(EvictionRecord.from_kv,
+                                              (await self.svc.store.get_prefix(self.svc.keys.evictions())).ranges[0])}
         leader = self.svc.leadership.leader_id if self.svc.leadership is not None else ""
         out = pb.GetStatusResponse(revision=revision, leader=leader)
         for h in doc["hosts"]:
@@ -174,7 +180,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
                               leased_mb=a["leased_mb"], leases=a["leases"])
             for lease in views[[v.host for v in views].index(h["host"])].leases.values():
-                hs.leases.append(lease_pb(lease, ttls.get(lease.etcd_lease, -1)))
+                msg = lease_pb(lease, ttls.get(lease.etcd_lease, -1))
+                notice = notices.get(lease.id)
+                if notice is not None:
+                    msg.eviction.CopyFrom(pb.EvictionNotice(
+                        lease_id=notice.lease_id, gpu_uuid=notice.gpu_uuid, reason=notice.reason,
+                        requested_by=notice.requested_by, deadline_unix=notice.deadline_unix))
+                hs.leases.append(msg)
             for q in h["queue"]:
                 hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
                              priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
