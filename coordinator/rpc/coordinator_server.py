@@ -17,8 +17,9 @@ from coordinator.records import EvictionRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
-from coordinator.replica.service import (CoordinatorService, check_lease_id, status_json, validate_acquire,
-                                         validate_attach)
+from coordinator.replica.service import CoordinatorService
+from coordinator.replica.status import status_json
+from coordinator.replica.validate import check_lease_id, validate_acquire, validate_attach
 from coordinator.security.interceptor import SecurityInterceptor, current_caller
 from coordinator.security.tls import add_port, check_listen, server_options
 
