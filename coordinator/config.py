@@ -13,15 +13,33 @@ from typing import Any, Mapping
 
 from coordinator.keys import DEFAULT_PREFIX
 
-# Documented limits (README "Limits").
+# Documented limits (README "Limits"). Every string the coordinator stores in etcd has a bound, checked
+# before any etcd call: names (agent, host, GPU) by ``keys.valid_name`` (<= 128 characters of a safe
+# alphabet), and the free-text fields below.
 MIN_TTL_S = 2
 MAX_TTL_S = 300
 MAX_PRIORITY = 1_000_000
 MAX_VRAM_MB = 1 << 30  # 1 PiB in MiB: anything above is a typo
-MAX_REQUEST_ID_LEN = 128
+MAX_REQUEST_ID_LEN = 128          # characters (so at most 512 bytes of UTF-8); no '/' or NUL
 MAX_WAIT_S = 3600.0
 MAX_ATTACHED_PIDS = 64    # processes one lease may name (AttachProcesses)
 MAX_PID = 1 << 22         # Linux's highest pid_max
+MAX_CLIENT_VERSION_BYTES = 256    # OpenSession.client_version, UTF-8
+MAX_REASON_BYTES = 256            # EvictLease.reason, UTF-8
+MAX_SESSION_ID_LEN = 16           # lowercase hex of an etcd_lease id (64 bits)
+MAX_SPEC_BYTES = 64 * 1024        # a partition spec, as JSON
+MAX_PARTITION_BYTES = 256 * 1024  # the computed partition stored under partitions/<host>
+MAX_GRACE_S = 3600.0              # an operator's eviction grace
+QUOTE_CHARS = 32                  # an error message quotes at most this much of a bad value
+
+
+def quote(value: object) -> str:
+    """A user-supplied value for an error message: its repr, cut to a short prefix. A message must never
+    echo a whole value back (a 1 MB name would make the status itself too large for gRPC metadata)."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= QUOTE_CHARS:
+        return repr(text)
+    return repr(text[:QUOTE_CHARS]) + f"\u2026 ({len(text)} characters)"
 
 
 class ConfigError(ValueError):
@@ -41,7 +59,8 @@ class CoordinatorConfig:
     etcd_timeout_s: float = 0.0          # deadline of one etcd call; must be < TTL / 2 (0: min(3, TTL/3))
     election_ttl_s: int = 5
     eviction_grace_s: float = 10.0
-    max_queue_per_host: int = 1024
+    max_queue_per_host: int = 1024      # waiting requests per host (a higher-priority arrival displaces)
+    max_queue_per_agent: int = 64       # waiting requests per agent per host
     max_leases_per_agent: int = 256
     untracked_vram: bool = True          # subtract NVML-used VRAM that no lease accounts for
     batch_max: int = 64                  # most acquires decided from one snapshot (group commit)
@@ -80,7 +99,8 @@ class CoordinatorConfig:
             raise ConfigError("election_ttl_s", f"must be >= {MIN_TTL_S}")
         if self.eviction_grace_s < 0:
             raise ConfigError("eviction_grace_s", "must be >= 0")
-        for name in ("max_queue_per_host", "max_leases_per_agent", "batch_max", "commit_attempts"):
+        for name in ("max_queue_per_host", "max_queue_per_agent", "max_leases_per_agent", "batch_max",
+                     "commit_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         return self

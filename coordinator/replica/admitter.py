@@ -20,20 +20,24 @@ they are all gone.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from coordinator import errors, metrics
+from coordinator.aio import cancel_and_wait, log_failure
 from coordinator.policy.admission import GpuView, best_fit, choose_victims, never_fits
 from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.keys import Keys
 from coordinator.etcd.ops import (cmp_absent, cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_delete, op_put,
                                   range_req)
-from coordinator.replica.view import HostView, host_ranges, host_view
+from coordinator.etcd.removals import Removal, remove_entries
+from coordinator.etcd.store import KV
+from coordinator.replica.view import HostView, host_ranges, host_view, queue_entry
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService
@@ -61,6 +65,7 @@ class AcquireCall:
     arrival_ns: int = dataclasses.field(default_factory=time.time_ns)
     deadline: float = 0.0         # monotonic
     rank: str | None = None       # set once it is queued in etcd
+    entry_revision: int = 0       # its queue entry's mod_revision, as this replica last wrote or read it
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.wait_s
@@ -86,22 +91,42 @@ class _Item:
 
 
 @dataclasses.dataclass
+class _Wait:
+    """A call that waits in the queue after this round: its entry's rank, and the entry's mod_revision as
+    the snapshot showed it (0: this round's transaction writes the entry)."""
+
+    call: AcquireCall
+    rank: str
+    revision: int
+
+
+@dataclasses.dataclass
 class _Round:
-    """What a round decided: the transaction to commit and what to tell the callers once it commits."""
+    """What a round decided: the transaction to commit and what to tell the callers.
+
+    ``refusals`` need no write and are answered at once; everything else (grants, ``failures`` whose entry
+    this transaction removes, waits) is told only once the transaction has committed.
+    """
 
     compares: list[Any] = dataclasses.field(default_factory=list)
     ops: list[Any] = dataclasses.field(default_factory=list)
     grants: list[tuple[AcquireCall | None, VramLease]] = dataclasses.field(default_factory=list)
-    waits: list[tuple[AcquireCall, str]] = dataclasses.field(default_factory=list)
+    waits: list[_Wait] = dataclasses.field(default_factory=list)
+    refusals: list[tuple[AcquireCall, errors.GpucoordError]] = dataclasses.field(default_factory=list)
     failures: list[tuple[AcquireCall, errors.GpucoordError]] = dataclasses.field(default_factory=list)
+    left: list[QueueEntry] = dataclasses.field(default_factory=list)   # entries removed without a grant
+    superseded: list[AcquireCall] = dataclasses.field(default_factory=list)   # replaced by a retry
     new_leases: list[VramLease] = dataclasses.field(default_factory=list)
+    new_entries: int = 0
     deferred: list[AcquireCall] = dataclasses.field(default_factory=list)  # past the budget: next round
+    more: bool = False          # something was left for the next round (evictions past the budget)
     sessions: dict[str, SessionInfo] = dataclasses.field(default_factory=dict)  # of new grants and waits
     evictions: int = 0
 
 
 class HostAdmitter:
-    """The single task that decides admission on one host for this replica."""
+    """The tasks that decide admission on one host for this replica: the round loop, and the expiry of
+    its waiters (a separate task, so that waits end on time however busy the rounds are)."""
 
     def __init__(self, svc: CoordinatorService, host: str) -> None:
         self.svc = svc
@@ -110,10 +135,13 @@ class HostAdmitter:
         self._pending: list[AcquireCall] = []     # arrived, not yet decided
         self._waiting: dict[str, AcquireCall] = {}  # lease_id -> call queued in etcd, served by us
         self._wake = asyncio.Event()
+        self._expire_wake = asyncio.Event()
         self._dirty = False
         self._last_commit = 0   # the mirror is used only once it has caught up with our own commits
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        self._expiry = loop.create_task(self._expire_loop())
 
     # -- the outside -----------------------------------------------------------------------------
     async def submit(self, call: AcquireCall) -> VramLease:
@@ -121,12 +149,12 @@ class HostAdmitter:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         self._pending.append(call)
         self._wake.set()
-        # A caller that goes away (cancelled RPC) must leave the queue: wake up to remove its entry.
-        call.future.add_done_callback(lambda f: self.notify() if f.cancelled() else None)
+        # A caller that goes away (cancelled RPC) must leave the queue at once.
+        call.future.add_done_callback(lambda f: self._expire_wake.set() if f.cancelled() else None)
         return await call.future
 
     def notify(self) -> None:
-        """Something changed on the host (a watch event) or a waiter's time is up: decide again."""
+        """Something changed on the host (a watch event): decide again."""
         self._dirty = True
         self._wake.set()
 
@@ -135,16 +163,21 @@ class HostAdmitter:
         return bool(self._waiting)
 
     async def stop(self) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except (asyncio.CancelledError, Exception):
-            pass
+        await cancel_and_wait([self._task, self._expiry])
         # Waiting RPCs get UNAVAILABLE; their queue entries stay in etcd, so a retry through another
         # replica keeps its place.
         for c in [*self._pending, *self._waiting.values()]:
             if not c.future.done():
                 c.future.set_exception(errors.Unavailable("coordinator is shutting down; retry on another replica"))
+
+    # -- answers ---------------------------------------------------------------------------------
+    def _fail(self, c: AcquireCall, err: errors.GpucoordError) -> None:
+        """Tell the caller (once the transaction that makes it true, if any, has committed)."""
+        if self._waiting.get(c.lease_id) is c:
+            del self._waiting[c.lease_id]
+        if not c.future.done():
+            metrics.REFUSALS.labels(type(err).__name__).inc()
+            c.future.set_exception(err)
 
     # -- the loop --------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -154,7 +187,6 @@ class HostAdmitter:
             self._wake.clear()
             batch: list[AcquireCall] = []
             try:
-                await self._expire()
                 while self._pending or self._dirty:
                     self._dirty = False
                     batch = [c for c in self._pending[: cfg.batch_max] if not c.future.done()]
@@ -181,38 +213,72 @@ class HostAdmitter:
                 if self._waiting:
                     asyncio.get_running_loop().call_later(0.2, self.notify)
 
-    async def _expire(self) -> None:
-        """Waiters whose time is up, or whose caller went away, leave the queue before they are answered."""
-        now = time.monotonic()
-        for lease_id, c in list(self._waiting.items()):
-            if not (c.future.done() or now >= c.deadline):
-                continue
-            assert c.rank is not None
-            key = self.keys.queue_entry(self.host, c.rank)
-            entry_kv = self.svc.mirror.get(key)
-            try:
-                res = await self.svc.store.commit([cmp_exists(key)], [op_delete(key)])
-                if res.succeeded and entry_kv is not None:
-                    await self.svc.withdraw_evictions(QueueEntry.from_kv(entry_kv))
-                lease = None if res.succeeded else await self.svc.find_lease(c.lease_id, self.host)
-            except errors.GpucoordError as e:
-                # Not removed yet: it stays ours, and we try again shortly.
-                log.warning("could not remove the expired waiter %s from the queue: %s", lease_id, e)
-                asyncio.get_running_loop().call_later(0.2, self.notify)
-                continue
-            if self._waiting.get(lease_id) is c:
-                del self._waiting[lease_id]
-            if c.future.done():
-                continue
-            if res.succeeded:
-                metrics.REFUSALS.labels("wait_timeout").inc()
-                c.future.set_exception(errors.CapacityError(
-                    f"vram_mb: {c.vram_mb} MiB still did not fit after waiting {c.wait_s:g} s", "vram_mb"))
-            elif lease is not None:   # the entry went with a grant (by any replica)
-                c.future.set_result(lease)
-            else:
-                c.future.set_exception(_swept())
+    # -- expiry ----------------------------------------------------------------------------------
+    async def _expire_loop(self) -> None:
+        """Waiters whose time is up, or whose caller went away, leave the queue, then are answered.
 
+        Woken by each waiter's deadline timer and by cancelled calls, independently of the round loop:
+        a host whose rounds never go idle (another replica committing all the time) still ends its
+        waits on time.
+        """
+        while True:
+            await self._expire_wake.wait()
+            self._expire_wake.clear()
+            try:
+                await self._expire()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if not isinstance(e, errors.GpucoordError):
+                    log.exception("expiring waiters on %s failed", self.host)
+                else:
+                    log.warning("could not remove expired waiters of %s from the queue: %s", self.host, e)
+                # Not removed yet: they stay ours, and we try again shortly.
+                asyncio.get_running_loop().call_later(0.2, self._expire_wake.set)
+
+    async def _expire(self) -> None:
+        now = time.monotonic()
+        due = [c for c in self._waiting.values() if c.future.done() or now >= c.deadline]
+        tries = 0
+        while due:
+            tries += 1
+            outcomes = await remove_entries(self.svc.store, [
+                Removal(self.keys.queue_entry(self.host, c.rank or ""), c.entry_revision) for c in due])
+            retry: list[AcquireCall] = []
+            granted: list[AcquireCall] = []
+            for c, out in zip(due, outcomes):
+                if out.removed is not None:
+                    self._expired(c, QueueEntry.from_kv(out.removed))
+                elif out.current is None:
+                    granted.append(c)   # gone meanwhile: with a grant (by any replica), or removed
+                elif _served_here(out.current, self.svc.replica_id, c.lease_id):
+                    c.entry_revision = out.current.mod_revision   # rewritten by one of our rounds
+                    if tries < 3:
+                        retry.append(c)
+                    else:   # our rounds keep rewriting it: still ours, removed on the next pass
+                        asyncio.get_running_loop().call_later(0.05, self._expire_wake.set)
+                else:
+                    # Another replica serves a retry of this request now: its entry is that replica's.
+                    self._expired(c, None)
+            if granted:
+                leases = await self.svc.store.get_prefix(self.keys.leases(self.host))
+                for c in granted:
+                    lease = _lease_in(leases.ranges[0], c.lease_id)
+                    if self._waiting.get(c.lease_id) is c:
+                        del self._waiting[c.lease_id]
+                    if lease is not None and not c.future.done():
+                        c.future.set_result(lease)
+                    else:
+                        self._expired(c, None)
+            due = retry
+
+    def _expired(self, c: AcquireCall, removed: QueueEntry | None) -> None:
+        self._fail(c, _wait_over(c))
+        if removed is not None and removed.victims:
+            task = asyncio.get_running_loop().create_task(self.svc.withdraw_evictions(removed))
+            log_failure(task, "withdrawing eviction notices")
+
+    # -- rounds ----------------------------------------------------------------------------------
     async def _round(self, batch: list[AcquireCall]) -> None:
         svc = self.svc
         batch = _merge_duplicates(batch)
@@ -235,15 +301,14 @@ class HostAdmitter:
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys])
             view = host_view(self.keys, self.host, snap, svc.config.untracked_vram)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
-            plan = self._decide(view, batch, live)
+            plan = self._decide(view, batch, live, time.monotonic())
             if use_mirror:
                 use_mirror = False
-                if plan.failures or plan.waits or plan.evictions or not plan.ops:
+                if plan.refusals or plan.failures or plan.waits or plan.evictions or not plan.ops:
                     continue
-            for c, err in plan.failures:
-                metrics.REFUSALS.labels(type(err).__name__).inc()
-                if not c.future.done():
-                    c.future.set_exception(err)
+            # A refusal that needs no write is true as of the snapshot: it is answered at once.
+            for c, err in plan.refusals:
+                self._fail(c, err)
             if not plan.ops:
                 self._settle(plan, revision=0)
                 return
@@ -254,6 +319,13 @@ class HostAdmitter:
             if res is not None and res.succeeded:
                 self._last_commit = res.revision
                 self._settle(plan, res.revision)
+                for entry in plan.left:
+                    if entry.victims:
+                        try:
+                            await svc.withdraw_evictions(entry)
+                        except errors.GpucoordError as e:
+                            log.warning("could not withdraw the notices of %s/%s: %s", entry.agent,
+                                        entry.request_id, e)
                 return
             metrics.CONFLICTS.inc()
             await asyncio.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** attempt)))
@@ -264,6 +336,11 @@ class HostAdmitter:
                 c.future.set_exception(err)
 
     def _settle(self, plan: _Round, revision: int) -> None:
+        """The round's transaction has committed (or there was nothing to write): tell the callers."""
+        for failed, err in plan.failures:
+            self._fail(failed, err)
+        for prior in plan.superseded:
+            self._fail(prior, errors.Unavailable("superseded by a retry of the same request"))
         new = {id(x) for x in plan.new_leases}
         for c, lease in plan.grants:
             metrics.ADMISSIONS.labels(self.host).inc()
@@ -271,9 +348,11 @@ class HostAdmitter:
                 continue
             if not c.future.done():
                 self._orphans.pop(lease.id, None)   # a retry claims a lease its cancelled first try got
-            self._waiting.pop(c.lease_id, None)
+            if self._waiting.get(c.lease_id) is c:
+                del self._waiting[c.lease_id]
             if not c.future.done():
-                c.future.set_result(dataclasses.replace(lease, mod_revision=revision) if revision else lease)
+                c.future.set_result(dataclasses.replace(lease, mod_revision=revision)
+                                    if revision and id(lease) in new else lease)
             elif id(lease) in new and revision:
                 # Its caller went away while the grant was being committed: nobody knows the lease, so it
                 # is given back rather than held for the rest of the session, unless a retry of the same
@@ -283,12 +362,21 @@ class HostAdmitter:
         if plan.deferred:
             self._pending[:0] = plan.deferred
             self.notify()
+        if plan.more:
+            self.notify()
         loop = asyncio.get_running_loop()
-        for c, rank in plan.waits:
-            c.rank = rank
-            # Recorded even if its caller has gone meanwhile: _expire then removes the entry at once.
+        for w in plan.waits:
+            c = w.call
+            c.rank = w.rank
+            c.entry_revision = w.revision or revision
+            if self._waiting.get(c.lease_id) is c:
+                continue
+            # Recorded even if its caller has gone meanwhile: the expiry then removes the entry at once.
             self._waiting[c.lease_id] = c
-            loop.call_later(max(0.0, c.deadline - time.monotonic()), self.notify)
+            if c.future.done():
+                self._expire_wake.set()
+            else:
+                loop.call_later(max(0.0, c.deadline - time.monotonic()), self._expire_wake.set)
         metrics.EVICTIONS.labels("notice").inc(plan.evictions)
 
     def _schedule_give_back(self, lease: VramLease) -> None:
@@ -305,48 +393,62 @@ class HostAdmitter:
             log.warning("could not give back lease %s of a caller that went away: %s", lease.id, e)
 
     # -- the decision (pure over the snapshot) ---------------------------------------------------
-    def _decide(self, view: HostView, batch: list[AcquireCall], live: set[str]) -> _Round:
+    def _decide(self, view: HostView, batch: list[AcquireCall], live: set[str], now: float) -> _Round:
+        """Decide a round from one snapshot; ``now`` is the monotonic clock the waiters' deadlines use.
+
+        It reads ``self._waiting`` (which calls this replica serves) but changes nothing outside the plan.
+        """
         cfg = self.svc.config
         plan = _Round()
-        queue = [QueueEntry.from_kv(kv) for kv in view.queue]
+        queue = [queue_entry(kv) for kv in view.queue]
         by_lease = {e.lease_id: e for e in queue}
-        items = [_Item(e.rank, e, self._waiting.get(e.lease_id)) for e in queue]
-        # Our waiters whose entry vanished without a lease were swept: answer them.
-        for lease_id, c in list(self._waiting.items()):
+        # Our waiters whose entry vanished: granted (by any replica), or removed by someone else.
+        for lease_id, c in self._waiting.items():
             if lease_id not in by_lease:
-                del self._waiting[lease_id]
                 lease = view.leases.get(lease_id)
                 if lease is not None:
                     plan.grants.append((c, lease))
                 else:
-                    plan.failures.append((c, _swept()))
+                    plan.refusals.append((c, self._why_removed(view, c, now)))
+        attached: dict[str, AcquireCall] = {}
+        fresh: list[_Item] = []
         for c in batch:
             if c.session.session_id not in live:
-                plan.failures.append((c, errors.SessionGone(
+                plan.refusals.append((c, errors.SessionGone(
                     f"session: no live session {c.session.session_id} of agent {c.session.agent!r} "
                     "(unknown or expired)", "session")))
                 continue
             entry = by_lease.get(c.lease_id)
             if entry is not None:      # a retry of a request that is already waiting: keep its place
                 if entry.session_id != c.session.session_id:
-                    plan.failures.append((c, errors.FailedPrecondition(
+                    plan.refusals.append((c, errors.FailedPrecondition(
                         "request_id: already waiting in another session of this agent", "request_id")))
                     continue
                 prior = self._waiting.get(c.lease_id)
                 if prior is not None and prior is not c and not prior.future.done():
-                    prior.future.set_exception(errors.Unavailable("superseded by a retry of the same request"))
-                c.rank = entry.rank
-                self._waiting[c.lease_id] = c
-                for it in items:
-                    if it.entry is entry:
-                        it.call = c
+                    plan.superseded.append(prior)
+                attached[c.lease_id] = c
                 continue
-            items.append(_Item(Keys.queue_rank(c.priority, c.arrival_ns, c.lease_id), None, c))
+            fresh.append(_Item(Keys.queue_rank(c.priority, c.arrival_ns, c.lease_id), None, c))
+        items = [_Item(e.rank, e, attached.get(e.lease_id) or self._waiting.get(e.lease_id)) for e in queue]
+        items += fresh
         items.sort(key=lambda it: it.rank)
+        attached_calls = {id(c) for c in attached.values()}
+
+        def leaving(it: _Item) -> bool:
+            """Our waiter whose caller went away or whose wait is over: the expiry removes its entry, so it
+            neither blocks a GPU nor counts against the queue bounds, and it is not granted any more."""
+            c = it.call
+            return (c is not None and it.entry is not None and id(c) not in attached_calls
+                    and (c.future.done() or now >= c.deadline))
 
         blocked: set[str] = set()   # GPUs that a request ranked earlier is still waiting for
-        queued = len(queue)
+        staying = [it.entry for it in items if it.entry is not None and not leaving(it)]
+        queued = len(staying)
+        per_agent = collections.Counter(e.agent for e in staying)
+        displaced: set[str] = set()   # ranks of entries this round displaces
         evicting = {lease_id for lease_id in self.svc.evictions}
+
         def fits_budget(ops: int, compares: int) -> bool:
             used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
             # Guards: host, partition, queue, every ledger, and one per caller's session (+1 for this one).
@@ -354,11 +456,24 @@ class HostAdmitter:
             return (used_ops + ops <= TXN_OPS_BUDGET
                     and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 
+        def leaves(entry: QueueEntry, call: AcquireCall | None, err: errors.GpucoordError | None) -> None:
+            """The entry leaves the queue in this transaction; its caller (if ours) is told after the commit."""
+            nonlocal queued
+            self._remove_entry(plan, entry)
+            queued -= 1
+            per_agent[entry.agent] -= 1
+            if err is not None:
+                plan.left.append(entry)
+                if call is not None:
+                    plan.failures.append((call, err))
+
         for n, it in enumerate(items):
-            if not fits_budget(2, 1):
+            if it.rank in displaced or leaving(it):
+                continue
+            if not fits_budget(3, 2):
                 # The rest waits for the next round: new callers go back to the front of the line.
                 plan.deferred = [x.call for x in items[n:] if x.call is not None and x.entry is None]
-                self._dirty = True
+                plan.more = True
                 break
             agent = it.agent
             lease_id = it.field("lease_id")
@@ -367,21 +482,21 @@ class HostAdmitter:
                 if it.call is not None and it.entry is None and existing.session_id != it.call.session.session_id:
                     # The same request from another session of the agent: handing it a lease that it could
                     # neither release nor keep (it lives and dies with the other session) would be wrong.
-                    plan.failures.append((it.call, errors.FailedPrecondition(
+                    plan.refusals.append((it.call, errors.FailedPrecondition(
                         "request_id: already holds a lease in another session of this agent", "request_id")))
                     continue
                 plan.grants.append((it.call, existing))
                 if it.entry is not None:
-                    self._remove_entry(plan, it.entry)
+                    leaves(it.entry, None, None)
                 continue
             try:
-                candidates, caps = self._candidates(view, it)
+                candidates, caps = self._candidates(view, it, count_leases=it.entry is None)
             except errors.GpucoordError as e:
-                if it.call is not None:
-                    plan.failures.append((it.call, e))
-                    self._waiting.pop(lease_id, None)
-                if it.entry is not None:   # it can never be granted any more: it leaves the queue
-                    self._remove_entry(plan, it.entry)
+                if it.entry is None:
+                    assert it.call is not None
+                    plan.refusals.append((it.call, e))
+                else:   # it can never be granted any more: it leaves the queue
+                    leaves(it.entry, it.call, _left_the_queue(e))
                 continue
             vram, priority = int(it.field("vram_mb")), int(it.field("priority"))
             free_of_queue = [g for g in candidates if g.uuid not in blocked]
@@ -394,28 +509,36 @@ class HostAdmitter:
                 plan.grants.append((it.call, lease))
                 plan.new_leases.append(lease)
                 if it.entry is not None:
-                    self._remove_entry(plan, it.entry)
+                    leaves(it.entry, None, None)
                 continue
-            may_wait = it.entry is not None or (it.call is not None and it.call.wait_s > 0)
-            if not may_wait:
+            if it.entry is None:
                 assert it.call is not None
-                reason = (f"vram_mb: {vram} MiB does not fit now on any allowed GPU" if not blocked & {g.uuid for g in candidates}
-                          else f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests")
-                plan.failures.append((it.call, errors.CapacityError(reason, "vram_mb")))
-                continue
-            if it.entry is None and queued >= cfg.max_queue_per_host:
-                assert it.call is not None
-                plan.failures.append((it.call, errors.CapacityError(
-                    f"queue: host {self.host!r} already has {queued} waiting requests (limit "
-                    f"{cfg.max_queue_per_host})", "queue")))
-                continue
+                refusal = self._may_not_wait(it.call, now, vram, bool(blocked & {g.uuid for g in candidates}),
+                                             per_agent[agent])
+                if refusal is None and queued >= cfg.max_queue_per_host:
+                    # The host's queue is full: an arrival that outranks the lowest-ranked waiter takes its
+                    # place (that waiter is told RESOURCE_EXHAUSTED); one that does not is refused.
+                    lowest = _lowest_waiter(items, n + 1, displaced, leaving)
+                    if lowest is None:
+                        refusal = errors.CapacityError(
+                            f"queue: host {self.host!r} already has {queued} waiting requests ranked at or above "
+                            f"this one (limit {cfg.max_queue_per_host})", "queue")
+                    else:
+                        assert lowest.entry is not None
+                        displaced.add(lowest.rank)
+                        leaves(lowest.entry, lowest.call, errors.CapacityError(
+                            f"queue: displaced from the full queue of host {self.host!r} (limit "
+                            f"{cfg.max_queue_per_host}) by a request of higher priority", "queue"))
+                if refusal is not None:
+                    plan.refusals.append((it.call, refusal))
+                    continue
             # It waits. Before waiting it may evict (G3), if that makes it fit on a GPU nobody ahead waits for.
             victims = list(it.entry.victims) if it.entry else []
             if not victims_pending:
                 new = self._plan_eviction(free_of_queue, caps, vram, priority, agent, evicting)
                 if new and not fits_budget(len(new) + 2, 2 * len(new) + 2):
                     new = []              # too many for this transaction: evict in the next round
-                    self._dirty = True
+                    plan.more = True
                 for victim in new:
                     plan.ops.append(self._eviction_op(victim, it, priority))
                     plan.compares.append(cmp_mod_revision(
@@ -433,8 +556,10 @@ class HostAdmitter:
                 key = self.keys.queue_entry(self.host, it.rank)
                 plan.compares.append(cmp_absent(key))
                 plan.ops.append(op_put(key, dumps(entry.to_json()), it.call.session.etcd_lease))
-                plan.waits.append((it.call, it.rank))
+                plan.waits.append(_Wait(it.call, it.rank, 0))
+                plan.new_entries += 1
                 queued += 1
+                per_agent[agent] += 1
             else:
                 updated = it.entry
                 if tuple(victims) != it.entry.victims:
@@ -442,13 +567,14 @@ class HostAdmitter:
                 if it.call is not None and (it.entry.replica != self.svc.replica_id):
                     updated = dataclasses.replace(updated, replica=self.svc.replica_id,
                                                   deadline_unix=max(updated.deadline_unix,
-                                                                    time.time() + max(0.0, it.call.deadline - time.monotonic())))
+                                                                    time.time() + max(0.0, it.call.deadline - now)))
                 if updated is not it.entry:
                     key = self.keys.queue_entry(self.host, it.entry.rank)
                     plan.compares.append(cmp_mod_revision(key, it.entry.mod_revision))
                     plan.ops.append(op_put(key, dumps(updated.to_json()), updated.etcd_lease))
                 if it.call is not None:
-                    plan.waits.append((it.call, it.entry.rank))
+                    plan.waits.append(_Wait(it.call, it.entry.rank,
+                                            0 if updated is not it.entry else it.entry.mod_revision))
         for lease in plan.new_leases:
             plan.ops.append(op_put(self.keys.lease(self.host, lease.gpu_uuid, lease.id), dumps(lease.to_json()),
                                    lease.etcd_lease))
@@ -458,9 +584,40 @@ class HostAdmitter:
                                    dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq})))
         if plan.ops:
             # Admitting or queueing needs a live host; removing entries of a host that is gone does not.
-            adds = bool(plan.new_leases) or any(c.rank is None for c, _ in plan.waits)
+            adds = bool(plan.new_leases) or plan.new_entries > 0
             plan.compares += self._guards(view, list(plan.sessions.values()), host_must_live=adds)
         return plan
+
+    def _may_not_wait(self, c: AcquireCall, now: float, vram: int, behind_waiters: bool,
+                      agent_waiting: int) -> errors.GpucoordError | None:
+        """Why a new request that does not fit now may not wait, or None (the host's bound is apart)."""
+        cfg = self.svc.config
+        if c.deadline <= now:
+            if c.wait_s > 0:
+                return _wait_over(c)
+            return errors.CapacityError(
+                f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests" if behind_waiters
+                else f"vram_mb: {vram} MiB does not fit now on any allowed GPU", "vram_mb")
+        if agent_waiting >= cfg.max_queue_per_agent:
+            return errors.CapacityError(
+                f"queue: agent {c.session.agent!r} already has {agent_waiting} waiting requests on host "
+                f"{self.host!r} (limit {cfg.max_queue_per_agent} per agent)", "queue")
+        return None
+
+    def _why_removed(self, view: HostView, c: AcquireCall, now: float) -> errors.GpucoordError:
+        """The answer for our waiter whose entry someone else removed without a grant, from the snapshot:
+        FAILED_PRECONDITION only when it can never be granted there any more (the host is gone, the
+        partition changed); otherwise it was displaced, or removed at the end of its wait."""
+        try:
+            self._candidates(view, _Item(c.rank or "", None, c), count_leases=False)
+        except errors.GpucoordError as e:
+            return _left_the_queue(e)
+        if now >= c.deadline:
+            return _wait_over(c)
+        return errors.CapacityError(
+            "queue: the waiting request was removed from the queue without a grant (displaced by a request "
+            "of higher priority)", "queue")
+
 
     def _remove_entry(self, plan: _Round, entry: QueueEntry) -> None:
         """The entry leaves the queue in this round's transaction, if nobody changed it since the snapshot."""
@@ -468,8 +625,9 @@ class HostAdmitter:
         plan.compares.append(cmp_mod_revision(key, entry.mod_revision))
         plan.ops.append(op_delete(key))
 
-    def _candidates(self, view: HostView, it: _Item) -> tuple[list[GpuView], dict[str, int]]:
-        """The GPUs this request may ever use, with the agent's cap on each; raises why there are none."""
+    def _candidates(self, view: HostView, it: _Item, count_leases: bool) -> tuple[list[GpuView], dict[str, int]]:
+        """The GPUs this request may ever use, with the agent's cap on each; raises why there are none.
+        ``count_leases``: a new request is also refused when its agent holds its limit of leases."""
         agent = it.agent
         if view.inventory is None or not view.alive:
             raise errors.FailedPrecondition(
@@ -477,7 +635,7 @@ class HostAdmitter:
         partition = view.effective_partition()
         if not partition.allows(agent):
             raise errors.NotOwner(f"agent: {agent!r} is not in the partition of host {self.host!r}", "agent")
-        if it.entry is None:
+        if count_leases:
             mine = sum(1 for lease in view.leases.values() if lease.agent == agent)
             if mine >= self.svc.config.max_leases_per_agent:
                 raise errors.CapacityError(
@@ -551,7 +709,7 @@ class HostAdmitter:
         return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
                           etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
                           priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
-                          lease_id=c.lease_id, deadline_unix=time.time() + c.wait_s, replica=self.svc.replica_id,
+                          lease_id=c.lease_id, deadline_unix=time.time() + max(0.0, c.deadline - time.monotonic()), replica=self.svc.replica_id,
                           victims=victims)
 
     def _guards(self, view: HostView, sessions: list[SessionInfo], host_must_live: bool) -> list[Any]:
@@ -568,9 +726,37 @@ class HostAdmitter:
         return out
 
 
-def _swept() -> errors.FailedPrecondition:
-    return errors.FailedPrecondition(
-        "queue: the waiting request was removed from the queue (host gone, or partition changed)", "queue")
+def _wait_over(c: AcquireCall) -> errors.CapacityError:
+    return errors.CapacityError(f"vram_mb: {c.vram_mb} MiB did not fit after waiting {c.wait_s:g} s", "vram_mb")
+
+
+def _left_the_queue(e: errors.GpucoordError) -> errors.FailedPrecondition:
+    """A waiting request that can never be granted on the host any more (the host is gone, the partition
+    changed): it leaves the queue, and its caller learns why."""
+    return errors.FailedPrecondition(f"{e.message}; the waiting request left the queue", e.field or "queue")
+
+
+def _lowest_waiter(items: list[_Item], start: int, displaced: set[str],
+                   leaving: Callable[[_Item], bool]) -> _Item | None:
+    """The lowest-ranked entry of the queue among ``items[start:]`` (which rank below the arrival) that a
+    higher-ranked arrival may displace."""
+    for it in reversed(items[start:]):
+        if it.entry is not None and it.rank not in displaced and not leaving(it):
+            return it
+    return None
+
+
+def _served_here(kv: KV, replica_id: str, lease_id: str) -> bool:
+    d = kv.json()
+    return bool(d.get("replica") == replica_id and d.get("lease_id") == lease_id)
+
+
+def _lease_in(kvs: Sequence[KV], lease_id: str) -> VramLease | None:
+    suffix = b"/" + lease_id.encode()
+    for kv in kvs:
+        if kv.key.endswith(suffix):
+            return VramLease.from_kv(kv)
+    return None
 
 
 def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:

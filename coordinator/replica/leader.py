@@ -25,6 +25,7 @@ from coordinator.records import EvictionRecord, QueueEntry, dumps
 from coordinator.etcd.election import Election
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, range_req
+from coordinator.etcd.removals import Removal, remove_entries
 
 if TYPE_CHECKING:
     from coordinator.replica.service import CoordinatorService
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 1.0
 SWEEP_GRACE_S = 2.0
+# A waiter's own replica removes its entry within moments of its deadline; the leader removes one that is
+# still there this long after it only as a safety net (and the waiter's replica still answers it right).
+OVERDUE_S = 20.0
 
 
 class Leadership:
@@ -183,6 +187,11 @@ class Leadership:
             await asyncio.sleep(SWEEP_INTERVAL_S)
 
     async def _sweep_once(self) -> None:
+        """Remove the entries nobody else will: those of hosts that are gone, those whose replica died, and
+        (a safety net) those long past their deadline. Removals go in batched transactions, each entry
+        compared on its mod_revision, so an entry that a replica granted, removed or rewrote meanwhile
+        stays as it is. The waiter's replica answers from what it then reads (FAILED_PRECONDITION only if
+        the host is gone or the partition changed), so a sweep never changes the answer."""
         keys = self.keys
         snap = await self.svc.store.snapshot([range_req(keys.hosts(), prefix=True, keys_only=True),
                                               range_req(keys.queue(), prefix=True),
@@ -190,19 +199,21 @@ class Leadership:
         hosts = {keys.parse(kv.key)[1][0] for kv in snap.ranges[0]}
         replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[2]}
         now = time.time()
+        removals: list[Removal] = []
+        swept: list[tuple[QueueEntry, str]] = []
         for kv in snap.ranges[1]:
             host = keys.parse(kv.key)[1][0]
             entry = QueueEntry.from_kv(kv)
             gone_host = host not in hosts
             abandoned = entry.deadline_unix + SWEEP_GRACE_S < now and entry.replica not in replicas
-            overdue = entry.deadline_unix + 10 * SWEEP_GRACE_S < now
+            overdue = entry.deadline_unix + OVERDUE_S < now
             if gone_host or abandoned or overdue:
-                compares = [cmp_mod_revision(kv.key, kv.mod_revision), *self._fence()]
-                if gone_host:
-                    compares.append(cmp_absent(keys.host(host)))
-                res = await self.svc.store.commit(compares, [op_delete(kv.key)])
-                if res.succeeded:
-                    await self.svc.withdraw_evictions(entry)
-                    log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent,
-                             "host gone" if gone_host else "waiter gone")
-
+                removals.append(Removal(kv.key, kv.mod_revision, (cmp_absent(keys.host(host)),) if gone_host else ()))
+                swept.append((entry, "host gone" if gone_host else "waiter gone" if abandoned else "overdue"))
+        if not removals:
+            return
+        outcomes = await remove_entries(self.svc.store, removals, common=self._fence())
+        for (entry, why), out in zip(swept, outcomes):
+            if out.removed is not None:
+                await self.svc.withdraw_evictions(entry)
+                log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent, why)

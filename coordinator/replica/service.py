@@ -18,7 +18,9 @@ from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.records import EvictionRecord, HostInventory, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.replica.admitter import AcquireCall, HostAdmitter
-from coordinator.config import MAX_ATTACHED_PIDS, MAX_PID, MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig
+from coordinator.config import (MAX_ATTACHED_PIDS, MAX_CLIENT_VERSION_BYTES, MAX_GRACE_S, MAX_PARTITION_BYTES, MAX_PID,
+                                MAX_PRIORITY, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_SPEC_BYTES,
+                                MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig, quote)
 from coordinator.replica.mirror import Mirror
 from coordinator.keys import (Keys, etcd_lease_from_session_id, last_segment, lease_id_for, session_id_from_etcd_lease,
                               valid_name)
@@ -36,8 +38,43 @@ def _check_name(field: str, value: str) -> str:
         raise errors.InvalidArgument(f"{field}: is required", field)
     if not valid_name(value):
         raise errors.InvalidArgument(
-            f"{field}: {value!r} is not a valid name (letters, digits, '.', '_', ':', '@', '-'; at most 128)", field)
+            f"{field}: {quote(value)} is not a valid name (letters, digits, '.', '_', ':', '@', '-'; at most 128)",
+            field)
     return value
+
+
+def _check_text(field: str, value: str, max_bytes: int) -> str:
+    """A free-text field that is stored in etcd: bounded in UTF-8 bytes."""
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise errors.InvalidArgument(f"{field}: {size} bytes, more than the limit of {max_bytes}", field)
+    return value
+
+
+def check_session_id(session_id: str, field: str = "session.session_id") -> int:
+    """The etcd_lease id a session id names (lowercase hex, at most 16 digits)."""
+    if not session_id:
+        raise errors.InvalidArgument(f"{field}: is required", field)
+    if len(session_id) > MAX_SESSION_ID_LEN or any(c not in "0123456789abcdef" for c in session_id):
+        raise errors.InvalidArgument(f"{field}: {quote(session_id)} is not a session id", field)
+    return etcd_lease_from_session_id(session_id)
+
+
+def validate_acquire(vram_mb: int, gpu: str, priority: int, request_id: str, wait_s: float) -> None:
+    """Every field of an acquire, before anything is read (not even the session)."""
+    if vram_mb <= 0:
+        raise errors.InvalidArgument(f"vram_mb: must be > 0, got {vram_mb}", "vram_mb")
+    if vram_mb > MAX_VRAM_MB:
+        raise errors.InvalidArgument(f"vram_mb: {vram_mb} is above the limit of {MAX_VRAM_MB}", "vram_mb")
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise errors.InvalidArgument(f"priority: must be within [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
+    if len(request_id) > MAX_REQUEST_ID_LEN or any(c in request_id for c in "/\0"):
+        raise errors.InvalidArgument(
+            f"request_id: at most {MAX_REQUEST_ID_LEN} characters, without '/' or NUL", "request_id")
+    if not 0 <= wait_s <= MAX_WAIT_S or wait_s != wait_s:
+        raise errors.InvalidArgument(f"wait_seconds: must be within [0, {MAX_WAIT_S:g}]", "wait_seconds")
+    if gpu and not valid_name(gpu):
+        raise errors.InvalidArgument(f"gpu: {quote(gpu)} is neither a GPU index nor a uuid", "gpu")
 
 
 class CoordinatorService:
@@ -56,6 +93,7 @@ class CoordinatorService:
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
         self._streams: dict[str, set[asyncio.Queue[Any]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()   # fire-and-forget clean-ups, kept referenced
         self.watch_ready = asyncio.Event()
         self.mirror = Mirror(self.keys)
         self.leadership: Any = None
@@ -160,12 +198,16 @@ class CoordinatorService:
 
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, agent: str, host: str, ttl_s: int, pid: int, client_version: str) -> tuple[str, int]:
+        # Every field first: nothing is read, granted or written for a request that is refused.
         _check_name("agent", agent)
         _check_name("host", host)
         ttl = ttl_s or self.config.session_ttl_s
         if not MIN_TTL_S <= ttl <= MAX_TTL_S:
             raise errors.InvalidArgument(f"ttl_seconds: must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {ttl}",
                                          "ttl_seconds")
+        if pid < 0:
+            raise errors.InvalidArgument(f"pid: must be >= 0, got {pid}", "pid")
+        _check_text("client_version", client_version, MAX_CLIENT_VERSION_BYTES)
         for _ in range(self.config.commit_attempts):
             snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host))])
             host_kvs, part_kvs = snap.ranges
@@ -181,28 +223,41 @@ class CoordinatorService:
             value = dumps({"agent": agent, "host": host, "pid": pid, "client_version": client_version,
                            "ttl": ttl, "opened_at": time.time(), "coordinator": self.replica_id})
             part_rev = part_kvs[0].mod_revision if part_kvs else 0
-            res = await self.store.commit(
-                [cmp_exists(self.keys.host(host)), cmp_mod_revision(self.keys.partition(host), part_rev)],
-                [op_put(self.keys.session(agent, session_id), value, etcd_lease)])
-            if res.succeeded:
+            written = False
+            try:
+                res = await self.store.commit(
+                    [cmp_exists(self.keys.host(host)), cmp_mod_revision(self.keys.partition(host), part_rev)],
+                    [op_put(self.keys.session(agent, session_id), value, etcd_lease)])
+                written = res.succeeded
+            finally:
+                if not written:
+                    # Whatever went wrong (a lost compare, an etcd error, a cancelled call), nobody will
+                    # ever know this etcd_lease: it goes now rather than living out its TTL.
+                    await self._revoke_unused(etcd_lease)
+            if written:
                 self._sessions[(agent, session_id)] = SessionInfo(agent, session_id, host, etcd_lease)
                 return session_id, ttl
-            await self.store.revoke(etcd_lease)
         raise errors.Unavailable("open session: too much contention on the host's partition; retry")
+
+    async def _revoke_unused(self, etcd_lease: int) -> None:
+        """Revoke an etcd_lease that no key uses, even if the caller is being cancelled."""
+        async def revoke() -> None:
+            try:
+                await self.store.revoke(etcd_lease)
+            except errors.GpucoordError as e:
+                log.warning("could not revoke the unused etcd_lease %x (it expires with its TTL): %s", etcd_lease, e)
+        task = asyncio.get_running_loop().create_task(revoke())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        await asyncio.shield(task)
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
         """The session's (cached) identity. Liveness is checked by every transaction, not here."""
         _check_name("session.agent", agent)
-        if not session_id:
-            raise errors.InvalidArgument("session.session_id: is required", "session.session_id")
+        etcd_lease = check_session_id(session_id)
         info = self._sessions.get((agent, session_id))
         if info is not None:
             return info
-        try:
-            etcd_lease = etcd_lease_from_session_id(session_id)
-        except ValueError:
-            raise errors.InvalidArgument(f"session.session_id: {session_id!r} is not a session id",
-                                         "session.session_id") from None
         kv = await self.store.get(self.keys.session(agent, session_id))
         if kv is None:
             raise errors.SessionGone(f"session: no live session {session_id} of agent {agent!r} "
@@ -226,19 +281,7 @@ class CoordinatorService:
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
                       request_id: str, wait_s: float) -> VramLease:
-        if vram_mb <= 0:
-            raise errors.InvalidArgument(f"vram_mb: must be > 0, got {vram_mb}", "vram_mb")
-        if vram_mb > MAX_VRAM_MB:
-            raise errors.InvalidArgument(f"vram_mb: {vram_mb} is above the limit of {MAX_VRAM_MB}", "vram_mb")
-        if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
-            raise errors.InvalidArgument(f"priority: must be within [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
-        if len(request_id) > MAX_REQUEST_ID_LEN or any(c in request_id for c in "/\0"):
-            raise errors.InvalidArgument(
-                f"request_id: at most {MAX_REQUEST_ID_LEN} characters, without '/' or NUL", "request_id")
-        if not 0 <= wait_s <= MAX_WAIT_S or wait_s != wait_s:
-            raise errors.InvalidArgument(f"wait_seconds: must be within [0, {MAX_WAIT_S}]", "wait_seconds")
-        if gpu and not valid_name(gpu):
-            raise errors.InvalidArgument(f"gpu: {gpu!r} is neither a GPU index nor a uuid", "gpu")
+        validate_acquire(vram_mb, gpu, priority, request_id, wait_s)
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
@@ -266,9 +309,10 @@ class CoordinatorService:
     # -- operator: evict and revoke ----------------------------------------------------------------
     async def evict(self, lease_id: str, grace_s: float, reason: str) -> float:
         """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
-        _check_lease_id(lease_id)
-        if grace_s < 0 or grace_s != grace_s or grace_s > 3600:
-            raise errors.InvalidArgument("grace_seconds: must be within [0, 3600]", "grace_seconds")
+        check_lease_id(lease_id)
+        if grace_s < 0 or grace_s != grace_s or grace_s > MAX_GRACE_S:
+            raise errors.InvalidArgument(f"grace_seconds: must be within [0, {MAX_GRACE_S:g}]", "grace_seconds")
+        _check_text("reason", reason, MAX_REASON_BYTES)
         grace = grace_s or self.config.eviction_grace_s
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id)
@@ -312,7 +356,7 @@ class CoordinatorService:
         stands: a notice withdrawn meanwhile (its requester left) saves the lease. With ``fence`` (the
         leader) every write also compares the leader's candidacy, and a deposed leader gets NotOwner.
         """
-        _check_lease_id(lease_id)
+        check_lease_id(lease_id)
         notice_key = self.keys.eviction(lease_id)
         fenced = fence.fence() if fence is not None else []
         for _ in range(self.config.commit_attempts):
@@ -341,7 +385,7 @@ class CoordinatorService:
     # -- release -------------------------------------------------------------------------------
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
         """Delete the lease if it is the caller's. Idempotent: a lease that is gone answers False."""
-        _check_lease_id(lease_id)
+        check_lease_id(lease_id)
         for attempt in range(self.config.commit_attempts):
             # First from the mirror (a miss or a lost compare falls back to reading etcd).
             lease = self._mirrored_lease(lease_id, info.host) if attempt == 0 else None
@@ -364,15 +408,7 @@ class CoordinatorService:
     async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
         """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
         keeps everything else, token included. False when it already recorded exactly these."""
-        _check_lease_id(lease_id)
-        if len(pids) > MAX_ATTACHED_PIDS:
-            raise errors.InvalidArgument(f"pids: at most {MAX_ATTACHED_PIDS}, got {len(pids)}", "pids")
-        bad = [p for p in pids if not 1 <= p <= MAX_PID]
-        if bad:
-            raise errors.InvalidArgument(f"pids: {bad[0]} is not a process id (1..{MAX_PID})", "pids")
-        if not 0 <= pgid <= MAX_PID:
-            raise errors.InvalidArgument(f"pgid: {pgid} is not a process group id (0 for none, or 1..{MAX_PID})",
-                                         "pgid")
+        validate_attach(lease_id, pids, pgid)
         wanted = tuple(sorted(set(pids)))
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, info.host)
@@ -402,6 +438,10 @@ class CoordinatorService:
 
     # -- partitions ----------------------------------------------------------------------------
     async def apply_partition(self, spec_data: dict[str, Any], dry_run: bool, evict: bool) -> tuple[Partition, bool]:
+        size = len(dumps(spec_data))
+        if size > MAX_SPEC_BYTES:
+            raise errors.InvalidArgument(f"spec: {size} bytes of JSON, more than the limit of {MAX_SPEC_BYTES}",
+                                         "spec")
         try:
             spec = parse_spec(spec_data)
         except PartitionError as e:
@@ -441,7 +481,11 @@ class CoordinatorService:
             # Any admission on the host bumps a ledger: comparing them all orders apply against acquires.
             compares += [cmp_mod_revision(self.keys.gpu(spec.host, u), g.ledger.mod_revision)
                          for u, g in view.gpus.items()]
-            res = await self.store.commit(compares, [op_put(part_key, dumps({"partition": partition.to_json()}))])
+            value = dumps({"partition": partition.to_json()})
+            if len(value) > MAX_PARTITION_BYTES:
+                raise errors.InvalidArgument(f"partition: the computed partition takes {len(value)} bytes, more "
+                                             f"than the limit of {MAX_PARTITION_BYTES}", "partition")
+            res = await self.store.commit(compares, [op_put(part_key, value)])
             if res.succeeded:
                 return partition, True
         raise errors.Unavailable("partition apply: too much contention; retry")
@@ -493,9 +537,22 @@ class CoordinatorService:
         return snap.revision, views, ttls
 
 
-def _check_lease_id(lease_id: str) -> None:
+def validate_attach(lease_id: str, pids: list[int], pgid: int) -> None:
+    """Every field of AttachProcesses, before anything is read (not even the session)."""
+    check_lease_id(lease_id)
+    if len(pids) > MAX_ATTACHED_PIDS:
+        raise errors.InvalidArgument(f"pids: at most {MAX_ATTACHED_PIDS}, got {len(pids)}", "pids")
+    bad = [p for p in pids if not 1 <= p <= MAX_PID]
+    if bad:
+        raise errors.InvalidArgument(f"pids: {bad[0]} is not a process id (1..{MAX_PID})", "pids")
+    if not 0 <= pgid <= MAX_PID:
+        raise errors.InvalidArgument(f"pgid: {pgid} is not a process group id (0 for none, or 1..{MAX_PID})",
+                                     "pgid")
+
+
+def check_lease_id(lease_id: str) -> None:
     if not lease_id or not valid_name(lease_id):
-        raise errors.InvalidArgument(f"lease_id: {lease_id!r} is not a lease id", "lease_id")
+        raise errors.InvalidArgument(f"lease_id: {quote(lease_id)} is not a lease id", "lease_id")
 
 
 def _lease_named(kvs: Any, lease_id: str) -> VramLease | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from coordinator.policy.admission import GpuView
 from coordinator.keys import Keys
-from coordinator.records import GpuLedger, HostInventory, VramLease
+from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease
 from coordinator.policy.partition import Partition, default_partition
 from coordinator.etcd.store import KV, Snapshot
 from coordinator.etcd.ops import range_req
@@ -105,3 +105,10 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
                 leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
     return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs)
+
+
+@functools.lru_cache(maxsize=8192)
+def queue_entry(kv: KV) -> QueueEntry:
+    """``QueueEntry.from_kv``, cached: every round reads the host's whole queue, and entries rarely change
+    (a KV is immutable, and equal only with the same key, value and revisions)."""
+    return QueueEntry.from_kv(kv)

@@ -17,7 +17,8 @@ from coordinator.records import EvictionRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
-from coordinator.replica.service import CoordinatorService, status_json
+from coordinator.replica.service import (CoordinatorService, check_lease_id, status_json, validate_acquire,
+                                         validate_attach)
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
         t0 = time.perf_counter()
         try:
+            # Fields first, then the session: a bad request costs no etcd read.
+            validate_acquire(request.vram_mb, request.gpu, request.priority, request.request_id,
+                             request.wait_seconds)
             info = await self._session(request.session)
             preemptible = request.preemptible if request.HasField("preemptible") else True
             lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
@@ -130,11 +134,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        check_lease_id(request.lease_id)
         info = await self._session(request.session)
         return pb.ReleaseResponse(released=await self.svc.release(info, request.lease_id))
 
     @_rpc
     async def AttachProcesses(self, request: pb.AttachProcessesRequest, context: Any) -> pb.AttachProcessesResponse:
+        validate_attach(request.lease_id, list(request.pids), request.pgid)
         info = await self._session(request.session)
         changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid)
         return pb.AttachProcessesResponse(changed=changed)

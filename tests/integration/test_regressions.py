@@ -123,8 +123,8 @@ def test_more_than_64_waiters_are_granted_after_a_release(cluster: Cluster, hist
     entry delete). Above etcd's --max-txn-ops (128 by default) etcd answers INVALID_ARGUMENT, the round
     fails, and it fails the same way every 0.2 s: nobody is ever granted."""
     cluster.start_node("h1", "1x8GiB")
-    addr = cluster.start_coordinator()
     n = 70
+    addr = cluster.start_coordinator(max_queue_per_agent=n)   # one agent waits n times
     with Client(addr, agent="holder", host="h1") as holder:
         blocker = holder.acquire(8100, preemptible=False)
         lt = LoopThread()

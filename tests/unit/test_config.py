@@ -310,6 +310,8 @@ def test_other_limits() -> None:
     assert field_error(election_ttl_s=1) == "election_ttl_s"
     assert field_error(eviction_grace_s=-1) == "eviction_grace_s"
     assert field_error(max_queue_per_host=0) == "max_queue_per_host"
+    assert field_error(max_queue_per_agent=0) == "max_queue_per_agent"
+    assert load(flags={"max_queue_per_agent": "5"}).max_queue_per_agent == 5
     assert load(flags={"eviction_grace_s": 0}).eviction_grace_s == 0.0
 
 

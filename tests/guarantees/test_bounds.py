@@ -1,0 +1,221 @@
+"""Everything the coordinator stores in etcd is bounded, and an over-bound value changes nothing.
+
+README "Limits" lists the bounds; ``coordinator/config.py`` holds them. These tests check the two halves
+of the promise against a real etcd:
+
+* 1,000 sessions opened with every string at its bound grow etcd's database (Maintenance Status dbSize)
+  by less than the documented figure (``DB_GROWTH_PER_1000_SESSIONS``);
+* a value one past its bound (or a megabyte past it) gets INVALID_ARGUMENT naming the field, with a short
+  message, before any etcd call: no key is written and no etcd_lease is granted (LeaseLeases before and
+  after).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable
+
+import grpc
+import pytest
+from aetcd import rpc
+
+from agent_client import Client
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.config import (MAX_CLIENT_VERSION_BYTES, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SPEC_BYTES,
+                                MAX_TTL_S)
+from tests.harness import Cluster, LoopThread, wait_for
+
+pytestmark = pytest.mark.integration
+C = grpc.StatusCode
+
+# README "Limits": what 1,000 sessions with every string at its bound may add to etcd's database.
+DB_GROWTH_PER_1000_SESSIONS = 8 << 20
+MB = 1 << 20
+
+
+def _name(i: int, n: int = 128) -> str:
+    """A valid name of exactly ``n`` characters, distinct per ``i``."""
+    head = f"a{i:05d}-"
+    return head + "x" * (n - len(head))
+
+
+def _db_size(cluster: Cluster) -> int:
+    async def status() -> int:
+        resp = await cluster.store._client.maintenancestub.Status(rpc.StatusRequest(), timeout=5)
+        return int(resp.dbSize)
+    return cluster.lt.run(status())
+
+
+def _etcd_leases(cluster: Cluster) -> set[int]:
+    async def leases() -> set[int]:
+        resp = await cluster.store._client.leasestub.LeaseLeases(rpc.LeaseLeasesRequest(), timeout=5)
+        return {int(x.ID) for x in resp.leases}
+    return cluster.lt.run(leases())
+
+
+def test_a_thousand_sessions_at_every_bound_keep_etcd_small(cluster: Cluster) -> None:
+    host = _name(0)
+    cluster.start_node(host, "1x16GiB")
+    addr = cluster.start_coordinator()
+    # The worst case for stored bytes: control characters are stored JSON-escaped (\u0001: 6 bytes each).
+    client_version = "\x01" * MAX_CLIENT_VERSION_BYTES
+    lt = LoopThread()
+    try:
+        async def open_all() -> list[tuple[str, str]]:
+            async with grpc.aio.insecure_channel(addr) as channel:
+                stub = pb_grpc.CoordinatorStub(channel)
+                sem = asyncio.Semaphore(32)
+
+                async def one(i: int) -> tuple[str, str]:
+                    agent = _name(i + 1)
+                    async with sem:
+                        resp = await stub.OpenSession(pb.OpenSessionRequest(
+                            agent=agent, host=host, ttl_seconds=MAX_TTL_S, pid=2**63 - 1,
+                            client_version=client_version), timeout=30)
+                    return agent, resp.session_id
+                return list(await asyncio.gather(*(one(i) for i in range(1000))))
+
+        async def close_all(sessions: list[tuple[str, str]]) -> None:
+            async with grpc.aio.insecure_channel(addr) as channel:
+                stub = pb_grpc.CoordinatorStub(channel)
+                for i in range(0, len(sessions), 50):
+                    await asyncio.gather(*(stub.CloseSession(pb.CloseSessionRequest(
+                        session=pb.SessionRef(agent=a, session_id=s)), timeout=30) for a, s in sessions[i:i + 50]))
+
+        before = _db_size(cluster)
+        sessions = lt.run(open_all(), timeout=300)
+        grown = _db_size(cluster) - before
+        stored = cluster.get_prefix(cluster.keys.sessions())
+        assert len(stored) == 1000
+        value = json.loads(stored[0].value)
+        assert value["client_version"] == client_version and len(value["agent"]) == 128
+        lt.run(close_all(sessions), timeout=300)
+    finally:
+        lt.close()
+    assert grown < DB_GROWTH_PER_1000_SESSIONS, f"etcd's database grew by {grown} bytes"
+    print(f"1,000 sessions at every bound grew etcd's database by {grown} bytes")
+
+
+@pytest.fixture
+def env(cluster: Cluster) -> Any:
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    channel = grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 8 * MB)])
+    with Client(addr, agent="agent-a", host="h1") as c:
+        yield cluster, pb_grpc.CoordinatorStub(channel), c
+    channel.close()
+
+
+def _refused(cluster: Cluster, call: Callable[[], Any], field: str) -> None:
+    keys_before, leases_before = cluster.state(), _etcd_leases(cluster)
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    details = info.value.details() or ""
+    assert info.value.code() == C.INVALID_ARGUMENT, (field, info.value.code(), details[:200])
+    assert details.startswith(field), (field, details[:200])
+    assert len(details) < 300, f"{field}: the message echoes too much of the value ({len(details)} characters)"
+    assert cluster.state() == keys_before, f"{field}: a refused request wrote to etcd"
+    assert not _etcd_leases(cluster) - leases_before, f"{field}: a refused request left an etcd_lease behind"
+
+
+def test_over_bound_values_are_refused_naming_the_field_and_leave_nothing(env: Any) -> None:
+    cluster, stub, c = env
+    me = pb.SessionRef(agent="agent-a", session_id=c.session_id)
+    lease = c.acquire(1000)
+    huge = "x" * MB
+    over = {"client_version": "v" * (MAX_CLIENT_VERSION_BYTES + 1), "reason": "r" * (MAX_REASON_BYTES + 1)}
+
+    def open_session(**kw: Any) -> Callable[[], Any]:
+        req = pb.OpenSessionRequest(**{"agent": "agent-x", "host": "h1", **kw})
+        return lambda: stub.OpenSession(req, timeout=10)
+
+    def acquire(session: pb.SessionRef = me, **kw: Any) -> Callable[[], Any]:
+        req = pb.AcquireRequest(session=session, **{"vram_mb": 1000, **kw})
+        return lambda: stub.Acquire(req, timeout=10)
+
+    def keepalive(session: pb.SessionRef) -> Callable[[], Any]:
+        return lambda: list(stub.KeepAlive(iter([pb.KeepAliveRequest(session=session)]), timeout=10))
+
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        ("agent", open_session(agent="a" * 129)),
+        ("agent", open_session(agent=huge)),
+        ("host", open_session(host="h" * 129)),
+        ("host", open_session(host=huge)),
+        ("client_version", open_session(client_version=over["client_version"])),
+        ("client_version", open_session(client_version="\u00e9" * (MAX_CLIENT_VERSION_BYTES // 2 + 1))),
+        ("client_version", open_session(client_version="v" * (2 * MB))),
+        ("pid", open_session(pid=-1)),
+        ("request_id", acquire(request_id="r" * (MAX_REQUEST_ID_LEN + 1))),
+        ("request_id", acquire(request_id=huge)),
+        ("gpu", acquire(gpu="g" * 129)),
+        ("gpu", acquire(gpu=huge)),
+        # Fields are checked before the session is looked up: a bad field on an unknown session is still
+        # INVALID_ARGUMENT about the field.
+        ("request_id", acquire(session=pb.SessionRef(agent="agent-a", session_id="123abc"),
+                               request_id="r" * (MAX_REQUEST_ID_LEN + 1))),
+        ("session.agent", acquire(session=pb.SessionRef(agent=huge, session_id=c.session_id))),
+        ("session.session_id", acquire(session=pb.SessionRef(agent="agent-a", session_id="f" * 17))),
+        ("session.session_id", acquire(session=pb.SessionRef(agent="agent-a", session_id=huge))),
+        ("session.session_id", acquire(session=pb.SessionRef(agent="agent-a", session_id="1_0"))),
+        ("session.session_id", keepalive(pb.SessionRef(agent="agent-a", session_id=huge))),
+        ("lease_id", lambda: stub.Release(pb.ReleaseRequest(session=me, lease_id=huge), timeout=10)),
+        ("lease_id", lambda: stub.Release(pb.ReleaseRequest(
+            session=pb.SessionRef(agent="agent-a", session_id="123abc"), lease_id=huge), timeout=10)),
+        ("lease_id", lambda: stub.AttachProcesses(pb.AttachProcessesRequest(
+            session=pb.SessionRef(agent="agent-a", session_id="123abc"), lease_id=huge, pids=[1]), timeout=10)),
+        ("pids", lambda: stub.AttachProcesses(pb.AttachProcessesRequest(
+            session=pb.SessionRef(agent="agent-a", session_id="123abc"), lease_id=lease.id, pids=[1] * 65),
+            timeout=10)),
+        ("reason", lambda: stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, reason=over["reason"]),
+                                           timeout=10)),
+        ("reason", lambda: stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, reason=huge), timeout=10)),
+        ("lease_id", lambda: stub.EvictLease(pb.EvictLeaseRequest(lease_id=huge), timeout=10)),
+        ("lease_id", lambda: stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=huge), timeout=10)),
+        ("spec", lambda: stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps(
+            {"host": "h1", "mode": "auto-split", "agents": [_name(i) for i in range(MAX_SPEC_BYTES // 128)]}),
+            dry_run=False), timeout=10)),
+        ("host", lambda: stub.GetStatus(pb.GetStatusRequest(host=huge), timeout=10)),
+        ("host", lambda: stub.GetPartition(pb.GetPartitionRequest(host=huge), timeout=10)),
+    ]
+    for field, call in cases:
+        _refused(cluster, call, field)
+    assert [x.id for x in cluster.leases()] == [lease.id]
+    # At the bound, the same fields are accepted.
+    resp = stub.OpenSession(pb.OpenSessionRequest(agent="agent-x", host="h1", pid=2**63 - 1,
+                                                  client_version="\u00e9" * (MAX_CLIENT_VERSION_BYTES // 2)),
+                            timeout=10)
+    stub.CloseSession(pb.CloseSessionRequest(session=pb.SessionRef(agent="agent-x", session_id=resp.session_id)),
+                      timeout=10)
+    deadline = stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, reason="r" * MAX_REASON_BYTES,
+                                                    grace_seconds=60), timeout=10).deadline_unix
+    assert deadline > 0
+
+
+def test_a_session_whose_write_fails_leaves_no_etcd_lease(env: Any) -> None:
+    """The session's etcd_lease is granted after validation, and revoked when its write fails, whatever the
+    failure (here an etcd error, injected by wrapping the replica's Store)."""
+    from coordinator import errors as cerrors
+    cluster, stub, _ = env
+    svc = next(iter(cluster.coordinators.values()))[1]
+    store = svc.store
+    orig = store.commit
+    failures = [cerrors.Unavailable("etcd unavailable: injected"), cerrors.OutcomeUnknown("etcd write: injected")]
+
+    async def commit(compares: Any, success: Any, failure: Any = ()) -> Any:
+        if failures and any(b"/sessions/" in op.request_put.key for op in success if op.HasField("request_put")):
+            raise failures.pop(0)
+        return await orig(compares, success, failure)
+
+    cluster.lt.loop.call_soon_threadsafe(lambda: setattr(store, "commit", commit))
+    wait_for(lambda: store.__dict__.get("commit") is commit, 2, "the wrapper to be installed")
+    try:
+        for _ in range(2):
+            leases_before = _etcd_leases(cluster)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.OpenSession(pb.OpenSessionRequest(agent="agent-x", host="h1"), timeout=10)
+            assert info.value.code() == C.UNAVAILABLE
+            assert not _etcd_leases(cluster) - leases_before, "the failed session left its etcd_lease behind"
+        assert not failures
+    finally:
+        cluster.lt.loop.call_soon_threadsafe(lambda: store.__dict__.pop("commit", None))
