@@ -162,6 +162,19 @@ class Cluster:
                 out.add((kv.key, kv.mod_revision))
         return out
 
+    def replicas(self) -> dict[str, str]:
+        """replica id -> address, of the replicas registered under ``coordinators/``."""
+        import json
+        return {json.loads(kv.value)["replica"]: json.loads(kv.value)["address"]
+                for kv in self.get_prefix(self.keys.coordinators())}
+
+    def owner(self, host: str, replicas: int) -> str:
+        """The address of the replica that owns ``host`` once ``replicas`` replicas are registered."""
+        from coordinator.replica.service import owner_of
+        reps = wait_for(lambda: (lambda r: r if len(r) == replicas else None)(self.replicas()), 15,
+                        f"{replicas} replicas to register")
+        return str(reps[owner_of(host, reps)])
+
     def leases(self) -> list[Any]:
         from coordinator.records import VramLease
         return [VramLease.from_kv(kv) for kv in self.get_prefix(self.keys.leases())]

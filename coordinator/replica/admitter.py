@@ -28,7 +28,7 @@ import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from coordinator import errors, metrics
+from coordinator import errors, metrics, clock
 from coordinator.aio import cancel_and_wait, log_failure
 from coordinator.policy.admission import GpuView, best_fit, choose_victims, never_fits
 from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
@@ -299,7 +299,7 @@ class HostAdmitter:
                 # before this request (read-your-writes), not what a lagging member has applied.
                 snap = await svc.store.snapshot(
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys])
-            view = host_view(self.keys, self.host, snap, svc.config.untracked_vram)
+            view = host_view(self.keys, self.host, snap, svc.config.untracked_vram, svc.usage_age)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             plan = self._decide(view, batch, live, time.monotonic())
             if use_mirror:
@@ -567,7 +567,7 @@ class HostAdmitter:
                 if it.call is not None and (it.entry.replica != self.svc.replica_id):
                     updated = dataclasses.replace(updated, replica=self.svc.replica_id,
                                                   deadline_unix=max(updated.deadline_unix,
-                                                                    time.time() + max(0.0, it.call.deadline - now)))
+                                                                    clock.wall() + max(0.0, it.call.deadline - now)))
                 if updated is not it.entry:
                     key = self.keys.queue_entry(self.host, it.entry.rank)
                     plan.compares.append(cmp_mod_revision(key, it.entry.mod_revision))
@@ -671,7 +671,7 @@ class HostAdmitter:
             id=it.field("lease_id"), host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=it.agent,
             session_id=session_id, vram_mb=int(it.field("vram_mb")), priority=int(it.field("priority")),
             preemptible=bool(it.field("preemptible")), request_id=it.field("request_id"), token=gpu.seq,
-            created_at=time.time(), etcd_lease=etcd_lease)
+            created_at=clock.wall(), etcd_lease=etcd_lease)
         gpu.leases.append(lease)
         view.leases[lease.id] = lease
         return lease
@@ -696,7 +696,7 @@ class HostAdmitter:
         return best[1] if best else []
 
     def _eviction_op(self, victim: VramLease, it: _Item, priority: int) -> Any:
-        now = time.time()
+        now = clock.wall()
         record = EvictionRecord(
             lease_id=victim.id, host=self.host, gpu_uuid=victim.gpu_uuid, agent=victim.agent,
             session_id=victim.session_id, victim_priority=victim.priority,
@@ -709,8 +709,8 @@ class HostAdmitter:
         return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
                           etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
                           priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
-                          lease_id=c.lease_id, deadline_unix=time.time() + max(0.0, c.deadline - time.monotonic()), replica=self.svc.replica_id,
-                          victims=victims)
+                          lease_id=c.lease_id, deadline_unix=clock.wall() + max(0.0, c.deadline - time.monotonic()), replica=self.svc.replica_id,
+                          victims=victims, wait_s=max(0.0, c.deadline - time.monotonic()))
 
     def _guards(self, view: HostView, sessions: list[SessionInfo], host_must_live: bool) -> list[Any]:
         """What must still hold at commit: nothing admitted or queued on the host since the snapshot, and

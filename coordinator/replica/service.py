@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable, Iterable
 
-from coordinator import errors, metrics
+from coordinator import errors, metrics, clock
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.records import EvictionRecord, HostInventory, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.replica.admitter import AcquireCall, HostAdmitter
@@ -22,6 +23,7 @@ from coordinator.config import (MAX_ATTACHED_PIDS, MAX_CLIENT_VERSION_BYTES, MAX
                                 MAX_PRIORITY, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_SPEC_BYTES,
                                 MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig, quote)
 from coordinator.replica.mirror import Mirror
+from coordinator.replica.observed import Observed
 from coordinator.keys import (Keys, etcd_lease_from_session_id, last_segment, lease_id_for, session_id_from_etcd_lease,
                               valid_name)
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
@@ -96,8 +98,12 @@ class CoordinatorService:
         self._background: set[asyncio.Task[None]] = set()   # fire-and-forget clean-ups, kept referenced
         self.watch_ready = asyncio.Event()
         self.mirror = Mirror(self.keys)
+        # When this replica first saw each usage report, eviction notice and queue entry: ages and deadlines
+        # are measured on our own monotonic clock from then, never against another machine's wall clock.
+        self.observed = Observed()
         self.leadership: Any = None
         self._closed = False
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []   # e.g. the RPC layer's forwarding channels
 
     async def start(self, leader_duties: bool = True) -> None:
         from coordinator.replica.leader import Leadership
@@ -117,6 +123,8 @@ class CoordinatorService:
         if self.leadership is not None:
             await self.leadership.resign()
         await cancel_and_wait(self._tasks)
+        for hook in self.on_stop:
+            await hook()
         await self.store.close()
 
     # -- the replica's watch ---------------------------------------------------------------------
@@ -131,6 +139,7 @@ class CoordinatorService:
     async def _watch_once(self) -> None:
         snap = await self.store.get_prefix(self.keys.root())
         self.mirror.reset(snap.ranges[0], snap.revision)
+        self._observe(snap.ranges[0], reset=True)
         self.evictions = {r.lease_id: r for r in (EvictionRecord.from_kv(kv)
                                                   for kv in self.mirror.items("evictions"))}
         self.watch_ready.set()
@@ -143,7 +152,38 @@ class CoordinatorService:
                 self.mirror.ready = False
                 return
             self.mirror.apply(batch)
+            self._observe([ev.kv for ev in batch.events if ev.kind == "PUT"])
+            for ev in batch.events:
+                if ev.kind != "PUT":
+                    self.observed.forget(ev.kv.key)
             self._on_events(batch)
+
+    _OBSERVED_KINDS = ("usage", "evictions", "queue")
+
+    def _observe(self, kvs: Any, reset: bool = False) -> None:
+        """Note when we first saw each usage report and queue entry (by mod_revision) and each eviction
+        notice (by create_revision: a rewrite keeps its grace running)."""
+        seen: set[bytes] = set()
+        for kv in kvs:
+            try:
+                kind, _ = self.keys.parse(kv.key)
+            except ValueError:
+                continue
+            if kind in self._OBSERVED_KINDS:
+                self.observed.saw(kv.key, kv.create_revision if kind == "evictions" else kv.mod_revision)
+                seen.add(kv.key)
+        if reset:
+            self.observed.keep_only(seen)
+
+    def usage_age(self, kv: KV) -> float:
+        """Seconds since this replica saw this usage report (``usage/<host>`` at this mod_revision)."""
+        return self.observed.age(kv.key, kv.mod_revision)
+
+    def notice_deadline(self, kv: KV, record: EvictionRecord) -> float:
+        """The monotonic time at which an eviction notice's grace ends, as this replica measures it: the
+        grace (two wall times written by the same process) from when we first saw the notice."""
+        grace = max(0.0, record.deadline_unix - record.created_at)
+        return self.observed.saw(kv.key, kv.create_revision) + grace
 
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()
@@ -221,7 +261,7 @@ class CoordinatorService:
             etcd_lease = await self.store.grant(ttl)
             session_id = session_id_from_etcd_lease(etcd_lease)
             value = dumps({"agent": agent, "host": host, "pid": pid, "client_version": client_version,
-                           "ttl": ttl, "opened_at": time.time(), "coordinator": self.replica_id})
+                           "ttl": ttl, "opened_at": clock.wall(), "coordinator": self.replica_id})
             part_rev = part_kvs[0].mod_revision if part_kvs else 0
             written = False
             try:
@@ -278,6 +318,31 @@ class CoordinatorService:
         await self.store.revoke(info.etcd_lease)
         self._sessions.pop((info.agent, info.session_id), None)
 
+    # -- host ownership ------------------------------------------------------------------------
+    def live_replicas(self) -> dict[str, str]:
+        """replica id -> gRPC address, of the replicas registered under ``coordinators/`` (the mirror)."""
+        out: dict[str, str] = {}
+        for kv in self.mirror.items("coordinators"):
+            try:
+                doc = kv.json()
+                out[str(doc["replica"])] = str(doc.get("address", ""))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def owner(self, host: str) -> tuple[str, str] | None:
+        """The replica that admits on ``host`` (id, address), by rendezvous hashing over the live replicas;
+        None when this replica cannot tell (its mirror is not current, or no replica is registered).
+        Ownership is a performance property: every decision is still a compare-and-set, so two replicas
+        that disagree for a moment (one joined, one died) stay correct, only slower."""
+        if not self.mirror.ready:
+            return None
+        replicas = self.live_replicas()
+        if not replicas:
+            return None
+        winner = owner_of(host, replicas)
+        return winner, replicas[winner]
+
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
                       request_id: str, wait_s: float) -> VramLease:
@@ -318,7 +383,7 @@ class CoordinatorService:
             lease = await self.find_lease(lease_id)
             if lease is None:
                 raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
-            now = time.time()
+            now = clock.wall()
             existing = await self.store.get(self.keys.eviction(lease_id))
             if existing is not None:
                 record = EvictionRecord.from_kv(existing)
@@ -517,7 +582,7 @@ class CoordinatorService:
         if host:
             _check_name("host", host)
             snap = await self.store.snapshot(host_ranges(self.keys, host))
-            views = [host_view(self.keys, host, snap, self.config.untracked_vram)]
+            views = [host_view(self.keys, host, snap, self.config.untracked_vram, self.usage_age)]
         else:
             # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
             # would pass etcd's limit of operations per transaction).
@@ -530,11 +595,17 @@ class CoordinatorService:
                     h = self.keys.parse(kv.key)[1][0]
                     per_host.setdefault(h, [[] for _ in kinds])[i].append(kv)
             views = [host_view(self.keys, h, Snapshot(snap.revision, tuple(tuple(r) for r in per_host[h])),
-                               self.config.untracked_vram)
+                               self.config.untracked_vram, self.usage_age)
                      for h in sorted(per_host)]
         etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
         ttls = dict(zip(etcd_leases, await asyncio.gather(*(self.store.time_to_live(x) for x in etcd_leases))))
         return snap.revision, views, ttls
+
+
+def owner_of(host: str, replicas: Iterable[str]) -> str:
+    """Rendezvous (highest random weight) hashing: the replica whose hash with the host is highest. When a
+    replica joins or leaves, only the hosts it wins or held move."""
+    return max(replicas, key=lambda r: hashlib.sha256(f"{host}\0{r}".encode()).digest())
 
 
 def validate_attach(lease_id: str, pids: list[int], pgid: int) -> None:
@@ -605,12 +676,10 @@ def partition_conflicts(partition: Partition, view: HostView) -> tuple[list[str]
 
 def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> dict[str, Any]:
     """The operator's view, as plain JSON (``gpucoord status --json``)."""
-    now = time.time()
     hosts = []
     for v in views:
         inv = v.inventory
         part = v.partition or (default_partition(inv) if inv else None)
-        usage_age = now - float(v.usage["ts"]) if v.usage else -1.0
         # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
         reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
@@ -633,7 +702,8 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                  for kv in v.queue for v_key in [kv.key]]
         hosts.append({
             "host": v.host, "alive": v.alive, "address": v.host_kv.json().get("address", "") if v.host_kv else "",
-            "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(usage_age, 1),
+            "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
+            "usage_stale": v.usage_stale,
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
             "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",
             "partition_explicit": v.partition is not None, "gpus": gpus, "agents": agents, "leases": leases,
