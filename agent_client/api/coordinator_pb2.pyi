@@ -129,10 +129,12 @@ class AcquireRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease",)
+    __slots__ = ("lease", "owner")
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    owner: str
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "lease_id")

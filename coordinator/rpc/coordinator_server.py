@@ -130,20 +130,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                              request.wait_seconds)
             info = await self._session(request.session)
             wait_s = request.wait_seconds
-            owner = None if forwarded_by(context) else self.svc.owner(info.host)
+            owner = self.svc.owner(info.host)
             if owner is not None and owner[0] != self.svc.replica_id and owner[1] \
-                    and self.forwarder.usable(owner[1]):
-                sent = time.monotonic()
+                    and not forwarded_by(context) and self.forwarder.usable(owner[1]):
+                sent, owner_id = time.monotonic(), owner[0]
                 answer = await self.forwarder.acquire(
-                    owner[1], request, owner_alive=lambda: owner[0] in self.svc.live_replicas())
+                    owner[1], request, owner_alive=lambda: owner_id in self.svc.live_replicas())
                 if answer is not None:
                     return answer
                 # The owner could not answer: decide here, within what is left of the wait.
                 wait_s = max(0.0, wait_s - (time.monotonic() - sent))
+                owner = None
             preemptible = request.preemptible if request.HasField("preemptible") else True
             lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
                                            request.request_id, wait_s)
-            return pb.AcquireResponse(lease=lease_pb(lease))
+            return pb.AcquireResponse(lease=lease_pb(lease), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)
 
