@@ -85,7 +85,9 @@ class CoordinatorService:
     def __init__(self, config: CoordinatorConfig, store: Store | None = None, advertise: str = "") -> None:
         self.config = config
         self.keys = Keys(config.prefix)
-        self.store = store or Store(config.etcd, timeout=config.etcd_timeout_s)
+        # A read is retried (e.g. across an etcd leader election) for at most one more etcd timeout, so
+        # that a call fails within about twice the timeout when etcd has no quorum.
+        self.store = store or Store(config.etcd, timeout=config.etcd_timeout_s, retry_for=config.etcd_timeout_s)
         self.replica_id = uuid.uuid4().hex[:12]
         self.advertise = advertise
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
