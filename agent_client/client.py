@@ -25,6 +25,7 @@ from agent_client import errors
 from agent_client.run import AsyncBoundProcess, BoundProcess
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.tls import aio_channel, credentials
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,11 @@ class AsyncClient:
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
                  keepalive_interval: float | None = None, rpc_timeout: float = 10.0,
-                 retry_for: float | None = None, attempt_timeout: float = 3.0) -> None:
+                 retry_for: float | None = None, attempt_timeout: float = 3.0, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
         """``ttl`` None takes the coordinator's session TTL, and ``keepalive_interval`` None the interval the
-        coordinator answers (at most a third of the TTL)."""
+        coordinator answers (at most a third of the TTL). ``tls_ca``/``tls_cert``/``tls_key`` (else
+        ``GPUCOORD_TLS_CA/CERT/KEY``) turn on mTLS."""
         self.addresses = [a.strip() for a in (addresses.split(",") if isinstance(addresses, str) else addresses)
                           if a.strip()]
         if not self.addresses:
@@ -147,6 +150,8 @@ class AsyncClient:
         if not attempt_timeout > 0:
             raise ValueError(f"attempt_timeout: must be > 0, got {attempt_timeout}")
         self.agent, self.host = agent, host
+        # mTLS: the three files from the arguments, else GPUCOORD_TLS_CA/CERT/KEY; none: plaintext.
+        self._tls = credentials(tls_ca, tls_cert, tls_key)
         self.ttl = ttl or 0                 # 0 until connected: the coordinator's default
         self._keepalive_arg = keepalive_interval
         self.keepalive_interval = keepalive_interval or max(0.5, (ttl or 10) / 4)
@@ -169,7 +174,7 @@ class AsyncClient:
     def _channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+            ch = self._channels[addr] = aio_channel(addr, self._tls, _CHANNEL_OPTIONS)
         return ch
 
     def _address(self) -> str:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from coordinator.keys import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from coordinator.security.etcd_auth import EtcdSecurity
+    from coordinator.security.tls import TlsFiles
 
 # Documented limits (README "Limits"). Every string the coordinator stores in etcd has a bound, checked
 # before any etcd call: names (agent, host, GPU) by ``keys.valid_name`` (<= 128 characters of a safe
@@ -28,6 +32,7 @@ MAX_CLIENT_VERSION_BYTES = 256    # OpenSession.client_version, UTF-8
 MAX_REASON_BYTES = 256            # EvictLease.reason, UTF-8
 MAX_SESSION_ID_LEN = 16           # lowercase hex of an etcd_lease id (64 bits)
 MAX_SPEC_BYTES = 64 * 1024        # a partition spec, as JSON
+MAX_PID = (1 << 31) - 1
 MAX_PARTITION_BYTES = 256 * 1024  # the computed partition stored under partitions/<host>
 MAX_GRACE_S = 3600.0              # an operator's eviction grace
 QUOTE_CHARS = 32                  # an error message quotes at most this much of a bad value
@@ -65,6 +70,18 @@ class CoordinatorConfig:
     untracked_vram: bool = True          # subtract NVML-used VRAM that no lease accounts for
     batch_max: int = 64                  # most acquires decided from one snapshot (group commit)
     commit_attempts: int = 32            # compare-and-set retries before UNAVAILABLE
+    max_sessions_per_agent: int = 64     # open sessions of one agent name (OpenSession past it: RESOURCE_EXHAUSTED)
+    # Identity (README "Running securely"): mTLS for clients, TLS and auth towards etcd.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False               # serve a non-loopback address without TLS anyway
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_user: str = ""
+    etcd_password: str = dataclasses.field(default="", repr=False)
+    etcd_password_file: str = ""
 
     def validate(self) -> CoordinatorConfig:
         """The checked config, with the values left at 0 derived from the session TTL (so a short TTL works
@@ -99,11 +116,21 @@ class CoordinatorConfig:
             raise ConfigError("election_ttl_s", f"must be >= {MIN_TTL_S}")
         if self.eviction_grace_s < 0:
             raise ConfigError("eviction_grace_s", "must be >= 0")
+        _validate_security(self)
         for name in ("max_queue_per_host", "max_queue_per_agent", "max_leases_per_agent", "batch_max",
-                     "commit_attempts"):
+                     "commit_attempts", "max_sessions_per_agent"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         return self
+
+    def tls_files(self) -> TlsFiles | None:
+        from coordinator.security.tls import TlsFiles
+        return TlsFiles(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca else None
+
+    def etcd_security(self) -> EtcdSecurity:
+        from coordinator.security.etcd_auth import resolve
+        return resolve(self.etcd_ca, self.etcd_cert, self.etcd_key, self.etcd_user, self.etcd_password,
+                       self.etcd_password_file, env={})
 
     @classmethod
     def load(cls, file: str | None = None, env: Mapping[str, str] | None = None,
@@ -111,7 +138,9 @@ class CoordinatorConfig:
         values: dict[str, Any] = {}
         if file:
             with open(file, "rb") as f:
-                values.update(tomllib.load(f).get("coordinator", {}))
+                doc = tomllib.load(f)
+            values.update(doc.get("coordinator", {}))
+            values.update({f"tls_{k}": v for k, v in doc.get("tls", {}).items()})
         env = os.environ if env is None else env
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for name in fields:
@@ -123,6 +152,24 @@ class CoordinatorConfig:
         if unknown:
             raise ConfigError(sorted(unknown)[0], "unknown setting")
         return cls(**{k: _coerce(k, fields[k].type, v) for k, v in values.items()}).validate()
+
+
+def _validate_security(c: CoordinatorConfig) -> None:
+    from coordinator.security.etcd_auth import EtcdSecurityError
+    from coordinator.security.tls import is_loopback
+    tls = [n for n in ("tls_ca", "tls_cert", "tls_key") if getattr(c, n)]
+    if tls and len(tls) < 3:
+        missing = next(n for n in ("tls_ca", "tls_cert", "tls_key") if not getattr(c, n))
+        raise ConfigError(missing, "TLS needs all of tls_ca, tls_cert and tls_key (--tls-ca, --tls-cert, --tls-key)")
+    for name in ("listen", "metrics_listen"):
+        address = getattr(c, name)
+        if address and not tls and not c.insecure and not is_loopback(address):
+            raise ConfigError(name, f"{address} is not a loopback address and no TLS is configured; give "
+                                    "--tls-ca/--tls-cert/--tls-key, or pass --insecure to serve it in plaintext")
+    try:
+        c.etcd_security()
+    except EtcdSecurityError as e:
+        raise ConfigError("etcd", str(e)) from None
 
 
 def _coerce(name: str, typ: Any, v: Any) -> Any:

@@ -1,7 +1,12 @@
 """Prometheus metrics of a coordinator replica or a node daemon (text format over HTTP)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from coordinator.security.tls import TlsFiles
 
 REGISTRY = CollectorRegistry()
 
@@ -37,8 +42,14 @@ NODE_ENFORCE_KILLS = Counter("gpucoord_node_enforce_kills_total", "GPU processes
                              ["reason"], registry=REGISTRY)
 
 
-def serve(listen: str) -> int:
-    """Serve /metrics on ``host:port`` (port 0 picks one); returns the port."""
+def serve(listen: str, tls: TlsFiles | None = None) -> int:
+    """Serve /metrics on ``host:port`` (port 0 picks one); returns the port. With TLS, over HTTPS and only
+    to clients with a certificate from the CA."""
     host, _, port = listen.rpartition(":")
-    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY)
+    if tls is not None:
+        server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY,
+                                            certfile=tls.cert, keyfile=tls.key, client_cafile=tls.ca,
+                                            client_auth_required=True)
+    else:
+        server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY)
     return int(server.server_port)

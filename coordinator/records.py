@@ -217,6 +217,7 @@ class EvictionRecord:
     reason: str
     deadline_unix: float
     created_at: float
+    asked_by: str = ""      # who asked for an operator's eviction: its verified identity (or its address)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -115,6 +115,7 @@ class Cluster:
 
     def start_node(self, host: str, fake_gpus: str = "1x16GiB", ttl: int = 10, heartbeat_s: float = 5.0,
                    fake_processes: str | None = None, enforce: str = "report", over_use_tolerance_mb: int = 256,
+                   tls: Any = None,
                    **overrides: Any) -> NodeDaemon:
         source = FakeGpuSource(fake_gpus, host, fake_processes)
 
@@ -124,7 +125,7 @@ class Cluster:
             daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
                                 heartbeat_s=heartbeat_s, overrides=overrides,
                                 enforcer=Enforcer(enforce, over_use_tolerance_mb))
-            server, port = await create_node_server(daemon, "127.0.0.1:0")
+            server, port = await create_node_server(daemon, "127.0.0.1:0", tls)
             daemon.address = f"127.0.0.1:{port}"
             await daemon.start()
             return daemon, server

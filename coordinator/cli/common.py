@@ -36,11 +36,16 @@ def _ready_line(kind: str, port: int) -> None:
     print(f"READY {kind} port={port}", flush=True)
 
 
-def _stub(address: str) -> Any:
-    import grpc
-
+def _stub(address: str, tls: Any = None) -> Any:
     from agent_client.api import coordinator_pb2_grpc as pb_grpc
-    return pb_grpc.CoordinatorStub(grpc.insecure_channel(address))
+    from coordinator.security.tls import sync_channel
+    return pb_grpc.CoordinatorStub(sync_channel(address, tls))
+
+
+def _client_tls(args: Any) -> Any:
+    """The operator's TLS files: --tls-* flags, else GPUCOORD_TLS_CA/CERT/KEY."""
+    from coordinator.security.tls import from_args
+    return from_args(args)
 
 
 def _fail(e: Any) -> int:
@@ -48,11 +53,11 @@ def _fail(e: Any) -> int:
     return 1
 
 
-def fetch_status(address: str, host: str = "") -> dict[str, Any]:
+def fetch_status(address: str, host: str = "", tls: Any = None) -> dict[str, Any]:
     from google.protobuf import json_format
 
     from agent_client.api import coordinator_pb2 as pb
-    resp = _stub(address).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
+    resp = _stub(address, tls).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
     doc: dict[str, Any] = json_format.MessageToDict(resp, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True)
     return doc

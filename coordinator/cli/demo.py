@@ -17,18 +17,23 @@ import sys
 import time
 from typing import IO
 
+from coordinator.security.tls import TlsFiles
+
 AGENT_TTL = 3
 
 
 class AgentProcess:
     """``python -m coordinator.cli.demo agent ...``: acquires once, reports on stdout, holds until told to go."""
 
-    def __init__(self, addr: str, host: str, agent: str, vram_mb: int, log: IO[bytes]) -> None:
+    def __init__(self, addr: str, host: str, agent: str, vram_mb: int, log: IO[bytes],
+                 tls: TlsFiles | None = None) -> None:
         self.agent = agent
+        # With TLS, the agent's own certificate reaches it the way it reaches any agent: GPUCOORD_TLS_*.
+        env = {**os.environ, **tls.env()} if tls is not None else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator.cli.demo", "agent", "--coordinator", addr, "--host", host,
              "--agent", agent, "--vram-mb", str(vram_mb), "--ttl", str(AGENT_TTL)],
-            stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=log)
+            stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=log, env=env)
 
     def outcome(self, timeout: float = 30) -> str:
         assert self.proc.stdout is not None
@@ -48,20 +53,27 @@ class AgentProcess:
                 self.proc.wait()
 
 
-def _status(addr: str, host: str, title: str) -> None:
+DEMO_AGENTS = ("agent-a", "agent-b", "agent-c", "agent-d")
+
+
+def run_demo(addr: str, host: str, data_dir: pathlib.Path, tls: TlsFiles | None = None,
+             agent_tls: dict[str, TlsFiles] | None = None) -> None:
+    """The scene; with ``tls`` (the operator's certificate, for the status tables) and ``agent_tls`` (one
+    certificate per agent) it plays over mTLS."""
     from coordinator.cli.common import fetch_status
     from coordinator.cli.render import render_status
-    print(f"\n=== {title}")
-    print(render_status(fetch_status(addr, host)), flush=True)
 
+    def _status(addr: str, host: str, title: str) -> None:
+        print(f"\n=== {title}")
+        print(render_status(fetch_status(addr, host, tls)), flush=True)
 
-def _gpu0(addr: str, host: str) -> tuple[int, int]:
-    from coordinator.cli.common import fetch_status
-    g = fetch_status(addr, host)["hosts"][0]["gpus"][0]
-    return int(g["usable_mb"]), int(g["free_mb"])
+    def _gpu0(addr: str, host: str) -> tuple[int, int]:
+        g = fetch_status(addr, host, tls)["hosts"][0]["gpus"][0]
+        return int(g["usable_mb"]), int(g["free_mb"])
 
+    def spawn(agent: str, vram_mb: int) -> AgentProcess:
+        return AgentProcess(addr, host, agent, vram_mb, log, (agent_tls or {}).get(agent))
 
-def run_demo(addr: str, host: str, data_dir: pathlib.Path) -> None:
     log = open(data_dir / "demo-agents.log", "ab")
     usable, free = _gpu0(addr, host)
     share = max(1, usable // 3)
@@ -70,11 +82,11 @@ def run_demo(addr: str, host: str, data_dir: pathlib.Path) -> None:
     agents: list[AgentProcess] = []
     try:
         for name in ("agent-a", "agent-b", "agent-c"):
-            a = AgentProcess(addr, host, name, share, log)
+            a = spawn(name, share)
             agents.append(a)
             print(f"{name}: {a.outcome()}", flush=True)
         _status(addr, host, "GPU 0 is full")
-        d = AgentProcess(addr, host, "agent-d", share, log)
+        d = spawn("agent-d", share)
         agents.append(d)
         print(f"agent-d: {d.outcome()}", flush=True)
         victim = agents[0]
@@ -91,7 +103,7 @@ def run_demo(addr: str, host: str, data_dir: pathlib.Path) -> None:
         print(f"{victim.agent}'s VRAM came back {time.monotonic() - t0:.1f}s after the kill "
               f"(TTL {AGENT_TTL}s), released by etcd itself", flush=True)
         _status(addr, host, f"after {victim.agent} died")
-        retry = AgentProcess(addr, host, "agent-d", share, log)
+        retry = spawn("agent-d", share)
         agents.append(retry)
         print(f"agent-d (again): {retry.outcome()}", flush=True)
         _status(addr, host, "agent-d holds the freed VRAM")

@@ -10,7 +10,7 @@ import time
 from typing import Any, Sequence
 
 from coordinator.cli.common import (DEFAULT_COORDINATOR, DEFAULT_ETCD, _env, _fail, _ready_line, _run_until_signal,
-                                    _setup_logging, _stub, fetch_status)
+                                    _setup_logging, _stub, _client_tls, fetch_status)
 from coordinator.cli.render import render_partition, render_status
 
 
@@ -20,14 +20,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
-             "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on"}
+             "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",
+             "max_sessions_per_agent": args.max_sessions_per_agent, "tls_ca": args.tls_ca,
+             "tls_cert": args.tls_cert, "tls_key": args.tls_key, "insecure": args.insecure,
+             "etcd_ca": args.etcd_ca, "etcd_cert": args.etcd_cert, "etcd_key": args.etcd_key,
+             "etcd_user": args.etcd_user, "etcd_password": args.etcd_password,
+             "etcd_password_file": args.etcd_password_file}
     try:
         config = CoordinatorConfig.load(args.config, flags=flags)
     except (ConfigError, OSError) as e:
         print(f"gpucoord coordinator: bad configuration: {e}", file=sys.stderr)
         return 2
     _setup_logging(args.verbose)
-    _run_until_signal(lambda stop: serve(config, ready=lambda p: _ready_line("coordinator", p), stop=stop))
+    try:
+        _run_until_signal(lambda stop: serve(config, ready=lambda p: _ready_line("coordinator", p), stop=stop))
+    except (OSError, ValueError) as e:   # a port in use, unreadable TLS files
+        print(f"gpucoord coordinator: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -37,7 +46,18 @@ def cmd_node(args: argparse.Namespace) -> int:
     from coordinator.rpc.node_server import run_node
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.etcd.store import Store
+    from coordinator.security import etcd_auth, tls
 
+    try:
+        tls_files = tls.from_args(args)
+        etcd_security = etcd_auth.from_args(args)
+        for address, what in ((args.listen, "--listen"), (args.metrics_listen, "--metrics-listen")):
+            error = tls.listen_error(address, tls_files, bool(args.insecure), what) if address else None
+            if error:
+                raise ValueError(error)
+    except ValueError as e:
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 2
     host = args.host or socket.gethostname()
     if not valid_name(host):
         print(f"gpucoord node: --host {quote_prefix(host)} is not a valid host name "
@@ -75,22 +95,26 @@ def cmd_node(args: argparse.Namespace) -> int:
         print(f"gpucoord node: {e}", file=sys.stderr)
         return 2
     _setup_logging(args.verbose)
-    store = Store(args.etcd.split(","), timeout=3.0)
+    store = Store(args.etcd.split(","), timeout=3.0, security=etcd_security)
     try:
         _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
                                                 args.ttl, stop, ready=lambda p: _ready_line("node", p),
                                                 metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
-                                                overrides=overrides, enforcer=enforcer))
+                                                overrides=overrides, enforcer=enforcer, tls=tls_files,
+                                                insecure=bool(args.insecure)))
     except HostTaken as e:
         print(f"gpucoord node: {e.message}; stop it first, or give this daemon another --host", file=sys.stderr)
         return 4
+    except (OSError, ValueError) as e:   # a port in use (no SO_REUSEPORT: never shared), unreadable TLS files
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
     try:
-        doc = fetch_status(args.coordinator, args.host or "")
+        doc = fetch_status(args.coordinator, args.host or "", _client_tls(args))
     except grpc.RpcError as e:
         return _fail(e)
     print(json.dumps(doc, indent=2) if args.json else render_status(doc))
@@ -99,9 +123,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from coordinator.etcd.store import Store
+    from coordinator.security import etcd_auth
+    try:
+        security = etcd_auth.from_args(args)
+    except ValueError as e:
+        print(f"gpucoord keys: {e}", file=sys.stderr)
+        return 2
 
     async def dump() -> None:
-        async with Store(args.etcd.split(",")) as store:
+        async with Store(args.etcd.split(","), security=security) as store:
             snap = await store.get_prefix(args.prefix.encode())
             for kv in snap.ranges[0]:
                 try:
@@ -119,7 +149,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     import grpc
 
     from agent_client.api import coordinator_pb2 as pb
-    stub = _stub(args.coordinator)
+    stub = _stub(args.coordinator, _client_tls(args))
     try:
         if args.partition_cmd == "apply":
             from coordinator.policy.partition import PartitionError, load_spec_file
@@ -151,7 +181,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
     import grpc
 
     from agent_client.api import coordinator_pb2 as pb
-    stub = _stub(args.coordinator)
+    stub = _stub(args.coordinator, _client_tls(args))
     try:
         if args.lease_cmd == "evict":
             resp = stub.EvictLease(pb.EvictLeaseRequest(lease_id=args.id, grace_seconds=args.grace or 0,
@@ -215,6 +245,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from coordinator.security.commands import add_parsers as security_parsers
+    from coordinator.security.etcd_auth import add_arguments as etcd_args
+    from coordinator.security.tls import add_arguments as tls_args
     p = argparse.ArgumentParser(prog="gpucoord", description="Coordinator for shared GPU hosts (state in etcd).")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -229,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-listen", default="127.0.0.1:7170")
     up.add_argument("--data-dir", help="etcd data and logs (default: a new temporary directory)")
     up.add_argument("--session-ttl", type=int, default=10)
+    up.add_argument("--secure", action="store_true",
+                    help="a CA and certificates in the data dir, etcd with client-certificate TLS and auth, "
+                         "coordinator and node with mTLS; prints the environment an agent needs")
+    up.add_argument("--agent", default="agent-a", help="with --secure: the agent name to issue a certificate for")
     up.add_argument("--fake-processes", default=None, metavar="FILE",
                     help="with simulated GPUs: JSON {GPU index: {pid: MiB}} of processes on them, re-read each scan")
     up.add_argument("--enforce", choices=("report", "kill", "kill-untracked"), default="report",
@@ -251,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--session-ttl", type=int, default=None)
     co.add_argument("--grace", type=float, default=None, help="eviction grace period, seconds")
     co.add_argument("--untracked-vram", choices=("on", "off"), default=None)
-    co.add_argument("--config", default=None, help="TOML file with a [coordinator] table")
+    co.add_argument("--config", default=None, help="TOML file with a [coordinator] table (and [tls])")
+    co.add_argument("--max-sessions-per-agent", type=int, default=None)
+    tls_args(co, server=True)
+    etcd_args(co)
     co.set_defaults(fn=cmd_coordinator)
 
     no = sub.add_parser("node", help="run the node daemon of this host")
@@ -269,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="usage is rewritten at least this often (seconds); stale after 3 heartbeats")
     no.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
     no.add_argument("--metrics-listen", default="")
+    tls_args(no, server=True)
+    etcd_args(no)
     no.add_argument("--fake-processes", default=None, metavar="FILE",
                     help="with --fake-gpus: JSON {GPU index: {pid: MiB}} of processes on the simulated GPUs, "
                          "re-read each scan")
@@ -285,15 +327,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
     st.add_argument("--host", default=None)
     st.add_argument("--json", action="store_true")
+    tls_args(st)
     st.set_defaults(fn=cmd_status)
 
     ke = sub.add_parser("keys", help="dump the etcd keys readably")
     ke.add_argument("--etcd", default=_env("ETCD", DEFAULT_ETCD))
     ke.add_argument("--prefix", default=_env("PREFIX", "/gpucoord/"))
+    etcd_args(ke)
     ke.set_defaults(fn=cmd_keys)
 
     pa = sub.add_parser("partition", help="apply or show a host's partition")
     pa.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    tls_args(pa)
     psub = pa.add_subparsers(dest="partition_cmd", required=True)
     ap = psub.add_parser("apply", help="apply a TOML partition spec (one transaction)")
     ap.add_argument("file")
@@ -309,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     le = sub.add_parser("lease", help="operator actions on VRAM leases")
     le.add_argument("--coordinator", default=_env("COORDINATOR", DEFAULT_COORDINATOR))
+    tls_args(le)
     lsub = le.add_subparsers(dest="lease_cmd", required=True)
     ev = lsub.add_parser("evict", help="send an eviction notice with a grace period")
     ev.add_argument("id")
@@ -343,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "release-to-grant latency")
     be.add_argument("--n", type=int, default=300, help="acquire+release pairs to time")
     be.set_defaults(fn=cmd_bench)
+    security_parsers(sub, DEFAULT_ETCD)
     return p
 
 

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import pathlib
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from coordinator.cli.common import fetch_status
 from coordinator.cli.render import render_status
@@ -55,7 +56,7 @@ class Child:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd.process import EtcdCluster, EtcdOptions, choose_etcd, port_is_free
+    from coordinator.etcd.process import ClientTls, EtcdCluster, EtcdOptions, choose_etcd, port_is_free
     from coordinator.etcd.versions import MINIMUM_PRODUCTION
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.policy.partition import PartitionError, parse_size
@@ -85,26 +86,48 @@ def cmd_up(args: argparse.Namespace) -> int:
     data_dir = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="gpucoord-up-"))
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"data directory: {data_dir}")
+    secure = None
+    if args.secure:
+        from coordinator.cli.demo import DEMO_AGENTS
+        from coordinator.security.commands import prepare_secure
+        secure = prepare_secure(data_dir, args.host, DEMO_AGENTS if args.demo else (args.agent,))
+        print(f"certificates: {secure.dir} (CA {secure.ca})")
     # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
     etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0, binary=binary.path,
-                       options=options)
+                       options=options,
+                       client_tls=None if secure is None else ClientTls(secure.ca, secure.etcd_server.cert,
+                                                                        secure.etcd_server.key))
     children: list[Child] = []
     py = sys.executable
+    operator_tls = None if secure is None else secure.operator
     try:
         etcd.start()
         ep = etcd.endpoints[0]
-        print(f"etcd:        {ep}   (etcdctl: {binary.etcdctl()} --endpoints={ep} get --prefix /gpucoord/)")
+        etcdctl = f"{binary.etcdctl()} --endpoints={ep}"
+        coord_extra: list[str] = []
+        node_extra: list[str] = []
+        if secure is not None:
+            from coordinator.security.etcd_auth import setup_roles
+            asyncio.run(setup_roles(ep, secure.etcd_security(secure.etcd_root), "/gpucoord/", [args.host]))
+            etcdctl = (f"{binary.etcdctl()} --endpoints=https://{ep} --cacert={secure.ca} "
+                       f"--cert={secure.etcd_root.cert} --key={secure.etcd_root.key}")
+            coord_extra = secure.tls_flags(secure.coordinator) + secure.etcd_flags(secure.coordinator)
+            node_extra = secure.tls_flags(secure.node) + secure.etcd_flags(secure.node)
+            print("etcd:        client-certificate TLS, auth enabled (users root, gpucoord-coordinator, "
+                  f"gpucoord-operator, gpucoord-node-{args.host})")
+        print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
         print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
               f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
-                                      "--session-ttl", str(args.session_ttl)], data_dir / "coordinator.log")
+                                      "--session-ttl", str(args.session_ttl), *coord_extra],
+                      data_dir / "coordinator.log")
         children.append(coord)
         cport = coord.wait_ready(30)
         caddr = f"127.0.0.1:{cport}"
         print(f"coordinator: {caddr}   (log {coord.log_path})")
         node_argv = [py, "-m", "coordinator.cli", "node", "--etcd", ep, "--host", args.host,
-                     "--listen", args.node_listen]
+                     "--listen", args.node_listen, *node_extra]
         if fake:
             node_argv += ["--fake-gpus", fake]
         if args.fake_processes:
@@ -114,11 +137,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         children.append(node)
         nport = node.wait_ready(30)
         print(f"node:        127.0.0.1:{nport} host={args.host}   (log {node.log_path})")
-        _wait_host(caddr, args.host, 15)
-        print(render_status(fetch_status(caddr)))
+        _wait_host(caddr, args.host, 15, operator_tls)
+        print(render_status(fetch_status(caddr, tls=operator_tls)))
+        if secure is not None:
+            print("\nmTLS is on. An agent needs these three variables (agent_client reads them):")
+            for name, files in secure.agents.items():
+                print(f"  # gpucoord://agent/{name}")
+                print("  " + " ".join(f"export {k}={v}" for k, v in files.env().items()))
+            print("  # the operator (gpucoord status, partition, lease)")
+            print("  " + " ".join(f"export {k}={v}" for k, v in secure.operator.env().items()), flush=True)
         if args.demo:
             from coordinator.cli.demo import run_demo
-            run_demo(caddr, args.host, data_dir)
+            run_demo(caddr, args.host, data_dir, tls=operator_tls,
+                     agent_tls=None if secure is None else secure.agents)
             if not args.keep:
                 print("demo finished; shutting down")
                 return 0
@@ -138,12 +169,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"stopped; etcd data kept in {data_dir}")
 
 
-def _wait_host(caddr: str, host: str, timeout: float) -> None:
+def _wait_host(caddr: str, host: str, timeout: float, tls: Any = None) -> None:
     import grpc
     deadline = time.monotonic() + timeout
     while True:
         try:
-            doc = fetch_status(caddr, host)
+            doc = fetch_status(caddr, host, tls)
             if doc["hosts"] and doc["hosts"][0]["alive"]:
                 return
         except grpc.RpcError:

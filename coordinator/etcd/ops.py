@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from aetcd import rpc
 
 from coordinator.keys import prefix_range_end
+from coordinator.txn import Absent, Compare, Exists, ModRevisionIs, Op, Put
 
 
 def range_req(key: bytes, prefix: bool = False, keys_only: bool = False) -> Any:
@@ -67,3 +68,21 @@ def cmp_range_unchanged(prefix: bytes, revision: int) -> Any:
 def cmp_create_revision(key: bytes, create_revision: int) -> Any:
     """True while ``key`` is the very key created at ``create_revision`` (not deleted and written again)."""
     return rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=create_revision)
+
+
+def compile_compare(c: Compare) -> Any:
+    """etcd's message for a compare of ``coordinator.txn``."""
+    if isinstance(c, ModRevisionIs):
+        return cmp_mod_revision(c.key, c.mod_revision)
+    if isinstance(c, Exists):
+        return cmp_exists(c.key)
+    if isinstance(c, Absent):
+        return cmp_absent(c.key)
+    return cmp_range_unchanged(c.prefix, c.revision)
+
+
+def compile_op(o: Op) -> Any:
+    """etcd's message for an operation of ``coordinator.txn``."""
+    if isinstance(o, Put):
+        return op_put(o.key, o.value, o.etcd_lease)
+    return op_delete(o.key)

@@ -143,12 +143,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientTls:
+    """etcd's client port with TLS, requiring client certificates signed by ``ca`` (whose CN etcd takes
+    as the user once auth is enabled)."""
+
+    ca: str
+    cert: str
+    key: str
+
+    def args(self) -> list[str]:
+        return ["--cert-file", self.cert, "--key-file", self.key, "--trusted-ca-file", self.ca,
+                "--client-cert-auth"]
+
+
 class EtcdMember:
     """One etcd member process: client, peer and metrics ports on 127.0.0.1."""
 
     def __init__(self, name: str, data_dir: pathlib.Path, log_path: pathlib.Path | None = None,
-                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None) -> None:
+                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None,
+                 client_tls: ClientTls | None = None) -> None:
         self.name = name
+        self.client_tls = client_tls
         self.binary = binary or choose_etcd().path
         self.options = options or EtcdOptions()
         self.data_dir = data_dir
@@ -174,12 +190,13 @@ class EtcdMember:
     def start(self, initial_cluster: str, state: str = "new", extra: list[str] | None = None) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
+        scheme = "https" if self.client_tls is not None else "http"
         args = [
             self.binary,
             "--name", self.name,
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+            "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
+            "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
             "--listen-peer-urls", self.peer_url,
             "--initial-advertise-peer-urls", self.peer_url,
             "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}",
@@ -190,6 +207,7 @@ class EtcdMember:
             "--election-timeout", "500",
             "--log-level", "warn",
             *self.options.args(),
+            *(self.client_tls.args() if self.client_tls is not None else []),
             *(extra or []),
         ]
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
@@ -249,12 +267,13 @@ class EtcdCluster:
     """N etcd members on loopback with temporary (or given) data directories."""
 
     def __init__(self, size: int = 1, base_dir: str | os.PathLike[str] | None = None,
-                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None) -> None:
+                 client_port: int = 0, binary: str | None = None, options: EtcdOptions | None = None,
+                 client_tls: ClientTls | None = None) -> None:
         self._own_dir = base_dir is None
         self.base_dir = pathlib.Path(base_dir or tempfile.mkdtemp(prefix="gpucoord-etcd-"))
         self.binary = binary or choose_etcd().path
         self.members = [EtcdMember(f"m{i}", self.base_dir / f"m{i}.etcd", client_port=client_port if i == 0 else 0,
-                                   binary=self.binary, options=options)
+                                   binary=self.binary, options=options, client_tls=client_tls)
                         for i in range(size)]
 
     @property

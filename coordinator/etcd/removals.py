@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from aetcd import rpc
 
 from coordinator.etcd.ops import cmp_mod_revision, op_delete, range_req
-from coordinator.etcd.store import KV, Store, TxnResult
+from coordinator.etcd.contract import KVStore
+from coordinator.etcd.types import KV, TxnResult
 
 # Each removal takes one compare (plus its own extra ones), one delete and one read: etcd's limit of 128 per
 # transaction (--max-txn-ops) bounds how many go into one transaction.
@@ -36,7 +37,7 @@ class RemovalOutcome:
     current: KV | None   # not removed: the entry as it is now (None: it is gone)
 
 
-async def remove_entries(store: Store, removals: Sequence[Removal], common: Sequence[Any] = (),
+async def remove_entries(store: KVStore, removals: Sequence[Removal], common: Sequence[Any] = (),
                          attempts: int = 3) -> list[RemovalOutcome]:
     """Remove many keys in few transactions, each key only if its compares hold.
 

@@ -29,6 +29,7 @@ from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_de
 from coordinator.etcd.types import KV, Snapshot, TxnResult, WatchBatch, WatchEvent
 from coordinator.etcd.versions import MINIMUM_PRODUCTION, crash_bugs, format_version, parse_etcd_version
 from coordinator.keys import prefix_range_end
+from coordinator.security.etcd_auth import EtcdSecurity
 
 # Re-exported for callers written against the store module alone.
 __all__ = ["KV", "PAGE_KEYS", "Snapshot", "Store", "TxnResult", "WatchBatch", "WatchEvent", "cmp_absent", "cmp_exists",
@@ -68,22 +69,24 @@ CHANNEL_OPTIONS: dict[str, Any] = {
 }
 
 
-def _open_channel(target: str) -> grpc.aio.Channel:
-    """The one place a gRPC channel to etcd is built (etcd TLS credentials belong here)."""
-    return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS.items()))
+def _open_channel(target: str, security: EtcdSecurity) -> grpc.aio.Channel:
+    """The one place a gRPC channel to etcd is built: plaintext or TLS, with etcd's auth token on every
+    call when a user is configured (``EtcdSecurity.channel``)."""
+    return security.channel(target, list(CHANNEL_OPTIONS.items()))
 
 
 class _Client(aetcd.Client):  # type: ignore[misc]
     """aetcd's client, on a channel from ``_open_channel`` to a list of endpoints rather than one host:port."""
 
-    def __init__(self, endpoints: Sequence[str], timeout: float) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout: float, security: EtcdSecurity | None = None) -> None:
         super().__init__(host="unused", port=0, timeout=timeout)
         self._gpucoord_target = _target(endpoints)
+        self._gpucoord_security = security or EtcdSecurity()
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        self.channel = _open_channel(self._gpucoord_target)
+        self.channel = _open_channel(self._gpucoord_target, self._gpucoord_security)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
@@ -125,13 +128,14 @@ async def _gather(coros: Iterable[Awaitable[T]]) -> list[T]:
 class Store:
     """etcd as gpucoord uses it: the implementation of ``coordinator.etcd.contract.KVStore``."""
 
-    def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, retry_for: float = 10.0) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, retry_for: float = 10.0,
+                 security: EtcdSecurity | None = None) -> None:
         if not endpoints:
             raise ValueError("etcd endpoints: at least one is needed")
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self.retry_for = retry_for
-        self._client = _Client(endpoints, timeout=int(max(1, timeout)))
+        self._client = _Client(endpoints, timeout=int(max(1, timeout)), security=security)
         self._keepalive: KeepAliveStream | None = None
         self.closed = False
 
@@ -295,7 +299,7 @@ class Store:
     async def server_versions(self) -> dict[str, str]:
         """Each endpoint's etcd version, from its Maintenance Status ("" where it did not answer)."""
         async def one(endpoint: str) -> str:
-            channel = _open_channel(_target([endpoint]))
+            channel = _open_channel(_target([endpoint]), self._client._gpucoord_security)
             try:
                 resp = await rpc.MaintenanceStub(channel).Status(rpc.StatusRequest(), timeout=min(self.timeout, 5.0))
                 return str(resp.version)

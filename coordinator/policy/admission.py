@@ -114,3 +114,23 @@ def choose_victims(vram_mb: int, priority: int, agent: str, gpu: GpuView, cap_mb
                 victims = rest
         return victims
     return None
+
+
+def plan_eviction(gpus: list[GpuView], caps: dict[str, int], vram: int, priority: int, agent: str,
+                   evicting: set[str]) -> list[VramLease]:
+    """The cheapest victim set on one GPU (fewest, then lowest priorities), counting leases that are
+    already being evicted as gone. [] when nothing needs evicting (or nothing would help)."""
+    best: tuple[tuple[int, int], list[VramLease]] | None = None
+    for g in gpus:
+        if g.uuid not in caps:
+            continue
+        after = dataclasses.replace(g, leases=[x for x in g.leases if x.id not in evicting])
+        victims = choose_victims(vram, priority, agent, after, caps[g.uuid])
+        if victims is None:
+            continue
+        if not victims:
+            return []   # pending evictions will make room: wait for them
+        cost = (len(victims), max(v.priority for v in victims))
+        if best is None or cost < best[0]:
+            best = (cost, victims)
+    return best[1] if best else []

@@ -19,8 +19,8 @@ from coordinator import errors, metrics, clock
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.records import EvictionRecord, HostInventory, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.replica.admitter import AcquireCall, HostAdmitter
-from coordinator.config import (MAX_ATTACHED_PIDS, MAX_CLIENT_VERSION_BYTES, MAX_GRACE_S, MAX_PARTITION_BYTES, MAX_PID,
-                                MAX_PRIORITY, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_SPEC_BYTES,
+from coordinator.config import (MAX_ATTACHED_PIDS, MAX_CLIENT_VERSION_BYTES, MAX_GRACE_S, MAX_PARTITION_BYTES,
+                                MAX_PID, MAX_PRIORITY, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_SPEC_BYTES,
                                 MAX_TTL_S, MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, CoordinatorConfig, quote)
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.observed import Observed
@@ -29,8 +29,10 @@ from coordinator.keys import (Keys, etcd_lease_from_session_id, last_segment, le
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
 from coordinator.etcd.election import Election
 from coordinator.etcd.store import KV, Snapshot, Store, WatchBatch
-from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.replica.view import HostView, host_ranges, host_view
+from coordinator.etcd.ops import (cmp_absent, cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_delete, op_put,
+                                  range_req)
+from coordinator.policy.host import HostView
+from coordinator.replica.view import host_ranges, host_view
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,8 @@ class CoordinatorService:
         self.keys = Keys(config.prefix)
         # A read is retried (e.g. across an etcd leader election) for at most one more etcd timeout, so
         # that a call fails within about twice the timeout when etcd has no quorum.
-        self.store = store or Store(config.etcd, timeout=config.etcd_timeout_s, retry_for=config.etcd_timeout_s)
+        self.store = store or Store(config.etcd, timeout=config.etcd_timeout_s, retry_for=config.etcd_timeout_s,
+                                    security=config.etcd_security())
         self.replica_id = uuid.uuid4().hex[:12]
         self.advertise = advertise
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
@@ -247,12 +250,17 @@ class CoordinatorService:
         if not MIN_TTL_S <= ttl <= MAX_TTL_S:
             raise errors.InvalidArgument(f"ttl_seconds: must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {ttl}",
                                          "ttl_seconds")
-        if pid < 0:
-            raise errors.InvalidArgument(f"pid: must be >= 0, got {pid}", "pid")
+        if not 0 <= pid <= MAX_PID:
+            raise errors.InvalidArgument(f"pid: must be within [0, {MAX_PID}], got {pid}", "pid")
         _check_text("client_version", client_version, MAX_CLIENT_VERSION_BYTES)
         for _ in range(self.config.commit_attempts):
-            snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host))])
-            host_kvs, part_kvs = snap.ranges
+            snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host)),
+                                              range_req(self.keys.sessions(agent), prefix=True, keys_only=True)])
+            host_kvs, part_kvs, own_sessions = snap.ranges
+            if len(own_sessions) >= self.config.max_sessions_per_agent:
+                raise errors.CapacityError(
+                    f"sessions: agent {agent!r} has {len(own_sessions)} open sessions, the most allowed "
+                    f"(max_sessions_per_agent); close one first", "sessions")
             if not host_kvs:
                 raise errors.NotFound(f"host: no node daemon has registered host {host!r}", "host")
             if part_kvs:
@@ -267,8 +275,10 @@ class CoordinatorService:
             part_rev = part_kvs[0].mod_revision if part_kvs else 0
             written = False
             try:
+                # No session of the agent opened since the count: the cap holds under concurrent opens.
                 res = await self.store.commit(
-                    [cmp_exists(self.keys.host(host)), cmp_mod_revision(self.keys.partition(host), part_rev)],
+                    [cmp_exists(self.keys.host(host)), cmp_mod_revision(self.keys.partition(host), part_rev),
+                     cmp_range_unchanged(self.keys.sessions(agent), snap.revision)],
                     [op_put(self.keys.session(agent, session_id), value, etcd_lease)])
                 written = res.succeeded
             finally:
@@ -292,6 +302,11 @@ class CoordinatorService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         await asyncio.shield(task)
+
+    async def agent_hosts(self, agent: str) -> set[str]:
+        """The hosts on which ``agent`` has a live session (authorization of an agent's reads)."""
+        snap = await self.store.get_prefix(self.keys.sessions(agent))
+        return {str(kv.json().get("host", "")) for kv in snap.ranges[0]}
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
         """The session's (cached) identity. Liveness is checked by every transaction, not here."""
@@ -374,7 +389,7 @@ class CoordinatorService:
                 log.info("withdrew the eviction notice of lease %s: its requester left", victim)
 
     # -- operator: evict and revoke ----------------------------------------------------------------
-    async def evict(self, lease_id: str, grace_s: float, reason: str) -> float:
+    async def evict(self, lease_id: str, grace_s: float, reason: str, asked_by: str = "") -> float:
         """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
         check_lease_id(lease_id)
         if grace_s < 0 or grace_s != grace_s or grace_s > MAX_GRACE_S:
@@ -394,7 +409,7 @@ class CoordinatorService:
                 # A request's notice becomes the operator's: it must not be withdrawn if that request
                 # gives up, and the operator's grace may bring the deadline forward.
                 record = dataclasses.replace(record, requested_by="operator", requester_priority=None,
-                                             reason=reason or "operator",
+                                             reason=reason or "operator", asked_by=asked_by,
                                              deadline_unix=min(record.deadline_unix, now + grace))
                 res = await self.store.commit(
                     [cmp_mod_revision(existing.key, existing.mod_revision)],
@@ -405,7 +420,8 @@ class CoordinatorService:
             record = EvictionRecord(
                 lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent,
                 session_id=lease.session_id, victim_priority=lease.priority, requested_by="operator",
-                requester_priority=None, reason=reason or "operator", deadline_unix=now + grace, created_at=now)
+                requester_priority=None, reason=reason or "operator", deadline_unix=now + grace, created_at=now,
+                asked_by=asked_by)
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             res = await self.store.commit(
                 [cmp_mod_revision(key, lease.mod_revision), cmp_absent(self.keys.eviction(lease_id))],
@@ -703,7 +719,7 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
                  for kv in v.queue for v_key in [kv.key]]
         hosts.append({
-            "host": v.host, "alive": v.alive, "address": v.host_kv.json().get("address", "") if v.host_kv else "",
+            "host": v.host, "alive": v.alive, "address": json.loads(v.host_kv.value).get("address", "") if v.host_kv else "",
             "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
             "usage_stale": v.usage_stale,
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,

@@ -1,12 +1,12 @@
 """What one snapshot of a host says, as plain records: the input of every admission decision."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from typing import Any, Callable
 
 from coordinator.policy.admission import GpuView
+from coordinator.policy.host import HostView
 from coordinator.keys import Keys
 from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease
 from coordinator.policy.partition import Partition, default_partition
@@ -38,34 +38,6 @@ def _usage_used(usage: dict[str, Any] | None, stale: bool, leased: dict[str, int
             nvml = max(nvml, leased.get(uuid, 0) + reported_untracked)
         used[uuid] = nvml
     return used
-
-
-@dataclasses.dataclass
-class HostView:
-    """A host as one snapshot shows it."""
-
-    host: str
-    revision: int
-    inventory: HostInventory | None
-    host_kv: KV | None
-    partition: Partition | None
-    partition_kv: KV | None
-    gpus: dict[str, GpuView]
-    leases: dict[str, VramLease]
-    usage: dict[str, Any] | None
-    queue: tuple[KV, ...]
-    usage_age_s: float = -1.0     # since this replica saw the current report; -1: no report
-    usage_stale: bool = False
-
-    @property
-    def alive(self) -> bool:
-        return self.host_kv is not None
-
-    def effective_partition(self) -> Partition:
-        if self.partition is not None:
-            return self.partition
-        assert self.host_kv is not None
-        return _default_partition(self.host_kv.value)
 
 
 def host_ranges(keys: Keys, host: str) -> list[Any]:
@@ -127,7 +99,7 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
                 leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
     return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs,
-                    usage_age_s=age, usage_stale=stale)
+                    tuple(queue_entry(kv) for kv in queue_kvs), usage_age_s=age, usage_stale=stale)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -20,6 +20,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.replica.service import (CoordinatorService, check_lease_id, status_json, validate_acquire,
                                          validate_attach)
+from coordinator.security.interceptor import SecurityInterceptor, current_caller
+from coordinator.security.tls import add_port, check_listen, server_options
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,12 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
-    def __init__(self, svc: CoordinatorService) -> None:
+    def __init__(self, svc: CoordinatorService, forward: bool = True) -> None:
         self.svc = svc
+        # With TLS a forwarded call would carry the replica's identity, not the agent's: replicas then do
+        # not forward (each decides what it receives; compare-and-set keeps it correct) and only tell
+        # clients the owner's address, which they follow.
+        self.forward = forward
         self.streams: set[asyncio.Task[Any]] = set()
         cfg = svc.config
         self.forwarder = Forwarder(svc.replica_id, margin_s=max(2.0, 2 * cfg.etcd_timeout_s),
@@ -132,7 +138,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             wait_s = request.wait_seconds
             owner = self.svc.owner(info.host)
             if owner is not None and owner[0] != self.svc.replica_id and owner[1] \
-                    and not forwarded_by(context) and self.forwarder.usable(owner[1]):
+                    and self.forward and not forwarded_by(context) and self.forwarder.usable(owner[1]):
                 sent, owner_id = time.monotonic(), owner[0]
                 answer = await self.forwarder.acquire(
                     owner[1], request, owner_alive=lambda: owner_id in self.svc.live_replicas())
@@ -213,7 +219,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def EvictLease(self, request: pb.EvictLeaseRequest, context: Any) -> pb.EvictLeaseResponse:
-        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason)
+        deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason,
+                                        asked_by=str(current_caller() or "unknown"))
         return pb.EvictLeaseResponse(deadline_unix=deadline)
 
     @_rpc
@@ -226,13 +233,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
 async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int, CoordinatorService]:
     """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"listen: cannot bind {config.listen}")
+    tls = config.tls_files()
+    check_listen(config.listen, tls, config.insecure)
+    # Identity, authorization, bounds and audit: one interceptor, before any handler (coordinator.security).
+    guard = SecurityInterceptor(tls is not None)
+    server = grpc.aio.server(interceptors=[guard], options=server_options())
+    port = add_port(server, config.listen, tls)
     svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
     await svc.start()
-    servicer = CoordinatorServicer(svc)
+    guard.agent_hosts = svc.agent_hosts
+    servicer = CoordinatorServicer(svc, forward=tls is None)
     svc.on_stop.append(servicer.forwarder.close)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -251,7 +261,7 @@ async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None =
                 stop: asyncio.Event | None = None) -> None:
     """Run a coordinator until ``stop`` is set (or forever)."""
     if config.metrics_listen:
-        metrics.serve(config.metrics_listen)
+        metrics.serve(config.metrics_listen, config.tls_files())
     server, port, svc = await create_server(config)
     await svc.store.check_server_version()
     log.info("coordinator %s serving on port %d", svc.replica_id, port)

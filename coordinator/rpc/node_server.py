@@ -16,6 +16,8 @@ from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
+from coordinator.security.interceptor import SecurityInterceptor
+from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
 
 
 class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
@@ -66,16 +68,18 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
                                      highest_token=self.daemon.highest_token.get(gpu.uuid, 0))
 
 
-async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
+async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | None = None,
+                             insecure: bool = False) -> tuple[grpc.aio.Server, int]:
+    check_listen(listen, tls, insecure)
+    # The same guard as the coordinator's (coordinator.security): identity, authorization, bounds; no
+    # SO_REUSEPORT, so a second daemon on a port in use fails to start instead of sharing it.
+    server = grpc.aio.server(interceptors=[SecurityInterceptor(tls is not None)], options=server_options())
     pb_grpc.add_NodeServicer_to_server(NodeServicer(daemon), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (pb.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"listen: cannot bind {listen}")
+    port = add_port(server, listen, tls)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port
@@ -84,10 +88,11 @@ async def create_node_server(daemon: NodeDaemon, listen: str) -> tuple[grpc.aio.
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
                    metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
-                   enforcer: Enforcer | None = None) -> None:
+                   enforcer: Enforcer | None = None, tls: TlsFiles | None = None, insecure: bool = False) -> None:
     """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon."""
     if metrics_listen:
-        metrics.serve(metrics_listen)
+        check_listen(metrics_listen, tls, insecure, what="metrics-listen")
+        metrics.serve(metrics_listen, tls)
     await store.connect()
     await store.check_server_version()
     server: grpc.aio.Server | None = None
@@ -96,7 +101,7 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
     try:
         await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
         # Bind first, so that the published address carries the real port.
-        server, port = await create_node_server(daemon, listen)
+        server, port = await create_node_server(daemon, listen, tls, insecure)
         daemon.address = f"{listen.rpartition(':')[0]}:{port}"
         await daemon.start()
         if ready is not None:

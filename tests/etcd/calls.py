@@ -32,7 +32,7 @@ class EtcdCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
 def record_etcd_calls(monkeypatch: pytest.MonkeyPatch) -> EtcdCalls:
     calls = EtcdCalls()
 
-    def open_channel(target: str) -> grpc.aio.Channel:
+    def open_channel(target: str, security: Any = None) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(target, options=list(store_module.CHANNEL_OPTIONS.items()),
                                          interceptors=[calls])
     monkeypatch.setattr(store_module, "_open_channel", open_channel)

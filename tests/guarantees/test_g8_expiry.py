@@ -35,7 +35,8 @@ LATE_S = 1.0
 @pytest.fixture(autouse=True)
 def history_checked(cluster: Cluster) -> Iterator[None]:
     yield
-    report = cluster.lt.run(check_store(cluster.store, cluster.keys))
+    # Thousands of revisions here, and the shared etcd's whole history to scan for them: allow time.
+    report = cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=240)
     report.assert_ok()
 
 

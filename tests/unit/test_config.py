@@ -77,6 +77,7 @@ keepalive_interval_s = 5.5
 etcd_timeout_s = 4
 untracked_vram = false
 metrics_listen = "0.0.0.0:9100"
+insecure = true
 """)
     c = load(file=f)
     assert c.etcd == ("10.0.0.1:2379", "10.0.0.2:2379")

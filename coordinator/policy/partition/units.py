@@ -9,7 +9,7 @@ import math
 
 MODES: tuple[str, ...] = ("shared", "auto-split", "manual")
 KINDS: tuple[str, ...] = ("cpu", "mem", "disk", "gpus", "vram")
-MAX_AGENTS = 1024
+MAX_AGENTS = 256
 MAX_ITEMS = 4096
 MAX_INT = 2**63 - 1
 MAX_SIZE_STR = 64
@@ -110,6 +110,9 @@ def _parse_size_str(value: str, field: str) -> int:
     return math.floor(Fraction(number) * _UNITS[unit])
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.@-]+")
+
+
 def _show(v: object) -> str:
     """A user-supplied value for a message: repr, cut short (and safe for huge integers)."""
     if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
@@ -119,8 +122,9 @@ def _show(v: object) -> str:
 
 
 def _key(k: object) -> str:
-    """A key of the input as part of a field name, cut short."""
-    s = _show(k) if not isinstance(k, str) else k
+    """A key of the input as part of a field name, cut short; quoted unless it reads as a plain name
+    (an empty or blank key, or one with spaces or ':', would make the field name unreadable)."""
+    s = _show(k) if not isinstance(k, str) or not _PLAIN_KEY.fullmatch(k) else k
     return s if len(s) <= 64 else s[:60] + "..."
 
 

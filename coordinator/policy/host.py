@@ -1,0 +1,38 @@
+"""A host as one consistent snapshot shows it: the input of every admission decision. Plain data, no I/O."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from coordinator.policy.admission import GpuView
+from coordinator.policy.partition import Partition, default_partition
+from coordinator.records import HostInventory, QueueEntry, StoredKV, VramLease
+
+
+@dataclasses.dataclass
+class HostView:
+    """A host as one snapshot shows it."""
+
+    host: str
+    revision: int
+    inventory: HostInventory | None
+    host_kv: StoredKV | None
+    partition: Partition | None
+    partition_kv: StoredKV | None
+    gpus: dict[str, GpuView]
+    leases: dict[str, VramLease]
+    usage: dict[str, Any] | None
+    queue: tuple[StoredKV, ...]
+    entries: tuple[QueueEntry, ...] = ()   # the queue, parsed, in rank order
+    usage_age_s: float = -1.0     # since the replica saw the current usage report; -1: no report
+    usage_stale: bool = False     # then admission keeps the last reported untracked VRAM (never less)
+
+    @property
+    def alive(self) -> bool:
+        return self.host_kv is not None
+
+    def effective_partition(self) -> Partition:
+        if self.partition is not None:
+            return self.partition
+        assert self.inventory is not None
+        return default_partition(self.inventory)

@@ -1,0 +1,90 @@
+"""The planner's vocabulary: what it reads of a call (``Caller``), what it is decided against (``Context``),
+and what it answers (``Plan``). Plain data; ``policy/planner.py`` holds the decision itself."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Collection, Generic, Protocol, TypeVar
+
+from coordinator import errors
+from coordinator.config import CoordinatorConfig
+from coordinator.keys import Keys
+from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease
+from coordinator.txn import Compare, Op
+
+
+class Caller(Protocol):
+    """What the planner reads of a call that a replica serves (``replica.admitter.AcquireCall``)."""
+
+    @property
+    def session(self) -> SessionInfo: ...
+    @property
+    def vram_mb(self) -> int: ...
+    @property
+    def gpu_ref(self) -> str | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def preemptible(self) -> bool: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def lease_id(self) -> str: ...
+    @property
+    def wait_s(self) -> float: ...
+    @property
+    def arrival_ns(self) -> int: ...
+    @property
+    def deadline(self) -> float: ...       # monotonic
+    @property
+    def rank(self) -> str | None: ...      # its queue entry's rank, once queued
+    @property
+    def gone(self) -> bool: ...            # answered already, or its caller went away
+
+
+C = TypeVar("C", bound=Caller)
+
+
+@dataclasses.dataclass
+class Wait(Generic[C]):
+    """A call that waits in the queue after this round: its entry's rank, and the entry's mod_revision as
+    the snapshot showed it (0: this round's transaction writes the entry)."""
+
+    call: C
+    rank: str
+    revision: int
+
+
+@dataclasses.dataclass
+class Plan(Generic[C]):
+    """What a round decided: the transaction to commit and what to tell the callers.
+
+    ``refusals`` need no write and are answered at once; everything else (grants, ``failures`` whose entry
+    this transaction removes, waits) is told only once the transaction has committed.
+    """
+
+    compares: list[Compare] = dataclasses.field(default_factory=list)
+    ops: list[Op] = dataclasses.field(default_factory=list)
+    grants: list[tuple[C | None, VramLease]] = dataclasses.field(default_factory=list)
+    waits: list[Wait[C]] = dataclasses.field(default_factory=list)
+    refusals: list[tuple[C, errors.GpucoordError]] = dataclasses.field(default_factory=list)
+    failures: list[tuple[C, errors.GpucoordError]] = dataclasses.field(default_factory=list)
+    left: list[QueueEntry] = dataclasses.field(default_factory=list)   # entries removed without a grant
+    superseded: list[C] = dataclasses.field(default_factory=list)      # replaced by a retry
+    new_leases: list[VramLease] = dataclasses.field(default_factory=list)
+    new_entries: int = 0
+    deferred: list[C] = dataclasses.field(default_factory=list)  # past the budget: next round
+    more: bool = False          # something was left for the next round (evictions past the budget)
+    sessions: dict[str, SessionInfo] = dataclasses.field(default_factory=dict)  # of new grants and waits
+    evictions: list[EvictionRecord] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a round is decided against, besides the snapshot and the calls."""
+
+    keys: Keys
+    config: CoordinatorConfig
+    replica_id: str
+    evicting: Collection[str]   # lease ids under an eviction notice: admission counts them as leaving
+    now: float                  # the monotonic clock of the callers' deadlines
+    wall: float                 # seconds since the epoch, for what is stored

@@ -1,0 +1,161 @@
+"""Authorization in one place: ``authorize(identity, method, request, sessions)``.
+
+It runs before any handler logic, from the server interceptor (``coordinator.security.interceptor``), for
+every RPC of both servers (health and reflection included) and for every message of a stream.
+
+=================================  =============================  ==========  =====  ===========
+RPC                                agent                          operator    node   coordinator
+=================================  =============================  ==========  =====  ===========
+Coordinator.OpenSession            as itself (``agent``)          yes         no     no
+Coordinator.KeepAlive, Acquire,    on its own sessions            yes         no     no
+  Release, CloseSession,           (``session.agent``)
+  AttachProcesses
+Coordinator.GetStatus,             one host it has a live         yes         no     no
+  GetPartition                     session on (``host``)
+Coordinator.ApplyPartition,        no                             yes         no     no
+  EvictLease, RevokeLease
+Coordinator.Ping                   yes                            yes         no     no
+Node.GetInventory, CheckToken      yes                            yes         no     yes
+grpc.health.v1.Health              yes                            yes         yes    yes
+server reflection                  yes                            yes         no     no
+=================================  =============================  ==========  =====  ===========
+
+A session's leases are the session's own (``release`` compares the lease's session), and a session key
+is ``sessions/<agent>/<id>``: naming another agent's session id under one's own name finds nothing. So
+"its own sessions and leases" follows from checking ``session.agent`` here.
+
+With TLS off there is no identity and every caller is trusted (loopback dev mode). With TLS on, a
+certificate that carries no ``gpucoord://`` identity is refused like any other unauthorized caller.
+Refusals are PERMISSION_DENIED naming the identity and the action, and are audited.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+from coordinator import errors
+from coordinator.security.identity import Identity
+
+audit_log = logging.getLogger("gpucoord.audit")
+
+COORDINATOR = "/gpucoord.v1.Coordinator/"
+NODE = "/gpucoord.v1.Node/"
+HEALTH = "/grpc.health.v1.Health/"
+REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
+
+SESSION_RPCS = frozenset({"KeepAlive", "Acquire", "Release", "CloseSession", "AttachProcesses"})
+HOST_READ_RPCS = frozenset({"GetStatus", "GetPartition"})
+OPERATOR_RPCS = frozenset({"ApplyPartition", "EvictLease", "RevokeLease"})
+
+# The hosts on which an agent has a live session (read from etcd by the coordinator).
+AgentHosts = Callable[[str], Awaitable[set[str]]]
+
+
+class Denied(errors.NotOwner):
+    """PERMISSION_DENIED for an authorization refusal (always audited)."""
+
+    def __init__(self, who: str, action: str, why: str) -> None:
+        super().__init__(f"permission denied: {who} may not {action}: {why}")
+        self.who, self.action, self.why = who, action, why
+
+
+def rpc_name(method: str) -> str:
+    return method.rpartition("/")[2]
+
+
+def target_of(method: str, request: Any) -> str:
+    """What a call acts on, for messages and the audit log."""
+    name = rpc_name(method)
+    if request is None:
+        return ""
+    if name == "OpenSession":
+        return f"agent {request.agent!r} on host {request.host!r}"
+    if name in SESSION_RPCS:
+        what = f"session {request.session.session_id!r} of agent {request.session.agent!r}"
+        return what + (f", lease {request.lease_id!r}" if name in ("Release", "AttachProcesses") else "")
+    if name in ("EvictLease", "RevokeLease"):
+        return f"lease {request.lease_id!r}"
+    if name in HOST_READ_RPCS:
+        return f"host {request.host!r}" if request.host else "every host"
+    if name == "ApplyPartition":
+        try:
+            host = json.loads(request.spec_json).get("host", "?")
+        except (ValueError, AttributeError, RecursionError):
+            host = "?"
+        return f"partition of host {str(host)[:64]!r}"
+    if name == "CheckToken":
+        return f"token {request.token} on GPU {request.gpu_uuid[:64]!r}"
+    return ""
+
+
+async def authorize(identity: Identity | None, tls: bool, method: str, request: Any,
+                    agent_hosts: AgentHosts | None = None) -> None:
+    """Raise ``Denied`` unless ``identity`` may call ``method`` with ``request``. Writes nothing."""
+    if not tls:
+        return   # loopback dev mode: every caller is trusted, as the README says
+    name = rpc_name(method)
+    who = str(identity) if identity is not None else "a certificate without a gpucoord:// identity"
+    action = f"call {name}" + (f" on {target_of(method, request)}" if request is not None else "")
+
+    def deny(why: str) -> Denied:
+        return Denied(who, action, why)
+
+    if identity is None:
+        raise deny("the certificate carries no gpucoord://ROLE/NAME URI")
+    role = identity.role
+    if method.startswith(HEALTH):
+        return
+    if method.startswith(REFLECTION):
+        if role in ("agent", "operator"):
+            return
+        raise deny(f"the {role} role may call only health")
+    if method.startswith(NODE):
+        if role in ("agent", "operator", "coordinator"):
+            return
+        raise deny(f"the {role} role may call only health")
+    if not method.startswith(COORDINATOR):
+        raise deny("unknown service")
+    if role == "operator":
+        return
+    if role != "agent":
+        raise deny(f"the {role} role may call only health on the coordinator")
+    if name == "Ping":
+        return
+    if name in OPERATOR_RPCS:
+        raise deny("it needs the operator role")
+    if request is None:
+        return   # a stream: each message is authorized as it arrives
+    if name == "OpenSession":
+        if request.agent != identity.name:
+            raise deny(f"an agent opens sessions only as itself ({identity.name!r})")
+        return
+    if name in SESSION_RPCS:
+        if request.session.agent != identity.name:
+            raise deny(f"an agent acts only on its own sessions ({identity.name!r})")
+        return
+    if name in HOST_READ_RPCS:
+        if not request.host:
+            raise deny("an agent sees only a host it has a session on: name it in host "
+                       "(every host needs the operator role)")
+        hosts = await agent_hosts(identity.name) if agent_hosts is not None else set()
+        if request.host not in hosts:
+            raise deny(f"agent {identity.name!r} has no live session on host {request.host!r}")
+        return
+    raise deny("unknown method")
+
+
+def audit(identity: Identity | None, tls: bool, peer: str, method: str, target: str, outcome: str) -> None:
+    """One structured line per operator action and per authorization refusal."""
+    who = str(identity) if identity is not None else (f"unauthenticated {peer}" if not tls else f"no identity {peer}")
+    audit_log.info(json.dumps({"audit": True, "identity": who, "action": rpc_name(method), "target": target,
+                               "outcome": outcome}, sort_keys=True))
+
+
+def needs_audit(identity: Identity | None, method: str) -> bool:
+    """Operator-only RPCs always; and anything an operator identity does besides reading."""
+    name = rpc_name(method)
+    if method.startswith(COORDINATOR) and name in OPERATOR_RPCS:
+        return True
+    return (identity is not None and identity.role == "operator" and method.startswith(COORDINATOR)
+            and name not in ("GetStatus", "GetPartition", "Ping", "KeepAlive"))

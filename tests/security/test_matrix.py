@@ -1,0 +1,259 @@
+"""G9: every RPC of both services x every kind of caller, over real mTLS against a real etcd.
+
+One coordinator and one node daemon with TLS serve the whole module. A denied call must be refused with
+PERMISSION_DENIED naming the identity and the action (or, without a certificate the CA vouches for, fail
+at the TLS handshake), and must leave etcd's revision where it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import uuid
+from typing import Any, Callable, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import node_pb2, node_pb2_grpc
+from coordinator.security.tls import TlsFiles, channel_credentials
+from coordinator.etcd.ops import range_req
+from tests.harness import Cluster, wait_for
+from tests.security.conftest import Pki, writes_since
+
+pytestmark = pytest.mark.integration
+C = grpc.StatusCode
+HOST = "h1"
+
+
+@dataclasses.dataclass
+class Stubs:
+    coord: Any
+    node: Any
+    health: Any
+    node_health: Any
+    channels: list[grpc.Channel]
+
+
+@dataclasses.dataclass
+class World:
+    cluster: Cluster
+    addr: str
+    node_addr: str
+    pki: Pki
+    gpu_uuid: str
+    session_id: str = ""     # agent-a's long-lived session, holding ``lease``
+    lease: Any = None
+    stubs_by_role: dict[str, Stubs] = dataclasses.field(default_factory=dict)
+
+    def stubs(self, role: str) -> Stubs:
+        if role not in self.stubs_by_role:
+            if role == "nocert":
+                with open(self.pki.ca, "rb") as f:
+                    creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            else:
+                creds = channel_credentials(ROLE_FILES[role](self.pki))
+            chans = [grpc.secure_channel(a, creds) for a in (self.addr, self.node_addr)]
+            self.stubs_by_role[role] = Stubs(pb_grpc.CoordinatorStub(chans[0]), node_pb2_grpc.NodeStub(chans[1]),
+                                             health_pb2_grpc.HealthStub(chans[0]),
+                                             health_pb2_grpc.HealthStub(chans[1]), chans)
+        return self.stubs_by_role[role]
+
+    # -- set-up through agent-a itself (allowed) ---------------------------------------------------
+    def open_session(self) -> str:
+        resp = self.stubs("self").coord.OpenSession(pb.OpenSessionRequest(agent="agent-a", host=HOST, ttl_seconds=30),
+                                                    timeout=10)
+        return str(resp.session_id)
+
+    def acquire(self, session_id: str | None = None) -> Any:
+        return self.stubs("self").coord.Acquire(pb.AcquireRequest(
+            session=self.ref(session_id), vram_mb=64, request_id=uuid.uuid4().hex), timeout=10).lease
+
+    def ref(self, session_id: str | None = None) -> pb.SessionRef:
+        return pb.SessionRef(agent="agent-a", session_id=session_id or self.session_id)
+
+    def revision(self) -> int:
+        return int(self.cluster.lt.run(self.cluster.store.snapshot([range_req(b"/")])).revision)
+
+
+ROLE_FILES: dict[str, Callable[[Pki], TlsFiles]] = {
+    "self": lambda p: p["agent-a"], "other": lambda p: p["agent-b"], "operator": lambda p: p["operator"],
+    "node": lambda p: p["node"], "other-ca": lambda p: p["other-ca"], "expired": lambda p: p["expired"],
+}
+ROLES = ("self", "other", "operator", "node", "nocert", "other-ca", "expired")
+IDENTITY = {"self": "gpucoord://agent/agent-a", "other": "gpucoord://agent/agent-b",
+            "operator": "gpucoord://operator/ops", "node": f"gpucoord://node/{HOST}"}
+
+
+@pytest.fixture(scope="module")
+def world(own_etcd: list[str], pki: Pki) -> Iterator[World]:
+    cluster = Cluster(own_etcd, f"/gpucoord-g9-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
+    try:
+        # No usage heartbeats during the module: the revision moves only when a call writes.
+        daemon = cluster.start_node(HOST, "2x16GiB", heartbeat_s=3600, tls=pki["node"])
+        assert daemon.inventory is not None
+        node_addr = daemon.address
+        c = pki["coordinator"]
+        addr = cluster.start_coordinator(tls_ca=c.ca, tls_cert=c.cert, tls_key=c.key)
+        wait_for(lambda: cluster.get_prefix(cluster.keys.election()), 10, "the coordinator's election key")
+        w = World(cluster, addr, node_addr, pki, daemon.inventory.gpus[0].uuid)
+        w.session_id = w.open_session()
+        w.lease = w.acquire()
+        yield w
+        for s in w.stubs_by_role.values():
+            for ch in s.channels:
+                ch.close()
+    finally:
+        cluster.close()
+
+
+def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
+    """The call of ``rpc`` by the caller with stubs ``s``, on agent-a's things (set up beforehand)."""
+    if rpc == "OpenSession":
+        return lambda: s.coord.OpenSession(pb.OpenSessionRequest(agent="agent-a", host=HOST, ttl_seconds=10),
+                                           timeout=10)
+    if rpc == "KeepAlive":
+        return lambda: next(iter(s.coord.KeepAlive(iter([pb.KeepAliveRequest(session=w.ref())]), timeout=10)))
+    if rpc == "Acquire":
+        return lambda: s.coord.Acquire(pb.AcquireRequest(session=w.ref(), vram_mb=64,
+                                                         request_id=uuid.uuid4().hex), timeout=10)
+    if rpc == "Release":
+        lease = w.acquire()
+        return lambda: s.coord.Release(pb.ReleaseRequest(session=w.ref(), lease_id=lease.id), timeout=10)
+    if rpc == "AttachProcesses":
+        lease = w.acquire()
+        return lambda: s.coord.AttachProcesses(pb.AttachProcessesRequest(session=w.ref(), lease_id=lease.id,
+                                                                         pids=[os.getpid()]), timeout=10)
+    if rpc == "CloseSession":
+        sid = w.open_session()
+        return lambda: s.coord.CloseSession(pb.CloseSessionRequest(session=w.ref(sid)), timeout=10)
+    if rpc == "GetStatus(host)":
+        return lambda: s.coord.GetStatus(pb.GetStatusRequest(host=HOST), timeout=10)
+    if rpc == "GetStatus(all)":
+        return lambda: s.coord.GetStatus(pb.GetStatusRequest(), timeout=10)
+    if rpc == "GetPartition":
+        return lambda: s.coord.GetPartition(pb.GetPartitionRequest(host=HOST), timeout=10)
+    if rpc == "ApplyPartition":
+        spec = json.dumps({"host": HOST, "mode": "shared"})
+        return lambda: s.coord.ApplyPartition(pb.ApplyPartitionRequest(spec_json=spec), timeout=10)
+    if rpc == "EvictLease":
+        lease = w.acquire()
+        return lambda: s.coord.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=60), timeout=10)
+    if rpc == "RevokeLease":
+        lease = w.acquire()
+        return lambda: s.coord.RevokeLease(pb.RevokeLeaseRequest(lease_id=lease.id), timeout=10)
+    if rpc == "Ping":
+        return lambda: s.coord.Ping(pb.PingRequest(), timeout=10)
+    if rpc == "Health":
+        return lambda: s.health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    if rpc == "Node.GetInventory":
+        return lambda: s.node.GetInventory(node_pb2.GetInventoryRequest(), timeout=10)
+    if rpc == "Node.CheckToken":
+        return lambda: s.node.CheckToken(node_pb2.CheckTokenRequest(gpu_uuid=w.lease.gpu_uuid, token=w.lease.token),
+                                         timeout=10)
+    if rpc == "Node.Health":
+        return lambda: s.node_health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    raise AssertionError(rpc)
+
+
+RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "GetStatus(host)", "GetStatus(all)",
+        "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
+        "Node.CheckToken", "Node.Health")
+ALLOWED = {
+    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease"},
+    "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health"},
+    "operator": set(RPCS),
+    "node": {"Health", "Node.Health"},
+    "nocert": set(), "other-ca": set(), "expired": set(),
+}
+
+
+def _check_success(rpc: str, resp: Any) -> None:
+    if rpc == "OpenSession":
+        assert resp.session_id
+    elif rpc == "KeepAlive":
+        assert resp.ttl_seconds > 0
+    elif rpc == "Release":
+        assert resp.released
+    elif rpc == "RevokeLease":
+        assert resp.revoked
+    elif rpc == "AttachProcesses":
+        assert resp.changed
+    elif rpc == "GetStatus(host)":
+        assert [h.host for h in resp.hosts] == [HOST]
+    elif rpc == "Node.CheckToken":
+        assert resp.live
+    elif rpc in ("Health", "Node.Health"):
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("rpc", RPCS)
+def test_role_rpc_matrix(world: World, role: str, rpc: str) -> None:
+    stubs = world.stubs(role)
+    call = _call(rpc, world, stubs)
+    before = world.revision()
+    if rpc in ALLOWED[role]:
+        _check_success(rpc, call())
+        return
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    err = info.value
+    written = writes_since(world.cluster, before)
+    assert not written, f"a refused {rpc} by {role} wrote to etcd: {written}"
+    if role in ("nocert", "other-ca", "expired"):
+        # No certificate the CA vouches for: the TLS handshake fails, no handler ever runs.
+        assert err.code() == C.UNAVAILABLE, (err.code(), err.details())
+        return
+    assert err.code() == C.PERMISSION_DENIED, (err.code(), err.details())
+    assert IDENTITY[role] in err.details(), err.details()
+    assert rpc.split("(")[0].removeprefix("Node.") in err.details(), err.details()
+
+
+def test_agent_cannot_use_another_agents_session_under_its_own_name(world: World) -> None:
+    """Session ownership: agent-b naming itself with agent-a's session id finds no session of its own."""
+    b = world.stubs("other").coord
+    ref = pb.SessionRef(agent="agent-b", session_id=world.session_id)
+    calls = [lambda: b.Acquire(pb.AcquireRequest(session=ref, vram_mb=64), timeout=10),
+             lambda: b.Release(pb.ReleaseRequest(session=ref, lease_id=world.lease.id), timeout=10),
+             lambda: b.CloseSession(pb.CloseSessionRequest(session=ref), timeout=10),
+             lambda: next(iter(b.KeepAlive(iter([pb.KeepAliveRequest(session=ref)]), timeout=10)))]
+    for call in calls:
+        before = world.revision()
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == C.NOT_FOUND, info.value.details()
+        assert not writes_since(world.cluster, before)
+    assert world.stubs("self").coord.Release(pb.ReleaseRequest(session=world.ref(), lease_id="x" * 20),
+                                             timeout=10).released is False   # agent-a's session still works
+
+
+def test_plaintext_client_cannot_talk_to_a_tls_coordinator(world: World) -> None:
+    before = world.revision()
+    with grpc.insecure_channel(world.addr) as ch:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.CoordinatorStub(ch).OpenSession(pb.OpenSessionRequest(agent="agent-a", host=HOST), timeout=5)
+    assert info.value.code() == C.UNAVAILABLE
+    assert not writes_since(world.cluster, before)
+
+
+def test_operator_actions_and_refusals_are_audited(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gpucoord.audit")
+    lease = world.acquire()
+    op = world.stubs("operator").coord
+    op.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=60, reason="maintenance"), timeout=10)
+    # The eviction record in etcd names who asked.
+    record = json.loads(world.cluster.get_prefix(world.cluster.keys.eviction(lease.id))[0].value)
+    assert record["asked_by"] == "gpucoord://operator/ops" and record["requested_by"] == "operator"
+    with pytest.raises(grpc.RpcError):
+        world.stubs("self").coord.RevokeLease(pb.RevokeLeaseRequest(lease_id=lease.id), timeout=10)
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gpucoord.audit"]
+    assert {"audit": True, "identity": "gpucoord://operator/ops", "action": "EvictLease",
+            "target": f"lease {lease.id!r}", "outcome": "ok"} in lines
+    denied = [x for x in lines if x["action"] == "RevokeLease" and x["identity"] == "gpucoord://agent/agent-a"]
+    assert denied and denied[0]["outcome"].startswith("denied: ") and denied[0]["target"] == f"lease {lease.id!r}"
+    op.RevokeLease(pb.RevokeLeaseRequest(lease_id=lease.id), timeout=10)

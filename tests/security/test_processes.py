@@ -1,0 +1,139 @@
+"""G9 with real processes: plaintext only on loopback, one daemon per port, and ``gpucoord up --secure``
+(etcd with client-certificate TLS and auth, mTLS coordinator and node, the demo over mTLS)."""
+from __future__ import annotations
+
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+from typing import Iterator
+
+import pytest
+
+from coordinator.etcd.process import etcd_binary, free_port
+from tests.conftest import EtcdEndpoint
+from tests.harness import REPO, Cluster, child_env, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _gpucoord(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", *argv], capture_output=True, text=True,
+                          env=env or child_env(), cwd=REPO, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("kind", ["coordinator", "node"])
+def test_plaintext_server_on_a_non_loopback_address_needs_insecure(etcd: EtcdEndpoint, kind: str) -> None:
+    argv = [kind, "--etcd", etcd.endpoints[0], "--listen", f"0.0.0.0:{free_port()}"]
+    if kind == "node":
+        argv += ["--host", "h-insecure", "--fake-gpus", "1x16GiB"]
+    env = {k: v for k, v in child_env().items() if not k.startswith("GPUCOORD_TLS_")}
+    done = _gpucoord(*argv, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "--insecure" in done.stderr and "0.0.0.0" in done.stderr, done.stderr
+    assert "READY" not in done.stdout
+
+
+def test_node_refuses_a_port_already_in_use(cluster: Cluster) -> None:
+    daemon = cluster.start_node("h-first")
+    port = daemon.address.rsplit(":", 1)[1]
+    done = _gpucoord("node", "--etcd", ",".join(cluster.endpoints), "--prefix", cluster.prefix, "--host", "h-second",
+                     "--fake-gpus", "1x16GiB", "--listen", f"127.0.0.1:{port}")
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "cannot bind" in done.stderr and port in done.stderr, done.stderr[-2000:]
+    assert "READY" not in done.stdout
+    assert not cluster.get_prefix(cluster.keys.host("h-second")), "the second daemon registered its host"
+
+
+# -- gpucoord up --secure --demo --keep ----------------------------------------------------------------------
+class Up:
+    def __init__(self, data_dir: pathlib.Path) -> None:
+        self.data_dir = data_dir
+        self.log = open(data_dir.parent / "up.out", "w+")
+        env = {k: v for k, v in child_env().items() if not k.startswith("GPUCOORD_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", "up", "--secure", "--demo", "--keep", "--host", "sec-host",
+             "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--node-listen", "127.0.0.1:0",
+             "--fake-gpus", "1x16GiB"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+
+    def output(self) -> str:
+        return (self.data_dir.parent / "up.out").read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return int(self.proc.returncode)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    u = Up(tmp_path_factory.mktemp("up-secure") / "data")
+    try:
+        wait_for(lambda: "gpucoord is up" in u.output() or u.proc.poll() is not None, 120, "up --secure --demo")
+        assert u.proc.poll() is None, u.output()[-4000:]
+        yield u
+    finally:
+        u.stop()
+
+
+def _etcdctl(up: Up, *argv: str, creds: str | None = None) -> subprocess.CompletedProcess[str]:
+    ep = re.search(r"etcd: +(127\.0\.0\.1:\d+)", up.output())
+    assert ep is not None, up.output()
+    pki = up.data_dir / "pki"
+    flags = [f"--endpoints=https://{ep.group(1)}", f"--cacert={pki / 'ca.crt'}", "--dial-timeout=3s",
+             "--command-timeout=5s"]
+    if creds is not None:
+        flags += [f"--cert={pki / (creds + '.crt')}", f"--key={pki / (creds + '.key')}"]
+    return subprocess.run([etcd_binary("etcdctl"), *flags, *argv], capture_output=True, text=True, timeout=30)
+
+
+def test_up_secure_plays_the_demo_over_mtls(up: Up) -> None:
+    out = up.output()
+    assert "client-certificate TLS, auth enabled" in out
+    assert out.count("GRANTED lease") == 4 and "REFUSED (RESOURCE_EXHAUSTED)" in out, out[-4000:]
+    assert "every agent released and closed its session" in out
+    # The three variables an agent needs, for a certificate of its own.
+    ca = up.data_dir / "pki" / "ca.crt"
+    assert f"export GPUCOORD_TLS_CA={ca}" in out
+    assert f"GPUCOORD_TLS_CERT={up.data_dir / 'pki' / 'agent-agent-a.crt'}" in out
+
+
+def test_up_secure_etcd_refuses_without_credentials_and_confines_the_node(up: Up) -> None:
+    anonymous = _etcdctl(up, "get", "--prefix", "/gpucoord/")
+    assert anonymous.returncode != 0, anonymous.stdout
+    node = "node-sec-host"
+    wrote_lease = _etcdctl(up, "put", "/gpucoord/leases/sec-host/GPU-x/forged", "{}", creds=node)
+    assert wrote_lease.returncode != 0 and "permission denied" in wrote_lease.stderr, wrote_lease
+    read_all = _etcdctl(up, "get", "--prefix", "/gpucoord/", creds=node)
+    assert read_all.returncode != 0 and "permission denied" in read_all.stderr, read_all
+    own = _etcdctl(up, "get", "/gpucoord/hosts/sec-host", creds=node)
+    assert own.returncode == 0 and "sec-host" in own.stdout, own
+    coordinator = _etcdctl(up, "get", "--prefix", "/gpucoord/gpus/", "--keys-only", creds="coordinator-coordinator")
+    assert coordinator.returncode == 0 and "/gpucoord/gpus/sec-host/" in coordinator.stdout, coordinator
+
+
+def test_up_secure_cli_uses_the_environment(up: Up) -> None:
+    addr = re.search(r"coordinator: +(127\.0\.0\.1:\d+)", up.output())
+    assert addr is not None
+    pki = up.data_dir / "pki"
+
+    def env_for(stem: str) -> dict[str, str]:
+        return {**child_env(), "GPUCOORD_TLS_CA": str(pki / "ca.crt"), "GPUCOORD_TLS_CERT": str(pki / f"{stem}.crt"),
+                "GPUCOORD_TLS_KEY": str(pki / f"{stem}.key")}
+    as_operator = _gpucoord("status", "--coordinator", addr.group(1), env=env_for("operator-operator"))
+    assert as_operator.returncode == 0 and "host sec-host alive" in as_operator.stdout, as_operator.stderr
+    as_agent = _gpucoord("lease", "--coordinator", addr.group(1), "revoke", "0123456789abcdef0123",
+                         env=env_for("agent-agent-a"))
+    assert as_agent.returncode == 1
+    assert "PERMISSION_DENIED" in as_agent.stderr and "gpucoord://agent/agent-a" in as_agent.stderr
+    plaintext = _gpucoord("status", "--coordinator", addr.group(1),
+                          env={k: v for k, v in child_env().items() if not k.startswith("GPUCOORD_TLS_")})
+    assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
