@@ -32,7 +32,6 @@ MAX_CLIENT_VERSION_BYTES = 256    # OpenSession.client_version, UTF-8
 MAX_REASON_BYTES = 256            # EvictLease.reason, UTF-8
 MAX_SESSION_ID_LEN = 16           # lowercase hex of an etcd_lease id (64 bits)
 MAX_SPEC_BYTES = 64 * 1024        # a partition spec, as JSON
-MAX_PID = (1 << 31) - 1
 MAX_PARTITION_BYTES = 256 * 1024  # the computed partition stored under partitions/<host>
 MAX_GRACE_S = 3600.0              # an operator's eviction grace
 QUOTE_CHARS = 32                  # an error message quotes at most this much of a bad value
