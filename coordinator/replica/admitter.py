@@ -25,7 +25,7 @@ import functools
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure
@@ -36,10 +36,10 @@ from coordinator.keys import Keys, last_segment
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round, wait_over
 from coordinator.records import QueueEntry, SessionInfo, VramLease
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.leases import Leases
 from coordinator.replica.view import host_ranges, host_view
 
-if TYPE_CHECKING:
-    from coordinator.replica.service import CoordinatorService
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,11 @@ class HostAdmitter:
     """The tasks that decide admission on one host for this replica: the round loop, and the expiry of
     its waiters (a separate task, so that waits end on time however busy the rounds are)."""
 
-    def __init__(self, svc: CoordinatorService, host: str) -> None:
-        self.svc = svc
+    def __init__(self, ctx: ReplicaContext, leases: Leases, host: str) -> None:
+        self.ctx = ctx
+        self.leases = leases    # to withdraw the notices of a request that leaves
         self.host = host
-        self.keys: Keys = svc.keys
+        self.keys: Keys = ctx.keys
         self._pending: list[AcquireCall] = []     # arrived, not yet decided
         self._waiting: dict[str, AcquireCall] = {}  # lease_id -> call queued in etcd, served by us
         self._wake = asyncio.Event()
@@ -128,7 +129,7 @@ class HostAdmitter:
 
     # -- the loop --------------------------------------------------------------------------------
     async def _run(self) -> None:
-        cfg = self.svc.config
+        cfg = self.ctx.config
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -189,7 +190,7 @@ class HostAdmitter:
         tries = 0
         while due:
             tries += 1
-            outcomes = await remove_entries(self.svc.store, [
+            outcomes = await remove_entries(self.ctx.store, [
                 Removal(self.keys.queue_entry(self.host, c.rank or ""), c.entry_revision) for c in due])
             retry: list[AcquireCall] = []
             granted: list[AcquireCall] = []
@@ -198,7 +199,7 @@ class HostAdmitter:
                     self._expired(c, QueueEntry.from_kv(out.removed))
                 elif out.current is None:
                     granted.append(c)   # gone meanwhile: with a grant (by any replica), or removed
-                elif _served_here(out.current, self.svc.replica_id, c.lease_id):
+                elif _served_here(out.current, self.ctx.replica_id, c.lease_id):
                     c.entry_revision = out.current.mod_revision   # rewritten by one of our rounds
                     if tries < 3:
                         retry.append(c)
@@ -208,7 +209,7 @@ class HostAdmitter:
                     # Another replica serves a retry of this request now: its entry is that replica's.
                     self._expired(c, None)
             if granted:
-                leases = await self.svc.store.get_prefix(self.keys.leases(self.host))
+                leases = await self.ctx.store.get_prefix(self.keys.leases(self.host))
                 for c in granted:
                     lease = _lease_in(leases.ranges[0], c.lease_id)
                     if self._waiting.get(c.lease_id) is c:
@@ -222,17 +223,17 @@ class HostAdmitter:
     def _expired(self, c: AcquireCall, removed: QueueEntry | None) -> None:
         self._fail(c, wait_over(c.vram_mb, c.wait_s))
         if removed is not None and removed.victims:
-            task = asyncio.get_running_loop().create_task(self.svc.withdraw_evictions(removed))
+            task = asyncio.get_running_loop().create_task(self.leases.withdraw_evictions(removed))
             log_failure(task, "withdrawing eviction notices")
 
     # -- rounds ----------------------------------------------------------------------------------
     async def _round(self, batch: list[AcquireCall]) -> None:
-        svc = self.svc
+        rep = self.ctx
         batch = _merge_duplicates(batch)
-        mirror = svc.mirror
+        mirror = rep.mirror
         use_mirror = (mirror.ready and not self._waiting and mirror.revision >= self._last_commit
                       and not mirror.host_items("queue", self.host))
-        for attempt in range(svc.config.commit_attempts):
+        for attempt in range(rep.config.commit_attempts):
             batch = [c for c in batch if not c.future.done()]
             sessions = list({c.session.session_id: c.session for c in batch}.values())
             session_keys = [self.keys.session(s.agent, s.session_id) for s in sessions]
@@ -244,11 +245,11 @@ class HostAdmitter:
             else:
                 # Linearizable: a refusal, a wait or "no such session" must reflect every write acknowledged
                 # before this request (read-your-writes), not what a lagging member has applied.
-                snap = await svc.store.snapshot(
+                snap = await rep.store.snapshot(
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys])
-            view = host_view(self.keys, self.host, snap, svc.config.untracked_vram, svc.usage_age)
+            view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
-            ctx = Context(self.keys, svc.config, svc.replica_id, frozenset(svc.evictions), time.monotonic(),
+            ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
                           clock.wall())
             plan = plan_round(view, batch, self._waiting, live, ctx)
             if use_mirror:
@@ -262,7 +263,7 @@ class HostAdmitter:
                 self._settle(plan, revision=0)
                 return
             try:
-                res = await svc.store.commit([compile_compare(x) for x in plan.compares],
+                res = await rep.store.commit([compile_compare(x) for x in plan.compares],
                                              [compile_op(x) for x in plan.ops])
             except (errors.SessionGone, errors.OutcomeUnknown):
                 res = None  # ids are deterministic: reading again settles it
@@ -272,14 +273,14 @@ class HostAdmitter:
                 for entry in plan.left:
                     if entry.victims:
                         try:
-                            await svc.withdraw_evictions(entry)
+                            await self.leases.withdraw_evictions(entry)
                         except errors.GpucoordError as e:
                             log.warning("could not withdraw the notices of %s/%s: %s", entry.agent,
                                         entry.request_id, e)
                 return
             metrics.CONFLICTS.inc()
             await asyncio.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** attempt)))
-        err = errors.Unavailable(f"acquire: admission on host {self.host} lost {svc.config.commit_attempts} "
+        err = errors.Unavailable(f"acquire: admission on host {self.host} lost {rep.config.commit_attempts} "
                                  "compare-and-set rounds in a row; retry")
         for c in batch:
             if not c.future.done():
@@ -338,7 +339,7 @@ class HostAdmitter:
             return   # claimed by a retry
         key = self.keys.lease(self.host, lease.gpu_uuid, lease.id)
         try:
-            await self.svc.store.commit([cmp_mod_revision(key, revision)], [op_delete(key)])
+            await self.ctx.store.commit([cmp_mod_revision(key, revision)], [op_delete(key)])
         except errors.GpucoordError as e:
             log.warning("could not give back lease %s of a caller that went away: %s", lease.id, e)
 

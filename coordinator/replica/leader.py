@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from coordinator import errors, clock
+from coordinator import clock, errors
 from coordinator.aio import log_failure
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.leases import Leases
 from coordinator.records import EvictionRecord, QueueEntry, dumps
 from coordinator.etcd.election import Election
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, range_req
 from coordinator.etcd.removals import Removal, remove_entries
 
-if TYPE_CHECKING:
-    from coordinator.replica.service import CoordinatorService
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,10 @@ class Leadership:
     """This replica's candidacy (``etcd/election.py`` on an ``etcd/session.py`` session) and, while it
     leads, the duties. Every write made as leader carries the election's fence."""
 
-    def __init__(self, svc: CoordinatorService) -> None:
-        self.svc = svc
-        self.keys = svc.keys
+    def __init__(self, ctx: ReplicaContext, leases: Leases) -> None:
+        self.ctx = ctx
+        self.leases = leases    # revocation at a deadline, withdrawal of notices
+        self.keys = ctx.keys
         self.election: Election | None = None
         self._session: EtcdSession | None = None
         self._duties: asyncio.Task[None] | None = None
@@ -74,11 +75,11 @@ class Leadership:
 
     async def _term(self) -> None:
         """One candidacy: stand, then follow the election until our session ends."""
-        me = self.svc.replica_id
-        session = self._session = await EtcdSession(self.svc.store, self.svc.config.election_ttl_s,
+        me = self.ctx.replica_id
+        session = self._session = await EtcdSession(self.ctx.store, self.ctx.config.election_ttl_s,
                                                     f"replica {me}").open()
         election = self.election = Election(session, self.keys, me)
-        info = dumps({"replica": me, "address": self.svc.advertise, "started_at": clock.wall()})
+        info = dumps({"replica": me, "address": self.ctx.advertise, "started_at": clock.wall()})
         await election.campaign(info, extra_puts=[(self.keys.coordinator(me), info)])
         ended = asyncio.create_task(session.done.wait())
         try:
@@ -97,7 +98,7 @@ class Leadership:
             await asyncio.gather(ended, return_exceptions=True)
 
     def _on_leader(self, leader_id: str) -> None:
-        me = self.svc.replica_id
+        me = self.ctx.replica_id
         if leader_id == me and self._duties is None:
             log.info("replica %s is the leader", me)
             self._duties = asyncio.create_task(self._lead())
@@ -107,7 +108,7 @@ class Leadership:
 
     def _step_down(self) -> None:
         if self._duties is not None:
-            log.info("replica %s is no longer the leader", self.svc.replica_id)
+            log.info("replica %s is no longer the leader", self.ctx.replica_id)
             self._duties.cancel()
             self._duties = None
 
@@ -135,9 +136,8 @@ class Leadership:
         wall clock against ours): with a leader change it can come late, never early."""
         while True:
             now = clock.monotonic()
-            deadlines = self._deadlines()
             failed = False
-            for record, at in deadlines:
+            for record, at in self._deadlines():
                 if at > now:
                     continue
                 try:
@@ -146,7 +146,7 @@ class Leadership:
                     log.warning("could not enforce the deadline of lease %s: %s", record.lease_id, e)
                     failed = True
                     continue
-                self.svc.evictions.pop(record.lease_id, None)
+                self.ctx.evictions.pop(record.lease_id, None)
             upcoming = [at for _, at in self._deadlines()]
             timeout = max(0.0, min(upcoming) - clock.monotonic()) if upcoming else 1.0
             if failed:
@@ -159,31 +159,31 @@ class Leadership:
 
     def _deadlines(self) -> list[tuple[EvictionRecord, float]]:
         out = []
-        for record in list(self.svc.evictions.values()):
-            kv = self.svc.mirror.get(self.keys.eviction(record.lease_id))
+        for record in list(self.ctx.evictions.values()):
+            kv = self.ctx.mirror.get(self.keys.eviction(record.lease_id))
             if kv is not None:
-                out.append((record, self.svc.notice_deadline(kv, record)))
+                out.append((record, self.ctx.notice_deadline(kv, record)))
         return out
 
     async def _deadline(self, record: EvictionRecord) -> None:
         """Revoke the lease, unless the request it was evicted for has gone (then the notice is withdrawn:
         nobody needs the room)."""
         key = self.keys.eviction(record.lease_id)
-        kv = self.svc.mirror.get(key)
+        kv = self.ctx.mirror.get(key)
         if kv is None:
             return
         if record.requester_priority is not None and not self._still_waiting(record):
-            res = await self.svc.store.commit([cmp_mod_revision(key, kv.mod_revision), *self._fence()],
+            res = await self.ctx.store.commit([cmp_mod_revision(key, kv.mod_revision), *self._fence()],
                                               [op_delete(key)])
             if res.succeeded:
                 log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
                          record.requested_by)
             return
-        if await self.svc.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=self.election):
+        if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=self.election):
             log.info("revoked lease %s of %s at its eviction deadline", record.lease_id, record.agent)
 
     def _still_waiting(self, record: EvictionRecord) -> bool:
-        for kv in self.svc.mirror.host_items("queue", record.host):
+        for kv in self.ctx.mirror.host_items("queue", record.host):
             entry = QueueEntry.from_kv(kv)
             if f"{entry.agent}/{entry.request_id}" == record.requested_by:
                 return True
@@ -204,7 +204,7 @@ class Leadership:
         stays as it is. The waiter's replica answers from what it then reads (FAILED_PRECONDITION only if
         the host is gone or the partition changed), so a sweep never changes the answer."""
         keys = self.keys
-        snap = await self.svc.store.snapshot([range_req(keys.hosts(), prefix=True, keys_only=True),
+        snap = await self.ctx.store.snapshot([range_req(keys.hosts(), prefix=True, keys_only=True),
                                               range_req(keys.queue(), prefix=True),
                                               range_req(keys.coordinators(), prefix=True, keys_only=True)])
         hosts = {keys.parse(kv.key)[1][0] for kv in snap.ranges[0]}
@@ -217,7 +217,7 @@ class Leadership:
             entry = QueueEntry.from_kv(kv)
             gone_host = host not in hosts
             # The wait is measured from when this replica saw this version of the entry (our clock).
-            waited = self.svc.observed.age(kv.key, kv.mod_revision, now) - entry.wait_s
+            waited = self.ctx.observed.age(kv.key, kv.mod_revision, now) - entry.wait_s
             abandoned = waited > SWEEP_GRACE_S and entry.replica not in replicas
             overdue = waited > OVERDUE_S
             if gone_host or abandoned or overdue:
@@ -225,8 +225,8 @@ class Leadership:
                 swept.append((entry, "host gone" if gone_host else "waiter gone" if abandoned else "overdue"))
         if not removals:
             return
-        outcomes = await remove_entries(self.svc.store, removals, common=self._fence())
+        outcomes = await remove_entries(self.ctx.store, removals, common=self._fence())
         for (entry, why), out in zip(swept, outcomes):
             if out.removed is not None:
-                await self.svc.withdraw_evictions(entry)
+                await self.leases.withdraw_evictions(entry)
                 log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent, why)

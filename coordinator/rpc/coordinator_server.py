@@ -17,9 +17,10 @@ from coordinator.records import EvictionRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
+from coordinator.replica.service import CoordinatorService
+from coordinator.replica.status import status_json
+from coordinator.replica.validate import check_lease_id, validate_acquire, validate_attach
 from coordinator.rpc.forward import Forwarder, forwarded_by
-from coordinator.replica.service import (CoordinatorService, check_lease_id, status_json, validate_acquire,
-                                         validate_attach)
 from coordinator.security.interceptor import SecurityInterceptor, current_caller
 from coordinator.security.tls import add_port, check_listen, server_options
 
@@ -57,12 +58,12 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     def __init__(self, svc: CoordinatorService, forward: bool = True) -> None:
         self.svc = svc
+        self.streams: set[asyncio.Task[Any]] = set()
+        cfg = svc.config
         # With TLS a forwarded call would carry the replica's identity, not the agent's: replicas then do
         # not forward (each decides what it receives; compare-and-set keeps it correct) and only tell
         # clients the owner's address, which they follow.
         self.forward = forward
-        self.streams: set[asyncio.Task[Any]] = set()
-        cfg = svc.config
         self.forwarder = Forwarder(svc.replica_id, margin_s=max(2.0, 2 * cfg.etcd_timeout_s),
                                    avoid_s=float(cfg.election_ttl_s))
 

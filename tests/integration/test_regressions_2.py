@@ -363,7 +363,7 @@ def test_leader_does_not_revoke_a_lease_whose_notice_was_withdrawn(cluster: Clus
     svc = svc_of(cluster, addr)
     wait_for(lambda: svc.leadership.is_leader, 10, "the replica to lead")
     gate, entered, finished = threading.Event(), threading.Event(), threading.Event()
-    orig_revoke = svc.revoke
+    orig_revoke = svc.leases.revoke
 
     async def slow_revoke(lease_id: str, host: str | None = None, **kw: Any) -> bool:
         entered.set()
@@ -373,7 +373,7 @@ def test_leader_does_not_revoke_a_lease_whose_notice_was_withdrawn(cluster: Clus
         finally:
             finished.set()
 
-    undo = patch_method(cluster, svc, "revoke", slow_revoke)
+    undo = patch_method(cluster, svc.leases, "revoke", slow_revoke)
     try:
         with Client(addr, agent="low", host="h1") as low, Client(addr, agent="high", host="h1") as high:
             victim = low.acquire(8000, priority=0)

@@ -1,0 +1,174 @@
+"""Operations on VRAM leases outside admission: release, eviction notices (and their withdrawal), revocation,
+the processes a lease covers, and finding a lease. Each is a compare-and-set on what it read."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from coordinator import clock, errors, metrics
+from coordinator.config import MAX_GRACE_S, MAX_REASON_BYTES
+from coordinator.etcd.election import Election
+from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put
+from coordinator.keys import last_segment
+from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.validate import check_lease_id, check_text, validate_attach
+
+log = logging.getLogger(__name__)
+
+
+class Leases:
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.ctx = ctx
+        self.store, self.keys, self.config, self.mirror = ctx.store, ctx.keys, ctx.config, ctx.mirror
+
+    async def withdraw_evictions(self, entry: QueueEntry) -> None:
+        """The request that evicted these leases left without a grant: its notices are withdrawn, so that
+        nobody is revoked for a request that no longer needs the room (G3)."""
+        requested_by = f"{entry.agent}/{entry.request_id}"
+        for victim in entry.victims:
+            key = self.keys.eviction(victim)
+            kv = self.mirror.get(key)
+            if kv is None or EvictionRecord.from_kv(kv).requested_by != requested_by:
+                continue
+            res = await self.store.commit([cmp_mod_revision(key, kv.mod_revision)], [op_delete(key)])
+            if res.succeeded:
+                log.info("withdrew the eviction notice of lease %s: its requester left", victim)
+
+    async def evict(self, lease_id: str, grace_s: float, reason: str, asked_by: str = "") -> float:
+        """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
+        check_lease_id(lease_id)
+        if grace_s < 0 or grace_s != grace_s or grace_s > MAX_GRACE_S:
+            raise errors.InvalidArgument(f"grace_seconds: must be within [0, {MAX_GRACE_S:g}]", "grace_seconds")
+        check_text("reason", reason, MAX_REASON_BYTES)
+        grace = grace_s or self.config.eviction_grace_s
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id)
+            if lease is None:
+                raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
+            now = clock.wall()
+            existing = await self.store.get(self.keys.eviction(lease_id))
+            if existing is not None:
+                record = EvictionRecord.from_kv(existing)
+                if record.requested_by == "operator":
+                    return float(record.deadline_unix)
+                # A request's notice becomes the operator's: it must not be withdrawn if that request
+                # gives up, and the operator's grace may bring the deadline forward.
+                record = dataclasses.replace(record, requested_by="operator", requester_priority=None,
+                                             reason=reason or "operator", asked_by=asked_by,
+                                             deadline_unix=min(record.deadline_unix, now + grace))
+                res = await self.store.commit(
+                    [cmp_mod_revision(existing.key, existing.mod_revision)],
+                    [op_put(existing.key, dumps(record.to_json()), existing.etcd_lease)])
+                if res.succeeded:
+                    return record.deadline_unix
+                continue
+            record = EvictionRecord(
+                lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent,
+                session_id=lease.session_id, victim_priority=lease.priority, requested_by="operator",
+                requester_priority=None, reason=reason or "operator", deadline_unix=now + grace, created_at=now,
+                asked_by=asked_by)
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            res = await self.store.commit(
+                [cmp_mod_revision(key, lease.mod_revision), cmp_absent(self.keys.eviction(lease_id))],
+                [op_put(self.keys.eviction(lease_id), dumps(record.to_json()), lease.etcd_lease)])
+            if res.succeeded:
+                metrics.EVICTIONS.labels("notice").inc()
+                return record.deadline_unix
+        raise errors.Unavailable("evict: too much contention; retry")
+
+    async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
+                     fence: Election | None = None) -> bool:
+        """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone.
+
+        With ``notice_revision`` (the leader at a deadline) it happens only while that very notice still
+        stands: a notice withdrawn meanwhile (its requester left) saves the lease. With ``fence`` (the
+        leader) every write also compares the leader's candidacy, and a deposed leader gets NotOwner.
+        """
+        check_lease_id(lease_id)
+        notice_key = self.keys.eviction(lease_id)
+        fenced = fence.fence() if fence is not None else []
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id, host)
+            if lease is None:
+                if notice_revision is None:
+                    await self.store.delete(notice_key)
+                else:
+                    await self.store.commit([cmp_mod_revision(notice_key, notice_revision), *fenced],
+                                            [op_delete(notice_key)])
+                return False
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            compares = [cmp_mod_revision(key, lease.mod_revision), *fenced]
+            if notice_revision is not None:
+                compares.append(cmp_mod_revision(notice_key, notice_revision))
+            res = await self.store.commit(compares, [op_delete(key), op_delete(notice_key)])
+            if res.succeeded:
+                metrics.EVICTIONS.labels("revoke").inc()
+                return True
+            if fence is not None and not await fence.holds():
+                raise errors.NotOwner("leader: this replica is no longer the leader", "leader")
+            if notice_revision is not None and (await self.store.get(notice_key)) is None:
+                return False   # withdrawn: nothing to enforce any more
+        raise errors.Unavailable("revoke: too much contention; retry")
+
+    async def release(self, info: SessionInfo, lease_id: str) -> bool:
+        """Delete the lease if it is the caller's. Idempotent: a lease that is gone answers False."""
+        check_lease_id(lease_id)
+        for attempt in range(self.config.commit_attempts):
+            # First from the mirror (a miss or a lost compare falls back to reading etcd).
+            lease = self._mirrored_lease(lease_id, info.host) if attempt == 0 else None
+            if lease is not None and lease.session_id != info.session_id:
+                lease = None   # only the positive case is trusted from the mirror
+            if lease is None:
+                lease = await self.find_lease(lease_id, info.host)
+            if lease is None:
+                return False
+            if lease.session_id != info.session_id or lease.agent != info.agent:
+                raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
+                                          [op_delete(key), op_delete(self.keys.eviction(lease.id))])
+            if res.succeeded:
+                metrics.RELEASES.inc()
+                return True
+        raise errors.Unavailable("release: too much contention; retry")
+
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
+        """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
+        keeps everything else, token included. False when it already recorded exactly these."""
+        validate_attach(lease_id, pids, pgid)
+        wanted = tuple(sorted(set(pids)))
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id, info.host)
+            if lease is None:
+                raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
+            if lease.session_id != info.session_id or lease.agent != info.agent:
+                raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
+            if (lease.pids, lease.pgid) == (wanted, pgid):
+                return False
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            value = dumps(dataclasses.replace(lease, pids=wanted, pgid=pgid).to_json())
+            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
+                                          [op_put(key, value, lease.etcd_lease)])
+            if res.succeeded:
+                return True
+        raise errors.Unavailable("attach processes: too much contention; retry")
+
+    def _mirrored_lease(self, lease_id: str, host: str) -> VramLease | None:
+        if not self.mirror.ready:
+            return None
+        return _lease_named(self.mirror.host_items("leases", host), lease_id)
+
+    async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
+        prefix = self.keys.leases(host) if host else self.keys.leases()
+        snap = await self.store.get_prefix(prefix)
+        return _lease_named(snap.ranges[0], lease_id)
+
+
+def _lease_named(kvs: Any, lease_id: str) -> VramLease | None:
+    """The lease with this id among ``leases/<host>/<gpu>/<id>`` keys (ids are unique across hosts)."""
+    for kv in kvs:
+        if last_segment(kv.key) == lease_id:
+            return VramLease.from_kv(kv)
+    return None

@@ -1,0 +1,138 @@
+"""Applying and reading partitions: one transaction that compares the host's ledgers (so an apply is ordered
+against every acquire), refused while live leases would break it unless their eviction is asked for."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from coordinator import errors
+from coordinator.config import MAX_PARTITION_BYTES, MAX_SPEC_BYTES
+from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
+from coordinator.policy.host import HostView
+from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
+from coordinator.records import HostInventory, VramLease, dumps
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.leases import Leases
+from coordinator.replica.validate import check_name
+from coordinator.replica.view import host_ranges, host_view
+
+
+class Partitions:
+    def __init__(self, ctx: ReplicaContext, leases: Leases) -> None:
+        self.ctx, self.leases = ctx, leases
+        self.store, self.keys, self.config = ctx.store, ctx.keys, ctx.config
+
+    async def apply_partition(self, spec_data: dict[str, Any], dry_run: bool, evict: bool) -> tuple[Partition, bool]:
+        size = len(dumps(spec_data))
+        if size > MAX_SPEC_BYTES:
+            raise errors.InvalidArgument(f"spec: {size} bytes of JSON, more than the limit of {MAX_SPEC_BYTES}",
+                                         "spec")
+        try:
+            spec = parse_spec(spec_data)
+        except PartitionError as e:
+            raise errors.InvalidArgument(str(e), e.field) from e
+        check_name("host", spec.host)
+        deadline = time.monotonic() + self.config.eviction_grace_s + 5
+        for _ in range(self.config.commit_attempts * 4):
+            snap = await self.store.snapshot(host_ranges(self.keys, spec.host))
+            view = host_view(self.keys, spec.host, snap, untracked=False)
+            if view.inventory is None:
+                raise errors.NotFound(f"host: no node daemon has registered host {spec.host!r}", "host")
+            try:
+                partition = compute_partition(view.inventory, spec)
+            except PartitionError as e:
+                raise errors.InvalidArgument(str(e), e.field) from e
+            conflicts, offenders = partition_conflicts(partition, view)
+            if conflicts and (not evict or dry_run):
+                raise errors.FailedPrecondition(
+                    "partition: live leases would break the new partition: " + "; ".join(conflicts)
+                    + ("" if dry_run else " (apply with --evict to send them eviction notices)"), "partition")
+            if conflicts:
+                # --evict: notices to the offenders; the partition is written once they are gone (released,
+                # or revoked by the leader at their deadline), so no revision ever breaks the new caps.
+                if time.monotonic() > deadline:
+                    raise errors.Unavailable("partition: the evicted leases are still held; retry", "partition")
+                for lease in offenders:
+                    try:
+                        await self.leases.evict(lease.id, 0, f"partition of {spec.host} changes")
+                    except errors.NotFound:
+                        pass
+                await self._host_changed(spec.host, snap.revision, timeout=1.0)
+                continue
+            if dry_run:
+                return partition, False
+            part_key = self.keys.partition(spec.host)
+            compares = [cmp_mod_revision(part_key, view.partition_kv.mod_revision if view.partition_kv else 0)]
+            # Any admission on the host bumps a ledger: comparing them all orders apply against acquires.
+            compares += [cmp_mod_revision(self.keys.gpu(spec.host, u), g.ledger.mod_revision)
+                         for u, g in view.gpus.items()]
+            value = dumps({"partition": partition.to_json()})
+            if len(value) > MAX_PARTITION_BYTES:
+                raise errors.InvalidArgument(f"partition: the computed partition takes {len(value)} bytes, more "
+                                             f"than the limit of {MAX_PARTITION_BYTES}", "partition")
+            res = await self.store.commit(compares, [op_put(part_key, value)])
+            if res.succeeded:
+                return partition, True
+        raise errors.Unavailable("partition apply: too much contention; retry")
+
+    async def _host_changed(self, host: str, revision: int, timeout: float) -> None:
+        """Wait (at most ``timeout``) for any lease on ``host`` to change after ``revision``."""
+        async def watch() -> None:
+            async for batch in self.store.watch(self.keys.leases(host), start_revision=revision + 1):
+                if batch.events or batch.resync:
+                    return
+        try:
+            await asyncio.wait_for(watch(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def get_partition(self, host: str) -> tuple[Partition, bool]:
+        check_name("host", host)
+        snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host))])
+        host_kvs, part_kvs = snap.ranges
+        if part_kvs:
+            return Partition.from_json(part_kvs[0].json()["partition"]), True
+        if not host_kvs:
+            raise errors.NotFound(f"host: no node daemon has registered host {host!r}", "host")
+        return default_partition(HostInventory.from_json(host_kvs[0].json()["inventory"])), False
+
+
+def partition_conflicts(partition: Partition, view: HostView) -> tuple[list[str], list[VramLease]]:
+    """Live leases that the new partition would not admit: readable lines, and the fewest leases (newest
+    first) whose removal would make it admit the rest."""
+    assert view.inventory is not None
+    lines: list[str] = []
+    offenders: dict[str, VramLease] = {}
+    newest_first = sorted(view.leases.values(), key=lambda x: (-x.created_at, -x.token))
+    per_agent_gpu: dict[tuple[str, str], list[VramLease]] = {}
+    for lease in newest_first:
+        per_agent_gpu.setdefault((lease.agent, lease.gpu_uuid), []).append(lease)
+    for (agent, gpu_uuid), held in sorted(per_agent_gpu.items()):
+        used = sum(x.vram_mb for x in held)
+        caps = partition.gpu_caps(agent, view.inventory)
+        if not partition.allows(agent):
+            lines.append(f"agent {agent} holds {used} MiB on {gpu_uuid} but is not in the partition")
+            offenders.update((x.id, x) for x in held)
+        elif gpu_uuid not in caps:
+            lines.append(f"agent {agent} holds {used} MiB on {gpu_uuid}, outside its partition")
+            offenders.update((x.id, x) for x in held)
+        elif used > caps[gpu_uuid]:
+            lines.append(f"agent {agent} holds {used} MiB on {gpu_uuid}, above its cap of {caps[gpu_uuid]} MiB")
+            for x in held:
+                if used <= caps[gpu_uuid]:
+                    break
+                offenders[x.id] = x
+                used -= x.vram_mb
+    for gpu in view.gpus.values():
+        usable = partition.usable_mb(view.inventory.gpu(gpu.uuid))  # type: ignore[arg-type]
+        if gpu.leased_mb > usable:
+            lines.append(f"GPU {gpu.uuid} has {gpu.leased_mb} MiB leased, above the new usable {usable} MiB")
+            left = gpu.leased_mb - sum(x.vram_mb for x in offenders.values() if x.gpu_uuid == gpu.uuid)
+            for x in sorted(gpu.leases, key=lambda x: (-x.created_at, -x.token)):
+                if left <= usable:
+                    break
+                if x.id not in offenders:
+                    offenders[x.id] = x
+                    left -= x.vram_mb
+    return lines, list(offenders.values())

@@ -1,0 +1,77 @@
+"""The operator's view: every host at one revision (``read_status``), and as plain JSON (``status_json``)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from coordinator.etcd.ops import range_req
+from coordinator.etcd.store import KV, Snapshot
+from coordinator.keys import last_segment
+from coordinator.policy.host import HostView
+from coordinator.policy.partition import default_partition
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.validate import check_name
+from coordinator.replica.view import host_ranges, host_view
+
+
+async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
+    """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
+    if host:
+        check_name("host", host)
+        snap = await ctx.store.snapshot(host_ranges(ctx.keys, host))
+        views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)]
+    else:
+        # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
+        # would pass etcd's limit of operations per transaction).
+        kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue")
+        snap = await ctx.store.snapshot([range_req(ctx.keys.kind(k), prefix=True)
+                                          for k in kinds])
+        per_host: dict[str, list[list[KV]]] = {}
+        for i, kvs in enumerate(snap.ranges):
+            for kv in kvs:
+                h = ctx.keys.parse(kv.key)[1][0]
+                per_host.setdefault(h, [[] for _ in kinds])[i].append(kv)
+        views = [host_view(ctx.keys, h, Snapshot(snap.revision, tuple(tuple(r) for r in per_host[h])),
+                           ctx.config.untracked_vram, ctx.usage_age)
+                 for h in sorted(per_host)]
+    etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
+    ttls = dict(zip(etcd_leases, await asyncio.gather(*(ctx.store.time_to_live(x) for x in etcd_leases))))
+    return snap.revision, views, ttls
+
+
+def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> dict[str, Any]:
+    """The operator's view, as plain JSON (``gpucoord status --json``)."""
+    hosts = []
+    for v in views:
+        inv = v.inventory
+        part = v.partition or (default_partition(inv) if inv else None)
+        # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
+        reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
+        gpus = []
+        for g in sorted(v.gpus.values(), key=lambda g: g.index):
+            gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
+                         "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
+                         "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
+                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else "",
+                         "processes": list(reported.get(g.uuid, {}).get("processes", ())),
+                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ()))})
+        leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}
+                  for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
+        agents = []
+        if part is not None and inv is not None:
+            for alloc in part.allocations:
+                used = [lease for lease in v.leases.values() if lease.agent == alloc.agent]
+                agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
+                               "leased_mb": sum(x.vram_mb for x in used), "leases": len(used)})
+        queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
+                 for kv in v.queue for v_key in [kv.key]]
+        hosts.append({
+            "host": v.host, "alive": v.alive, "address": json.loads(v.host_kv.value).get("address", "") if v.host_kv else "",
+            "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
+            "usage_stale": v.usage_stale,
+            "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
+            "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",
+            "partition_explicit": v.partition is not None, "gpus": gpus, "agents": agents, "leases": leases,
+            "queue": queue})
+    return {"revision": revision, "hosts": hosts}

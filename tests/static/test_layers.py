@@ -1,0 +1,93 @@
+"""The package's layers, as the source shows them: dependencies point down, never back up, never in a cycle.
+
+Layers, bottom up (a module may import its own layer's modules and those of the layers below):
+    base     keys, config, errors, metrics, clock, records, aio, txn, and security/ (certificates, TLS, identity,
+             authorization: it imports only base, and the etcd boundary, servers and CLI use it)
+    etcd     the store and its request builders, etcd processes        (base)
+    policy   admission, planner, partition: pure, no I/O                (base)
+    node     the node daemon and its inventory                          (base, etcd, policy)
+    replica  service, admitter, leader, mirror, view                    (base, etcd, policy)
+    rpc      the gRPC servers and message conversion                    (all of the above, agent_client.api)
+    cli      commands, rendering, up, demo, bench                       (everything)
+``agent_client`` imports nothing of ``coordinator``.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.static.import_graph import REPO, cycles, graph
+
+BASE = {"coordinator", "coordinator.keys", "coordinator.config", "coordinator.errors", "coordinator.metrics", "coordinator.clock",
+        "coordinator.records", "coordinator.aio", "coordinator.txn"}
+ALLOWED = {
+    "base": {"base"},
+    "etcd": {"base", "etcd"},
+    "policy": {"base", "policy"},
+    "node": {"base", "etcd", "policy", "node", "api"},
+    "replica": {"base", "etcd", "policy", "replica"},
+    "rpc": {"base", "etcd", "policy", "node", "replica", "rpc", "api"},
+    "cli": {"base", "etcd", "policy", "node", "replica", "rpc", "cli", "api", "client"},
+}
+
+
+def layer(module: str) -> str:
+    if module in BASE or module.startswith("coordinator.security"):
+        return "base"
+    if module.startswith("agent_client.api"):
+        return "api"
+    if module.startswith("agent_client"):
+        return "client"
+    parts = module.split(".")
+    assert parts[0] == "coordinator" and len(parts) > 1, module
+    assert parts[1] in ALLOWED, f"{module}: which layer is it? (tests/static/test_layers.py)"
+    return parts[1]
+
+
+def test_there_is_no_import_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_agent_client_imports_nothing_of_coordinator() -> None:
+    bad = {(m, d) for m, deps in graph().items() if m.startswith("agent_client") for d in deps
+           if d.startswith("coordinator")}
+    assert not bad
+
+
+def test_dependencies_only_point_down() -> None:
+    bad = []
+    for mod, deps in graph().items():
+        if not mod.startswith("coordinator"):
+            continue
+        for d in deps:
+            if layer(d) not in ALLOWED[layer(mod)]:
+                bad.append(f"{mod} ({layer(mod)}) imports {d} ({layer(d)})")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.admission",
+                                    "coordinator.policy.partition"])
+def test_the_pure_policy_loads_neither_aetcd_nor_grpc(module: str) -> None:
+    code = (f"import sys, {module}; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aetcd', 'grpc')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# Joining or splitting on "/" is how a key schema leaks out of its module.
+_KEY_BUILDING = re.compile(r'"/"\.join|\+ b"/"|b"/" \+|\.r?split\("/"|\.encode\(\) \+ |\+ [a-z_.]*\.encode\(\)')
+
+
+def test_no_key_is_built_or_parsed_outside_keys_py() -> None:
+    offenders = []
+    for pkg in ("coordinator", "agent_client"):
+        for path in (REPO / pkg).rglob("*.py"):
+            if path.name == "keys.py" or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if _KEY_BUILDING.search(line):
+                    offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
