@@ -90,7 +90,10 @@ def test_one_member_stopped_past_the_session_ttl_loses_no_session(etcd3: Etcd3, 
 
     async def scenario() -> LoadReport:
         report = LoadReport()
-        load = asyncio.create_task(run_load([[a, b], [b, a]] * 8, "h1", TTL + 6, seed=12, report=report, ttl=TTL))
+        # Sessions of 10 s: a hung member leaves the rotation only after a missed ping (~6 s), and the
+        # coordinators' etcd timeout (2 s, from their TTL of 6) bounds each call that lands on it meanwhile.
+        load = asyncio.create_task(run_load([[a, b], [b, a]] * 8, "h1", TTL + 6, seed=12, report=report,
+                                            ttl=KEEPER_TTL))
         await asyncio.sleep(2)
         member = etcd3.members[0]    # the first endpoint of everyone's list
         etcd3.stop(member)

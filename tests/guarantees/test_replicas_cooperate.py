@@ -21,7 +21,9 @@ from tests.conftest import EtcdEndpoint
 from tests.harness import spawn_coordinator, spawn_node, stop_process, wait_for
 from tests.load import LoadReport, run_load
 
-PHASE_S = 8.0
+SLICES = 3
+SLICE_S = 3.0
+PHASE_S = SLICES * SLICE_S
 AGENTS = 16
 MAX_LATE_S = 1.0
 # A holder keeps 2000 MiB for the whole run, so a request of 15000 MiB never fits: its waits run out. It
@@ -54,21 +56,24 @@ def test_two_replicas_serve_at_least_as_many_as_one_and_answer_waits_on_time(
     procs = [spawn_node(etcd.endpoints, prefix, "h1", "1x16GiB", str(tmp_path / "node.log"),
                         extra=["--heartbeat", "1"])]
     try:
-        first, port_a = spawn_coordinator(etcd.endpoints, prefix, "127.0.0.1:0", str(tmp_path / "a.log"))
-        procs.append(first)
-        a = f"127.0.0.1:{port_a}"
-        wait_for(lambda: _registered(etcd, prefix, 1), 15, "the first replica to register")
-        holder = Client(a, agent="holder", host="h1").connect()
+        addrs = []
+        for name in ("a", "b"):
+            proc, port = spawn_coordinator(etcd.endpoints, prefix, "127.0.0.1:0", str(tmp_path / f"{name}.log"))
+            procs.append(proc)
+            addrs.append(f"127.0.0.1:{port}")
+        wait_for(lambda: _registered(etcd, prefix, 2), 15, "both replicas to register")
+        holder = Client(addrs[0], agent="holder", host="h1").connect()
         holder.acquire(2000, preemptible=False)
-        one = asyncio.run(run_load([[a]] * AGENTS, "h1", PHASE_S, seed=7, agent_prefix="one", sizes=SIZES,
-                                 hold_s=HOLD_S, low_priority=BIG))
-
-        second, port_b = spawn_coordinator(etcd.endpoints, prefix, "127.0.0.1:0", str(tmp_path / "b.log"))
-        procs.append(second)
-        b = f"127.0.0.1:{port_b}"
-        wait_for(lambda: _registered(etcd, prefix, 2), 15, "the second replica to register")
-        two = asyncio.run(run_load([[a], [b]] * (AGENTS // 2), "h1", PHASE_S, seed=7, agent_prefix="two",
-                                 sizes=SIZES, hold_s=HOLD_S, low_priority=BIG))
+        # "One replica": every agent talks to the replica that owns h1 (the other stands idle).
+        owner = holder._async._owner or addrs[0]
+        one, two = LoadReport(), LoadReport()
+        # The phases alternate in short slices, so that a change in the machine's load (other work on
+        # its two shared cores) weighs on both alike.
+        for i in range(SLICES):
+            asyncio.run(run_load([[owner]] * AGENTS, "h1", SLICE_S, seed=i, agent_prefix=f"one{i}", sizes=SIZES,
+                                 hold_s=HOLD_S, low_priority=BIG, report=one))
+            asyncio.run(run_load([[addrs[0]], [addrs[1]]] * (AGENTS // 2), "h1", SLICE_S, seed=i,
+                                 agent_prefix=f"two{i}", sizes=SIZES, hold_s=HOLD_S, low_priority=BIG, report=two))
         holder.close()
         print(_summary("one replica", one))
         print(_summary("two replicas", two))
@@ -77,8 +82,7 @@ def test_two_replicas_serve_at_least_as_many_as_one_and_answer_waits_on_time(
             assert not rep.open_failures, rep.open_failures
             assert not rep.undocumented(), rep.undocumented()[:5]
             assert [c for c in rep.waits() if c.outcome == "ResourceExhausted"], "some waits must run out"
-        # Generous: the acceptance is ">= 1x"; the same machine runs both phases back to back, and
-        # a few percent either way is noise on 2 shared cores.
+        # Generous: the acceptance is ">= 1x"; a few percent either way is noise on 2 shared cores.
         assert two.granted >= 0.9 * one.granted, (_summary("one", one), _summary("two", two))
         late = max(one.max_late_s(), two.max_late_s())
         assert late <= MAX_LATE_S, f"a waiter was answered {late:.2f}s after its wait"
