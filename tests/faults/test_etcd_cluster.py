@@ -16,7 +16,6 @@ What each fault does, as observed here (the README's "etcd faults" lines say the
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -24,7 +23,7 @@ from typing import Iterator
 import grpc
 import pytest
 
-from agent_client import AsyncClient, Client, errors
+from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from tests.faults.etcd3 import Etcd3, etcd3  # noqa: F401  (the fixture)
@@ -229,5 +228,3 @@ def test_replicas_killed_and_stopped_in_turn_under_load(etcd3: Etcd3, cluster3: 
     _no_keys_left(cluster3)
     _check(cluster3)
 
-
-_ = (threading, AsyncClient)

@@ -11,7 +11,6 @@ the old leader's election key going and the successor's deadline.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -73,4 +72,3 @@ def test_a_leader_paused_past_its_ttl_cannot_revoke_beside_its_successor(cluster
     assert gone and revoked and revoked[0] > gone[0]
     assert len(revoked) == 1
     check_history(events, cluster.keys).assert_ok()
-    _ = json
