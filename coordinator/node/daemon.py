@@ -239,10 +239,12 @@ class NodeDaemon:
             assert self.session is not None
             ended = asyncio.create_task(self.session.done.wait())
             woken = asyncio.create_task(self._wake.wait())
-            await asyncio.wait({ended, woken}, timeout=self.ttl_s / 3, return_when=asyncio.FIRST_COMPLETED)
-            for t in (ended, woken):
-                t.cancel()
-            await asyncio.gather(ended, woken, return_exceptions=True)
+            try:
+                await asyncio.wait({ended, woken}, timeout=self.ttl_s / 3, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (ended, woken):
+                    t.cancel()
+                await asyncio.gather(ended, woken, return_exceptions=True)
             self._wake.clear()
             try:
                 if self.session.done.is_set():
