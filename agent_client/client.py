@@ -165,6 +165,7 @@ class AsyncClient:
         self.done = asyncio.Event()        # set when the session is over (closed, expired, orphaned)
         self.expired = False
         self._addr_i = 0
+        self._owner = ""        # the replica that owns our host (host ownership), as the last acquire said
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leases: dict[str, AsyncLease] = {}
         self._early_notices: dict[str, EvictionNotice] = {}
@@ -205,7 +206,8 @@ class AsyncClient:
         give_up_at = started + self.rpc_timeout + (wait_left() if wait_left else 0.0)
         delay = 0.05
         while True:
-            addr = self._address()
+            # An acquire goes first to the replica that owns the host, when one told us (see acquire).
+            addr = self._owner if method == "Acquire" and self._owner else self._address()
             req = request() if callable(request) else request
             waiting = wait_left() if wait_left else 0.0
             timeout = max(0.05, min(self.attempt_timeout + waiting, give_up_at - time.monotonic()))
@@ -221,7 +223,10 @@ class AsyncClient:
             if code not in _FAILOVER_CODES or now + delay > min(retry_until, give_up_at - 0.1):
                 raise last from None
             log.info("%s: coordinator %s failed (%s); trying the next one", method, addr, why)
-            self._move_from(addr)
+            if addr == self._owner:
+                self._owner = ""      # back to our own list: any replica forwards to the owner
+            else:
+                self._move_from(addr)
             if code == grpc.StatusCode.UNAVAILABLE:
                 # Refused at once (a replica down, or all of them): back off. A timed-out attempt has
                 # waited already.
@@ -428,6 +433,9 @@ class AsyncClient:
                                      wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0)
         resp = await self._call("Acquire", request, retry_for=max(self.retry_for, wait),
                                 wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
+        # Host ownership: the next acquires go straight to the replica that admits on our host, saving
+        # the hop through a replica that would forward them (any replica still would).
+        self._owner = resp.owner
         lease = AsyncLease(self, resp.lease)
         self._leases[lease.id] = lease
         early = self._early_notices.pop(lease.id, None)

@@ -20,6 +20,8 @@ REFUSALS = Counter("gpucoord_refusals_total",
 RELEASES = Counter("gpucoord_releases_total", "VRAM leases released explicitly", registry=REGISTRY)
 EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued, and forced revokes", ["kind"], registry=REGISTRY)
 CONFLICTS = Counter("gpucoord_txn_conflicts_total", "Admission compare-and-set transactions that lost", registry=REGISTRY)
+FORWARDS = Counter("gpucoord_forwarded_acquires_total", "Acquires sent to the host's owning replica, and those "
+                   "decided here because the owner could not answer", ["outcome"], registry=REGISTRY)
 BATCH_SIZE = Histogram("gpucoord_group_commit_size", "Acquires decided from one snapshot",
                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=REGISTRY)
 ETCD_ERRORS = Counter("gpucoord_etcd_errors_total", "etcd calls that failed, by error", ["error"], registry=REGISTRY)

@@ -29,7 +29,8 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         state = "alive" if h.get("alive") else "GONE (no new admissions)"
         sim = " simulated" if h.get("simulated") else ""
         lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
-                     f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}")
+                     f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}"
+                     + ("  USAGE STALE (admission keeps the last untracked VRAM)" if h.get("usage_stale") else ""))
         lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
                      f"{'untracked':>9} {'free':>8} {'token':>6}")
         for g in h.get("gpus", []):

@@ -116,9 +116,10 @@ class EtcdOptions:
     auto_compaction_mode: str | None = None
     auto_compaction_retention: str | None = None
     quota_backend_bytes: int | None = None
+    unsafe_no_fsync: bool = False   # test clusters on a slow shared disk only: a crash may lose writes
 
     def args(self) -> list[str]:
-        out: list[str] = []
+        out: list[str] = ["--unsafe-no-fsync"] if self.unsafe_no_fsync else []
         if self.auto_compaction_mode:
             out += ["--auto-compaction-mode", self.auto_compaction_mode,
                     "--auto-compaction-retention", self.auto_compaction_retention or "0"]
@@ -249,6 +250,20 @@ class EtcdMember:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self, initial_cluster: str) -> None:
+        """Start again on the same ports and data dir (after ``kill``): it rejoins its cluster."""
+        self.start(initial_cluster, state="existing")
+
+    def is_leader(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=1) as r:
+                return b"\netcd_server_is_leader 1" in r.read()
+        except OSError:
+            return False
 
 
 class EtcdCluster:

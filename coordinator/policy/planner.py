@@ -384,7 +384,7 @@ class _Planner(Generic[C]):
                           etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
                           priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
                           lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.ctx.now),
-                          replica=self.ctx.replica_id, victims=victims)
+                          replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.ctx.now))
 
     # -- the transaction -------------------------------------------------------------------------------
     def _remove_entry(self, plan: Plan[C], entry: QueueEntry) -> None:

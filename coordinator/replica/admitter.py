@@ -27,7 +27,7 @@ import random
 import time
 from typing import Sequence
 
-from coordinator import errors, metrics
+from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure
 from coordinator.etcd.ops import cmp_mod_revision, compile_compare, compile_op, op_delete, range_req
 from coordinator.etcd.removals import Removal, remove_entries
@@ -246,10 +246,10 @@ class HostAdmitter:
                 # before this request (read-your-writes), not what a lagging member has applied.
                 snap = await rep.store.snapshot(
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys])
-            view = host_view(self.keys, self.host, snap, rep.config.untracked_vram)
+            view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          time.time())
+                          clock.wall())
             plan = plan_round(view, batch, self._waiting, live, ctx)
             if use_mirror:
                 use_mirror = False

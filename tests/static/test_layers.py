@@ -1,7 +1,7 @@
 """The package's layers, as the source shows them: dependencies point down, never back up, never in a cycle.
 
 Layers, bottom up (a module may import its own layer's modules and those of the layers below):
-    base     keys, config, errors, metrics, records, aio, txn, and security/ (certificates, TLS, identity,
+    base     keys, config, errors, metrics, clock, records, aio, txn, and security/ (certificates, TLS, identity,
              authorization: it imports only base, and the etcd boundary, servers and CLI use it)
     etcd     the store and its request builders, etcd processes        (base)
     policy   admission, planner, partition: pure, no I/O                (base)
@@ -21,7 +21,7 @@ import pytest
 
 from tests.static.import_graph import REPO, cycles, graph
 
-BASE = {"coordinator", "coordinator.keys", "coordinator.config", "coordinator.errors", "coordinator.metrics",
+BASE = {"coordinator", "coordinator.keys", "coordinator.config", "coordinator.errors", "coordinator.metrics", "coordinator.clock",
         "coordinator.records", "coordinator.aio", "coordinator.txn"}
 ALLOWED = {
     "base": {"base"},
