@@ -11,32 +11,41 @@ and ``tests.static.import_graph``, never each other.
 * child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_agent``, ``child_env``;
 * fakes: ``FakeNvml``/``FakeDevice`` (the pynvml module at its function level);
 * the etcd boundary: ``EtcdEndpoint``, ``record_etcd_calls``, ``read_only``, ``TcpProxy``;
-* security: ``make_pki``/``Pki``, ``writes_since``.
+* security: ``make_pki``/``Pki``, ``writes_since``;
+* a 3-member etcd for the fault tier: ``Etcd3``;
+* a load of agents: ``run_load``/``LoadReport``;
+* docker-compose.yml: ``load_yaml``, a reader of the YAML subset it is written in.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import datetime
+import json
 import os
 import pathlib
+import random
+import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Sequence, TypeVar
 
 import grpc
 import pynvml
 import pytest
 
 import coordinator.etcd.store as store_module
+from agent_client import AsyncClient, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2_grpc as npb_grpc
 from coordinator.config import CoordinatorConfig
+from coordinator.etcd.process import EtcdCluster, EtcdMember, EtcdOptions
 from coordinator.records import QueueEntry
 from coordinator.keys import Keys
 from coordinator.node.daemon import NodeDaemon
@@ -120,6 +129,11 @@ class EtcdEndpoint:
     """What the ``etcd`` fixture hands a test: client endpoints and the metrics URL of the first member."""
     endpoints: list[str]
     metrics_url: str
+    provider: str = "process"    # or "docker IMAGE"
+
+
+# The image the docker provider of the ``etcd`` fixture runs unless GPUCOORD_TEST_ETCD_IMAGE names another.
+DEFAULT_ETCD_IMAGE = "gpucoord/etcd:3.5.1"
 
 
 class Cluster:
@@ -207,6 +221,18 @@ class Cluster:
             if kind not in ("hosts", "usage", "coordinators", "election"):
                 out.add((kv.key, kv.mod_revision))
         return out
+
+    def replicas(self) -> dict[str, str]:
+        """replica id -> address, of the replicas registered under ``coordinators/``."""
+        return {json.loads(kv.value)["replica"]: json.loads(kv.value)["address"]
+                for kv in self.get_prefix(self.keys.coordinators())}
+
+    def owner(self, host: str, replicas: int) -> str:
+        """The address of the replica that owns ``host`` once ``replicas`` replicas are registered."""
+        from coordinator.replica.service import owner_of
+        reps = wait_for(lambda: (lambda r: r if len(r) == replicas else None)(self.replicas()), 15,
+                        f"{replicas} replicas to register")
+        return str(reps[owner_of(host, reps)])
 
     def leases(self) -> list[Any]:
         from coordinator.records import VramLease
@@ -296,18 +322,50 @@ def child_env() -> dict[str, str]:
 
 
 def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: str,
-                      extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+                      extra: list[str] | None = None,
+                      env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """A coordinator as a real child process; returns it once it serves, with its port."""
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "coordinator", "--etcd", ",".join(endpoints),
                              "--prefix", prefix, "--listen", listen, *(extra or [])],
-                            stdout=subprocess.PIPE, stderr=log, env=child_env(), cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=log, env={**child_env(), **(env or {})}, cwd=REPO)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     if not line.startswith("READY coordinator port="):
         proc.kill()
         raise AssertionError(f"coordinator did not start: {line!r}; see {log_path}")
     return proc, int(line.split("port=")[1])
+
+
+def spawn_node(endpoints: list[str], prefix: str, host: str, fake_gpus: str, log_path: str,
+               extra: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A node daemon (``gpucoord node --fake-gpus``) as a real child process; returns it once it serves."""
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "node", "--etcd", ",".join(endpoints),
+                             "--prefix", prefix, "--host", host, "--listen", "127.0.0.1:0", "--fake-gpus", fake_gpus,
+                             *(extra or [])],
+                            stdout=subprocess.PIPE, stderr=log, env={**child_env(), **(env or {})}, cwd=REPO)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith("READY node port="):
+        proc.kill()
+        raise AssertionError(f"node did not start: {line!r}; see {log_path}")
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """SIGCONT (it may be stopped), then SIGTERM, then SIGKILL: by PID, only our own child."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def spawn_agent(addr: str, host: str, agent: str, vram_mb: int, ttl: int, log_path: str = os.devnull,
@@ -577,3 +635,294 @@ def writes_since(cluster: Cluster, before: int) -> list[str]:
     events = cluster.lt.run(asyncio.wait_for(collect(), 10))
     return [f"{kind} {key.decode(errors='replace')}" for kind, key, rev in events
             if rev <= now and cluster.keys.parse(key)[0] not in ("hosts", "usage")]
+
+
+# -- a 3-member etcd ---------------------------------------------------------------------------------
+
+class Etcd3:
+    """A 3-member etcd cluster on loopback for the fault tier: find the leader, kill -9, SIGSTOP, bring back.
+
+    Members run with ``--unsafe-no-fsync``: this machine's disk is slow and shared, and the tests kill whole
+    processes (not machines), so what a member acknowledged is in its page cache and survives. The fixture
+    ``etcd3`` (tests/faults/conftest.py) starts one and closes it."""
+
+    def __init__(self) -> None:
+        self.cluster = EtcdCluster(3, options=EtcdOptions(unsafe_no_fsync=True))
+        self.stopped: set[str] = set()
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self.cluster.endpoints
+
+    @property
+    def members(self) -> list[EtcdMember]:
+        return self.cluster.members
+
+    def leader(self, timeout: float = 10.0) -> EtcdMember:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in self.members:
+                if m.proc is not None and m.name not in self.stopped and m.is_leader():
+                    return m
+            time.sleep(0.05)
+        raise TimeoutError("no etcd leader")
+
+    def followers(self) -> list[EtcdMember]:
+        lead = self.leader()
+        return [m for m in self.members if m is not lead]
+
+    def kill(self, m: EtcdMember) -> None:
+        m.kill()
+
+    def restart(self, m: EtcdMember, timeout: float = 20.0) -> None:
+        m.restart(self.cluster.initial_cluster)
+        deadline = time.monotonic() + timeout
+        while not m.healthy():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd member {m.name} did not come back; log {m.log_path}")
+            time.sleep(0.05)
+
+    def stop(self, m: EtcdMember) -> None:
+        m.signal(signal.SIGSTOP)
+        self.stopped.add(m.name)
+
+    def cont(self, m: EtcdMember) -> None:
+        m.signal(signal.SIGCONT)
+        self.stopped.discard(m.name)
+
+    def close(self) -> None:
+        for m in self.members:
+            m.signal(signal.SIGCONT)
+        self.cluster.stop()
+
+
+# -- a load of agents --------------------------------------------------------------------------------
+# Agents doing random acquire/release cycles, each call's outcome and timing recorded: used by the replica
+# tests (throughput with one and two replicas, waits answered on time) and the nemesis run (every call must
+# end with a documented status). Agents are ``AsyncClient``s on one event loop.
+
+# What a call may end with, and stay within the contract: a grant, or one of these documented statuses.
+DOCUMENTED = {"ok", "ResourceExhausted", "Unavailable", "DeadlineExceeded", "SessionExpired", "FailedPrecondition"}
+
+
+@dataclasses.dataclass
+class LoadCall:
+    agent: str
+    wait_s: float
+    elapsed_s: float
+    outcome: str          # "ok" or the agent_client error class name
+
+    @property
+    def late_s(self) -> float:
+        """How long after its wait the call was answered (calls with a wait only)."""
+        return self.elapsed_s - self.wait_s
+
+
+@dataclasses.dataclass
+class LoadReport:
+    calls: list[LoadCall] = dataclasses.field(default_factory=list)
+    releases: int = 0
+    open_failures: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def granted(self) -> int:
+        return sum(1 for c in self.calls if c.outcome == "ok")
+
+    def outcomes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.calls:
+            out[c.outcome] = out.get(c.outcome, 0) + 1
+        return out
+
+    def waits(self) -> list[LoadCall]:
+        """Calls with a wait that ended by the coordinator's answer (a grant or RESOURCE_EXHAUSTED)."""
+        return [c for c in self.calls if c.wait_s > 0 and c.outcome in ("ok", "ResourceExhausted")]
+
+    def max_late_s(self) -> float:
+        return max((c.late_s for c in self.waits()), default=0.0)
+
+    def undocumented(self) -> list[LoadCall]:
+        return [c for c in self.calls if c.outcome not in DOCUMENTED]
+
+
+async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng: random.Random,
+                     sizes: Sequence[int], waits: Sequence[float], hold_s: float,
+                     low_priority: Collection[int] = ()) -> None:
+    while time.monotonic() < until:
+        vram, wait = rng.choice(sizes), rng.choice(waits)
+        t0 = time.monotonic()
+        try:
+            lease = await client.acquire(vram, wait=wait, priority=-1 if vram in low_priority else 0)
+        except errors.GpucoordError as e:
+            report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, type(e).__name__))
+            if isinstance(e, errors.SessionExpired):
+                return
+            if not isinstance(e, errors.ResourceExhausted):
+                await asyncio.sleep(0.05)    # a fault: do not spin while it lasts
+            continue
+        report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok"))
+        await asyncio.sleep(rng.uniform(0, hold_s))
+        try:
+            await lease.release()
+            report.releases += 1
+        except errors.GpucoordError:
+            pass   # the lease goes with the session, or was evicted
+
+
+async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str], duration_s: float, seed: int,
+                   sizes: Sequence[int] = (2000, 4000, 6000), waits: Sequence[float] = (0.0, 0.5, 2.0),
+                   hold_s: float = 0.02, agent_prefix: str = "agent", ttl: int = 10,
+                   report: LoadReport | None = None, low_priority: Collection[int] = ()) -> LoadReport:
+    """One agent per entry of ``addresses`` (the replicas that agent talks to), each on ``host`` (or the
+    hosts in turn), for ``duration_s`` seconds. Sessions are closed at the end. Requests of the sizes in
+    ``low_priority`` ask with priority -1 (they wait behind the others instead of blocking them)."""
+    report = report or LoadReport()
+    hosts = [host] if isinstance(host, str) else list(host)
+    rng = random.Random(seed)
+    clients = [AsyncClient(list(addrs), agent=f"{agent_prefix}-{i}", host=hosts[i % len(hosts)], ttl=ttl)
+               for i, addrs in enumerate(addresses)]
+    connected: list[AsyncClient] = []
+    for c in clients:
+        try:
+            await c.connect()
+            connected.append(c)
+        except errors.GpucoordError as e:
+            report.open_failures.append(f"{c.agent}: {e!r}")
+    until = time.monotonic() + duration_s
+    try:
+        await asyncio.gather(*(agent_loop(c, report, until, random.Random(rng.random()), sizes, waits, hold_s,
+                                          low_priority)
+                               for c in connected))
+    finally:
+        for c in connected:
+            try:
+                await c.close()
+            except errors.GpucoordError:
+                pass
+    return report
+
+
+# -- docker-compose.yml ------------------------------------------------------------------------------
+# A reader for the subset of YAML that docker-compose.yml is written in, so that the suite needs no YAML
+# library: block mappings and sequences by indentation, flow sequences and mappings of plain or quoted
+# scalars, comments. Anything else (anchors, multi-line strings, tags) raises, so the file cannot drift into
+# YAML this reader would misread.
+
+_YAML_UNSUPPORTED = re.compile(r"^\s*(?:-\s+)?(?:[\w.-]+:\s+)?[&*!|>]")
+
+
+def _yaml_strip_comment(line: str) -> str:
+    out, quote = [], ""
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            break
+        out.append(ch)
+    return "".join(out).rstrip()
+
+
+def _yaml_split_flow(text: str) -> list[str]:
+    """Split the inside of a flow collection at top-level commas."""
+    parts, depth, quote, cur = [], 0, "", []
+    for ch in text:
+        if quote:
+            cur.append(ch)
+            if ch == quote:
+                quote = ""
+            continue
+        if ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def yaml_scalar(text: str) -> Any:
+    text = text.strip()
+    if text.startswith("["):
+        assert text.endswith("]"), text
+        return [yaml_scalar(x) for x in _yaml_split_flow(text[1:-1])]
+    if text.startswith("{"):
+        assert text.endswith("}"), text
+        out = {}
+        for item in _yaml_split_flow(text[1:-1]):
+            key, _, value = item.partition(":")
+            out[key.strip()] = yaml_scalar(value)
+        return out
+    if text.startswith('"'):
+        return json.loads(text)
+    if text.startswith("'"):
+        return text[1:-1].replace("''", "'")
+    if text in ("", "~", "null"):
+        return None
+    if text in ("true", "false"):
+        return text == "true"
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    return text
+
+
+def load_yaml(text: str) -> Any:
+    lines: list[tuple[int, str]] = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if _YAML_UNSUPPORTED.match(raw):
+            raise ValueError(f"line {n}: YAML beyond the supported subset: {raw.strip()}")
+        line = _yaml_strip_comment(raw)
+        if line.strip():
+            lines.append((len(line) - len(line.lstrip(" ")), line.strip()))
+    # Flow collections that continue over several lines are joined into one logical line.
+    joined: list[tuple[int, str]] = []
+    for indent, line in lines:
+        if joined and joined[-1][1].count("[") + joined[-1][1].count("{") > \
+                joined[-1][1].count("]") + joined[-1][1].count("}"):
+            joined[-1] = (joined[-1][0], joined[-1][1] + " " + line)
+        else:
+            joined.append((indent, line))
+    value, rest = _yaml_block(joined, 0, joined[0][0] if joined else 0)
+    assert not rest, f"unparsed: {rest[:3]}"
+    return value
+
+
+def _yaml_block(lines: list[tuple[int, str]], i: int, indent: int) -> tuple[Any, list[tuple[int, str]]]:
+    if lines[i][1].startswith("- ") or lines[i][1] == "-":
+        items: list[Any] = []
+        while i < len(lines) and lines[i][0] == indent and lines[i][1].startswith("-"):
+            body = lines[i][1][1:].strip()
+            if re.match(r"^[\w.-]+:(\s|$)", body):
+                # "- key: value" starts a mapping whose other keys are indented to the key's column.
+                sub = [(indent + 2, body)] + lines[i + 1:]
+                value, rest = _yaml_block(sub, 0, indent + 2)
+                items.append(value)
+                i = len(lines) - len(rest)
+            else:
+                items.append(yaml_scalar(body))
+                i += 1
+        return items, lines[i:]
+    mapping: dict[str, Any] = {}
+    while i < len(lines) and lines[i][0] == indent:
+        key, sep, value = lines[i][1].partition(":")
+        assert sep, f"expected 'key: value', got {lines[i][1]!r}"
+        key = key.strip().strip("\"'")
+        if value.strip():
+            mapping[key] = yaml_scalar(value)
+            i += 1
+        elif i + 1 < len(lines) and lines[i + 1][0] > indent:
+            mapping[key], rest = _yaml_block(lines, i + 1, lines[i + 1][0])
+            i = len(lines) - len(rest)
+        else:
+            mapping[key] = None
+            i += 1
+    return mapping, lines[i:]

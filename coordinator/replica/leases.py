@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
-from coordinator import errors, metrics
+from coordinator import clock, errors, metrics
 from coordinator.config import MAX_GRACE_S, MAX_REASON_BYTES
 from coordinator.etcd.election import Election
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put
@@ -48,7 +47,7 @@ class Leases:
             lease = await self.find_lease(lease_id)
             if lease is None:
                 raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
-            now = time.time()
+            now = clock.wall()
             existing = await self.store.get(self.keys.eviction(lease_id))
             if existing is not None:
                 record = EvictionRecord.from_kv(existing)

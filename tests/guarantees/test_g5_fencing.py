@@ -79,3 +79,33 @@ def test_check_token_follows_releases_and_grants_after_an_etcd_error_in_the_node
         second = a.acquire(1000)
         wait_for(lambda: live(first) is False and live(second) is True, 5,
                  "CheckToken to reflect the release of the first lease and the grant of the second")
+
+
+class _NothingSeen(dict[str, int]):
+    """A node's highest-token table that its watch never advances: the node has seen no grant yet."""
+
+    def get(self, key: str, default: int | None = None) -> int:   # type: ignore[override]
+        return 0
+
+    def __setitem__(self, key: str, value: int) -> None:
+        pass
+
+
+def test_check_token_of_a_grant_the_node_has_not_seen_yet_is_live(cluster: Cluster,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent checks its token right after its acquire returned, possibly before the node's watch shows the
+    grant: the node asks etcd about a token newer than any it has seen, rather than answer "not live"."""
+    daemon = cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    monkeypatch.setattr(daemon, "check_token", lambda gpu_uuid, token: (False, ""))   # a view that lags
+    monkeypatch.setattr(daemon, "highest_token", _NothingSeen())
+    node = node_stub(daemon.address)
+
+    def check(lease: Any) -> Any:
+        return node.CheckToken(node_pb2.CheckTokenRequest(gpu_uuid=lease.gpu_uuid, token=lease.token), timeout=10)
+    with Client(addr, agent="agent-a", host="h1") as c:
+        lease = c.acquire(vram_mb=100)
+        answer = check(lease)
+        assert answer.live and answer.lease_id == lease.id
+        lease.release()
+        assert not check(lease).live

@@ -23,7 +23,7 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Background, Cluster, queue, wait_for
+from tests.harness import Background, Cluster, patch_method, queue, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 HOLD_S = 0.5
@@ -45,9 +45,7 @@ class CommitGate:
                     self.held += 1
                 await self._open.wait()
             return await orig(compares, success, failure)
-        self._commit = commit
-        cluster.lt.loop.call_soon_threadsafe(lambda: setattr(self.store, "commit", commit))
-        wait_for(lambda: self.store.__dict__.get("commit") is commit, 2, "the gate to be installed")
+        self._undo = patch_method(cluster, self.store, "commit", commit)
 
     @staticmethod
     async def _event() -> asyncio.Event:
@@ -62,7 +60,7 @@ class CommitGate:
 
     def remove(self) -> None:
         self.release()
-        self.cluster.lt.loop.call_soon_threadsafe(lambda: self.store.__dict__.pop("commit", None))
+        self._undo()
 
 
 def deletes(key: bytes) -> Callable[[list[Any]], bool]:
