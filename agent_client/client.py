@@ -1,28 +1,25 @@
 """The agent's side: a session kept alive in the background, VRAM leases as context managers.
 
-``AsyncClient`` is the implementation. ``Client`` runs an ``AsyncClient`` on a private event loop in a
-background thread, so the sync API awaits exactly what the async one does (no sync fake that could hide
-an un-awaited call).
+``AsyncClient`` is the implementation; ``agent_client.sync.Client`` runs one on a private event loop in a
+background thread.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import dataclasses
 import json
 import logging
 import os
 import random
-import threading
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_client import errors
-from agent_client.run import AsyncBoundProcess, BoundProcess
+from agent_client.lease import AsyncLease, EvictionNotice
+from agent_client.run import AsyncBoundProcess
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.tls import aio_channel, credentials
@@ -30,7 +27,6 @@ from agent_client.tls import aio_channel, credentials
 log = logging.getLogger(__name__)
 
 __version__ = "0.1.0"
-T = TypeVar("T")
 
 # gRPC's default reconnect backoff grows to minutes: a replica back after a restart must be found again
 # well within a session TTL, so the client retries connecting at least every second.
@@ -39,79 +35,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class EvictionNotice:
-    lease_id: str
-    gpu_uuid: str
-    reason: str
-    requested_by: str
-    deadline_unix: float
-
-
-class _LeaseBase:
-    """What a granted VRAM lease carries. ``token`` is the fencing token (see README, "Fencing")."""
-
-    def __init__(self, msg: pb.Lease) -> None:
-        self.id: str = msg.id
-        self.host: str = msg.host
-        self.gpu_uuid: str = msg.gpu_uuid
-        self.gpu_index: int = msg.gpu_index
-        self.vram_mb: int = msg.vram_mb
-        self.priority: int = msg.priority
-        self.preemptible: bool = msg.preemptible
-        self.token: int = msg.token
-        self.request_id: str = msg.request_id
-        self.evicting = threading.Event()
-        self.notice: EvictionNotice | None = None
-        self.released = False
-        self._callbacks: list[Callable[[EvictionNotice], Any]] = []
-
-    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
-        """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has)."""
-        self._callbacks.append(callback)
-        if self.notice is not None:
-            callback(self.notice)
-
-    def _notify(self, notice: EvictionNotice) -> None:
-        if self.notice is not None:
-            return
-        self.notice = notice
-        self.evicting.set()
-        for cb in list(self._callbacks):
-            try:
-                cb(notice)
-            except Exception:
-                log.exception("on_evict callback of lease %s failed", self.id)
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(id={self.id!r}, gpu_index={self.gpu_index}, vram_mb={self.vram_mb}, "
-                f"token={self.token})")
-
-
-class AsyncLease(_LeaseBase):
-    def __init__(self, client: AsyncClient, msg: pb.Lease) -> None:
-        super().__init__(msg)
-        self._client = client
-
-    async def release(self) -> bool:
-        if self.released:
-            return False
-        result = await self._client.release(self.id)   # a failure leaves it releasable again
-        self.released = True
-        return result
-
-    async def attach(self, pids: Sequence[int] | None = None, pgid: int = 0) -> bool:
-        """Record the processes this lease covers (default: this process), so that the node daemon can
-        match the GPU's processes to it. Replaces what was recorded before."""
-        return await self._client.attach_processes(self.id, [os.getpid()] if pids is None else pids, pgid)
-
-    async def __aenter__(self) -> AsyncLease:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.release()
 
 
 class _ReplicaHung(Exception):
@@ -472,129 +395,3 @@ class AsyncClient:
         return doc
 
 
-class Lease:
-    """A VRAM lease held through the sync ``Client``; a context manager that releases on exit.
-
-    It reads through to the ``AsyncLease`` that receives the notices: ``id``, ``gpu_uuid``, ``gpu_index``,
-    ``token``, ``vram_mb``, ``evicting`` (a threading.Event), ``notice``, ``on_evict(callback)``.
-    """
-
-    def __init__(self, client: Client, inner: AsyncLease) -> None:
-        self._inner = inner
-        self._sync = client
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
-        """``callback(notice)`` runs in its own thread, so it may call ``release()`` (which waits on the
-        client's event loop) without blocking the loop that delivers notices."""
-        def in_thread(notice: EvictionNotice) -> None:
-            threading.Thread(target=callback, args=(notice,), name=f"on-evict-{self.id}", daemon=True).start()
-        self._inner.on_evict(in_thread)
-
-    def __repr__(self) -> str:
-        return repr(self._inner).replace("AsyncLease", "Lease")
-
-    def release(self) -> bool:
-        return self._sync._run(self._inner.release())
-
-    def attach(self, pids: Sequence[int] | None = None, pgid: int = 0) -> bool:
-        """Record the processes this lease covers (default: this process)."""
-        return self._sync._run(self._inner.attach(pids, pgid))
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-class Client:
-    """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``.
-
-    ``with`` is optional: the first call that needs a session opens it, and ``close()`` ends it."""
-
-    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
-                 **kw: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"gpucoord-{agent}", daemon=True)
-        self._thread.start()
-        self._async: AsyncClient = self._run(self._make(addresses, agent, host, ttl, kw))
-
-    async def _make(self, addresses: Any, agent: str, host: str, ttl: int | None, kw: dict[str, Any]) -> AsyncClient:
-        return AsyncClient(addresses, agent, host, ttl, **kw)
-
-    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
-        if self._loop.is_closed() or not self._thread.is_alive():
-            if asyncio.iscoroutine(coro):
-                coro.close()
-            raise errors.Unavailable("the client is closed")
-        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.CancelledError:
-            raise errors.Unavailable("the client was closed while the call was in flight") from None
-
-    @property
-    def session_id(self) -> str:
-        return self._async.session_id
-
-    @property
-    def expired(self) -> bool:
-        return self._async.expired
-
-    def connect(self) -> Client:
-        try:
-            self._run(self._async.connect())
-        except BaseException:
-            self.close()   # do not leave the event-loop thread behind
-            raise
-        return self
-
-    def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
-                wait: float = 0.0, request_id: str | None = None) -> Lease:
-        inner = self._run(self._async.acquire(vram_mb, gpu, priority, preemptible, wait, request_id))
-        return Lease(self, inner)
-
-    def release(self, lease_id: str) -> bool:
-        return self._run(self._async.release(lease_id))
-
-    def status(self, host: str | None = None) -> pb.GetStatusResponse:
-        return self._run(self._async.status(host))
-
-    def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> BoundProcess:
-        """``with client.run(["python", "train.py"], vram_mb=4096) as proc: proc.wait()``: the command runs
-        under a new VRAM lease of this session (see :mod:`agent_client.run`)."""
-        return BoundProcess(self, self._async.run(cmd, vram_mb, **options))
-
-    def partition(self) -> dict[str, Any]:
-        return self._run(self._async.partition())
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self._run(self._async.close(), timeout=15)
-        finally:
-            # Nothing may hang on a closed client: calls still in flight end with an error now.
-            self._run(self._cancel_all(), timeout=15)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
-
-    async def _cancel_all(self) -> None:
-        me = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not me]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def orphan(self) -> None:
-        self._run(self._async.orphan())
-
-    def __enter__(self) -> Client:
-        return self.connect()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -61,14 +61,22 @@ class AcquireCall:
     deadline: float = 0.0         # monotonic
     rank: str | None = None       # set once it is queued in etcd
     entry_revision: int = 0       # its queue entry's mod_revision, as this replica last wrote or read it
+    forwarded: bool = False       # sent by another replica on its caller's behalf (host ownership)
+    cancelled_at: float | None = None   # monotonic, when its caller went away
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.wait_s
 
     @property
     def gone(self) -> bool:
-        """Answered already, or its caller went away."""
-        return self.future.done()
+        """Answered already, or its caller went away. A forwarded caller that went away (the replica that
+        forwarded it died) is given ``ORPHAN_GRACE_S`` first: the client retries at once through another
+        replica with the same request_id, and its queue entry must still be there to keep its place."""
+        if not self.future.done():
+            return False
+        if self.forwarded and self.cancelled_at is not None:
+            return time.monotonic() >= self.cancelled_at + ORPHAN_GRACE_S
+        return True
 
 
 class HostAdmitter:
@@ -97,9 +105,19 @@ class HostAdmitter:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         self._pending.append(call)
         self._wake.set()
-        # A caller that goes away (cancelled RPC) must leave the queue at once.
-        call.future.add_done_callback(lambda f: self._expire_wake.set() if f.cancelled() else None)
+        # A caller that goes away (cancelled RPC) must leave the queue: at once, or after the grace of a
+        # forwarded one (see ``AcquireCall.gone``).
+        call.future.add_done_callback(functools.partial(self._on_done, call))
         return await call.future
+
+    def _on_done(self, call: AcquireCall, future: asyncio.Future[VramLease]) -> None:
+        if not future.cancelled():
+            return
+        call.cancelled_at = time.monotonic()
+        if call.forwarded:
+            asyncio.get_running_loop().call_later(ORPHAN_GRACE_S, self._expire_wake.set)
+        else:
+            self._expire_wake.set()
 
     def notify(self) -> None:
         """Something changed on the host (a watch event): decide again."""
@@ -185,7 +203,7 @@ class HostAdmitter:
 
     async def _expire(self) -> None:
         now = time.monotonic()
-        due = [c for c in self._waiting.values() if c.future.done() or now >= c.deadline]
+        due = [c for c in self._waiting.values() if c.gone or now >= c.deadline]
         tries = 0
         while due:
             tries += 1

@@ -313,14 +313,15 @@ class CoordinatorService:
 
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
-                      request_id: str, wait_s: float) -> VramLease:
+                      request_id: str, wait_s: float, forwarded: bool = False) -> VramLease:
         validate_acquire(vram_mb, gpu, priority, request_id, wait_s)
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
-                           lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future())
+                           lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future(),
+                           forwarded=forwarded)
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host)

@@ -153,7 +153,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 owner = None
             preemptible = request.preemptible if request.HasField("preemptible") else True
             lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
-                                           request.request_id, wait_s)
+                                           request.request_id, wait_s, forwarded=bool(forwarded_by(context)))
             return pb.AcquireResponse(lease=lease_pb(lease), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)

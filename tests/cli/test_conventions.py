@@ -15,6 +15,7 @@ from typing import Iterator
 import pytest
 
 from agent_client import Client
+from coordinator.cli import commands as cli_commands
 from coordinator.cli import main as cli_main
 from coordinator.cli.common import CliError
 from coordinator.etcd.process import free_port
@@ -121,7 +122,7 @@ def test_an_unexpected_error_is_one_line_and_a_traceback_only_with_v(monkeypatch
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     def broken(address: str, host: str = "", tls: object = None) -> None:
         raise KeyError("boom")
-    monkeypatch.setattr(cli_main, "fetch_status", broken)
+    monkeypatch.setattr(cli_commands, "fetch_status", broken)
     assert cli_main.main(["status"]) == 1
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["gpucoord: error: unexpected KeyError: 'boom'; run with -v for the traceback"]

@@ -1,6 +1,6 @@
 """G7 (and G3) with coordinators as real processes, killed: the leader dies with an eviction deadline
-pending; a replica dies while it serves a waiter; a replica is killed (or stopped) and restarted on its
-address, within its clients' TTL. Every test ends with the history checker."""
+pending; a waiter keeps its place when the replica serving it, or the one that forwarded it, dies; a
+replica is killed (or stopped) and restarted on its address, within its clients' TTL. Every test ends with the history checker."""
 from __future__ import annotations
 
 import json
@@ -78,30 +78,58 @@ def test_new_leader_enforces_a_pending_eviction_deadline(cluster: Cluster, repli
         assert wait_for(lambda: _leader(follower_addr), 10, "a new leader") != leader_id
 
 
-def test_waiter_survives_the_death_of_its_replica(cluster: Cluster, replicas: dict[str, Any]) -> None:
+def _waiter_keeps_its_place_when(cluster: Cluster, replicas: dict[str, Any], kill: str) -> None:
+    """A waiter whose call reaches the host's owner through the other replica (forwarded), and ``kill`` says
+    which of the two dies: "owner" (the one whose id the queue entry names) or "forwarder". The client
+    retries through the survivor with the same request_id, keeps its rank, and is granted once the room is
+    freed."""
     cluster.start_node("h1", "1x8GiB")
-    (first_proc, first), (_, second) = list(replicas.values())
-    with Client(second, agent="holder", host="h1") as holder, \
-            Client([first, second], agent="waiter", host="h1", ttl=10) as waiter:
+    addrs = [addr for _, addr in replicas.values()]
+    with Client(addrs, agent="holder", host="h1") as holder:
         held = holder.acquire(8000, preemptible=False)
-        result: dict[str, Any] = {}
+        owner_addr = wait_for(lambda: holder._async._owner, 5, "the owner's address")
+        (forwarder_addr,) = [a for a in addrs if a != owner_addr]
+        by_addr = {addr: (rid, proc) for rid, (proc, addr) in replicas.items()}
+        with Client([forwarder_addr, owner_addr], agent="waiter", host="h1", ttl=10) as waiter:
+            result: dict[str, Any] = {}
 
-        def take() -> None:
-            result["lease"] = waiter.acquire(4000, wait=30, request_id="survivor")
-        t = threading.Thread(target=take, daemon=True)
-        t.start()
-        entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]  # noqa: E731
-        wait_for(lambda: len(entries()) == 1, 5, "the waiter to be queued")
-        rank, served_by = entries()[0].rank, entries()[0].replica
-        os.kill(first_proc.pid, signal.SIGKILL)
-        first_proc.wait()
-        # The client retries through the other replica with the same request_id and keeps its place.
-        wait_for(lambda: entries() and entries()[0].replica != served_by, 10, "the retry to attach")
-        assert entries()[0].rank == rank
-        held.release()
-        t.join(15)
-        assert result["lease"].vram_mb == 4000
-        assert not waiter.expired
+            def take() -> None:
+                result["lease"] = waiter.acquire(4000, wait=30, request_id="survivor")
+            t = threading.Thread(target=take, daemon=True)
+            t.start()
+            entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]  # noqa: E731
+            queued = wait_for(lambda: entries(), 5, "the waiter to be queued")
+            rank, served_by = queued[0].rank, queued[0].replica
+            assert served_by == by_addr[owner_addr][0], "the owner serves the forwarded waiter"
+            victim = by_addr[owner_addr if kill == "owner" else forwarder_addr][1]
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait()
+            if kill == "owner":
+                # The client retries through the survivor, which takes the entry over (its id in it).
+                now = wait_for(lambda: [e for e in entries() if e.replica != served_by], 10, "the retry to attach")
+            else:
+                # The owner keeps the forwarded waiter's entry for the client's retry, past the grace of a
+                # caller that went away (2 s).
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline:
+                    assert entries(), "the entry of a forwarded waiter left with its forwarder"
+                    time.sleep(0.1)
+                now = entries()
+            assert now[0].rank == rank
+            held.release()
+            t.join(15)
+            assert result["lease"].vram_mb == 4000
+            assert not waiter.expired
+
+
+def test_a_waiter_keeps_its_place_when_the_replica_serving_it_dies(cluster: Cluster,
+                                                                  replicas: dict[str, Any]) -> None:
+    _waiter_keeps_its_place_when(cluster, replicas, kill="owner")
+
+
+def test_a_waiter_keeps_its_place_when_the_replica_that_forwarded_it_dies(cluster: Cluster,
+                                                                         replicas: dict[str, Any]) -> None:
+    _waiter_keeps_its_place_when(cluster, replicas, kill="forwarder")
 
 
 @pytest.mark.usefixtures("history_checked")

@@ -1,0 +1,93 @@
+"""A granted VRAM lease, as the client holds it: its identity and fencing token, and its eviction notice."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any, Callable, Protocol, Sequence
+
+from agent_client.api import coordinator_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class LeaseHolder(Protocol):
+    """What a lease asks of the client that holds it (``AsyncClient``)."""
+
+    async def release(self, lease_id: str) -> bool: ...
+
+    async def attach_processes(self, lease_id: str, pids: Sequence[int], pgid: int = 0) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionNotice:
+    lease_id: str
+    gpu_uuid: str
+    reason: str
+    requested_by: str
+    deadline_unix: float
+
+
+class _LeaseBase:
+    """What a granted VRAM lease carries. ``token`` is the fencing token (see README, "Fencing")."""
+
+    def __init__(self, msg: pb.Lease) -> None:
+        self.id: str = msg.id
+        self.host: str = msg.host
+        self.gpu_uuid: str = msg.gpu_uuid
+        self.gpu_index: int = msg.gpu_index
+        self.vram_mb: int = msg.vram_mb
+        self.priority: int = msg.priority
+        self.preemptible: bool = msg.preemptible
+        self.token: int = msg.token
+        self.request_id: str = msg.request_id
+        self.evicting = threading.Event()
+        self.notice: EvictionNotice | None = None
+        self.released = False
+        self._callbacks: list[Callable[[EvictionNotice], Any]] = []
+
+    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
+        """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has)."""
+        self._callbacks.append(callback)
+        if self.notice is not None:
+            callback(self.notice)
+
+    def _notify(self, notice: EvictionNotice) -> None:
+        if self.notice is not None:
+            return
+        self.notice = notice
+        self.evicting.set()
+        for cb in list(self._callbacks):
+            try:
+                cb(notice)
+            except Exception:
+                log.exception("on_evict callback of lease %s failed", self.id)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(id={self.id!r}, gpu_index={self.gpu_index}, vram_mb={self.vram_mb}, "
+                f"token={self.token})")
+
+
+class AsyncLease(_LeaseBase):
+    def __init__(self, client: LeaseHolder, msg: pb.Lease) -> None:
+        super().__init__(msg)
+        self._client = client
+
+    async def release(self) -> bool:
+        if self.released:
+            return False
+        result = await self._client.release(self.id)   # a failure leaves it releasable again
+        self.released = True
+        return result
+
+    async def attach(self, pids: Sequence[int] | None = None, pgid: int = 0) -> bool:
+        """Record the processes this lease covers (default: this process), so that the node daemon can
+        match the GPU's processes to it. Replaces what was recorded before."""
+        return await self._client.attach_processes(self.id, [os.getpid()] if pids is None else pids, pgid)
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.release()

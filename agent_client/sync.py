@@ -1,0 +1,144 @@
+"""The synchronous client: an ``AsyncClient`` on a private event loop in a background thread, so the sync
+API awaits exactly what the async one does (no sync fake that could hide an un-awaited call)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+from agent_client import errors
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.client import AsyncClient
+from agent_client.lease import AsyncLease, EvictionNotice
+from agent_client.run import BoundProcess
+
+T = TypeVar("T")
+
+
+class Lease:
+    """A VRAM lease held through the sync ``Client``; a context manager that releases on exit.
+
+    It reads through to the ``AsyncLease`` that receives the notices: ``id``, ``gpu_uuid``, ``gpu_index``,
+    ``token``, ``vram_mb``, ``evicting`` (a threading.Event), ``notice``, ``on_evict(callback)``.
+    """
+
+    def __init__(self, client: Client, inner: AsyncLease) -> None:
+        self._inner = inner
+        self._sync = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
+        """``callback(notice)`` runs in its own thread, so it may call ``release()`` (which waits on the
+        client's event loop) without blocking the loop that delivers notices."""
+        def in_thread(notice: EvictionNotice) -> None:
+            threading.Thread(target=callback, args=(notice,), name=f"on-evict-{self.id}", daemon=True).start()
+        self._inner.on_evict(in_thread)
+
+    def __repr__(self) -> str:
+        return repr(self._inner).replace("AsyncLease", "Lease")
+
+    def release(self) -> bool:
+        return self._sync._run(self._inner.release())
+
+    def attach(self, pids: Sequence[int] | None = None, pgid: int = 0) -> bool:
+        """Record the processes this lease covers (default: this process)."""
+        return self._sync._run(self._inner.attach(pids, pgid))
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class Client:
+    """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``.
+
+    ``with`` is optional: the first call that needs a session opens it, and ``close()`` ends it."""
+
+    def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
+                 **kw: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"gpucoord-{agent}", daemon=True)
+        self._thread.start()
+        self._async: AsyncClient = self._run(self._make(addresses, agent, host, ttl, kw))
+
+    async def _make(self, addresses: Any, agent: str, host: str, ttl: int | None, kw: dict[str, Any]) -> AsyncClient:
+        return AsyncClient(addresses, agent, host, ttl, **kw)
+
+    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        if self._loop.is_closed() or not self._thread.is_alive():
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise errors.Unavailable("the client is closed")
+        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.CancelledError:
+            raise errors.Unavailable("the client was closed while the call was in flight") from None
+
+    @property
+    def session_id(self) -> str:
+        return self._async.session_id
+
+    @property
+    def expired(self) -> bool:
+        return self._async.expired
+
+    def connect(self) -> Client:
+        try:
+            self._run(self._async.connect())
+        except BaseException:
+            self.close()   # do not leave the event-loop thread behind
+            raise
+        return self
+
+    def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
+                wait: float = 0.0, request_id: str | None = None) -> Lease:
+        inner = self._run(self._async.acquire(vram_mb, gpu, priority, preemptible, wait, request_id))
+        return Lease(self, inner)
+
+    def release(self, lease_id: str) -> bool:
+        return self._run(self._async.release(lease_id))
+
+    def status(self, host: str | None = None) -> pb.GetStatusResponse:
+        return self._run(self._async.status(host))
+
+    def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> BoundProcess:
+        """``with client.run(["python", "train.py"], vram_mb=4096) as proc: proc.wait()``: the command runs
+        under a new VRAM lease of this session (see :mod:`agent_client.run`)."""
+        return BoundProcess(self, self._async.run(cmd, vram_mb, **options))
+
+    def partition(self) -> dict[str, Any]:
+        return self._run(self._async.partition())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._async.close(), timeout=15)
+        finally:
+            # Nothing may hang on a closed client: calls still in flight end with an error now.
+            self._run(self._cancel_all(), timeout=15)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()
+
+    async def _cancel_all(self) -> None:
+        me = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not me]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def orphan(self) -> None:
+        self._run(self._async.orphan())
+
+    def __enter__(self) -> Client:
+        return self.connect()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,298 @@
+"""The commands behind ``gpucoord``'s subcommands: each takes the parsed arguments and returns an exit status
+(or raises ``CliError``); ``cli/main.py`` parses and runs them."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+from typing import Any
+
+from coordinator.cli.common import (EXIT_HOST_TAKEN, EXIT_UNREACHABLE, CliError, UsageError, _client_tls,
+                                    _ready_line, _run_until_signal, _setup_logging, _stub, fetch_status,
+                                    host_overrides, rpc_error)
+from coordinator.cli.render import render_partition, render_status
+
+_TLS_HINT = "give readable PEM files with --tls-ca, --tls-cert and --tls-key (or GPUCOORD_TLS_CA/CERT/KEY)"
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator import errors
+    from coordinator.config import ConfigError, CoordinatorConfig
+    from coordinator.rpc.coordinator_server import serve
+    from coordinator.security.tls import TlsError
+
+    flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
+             "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
+             "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",
+             "max_sessions_per_agent": args.max_sessions_per_agent, "tls_ca": args.tls_ca,
+             "tls_cert": args.tls_cert, "tls_key": args.tls_key, "insecure": args.insecure,
+             "etcd_ca": args.etcd_ca, "etcd_cert": args.etcd_cert, "etcd_key": args.etcd_key,
+             "etcd_user": args.etcd_user, "etcd_password": args.etcd_password,
+             "etcd_password_file": args.etcd_password_file}
+    try:
+        config = CoordinatorConfig.load(args.config, flags=flags)
+    except (ConfigError, OSError) as e:
+        raise UsageError(f"bad configuration: {e}", "see 'gpucoord coordinator --help'") from e
+    _setup_logging(args.verbose)
+    try:
+        _run_until_signal(lambda stop: serve(config, ready=lambda p: _ready_line("coordinator", p), stop=stop))
+    except errors.Unavailable as e:
+        raise CliError(f"cannot reach etcd at {','.join(config.etcd)} ({e.message})",
+                       "is etcd running? give its endpoints with --etcd HOST:PORT", EXIT_UNREACHABLE) from e
+    except TlsError as e:   # an unreadable certificate or key
+        raise CliError(f"the coordinator could not start: {e}", _TLS_HINT) from e
+    except (OSError, RuntimeError) as e:
+        raise CliError(f"the coordinator could not start: {e}",
+                       "is the port taken by another process? choose another with --listen or --metrics-listen "
+                       "(port 0 picks a free one)") from e
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from coordinator.keys import Keys, valid_name
+    from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
+    from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.rpc.node_server import run_node
+    from coordinator.etcd.store import Store
+    from coordinator.security import etcd_auth, tls
+
+    try:
+        tls_files = tls.from_args(args)
+        etcd_security = etcd_auth.from_args(args)
+        for address, what in ((args.listen, "--listen"), (args.metrics_listen, "--metrics-listen")):
+            error = tls.listen_error(address, tls_files, bool(args.insecure), what) if address else None
+            if error:
+                raise ValueError(error)
+    except ValueError as e:
+        raise UsageError(str(e), "see 'gpucoord node --help' and README, \"Running securely\"") from e
+    host = args.host or socket.gethostname()
+    if not valid_name(host):
+        raise UsageError(f"--host {quote_prefix(host)} is not a valid host name",
+                         "use letters, digits, '.', '_', ':', '@' and '-', at most 128 characters")
+    if len(args.disk_path) > MAX_DISK_PATH:
+        raise UsageError(f"--disk-path: at most {MAX_DISK_PATH} characters", "see 'gpucoord node --help'")
+    try:
+        source = open_gpu_source(args.fake_gpus, host, fake_processes=args.fake_processes)
+    except NvmlUnavailable as e:
+        raise CliError(str(e), "simulate GPUs with --fake-gpus 2x16GiB", EXIT_UNREACHABLE) from e
+    except ValueError as e:
+        raise UsageError(f"{e}" if args.fake_processes and args.fake_gpus is None else f"--fake-gpus: {e}",
+                         "e.g. --fake-gpus 4x80GiB or 2x24GiB,1x80GiB") from e
+    try:
+        overrides = host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
+        from coordinator.node.enforce import Enforcer
+        from coordinator.policy.partition import PartitionError, parse_size
+        try:
+            tolerance_mb = parse_size(args.over_use_tolerance, "--over-use-tolerance") // (1 << 20)
+        except PartitionError as e:
+            raise ValueError(str(e)) from None
+        if args.untracked_grace < 0:
+            raise ValueError("--untracked-grace: must be >= 0")
+        enforcer = Enforcer(args.enforce, tolerance_mb, args.untracked_grace)
+    except ValueError as e:
+        raise UsageError(str(e), "see 'gpucoord node --help'") from e
+    _setup_logging(args.verbose)
+    store = Store(args.etcd.split(","), timeout=3.0, security=etcd_security)
+    try:
+        _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
+                                                args.ttl, stop, ready=lambda p: _ready_line("node", p),
+                                                metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
+                                                overrides=overrides, enforcer=enforcer, tls=tls_files,
+                                                insecure=bool(args.insecure), advertise=args.advertise))
+    except HostTaken as e:
+        raise CliError(e.message, "stop it first, or give this daemon another --host", EXIT_HOST_TAKEN) from e
+    except tls.TlsError as e:   # an unreadable certificate or key
+        raise CliError(f"the node daemon could not start: {e}", _TLS_HINT) from e
+    except (OSError, RuntimeError) as e:   # a port in use (no SO_REUSEPORT: never shared)
+        raise CliError(f"the node daemon could not start: {e}",
+                       "is the port taken by another process? choose another with --listen or --metrics-listen "
+                       "(port 0 picks a free one)") from e
+    return 0
+
+
+def _status_doc(args: argparse.Namespace) -> dict[str, Any]:
+    import grpc
+    try:
+        return fetch_status(args.coordinator, args.host or "", _client_tls(args))
+    except grpc.RpcError as e:
+        raise rpc_error(e, args.coordinator) from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch is not None:
+        return _watch_status(args)
+    doc = _status_doc(args)
+    print(json.dumps(doc, indent=2) if args.json else render_status(doc))
+    return 0
+
+
+def _watch_status(args: argparse.Namespace) -> int:
+    """``status --watch [SECONDS]``: redraw the table every SECONDS until Ctrl-C, like watch(1). With --json,
+    one JSON document per line. An unreachable coordinator is shown in the frame, and the watch goes on."""
+    if not 0.1 <= args.watch <= 3600:
+        raise UsageError(f"--watch: {args.watch:g} is not within [0.1, 3600] seconds", "e.g. --watch 2")
+    clear = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            try:
+                doc: dict[str, Any] | None = _status_doc(args)
+                error = ""
+            except CliError as e:
+                doc, error = None, e.line()
+            if args.json:
+                print(json.dumps(doc if doc is not None else {"error": error}), flush=True)
+            else:
+                head = (f"Every {args.watch:g}s: gpucoord status{' --host ' + args.host if args.host else ''}"
+                        f"   {time.strftime('%Y-%m-%d %H:%M:%S')}")
+                body = render_status(doc) if doc is not None else error
+                sys.stdout.write(("\x1b[H\x1b[2J" if clear else "") + f"{head}\n\n{body}\n" + ("" if clear else "\n"))
+                sys.stdout.flush()
+            time.sleep(args.watch)   # the refresh period, as watch(1): nothing to synchronise with
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    import grpc
+
+    from coordinator import errors
+    from coordinator.etcd.store import Store
+    from coordinator.security import etcd_auth
+    try:
+        security = etcd_auth.from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e), "see 'gpucoord keys --help'") from e
+
+    async def dump() -> None:
+        # One attempt with a short deadline: an operator's read should fail fast and say where it looked.
+        store = Store(args.etcd.split(","), timeout=3.0, retry_for=0.0, security=security)
+        try:
+            await store.connect()
+            snap = await store.get_prefix(args.prefix.encode())
+        except (errors.GpucoordError, grpc.RpcError, OSError) as e:
+            raise CliError(f"cannot reach etcd at {args.etcd} ({getattr(e, 'message', e)})",
+                           "is etcd running? 'gpucoord up' starts one; give its address with --etcd HOST:PORT",
+                           EXIT_UNREACHABLE) from e
+        finally:
+            await store.close()
+        for kv in snap.ranges[0]:
+            try:
+                value = json.dumps(json.loads(kv.value), sort_keys=True)
+            except ValueError:
+                value = repr(kv.value)
+            lease = f" etcd_lease={kv.etcd_lease:x}" if kv.etcd_lease else ""
+            print(f"{kv.key.decode()}  (mod_revision={kv.mod_revision}{lease})\n    {value}")
+        print(f"# {len(snap.ranges[0])} keys at revision {snap.revision}")
+    asyncio.run(dump())
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    import grpc
+
+    from agent_client.api import coordinator_pb2 as pb
+    stub = _stub(args.coordinator, _client_tls(args))
+    try:
+        if args.partition_cmd == "apply":
+            from coordinator.policy.partition import PartitionError, load_spec_file
+            try:
+                spec = load_spec_file(args.file)
+            except (PartitionError, OSError) as e:
+                raise CliError(f"{args.file}: {e}", "nothing was applied: fix the spec and apply it again") from e
+            # With --evict the coordinator waits for the offenders to go (up to their grace period).
+            resp = stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps(spec.to_json()),
+                                                                dry_run=args.dry_run, evict=args.evict),
+                                       timeout=3600 if args.evict else 15)
+            doc = json.loads(resp.partition_json)
+            print(json.dumps(doc, indent=2) if args.json else render_partition(doc), flush=True)
+            print("applied" if resp.applied else "dry run: valid, nothing written", file=sys.stderr)
+        else:
+            resp = stub.GetPartition(pb.GetPartitionRequest(host=args.host), timeout=10)
+            doc = json.loads(resp.partition_json)
+            if args.json:
+                print(json.dumps(doc | {"explicit": resp.explicit}, indent=2))
+            else:
+                print(render_partition(doc) + ("" if resp.explicit else "\n  (no spec applied: shared)"))
+    except grpc.RpcError as e:
+        raise rpc_error(e, args.coordinator) from None
+    return 0
+
+
+def cmd_lease(args: argparse.Namespace) -> int:
+    import grpc
+
+    from agent_client.api import coordinator_pb2 as pb
+    stub = _stub(args.coordinator, _client_tls(args))
+    try:
+        if args.lease_cmd == "evict":
+            resp = stub.EvictLease(pb.EvictLeaseRequest(lease_id=args.id, grace_seconds=args.grace or 0,
+                                                        reason=args.reason), timeout=10)
+            print(f"eviction notice sent; deadline {time.strftime('%H:%M:%S', time.localtime(resp.deadline_unix))}")
+        else:
+            resp = stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=args.id), timeout=10)
+            if not resp.revoked:
+                # The same answer as `lease evict` of an unknown lease: nothing was revoked.
+                raise CliError(f"NOT_FOUND: lease_id: no live lease {args.id}",
+                               "'gpucoord status' lists the live leases")
+            print("revoked")
+    except grpc.RpcError as e:
+        raise rpc_error(e, args.coordinator) from None
+    return 0
+
+
+def _vram_mb(text: str) -> int:
+    """``--vram``: a size with a unit (``1GiB``, ``4096MiB``, ``1.5GB``), rounded up to whole MiB."""
+    from coordinator.policy.partition import PartitionError, parse_size
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"--vram: {text!r} has no unit; give a size such as 4096MiB or 4GiB")
+    try:
+        n = parse_size(text, "--vram")
+    except PartitionError as e:
+        raise ValueError(str(e)) from None
+    if n <= 0:
+        raise ValueError("--vram: must be more than 0")
+    return -(-n // (1 << 20))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent_client.command import run_command
+    from coordinator.keys import valid_name
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    try:
+        if not cmd:
+            raise ValueError("a command is needed after --, e.g. gpucoord run --agent a --vram 1GiB -- python x.py")
+        vram_mb = _vram_mb(args.vram)
+        host = args.host or socket.gethostname()
+        for field, value in (("--agent", args.agent), ("--host", host)):
+            if not valid_name(value):
+                raise ValueError(f"{field}: {value!r} is not a valid name")
+        if args.kill_after is not None and not 0 <= args.kill_after <= 3600:
+            raise ValueError("--kill-after: must be within [0, 3600] seconds")
+        if args.wait < 0:
+            raise ValueError("--wait: must be >= 0")
+    except ValueError as e:
+        raise UsageError(str(e), "see 'gpucoord run --help'") from e
+    tls = _client_tls(args)
+    if args.verbose:
+        _setup_logging(True)
+    return asyncio.run(run_command(
+        args.coordinator, args.agent, host, cmd, vram_mb, ttl=args.ttl, gpu=args.gpu, priority=args.priority,
+        preemptible=not args.no_preemptible, wait=args.wait, kill_after=args.kill_after,
+        cgroup_root=args.cgroup_root, tls_ca=tls.ca if tls else None, tls_cert=tls.cert if tls else None,
+        tls_key=tls.key if tls else None))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from coordinator.cli.bench import main as bench_main
+    return bench_main(args)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.cli.up import cmd_up
+    return cmd_up(args)
