@@ -8,6 +8,7 @@ answered from the mirror: the caller reads etcd instead.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Iterable
 
 from coordinator.keys import Keys
@@ -23,6 +24,28 @@ class Mirror:
         self.ready = False
         self._flat: dict[bytes, KV] = {}
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
+        self._advanced: asyncio.Event | None = None    # set (and replaced) each time the revision moves
+
+    async def caught_up(self, revision: int, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the mirror has applied ``revision``; whether it has."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        while self.ready and self.revision < revision:
+            left = until - loop.time()
+            if left <= 0:
+                return False
+            if self._advanced is None:
+                self._advanced = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._advanced.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return self.ready and self.revision >= revision
+
+    def _moved(self) -> None:
+        if self._advanced is not None:
+            self._advanced.set()
+            self._advanced = None
 
     def reset(self, kvs: Iterable[KV], revision: int) -> None:
         self._flat.clear()
@@ -31,6 +54,7 @@ class Mirror:
             self._put(kv)
         self.revision = revision
         self.ready = True
+        self._moved()
 
     def apply(self, batch: WatchBatch) -> None:
         for ev in batch.events:
@@ -39,6 +63,7 @@ class Mirror:
             else:
                 self._delete(ev.kv.key)
             self.revision = max(self.revision, ev.kv.mod_revision)
+        self._moved()
 
     def _bucket(self, key: bytes) -> dict[bytes, KV] | None:
         try:
