@@ -211,7 +211,11 @@ class Leases:
     def _mirrored_lease(self, lease_id: str, host: str) -> VramLease | None:
         if not self.mirror.ready:
             return None
-        return _lease_named(self.mirror.host_items("leases", host), lease_id)
+        kv = self.mirror.lease(lease_id)
+        if kv is None:
+            return None
+        lease = VramLease.from_kv(kv)
+        return lease if lease.host == host else None
 
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         prefix = self.keys.leases(host) if host else self.keys.leases()

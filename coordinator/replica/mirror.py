@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import Iterable
 
-from coordinator.keys import Keys
+from coordinator.keys import Keys, last_segment
 from coordinator.etcd.store import KV, Snapshot, WatchBatch
 
 _PER_HOST = ("gpus", "leases", "queue")
+_EMPTY: dict[bytes, KV] = {}
 
 
 class Mirror:
@@ -24,6 +25,8 @@ class Mirror:
         self.ready = False
         self._flat: dict[bytes, KV] = {}
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
+        self._lease_keys: dict[str, bytes] = {}      # lease id -> its key
+        self._leases_prefix = keys.kind("leases")
         self._advanced: asyncio.Event | None = None    # set (and replaced) each time the revision moves
 
     async def caught_up(self, revision: int, timeout: float) -> bool:
@@ -50,6 +53,7 @@ class Mirror:
     def reset(self, kvs: Iterable[KV], revision: int) -> None:
         self._flat.clear()
         self._buckets.clear()
+        self._lease_keys.clear()
         for kv in kvs:
             self._put(kv)
         self.revision = revision
@@ -65,26 +69,53 @@ class Mirror:
             self.revision = max(self.revision, ev.kv.mod_revision)
         self._moved()
 
-    def _bucket(self, key: bytes) -> dict[bytes, KV] | None:
+    def _bucket(self, key: bytes, create: bool = True) -> dict[bytes, KV] | None:
         try:
             kind, parts = self.keys.parse(key)
         except ValueError:
             return None
         if kind in _PER_HOST and len(parts) > 1:
+            if not create:
+                return self._buckets.get((kind, parts[0]), _EMPTY)
             return self._buckets.setdefault((kind, parts[0]), {})
         return None
 
     def _put(self, kv: KV) -> None:
         bucket = self._bucket(kv.key)
         (bucket if bucket is not None else self._flat)[kv.key] = kv
+        if bucket is not None and kv.key.startswith(self._leases_prefix):
+            self._lease_keys[last_segment(kv.key)] = kv.key
 
     def _delete(self, key: bytes) -> None:
-        bucket = self._bucket(key)
-        (bucket if bucket is not None else self._flat).pop(key, None)
+        try:
+            kind, parts = self.keys.parse(key)
+        except ValueError:
+            self._flat.pop(key, None)
+            return
+        if kind in _PER_HOST and len(parts) > 1:
+            bucket = self._buckets.get((kind, parts[0]))
+            if bucket is not None:
+                bucket.pop(key, None)
+                if not bucket:   # a host's last key gone: its bucket goes too (bounded by live keys)
+                    del self._buckets[(kind, parts[0])]
+            if kind == "leases":
+                self._lease_keys.pop(parts[-1], None)
+        else:
+            self._flat.pop(key, None)
 
     def get(self, key: bytes) -> KV | None:
-        bucket = self._bucket(key)
+        bucket = self._bucket(key, create=False)
         return (bucket if bucket is not None else self._flat).get(key)
+
+    def lease(self, lease_id: str) -> KV | None:
+        """The lease's key, by its id alone (ids are unique across hosts and GPUs)."""
+        key = self._lease_keys.get(lease_id)
+        return self.get(key) if key is not None else None
+
+    def tracked(self) -> dict[str, int]:
+        """How many structures the mirror holds (tests of bounded memory)."""
+        return {"keys": len(self._flat) + sum(len(b) for b in self._buckets.values()),
+                "buckets": len(self._buckets), "lease_index": len(self._lease_keys)}
 
     def host_items(self, kind: str, host: str) -> tuple[KV, ...]:
         bucket = self._buckets.get((kind, host), {})
