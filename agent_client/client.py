@@ -134,6 +134,8 @@ class AsyncClient:
     a second lease; a release, a close and the reads are idempotent. An OpenSession whose answer was lost
     may have opened a session on the replica that hung: that session holds nothing and nobody keeps it
     alive, so etcd removes it when its TTL passes.
+
+    The session is opened by ``connect()`` (``async with``) or by the first call that needs one.
     """
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
@@ -163,11 +165,13 @@ class AsyncClient:
         self.done = asyncio.Event()        # set when the session is over (closed, expired, orphaned)
         self.expired = False
         self._addr_i = 0
+        self._owner = ""        # the replica that owns our host (host ownership), as the last acquire said
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._leases: dict[str, AsyncLease] = {}
         self._early_notices: dict[str, EvictionNotice] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
         self._last_refresh = 0.0
+        self._connecting = asyncio.Lock()
 
     # -- plumbing ------------------------------------------------------------------------------
     def _channel(self, addr: str) -> grpc.aio.Channel:
@@ -202,7 +206,8 @@ class AsyncClient:
         give_up_at = started + self.rpc_timeout + (wait_left() if wait_left else 0.0)
         delay = 0.05
         while True:
-            addr = self._address()
+            # An acquire goes first to the replica that owns the host, when one told us (see acquire).
+            addr = self._owner if method == "Acquire" and self._owner else self._address()
             req = request() if callable(request) else request
             waiting = wait_left() if wait_left else 0.0
             timeout = max(0.05, min(self.attempt_timeout + waiting, give_up_at - time.monotonic()))
@@ -218,7 +223,10 @@ class AsyncClient:
             if code not in _FAILOVER_CODES or now + delay > min(retry_until, give_up_at - 0.1):
                 raise last from None
             log.info("%s: coordinator %s failed (%s); trying the next one", method, addr, why)
-            self._move_from(addr)
+            if addr == self._owner:
+                self._owner = ""      # back to our own list: any replica forwards to the owner
+            else:
+                self._move_from(addr)
             if code == grpc.StatusCode.UNAVAILABLE:
                 # Refused at once (a replica down, or all of them): back off. A timed-out attempt has
                 # waited already.
@@ -268,11 +276,27 @@ class AsyncClient:
 
     # -- session -------------------------------------------------------------------------------
     async def connect(self) -> AsyncClient:
-        if self.session_id:
-            return self   # already connected: a second session would orphan the first one's leases
-        resp = await self._call("OpenSession", pb.OpenSessionRequest(
-            agent=self.agent, host=self.host, ttl_seconds=self.ttl, pid=os.getpid(), client_version=__version__),
-            retry_for=max(self.retry_for, 5.0))
+        """Open the session. Optional: the first call that needs a session (``acquire``, ``release``,
+        ``attach_processes``, ``run``) opens it. Unavailable names the addresses it tried."""
+        async with self._connecting:   # two first calls at once open one session, not two
+            if self.session_id:
+                return self   # already connected: a second session would orphan the first one's leases
+            try:
+                resp = await self._call("OpenSession", pb.OpenSessionRequest(
+                    agent=self.agent, host=self.host, ttl_seconds=self.ttl, pid=os.getpid(),
+                    client_version=__version__), retry_for=max(self.retry_for, 5.0))
+            except (errors.Unavailable, errors.DeadlineExceeded) as e:
+                raise type(e)(f"cannot open a session at {', '.join(self.addresses)}: {e.message}") from None
+            self._opened(resp)
+        return self
+
+    async def _session_ref(self) -> pb.SessionRef:
+        """This client's session, opened on first use."""
+        if not self.session_id and not self.done.is_set():
+            await self.connect()
+        return self._ref()
+
+    def _opened(self, resp: pb.OpenSessionResponse) -> None:
         self.session_id, self.ttl = resp.session_id, resp.ttl_seconds
         if self._keepalive_arg is None and resp.keepalive_interval_seconds > 0:
             self.keepalive_interval = resp.keepalive_interval_seconds
@@ -280,7 +304,6 @@ class AsyncClient:
             self.retry_for = float(self.ttl)
         self._last_refresh = time.monotonic()
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
-        return self
 
     async def _keepalive(self) -> None:
         """One KeepAlive stream; on UNAVAILABLE, the next replica, for as long as the TTL allows."""
@@ -398,17 +421,21 @@ class AsyncClient:
         """Acquire ``vram_mb`` MiB on one GPU. Raises ResourceExhausted when it does not fit (after ``wait``)."""
         if self.done.is_set():
             raise errors.SessionExpired(f"session {self.session_id} of {self.agent} is over")
+        session = await self._session_ref()
         request_id = request_id or uuid.uuid4().hex
         until = time.monotonic() + wait
 
         def request() -> pb.AcquireRequest:
             # A retry (through another replica) keeps the same request_id, so it keeps its place in the
             # queue, and waits only for what is left of ``wait``.
-            return pb.AcquireRequest(session=self._ref(), vram_mb=vram_mb, gpu="" if gpu is None else str(gpu),
+            return pb.AcquireRequest(session=session, vram_mb=vram_mb, gpu="" if gpu is None else str(gpu),
                                      priority=priority, preemptible=preemptible, request_id=request_id,
                                      wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0)
         resp = await self._call("Acquire", request, retry_for=max(self.retry_for, wait),
                                 wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
+        # Host ownership: the next acquires go straight to the replica that admits on our host, saving
+        # the hop through a replica that would forward them (any replica still would).
+        self._owner = resp.owner
         lease = AsyncLease(self, resp.lease)
         self._leases[lease.id] = lease
         early = self._early_notices.pop(lease.id, None)
@@ -417,14 +444,14 @@ class AsyncClient:
         return lease
 
     async def release(self, lease_id: str) -> bool:
-        resp = await self._call("Release", pb.ReleaseRequest(session=self._ref(), lease_id=lease_id))
+        resp = await self._call("Release", pb.ReleaseRequest(session=await self._session_ref(), lease_id=lease_id))
         self._leases.pop(lease_id, None)
         return bool(resp.released)
 
     async def attach_processes(self, lease_id: str, pids: Sequence[int], pgid: int = 0) -> bool:
         """Record the processes a lease of this session covers; NotFound once the lease is gone."""
         resp = await self._call("AttachProcesses", pb.AttachProcessesRequest(
-            session=self._ref(), lease_id=lease_id, pids=list(pids), pgid=pgid))
+            session=await self._session_ref(), lease_id=lease_id, pids=list(pids), pgid=pgid))
         return bool(resp.changed)
 
     def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> AsyncBoundProcess:
@@ -484,7 +511,9 @@ class Lease:
 
 
 class Client:
-    """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``."""
+    """The sync API: ``with Client(addr, agent=..., host=...) as c: with c.acquire(4096) as lease: ...``.
+
+    ``with`` is optional: the first call that needs a session opens it, and ``close()`` ends it."""
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
                  **kw: Any) -> None:

@@ -13,8 +13,10 @@ from agent_client.run import AsyncBoundProcess
 
 
 async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd: Sequence[str], vram_mb: int,
-                      *, ttl: int | None = None, **options: Any) -> int:
+                      *, ttl: int | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                      tls_key: str | None = None, **options: Any) -> int:
     """``gpucoord run``: a session of its own, the command under a lease, SIGINT/SIGTERM/SIGHUP forwarded.
+    ``tls_*`` (else ``GPUCOORD_TLS_CA/CERT/KEY``) turn on mTLS.
 
     Returns the command's exit status (128+N for signal N); 125 when gpucoord itself fails (no lease),
     126 or 127 when the command cannot be run.
@@ -25,7 +27,7 @@ async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     assert main is not None
-    client = AsyncClient(addresses, agent=agent, host=host, ttl=ttl)
+    client = AsyncClient(addresses, agent=agent, host=host, ttl=ttl, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
     proc = AsyncBoundProcess(client, cmd, vram_mb, say=say, foreground=True, **options)
     interrupted: list[int] = []
 

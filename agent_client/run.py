@@ -26,7 +26,6 @@ The session stays the client's: ``gpucoord run`` opens one for the command and c
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import logging
 import os
@@ -36,9 +35,11 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO, Any, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
+from typing import IO, Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from agent_client import errors
+from agent_client.process import (LimitPlan, child_env, core_ranges, describe_exit, exit_status, plan_limits,
+                                  prepare_cgroup)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,7 +74,6 @@ evicting request must not be granted while the process still runs."""
 DEFAULT_STOP_GRACE_S = 10.0
 """``stop()`` (and leaving the ``with`` block early): SIGTERM, then SIGKILL after this long."""
 
-CPU_PERIOD_US = 100_000
 
 # Runs between fork and the command's exec: waits for the supervisor's go (the lease has recorded the
 # process group by then), then execs. EOF instead of a go (the supervisor died) means: never run.
@@ -90,131 +90,18 @@ _TRAMPOLINE = (
 )
 
 
-def _ranges(ids: Iterable[int]) -> str:
-    """[0,1,2,5] -> '0-2,5'."""
-    out: list[list[int]] = []
-    for i in sorted(set(ids)):
-        if out and out[-1][1] == i - 1:
-            out[-1][1] = i
-        else:
-            out.append([i, i])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out) or "none"
 
 
-@dataclasses.dataclass(frozen=True)
-class LimitPlan:
-    """What of an agent's partition applies to its process: a pure function of the allocation."""
-
-    cores: tuple[int, ...]      # CPU affinity to set; () for none
-    mem_bytes: int              # memory.max; 0 for none
-    cpu_max: str                # cpu.max ("quota period"); "" for none
-    notes: tuple[str, ...]      # limits that cannot be enforced, and why
 
 
-def plan_limits(allocation: Mapping[str, Any] | None, available_cores: Iterable[int]) -> LimitPlan:
-    """The limits of ``allocation`` (an agent's share from ``client.partition()["mine"]``; None in a
-    shared partition, which limits nothing) on a machine whose usable cores are ``available_cores``."""
-    if allocation is None:
-        return LimitPlan((), 0, "", ())
-    cores = sorted({int(c) for c in allocation.get("cores", ())})
-    avail = set(available_cores)
-    usable = tuple(c for c in cores if c in avail)
-    notes: list[str] = []
-    if cores and not usable:
-        notes.append(f"CPU affinity (cores {_ranges(cores)}) is not enforced: none of these cores is available "
-                     f"here (this process may use cores {_ranges(avail)})")
-    elif len(usable) < len(cores):
-        notes.append(f"CPU affinity is enforced on cores {_ranges(usable)} only: cores "
-                     f"{_ranges(set(cores) - avail)} of the partition are not available here")
-    mem = max(0, int(allocation.get("mem_bytes", 0)))
-    cpu_max = f"{len(cores) * CPU_PERIOD_US} {CPU_PERIOD_US}" if cores else ""
-    return LimitPlan(usable, mem, cpu_max, tuple(notes))
 
 
-def prepare_cgroup(root: str | None, name: str, mem_bytes: int, cpu_max: str) -> tuple[pathlib.Path | None, list[str]]:
-    """Create ``root/name`` with ``memory.max`` and ``cpu.max`` where the cgroup v2 ``root`` allows it.
-
-    Returns the directory (None when nothing could be set) and what is not enforced, with the reason.
-    """
-    wanted: dict[str, tuple[str, str, str]] = {}   # controller -> (file, value, readable limit)
-    if mem_bytes:
-        wanted["memory"] = ("memory.max", str(mem_bytes), f"the memory limit (memory.max = {mem_bytes} B)")
-    if cpu_max:
-        wanted["cpu"] = ("cpu.max", cpu_max, f"the CPU limit (cpu.max = {cpu_max})")
-    if not wanted:
-        return None, []
-    if not root:
-        return None, [f"{w[2]} is not enforced: no --cgroup-root (a writable cgroup v2 directory, e.g. a delegated "
-                      "systemd slice) was given" for w in wanted.values()]
-    base = pathlib.Path(root)
-    try:
-        controllers = set((base / "cgroup.controllers").read_text().split())
-    except OSError as e:
-        return None, [f"{w[2]} is not enforced: {root} is not a cgroup v2 directory "
-                      f"({e.strerror or e})" for w in wanted.values()]
-    try:
-        enabled = set((base / "cgroup.subtree_control").read_text().split())
-    except OSError:
-        enabled = set()
-    notes: list[str] = []
-    usable: dict[str, tuple[str, str, str]] = {}
-    for ctl, w in wanted.items():
-        if ctl not in controllers:
-            notes.append(f"{w[2]} is not enforced: the {ctl} controller is not available in {root} "
-                         f"(cgroup.controllers: {' '.join(sorted(controllers)) or 'none'})")
-            continue
-        if ctl not in enabled:
-            try:
-                (base / "cgroup.subtree_control").write_text(f"+{ctl}")
-            except OSError as e:
-                notes.append(f"{w[2]} is not enforced: cannot enable the {ctl} controller for the children of "
-                             f"{root} ({e.strerror or e})")
-                continue
-        usable[ctl] = w
-    if not usable:
-        return None, notes
-    path = base / name
-    try:
-        path.mkdir(exist_ok=True)
-    except OSError as e:
-        return None, notes + [f"{w[2]} is not enforced: cannot create {path} ({e.strerror or e})"
-                              for w in usable.values()]
-    for w in usable.values():
-        try:
-            (path / w[0]).write_text(w[1])
-        except OSError as e:
-            notes.append(f"{w[2]} is not enforced: cannot write {path / w[0]} ({e.strerror or e})")
-    return path, notes
 
 
-def child_env(base: Mapping[str, str], lease: Any) -> dict[str, str]:
-    """The command's environment: ``base`` plus the lease's GPU and identity."""
-    env = dict(base)
-    env.update({
-        "CUDA_VISIBLE_DEVICES": lease.gpu_uuid,
-        "GPUCOORD_LEASE_ID": lease.id,
-        "GPUCOORD_TOKEN": str(lease.token),
-        "GPUCOORD_GPU_UUID": lease.gpu_uuid,
-        "GPUCOORD_VRAM_MB": str(lease.vram_mb),
-        # MPS names devices by ordinal as the client sees them: with one visible device, that is 0.
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.vram_mb}M",
-    })
-    return env
 
 
-def exit_status(returncode: int) -> int:
-    """A shell's exit status: the code, or 128+N for a process killed by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name} (status {exit_status(returncode)})"
-    return f"exited with status {returncode}"
 
 
 class AsyncBoundProcess:
@@ -329,7 +216,7 @@ class AsyncBoundProcess:
             try:
                 os.sched_setaffinity(self.pid, self.limits.cores)
             except OSError as e:
-                self.not_enforced.append(f"CPU affinity (cores {_ranges(self.limits.cores)}) is not enforced: "
+                self.not_enforced.append(f"CPU affinity (cores {core_ranges(self.limits.cores)}) is not enforced: "
                                          f"sched_setaffinity failed ({e.strerror or e})")
         if self.cgroup is not None:
             try:
@@ -474,7 +361,7 @@ class AsyncBoundProcess:
         self._kill(signal.SIGKILL)   # leftovers of the group: the lease is about to go
         self._give_terminal_back()
         self.returncode = exit_status(returncode)
-        what = f"{self.cmd[0]} (pid {self.pid}) {_describe(returncode)}"
+        what = f"{self.cmd[0]} (pid {self.pid}) {describe_exit(returncode)}"
         if self._lost.is_set():
             self.reason = "lease lost"
             self.message = f"lease lost ({self._lost_why}): {what}"

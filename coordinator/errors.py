@@ -46,6 +46,10 @@ class CapacityError(GpucoordError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class WaitTimeout(CapacityError):
+    """A request waited in the queue for as long as it asked and still did not fit; its entry is gone."""
+
+
 class NotOwner(GpucoordError):
     """The caller acts on something that belongs to another session or agent."""
 

@@ -1,9 +1,12 @@
 """Prometheus metrics of a coordinator replica or a node daemon (text format over HTTP)."""
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from coordinator import errors
 
 if TYPE_CHECKING:
     from coordinator.security.tls import TlsFiles
@@ -11,10 +14,14 @@ if TYPE_CHECKING:
 REGISTRY = CollectorRegistry()
 
 ADMISSIONS = Counter("gpucoord_admissions_total", "VRAM leases admitted", ["host"], registry=REGISTRY)
-REFUSALS = Counter("gpucoord_refusals_total", "Acquires refused, by reason", ["reason"], registry=REGISTRY)
+REFUSALS = Counter("gpucoord_refusals_total",
+                   "RPCs answered with an error, by RPC, reason (the kind of error) and the request field at fault",
+                   ["rpc", "reason", "field"], registry=REGISTRY)
 RELEASES = Counter("gpucoord_releases_total", "VRAM leases released explicitly", registry=REGISTRY)
 EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued, and forced revokes", ["kind"], registry=REGISTRY)
 CONFLICTS = Counter("gpucoord_txn_conflicts_total", "Admission compare-and-set transactions that lost", registry=REGISTRY)
+FORWARDS = Counter("gpucoord_forwarded_acquires_total", "Acquires sent to the host's owning replica, and those "
+                   "decided here because the owner could not answer", ["outcome"], registry=REGISTRY)
 BATCH_SIZE = Histogram("gpucoord_group_commit_size", "Acquires decided from one snapshot",
                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=REGISTRY)
 ETCD_ERRORS = Counter("gpucoord_etcd_errors_total", "etcd calls that failed, by error", ["error"], registry=REGISTRY)
@@ -40,14 +47,35 @@ NODE_ENFORCE_KILLS = Counter("gpucoord_node_enforce_kills_total", "GPU processes
                              ["reason"], registry=REGISTRY)
 
 
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.removesuffix("Error")).lower() or "error"
+
+
+def count_refusal(rpc: str, error: BaseException) -> None:
+    """Count one error answer of ``rpc``. The reason is the error's kind (``capacity``, ``wait_timeout``,
+    ``invalid_argument``, ``session_gone``, ``not_owner``, ..., ``internal`` for a bug) and the field is the
+    top-level request field it names (``vram_mb``, ``allocations``, ...), so the label sets stay small."""
+    if isinstance(error, errors.GpucoordError):
+        reason = _snake(type(error).__name__)
+        field = re.split(r"[.\[]", error.field or "", maxsplit=1)[0]
+    else:
+        reason, field = "internal", ""
+    REFUSALS.labels(rpc, reason, field).inc()
+
+
 def serve(listen: str, tls: TlsFiles | None = None) -> int:
     """Serve /metrics on ``host:port`` (port 0 picks one); returns the port. With TLS, over HTTPS and only
     to clients with a certificate from the CA."""
     host, _, port = listen.rpartition(":")
     if tls is not None:
-        server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY,
-                                            certfile=tls.cert, keyfile=tls.key, client_cafile=tls.ca,
-                                            client_auth_required=True)
-    else:
-        server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY)
+        tls.read()   # an unreadable file is named as such (TlsError), not reported as an address problem
+    try:
+        if tls is not None:
+            server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY,
+                                                certfile=tls.cert, keyfile=tls.key, client_cafile=tls.ca,
+                                                client_auth_required=True)
+        else:
+            server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY)
+    except (OSError, ValueError) as e:
+        raise OSError(f"metrics_listen: cannot listen on {listen}: {getattr(e, 'strerror', None) or e}") from e
     return int(server.server_port)

@@ -194,6 +194,9 @@ class QueueEntry:
     deadline_unix: float   # the waiter gives up then; the leader sweeps entries left past it
     replica: str           # the replica serving the waiting RPC
     victims: tuple[str, ...] = ()   # leases evicted for it: it is admitted only once they are gone
+    # How long the waiter waits from when the entry was written: the leader measures the wait from when it
+    # observed the entry (its own clock), not from deadline_unix (another machine's wall clock).
+    wait_s: float = 0.0
     mod_revision: int = 0
 
     def to_json(self) -> dict[str, Any]:

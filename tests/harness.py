@@ -163,6 +163,19 @@ class Cluster:
                 out.add((kv.key, kv.mod_revision))
         return out
 
+    def replicas(self) -> dict[str, str]:
+        """replica id -> address, of the replicas registered under ``coordinators/``."""
+        import json
+        return {json.loads(kv.value)["replica"]: json.loads(kv.value)["address"]
+                for kv in self.get_prefix(self.keys.coordinators())}
+
+    def owner(self, host: str, replicas: int) -> str:
+        """The address of the replica that owns ``host`` once ``replicas`` replicas are registered."""
+        from coordinator.replica.service import owner_of
+        reps = wait_for(lambda: (lambda r: r if len(r) == replicas else None)(self.replicas()), 15,
+                        f"{replicas} replicas to register")
+        return str(reps[owner_of(host, reps)])
+
     def leases(self) -> list[Any]:
         from coordinator.records import VramLease
         return [VramLease.from_kv(kv) for kv in self.get_prefix(self.keys.leases())]
@@ -176,18 +189,51 @@ def child_env() -> dict[str, str]:
 
 
 def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: str,
-                      extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
+                      extra: list[str] | None = None,
+                      env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     """A coordinator as a real child process; returns it once it serves, with its port."""
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "coordinator", "--etcd", ",".join(endpoints),
                              "--prefix", prefix, "--listen", listen, *(extra or [])],
-                            stdout=subprocess.PIPE, stderr=log, env=child_env(), cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=log, env={**child_env(), **(env or {})}, cwd=REPO)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     if not line.startswith("READY coordinator port="):
         proc.kill()
         raise AssertionError(f"coordinator did not start: {line!r}; see {log_path}")
     return proc, int(line.split("port=")[1])
+
+
+def spawn_node(endpoints: list[str], prefix: str, host: str, fake_gpus: str, log_path: str,
+               extra: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A node daemon (``gpucoord node --fake-gpus``) as a real child process; returns it once it serves."""
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "node", "--etcd", ",".join(endpoints),
+                             "--prefix", prefix, "--host", host, "--listen", "127.0.0.1:0", "--fake-gpus", fake_gpus,
+                             *(extra or [])],
+                            stdout=subprocess.PIPE, stderr=log, env={**child_env(), **(env or {})}, cwd=REPO)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if not line.startswith("READY node port="):
+        proc.kill()
+        raise AssertionError(f"node did not start: {line!r}; see {log_path}")
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """SIGCONT (it may be stopped), then SIGTERM, then SIGKILL: by PID, only our own child."""
+    import signal
+    if proc.poll() is not None:
+        return
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def spawn_agent(addr: str, host: str, agent: str, vram_mb: int, ttl: int, log_path: str = os.devnull,

@@ -77,7 +77,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Lease(_message.Message):
     TTL_REMAINING_FIELD_NUMBER: _ClassVar[int]
     PIDS_FIELD_NUMBER: _ClassVar[int]
     PGID_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -108,7 +109,8 @@ class Lease(_message.Message):
     ttl_remaining: int
     pids: _containers.RepeatedScalarFieldContainer[int]
     pgid: int
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ...) -> None: ...
+    eviction: EvictionNotice
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds")
@@ -129,10 +131,12 @@ class AcquireRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease",)
+    __slots__ = ("lease", "owner")
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    owner: str
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "lease_id")
@@ -265,7 +269,7 @@ class QueueEntry(_message.Message):
     def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class HostStatus(_message.Message):
-    __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes")
+    __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes", "usage_stale")
     HOST_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +283,7 @@ class HostStatus(_message.Message):
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     MEM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_STALE_FIELD_NUMBER: _ClassVar[int]
     host: str
     address: str
     alive: bool
@@ -292,7 +297,8 @@ class HostStatus(_message.Message):
     cpu_count: int
     mem_bytes: int
     disk_bytes: int
-    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
+    usage_stale: bool
+    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("hosts", "revision", "leader")

@@ -357,13 +357,18 @@ class LockAdmission:
 
     def __init__(self, store: Any, gpu: str, capacity_mb: int) -> None:
         self.store, self.capacity_mb = store, capacity_mb
+        # The baseline's own keys, outside gpucoord's prefix and schema (coordinator/keys.py is not involved).
+        self.gpu = gpu
         self.lock_prefix = f"/lockbench/lock/{gpu}/".encode()
         self.ledger = f"/lockbench/gpus/{gpu}".encode()
         self.leases = f"/lockbench/leases/{gpu}/".encode()
 
+    def _lease_key(self, lease_id: str) -> bytes:
+        return f"/lockbench/leases/{self.gpu}/{lease_id}".encode()
+
     async def _lock(self, etcd_lease: int) -> bytes:
         from coordinator.etcd.ops import cmp_create_revision, op_get, op_put, range_req
-        key = self.lock_prefix + f"{etcd_lease:x}".encode()
+        key = f"/lockbench/lock/{self.gpu}/{etcd_lease:x}".encode()
         res = await self.store.commit([cmp_create_revision(key, 0)], [op_put(key, b"", etcd_lease)], [op_get(key)])
         my_rev = res.revision if res.succeeded else res.responses[0].response_range.kvs[0].create_revision
         while True:
@@ -393,7 +398,7 @@ class LockAdmission:
         def grant(seq: int, used: int, _kvs: list[Any]) -> list[Any]:
             if used + vram_mb > self.capacity_mb:
                 raise RuntimeError("lock baseline: no room")
-            return [op_put(self.leases + lease_id.encode(), str(vram_mb).encode(), etcd_lease),
+            return [op_put(self._lease_key(lease_id), str(vram_mb).encode(), etcd_lease),
                     op_put(self.ledger, str(seq + 1).encode())]
         await self._locked(etcd_lease, grant)
 
@@ -401,7 +406,7 @@ class LockAdmission:
         from coordinator.etcd.ops import op_delete, op_put
 
         def free(seq: int, _used: int, _kvs: list[Any]) -> list[Any]:
-            return [op_delete(self.leases + lease_id.encode()), op_put(self.ledger, str(seq + 1).encode())]
+            return [op_delete(self._lease_key(lease_id)), op_put(self.ledger, str(seq + 1).encode())]
         await self._locked(etcd_lease, free)
 
 
@@ -477,26 +482,36 @@ def phase_contended(seconds: float, levels: tuple[int, ...], out: dict[str, Any]
     ]
 
 
-def phase_p3(seconds: float, agents: int, hosts: int, out: dict[str, Any]) -> list[Line]:
+def phase_p3(seconds: float, agents: int, hosts: int, replicas: tuple[int, ...], out: dict[str, Any]) -> list[Line]:
+    """P3 with 1, 2, 3... replicas: replicas join one by one, and the agents are spread over them (each host
+    is admitted by its owning replica; the others forward)."""
     from coordinator.etcd.ops import cmp_mod_revision, op_put
     from coordinator.etcd.store import Store
     from coordinator.node.fake_hosts import fake_host_names
+    results: dict[int, tuple[float, float]] = {}
     with rig() as r:
-        coord, addr = r.coordinator()
         r.node("p3", "8x80GiB", fake_hosts=hosts)
         names = fake_host_names("p3", hosts)
+        coords: list[tuple[subprocess.Popen[bytes], str]] = []
+        for count in replicas:
+            while len(coords) < count:
+                coords.append(r.coordinator())
+            time.sleep(0.5 if len(coords) > 1 else 0)   # the newcomer's registration reaches every mirror
 
-        async def ours() -> tuple[float, float]:
-            clients = await _clients(addr, agents, names)
-            await _pairs(clients, min(1.0, seconds / 4))
-            cpu0 = cpu_seconds(coord.pid)
-            t0 = time.perf_counter()
-            pairs, _, _ = await _pairs(clients, seconds)
-            wall = time.perf_counter() - t0
-            cpu = cpu_seconds(coord.pid) - cpu0
-            await _close(clients)
-            return pairs / wall, cpu / max(1, pairs)
-        rate, cpu_pair = asyncio.run(ours())
+            async def ours() -> tuple[float, float]:
+                from agent_client import AsyncClient
+                clients = [AsyncClient(coords[i % len(coords)][1], agent=f"a{i}", host=names[i % len(names)])
+                           for i in range(agents)]
+                await asyncio.gather(*(c.connect() for c in clients))
+                await _pairs(clients, min(1.0, seconds / 4))
+                cpu0 = sum(cpu_seconds(p.pid) for p, _ in coords)
+                t0 = time.perf_counter()
+                pairs, _, _ = await _pairs(clients, seconds)
+                wall = time.perf_counter() - t0
+                cpu = sum(cpu_seconds(p.pid) for p, _ in coords) - cpu0
+                await _close(clients)
+                return pairs / wall, cpu / max(1, pairs)
+            results[count] = asyncio.run(ours())
 
         async def raw() -> float:
             stores = [Store([r.ep]) for _ in range(min(agents, 16))]
@@ -521,10 +536,12 @@ def phase_p3(seconds: float, agents: int, hosts: int, out: dict[str, Any]) -> li
                 await s.close()
             return count / wall
         base = asyncio.run(raw())
-    out["p3"] = {"pairs_s": rate, "raw_cas_txn_s": base, "agents": agents, "hosts": hosts,
-                 "coordinator_cpu_ms_per_pair": cpu_pair * 1e3, "replicas": 1}
-    return [_line("P3", f"pairs/s, {agents} agents, {hosts} hosts x 8 GPUs", rate, "/s", base,
-                  f"raw compare-and-put txn/s, {agents} writers", ">= 0.5", lambda x: x >= 0.5)]
+    out["p3"] = {"raw_cas_txn_s": base, "agents": agents, "hosts": hosts,
+                 "by_replicas": {str(n): {"pairs_s": rate, "coordinators_cpu_ms_per_pair": cpu * 1e3}
+                                 for n, (rate, cpu) in results.items()}}
+    return [_line("P3", f"pairs/s, {agents} agents, {hosts} hosts x 8 GPUs, {n} replica{'s' if n > 1 else ''}",
+                  rate, "/s", base, f"raw compare-and-put txn/s, {agents} writers", ">= 0.5", lambda x: x >= 0.5)
+            for n, (rate, _cpu) in results.items()]
 
 
 def phase_p5(n: int, hosts: int, leases: int, out: dict[str, Any]) -> list[Line]:
@@ -722,6 +739,7 @@ class Sizes:
     levels: tuple[int, ...] = (1, 4, 16)
     p3_agents: int = 64
     p3_hosts: int = 16
+    replicas: tuple[int, ...] = (1, 2, 3)
     p5_hosts: int = 1000
     p5_leases: int = 10_000
     idle_sessions: int = 1000
@@ -744,7 +762,7 @@ def run(what: str, sizes: Sizes, out: dict[str, Any], profile: str = "",
     phases: dict[str, Callable[[], list[Line]]] = {
         "latency": lambda: phase_latency(sizes.n, out),
         "contended": lambda: phase_contended(sizes.seconds, sizes.levels, out, profile),
-        "p3": lambda: phase_p3(sizes.seconds, sizes.p3_agents, sizes.p3_hosts, out),
+        "p3": lambda: phase_p3(sizes.seconds, sizes.p3_agents, sizes.p3_hosts, sizes.replicas, out),
         "p5": lambda: phase_p5(sizes.n, sizes.p5_hosts, sizes.p5_leases, out),
         "reclaim": lambda: phase_idle_and_reclaim(sizes.idle_sessions, sizes.idle_s, sizes.ttl, sizes.samples, out),
         "p7": lambda: phase_p7(sizes.p7_n, out),

@@ -1,4 +1,4 @@
-"""What the commands share: defaults, logging, signals, the coordinator stub, error lines."""
+"""What the commands share: defaults, logging, signals, the coordinator stub, errors and exit codes."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +10,32 @@ from typing import Any
 
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
 DEFAULT_ETCD = "127.0.0.1:2379"
+DEFAULT_PREFIX = "/gpucoord/"
+
+# Exit codes of every command (README, "Exit codes"). ``gpucoord run`` passes its command's status through and
+# so keeps the 125/126/127 convention of env(1) and docker run for its own failures.
+EXIT_REFUSED = 1        # the operation was refused (bad input, not found, does not fit, ...) or failed
+EXIT_USAGE = 2          # the command line is wrong
+EXIT_UNREACHABLE = 3    # a coordinator, etcd or the GPUs (NVML) could not be reached
+EXIT_HOST_TAKEN = 4     # gpucoord node: another live daemon serves this host
+
+
+class CliError(Exception):
+    """A failure that the CLI reports as one line, ``gpucoord: error: MESSAGE; HINT``, and an exit code."""
+
+    def __init__(self, message: str, hint: str = "", code: int = EXIT_REFUSED) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.code = code
+
+    def line(self) -> str:
+        return f"gpucoord: error: {self.message}" + (f"; {self.hint}" if self.hint else "")
+
+
+class UsageError(CliError):
+    def __init__(self, message: str, hint: str = "see 'gpucoord --help'") -> None:
+        super().__init__(message, hint, EXIT_USAGE)
 
 
 def _env(name: str, default: str) -> str:
@@ -49,26 +75,94 @@ def _ready_line(kind: str, port: int) -> None:
 
 def _stub(address: str, tls: Any = None) -> Any:
     from agent_client.api import coordinator_pb2_grpc as pb_grpc
-    from coordinator.security.tls import sync_channel
-    return pb_grpc.CoordinatorStub(sync_channel(address, tls))
+    from coordinator.security.tls import TlsError, sync_channel
+    try:
+        # The first of several comma-separated replicas: an operator's one-shot call needs no failover.
+        return pb_grpc.CoordinatorStub(sync_channel(address.split(",")[0].strip(), tls))
+    except TlsError as e:   # a certificate or key that cannot be read
+        raise CliError(str(e), "give readable PEM files with --tls-ca, --tls-cert and --tls-key") from e
 
 
 def _client_tls(args: Any) -> Any:
-    """The operator's TLS files: --tls-* flags, else GPUCOORD_TLS_CA/CERT/KEY."""
-    from coordinator.security.tls import from_args
-    return from_args(args)
+    """The operator's TLS files: --tls-* flags, else GPUCOORD_TLS_CA/CERT/KEY; None for plaintext."""
+    from coordinator.security.tls import TlsError, from_args
+    try:
+        return from_args(args)
+    except TlsError as e:   # one or two of the three
+        raise UsageError(str(e), f"see 'gpucoord {args.cmd} --help'") from e
 
 
-def _fail(e: Any) -> int:
-    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-    return 1
+_HINTS = {
+    "INVALID_ARGUMENT": "nothing was changed: fix the field named and try again",
+    "NOT_FOUND": "'gpucoord status' lists the live hosts and leases",
+    "FAILED_PRECONDITION": "nothing was changed",
+    "RESOURCE_EXHAUSTED": "it does not fit now: retry later, or wait in the queue",
+    "PERMISSION_DENIED": "this identity may not do that (README, \"Running securely\")",
+}
+
+
+def rpc_error(e: Any, address: str) -> CliError:
+    """A gRPC error of a call to the coordinator at ``address`` as a ``CliError``: exit 3 when it could not
+    be reached, 1 when it answered with a refusal."""
+    code = e.code().name
+    details = e.details() or code
+    if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        return CliError(f"cannot reach the coordinator at {address} ({code}: {details})",
+                        "is it running? 'gpucoord up' starts one; give its address with --coordinator ADDR (and "
+                        "--tls-ca/--tls-cert/--tls-key if it serves TLS)", EXIT_UNREACHABLE)
+    return CliError(f"{code}: {details}", _HINTS.get(code, ""), EXIT_REFUSED)
+
+
+def host_overrides(cpus: int | None, mem: str | None, disk: str | None) -> dict[str, Any]:
+    """``--fake-cpus/--fake-mem/--fake-disk`` as inventory overrides; ValueError naming the flag."""
+    from coordinator.policy.partition import PartitionError, parse_size
+
+    overrides: dict[str, Any] = {}
+    try:
+        if cpus is not None:
+            if cpus < 1:
+                raise ValueError("--fake-cpus: must be >= 1")
+            overrides.update(cpu_count=cpus, core_ids=tuple(range(cpus)))
+        if mem is not None:
+            overrides["mem_bytes"] = parse_size(mem, "--fake-mem")
+        if disk is not None:
+            overrides["disk_bytes"] = parse_size(disk, "--fake-disk")
+    except PartitionError as e:
+        raise ValueError(str(e)) from None
+    return overrides
 
 
 def fetch_status(address: str, host: str = "", tls: Any = None) -> dict[str, Any]:
-    from google.protobuf import json_format
-
     from agent_client.api import coordinator_pb2 as pb
     resp = _stub(address, tls).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
-    doc: dict[str, Any] = json_format.MessageToDict(resp, preserving_proto_field_name=True,
+    return message_to_json(resp)
+
+
+def message_to_json(message: Any) -> dict[str, Any]:
+    """A protobuf message as JSON with numbers as numbers (protobuf's JSON mapping writes 64-bit integers as
+    strings), field names as in the .proto and every field present."""
+    from google.protobuf import json_format
+
+    doc: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True,
                                                     always_print_fields_with_no_presence=True)
+    _int64_as_numbers(message.DESCRIPTOR, doc)
     return doc
+
+
+def _int64_as_numbers(descriptor: Any, doc: dict[str, Any]) -> None:
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    wide = (F.CPPTYPE_INT64, F.CPPTYPE_UINT64)
+    for field in descriptor.fields:
+        if field.name not in doc:
+            continue
+        value = doc[field.name]
+        repeated = isinstance(value, list)
+        items = value if repeated else [value]
+        if field.cpp_type in wide:
+            converted = [int(x) for x in items]
+            doc[field.name] = converted if repeated else converted[0]
+        elif field.cpp_type == F.CPPTYPE_MESSAGE and field.message_type.GetOptions().map_entry is False:
+            for item in items:
+                if isinstance(item, dict):
+                    _int64_as_numbers(field.message_type, item)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Sequence
 
 
@@ -9,15 +10,27 @@ def _mib(mb: int) -> str:
     return f"{mb / 1024:.1f}G" if abs(mb) >= 1024 else f"{mb}M"
 
 
-def render_status(doc: dict[str, Any]) -> str:
-    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue."""
+def _eviction(notice: dict[str, Any] | None, now: float) -> str:
+    """The mark of a lease under an eviction notice: who asks, and the time left before the forced revoke."""
+    if not notice:
+        return ""
+    left = float(notice.get("deadline_unix", 0)) - now
+    return (f"  EVICTING: revoked in {max(0.0, left):.0f}s, asked by {notice.get('requested_by') or '?'}"
+            f" ({notice.get('reason') or 'no reason'})")
+
+
+def render_status(doc: dict[str, Any], now: float | None = None) -> str:
+    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue.
+    ``now`` (unix seconds) is when the deadlines of eviction notices are counted from."""
+    now = time.time() if now is None else now
     lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
     for h in doc.get("hosts", []):
         age = float(h.get("usage_age_seconds", -1))
         state = "alive" if h.get("alive") else "GONE (no new admissions)"
         sim = " simulated" if h.get("simulated") else ""
         lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
-                     f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}")
+                     f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}"
+                     + ("  USAGE STALE (admission keeps the last untracked VRAM)" if h.get("usage_stale") else ""))
         lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
                      f"{'untracked':>9} {'free':>8} {'token':>6}")
         for g in h.get("gpus", []):
@@ -39,11 +52,12 @@ def render_status(doc: dict[str, Any]) -> str:
                 elif p.get("state") in ("untracked", "leased_elsewhere"):
                     lines.append(f"  {p['state']} on GPU {g['index']}: pid {p['pid']} uses {_mib(int(p['used_mb']))}"
                                  + (f" (its lease {p['lease_id']} is on another GPU)" if p.get("lease_id") else ""))
+        index_of = {g["uuid"]: g["index"] for g in h.get("gpus", [])}   # a uuid is too long for a table row
         if h.get("agents") and h.get("partition_mode") != "shared":
             lines.append("  partition:")
             for a in h["agents"]:
                 alloc = json.loads(a["allocation_json"])
-                caps = ", ".join(f"{u[-6:]}:{_mib(c)}" for u, c in alloc.get("vram_caps_mb", []))
+                caps = ", ".join(f"GPU {index_of.get(u, u)}: {_mib(c)}" for u, c in alloc.get("vram_caps_mb", []))
                 lines.append(f"    {a['agent']:<16} cores={len(alloc.get('cores', []))} "
                              f"mem={int(alloc.get('mem_bytes', 0)) / 2**30:.1f}GiB "
                              f"gpus={len(alloc.get('whole_gpus', []))} caps=[{caps}] "
@@ -55,7 +69,7 @@ def render_status(doc: dict[str, Any]) -> str:
                 lines.append(f"  {lease['id']:<20} {lease['agent']:<14} {lease['gpu_index']:>3} "
                              f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
                              f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
-                             f"{lease.get('ttl_remaining', '?'):>4}")
+                             f"{lease.get('ttl_remaining', '?'):>4}{_eviction(lease.get('eviction'), now)}")
         else:
             lines.append("  no leases")
         for q in h.get("queue", []):

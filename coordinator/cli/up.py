@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-from coordinator.cli.common import fetch_status
+from coordinator.cli.common import CliError, UsageError, fetch_status, host_overrides
 from coordinator.cli.render import render_status
 
 
@@ -41,8 +41,10 @@ class Child:
                     break
             elif self.proc.poll() is not None:
                 break
-        raise RuntimeError(f"{self.kind} did not start (exit {self.proc.poll()}); log {self.log_path}:\n"
-                           + self.log_path.read_text()[-3000:])
+        lines = [x for x in self.log_path.read_text(errors="replace").splitlines() if x.strip()]
+        last = lines[-1].strip() if lines else "no output"
+        raise CliError(f"the {self.kind} did not start (exit {self.proc.poll()}): {last}",
+                       f"its log is {self.log_path}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -53,6 +55,27 @@ class Child:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def _address(flag: str, value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{flag}: {value!r} is not HOST:PORT", "e.g. 127.0.0.1:7070 (port 0 picks a free one)")
+    return host, int(port)
+
+
+def _check_free(flag: str, value: str) -> str:
+    """``value`` with port 0 replaced by a free port; a one-line error naming ``flag`` if it is taken."""
+    from coordinator.etcd.process import free_port, port_is_free
+
+    host, port = _address(flag, value)
+    if port == 0:
+        return f"{host}:{free_port()}"
+    if not port_is_free(port, host):
+        raise CliError(f"{flag} {value}: the address is already in use",
+                       f"is another gpucoord up running? stop it, or choose another address with {flag} "
+                       f"(port 0 picks a free one)")
+    return value
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -67,13 +90,33 @@ def cmd_up(args: argparse.Namespace) -> int:
                                                              else "10000")
         options = EtcdOptions(args.etcd_auto_compaction_mode, retention, parse_size(args.etcd_quota, "--etcd-quota"))
     except (FileNotFoundError, PartitionError, ValueError) as e:
-        print(f"gpucoord up: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e), "see 'gpucoord up --help'") from e
     print(f"etcd binary: {binary.describe()}")
     if binary.crash_bugs:
         print(f"WARNING: this etcd has known crash bugs: {'; '.join(binary.crash_bugs)}. gpucoord never sends "
               f"the requests that trigger them, but other clients may: for production run etcd "
               f"{MINIMUM_PRODUCTION} or newer (--etcd-binary PATH or $GPUCOORD_ETCD_BINARY).")
+
+    try:
+        host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
+    except ValueError as e:
+        raise UsageError(str(e), "see 'gpucoord up --help'") from e
+    # Every address is checked before anything starts, so that a taken port is one clear line.
+    if args.etcd_listen is None:
+        # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
+        etcd_host, etcd_port = "127.0.0.1", 2379
+        if not port_is_free(etcd_port, etcd_host):
+            print("127.0.0.1:2379 is in use (another etcd?): this etcd takes a free port; give one with --etcd-listen")
+            etcd_port = 0
+    else:
+        etcd_host, etcd_port = _address("--etcd-listen", _check_free("--etcd-listen", args.etcd_listen))
+        if etcd_host != "127.0.0.1":
+            raise UsageError(f"--etcd-listen {args.etcd_listen}: the etcd of 'gpucoord up' listens on 127.0.0.1 only",
+                             "give 127.0.0.1:PORT; run etcd yourself for anything else")
+    listen = _check_free("--listen", args.listen)
+    metrics_listen = _check_free("--metrics-listen", args.metrics_listen)
+    node_listen = _check_free("--node-listen", args.node_listen)
+    node_metrics_listen = _check_free("--node-metrics-listen", args.node_metrics_listen)
 
     fake = args.fake_gpus
     if fake is None:
@@ -92,16 +135,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         from coordinator.security.commands import prepare_secure
         secure = prepare_secure(data_dir, args.host, DEMO_AGENTS if args.demo else (args.agent,))
         print(f"certificates: {secure.dir} (CA {secure.ca})")
-    # etcd's usual port when it is free, so that `gpucoord keys` and etcdctl work with their defaults.
-    etcd = EtcdCluster(1, base_dir=data_dir, client_port=2379 if port_is_free(2379) else 0, binary=binary.path,
-                       options=options,
+    etcd = EtcdCluster(1, base_dir=data_dir, client_port=etcd_port, binary=binary.path, options=options,
                        client_tls=None if secure is None else ClientTls(secure.ca, secure.etcd_server.cert,
                                                                         secure.etcd_server.key))
     children: list[Child] = []
     py = sys.executable
     operator_tls = None if secure is None else secure.operator
     try:
-        etcd.start()
+        try:
+            etcd.start()
+        except (RuntimeError, TimeoutError) as e:
+            raise CliError(f"etcd did not start: {str(e).splitlines()[0]}",
+                           f"its log is in {data_dir}; with --data-dir, the directory may belong to another etcd")
         ep = etcd.endpoints[0]
         etcdctl = f"{binary.etcdctl()} --endpoints={ep}"
         coord_extra: list[str] = []
@@ -119,24 +164,30 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
               f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
-                                      "--listen", args.listen, "--metrics-listen", "127.0.0.1:0",
+                                      "--listen", listen, "--metrics-listen", metrics_listen,
                                       "--session-ttl", str(args.session_ttl), *coord_extra],
                       data_dir / "coordinator.log")
         children.append(coord)
         cport = coord.wait_ready(30)
-        caddr = f"127.0.0.1:{cport}"
+        caddr = f"{listen.rpartition(':')[0]}:{cport}"
         print(f"coordinator: {caddr}   (log {coord.log_path})")
         node_argv = [py, "-m", "coordinator.cli", "node", "--etcd", ep, "--host", args.host,
-                     "--listen", args.node_listen, *node_extra]
+                     "--listen", node_listen, "--metrics-listen", node_metrics_listen, *node_extra]
         if fake:
             node_argv += ["--fake-gpus", fake]
-        if args.fake_processes:
-            node_argv += ["--fake-processes", args.fake_processes]
+        for flag, value in (("--fake-cpus", args.fake_cpus), ("--fake-mem", args.fake_mem),
+                            ("--fake-disk", args.fake_disk), ("--fake-processes", args.fake_processes)):
+            if value is not None:
+                node_argv += [flag, str(value)]
         node_argv += ["--enforce", args.enforce]
         node = Child("node", node_argv, data_dir / "node.log")
         children.append(node)
         nport = node.wait_ready(30)
-        print(f"node:        127.0.0.1:{nport} host={args.host}   (log {node.log_path})")
+        print(f"node:        {node_listen.rpartition(':')[0]}:{nport} host={args.host}   (log {node.log_path})")
+        # With --secure the coordinator's and the node's /metrics are HTTPS and want a client certificate.
+        scheme = "http" if secure is None else "https"
+        print(f"metrics:     coordinator {scheme}://{metrics_listen}/metrics   node {scheme}://{node_metrics_listen}"
+              f"/metrics   etcd {etcd.members[0].metrics_url}")
         _wait_host(caddr, args.host, 15, operator_tls)
         print(render_status(fetch_status(caddr, tls=operator_tls)))
         if secure is not None:
@@ -166,7 +217,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         for c in reversed(children):
             c.stop()
         etcd.stop()
-        print(f"stopped; etcd data kept in {data_dir}")
+        print(f"stopped; etcd data kept in {data_dir}", flush=True)
 
 
 def _wait_host(caddr: str, host: str, timeout: float, tls: Any = None) -> None:
@@ -180,5 +231,6 @@ def _wait_host(caddr: str, host: str, timeout: float, tls: Any = None) -> None:
         except grpc.RpcError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"host {host} did not register within {timeout}s")
+            raise CliError(f"the node daemon of host {host} did not register within {timeout:g} s",
+                           "see node.log in the data directory")
         time.sleep(0.1)

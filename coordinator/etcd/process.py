@@ -116,9 +116,10 @@ class EtcdOptions:
     auto_compaction_mode: str | None = None
     auto_compaction_retention: str | None = None
     quota_backend_bytes: int | None = None
+    unsafe_no_fsync: bool = False   # test clusters on a slow shared disk only: a crash may lose writes
 
     def args(self) -> list[str]:
-        out: list[str] = []
+        out: list[str] = ["--unsafe-no-fsync"] if self.unsafe_no_fsync else []
         if self.auto_compaction_mode:
             out += ["--auto-compaction-mode", self.auto_compaction_mode,
                     "--auto-compaction-retention", self.auto_compaction_retention or "0"]
@@ -127,10 +128,13 @@ class EtcdOptions:
         return out
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR, as etcd and gRPC servers set it: a
+    port whose last connections linger in TIME_WAIT is free for them, and so it is here."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
         return True
@@ -246,6 +250,20 @@ class EtcdMember:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self, initial_cluster: str) -> None:
+        """Start again on the same ports and data dir (after ``kill``): it rejoins its cluster."""
+        self.start(initial_cluster, state="existing")
+
+    def is_leader(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=1) as r:
+                return b"\netcd_server_is_leader 1" in r.read()
+        except OSError:
+            return False
 
 
 class EtcdCluster:

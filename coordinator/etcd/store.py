@@ -54,10 +54,14 @@ def _target(endpoints: Sequence[str]) -> str:
 # failed (and retried) call. gRPC's default reconnect backoff grows to 120 s, which once left a replica
 # unable to reach a restarted etcd for 90 s; capped at 1 s, every replica is back within about a second.
 # min_reconnect_backoff_ms is also the shortest connect timeout: plenty on the networks etcd runs on.
+# A member that hangs (SIGSTOP, a stalled VM) keeps its TCP connection open, so only a missed ping takes it
+# out of the rotation: a ping every 5 s (etcd's --grpc-keepalive-min-time; faster pings get GOAWAY) answered
+# within 1 s, also while calls are stuck on it (no limit on pings without data), drops it within ~6 s.
 CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.lb_policy_name": "round_robin",
-    "grpc.keepalive_time_ms": 10_000,
-    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_time_ms": 5_000,
+    "grpc.keepalive_timeout_ms": 1_000,
+    "grpc.http2.max_pings_without_data": 0,
     "grpc.enable_retries": 1,
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.min_reconnect_backoff_ms": 1_000,

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 
-from coordinator import __version__, errors, metrics
+from coordinator import __version__, errors, metrics, clock
 from coordinator.aio import cancel_and_wait, retry_forever
 from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
 from coordinator.keys import Keys, last_segment
@@ -85,7 +85,7 @@ class NodeDaemon:
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
         self.overrides = overrides or {}   # simulated hosts: cpu_count, core_ids, mem_bytes, disk_bytes
         self.session: EtcdSession | None = None    # the daemon's etcd_lease: hosts/ and usage/ hang on it
-        self.pid, self.started_at = os.getpid(), time.time()
+        self.pid, self.started_at = os.getpid(), clock.wall()
         self._need_register = True              # set by the host watch, or when a usage write is refused
         self._wake = asyncio.Event()            # wakes the keepalive loop to register at once
         self.inventory: HostInventory | None = None
@@ -198,7 +198,7 @@ class NodeDaemon:
             log.warning("NVML scan failed, usage not refreshed: %s", e)
             return
         self.last_usage = usage
-        attribution = await asyncio.to_thread(self.enforcer.scan, usage, time.time())
+        attribution = await asyncio.to_thread(self.enforcer.scan, usage, clock.wall())
         leased: dict[str, int] = {}
         for lease in self.leases.values():
             leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
@@ -207,7 +207,7 @@ class NodeDaemon:
                  **bounded_usage(usage_doc(*attribution.for_gpu(u.uuid)))} for u in usage]
         for u in usage:
             metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
-        now = time.time()
+        now = clock.wall()
         changed = gpus != self._published
         # Written when it changes (at most about once a second), and at least every heartbeat_s so that
         # readers can tell fresh usage from a stuck daemon (stale = older than 3 heartbeats).
@@ -239,10 +239,12 @@ class NodeDaemon:
             assert self.session is not None
             ended = asyncio.create_task(self.session.done.wait())
             woken = asyncio.create_task(self._wake.wait())
-            await asyncio.wait({ended, woken}, timeout=self.ttl_s / 3, return_when=asyncio.FIRST_COMPLETED)
-            for t in (ended, woken):
-                t.cancel()
-            await asyncio.gather(ended, woken, return_exceptions=True)
+            try:
+                await asyncio.wait({ended, woken}, timeout=self.ttl_s / 3, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (ended, woken):
+                    t.cancel()
+                await asyncio.gather(ended, woken, return_exceptions=True)
             self._wake.clear()
             try:
                 if self.session.done.is_set():
@@ -302,7 +304,7 @@ class NodeDaemon:
         for kv in snap.ranges[0]:
             self._on_put(VramLease.from_kv(kv))
         for lease_id in before.keys() - self.leases.keys():
-            self.enforcer.lease_deleted(lease_id, time.time())   # deleted while the watch was down
+            self.enforcer.lease_deleted(lease_id, clock.wall())   # deleted while the watch was down
         self.leases_ready = True
         async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
             if batch.resync:
@@ -313,7 +315,7 @@ class NodeDaemon:
                     self._on_put(VramLease.from_kv(ev.kv))
                 else:
                     self.leases.pop(lease_id, None)
-                    self.enforcer.lease_deleted(lease_id, time.time())
+                    self.enforcer.lease_deleted(lease_id, clock.wall())
 
     def _on_put(self, lease: VramLease) -> None:
         self.leases[lease.id] = lease

@@ -21,7 +21,8 @@ from coordinator.etcd.ops import op_put
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
-from coordinator.node.inventory import FakeGpuSource, read_inventory
+from coordinator.node.fake import FakeGpuSource
+from coordinator.node.inventory import read_inventory
 from coordinator.records import dumps
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,8 @@ class HostView:
     usage: dict[str, Any] | None
     queue: tuple[StoredKV, ...]
     entries: tuple[QueueEntry, ...] = ()   # the queue, parsed, in rank order
+    usage_age_s: float = -1.0     # since the replica saw the current usage report; -1: no report
+    usage_stale: bool = False     # then admission keeps the last reported untracked VRAM (never less)
 
     @property
     def alive(self) -> bool:

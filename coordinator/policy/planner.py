@@ -384,7 +384,7 @@ class _Planner(Generic[C]):
                           etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
                           priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
                           lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.ctx.now),
-                          replica=self.ctx.replica_id, victims=victims)
+                          replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.ctx.now))
 
     # -- the transaction -------------------------------------------------------------------------------
     def _remove_entry(self, plan: Plan[C], entry: QueueEntry) -> None:
@@ -406,8 +406,8 @@ class _Planner(Generic[C]):
         return out
 
 
-def wait_over(vram_mb: int, wait_s: float) -> errors.CapacityError:
-    return errors.CapacityError(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
+def wait_over(vram_mb: int, wait_s: float) -> errors.WaitTimeout:
+    return errors.WaitTimeout(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
 
 
 def _left_the_queue(e: errors.GpucoordError) -> errors.FailedPrecondition:

@@ -27,7 +27,7 @@ import random
 import time
 from typing import Callable, Sequence
 
-from coordinator import errors, metrics
+from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure
 from coordinator.etcd.ops import cmp_mod_revision, compile_compare, compile_op, op_delete, range_req
 from coordinator.etcd.removals import Removal, remove_entries
@@ -152,8 +152,7 @@ class HostAdmitter:
         """Tell the caller (once the transaction that makes it true, if any, has committed)."""
         if self._waiting.get(c.lease_id) is c:
             del self._waiting[c.lease_id]
-        if not c.future.done():
-            metrics.REFUSALS.labels(type(err).__name__).inc()
+        if not c.future.done():   # counted where the RPC answers (gpucoord_refusals_total)
             c.future.set_exception(err)
 
     # -- the loop --------------------------------------------------------------------------------
@@ -294,10 +293,10 @@ class HostAdmitter:
                 # before this request (read-your-writes), not what a lagging member has applied.
                 snap = await rep.store.snapshot(
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys])
-            view = host_view(self.keys, self.host, snap, rep.config.untracked_vram)
+            view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          time.time())
+                          clock.wall())
             plan = plan_round(view, batch, self._waiting, live, ctx)
             if use_mirror:
                 use_mirror = False

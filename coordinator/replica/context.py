@@ -7,8 +7,10 @@ import dataclasses
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
+from coordinator.etcd.types import KV
 from coordinator.records import EvictionRecord
 from coordinator.replica.mirror import Mirror
+from coordinator.replica.observed import Observed
 
 
 @dataclasses.dataclass
@@ -22,3 +24,17 @@ class ReplicaContext:
     # Eviction notices, from the replica's watch: lease id -> record. Admission counts their leases as
     # leaving; the leader enforces their deadlines. One dict, updated in place by the watch.
     evictions: dict[str, EvictionRecord] = dataclasses.field(default_factory=dict)
+    # When this replica first saw each usage report, eviction notice and queue entry (the watch feeds it):
+    # ages and deadlines are measured on our own monotonic clock from then, never against another
+    # machine's wall clock.
+    observed: Observed = dataclasses.field(default_factory=Observed)
+
+    def usage_age(self, kv: KV) -> float:
+        """Seconds since this replica saw this usage report (``usage/<host>`` at this mod_revision)."""
+        return self.observed.age(kv.key, kv.mod_revision)
+
+    def notice_deadline(self, kv: KV, record: EvictionRecord) -> float:
+        """The monotonic time at which an eviction notice's grace ends, as this replica measures it: the
+        grace (two wall times written by the same process) from when we first saw the notice."""
+        grace = max(0.0, record.deadline_unix - record.created_at)
+        return self.observed.saw(kv.key, kv.create_revision) + grace

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
-from coordinator import errors
+from coordinator import clock, errors
 from coordinator.aio import log_failure
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
@@ -80,7 +79,7 @@ class Leadership:
         session = self._session = await EtcdSession(self.ctx.store, self.ctx.config.election_ttl_s,
                                                     f"replica {me}").open()
         election = self.election = Election(session, self.keys, me)
-        info = dumps({"replica": me, "address": self.ctx.advertise, "started_at": time.time()})
+        info = dumps({"replica": me, "address": self.ctx.advertise, "started_at": clock.wall()})
         await election.campaign(info, extra_puts=[(self.keys.coordinator(me), info)])
         ended = asyncio.create_task(session.done.wait())
         try:
@@ -131,13 +130,16 @@ class Leadership:
         await asyncio.gather(self._enforce_deadlines(), self._sweep_queue())
 
     async def _enforce_deadlines(self) -> None:
-        """Revoke every lease whose eviction deadline passed. Deadlines live in etcd, so a new leader
-        picks them up from the replica's watch-fed cache of ``evictions/``."""
+        """Revoke every lease whose eviction deadline passed. Notices live in etcd, so a new leader picks
+        them up from the replica's watch-fed cache of ``evictions/``. A deadline is the notice's grace
+        measured on this replica's monotonic clock from when it first saw the notice (never the writer's
+        wall clock against ours): with a leader change it can come late, never early."""
         while True:
-            now = time.time()
-            due = [r for r in list(self.ctx.evictions.values()) if r.deadline_unix <= now]
+            now = clock.monotonic()
             failed = False
-            for record in due:
+            for record, at in self._deadlines():
+                if at > now:
+                    continue
                 try:
                     await self._deadline(record)
                 except errors.GpucoordError as e:
@@ -145,8 +147,8 @@ class Leadership:
                     failed = True
                     continue
                 self.ctx.evictions.pop(record.lease_id, None)
-            upcoming = [r.deadline_unix for r in self.ctx.evictions.values()]
-            timeout = max(0.0, min(upcoming) - time.time()) if upcoming else 1.0
+            upcoming = [at for _, at in self._deadlines()]
+            timeout = max(0.0, min(upcoming) - clock.monotonic()) if upcoming else 1.0
             if failed:
                 timeout = max(timeout, 0.2)   # etcd is failing us: do not spin
             self.deadline_wake.clear()
@@ -154,6 +156,14 @@ class Leadership:
                 await asyncio.wait_for(self.deadline_wake.wait(), min(timeout, 1.0))
             except asyncio.TimeoutError:
                 pass
+
+    def _deadlines(self) -> list[tuple[EvictionRecord, float]]:
+        out = []
+        for record in list(self.ctx.evictions.values()):
+            kv = self.ctx.mirror.get(self.keys.eviction(record.lease_id))
+            if kv is not None:
+                out.append((record, self.ctx.notice_deadline(kv, record)))
+        return out
 
     async def _deadline(self, record: EvictionRecord) -> None:
         """Revoke the lease, unless the request it was evicted for has gone (then the notice is withdrawn:
@@ -199,15 +209,17 @@ class Leadership:
                                               range_req(keys.coordinators(), prefix=True, keys_only=True)])
         hosts = {keys.parse(kv.key)[1][0] for kv in snap.ranges[0]}
         replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[2]}
-        now = time.time()
+        now = clock.monotonic()
         removals: list[Removal] = []
         swept: list[tuple[QueueEntry, str]] = []
         for kv in snap.ranges[1]:
             host = keys.parse(kv.key)[1][0]
             entry = QueueEntry.from_kv(kv)
             gone_host = host not in hosts
-            abandoned = entry.deadline_unix + SWEEP_GRACE_S < now and entry.replica not in replicas
-            overdue = entry.deadline_unix + OVERDUE_S < now
+            # The wait is measured from when this replica saw this version of the entry (our clock).
+            waited = self.ctx.observed.age(kv.key, kv.mod_revision, now) - entry.wait_s
+            abandoned = waited > SWEEP_GRACE_S and entry.replica not in replicas
+            overdue = waited > OVERDUE_S
             if gone_host or abandoned or overdue:
                 removals.append(Removal(kv.key, kv.mod_revision, (cmp_absent(keys.host(host)),) if gone_host else ()))
                 swept.append((entry, "host gone" if gone_host else "waiter gone" if abandoned else "overdue"))

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from typing import Any, Sequence
 
-from coordinator import errors, metrics
+from coordinator import clock, errors, metrics
 from coordinator.config import MAX_GRACE_S, MAX_REASON_BYTES
 from coordinator.etcd.election import Election
 from coordinator.etcd.store import Store
@@ -101,7 +100,7 @@ class Leases:
             lease = await self.find_lease(lease_id)
             if lease is None:
                 raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
-            now = time.time()
+            now = clock.wall()
             existing = await self.store.get(self.keys.eviction(lease_id))
             if existing is not None:
                 record = EvictionRecord.from_kv(existing)

@@ -7,12 +7,12 @@ from one consistent snapshot and committed in one transaction that compares what
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-import time
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable, Iterable
 
-from coordinator import errors
+from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.config import MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_TTL_S, MIN_TTL_S, CoordinatorConfig
 from coordinator.etcd.election import Election
@@ -48,7 +48,10 @@ class CoordinatorService:
     def __init__(self, config: CoordinatorConfig, store: Store | None = None, advertise: str = "") -> None:
         keys = Keys(config.prefix)
         self.ctx = ReplicaContext(
-            store=store or Store(config.etcd, timeout=config.etcd_timeout_s, security=config.etcd_security()),
+            # A read is retried (e.g. across an etcd leader election) for at most one more etcd timeout,
+            # so that a call fails within about twice the timeout when etcd has no quorum.
+            store=store or Store(config.etcd, timeout=config.etcd_timeout_s, retry_for=config.etcd_timeout_s,
+                                 security=config.etcd_security()),
             keys=keys, config=config, replica_id=uuid.uuid4().hex[:12], advertise=advertise, mirror=Mirror(keys))
         self.config, self.keys, self.store = config, keys, self.ctx.store
         self.replica_id, self.advertise, self.mirror = self.ctx.replica_id, advertise, self.ctx.mirror
@@ -65,6 +68,9 @@ class CoordinatorService:
         self.watch_ready = asyncio.Event()
         self.leadership: Leadership | None = None
         self._closed = False
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []   # e.g. the RPC layer's forwarding channels
+        self.observed = self.ctx.observed
+        self.usage_age = self.ctx.usage_age
 
     async def start(self, leader_duties: bool = True) -> None:
         await self.store.connect()
@@ -83,6 +89,8 @@ class CoordinatorService:
         if self.leadership is not None:
             await self.leadership.resign()
         await cancel_and_wait(self._tasks)
+        for hook in self.on_stop:
+            await hook()
         await self.store.close()
 
     # -- the replica's watch ---------------------------------------------------------------------
@@ -97,6 +105,7 @@ class CoordinatorService:
     async def _watch_once(self) -> None:
         snap = await self.store.get_prefix(self.keys.root())
         self.mirror.reset(snap.ranges[0], snap.revision)
+        self._observe(snap.ranges[0], reset=True)
         self.evictions.clear()
         self.evictions.update((r.lease_id, r) for r in (EvictionRecord.from_kv(kv)
                                                         for kv in self.mirror.items("evictions")))
@@ -110,7 +119,28 @@ class CoordinatorService:
                 self.mirror.ready = False
                 return
             self.mirror.apply(batch)
+            self._observe([ev.kv for ev in batch.events if ev.kind == "PUT"])
+            for ev in batch.events:
+                if ev.kind != "PUT":
+                    self.observed.forget(ev.kv.key)
             self._on_events(batch)
+
+    _OBSERVED_KINDS = ("usage", "evictions", "queue")
+
+    def _observe(self, kvs: Any, reset: bool = False) -> None:
+        """Note when we first saw each usage report and queue entry (by mod_revision) and each eviction
+        notice (by create_revision: a rewrite keeps its grace running)."""
+        seen: set[bytes] = set()
+        for kv in kvs:
+            try:
+                kind, _ = self.keys.parse(kv.key)
+            except ValueError:
+                continue
+            if kind in self._OBSERVED_KINDS:
+                self.observed.saw(kv.key, kv.create_revision if kind == "evictions" else kv.mod_revision)
+                seen.add(kv.key)
+        if reset:
+            self.observed.keep_only(seen)
 
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()
@@ -196,7 +226,7 @@ class CoordinatorService:
             etcd_lease = await self.store.grant(ttl)
             session_id = session_id_from_etcd_lease(etcd_lease)
             value = dumps({"agent": agent, "host": host, "pid": pid, "client_version": client_version,
-                           "ttl": ttl, "opened_at": time.time(), "coordinator": self.replica_id})
+                           "ttl": ttl, "opened_at": clock.wall(), "coordinator": self.replica_id})
             part_rev = part_kvs[0].mod_revision if part_kvs else 0
             written = False
             try:
@@ -260,6 +290,31 @@ class CoordinatorService:
         await self.store.revoke(info.etcd_lease)
         self._sessions.pop((info.agent, info.session_id), None)
 
+    # -- host ownership ------------------------------------------------------------------------
+    def live_replicas(self) -> dict[str, str]:
+        """replica id -> gRPC address, of the replicas registered under ``coordinators/`` (the mirror)."""
+        out: dict[str, str] = {}
+        for kv in self.mirror.items("coordinators"):
+            try:
+                doc = kv.json()
+                out[str(doc["replica"])] = str(doc.get("address", ""))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def owner(self, host: str) -> tuple[str, str] | None:
+        """The replica that admits on ``host`` (id, address), by rendezvous hashing over the live replicas;
+        None when this replica cannot tell (its mirror is not current, or no replica is registered).
+        Ownership is a performance property: every decision is still a compare-and-set, so two replicas
+        that disagree for a moment (one joined, one died) stay correct, only slower."""
+        if not self.mirror.ready:
+            return None
+        replicas = self.live_replicas()
+        if not replicas:
+            return None
+        winner = owner_of(host, replicas)
+        return winner, replicas[winner]
+
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
                       request_id: str, wait_s: float) -> VramLease:
@@ -315,3 +370,9 @@ class CoordinatorService:
     async def status(self, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
         """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
         return await read_status(self.ctx, host)
+
+
+def owner_of(host: str, replicas: Iterable[str]) -> str:
+    """Rendezvous (highest random weight) hashing: the replica whose hash with the host is highest. When a
+    replica joins or leaves, only the hosts it wins or held move."""
+    return max(replicas, key=lambda r: hashlib.sha256(f"{host}\0{r}".encode()).digest())

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from coordinator.etcd.ops import range_req
@@ -21,7 +20,7 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
     if host:
         check_name("host", host)
         snap = await ctx.store.snapshot(host_ranges(ctx.keys, host))
-        views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram)]
+        views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)]
     else:
         # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
         # would pass etcd's limit of operations per transaction).
@@ -34,7 +33,7 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
                 h = ctx.keys.parse(kv.key)[1][0]
                 per_host.setdefault(h, [[] for _ in kinds])[i].append(kv)
         views = [host_view(ctx.keys, h, Snapshot(snap.revision, tuple(tuple(r) for r in per_host[h])),
-                           ctx.config.untracked_vram)
+                           ctx.config.untracked_vram, ctx.usage_age)
                  for h in sorted(per_host)]
     etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
     ttls = dict(zip(etcd_leases, await asyncio.gather(*(ctx.store.time_to_live(x) for x in etcd_leases))))
@@ -43,12 +42,10 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
 
 def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> dict[str, Any]:
     """The operator's view, as plain JSON (``gpucoord status --json``)."""
-    now = time.time()
     hosts = []
     for v in views:
         inv = v.inventory
         part = v.partition or (default_partition(inv) if inv else None)
-        usage_age = now - float(v.usage["ts"]) if v.usage else -1.0
         # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
         reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
@@ -71,7 +68,8 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                  for kv in v.queue for v_key in [kv.key]]
         hosts.append({
             "host": v.host, "alive": v.alive, "address": json.loads(v.host_kv.value).get("address", "") if v.host_kv else "",
-            "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(usage_age, 1),
+            "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
+            "usage_stale": v.usage_stale,
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
             "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",
             "partition_explicit": v.partition is not None, "gpus": gpus, "agents": agents, "leases": leases,

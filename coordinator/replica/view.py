@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import functools
-import time
-from typing import Any
+from typing import Any, Callable
 
 from coordinator.policy.admission import GpuView
 from coordinator.policy.host import HostView
@@ -14,14 +13,30 @@ from coordinator.etcd.store import KV, Snapshot
 from coordinator.etcd.ops import range_req
 
 
-def _usage_fresh(usage: dict[str, Any] | None, now: float) -> dict[str, int]:
-    """NVML used VRAM per GPU uuid, or {} when the usage is missing or stale (> 3 node intervals old)."""
+STALE_INTERVALS = 3
+"""Usage is stale once this replica has seen no new report for this many of the node's intervals."""
+
+
+def usage_is_stale(usage: dict[str, Any] | None, age_s: float) -> bool:
+    return bool(usage) and age_s > STALE_INTERVALS * float(usage.get("interval_s", 5.0))  # type: ignore[union-attr]
+
+
+def _usage_used(usage: dict[str, Any] | None, stale: bool, leased: dict[str, int]) -> dict[str, int]:
+    """NVML used VRAM per GPU uuid, as admission must count it.
+
+    Fresh usage counts as reported. Stale usage (the node's scan hangs, or its writes do not arrive) fails
+    closed: the untracked VRAM of the last report is kept, never less, whatever happened to the leases
+    since (a lease released meanwhile may still be in use for all we know)."""
     if not usage:
         return {}
-    interval = float(usage.get("interval_s", 5.0))
-    if now - float(usage.get("ts", 0)) > 3 * interval:
-        return {}
-    return {g["uuid"]: int(g["vram_used_mb"]) for g in usage.get("gpus", ())}
+    used: dict[str, int] = {}
+    for g in usage.get("gpus", ()):
+        uuid, nvml = str(g["uuid"]), int(g["vram_used_mb"])
+        if stale:
+            reported_untracked = int(g.get("untracked_mb", nvml))
+            nvml = max(nvml, leased.get(uuid, 0) + reported_untracked)
+        used[uuid] = nvml
+    return used
 
 
 def host_ranges(keys: Keys, host: str) -> list[Any]:
@@ -52,16 +67,20 @@ def _default_partition(host_value: bytes) -> Partition:
     return default_partition(_inventory(host_value))
 
 
-def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float | None = None) -> HostView:
-    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``."""
-    now = time.time() if now is None else now
+def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
+              usage_age: Callable[[KV], float] | None = None) -> HostView:
+    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``.
+
+    ``usage_age`` says how long ago the caller observed the usage report's revision (its own clock; see
+    ``observed.py``); without it the report counts as fresh."""
     host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
     host_kv = host_kvs[0] if host_kvs else None
     inventory = _inventory(host_kv.value) if host_kv else None
     part_kv = part_kvs[0] if part_kvs else None
     partition = _partition(part_kv.value) if part_kv else None
     usage = usage_kvs[0].json() if usage_kvs else None
-    used = _usage_fresh(usage, now) if untracked else {}
+    age = (usage_age(usage_kvs[0]) if usage_age is not None else 0.0) if usage_kvs else -1.0
+    stale = usage_is_stale(usage, age)
     ledgers = {keys.parse(kv.key)[1][-1]: GpuLedger.from_kv(kv) for kv in ledger_kvs}
     leases = {}
     by_gpu: dict[str, list[VramLease]] = {}
@@ -69,6 +88,7 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float
         lease = VramLease.from_kv(kv)
         leases[lease.id] = lease
         by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
+    used = _usage_used(usage, stale, {u: sum(x.vram_mb for x in ls) for u, ls in by_gpu.items()}) if untracked else {}
     gpus: dict[str, GpuView] = {}
     if inventory is not None:
         part = partition or _default_partition(host_kv.value)  # type: ignore[union-attr]
@@ -78,7 +98,7 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool, now: float
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
                 leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
     return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs,
-                    tuple(queue_entry(kv) for kv in queue_kvs))
+                    tuple(queue_entry(kv) for kv in queue_kvs), usage_age_s=age, usage_stale=stale)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -20,6 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.status import status_json
 from coordinator.replica.validate import check_lease_id, validate_acquire, validate_attach
+from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.security.interceptor import SecurityInterceptor, current_caller
 from coordinator.security.tls import add_port, check_listen, server_options
 
@@ -43,11 +44,13 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         try:
             return await fn(self, request, context)
         except errors.GpucoordError as e:
+            metrics.count_refusal(fn.__name__, e)
             await context.abort(grpc.StatusCode[e.code], e.message)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("%s failed", fn.__name__)
+            metrics.count_refusal(fn.__name__, e)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
         raise AssertionError("unreachable")
 
@@ -55,9 +58,16 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
-    def __init__(self, svc: CoordinatorService) -> None:
+    def __init__(self, svc: CoordinatorService, forward: bool = True) -> None:
         self.svc = svc
         self.streams: set[asyncio.Task[Any]] = set()
+        cfg = svc.config
+        # With TLS a forwarded call would carry the replica's identity, not the agent's: replicas then do
+        # not forward (each decides what it receives; compare-and-set keeps it correct) and only tell
+        # clients the owner's address, which they follow.
+        self.forward = forward
+        self.forwarder = Forwarder(svc.replica_id, margin_s=max(2.0, 2 * cfg.etcd_timeout_s),
+                                   avoid_s=float(cfg.election_ttl_s))
 
     async def _session(self, ref: pb.SessionRef) -> Any:
         return await self.svc.session(ref.agent, ref.session_id)
@@ -102,6 +112,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 if item is None:
                     return
                 if isinstance(item, errors.GpucoordError):
+                    metrics.count_refusal("KeepAlive", item)
                     await context.abort(grpc.StatusCode[item.code], item.message)
                 if isinstance(item, EvictionRecord):
                     yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
@@ -128,10 +139,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             validate_acquire(request.vram_mb, request.gpu, request.priority, request.request_id,
                              request.wait_seconds)
             info = await self._session(request.session)
+            wait_s = request.wait_seconds
+            owner = self.svc.owner(info.host)
+            if owner is not None and owner[0] != self.svc.replica_id and owner[1] \
+                    and self.forward and not forwarded_by(context) and self.forwarder.usable(owner[1]):
+                sent, owner_id = time.monotonic(), owner[0]
+                answer = await self.forwarder.acquire(
+                    owner[1], request, owner_alive=lambda: owner_id in self.svc.live_replicas())
+                if answer is not None:
+                    return answer
+                # The owner could not answer: decide here, within what is left of the wait.
+                wait_s = max(0.0, wait_s - (time.monotonic() - sent))
+                owner = None
             preemptible = request.preemptible if request.HasField("preemptible") else True
             lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
-                                           request.request_id, request.wait_seconds)
-            return pb.AcquireResponse(lease=lease_pb(lease))
+                                           request.request_id, wait_s)
+            return pb.AcquireResponse(lease=lease_pb(lease), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)
 
@@ -152,11 +175,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         revision, views, ttls = await self.svc.status(request.host)
         doc = status_json(revision, views, ttls)
+        # The notices, read just after the snapshot: shown next to the leases they are about.
+        notices = {n.lease_id: n for n in map(EvictionRecord.from_kv,
+                                              (await self.svc.store.get_prefix(self.svc.keys.evictions())).ranges[0])}
         leader = self.svc.leadership.leader_id if self.svc.leadership is not None else ""
         out = pb.GetStatusResponse(revision=revision, leader=leader)
         for h in doc["hosts"]:
             hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
-                               usage_age_seconds=h["usage_age_s"], partition_mode=h["partition_mode"],
+                               usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"], partition_mode=h["partition_mode"],
                                cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
             for g in h["gpus"]:
                 gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
@@ -175,7 +201,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
                               leased_mb=a["leased_mb"], leases=a["leases"])
             for lease in views[[v.host for v in views].index(h["host"])].leases.values():
-                hs.leases.append(lease_pb(lease, ttls.get(lease.etcd_lease, -1)))
+                msg = lease_pb(lease, ttls.get(lease.etcd_lease, -1))
+                notice = notices.get(lease.id)
+                if notice is not None:
+                    msg.eviction.CopyFrom(pb.EvictionNotice(
+                        lease_id=notice.lease_id, gpu_uuid=notice.gpu_uuid, reason=notice.reason,
+                        requested_by=notice.requested_by, deadline_unix=notice.deadline_unix))
+                hs.leases.append(msg)
             for q in h["queue"]:
                 hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
                              priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
@@ -223,7 +255,9 @@ async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int
     svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
     await svc.start()
     guard.agent_hosts = svc.agent_hosts
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(svc), server)
+    servicer = CoordinatorServicer(svc, forward=tls is None)
+    svc.on_stop.append(servicer.forwarder.close)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, health.SERVICE_NAME,

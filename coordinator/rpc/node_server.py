@@ -10,14 +10,21 @@ from grpc_reflection.v1alpha import reflection
 
 from agent_client.api import node_pb2 as pb
 from agent_client.api import node_pb2_grpc as pb_grpc
-from coordinator import metrics
+from coordinator import errors, metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
+from coordinator.records import VramLease
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
 from coordinator.security.interceptor import SecurityInterceptor
 from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
+
+
+async def _refuse(context: grpc.aio.ServicerContext, rpc: str, error: errors.GpucoordError) -> None:
+    """Answer with ``error``'s status, counted in gpucoord_refusals_total like the coordinator's refusals."""
+    metrics.count_refusal(rpc, error)
+    await context.abort(grpc.StatusCode[error.code], error.message)
 
 
 class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
@@ -27,7 +34,7 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     async def GetInventory(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
         inv = self.daemon.inventory
         if inv is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting")
+            await _refuse(context, "GetInventory", errors.Unavailable("the node daemon is starting"))
         assert inv is not None  # abort() raises
         usage = {u.uuid: u for u in self.daemon.last_usage}
         out = pb.GetInventoryResponse(host=inv.host, address=inv.address, cpu_count=inv.cpu_count,
@@ -46,26 +53,44 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
         INVALID_ARGUMENT; a well-formed index or uuid that this host does not have is NOT_FOUND."""
         ref = request.gpu_uuid
         if not ref:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gpu_uuid: is required")
+            await _refuse(context, "CheckToken", errors.InvalidArgument("gpu_uuid: is required", "gpu_uuid"))
         if not valid_name(ref):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"gpu_uuid: {quote_prefix(ref)} is neither a GPU index nor a GPU uuid")
+            await _refuse(context, "CheckToken", errors.InvalidArgument(
+                f"gpu_uuid: {quote_prefix(ref)} is neither a GPU index nor a GPU uuid", "gpu_uuid"))
         if request.token <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token: must be > 0")
+            await _refuse(context, "CheckToken", errors.InvalidArgument("token: must be > 0", "token"))
         inv = self.daemon.inventory
         if inv is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node daemon is starting; retry")
+            await _refuse(context, "CheckToken", errors.Unavailable("the node daemon is starting; retry"))
         assert inv is not None  # abort() raises
         gpu = inv.gpu(int(ref)) if ref.isdigit() else inv.gpu(ref)
         if gpu is None:
             what = f"index {int(ref)}" if ref.isdigit() else quote_prefix(ref)
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"gpu_uuid: host {inv.host!r} has no GPU {what}")
+            await _refuse(context, "CheckToken",
+                          errors.NotFound(f"gpu_uuid: host {inv.host!r} has no GPU {what}", "gpu_uuid"))
         assert gpu is not None
         if not self.daemon.leases_ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is resynchronising its view of leases; retry")
+            await _refuse(context, "CheckToken",
+                          errors.Unavailable("the node is resynchronising its view of leases; retry"))
         live, lease_id = self.daemon.check_token(gpu.uuid, request.token)
+        if not live and request.token > self.daemon.highest_token.get(gpu.uuid, 0):
+            # Newer than any token this node has seen: a grant its watch may not have delivered yet (an agent
+            # checks right after its acquire returned), so etcd answers rather than a "no" that is too early.
+            try:
+                live, lease_id = await self._check_token_in_etcd(gpu.uuid, request.token)
+            except errors.GpucoordError as e:
+                await _refuse(context, "CheckToken", e)
         return pb.CheckTokenResponse(live=live, lease_id=lease_id,
                                      highest_token=self.daemon.highest_token.get(gpu.uuid, 0))
+
+
+    async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
+        d = self.daemon
+        snap = await d.store.get_prefix(d.keys.leases(d.host, gpu_uuid))
+        for lease in map(VramLease.from_kv, snap.ranges[0]):
+            if lease.token == token:
+                return True, lease.id
+        return False, ""
 
 
 async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | None = None,
@@ -88,8 +113,11 @@ async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | No
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
                    metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
-                   enforcer: Enforcer | None = None, tls: TlsFiles | None = None, insecure: bool = False) -> None:
-    """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon."""
+                   enforcer: Enforcer | None = None, tls: TlsFiles | None = None, insecure: bool = False,
+                   advertise: str | None = None) -> None:
+    """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon.
+    ``advertise`` is the address published in ``hosts/<host>`` (default: the listen address with the bound
+    port), for a node that listens on 0.0.0.0 or behind a NAT."""
     if metrics_listen:
         check_listen(metrics_listen, tls, insecure, what="metrics-listen")
         metrics.serve(metrics_listen, tls)
@@ -102,7 +130,7 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
         await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
         # Bind first, so that the published address carries the real port.
         server, port = await create_node_server(daemon, listen, tls, insecure)
-        daemon.address = f"{listen.rpartition(':')[0]}:{port}"
+        daemon.address = advertise or f"{listen.rpartition(':')[0]}:{port}"
         await daemon.start()
         if ready is not None:
             ready(port)

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from coordinator import errors
+from coordinator import errors, metrics
 from coordinator.security import authz, bounds
 from coordinator.security.identity import Identity, peer_identity
 
@@ -137,6 +137,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 await interceptor._check(caller, method, request)
             except errors.GpucoordError as e:
+                metrics.count_refusal(authz.rpc_name(method), e)   # refused before the handler: counted here
                 await context.abort(grpc.StatusCode[e.code], e.message)
             return caller
 
@@ -175,6 +176,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 await interceptor._check(caller, method, None)
             except errors.GpucoordError as e:
+                metrics.count_refusal(authz.rpc_name(method), e)
                 await context.abort(grpc.StatusCode[e.code], e.message)
             return caller
 

@@ -143,16 +143,6 @@ def aio_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str,
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=list(options))
 
 
-def add_arguments(parser: Any, server: bool = False) -> None:
-    g = parser.add_argument_group("TLS (mTLS with gpucoord certificates; also GPUCOORD_TLS_CA/CERT/KEY)")
-    g.add_argument("--tls-ca", default=None, help="CA certificate that signs every gpucoord certificate")
-    g.add_argument("--tls-cert", default=None, help="this process's certificate")
-    g.add_argument("--tls-key", default=None, help="its private key")
-    if server:
-        g.add_argument("--insecure", action="store_true", default=None,
-                       help="allow plaintext on a non-loopback address (logged as a warning)")
-
-
 def from_args(args: Any) -> TlsFiles | None:
     """TLS files from the flags, else the environment."""
     return resolve(getattr(args, "tls_ca", None), getattr(args, "tls_cert", None), getattr(args, "tls_key", None))

@@ -14,7 +14,7 @@ from tests.harness import child_env
 
 pytestmark = pytest.mark.integration
 
-EXPECTED = {"P1": 1, "P2": 2, "P3": 1, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4}
+EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4}
 
 
 def test_quick_bench_reports_every_target() -> None:

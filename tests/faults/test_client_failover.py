@@ -84,7 +84,10 @@ def test_acquire_sent_to_a_hung_replica_is_answered_through_the_next(cluster: Cl
 
 def test_waiting_acquire_leaves_a_replica_that_hangs_mid_call(cluster: Cluster, replicas: list[Replica]) -> None:
     cluster.start_node("h1", "1x8GiB")
-    first, second = replicas
+    # The waiter's replica must be the one that owns h1 (host ownership): another would forward it there.
+    from coordinator.replica.service import owner_of
+    owner = owner_of("h1", [r.id for r in replicas])
+    first, second = sorted(replicas, key=lambda r: r.id != owner)
     entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]  # noqa: E731
     with Client(second.addr, agent="holder", host="h1") as holder, \
             Client([first.addr, second.addr], agent="waiter", host="h1") as waiter:

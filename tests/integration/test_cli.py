@@ -1,4 +1,4 @@
-"""The CLI end to end: `gpucoord up --demo` plays its scene; status and keys read the real state."""
+"""The CLI end to end: status and keys read the real state (`gpucoord up --demo` is run by tests/cli/test_readme.py)."""
 from __future__ import annotations
 
 import json
@@ -9,25 +9,18 @@ from pathlib import Path
 import pytest
 
 from agent_client import Client
-from coordinator.etcd.process import free_port
 from tests.harness import REPO, Cluster, child_env
 
 pytestmark = pytest.mark.integration
+
+# Every address of `up` on a free port: other test runs on this machine may hold the defaults.
+FREE_PORTS = [f"--{flag}=127.0.0.1:0" for flag in ("listen", "metrics-listen", "node-listen", "node-metrics-listen",
+                                                   "etcd-listen")]
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True,
                           env=child_env(), cwd=REPO, timeout=timeout)
-
-
-def test_up_demo_runs_to_its_end(tmp_path: Path) -> None:
-    proc = _cli("up", "--demo", "--fake-gpus", "2x16GiB", "--host", "demo-host", "--data-dir", str(tmp_path / "d"),
-                "--listen", f"127.0.0.1:{free_port()}", "--node-listen", "127.0.0.1:0", timeout=180)
-    out = proc.stdout
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert out.count("GRANTED") == 4 and "REFUSED (RESOURCE_EXHAUSTED)" in out
-    assert "released by etcd itself" in out and "demo finished" in out
-    assert "=== every agent released and closed its session" in out
 
 
 def test_status_and_keys(cluster: Cluster) -> None:
@@ -46,11 +39,6 @@ def test_status_and_keys(cluster: Cluster) -> None:
         assert keys.returncode == 0
         assert f"{cluster.prefix}leases/h1/{lease.gpu_uuid}/{lease.id}" in keys.stdout
         assert f"{cluster.prefix}sessions/agent-a/{c.session_id}" in keys.stdout
-
-
-def test_status_reports_an_unreachable_coordinator() -> None:
-    proc = _cli("status", "--coordinator", f"127.0.0.1:{free_port()}")
-    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
 
 
 def test_lease_evict_and_revoke_commands(cluster: Cluster) -> None:
@@ -92,8 +80,7 @@ def test_up_with_a_short_session_ttl_reclaims_a_killed_client_within_4_s(tmp_pat
 
     from coordinator.cli.common import fetch_status
     up = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "up", "--session-ttl", "3", "--fake-gpus", "1x16GiB",
-                           "--host", "ttl-host", "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0",
-                           "--node-listen", "127.0.0.1:0"],
+                           "--host", "ttl-host", "--data-dir", str(tmp_path / "d"), *FREE_PORTS],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=REPO)
     holder = None
     try:

@@ -233,8 +233,11 @@ def test_cancelled_waiter_leaves_the_queue(cluster: Cluster) -> None:
 
 def test_shutdown_answers_waiters_unavailable_and_keeps_their_entries(cluster: Cluster) -> None:
     cluster.start_node("h1", "1x8GiB")
-    first = cluster.start_coordinator()
-    second = cluster.start_coordinator()
+    addrs = {cluster.start_coordinator(), cluster.start_coordinator()}
+    # The waiter talks to the replica that owns h1 (one that forwards would cancel its forwarded call
+    # when it stops, and the owner would then dequeue it as a caller gone).
+    first = cluster.owner("h1", 2)
+    second, = addrs - {first}
     with Client([first, second], agent="a", host="h1") as a, Client(first, agent="b", host="h1", ttl=30) as b:
         held = a.acquire(8000, preemptible=False)
         stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(first))

@@ -311,7 +311,7 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
     def lease_use() -> list[dict[str, Any]]:
         return list(gpu_status(addr)["lease_use"])
     write_fake_processes(procs_file, {0: {pid: 1200}})   # within 1000 + 256
-    wait_for(lambda: [(u["used_mb"], u["over_use"]) for u in lease_use()] == [("1200", False)], 10,
+    wait_for(lambda: [(u["used_mb"], u["over_use"]) for u in lease_use()] == [(1200, False)], 10,
              "the node to report 1200 MiB used, within tolerance")
     (use,) = lease_use()
     sample = {"gpu": "GPU-sim-h1-0", "lease": use["lease_id"]}
@@ -322,8 +322,9 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
                          capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=30)
     (gpu,) = json.loads(out.stdout)["hosts"][0]["gpus"]
     (use,) = gpu["lease_use"]
-    assert (use["over_use"], use["used_mb"], use["vram_mb"], use["pids"]) == (True, "1500", "1000", [str(pid)])
-    assert gpu["processes"] == [{"pid": str(pid), "used_mb": "1500", "state": "leased",
+    # Numbers are JSON numbers in status --json (not protobuf's strings for 64-bit integers).
+    assert (use["over_use"], use["used_mb"], use["vram_mb"], use["pids"]) == (True, 1500, 1000, [pid])
+    assert gpu["processes"] == [{"pid": pid, "used_mb": 1500, "state": "leased",
                                  "lease_id": use["lease_id"]}]
     assert metrics.REGISTRY.get_sample_value("gpucoord_node_lease_over_use_mb", sample) == 500
     assert metrics.REGISTRY.get_sample_value("gpucoord_node_lease_vram_used_mb", sample) == 1500

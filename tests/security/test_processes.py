@@ -136,4 +136,42 @@ def test_up_secure_cli_uses_the_environment(up: Up) -> None:
     assert "PERMISSION_DENIED" in as_agent.stderr and "gpucoord://agent/agent-a" in as_agent.stderr
     plaintext = _gpucoord("status", "--coordinator", addr.group(1),
                           env={k: v for k, v in child_env().items() if not k.startswith("GPUCOORD_TLS_")})
-    assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stderr
+    # The handshake fails: unreachable as far as a plaintext client can tell (exit 3), with the TLS flags as hint.
+    assert plaintext.returncode == 3 and "UNAVAILABLE" in plaintext.stderr, plaintext.stderr
+    assert "--tls-ca" in plaintext.stderr, plaintext.stderr
+
+
+def test_up_secure_tls_flags_go_before_or_after_the_command(up: Up) -> None:
+    """--tls-ca/--tls-cert/--tls-key are global options (README, "Command-line conventions"): accepted
+    before the command, between its words or after it, and they win over GPUCOORD_TLS_*."""
+    addr = re.search(r"coordinator: +(127\.0\.0\.1:\d+)", up.output())
+    assert addr is not None
+    pki = up.data_dir / "pki"
+    flags = ["--tls-ca", str(pki / "ca.crt"), "--tls-cert", str(pki / "operator-operator.crt"),
+             "--tls-key", str(pki / "operator-operator.key")]
+    # The environment names an agent, which may not see the host without a session: the flags must win.
+    agent_env = {**child_env(), "GPUCOORD_TLS_CA": str(pki / "ca.crt"),
+                 "GPUCOORD_TLS_CERT": str(pki / "agent-agent-a.crt"), "GPUCOORD_TLS_KEY": str(pki / "agent-agent-a.key")}
+    for argv in ([*flags, "status", "--coordinator", addr.group(1)],
+                 ["status", "--coordinator", addr.group(1), *flags],
+                 ["partition", *flags, "show", "sec-host", "--coordinator", addr.group(1)]):
+        done = _gpucoord(*argv, env=agent_env)
+        assert done.returncode == 0 and "sec-host" in done.stdout, (argv, done.stderr)
+
+
+def test_tls_flags_are_checked_before_anything_is_sent(tmp_path: pathlib.Path) -> None:
+    env = {k: v for k, v in child_env().items() if not k.startswith("GPUCOORD_TLS_")}
+    addr = f"127.0.0.1:{free_port()}"
+    for argv in (["--tls-ca", "ca.crt", "status", "--coordinator", addr],
+                 ["status", "--coordinator", addr, "--tls-cert", "x.crt"]):
+        done = _gpucoord(*argv, env=env)
+        assert done.returncode == 2, (argv, done.stderr)
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith("gpucoord: error: --tls-") and "TLS needs all of" in line, line
+    missing = [x for part in ("ca", "cert", "key") for x in (f"--tls-{part}", str(tmp_path / f"none.{part}"))]
+    done = _gpucoord("status", "--coordinator", addr, *missing, env=env)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "cannot read" in done.stderr, done.stderr
+    # keys reads etcd: gRPC's TLS flags are not its options.
+    done = _gpucoord("--tls-ca", "ca.crt", "keys", env=env)
+    assert done.returncode == 2 and "does not use --tls-ca" in done.stderr, done.stderr
+    assert _gpucoord("keys", "--tls-ca", "ca.crt", env=env).returncode == 2

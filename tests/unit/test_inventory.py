@@ -209,7 +209,7 @@ def test_gpu_lost_mid_scan_skips_only_that_gpu(caplog: pytest.LogCaptureFixture)
     nvml = four_gpus()
     nvml.devices[2].fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
     src = NvmlGpuSource(nvml)
-    with caplog.at_level(logging.WARNING, logger="coordinator.node.inventory"):
+    with caplog.at_level(logging.WARNING, logger="coordinator.node.nvml"):
         gpus = src.gpus()
         usage = src.usage()
     assert [g.index for g in gpus] == [0, 1, 3]
@@ -239,7 +239,7 @@ def test_partial_scan_is_not_cached_and_recovery_is_seen(caplog: pytest.LogCaptu
     src = NvmlGpuSource(nvml)
     assert len(src.gpus()) == 3
     del nvml.devices[2].fail["nvmlDeviceGetMemoryInfo"]
-    with caplog.at_level(logging.INFO, logger="coordinator.node.inventory"):
+    with caplog.at_level(logging.INFO, logger="coordinator.node.nvml"):
         assert len(src.gpus()) == 4
     assert any("GPU 2" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
 

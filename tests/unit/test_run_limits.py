@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_client.run import exit_status, plan_limits, prepare_cgroup
+from agent_client.process import exit_status, plan_limits, prepare_cgroup
 from coordinator.records import GpuProcess
 from coordinator.node.inventory import FakeGpuSource, parse_fake_processes
 

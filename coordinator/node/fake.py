@@ -1,0 +1,183 @@
+"""Simulated GPUs for development hosts and tests without NVIDIA hardware: ``--fake-gpus 4x80GiB``, and
+simulated processes on them with ``--fake-processes FILE``."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+import psutil
+
+from coordinator.records import GpuInfo, GpuProcess, GpuUsage
+
+log = logging.getLogger(__name__)
+
+
+
+MAX_FAKE_GPUS = 64
+MAX_FAKE_SIZE_MB = 1024 * 1024  # 1 TiB
+_FAKE_FORMAT = (
+    "expected COUNTxSIZE[,COUNTxSIZE...] with COUNT 1..64 and SIZE a whole number of GiB or MiB "
+    "(1MiB..1024GiB), e.g. '4x80GiB', '2x24GiB,1x80GiB', '1x16384MiB' or just '80GiB'"
+)
+_GROUP_RE = re.compile(r"^(?:([0-9]{1,9})\s*[xX]\s*)?([0-9]{1,12})\s*([GgMm][Ii][Bb])$", re.ASCII)
+_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._:@-]")
+_MAX_KEY_SEGMENT = 128  # coordinator/keys.py accepts names up to 128 characters
+
+
+def _size_text(mb: int) -> str:
+    return f"{mb // 1024}GiB" if mb % 1024 == 0 else f"{mb}MiB"
+
+
+def _fake_uuid(host: str, index: int) -> str:
+    """A deterministic uuid that is a safe etcd key segment: [A-Za-z0-9._:@-], at most 128 characters.
+
+    A host name too long to fit is shortened, with a hash of the full name so uuids stay distinct.
+    """
+    safe = _UNSAFE_RE.sub("_", host)
+    uuid = f"GPU-sim-{safe}-{index}"
+    if len(uuid) > _MAX_KEY_SEGMENT:
+        digest = hashlib.sha256(host.encode()).hexdigest()[:8]
+        room = _MAX_KEY_SEGMENT - len(f"GPU-sim--{digest}-{index}")
+        uuid = f"GPU-sim-{safe[:room]}-{digest}-{index}"
+    return uuid
+
+
+def parse_fake_gpus(spec: str, host: str) -> tuple[GpuInfo, ...]:
+    """Parse a ``--fake-gpus`` spec into GPUs; a ValueError quotes the spec and shows the format."""
+
+    def bad(reason: str) -> ValueError:
+        return ValueError(f"invalid --fake-gpus spec {spec!r}: {reason}; {_FAKE_FORMAT}")
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise bad("it is empty")
+    gpus: list[GpuInfo] = []
+    for group in spec.split(","):
+        g = group.strip()
+        m = _GROUP_RE.match(g)
+        if m is None:
+            raise bad(f"cannot read group {g!r}" if g else "it has an empty group")
+        count = int(m.group(1)) if m.group(1) is not None else 1
+        size = int(m.group(2))
+        size_mb = size * 1024 if m.group(3).lower() == "gib" else size
+        if not 1 <= count <= MAX_FAKE_GPUS:
+            raise bad(f"count {count} in {g!r} is out of range 1..{MAX_FAKE_GPUS}")
+        if not 1 <= size_mb <= MAX_FAKE_SIZE_MB:
+            raise bad(f"size in {g!r} is out of range 1MiB..1TiB")
+        if len(gpus) + count > MAX_FAKE_GPUS:
+            raise bad(f"more than {MAX_FAKE_GPUS} GPUs in total")
+        for _ in range(count):
+            index = len(gpus)
+            gpus.append(
+                GpuInfo(
+                    index=index,
+                    uuid=_fake_uuid(host, index),
+                    name=f"Simulated GPU {_size_text(size_mb)}",
+                    vram_total_mb=size_mb,
+                )
+            )
+    return tuple(gpus)
+
+
+def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[GpuProcess, ...]]:
+    """A ``--fake-processes`` document: ``{"<GPU index>": {"<pid>": MiB, ...}, ...}``.
+
+    Raises ValueError naming the bad entry.
+    """
+    if not isinstance(doc, dict):
+        raise ValueError("expected a JSON object mapping GPU index to {pid: MiB}")
+    out: dict[int, tuple[GpuProcess, ...]] = {}
+    for key, procs in doc.items():
+        if not str(key).isdigit() or not 0 <= int(key) < gpu_count:
+            raise ValueError(f"GPU {key!r}: not a simulated GPU index (have 0..{gpu_count - 1})")
+        if not isinstance(procs, dict):
+            raise ValueError(f"GPU {key}: expected an object {{pid: MiB}}")
+        rows = []
+        for pid, mb in procs.items():
+            if not str(pid).isdigit() or int(pid) < 1:
+                raise ValueError(f"GPU {key}: {pid!r} is not a pid")
+            if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+                raise ValueError(f"GPU {key}, pid {pid}: MiB must be a whole number >= 0, got {mb!r}")
+            rows.append(GpuProcess(pid=int(pid), used_mb=mb))
+        out[int(key)] = tuple(rows)
+    return out
+
+
+def _process_alive(pid: int) -> bool:
+    """NVML lists only running processes: a simulated row of an exited (or zombie) process is dropped."""
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+class FakeGpuSource:
+    """Simulated GPUs for hosts without NVIDIA hardware.
+
+    Memory use is whatever :meth:`set_used` says, plus the processes of ``processes_file``
+    (``--fake-processes``): JSON mapping a GPU index to ``{pid: MiB}``, re-read on every scan, so that
+    tests and demos put real processes on simulated GPUs. Rows of processes that no longer run are
+    dropped, as NVML would. A file that is missing counts as empty; a malformed one is ignored with a
+    warning.
+    """
+
+    simulated: bool = True
+
+    def __init__(self, spec: str, host: str, processes_file: str | None = None) -> None:
+        self._gpus = parse_fake_gpus(spec, host)
+        self._lock = threading.Lock()  # the daemon's usage loop and a demo may run in different threads
+        self._used: dict[int, tuple[int, tuple[GpuProcess, ...]]] = {g.index: (0, ()) for g in self._gpus}
+        self.processes_file = processes_file
+        self._file_error = ""
+
+    def _file_processes(self) -> dict[int, tuple[GpuProcess, ...]]:
+        if not self.processes_file:
+            return {}
+        try:
+            with open(self.processes_file, encoding="utf-8") as f:
+                doc = json.load(f)
+            found = parse_fake_processes(doc, len(self._gpus))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            why = f"--fake-processes {self.processes_file}: {e}; ignoring it"
+            if why != self._file_error:
+                log.warning("%s", why)
+                self._file_error = why
+            return {}
+        self._file_error = ""
+        return {i: tuple(p for p in rows if _process_alive(p.pid)) for i, rows in found.items()}
+
+    def gpus(self) -> tuple[GpuInfo, ...]:
+        return self._gpus
+
+    def set_used(self, index: int, used_mb: int, processes: tuple[GpuProcess, ...] = ()) -> None:
+        """Simulate VRAM used outside gpucoord (tests, demos of untracked memory)."""
+        if index not in self._used:
+            raise ValueError(f"no simulated GPU with index {index} (have 0..{len(self._gpus) - 1})")
+        total = self._gpus[index].vram_total_mb
+        if not 0 <= used_mb <= total:
+            raise ValueError(f"used_mb {used_mb} is out of range 0..{total} for GPU {index}")
+        with self._lock:
+            self._used[index] = (int(used_mb), tuple(processes))
+
+    def usage(self) -> tuple[GpuUsage, ...]:
+        with self._lock:
+            used = dict(self._used)
+        extra = self._file_processes()
+        out = []
+        for g in self._gpus:
+            base, procs = used[g.index]
+            rows = extra.get(g.index, ())
+            total = min(g.vram_total_mb, base + sum(p.used_mb for p in rows))
+            out.append(GpuUsage(index=g.index, uuid=g.uuid, vram_used_mb=total,
+                                vram_free_mb=g.vram_total_mb - total, processes=procs + rows))
+        return tuple(out)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+

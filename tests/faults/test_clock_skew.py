@@ -1,0 +1,57 @@
+"""Timers need no clock agreement: a node and two replicas run with their wall clocks skewed by minutes
+(``GPUCOORD_CLOCK_OFFSET_S``, read by ``coordinator.clock.wall``), and an eviction's grace period still
+holds (measured by the leader from when it saw the notice) and usage is judged fresh or stale by when the
+replica saw the report, not by the node's timestamp. Before, the leader compared the deciding replica's
+deadline_unix with its own clock: 180 s of skew revoked at once, or three minutes late."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+
+from agent_client import Client
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.cli.common import fetch_status
+from tests.harness import Cluster, spawn_coordinator, spawn_node, stop_process, wait_for
+from tests.history import check_store
+
+GRACE_S = 3.0
+
+
+def test_eviction_grace_and_usage_freshness_hold_with_skewed_clocks(cluster: Cluster, tmp_path: Path) -> None:
+    procs = []
+    try:
+        procs.append(spawn_node(cluster.endpoints, cluster.prefix, "h1", "1x16GiB", str(tmp_path / "node.log"),
+                                extra=["--heartbeat", "0.5"], env={"GPUCOORD_CLOCK_OFFSET_S": "-120"}))
+        leader, port_a = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / "a.log"),
+                                           env={"GPUCOORD_CLOCK_OFFSET_S": "90"})
+        procs.append(leader)
+        wait_for(lambda: len(cluster.replicas()) == 1, 15, "the first replica (the leader) to register")
+        other, port_b = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / "b.log"),
+                                          env={"GPUCOORD_CLOCK_OFFSET_S": "-90"})
+        procs.append(other)
+        a, b = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"
+        wait_for(lambda: len(cluster.replicas()) == 2, 15, "both replicas to register")
+        assert fetch_status(b)["leader"] == fetch_status(a)["leader"] != ""
+
+        # The node's reports carry a timestamp two minutes in the past: still fresh, as both replicas see.
+        wait_for(lambda: fetch_status(b, "h1")["hosts"][0]["usage_age_seconds"] >= 0, 10, "a usage report")
+        for addr in (a, b):
+            assert not fetch_status(addr, "h1")["hosts"][0]["usage_stale"]
+
+        with Client(a, agent="victim", host="h1") as c:
+            lease = c.acquire(4000)
+            stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(b))
+            stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=GRACE_S, reason="skew"),
+                            timeout=10)
+            sent = time.monotonic()
+            wait_for(lambda: not cluster.leases(), GRACE_S + 10, "the leader to revoke at the deadline")
+            took = time.monotonic() - sent
+            # Never early (the grace is the victim's to use); late by at most a generous margin.
+            assert GRACE_S - 0.2 <= took <= GRACE_S + 4, f"revoked {took:.1f}s after the notice"
+    finally:
+        for p in procs:
+            stop_process(p)
+    cluster.lt.run(check_store(cluster.store, cluster.keys)).assert_ok()
