@@ -24,9 +24,14 @@ class Mirror:
         self.revision = 0
         self.ready = False
         self._flat: dict[bytes, KV] = {}
+        # Flat keys again, by kind: ``items(kind)`` reads one kind without scanning every host and session.
+        self._kinds: dict[str, dict[bytes, KV]] = {}
+        self._changes = 0                        # every change to a flat key, ever (resets included)
+        self._kind_changed: dict[str, int] = {}  # kind -> the value of ``_changes`` at its last change
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
         self._lease_keys: dict[str, bytes] = {}      # lease id -> its key
         self._leases_prefix = keys.kind("leases")
+        self._reset_at = 0
         self._advanced: asyncio.Event | None = None    # set (and replaced) each time the revision moves
 
     async def caught_up(self, revision: int, timeout: float) -> bool:
@@ -52,6 +57,10 @@ class Mirror:
 
     def reset(self, kvs: Iterable[KV], revision: int) -> None:
         self._flat.clear()
+        self._kinds.clear()
+        self._changes += 1
+        self._kind_changed.clear()
+        self._reset_at = self._changes
         self._buckets.clear()
         self._lease_keys.clear()
         for kv in kvs:
@@ -82,7 +91,10 @@ class Mirror:
 
     def _put(self, kv: KV) -> None:
         bucket = self._bucket(kv.key)
-        (bucket if bucket is not None else self._flat)[kv.key] = kv
+        if bucket is None:
+            self._put_flat(kv)
+        else:
+            bucket[kv.key] = kv
         if bucket is not None and kv.key.startswith(self._leases_prefix):
             self._lease_keys[last_segment(kv.key)] = kv.key
 
@@ -90,7 +102,7 @@ class Mirror:
         try:
             kind, parts = self.keys.parse(key)
         except ValueError:
-            self._flat.pop(key, None)
+            self._delete_flat(key, None)
             return
         if kind in _PER_HOST and len(parts) > 1:
             bucket = self._buckets.get((kind, parts[0]))
@@ -101,7 +113,37 @@ class Mirror:
             if kind == "leases":
                 self._lease_keys.pop(parts[-1], None)
         else:
-            self._flat.pop(key, None)
+            self._delete_flat(key, kind)
+
+    def _kind_of(self, key: bytes) -> str | None:
+        try:
+            return self.keys.parse(key)[0]
+        except ValueError:
+            return None
+
+    def _put_flat(self, kv: KV) -> None:
+        self._flat[kv.key] = kv
+        kind = self._kind_of(kv.key)
+        if kind is not None:
+            self._kinds.setdefault(kind, {})[kv.key] = kv
+            self._changes += 1
+            self._kind_changed[kind] = self._changes
+
+    def _delete_flat(self, key: bytes, kind: str | None) -> None:
+        if self._flat.pop(key, None) is None or kind is None:
+            return
+        of_kind = self._kinds.get(kind)
+        if of_kind is not None:
+            of_kind.pop(key, None)
+            if not of_kind:
+                del self._kinds[kind]
+        self._changes += 1
+        self._kind_changed[kind] = self._changes
+
+    def generation(self, kind: str) -> int:
+        """Changes when a flat key of ``kind`` changes (or the mirror is reset): a cache key for what is
+        derived from ``items(kind)``."""
+        return max(self._kind_changed.get(kind, 0), self._reset_at)
 
     def get(self, key: bytes) -> KV | None:
         bucket = self._bucket(key, create=False)
@@ -132,5 +174,4 @@ class Mirror:
 
     def items(self, kind: str) -> list[KV]:
         """Every flat key of one kind (e.g. ``evictions``)."""
-        prefix = self.keys.kind(kind)
-        return [kv for key, kv in self._flat.items() if key.startswith(prefix)]
+        return list(self._kinds.get(kind, {}).values())

@@ -61,6 +61,7 @@ class CoordinatorService:
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
         self._admitters: dict[str, HostAdmitter] = {}
         self.admitter_idle_s = ADMITTER_IDLE_S
+        self._replicas_cache: tuple[int, dict[str, str]] | None = None
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
         self._streams: dict[str, set[asyncio.Queue[Any]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -292,7 +293,11 @@ class CoordinatorService:
 
     # -- host ownership ------------------------------------------------------------------------
     def live_replicas(self) -> dict[str, str]:
-        """replica id -> gRPC address, of the replicas registered under ``coordinators/`` (the mirror)."""
+        """replica id -> gRPC address, of the replicas registered under ``coordinators/`` (the mirror).
+        Asked on every acquire: decoded again only when a registration has changed."""
+        generation = self.mirror.generation("coordinators")
+        if self._replicas_cache is not None and self._replicas_cache[0] == generation:
+            return self._replicas_cache[1]
         out: dict[str, str] = {}
         for kv in self.mirror.items("coordinators"):
             try:
@@ -300,6 +305,7 @@ class CoordinatorService:
                 out[str(doc["replica"])] = str(doc.get("address", ""))
             except (ValueError, KeyError, TypeError):
                 continue
+        self._replicas_cache = (generation, out)
         return out
 
     def owner(self, host: str) -> tuple[str, str] | None:
