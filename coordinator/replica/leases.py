@@ -48,7 +48,10 @@ class ReleaseCommits:
             batch = self._pending[:RELEASES_PER_TXN]
             del self._pending[:RELEASES_PER_TXN]
             try:
-                if len(batch) > 1:
+                # etcd refuses a transaction that names a key twice (the same release retried while the
+                # first is pending): such a batch is committed one release at a time.
+                keys = [c.key for c, _, _ in batch]
+                if len(batch) > 1 and len(set(keys)) == len(keys):
                     res = await self.store.commit([c for c, _, _ in batch], [op for _, ops, _ in batch for op in ops])
                     if res.succeeded:
                         for _, _, future in batch:
