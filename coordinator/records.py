@@ -9,6 +9,8 @@ import dataclasses
 import json
 from typing import Any, Protocol
 
+import orjson
+
 from coordinator.keys import last_segment
 
 
@@ -82,6 +84,15 @@ class HostInventory:
         )
 
 
+def loads(value: bytes) -> Any:
+    """A stored JSON value. orjson decodes gpucoord's small documents several times faster than json; what it
+    refuses (the NaN and Infinity that json.dumps may write) is decoded by json, with json's errors."""
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return json.loads(value)
+
+
 def dumps(obj: Any) -> bytes:
     """JSON as stored in etcd: compact, sorted, so `etcdctl get` reads well and diffs are stable."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
@@ -130,7 +141,7 @@ class VramLease:
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> VramLease:
-        d = json.loads(kv.value)
+        d = loads(kv.value)
         if "pids" in d:
             d["pids"] = tuple(int(p) for p in d["pids"])
         return cls(**d, etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
@@ -152,7 +163,7 @@ class GpuLedger:
     def from_kv(cls, kv: StoredKV | None) -> GpuLedger:
         if kv is None:
             return cls(0, 0, 0)
-        d = json.loads(kv.value)
+        d = loads(kv.value)
         return cls(int(d["capacity_mb"]), int(d["seq"]), kv.mod_revision)
 
 
@@ -197,7 +208,7 @@ class QueueEntry:
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> QueueEntry:
-        d = json.loads(kv.value)
+        d = loads(kv.value)
         d["victims"] = tuple(d.get("victims", ()))
         return cls(rank=last_segment(kv.key), mod_revision=kv.mod_revision, **d)
 
@@ -224,4 +235,4 @@ class EvictionRecord:
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> EvictionRecord:
-        return cls(**json.loads(kv.value))
+        return cls(**loads(kv.value))

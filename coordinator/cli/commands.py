@@ -96,6 +96,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise UsageError(str(e), "see 'gpucoord node --help'") from e
     _setup_logging(args.verbose)
     store = Store(args.etcd.split(","), timeout=3.0, security=etcd_security)
+    if args.fake_hosts:
+        return _fake_hosts(args, store, host)
     try:
         _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
                                                 args.ttl, stop, ready=lambda p: _ready_line("node", p),
@@ -110,6 +112,22 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise CliError(f"the node daemon could not start: {e}",
                        "is the port taken by another process? choose another with --listen or --metrics-listen "
                        "(port 0 picks a free one)") from e
+    return 0
+
+
+def _fake_hosts(args: argparse.Namespace, store: Any, prefix: str) -> int:
+    from coordinator.keys import Keys
+    from coordinator.node.fake_hosts import run_fake_hosts
+    if args.fake_gpus is None:
+        print("gpucoord node: --fake-hosts needs --fake-gpus", file=sys.stderr)
+        return 2
+    try:
+        _run_until_signal(lambda stop: run_fake_hosts(store, Keys(args.prefix), prefix, args.fake_hosts,
+                                                      args.fake_gpus, args.ttl, stop,
+                                                      ready=lambda p: _ready_line("node", p)))
+    except ValueError as e:
+        print(f"gpucoord node: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -55,7 +55,18 @@ def _run_until_signal(main: Any) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
-    asyncio.run(runner())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner_:
+        runner_.run(runner())
+
+
+def _loop_factory() -> Any:
+    """uvloop's event loop where it is installed: a gRPC call costs the coordinator about a sixth less CPU
+    on it (measured with an empty unary RPC). asyncio's own loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _ready_line(kind: str, port: int) -> None:

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     no.add_argument("--fake-mem", default=None, help="simulated host: report this much memory, e.g. 64GiB")
     no.add_argument("--fake-disk", default=None, help="simulated host: report this much disk, e.g. 1TiB")
     no.add_argument("--ttl", type=int, default=10, help="TTL of the node's etcd_lease")
+    no.add_argument("--fake-hosts", type=int, default=0, metavar="N",
+                    help="benchmarks: register N simulated hosts HOST-0000.. (each with --fake-gpus) from this "
+                         "one process, under one etcd_lease; no Node RPCs are served")
     no.add_argument("--heartbeat", type=float, default=5.0,
                     help="usage is rewritten at least this often (seconds); stale after 3 heartbeats")
     no.add_argument("--metrics-listen", default="", help="host:port for Prometheus /metrics (default: off)")
@@ -219,11 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     ru.set_defaults(fn=cmd_run)
 
-    be = _command(sub, "bench", help="measure against baselines taken in the same run")
-    be.add_argument("what", choices=("acquire", "p7", "all"),
-                    help="acquire: P1 (latency ratio) and P2 (raft proposals); p7: eviction-notice and "
-                         "release-to-grant latency")
-    be.add_argument("--n", type=int, default=300, help="acquire+release pairs to time")
+    be = _command(sub, "bench", help="measure every performance target against baselines taken in the same run")
+    be.add_argument("what", choices=("all", "acquire", "p3", "p4", "p5", "reclaim", "p7", "contended", "latency"),
+                    help="all: P1-P8; acquire: P1 and P2; p4: the lock-based baseline side by side at 1, 4 and 16 "
+                         "agents; p5; reclaim: P6 and P8; p7")
+    be.add_argument("--n", type=int, default=300, help="acquires to time for each latency figure")
+    be.add_argument("--quick", action="store_true", help="every phase small (under a minute): a smoke test")
+    be.add_argument("--json", action="store_true", help="one JSON document instead of lines")
+    be.add_argument("--profile-coordinator", default="", metavar="FILE",
+                    help="run the p4 phase's coordinator under cProfile, stats written to FILE")
     be.set_defaults(fn=cmd_bench)
     security_parsers(sub, _command)
     return p

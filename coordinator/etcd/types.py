@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
+
+from coordinator.records import loads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,7 @@ class KV:
         return cls(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
 
     def json(self) -> Any:
-        return json.loads(self.value)
+        return loads(self.value)
 
 
 @dataclasses.dataclass(frozen=True)

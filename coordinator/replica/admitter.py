@@ -25,7 +25,7 @@ import functools
 import logging
 import random
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure
@@ -44,6 +44,11 @@ from coordinator.replica.view import host_ranges, host_view
 log = logging.getLogger(__name__)
 
 ORPHAN_GRACE_S = 2.0
+# An admitter with nothing to decide and nobody waiting for this long retires (bounded memory).
+ADMITTER_IDLE_S = 30.0
+# How long a round waits for the watch to bring the mirror up to the replica's own last commit, before it
+# reads a snapshot instead.
+MIRROR_WAIT_S = 0.02
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,8 +88,12 @@ class HostAdmitter:
     """The tasks that decide admission on one host for this replica: the round loop, and the expiry of
     its waiters (a separate task, so that waits end on time however busy the rounds are)."""
 
-    def __init__(self, ctx: ReplicaContext, leases: Leases, host: str) -> None:
+    def __init__(self, ctx: ReplicaContext, leases: Leases, host: str, idle_s: float = ADMITTER_IDLE_S,
+                 on_idle: Callable[[HostAdmitter], None] | None = None) -> None:
         self.ctx = ctx
+        self.idle_s = idle_s
+        self._on_idle = on_idle     # told (synchronously) when the admitter retires for lack of work
+        self.retired = False
         self.leases = leases    # to withdraw the notices of a request that leaves
         self.host = host
         self.keys: Keys = ctx.keys
@@ -101,7 +110,7 @@ class HostAdmitter:
 
     # -- the outside -----------------------------------------------------------------------------
     async def submit(self, call: AcquireCall) -> VramLease:
-        if self._task.done():
+        if self._task.done() or self.retired:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         self._pending.append(call)
         self._wake.set()
@@ -136,6 +145,26 @@ class HostAdmitter:
             if not c.future.done():
                 c.future.set_exception(errors.Unavailable("coordinator is shutting down; retry on another replica"))
 
+    @property
+    def _idle(self) -> bool:
+        return not (self._pending or self._waiting or self._orphans or self._dirty)
+
+    def _retire(self) -> bool:
+        """Nothing to decide and nobody waiting for ``idle_s``: the admitter leaves (a replica that has seen
+        many hosts keeps only the busy ones). Synchronous, so no call can be submitted to it meanwhile: the
+        owner drops it in ``on_idle``, and the next acquire for the host gets a new one."""
+        if not self._idle or self._wake.is_set():
+            return False
+        self.retired = True
+        self._expiry.cancel()
+        try:
+            metrics.QUEUE_DEPTH.remove(self.host)
+        except KeyError:
+            pass    # never set
+        if self._on_idle is not None:
+            self._on_idle(self)
+        return True
+
     # -- answers ---------------------------------------------------------------------------------
     def _fail(self, c: AcquireCall, err: errors.GpucoordError) -> None:
         """Tell the caller (once the transaction that makes it true, if any, has committed)."""
@@ -148,11 +177,29 @@ class HostAdmitter:
     async def _run(self) -> None:
         cfg = self.ctx.config
         while True:
-            await self._wake.wait()
+            if self._wake.is_set():
+                pass
+            elif self._on_idle is None:
+                await self._wake.wait()
+            else:
+                # Idle: retire after idle_s. Busy with waiters or orphans: look again now and then.
+                timeout = self.idle_s if self._idle else max(self.idle_s, 1.0)
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    if self._retire():
+                        return
+                    continue
             self._wake.clear()
             batch: list[AcquireCall] = []
             try:
                 while self._pending or self._dirty:
+                    # Our last commit not yet in the mirror: its watch event is about a millisecond away.
+                    # Waiting for it lets the round decide from the mirror instead of reading a snapshot
+                    # (seven Range calls), and gathers the acquires that arrive meanwhile into the batch.
+                    mirror = self.ctx.mirror
+                    if mirror.ready and mirror.revision < self._last_commit and not self._waiting:
+                        await mirror.caught_up(self._last_commit, MIRROR_WAIT_S)
                     self._dirty = False
                     batch = [c for c in self._pending[: cfg.batch_max] if not c.future.done()]
                     del self._pending[: cfg.batch_max]

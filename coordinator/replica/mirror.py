@@ -8,12 +8,14 @@ answered from the mirror: the caller reads etcd instead.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Iterable
 
-from coordinator.keys import Keys
+from coordinator.keys import Keys, last_segment
 from coordinator.etcd.store import KV, Snapshot, WatchBatch
 
 _PER_HOST = ("gpus", "leases", "queue")
+_EMPTY: dict[bytes, KV] = {}
 
 
 class Mirror:
@@ -22,15 +24,50 @@ class Mirror:
         self.revision = 0
         self.ready = False
         self._flat: dict[bytes, KV] = {}
+        # Flat keys again, by kind: ``items(kind)`` reads one kind without scanning every host and session.
+        self._kinds: dict[str, dict[bytes, KV]] = {}
+        self._changes = 0                        # every change to a flat key, ever (resets included)
+        self._kind_changed: dict[str, int] = {}  # kind -> the value of ``_changes`` at its last change
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
+        self._lease_keys: dict[str, bytes] = {}      # lease id -> its key
+        self._leases_prefix = keys.kind("leases")
+        self._reset_at = 0
+        self._advanced: asyncio.Event | None = None    # set (and replaced) each time the revision moves
+
+    async def caught_up(self, revision: int, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the mirror has applied ``revision``; whether it has."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        while self.ready and self.revision < revision:
+            left = until - loop.time()
+            if left <= 0:
+                return False
+            if self._advanced is None:
+                self._advanced = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._advanced.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return self.ready and self.revision >= revision
+
+    def _moved(self) -> None:
+        if self._advanced is not None:
+            self._advanced.set()
+            self._advanced = None
 
     def reset(self, kvs: Iterable[KV], revision: int) -> None:
         self._flat.clear()
+        self._kinds.clear()
+        self._changes += 1
+        self._kind_changed.clear()
+        self._reset_at = self._changes
         self._buckets.clear()
+        self._lease_keys.clear()
         for kv in kvs:
             self._put(kv)
         self.revision = revision
         self.ready = True
+        self._moved()
 
     def apply(self, batch: WatchBatch) -> None:
         for ev in batch.events:
@@ -39,27 +76,88 @@ class Mirror:
             else:
                 self._delete(ev.kv.key)
             self.revision = max(self.revision, ev.kv.mod_revision)
+        self._moved()
 
-    def _bucket(self, key: bytes) -> dict[bytes, KV] | None:
+    def _bucket(self, key: bytes, create: bool = True) -> dict[bytes, KV] | None:
         try:
             kind, parts = self.keys.parse(key)
         except ValueError:
             return None
         if kind in _PER_HOST and len(parts) > 1:
+            if not create:
+                return self._buckets.get((kind, parts[0]), _EMPTY)
             return self._buckets.setdefault((kind, parts[0]), {})
         return None
 
     def _put(self, kv: KV) -> None:
         bucket = self._bucket(kv.key)
-        (bucket if bucket is not None else self._flat)[kv.key] = kv
+        if bucket is None:
+            self._put_flat(kv)
+        else:
+            bucket[kv.key] = kv
+        if bucket is not None and kv.key.startswith(self._leases_prefix):
+            self._lease_keys[last_segment(kv.key)] = kv.key
 
     def _delete(self, key: bytes) -> None:
-        bucket = self._bucket(key)
-        (bucket if bucket is not None else self._flat).pop(key, None)
+        try:
+            kind, parts = self.keys.parse(key)
+        except ValueError:
+            self._delete_flat(key, None)
+            return
+        if kind in _PER_HOST and len(parts) > 1:
+            bucket = self._buckets.get((kind, parts[0]))
+            if bucket is not None:
+                bucket.pop(key, None)
+                if not bucket:   # a host's last key gone: its bucket goes too (bounded by live keys)
+                    del self._buckets[(kind, parts[0])]
+            if kind == "leases":
+                self._lease_keys.pop(parts[-1], None)
+        else:
+            self._delete_flat(key, kind)
+
+    def _kind_of(self, key: bytes) -> str | None:
+        try:
+            return self.keys.parse(key)[0]
+        except ValueError:
+            return None
+
+    def _put_flat(self, kv: KV) -> None:
+        self._flat[kv.key] = kv
+        kind = self._kind_of(kv.key)
+        if kind is not None:
+            self._kinds.setdefault(kind, {})[kv.key] = kv
+            self._changes += 1
+            self._kind_changed[kind] = self._changes
+
+    def _delete_flat(self, key: bytes, kind: str | None) -> None:
+        if self._flat.pop(key, None) is None or kind is None:
+            return
+        of_kind = self._kinds.get(kind)
+        if of_kind is not None:
+            of_kind.pop(key, None)
+            if not of_kind:
+                del self._kinds[kind]
+        self._changes += 1
+        self._kind_changed[kind] = self._changes
+
+    def generation(self, kind: str) -> int:
+        """Changes when a flat key of ``kind`` changes (or the mirror is reset): a cache key for what is
+        derived from ``items(kind)``."""
+        return max(self._kind_changed.get(kind, 0), self._reset_at)
 
     def get(self, key: bytes) -> KV | None:
-        bucket = self._bucket(key)
+        bucket = self._bucket(key, create=False)
         return (bucket if bucket is not None else self._flat).get(key)
+
+    def lease(self, lease_id: str) -> KV | None:
+        """The lease's key, by its id alone (ids are unique across hosts and GPUs)."""
+        key = self._lease_keys.get(lease_id)
+        return self.get(key) if key is not None else None
+
+    def tracked(self) -> dict[str, int]:
+        """How many structures the mirror holds (tests of bounded memory)."""
+        return {"keys": len(self._flat) + sum(len(b) for b in self._buckets.values()),
+                "buckets": len(self._buckets), "lease_index": len(self._lease_keys)}
 
     def host_items(self, kind: str, host: str) -> tuple[KV, ...]:
         bucket = self._buckets.get((kind, host), {})
@@ -76,5 +174,4 @@ class Mirror:
 
     def items(self, kind: str) -> list[KV]:
         """Every flat key of one kind (e.g. ``evictions``)."""
-        prefix = self.keys.kind(kind)
-        return [kv for key, kv in self._flat.items() if key.startswith(prefix)]
+        return list(self._kinds.get(kind, {}).values())

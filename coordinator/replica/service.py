@@ -22,7 +22,7 @@ from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import Partition
 from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
-from coordinator.replica.admitter import AcquireCall, HostAdmitter
+from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leader import Leadership
 from coordinator.replica.leases import Leases
@@ -60,6 +60,8 @@ class CoordinatorService:
         self.partitions = Partitions(self.ctx, self.leases)
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
         self._admitters: dict[str, HostAdmitter] = {}
+        self.admitter_idle_s = ADMITTER_IDLE_S
+        self._replicas_cache: tuple[int, dict[str, str]] | None = None
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
         self._streams: dict[str, set[asyncio.Queue[Any]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -166,6 +168,9 @@ class CoordinatorService:
                         woken.add(gone.host)
             elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus") and parts:
                 woken.add(parts[0])
+            elif kind == "sessions" and ev.kind == "DELETE" and len(parts) == 2:
+                # Closed or expired (its holder died): its cached identity goes with it.
+                self._sessions.pop((parts[0], parts[1]), None)
         for host in woken:
             admitter = self._admitters.get(host)
             if admitter is not None and admitter.has_waiters:
@@ -288,7 +293,11 @@ class CoordinatorService:
 
     # -- host ownership ------------------------------------------------------------------------
     def live_replicas(self) -> dict[str, str]:
-        """replica id -> gRPC address, of the replicas registered under ``coordinators/`` (the mirror)."""
+        """replica id -> gRPC address, of the replicas registered under ``coordinators/`` (the mirror).
+        Asked on every acquire: decoded again only when a registration has changed."""
+        generation = self.mirror.generation("coordinators")
+        if self._replicas_cache is not None and self._replicas_cache[0] == generation:
+            return self._replicas_cache[1]
         out: dict[str, str] = {}
         for kv in self.mirror.items("coordinators"):
             try:
@@ -296,6 +305,7 @@ class CoordinatorService:
                 out[str(doc["replica"])] = str(doc.get("address", ""))
             except (ValueError, KeyError, TypeError):
                 continue
+        self._replicas_cache = (generation, out)
         return out
 
     def owner(self, host: str) -> tuple[str, str] | None:
@@ -324,8 +334,19 @@ class CoordinatorService:
                            forwarded=forwarded)
         admitter = self._admitters.get(info.host)
         if admitter is None:
-            admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host)
+            admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host,
+                                                                 self.admitter_idle_s, self._admitter_idle)
         return await admitter.submit(call)
+
+    def _admitter_idle(self, admitter: HostAdmitter) -> None:
+        if self._admitters.get(admitter.host) is admitter:
+            del self._admitters[admitter.host]
+
+    def tracked(self) -> dict[str, int]:
+        """How many per-host and per-session structures this replica holds (tests of bounded memory)."""
+        return {"admitters": len(self._admitters), "sessions": len(self._sessions), "streams": len(self._streams),
+                "evictions": len(self.evictions), "background": len(self._background),
+                **{f"mirror_{k}": v for k, v in self.mirror.tracked().items()}}
 
     # -- leases, partitions, status (replica/leases.py, partitions.py, status.py) ---------------------
     async def withdraw_evictions(self, entry: QueueEntry) -> None:

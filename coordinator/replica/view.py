@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any, Callable
 
 from coordinator.policy.admission import GpuView
 from coordinator.policy.host import HostView
 from coordinator.keys import Keys
-from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease
+from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease, loads
 from coordinator.policy.partition import Partition, default_partition
 from coordinator.etcd.store import KV, Snapshot
 from coordinator.etcd.ops import range_req
@@ -55,12 +54,12 @@ def host_ranges(keys: Keys, host: str) -> list[Any]:
 # they are cached by their exact bytes.
 @functools.lru_cache(maxsize=4096)
 def _inventory(value: bytes) -> HostInventory:
-    return HostInventory.from_json(json.loads(value)["inventory"])
+    return HostInventory.from_json(loads(value)["inventory"])
 
 
 @functools.lru_cache(maxsize=4096)
 def _partition(value: bytes) -> Partition:
-    return Partition.from_json(json.loads(value)["partition"])
+    return Partition.from_json(loads(value)["partition"])
 
 
 @functools.lru_cache(maxsize=4096)

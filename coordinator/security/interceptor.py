@@ -55,13 +55,24 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, tls: bool, agent_hosts: authz.AgentHosts | None = None) -> None:
         self.tls = tls
         self.agent_hosts = agent_hosts
+        # The wrapped handler of each served method: the same for every call, so built once. Only methods
+        # that have a handler are kept (a finite set), whatever names callers send.
+        self._wrapped: dict[str, Any] = {}
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
+        method: str = details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is not None:
+            return wrapped
         handler = await continuation(details)
         if handler is None:
             return None
-        method: str = details.method
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = wrapped
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
         deserialize = handler.request_deserializer
 
         def safe_deserialize(data: bytes) -> Any:

@@ -8,7 +8,8 @@ GPUCOORD_ETCD point the CLI's defaults there):
   directory; ``output``: ``$ command`` lines whose combined stdout and stderr must be exactly the lines after;
 - ``synopsis``: every subcommand and ``--flag`` named exists in that command's --help (gpucoord's or etcd's);
 - ``demo``: the first README command, ``gpucoord up --demo``, run to its end; ``ci``: the second README command
-  is .ci/run's main line; ``diagram``: a picture, nothing to run.
+  is .ci/run's main line; ``diagram``: a picture, nothing to run; ``measured``: a recorded run of
+  ``gpucoord bench all`` (machine-dependent, so not rerun here): it must name every target P1-P8.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.integration
 README = Path(REPO) / "README.md"
 MARKER = re.compile(r"^(?P<indent> *)<!-- test: (?P<kind>[a-z]+)(?: (?P<arg>[^ ]+))? -->\n(?P=indent)```(?P<lang>\w*)\n"
                     r"(?P<body>.*?)^(?P=indent)```$", re.M | re.S)
-KINDS = {"up", "background", "python", "sh", "file", "output", "synopsis", "demo", "ci", "diagram"}
+KINDS = {"up", "background", "python", "sh", "file", "output", "synopsis", "demo", "ci", "diagram", "measured"}
 # The addresses the README uses (the defaults of `up` and of the CLI), and the second node's.
 DEFAULT_ADDRESSES = ("127.0.0.1:7070", "127.0.0.1:7071", "127.0.0.1:7170", "127.0.0.1:7171", "127.0.0.1:2379",
                      "127.0.0.1:7180")
@@ -202,6 +203,9 @@ def test_readme_block(block: Block, env: Env) -> None:
     where = f"README.md line {block.line}"
     if block.kind == "diagram":
         assert not re.search(r"^\s*(\$|gpucoord |python)", block.body, re.M), f"{where}: a diagram with commands"
+    elif block.kind == "measured":
+        ids = {line.split()[0] for line in block.body.splitlines() if re.match(r"P[1-8] ", line)}
+        assert ids == {f"P{i}" for i in range(1, 9)}, f"{where}: a bench run without every target: {sorted(ids)}"
     elif block.kind == "ci":
         (command,) = block.body.strip().splitlines()
         assert command in (Path(REPO) / ".ci" / "run").read_text().splitlines(), \
