@@ -421,35 +421,5 @@ class AsyncBoundProcess:
             await self._task
 
 
-class BoundProcess:
-    """The sync face of :class:`AsyncBoundProcess`, from ``Client.run``:
-    ``with client.run(["python", "train.py"], vram_mb=4096, wait=60) as proc: status = proc.wait()``."""
-
-    def __init__(self, client: LoopRunner, inner: AsyncBoundProcess) -> None:
-        self._client = client
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        # pid, pgid, lease, returncode, reason, message, notice, limits, cgroup, not_enforced, send_signal
-        return getattr(self.inner, name)
-
-    def start(self) -> BoundProcess:
-        self._client._run(self.inner.start())
-        return self
-
-    def wait(self, timeout: float | None = None) -> int:
-        """The exit status; TimeoutError if it is still running after ``timeout`` seconds."""
-        return self._client._run(self.inner.wait(), timeout)
-
-    def stop(self) -> int:
-        return self._client._run(self.inner.stop())
-
-    def __enter__(self) -> BoundProcess:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._client._run(self.inner.__aexit__(*exc))
-
-
-__all__ = ["AsyncBoundProcess", "BoundProcess", "KILL_MARGIN_S", "LoopRunner", "SessionClient", "LimitPlan", "child_env", "exit_status",
+__all__ = ["AsyncBoundProcess", "KILL_MARGIN_S", "LimitPlan", "LoopRunner", "SessionClient", "child_env", "exit_status",
            "plan_limits", "prepare_cgroup"]

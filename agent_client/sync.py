@@ -11,7 +11,7 @@ from agent_client import errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.client import AsyncClient
 from agent_client.lease import AsyncLease, EvictionNotice
-from agent_client.run import BoundProcess
+from agent_client.run import AsyncBoundProcess, LoopRunner
 
 T = TypeVar("T")
 
@@ -142,3 +142,33 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class BoundProcess:
+    """The sync face of :class:`AsyncBoundProcess`, from ``Client.run``:
+    ``with client.run(["python", "train.py"], vram_mb=4096, wait=60) as proc: status = proc.wait()``."""
+
+    def __init__(self, client: LoopRunner, inner: AsyncBoundProcess) -> None:
+        self._client = client
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        # pid, pgid, lease, returncode, reason, message, notice, limits, cgroup, not_enforced, send_signal
+        return getattr(self.inner, name)
+
+    def start(self) -> BoundProcess:
+        self._client._run(self.inner.start())
+        return self
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; TimeoutError if it is still running after ``timeout`` seconds."""
+        return self._client._run(self.inner.wait(), timeout)
+
+    def stop(self) -> int:
+        return self._client._run(self.inner.stop())
+
+    def __enter__(self) -> BoundProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._client._run(self.inner.__aexit__(*exc))

@@ -71,7 +71,7 @@ def target(own_etcd: list[str]) -> Iterator[Target]:
 
 
 # -- strategies ------------------------------------------------------------------------------------------
-EDGY_TEXT = ["", "a", "a/b", "/", "nul\0byte", "x" * 300, "ü" * 50, "..", "-lead", HOST, AGENT,
+EDGY_TEXT = ["", "a", "a/b", "/", "nul\0byte", "x" * 300, "x" * 100_000, "ü" * 50, "..", "-lead", HOST, AGENT,
              "GPU-0", "0", "1", " ", "a b", "\n", "%s", "' OR 1=1"]
 texts = st.one_of(st.sampled_from(EDGY_TEXT), st.text(max_size=60))
 int64s = st.one_of(st.sampled_from([0, 1, -1, 2**31 - 1, -2**31, 2**62, -2**63, 2**63 - 1]),
