@@ -99,9 +99,11 @@ class Leadership:
 
     def _on_leader(self, leader_id: str) -> None:
         me = self.ctx.replica_id
-        if leader_id == me and self._duties is None:
+        if leader_id == me and self._duties is None and self.election is not None:
             log.info("replica %s is the leader", me)
-            self._duties = asyncio.create_task(self._lead())
+            # The duties fence their writes with the candidacy that won, for the whole term: a later
+            # candidacy of ours (after this one was lost) must not make an old term's writes pass.
+            self._duties = asyncio.create_task(self._lead(self.election))
             log_failure(self._duties, "leader duties")
         elif leader_id != me:
             self._step_down()
@@ -120,16 +122,12 @@ class Leadership:
             await self._session.close()
 
     # -- duties ----------------------------------------------------------------------------------
-    def _fence(self) -> list[Any]:
-        """Compares that every write made as leader carries: it fails once our candidacy is gone."""
-        if self.election is None:
-            raise errors.NotOwner("leader: this replica does not lead", "leader")
-        return self.election.fence()
+    async def _lead(self, term: Election) -> None:
+        """The duties of one term. ``term`` is the candidacy that won: every write made as leader carries
+        ``term.fence()``, a compare that fails once that candidacy is gone."""
+        await asyncio.gather(self._enforce_deadlines(term), self._sweep_queue(term))
 
-    async def _lead(self) -> None:
-        await asyncio.gather(self._enforce_deadlines(), self._sweep_queue())
-
-    async def _enforce_deadlines(self) -> None:
+    async def _enforce_deadlines(self, term: Election) -> None:
         """Revoke every lease whose eviction deadline passed. Notices live in etcd, so a new leader picks
         them up from the replica's watch-fed cache of ``evictions/``. A deadline is the notice's grace
         measured on this replica's monotonic clock from when it first saw the notice (never the writer's
@@ -141,7 +139,7 @@ class Leadership:
                 if at > now:
                     continue
                 try:
-                    await self._deadline(record)
+                    await self._deadline(record, term)
                 except errors.GpucoordError as e:
                     log.warning("could not enforce the deadline of lease %s: %s", record.lease_id, e)
                     failed = True
@@ -165,7 +163,7 @@ class Leadership:
                 out.append((record, self.ctx.notice_deadline(kv, record)))
         return out
 
-    async def _deadline(self, record: EvictionRecord) -> None:
+    async def _deadline(self, record: EvictionRecord, term: Election) -> None:
         """Revoke the lease, unless the request it was evicted for has gone (then the notice is withdrawn:
         nobody needs the room)."""
         key = self.keys.eviction(record.lease_id)
@@ -173,13 +171,13 @@ class Leadership:
         if kv is None:
             return
         if record.requester_priority is not None and not self._still_waiting(record):
-            res = await self.ctx.store.commit([cmp_mod_revision(key, kv.mod_revision), *self._fence()],
+            res = await self.ctx.store.commit([cmp_mod_revision(key, kv.mod_revision), *term.fence()],
                                               [op_delete(key)])
             if res.succeeded:
                 log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
                          record.requested_by)
             return
-        if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=self.election):
+        if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=term):
             log.info("revoked lease %s of %s at its eviction deadline", record.lease_id, record.agent)
 
     def _still_waiting(self, record: EvictionRecord) -> bool:
@@ -189,15 +187,15 @@ class Leadership:
                 return True
         return False
 
-    async def _sweep_queue(self) -> None:
+    async def _sweep_queue(self, term: Election) -> None:
         while True:
             try:
-                await self._sweep_once()
+                await self._sweep_once(term)
             except errors.GpucoordError as e:
                 log.warning("queue sweep failed: %s", e)
             await asyncio.sleep(SWEEP_INTERVAL_S)
 
-    async def _sweep_once(self) -> None:
+    async def _sweep_once(self, term: Election) -> None:
         """Remove the entries nobody else will: those of hosts that are gone, those whose replica died, and
         (a safety net) those long past their deadline. Removals go in batched transactions, each entry
         compared on its mod_revision, so an entry that a replica granted, removed or rewrote meanwhile
@@ -225,7 +223,7 @@ class Leadership:
                 swept.append((entry, "host gone" if gone_host else "waiter gone" if abandoned else "overdue"))
         if not removals:
             return
-        outcomes = await remove_entries(self.ctx.store, removals, common=self._fence())
+        outcomes = await remove_entries(self.ctx.store, removals, common=term.fence())
         for (entry, why), out in zip(swept, outcomes):
             if out.removed is not None:
                 await self.leases.withdraw_evictions(entry)

@@ -2,6 +2,11 @@
 over cannot act beside it. Every write made as leader compares the leader's own candidacy
 (``Election.fence``), so the deposed leader's revoke at an eviction deadline fails.
 
+Two tests. The first, in process, is the one that fails without the fence: a leader that never learns it
+was deposed (it is made deaf to its loss) keeps trying its duties, and etcd refuses every write. The
+second is the whole scene with real processes and SIGSTOP; there the resumed leader usually notices its
+loss before its deadline timer fires, so it passes even without the fence.
+
 Real coordinator processes. The old leader saw an eviction notice first, so its deadline comes first; it
 is stopped before then and resumed after it (while, by its own clock, the deadline has passed), but
 before the deadline of its successor, which saw the notice later. The lease must still be there after the
@@ -21,10 +26,61 @@ import grpc
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, spawn_coordinator, stop_process, wait_for
+from tests.harness import Cluster, patch_method, revision, spawn_coordinator, stop_process, wait_for
 from tests.history import check_history, read_history
 
 GRACE_S = 12.0
+
+
+def test_a_deposed_leader_that_has_not_noticed_commits_no_leader_write(cluster: Cluster) -> None:
+    """The leader's candidacy goes (its etcd_lease is revoked, as if it had expired during a pause) while
+    the leader is kept from noticing (its step-down is a no-op), so its duties run on. At the eviction
+    deadline it tries to revoke the victim's lease again and again: every try must fail in etcd, and etcd's
+    history must show no write of a leader's after the candidacy went."""
+    cluster.start_node("h1", "1x16GiB", ttl=30)
+    addr = cluster.start_coordinator()
+    svc = cluster.service(addr)
+    wait_for(lambda: svc.leadership.is_leader, 15, "the replica to lead")
+    leadership = svc.leadership
+    term = leadership.election
+    tries: list[tuple[float, object]] = []
+    revoke = leadership.leases.revoke
+
+    async def counted_revoke(*args: object, **kw: object) -> bool:
+        try:
+            out = await revoke(*args, **kw)
+        except Exception as e:  # noqa: BLE001 - recorded, then raised as before
+            tries.append((time.monotonic(), e))
+            raise
+        tries.append((time.monotonic(), out))
+        return out
+
+    undo = [patch_method(cluster, leadership, "_step_down", lambda: None),
+            patch_method(cluster, leadership.leases, "revoke", counted_revoke)]
+    try:
+        with Client(addr, agent="victim", host="h1", ttl=60) as victim:
+            lease = victim.acquire(4000)
+            pb_grpc.CoordinatorStub(grpc.insecure_channel(addr)).EvictLease(
+                pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=2.0, reason="fence"), timeout=10)
+            cluster.lt.run(cluster.store.revoke(term.session.etcd_lease))     # deposed, and deaf to it
+            gone_at = time.monotonic()
+            wait_for(lambda: len([t for t, _ in tries if t > gone_at]) >= 3 or any(out is True for _, out in tries),
+                     20, "the deposed leader to try its revoke at the deadline three times")
+            print(f"the deposed leader's tries: {[type(out).__name__ for _, out in tries]}")
+            assert lease.id in {x.id for x in cluster.leases()}, "a deposed leader revoked a lease"
+            assert cluster.get_prefix(cluster.keys.eviction(lease.id)), "a deposed leader deleted a notice"
+            checked = revision(cluster)    # later, the victim's session ends and takes its keys with it
+    finally:
+        for u in undo:
+            u()
+    events = cluster.lt.run(read_history(cluster.store, cluster.keys.root()))
+    gone = [ev.kv.mod_revision for ev in events
+            if ev.kind == "DELETE" and ev.kv.key == cluster.keys.candidate(term.candidate_id)]
+    assert gone
+    leader_writes = [ev for ev in events if gone[0] < ev.kv.mod_revision <= checked and ev.kind == "DELETE"
+                     and (ev.kv.key == cluster.keys.eviction(lease.id) or lease.id.encode() in ev.kv.key)]
+    assert not leader_writes, leader_writes
+    check_history(events, cluster.keys).assert_ok()
 
 
 def test_a_leader_paused_past_its_ttl_cannot_revoke_beside_its_successor(cluster: Cluster, tmp_path: Path) -> None:
