@@ -72,10 +72,10 @@ class EtcdNoSpace(Unavailable):
     is full, and the write was certainly not applied, so a retry after the repair is safe."""
 
 
-class Timeout(GpucoordError):
-    """A deadline passed (a wait for capacity, or an etcd call with no side effect)."""
-
-    code = "DEADLINE_EXCEEDED"
+class Timeout(Unavailable):
+    """etcd did not answer a call with no side effect in time: it has no quorum, or the call met a hung
+    member. UNAVAILABLE, not DEADLINE_EXCEEDED: the caller's own deadline has not passed, and the same call
+    may succeed on another replica or a moment later."""
 
 
 class Compacted(GpucoordError):

@@ -298,8 +298,8 @@ def patch_commit(cluster: Cluster, svc: Any,
     store = svc.store
     orig = store.commit
 
-    async def commit(compares: Any, success: Any, failure: Any = ()) -> Any:
-        return await hook(list(compares), list(success), lambda: orig(compares, success, failure))
+    async def commit(compares: Any, success: Any, failure: Any = (), deadline: float | None = None) -> Any:
+        return await hook(list(compares), list(success), lambda: orig(compares, success, failure, deadline))
     return patch_method(cluster, store, "commit", commit)
 
 

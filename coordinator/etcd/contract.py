@@ -34,8 +34,10 @@ class KVStore(Protocol):
     Every etcd call has a deadline (``timeout``).
     """
 
-    async def snapshot(self, ranges: Iterable[Any], serializable: bool = False) -> Snapshot:
-        """Several ranges at one revision. May be retried. Raises Unavailable, Timeout."""
+    async def snapshot(self, ranges: Iterable[Any], serializable: bool = False,
+                       deadline: float | None = None) -> Snapshot:
+        """Several ranges at one revision. May be retried, until ``deadline`` (a ``loop.time()`` instant) if
+        given. Raises Unavailable, Timeout."""
         ...
 
     async def get(self, key: bytes) -> KV | None:
@@ -47,8 +49,9 @@ class KVStore(Protocol):
         ...
 
     async def commit(self, compares: Sequence[Any], success: Sequence[Any],
-                     failure: Sequence[Any] = ()) -> TxnResult:
-        """ONE write transaction; never retried. Raises OutcomeUnknown, SessionGone, EtcdNoSpace, Unavailable."""
+                     failure: Sequence[Any] = (), deadline: float | None = None) -> TxnResult:
+        """ONE write transaction; never retried; not sent (Timeout) once ``deadline`` (a ``loop.time()``
+        instant) has passed. Raises OutcomeUnknown, SessionGone, EtcdNoSpace, Unavailable, Timeout."""
         ...
 
     async def grant(self, ttl: int) -> int:
@@ -59,8 +62,9 @@ class KVStore(Protocol):
         """Revoke an etcd_lease and every key on it; one that is gone is not an error."""
         ...
 
-    async def keepalive(self, etcd_lease: int) -> int:
-        """Refresh over the shared stream: the remaining TTL, 0 when the etcd_lease is gone. Raises Timeout."""
+    async def keepalive(self, etcd_lease: int, timeout: float | None = None) -> int:
+        """Refresh over the shared stream: the remaining TTL, 0 when the etcd_lease is gone. Raises Timeout
+        after ``timeout`` (default: the store's)."""
         ...
 
     def watch(self, key: bytes, *, prefix: bool = True, start_revision: int = 0,

@@ -57,14 +57,14 @@ class KeepAliveStream:
         finally:
             call.cancel()
 
-    async def refresh(self, etcd_lease: int) -> int:
+    async def refresh(self, etcd_lease: int, timeout: float | None = None) -> int:
         requests = self._ensure_running()
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters[etcd_lease].append(fut)
         requests.put_nowait(rpc.LeaseKeepAliveRequest(ID=etcd_lease))
         sent_at = asyncio.get_running_loop().time()
         try:
-            return await asyncio.wait_for(fut, self._timeout)
+            return await asyncio.wait_for(fut, self._timeout if timeout is None else timeout)
         except asyncio.TimeoutError:
             # A stuck stream (no answer to anyone since we asked): drop it, so that the next refresh opens
             # a fresh one. A stream that answers others is left alone.

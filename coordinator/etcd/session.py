@@ -49,12 +49,18 @@ class EtcdSession:
     async def _refresh(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self.ttl_s / 3
+        # A refresh that met a hung etcd member (its connection stays open) is given up after a sixth of
+        # the TTL and tried again at once, on a fresh stream and most likely another member: waiting the
+        # store's whole timeout, then a whole interval, could let the etcd_lease expire on a minority fault.
+        attempt = max(0.2, min(self.store.timeout, self.ttl_s / 6))
         last_ok = loop.time()
+        pause = interval
         try:
             while True:
-                await asyncio.sleep(interval)
+                await asyncio.sleep(pause)
+                sent = loop.time()
                 try:
-                    ttl = await self.store.keepalive(self.etcd_lease)
+                    ttl = await self.store.keepalive(self.etcd_lease, timeout=attempt)
                 except errors.GpucoordError as e:
                     if loop.time() - last_ok > self.ttl_s:
                         log.warning("%s: no keepalive for %d s (%s): the etcd_lease has expired", self.name,
@@ -62,12 +68,14 @@ class EtcdSession:
                         self.lost = True
                         return
                     log.warning("%s: keepalive failed, retrying: %s", self.name, e)
+                    pause = min(interval, 0.1)
                     continue
+                pause = interval
                 if ttl <= 0:
                     log.warning("%s: etcd_lease %x is gone", self.name, self.etcd_lease)
                     self.lost = True
                     return
-                last_ok = loop.time()
+                last_ok = sent
         finally:
             self.done.set()
 

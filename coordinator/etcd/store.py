@@ -43,6 +43,17 @@ T = TypeVar("T")
 PAGE_KEYS = 1024
 
 
+def _call_timeout(own: float, deadline: float | None) -> float:
+    """``own``, or what is left until ``deadline`` (a ``loop.time()`` instant) if that is less. A call with
+    no time left is not made: ``errors.Timeout``."""
+    if deadline is None:
+        return own
+    left = deadline - asyncio.get_running_loop().time()
+    if left <= 0.001:
+        raise errors.Timeout("etcd: the time for this work is spent (etcd did not answer in time)")
+    return min(own, left)
+
+
 def _target(endpoints: Sequence[str]) -> str:
     eps = [e.removeprefix("http://") for e in endpoints]
     if len(eps) == 1:
@@ -135,6 +146,12 @@ class Store:
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self.retry_for = retry_for
+        # A read is one call bounded by ``timeout`` in all (or ``retry_for``, if longer), made of attempts
+        # of half of it when it may be retried: an attempt that met a hung member (SIGSTOP, a stalled VM:
+        # its connection stays open and round robin still picks it) is tried again on the next member in
+        # time, and without a quorum the read ends when ``timeout`` does, not a retry later.
+        self._read_budget = max(timeout, retry_for)
+        self._read_attempt = timeout / 2 if retry_for >= timeout else timeout
         self._client = _Client(endpoints, timeout=int(max(1, timeout)), security=security)
         self._keepalive: KeepAliveStream | None = None
         self.closed = False
@@ -160,16 +177,39 @@ class Store:
     def _kv(self) -> Any:
         return self._client.kvstub
 
-    def _retrying(self, *also: type[Exception]) -> AsyncRetrying:
+    def _retrying(self, *kinds: type[Exception]) -> AsyncRetrying:
         return AsyncRetrying(
-            retry=retry_if_exception_type((errors.Unavailable, errors.Timeout, *also)),
+            retry=retry_if_exception_type(kinds),
             wait=wait_random_exponential(multiplier=0.05, max=1.0),
             stop=stop_after_delay(self.retry_for),
             reraise=True,
         )
 
+    async def _range(self, req: Any, deadline: float | None) -> Any:
+        """One Range call: attempts of ``_read_attempt``, each on the next member (round robin), retried
+        while etcd is unavailable or slow, all within ``_read_budget``. Raises the last gRPC error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _call_timeout(self._read_budget, deadline)
+        delay = 0.02
+        while True:
+            left = deadline - loop.time()
+            try:
+                return await self._kv.Range(req, timeout=max(0.001, min(self._read_attempt, left)),
+                                            wait_for_ready=True)
+            except grpc.aio.AioRpcError as e:
+                if _response_too_large(e) or _future_revision(e):
+                    raise
+                if not isinstance(translate(e, write=False), errors.Unavailable):
+                    raise
+                pause = delay * (1 + random.random())
+                if loop.time() + pause >= deadline - 0.01:
+                    raise
+                await asyncio.sleep(pause)
+                delay = min(delay * 2, 0.5)
+
     # -- reads ---------------------------------------------------------------------------------
-    async def snapshot(self, ranges: Iterable[Any], serializable: bool = False) -> Snapshot:
+    async def snapshot(self, ranges: Iterable[Any], serializable: bool = False,
+                       deadline: float | None = None) -> Snapshot:
         """Read several ranges (``range_req``) at one revision.
 
         ``serializable`` reads are served by the member the call lands on, without a round of consensus:
@@ -182,17 +222,18 @@ class Store:
             if r.sort_order or r.sort_target or r.revision:
                 raise ValueError("snapshot: ranges are read in key order at the snapshot's own revision")
         snap = Snapshot(0, ())
-        async for attempt in self._retrying(errors.Compacted):
+        async for attempt in self._retrying(errors.Compacted):   # each Range retries by itself
             with attempt:
-                snap = await self._snapshot_once(reqs, serializable)
+                snap = await self._snapshot_once(reqs, serializable, deadline)
         return snap
 
-    async def _snapshot_once(self, reqs: list[Any], serializable: bool) -> Snapshot:
-        first, revision = await self._read_range(reqs[0], 0, serializable)
-        rest = await _gather(self._read_range(r, revision, True) for r in reqs[1:])
+    async def _snapshot_once(self, reqs: list[Any], serializable: bool, deadline: float | None) -> Snapshot:
+        first, revision = await self._read_range(reqs[0], 0, serializable, deadline)
+        rest = await _gather(self._read_range(r, revision, True, deadline) for r in reqs[1:])
         return Snapshot(revision, (first, *(kvs for kvs, _ in rest)))
 
-    async def _read_range(self, req: Any, revision: int, serializable: bool) -> tuple[tuple[KV, ...], int]:
+    async def _read_range(self, req: Any, revision: int, serializable: bool,
+                          deadline: float | None = None) -> tuple[tuple[KV, ...], int]:
         """One range, page by page, at ``revision`` (0: now, linearizable unless ``serializable``).
         Returns its keys and the revision they were read at.
 
@@ -212,7 +253,7 @@ class Store:
             if paged:
                 r.limit = min(page, wanted - len(out)) if wanted else page
             try:
-                resp = await self._kv.Range(r, timeout=self.timeout, wait_for_ready=True)
+                resp = await self._range(r, deadline)
             except grpc.aio.AioRpcError as e:
                 if paged and page > 1 and _response_too_large(e):
                     page //= 2
@@ -237,13 +278,14 @@ class Store:
         return await self.snapshot([range_req(prefix, prefix=True)])
 
     # -- writes --------------------------------------------------------------------------------
-    async def commit(self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> TxnResult:
+    async def commit(self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = (),
+                     deadline: float | None = None) -> TxnResult:
         if not (_has_write(success) or _has_write(failure)):
             raise ValueError("commit: a transaction without a put or delete would be read-only (it can crash "
                              "etcd 3.5.0-3.5.6 when its deadline cancels it); read with snapshot() instead")
         req = rpc.TxnRequest(compare=list(compares), success=list(success), failure=list(failure))
         try:
-            resp = await self._kv.Txn(req, timeout=self.timeout, wait_for_ready=True)
+            resp = await self._kv.Txn(req, timeout=_call_timeout(self.timeout, deadline), wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise translate(e, write=True) from e
         return TxnResult(resp.succeeded, resp.header.revision, tuple(resp.responses))
@@ -265,7 +307,8 @@ class Store:
     # -- etcd_leases ---------------------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
         try:
-            resp = await self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl), timeout=self.timeout,
+            resp = await self._client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl),
+                                                           timeout=self.timeout,
                                                            wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise translate(e, write=True) from e
@@ -274,7 +317,8 @@ class Store:
     async def revoke(self, etcd_lease: int) -> None:
         """Revoke an etcd_lease, deleting every key on it. Revoking one that is gone is not an error."""
         try:
-            await self._client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=etcd_lease), timeout=self.timeout,
+            await self._client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=etcd_lease),
+                                                     timeout=self.timeout,
                                                      wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             err = translate(e, write=True)
@@ -290,10 +334,10 @@ class Store:
             raise translate(e, write=False) from e
         return int(resp.TTL)
 
-    async def keepalive(self, etcd_lease: int) -> int:
+    async def keepalive(self, etcd_lease: int, timeout: float | None = None) -> int:
         """Refresh an etcd_lease over the process's shared LeaseKeepAlive stream; 0 when it is gone."""
         assert self._keepalive is not None, "Store.connect() first"
-        return await self._keepalive.refresh(etcd_lease)
+        return await self._keepalive.refresh(etcd_lease, timeout)
 
     # -- the server --------------------------------------------------------------------------
     async def server_versions(self) -> dict[str, str]:

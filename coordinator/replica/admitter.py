@@ -49,6 +49,9 @@ ADMITTER_IDLE_S = 30.0
 # How long a round waits for the watch to bring the mirror up to the replica's own last commit, before it
 # reads a snapshot instead.
 MIRROR_WAIT_S = 0.02
+# The share of the etcd timeout an admission round may spend on etcd in all; the rest
+# is for answering, so that a caller hears UNAVAILABLE within the etcd timeout when etcd has no quorum.
+ROUND_ETCD_SHARE = 0.9
 
 
 @dataclasses.dataclass(eq=False)
@@ -295,6 +298,10 @@ class HostAdmitter:
         rep = self.ctx
         batch = _merge_duplicates(batch)
         mirror = rep.mirror
+        # The round spends at most (nine tenths of) the etcd timeout on etcd in all: without a quorum its
+        # callers hear UNAVAILABLE within the etcd timeout, not after a timed-out commit and then a
+        # timed-out read.
+        deadline = asyncio.get_running_loop().time() + ROUND_ETCD_SHARE * rep.config.etcd_timeout_s
         use_mirror = (mirror.ready and not self._waiting and mirror.revision >= self._last_commit
                       and not mirror.host_items("queue", self.host))
         for attempt in range(rep.config.commit_attempts):
@@ -310,7 +317,7 @@ class HostAdmitter:
                 # Linearizable: a refusal, a wait or "no such session" must reflect every write acknowledged
                 # before this request (read-your-writes), not what a lagging member has applied.
                 snap = await rep.store.snapshot(
-                    host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys])
+                    host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys], deadline=deadline)
             view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
@@ -328,7 +335,7 @@ class HostAdmitter:
                 return
             try:
                 res = await rep.store.commit([compile_compare(x) for x in plan.compares],
-                                             [compile_op(x) for x in plan.ops])
+                                             [compile_op(x) for x in plan.ops], deadline=deadline)
             except (errors.SessionGone, errors.OutcomeUnknown):
                 res = None  # ids are deterministic: reading again settles it
             if res is not None and res.succeeded:

@@ -5,10 +5,12 @@ What each fault does, as observed here (the README's "etcd faults" lines say the
 
 * kill -9 of the etcd leader during a 50-client race: a new leader within about a second; calls in flight
   are retried (by the coordinator, or the client on UNAVAILABLE), clients carry on; no session lost.
-* SIGSTOP of one member past the session TTL: the other two serve; no session lost. Until gRPC's ping
-  takes the stopped member out of the rotation (~6 s) a few calls that land on it end DEADLINE_EXCEEDED.
-* loss of two members: calls fail with DEADLINE_EXCEEDED (no quorum: etcd cannot answer a linearizable
-  read or a write) within about twice the etcd timeout; no process crashes; once the members are back,
+* SIGSTOP of one member past the session TTL: the other two serve; no session lost, no error reaches a
+  client. Until gRPC's ping takes the stopped member out of the rotation (~6 s), a read that lands on it is
+  tried again on the next member after half the etcd timeout, and a write that lands on it times out and is
+  retried by the client (UNAVAILABLE, same request_id).
+* loss of two members: calls fail with UNAVAILABLE (no quorum: etcd cannot answer a linearizable read or a
+  write) within the coordinators' etcd timeout; no process crashes; once the members are back,
   everything resumes and a session kept alive through an outage shorter than its TTL is still there.
 * SIGSTOP of the whole etcd past the TTL, then SIGCONT: sessions that could not refresh for their TTL are
   over (the client says so, and the resumed leader revokes their etcd_leases); the service resumes.
@@ -102,10 +104,10 @@ def test_one_member_stopped_past_the_session_ttl_loses_no_session(etcd3: Etcd3, 
     report = asyncio.run(scenario())
     print(f"outcomes {report.outcomes()}")
     assert not report.open_failures
-    # No session is lost. Calls that met the stopped member before it left the rotation (up to ~6 s: one
-    # missed gRPC ping) may end DEADLINE_EXCEEDED (documented); everything else answers as in a normal run.
-    assert not report.undocumented() and "SessionExpired" not in report.outcomes(), report.outcomes()
-    assert report.outcomes().get("DeadlineExceeded", 0) <= 0.05 * len(report.calls), report.outcomes()
+    # No session is lost, and every call answers as in a normal run: a call that met the stopped member
+    # before it left the rotation (up to ~6 s: one missed gRPC ping) was retried, by the coordinator (a
+    # read, on the next member) or by the client (a write that timed out: UNAVAILABLE, same request_id).
+    assert set(report.outcomes()) <= {"ok", "ResourceExhausted"}, report.outcomes()
     _no_keys_left(cluster3)
     _check(cluster3)
 
@@ -129,9 +131,10 @@ def test_losing_two_members_fails_calls_fast_and_everything_resumes(etcd3: Etcd3
             took.append(time.monotonic() - t0)
             codes.append(info.value.code())
         print(f"without quorum: {[c.name for c in codes]} after {[round(t, 2) for t in took]} s")
-        assert set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-        # A commit that times out (outcome unknown), then a read retried for one more timeout.
-        assert max(took) <= 4 * etcd_timeout + 1.0
+        # etcd cannot answer a linearizable read or a write without a quorum: the coordinator's first etcd
+        # call ends with its timeout, and the answer is UNAVAILABLE (the caller may retry elsewhere, later).
+        assert set(codes) == {grpc.StatusCode.UNAVAILABLE}, codes
+        assert max(took) <= etcd_timeout + 0.25, (took, etcd_timeout)   # 0.25 s: scheduling on 2 busy cores
         time.sleep(1)      # an outage (~10 s in all) shorter than the keeper's TTL: its session must survive
         for m in lost:
             etcd3.restart(m)

@@ -203,10 +203,10 @@ def test_a_session_whose_write_fails_leaves_no_etcd_lease(env: Any) -> None:
     orig = store.commit
     failures = [cerrors.Unavailable("etcd unavailable: injected"), cerrors.OutcomeUnknown("etcd write: injected")]
 
-    async def commit(compares: Any, success: Any, failure: Any = ()) -> Any:
+    async def commit(compares: Any, success: Any, failure: Any = (), deadline: float | None = None) -> Any:
         if failures and any(b"/sessions/" in op.request_put.key for op in success if op.HasField("request_put")):
             raise failures.pop(0)
-        return await orig(compares, success, failure)
+        return await orig(compares, success, failure, deadline)
 
     undo = patch_method(cluster, store, "commit", commit)
     try:

@@ -39,12 +39,13 @@ class CommitGate:
         self._open: asyncio.Event = cluster.lt.run(self._event())
         orig = self.store.commit
 
-        async def commit(compares: Any, success: Any, failure: Any = ()) -> Any:
+        async def commit(compares: Any, success: Any, failure: Any = (), deadline: float | None = None) -> Any:
             if not self._open.is_set() and self.when(list(success)):
                 with self._lock:
                     self.held += 1
                 await self._open.wait()
-            return await orig(compares, success, failure)
+                deadline = None    # the hold stands for a slow commit, not one that timed out
+            return await orig(compares, success, failure, deadline)
         self._undo = patch_method(cluster, self.store, "commit", commit)
 
     @staticmethod

@@ -20,13 +20,13 @@ def _lagging_reads(cluster: Cluster, svc: Any, lag_rev: int) -> Callable[[], Non
     store = svc.store
     orig = store.snapshot
 
-    async def snapshot(ranges: Any, serializable: bool = False) -> Snapshot:
+    async def snapshot(ranges: Any, serializable: bool = False, deadline: float | None = None) -> Snapshot:
         ranges = list(ranges)
         if not serializable:
-            return await orig(ranges)
+            return await orig(ranges, deadline=deadline)
         for r in ranges:
             r.revision = lag_rev
-        snap = await orig(ranges)
+        snap = await orig(ranges, deadline=deadline)
         return Snapshot(lag_rev, snap.ranges)
     return patch_method(cluster, store, "snapshot", snapshot)
 

@@ -120,12 +120,12 @@ def test_the_node_registers_again_when_its_first_attempt_fails(cluster: Cluster)
     orig_commit = store.commit
     failed: list[int] = []
 
-    async def commit(compares: Any, success: Any, failure: Any = ()) -> Any:
+    async def commit(compares: Any, success: Any, failure: Any = (), deadline: float | None = None) -> Any:
         if not failed and any(op.HasField("request_put") and op.request_put.key == cluster.keys.host("h1")
                               for op in success):
             failed.append(1)
             raise cerrors.Unavailable("etcd unavailable: injected")
-        return await orig_commit(compares, success, failure)
+        return await orig_commit(compares, success, failure, deadline)
 
     undo = patch_method(cluster, store, "commit", commit)
     try:
