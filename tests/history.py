@@ -158,4 +158,25 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
 
 
 async def check_store(store: Store, keys: Keys) -> HistoryReport:
-    return check_history(await read_history(store, keys.root()), keys)
+    report = check_history(await read_history(store, keys.root()), keys)
+    await _confirm_capacity_violations(store, keys, report)
+    return report
+
+
+async def _confirm_capacity_violations(store: Store, keys: Keys, report: HistoryReport) -> None:
+    """Read the GPU's leases again at the revision of each G1 violation (etcd keeps the whole history in
+    the tests), so that a report says which leases overlapped, or that the history read missed events."""
+    from coordinator.etcd.ops import range_req
+    checked: list[str] = []
+    for text in report.violations:
+        if " G1 " not in text or "MiB leased" not in text or len(checked) >= 3:
+            continue
+        rev = int(text.split()[1].rstrip(":"))
+        host, gpu = text.split(" G1 ")[1].split()[0].split("/")
+        kvs, _ = await store._read_range(range_req(keys.leases(host, gpu), prefix=True), rev, False)
+        live = [json.loads(kv.value) | {"create_revision": kv.create_revision} for kv in kvs]
+        total = sum(int(x["vram_mb"]) for x in live)
+        checked.append(f"  etcd at rev {rev}: {len(live)} leases, {total} MiB on {host}/{gpu}: " + ", ".join(
+            f"{x['id']} {x['vram_mb']} MiB agent {x['agent']} req {x.get('request_id')} created {x['create_revision']}"
+            for x in live))
+    report.violations += checked

@@ -409,10 +409,11 @@ class Store:
                         WatchEvent("DELETE" if ev.type == rpc.Event.DELETE else "PUT", KV.from_pb(ev.kv),
                                    KV.from_pb(ev.prev_kv) if ev.HasField("prev_kv") else None)
                         for ev in resp.events)
+                    # Only events move the resume point. A progress notification's revision is not trusted:
+                    # etcd before 3.5.8 can send one to a watcher still catching up (etcd-io/etcd#15220),
+                    # and resuming after it would skip the events in between.
                     if evs:
                         next_rev = evs[-1].kv.mod_revision + 1
-                    elif resp.header.revision and not resp.created:
-                        next_rev = max(next_rev, resp.header.revision + 1)
                     if evs or resp.created:
                         if resp.created and next_rev == 0:
                             next_rev = resp.header.revision + 1
