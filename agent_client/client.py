@@ -253,8 +253,10 @@ class AsyncClient:
                     if resp.ttl_seconds > 0:
                         self._last_refresh = time.monotonic()
                     for n in resp.notices:
+                        left = (n.grace_left_seconds if n.HasField("grace_left_seconds")
+                                else n.deadline_unix - time.time())   # an older coordinator: wall clocks
                         self._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
-                                                     n.deadline_unix))
+                                                     n.deadline_unix, time.monotonic() + left))
 
             async def watchdog() -> None:
                 # A replica that hangs without closing its socket (SIGSTOP, a stuck loop, a partition that

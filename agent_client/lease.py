@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 from agent_client.api import coordinator_pb2 as pb
@@ -22,11 +23,19 @@ class LeaseHolder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class EvictionNotice:
+    """``deadline`` is on this process's ``time.monotonic()`` clock: the time left that the coordinator
+    sent, added to ours when the notice came (``deadline_unix`` is the coordinator's wall clock, for
+    people: the two machines' clocks need not agree)."""
     lease_id: str
     gpu_uuid: str
     reason: str
     requested_by: str
     deadline_unix: float
+    deadline: float = 0.0
+
+    @property
+    def seconds_left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
 
 
 class _LeaseBase:

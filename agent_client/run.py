@@ -335,7 +335,7 @@ class AsyncBoundProcess:
                     waits["evicted"] = loop.create_future()
                     assert self.notice is not None
                     self._kill(signal.SIGTERM)
-                    delay, by = self.notice.deadline_unix - time.time() - KILL_MARGIN_S, "the eviction deadline"
+                    delay, by = self.notice.seconds_left - KILL_MARGIN_S, "the eviction deadline"
                     if self.kill_after is not None and self.kill_after < delay:
                         delay, by = self.kill_after, "--kill-after"
                     if killer is not None:

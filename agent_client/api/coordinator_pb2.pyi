@@ -45,18 +45,20 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
 class EvictionNotice(_message.Message):
-    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix")
+    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     gpu_uuid: str
     reason: str
     requested_by: str
     deadline_unix: float
-    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    grace_left_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("ttl_seconds", "notices")

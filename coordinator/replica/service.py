@@ -188,6 +188,14 @@ class CoordinatorService:
             if not qs:
                 del self._streams[session_id]
 
+    def grace_left(self, record: EvictionRecord) -> float:
+        """Seconds left until a notice's deadline, measured as the leader measures it (our monotonic clock,
+        from when we saw the notice); the whole grace if we have not seen the notice itself yet."""
+        kv = self.mirror.get(self.keys.eviction(record.lease_id))
+        if kv is None:
+            return max(0.0, record.deadline_unix - record.created_at)
+        return max(0.0, self.ctx.notice_deadline(kv, record) - clock.monotonic())
+
     def _deliver(self, record: EvictionRecord, only: asyncio.Queue[Any] | None = None) -> None:
         for q in ([only] if only is not None else self._streams.get(record.session_id, ())):
             q.put_nowait(record)

@@ -117,7 +117,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 if isinstance(item, EvictionRecord):
                     yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
                         lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
-                        requested_by=item.requested_by, deadline_unix=item.deadline_unix)])
+                        requested_by=item.requested_by, deadline_unix=item.deadline_unix,
+                        grace_left_seconds=self.svc.grace_left(item))])
                     continue
                 yield item
         finally:
@@ -206,7 +207,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 if notice is not None:
                     msg.eviction.CopyFrom(pb.EvictionNotice(
                         lease_id=notice.lease_id, gpu_uuid=notice.gpu_uuid, reason=notice.reason,
-                        requested_by=notice.requested_by, deadline_unix=notice.deadline_unix))
+                        requested_by=notice.requested_by, deadline_unix=notice.deadline_unix,
+                        grace_left_seconds=self.svc.grace_left(notice)))
                 hs.leases.append(msg)
             for q in h["queue"]:
                 hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),

@@ -43,10 +43,16 @@ def test_eviction_grace_and_usage_freshness_hold_with_skewed_clocks(cluster: Clu
 
         with Client(a, agent="victim", host="h1") as c:
             lease = c.acquire(4000)
+            notices: list[float] = []
+            lease.on_evict(lambda n: notices.append(n.deadline))
             stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(b))
             stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=GRACE_S, reason="skew"),
                             timeout=10)
             sent = time.monotonic()
+            # The victim learns the time it has on its own clock: the grace the replica measured, not a
+            # deadline on the deciding replica's wall clock (90 s behind the victim's replica, here).
+            wait_for(lambda: notices, 5, "the eviction notice to reach the victim")
+            assert GRACE_S - 1.0 <= notices[0] - sent <= GRACE_S + 0.5, notices[0] - sent
             wait_for(lambda: not cluster.leases(), GRACE_S + 10, "the leader to revoke at the deadline")
             took = time.monotonic() - sent
             # Never early (the grace is the victim's to use); late by at most a generous margin.
