@@ -191,9 +191,11 @@ class AsyncClient:
             stream = None
         if stream is None:
             stream = self._streams[addr] = SessionStream(self._channel(addr), addr)
-        call = asyncio.ensure_future(stream.call(_STREAMED[method], request, timeout))
         try:
-            return await self._probed(addr, call, probe)
+            if not probe:
+                return await stream.call(_STREAMED[method], request, timeout)
+            return await self._probed(addr, asyncio.ensure_future(stream.call(_STREAMED[method], request, timeout)),
+                                      probe)
         except (StreamBroken, _ReplicaHung):
             if self._streams.get(addr) is stream:
                 del self._streams[addr]

@@ -43,6 +43,7 @@ class SessionStream:
         self._ids = itertools.count(1)
         self._writing = asyncio.Lock()   # gRPC takes one write at a time
         self.broken: StreamBroken | None = None
+        self._cancels: set[asyncio.Task[None]] = set()
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def call(self, field: str, request: Any, timeout: float) -> Any:
@@ -61,11 +62,10 @@ class SessionStream:
                 sent = True
                 response = await future
         except TimeoutError:
+            self._drop(call_id, sent, future)
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except asyncio.CancelledError:
-            if sent and self.broken is None and not future.done():
-                # The caller gave up (as cancelling a unary call does): the server drops the call.
-                asyncio.get_running_loop().create_task(self._cancel(call_id))
+            self._drop(call_id, sent, future)
             raise
         finally:
             self._pending.pop(call_id, None)
@@ -80,6 +80,15 @@ class SessionStream:
             raise self._fail(e) from None
         except Exception as e:   # noqa: BLE001 - e.g. the call is already over
             raise self._fail(e) from None
+
+    def _drop(self, call_id: int, sent: bool, future: asyncio.Future[Any]) -> None:
+        """The caller gave up on a call (its deadline, or a cancel): the server is told to drop it, as it
+        drops a unary call whose client cancels it or whose deadline passes."""
+        answered = future.done() and not future.cancelled()   # (a cancelled await cancels the future)
+        if sent and self.broken is None and not answered:
+            task = asyncio.get_running_loop().create_task(self._cancel(call_id))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
 
     async def _cancel(self, call_id: int) -> None:
         try:

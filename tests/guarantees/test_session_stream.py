@@ -5,6 +5,7 @@ served and falls back to unary calls where it is not, or reconnects when it brea
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
 
@@ -144,6 +145,29 @@ def test_client_uses_the_stream_and_reconnects_when_it_breaks(cluster: Cluster) 
             assert c._streams[addr] is not stream
             await lease.release()
     cluster.lt.run(run())
+
+
+def test_a_cancelled_acquire_leaves_the_queue(cluster: Cluster) -> None:
+    """The caller cancels a waiting acquire (as asyncio.wait_for does): its queue entry goes at once, as when
+    a unary call is cancelled, not when its wait would have ended."""
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+
+    async def until(predicate: Any, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+
+    async def run() -> None:
+        async with AsyncClient(addr, agent="agent-a", host="h1") as c:
+            await c.acquire(15000)
+            waiter = asyncio.ensure_future(c.acquire(8000, wait=60))
+            await until(lambda: queue(cluster), "the waiter's queue entry")
+            assert set(c._streams) == {addr}
+            waiter.cancel()
+            await until(lambda: not queue(cluster), "the cancelled waiter to leave the queue")
+    asyncio.run(run())
 
 
 class _OldServer:
