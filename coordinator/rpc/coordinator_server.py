@@ -16,7 +16,7 @@ from coordinator import errors, metrics
 from coordinator.records import EvictionRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import CoordinatorConfig
+from coordinator.config import MAX_STREAM_CALLS, CoordinatorConfig
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.status import status_json
 from coordinator.replica.validate import check_lease_id, validate_acquire, validate_attach
@@ -209,6 +209,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                     elif call_id == 0 or call_id in calls:
                         why = "must be > 0" if call_id == 0 else "already names a call in flight on this stream"
                         out.put_nowait(_refusal(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call_id: {why}"))
+                    elif len(calls) >= MAX_STREAM_CALLS:
+                        out.put_nowait(_refusal(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                f"call_id: {MAX_STREAM_CALLS} calls already in flight on this "
+                                                "stream; wait for answers or open another stream"))
                     else:
                         calls[call_id] = loop.create_task(answer(call_id, field, getattr(request, field),
                                                                  request.timeout_seconds))

@@ -15,7 +15,9 @@ import pytest
 from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, StreamCallError, acquire_req, coordinator_stub, queue, session_call, wait_for
+from coordinator.config import MAX_STREAM_CALLS
+from tests.harness import (Cluster, StreamCallError, acquire_req, coordinator_stub, patch_method, queue, session_call,
+                           wait_for)
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -128,6 +130,40 @@ def test_a_call_is_dropped_at_its_deadline_or_when_cancelled(env: tuple[Cluster,
         wait_for(lambda: not queue(cluster), 10, "the cancelled waiter to leave the queue")
     assert list(stub.Session(requests(), timeout=30)) == []
     assert sent
+
+
+def test_calls_in_flight_on_one_stream_are_bounded(env: tuple[Cluster, Any, Client]) -> None:
+    """Past MAX_STREAM_CALLS calls in flight, one more is refused RESOURCE_EXHAUSTED naming call_id; the
+    calls in flight are all answered once they can finish."""
+    cluster, stub, c = env
+    svc = cluster.service(next(iter(cluster.coordinators)))
+    entered: list[int] = []
+    go = asyncio.Event()
+    release = svc.release
+
+    async def held_release(info: Any, lease_id: str) -> bool:
+        entered.append(1)
+        await go.wait()
+        return bool(await release(info, lease_id))
+    undo = patch_method(cluster, svc, "release", held_release)
+    ref = pb.SessionRef(agent="agent-a", session_id=c.session_id)
+    n = MAX_STREAM_CALLS + 1
+    answers: dict[int, pb.SessionResponse] = {}
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        for i in range(1, n + 1):
+            yield pb.SessionRequest(call_id=i, timeout_seconds=30,
+                                    release=pb.ReleaseRequest(session=ref, lease_id=f"gone-{i}"))
+        wait_for(lambda: len(entered) == MAX_STREAM_CALLS and n in answers, 20, "the calls to be in flight")
+        cluster.lt.loop.call_soon_threadsafe(go.set)
+    try:
+        for response in stub.Session(requests(), timeout=30):
+            answers[response.call_id] = response
+    finally:
+        undo()
+    assert answers[n].code == C.RESOURCE_EXHAUSTED.value[0] and "call_id" in answers[n].message, answers[n]
+    assert sorted(answers) == list(range(1, n + 1))
+    assert all(answers[i].code == 0 and answers[i].release.released is False for i in range(1, n))
 
 
 def test_client_uses_the_stream_and_reconnects_when_it_breaks(cluster: Cluster) -> None:
