@@ -45,6 +45,9 @@ class _ReplicaHung(Exception):
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # The calls that travel on a replica's Session stream when it serves one (the unary call otherwise).
 _STREAMED = {"Acquire": "acquire", "Release": "release"}
+# Calls in flight on a stream past which a call goes unary: a stream's answers are written one after the
+# other, where unary calls are answered side by side (a burst of waits that end together, say).
+_STREAM_IN_FLIGHT = 8
 
 
 class AsyncClient:
@@ -66,7 +69,8 @@ class AsyncClient:
     Acquires and releases go as messages of one ``Session`` stream per replica (cheaper for the coordinator
     than a unary call each) with the same outcomes, deadlines and failover; a replica that does not serve
     the stream (UNIMPLEMENTED: an older server) gets unary calls from then on, and a stream that breaks is
-    opened again for the next call. ``session_stream=False`` keeps to unary calls.
+    opened again for the next call. With 8 calls in flight on a stream, more go unary (a stream writes its
+    answers one at a time). ``session_stream=False`` keeps to unary calls.
     """
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
@@ -171,7 +175,9 @@ class AsyncClient:
         """One attempt on one replica. With ``probe``, the replica's health is checked while it holds
         the call, so that a replica that hangs (SIGSTOP, a stuck loop, packets dropped) is left within
         two ``attempt_timeout`` rather than at the end of the wait."""
-        if method in _STREAMED and self.session_stream and addr not in self._unary_only:
+        stream = self._streams.get(addr)
+        if method in _STREAMED and self.session_stream and addr not in self._unary_only and \
+                (stream is None or stream.in_flight < _STREAM_IN_FLIGHT):
             try:
                 return await self._attempt_on_stream(addr, method, request, timeout, probe)
             except StreamBroken as e:

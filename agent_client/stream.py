@@ -46,6 +46,10 @@ class SessionStream:
         self._cancels: set[asyncio.Task[None]] = set()
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
     async def call(self, field: str, request: Any, timeout: float) -> Any:
         """``field``: acquire or release. The answer, or the error the unary call would have raised."""
         if self.broken is not None:

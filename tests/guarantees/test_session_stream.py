@@ -272,7 +272,8 @@ def test_client_falls_back_to_unary_calls_on_a_server_without_the_stream(cluster
 
 
 def test_many_calls_in_flight_on_one_stream(cluster: Cluster) -> None:
-    """Concurrent acquires and releases of one client share its stream; each gets its own answer."""
+    """Concurrent acquires and releases of one client: the first ones share its stream (past 8 in flight the
+    rest go unary); each gets its own answer."""
     cluster.start_node("h1", "1x16GiB")
     addr = cluster.start_coordinator()
 
