@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent_client import errors
 from agent_client.lease import AsyncLease, EvictionNotice
 from agent_client.run import AsyncBoundProcess
+from agent_client.stream import SessionStream, StreamBroken
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.tls import aio_channel, credentials
@@ -42,6 +43,11 @@ class _ReplicaHung(Exception):
 
 
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# The calls that travel on a replica's Session stream when it serves one (the unary call otherwise).
+_STREAMED = {"Acquire": "acquire", "Release": "release"}
+# Calls in flight on a stream past which a call goes unary: a stream's answers are written one after the
+# other, where unary calls are answered side by side (a burst of waits that end together, say).
+_STREAM_IN_FLIGHT = 8
 
 
 class AsyncClient:
@@ -59,12 +65,18 @@ class AsyncClient:
     alive, so etcd removes it when its TTL passes.
 
     The session is opened by ``connect()`` (``async with``) or by the first call that needs one.
+
+    Acquires and releases go as messages of one ``Session`` stream per replica (cheaper for the coordinator
+    than a unary call each) with the same outcomes, deadlines and failover; a replica that does not serve
+    the stream (UNIMPLEMENTED: an older server) gets unary calls from then on, and a stream that breaks is
+    opened again for the next call. With 8 calls in flight on a stream, more go unary (a stream writes its
+    answers one at a time). ``session_stream=False`` keeps to unary calls.
     """
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
                  keepalive_interval: float | None = None, rpc_timeout: float = 10.0,
                  retry_for: float | None = None, attempt_timeout: float = 3.0, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None, session_stream: bool = True) -> None:
         """``ttl`` None takes the coordinator's session TTL, and ``keepalive_interval`` None the interval the
         coordinator answers (at most a third of the TTL). ``tls_ca``/``tls_cert``/``tls_key`` (else
         ``GPUCOORD_TLS_CA/CERT/KEY``) turn on mTLS."""
@@ -90,6 +102,9 @@ class AsyncClient:
         self._addr_i = 0
         self._owner = ""        # the replica that owns our host (host ownership), as the last acquire said
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[str, SessionStream] = {}
+        self._unary_only: set[str] = set()    # replicas that answered the stream UNIMPLEMENTED
+        self.session_stream = session_stream
         self._leases: dict[str, AsyncLease] = {}
         self._early_notices: dict[str, EvictionNotice] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -160,7 +175,41 @@ class AsyncClient:
         """One attempt on one replica. With ``probe``, the replica's health is checked while it holds
         the call, so that a replica that hangs (SIGSTOP, a stuck loop, packets dropped) is left within
         two ``attempt_timeout`` rather than at the end of the wait."""
+        stream = self._streams.get(addr)
+        if method in _STREAMED and self.session_stream and addr not in self._unary_only and \
+                (stream is None or stream.in_flight < _STREAM_IN_FLIGHT):
+            try:
+                return await self._attempt_on_stream(addr, method, request, timeout, probe)
+            except StreamBroken as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("coordinator %s serves no Session stream: unary calls from now on", addr)
+                self._unary_only.add(addr)
         call = getattr(pb_grpc.CoordinatorStub(self._channel(addr)), method)(request, timeout=timeout)
+        return await self._probed(addr, call, probe)
+
+    async def _attempt_on_stream(self, addr: str, method: str, request: Any, timeout: float, probe: bool) -> Any:
+        """The attempt as a message of the Session stream to ``addr``; a stream that broke before the message
+        was sent is replaced first. A broken stream is dropped, so that the next attempt opens a new one."""
+        stream = self._streams.get(addr)
+        if stream is not None and stream.broken is not None:
+            stream.close()
+            stream = None
+        if stream is None:
+            stream = self._streams[addr] = SessionStream(self._channel(addr), addr)
+        try:
+            if not probe:
+                return await stream.call(_STREAMED[method], request, timeout)
+            return await self._probed(addr, asyncio.ensure_future(stream.call(_STREAMED[method], request, timeout)),
+                                      probe)
+        except (StreamBroken, _ReplicaHung):
+            if self._streams.get(addr) is stream:
+                del self._streams[addr]
+            stream.close()
+            raise
+
+    async def _probed(self, addr: str, call: Any, probe: bool) -> Any:
+        """Await ``call`` (a unary call, or a stream message's task), probing the replica when asked."""
         if not probe:
             return await call
         hung = asyncio.get_running_loop().create_task(self._hung(addr))
@@ -321,15 +370,19 @@ class AsyncClient:
                                  retry_for=2 * self.attempt_timeout)
             except errors.GpucoordError as e:
                 log.info("close session: %s", e)
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._close_channels()
 
     async def orphan(self) -> None:
         """Stop keeping the session alive but leave its keys: they go when the TTL passes."""
         self.done.set()
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
+        await self._close_channels()
+
+    async def _close_channels(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

@@ -34,6 +34,7 @@ MAX_SESSION_ID_LEN = 16           # lowercase hex of an etcd_lease id (64 bits)
 MAX_SPEC_BYTES = 64 * 1024        # a partition spec, as JSON
 MAX_PARTITION_BYTES = 256 * 1024  # the computed partition stored under partitions/<host>
 MAX_GRACE_S = 3600.0              # an operator's eviction grace
+MAX_STREAM_CALLS = 256            # calls in flight on one Session stream
 QUOTE_CHARS = 32                  # an error message quotes at most this much of a bad value
 
 

@@ -5,7 +5,8 @@ and ``tests.static.import_graph``, never each other.
   test), ``Background``, ``LoopThread``;
 * in-process services: ``Cluster`` runs real coordinators and node daemons (real gRPC on loopback, real
   etcd) in the test's process, so that starting them is cheap; ``queue``, ``session_alive`` read state;
-* gRPC: ``coordinator_stub``, ``node_stub``, ``acquire_req``, ``expect_refused``;
+* gRPC: ``coordinator_stub``, ``node_stub``, ``acquire_req``, ``expect_refused``; ``session_call`` (one call
+  as a message of the Session stream, its answer or ``StreamCallError``);
 * fault injection by wrapping one component's own objects, never by editing the code under test:
   ``patch_method``, ``patch_commit``;
 * child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_agent``, ``child_env``;
@@ -262,6 +263,35 @@ def acquire_req(agent: str, session_id: str, vram_mb: int, request_id: str, wait
                 **kw: Any) -> pb.AcquireRequest:
     return pb.AcquireRequest(session=pb.SessionRef(agent=agent, session_id=session_id), vram_mb=vram_mb,
                              request_id=request_id, wait_seconds=wait, **kw)
+
+
+class StreamCallError(grpc.RpcError):  # type: ignore[misc]
+    """A Session stream message answered with an error status: read like a unary call's RpcError."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def session_call(stub: pb_grpc.CoordinatorStub, field: str, request: Any, timeout: float = 10,
+                 call_id: int = 1, before: Sequence[pb.SessionRequest] = ()) -> Any:
+    """``request`` (an AcquireRequest, ReleaseRequest or KeepAliveRequest, by ``field``) as one message of a
+    new Session stream, after the messages ``before``: its answer, or StreamCallError with the code and the
+    message it was answered with. An error that ends the stream itself is raised as gRPC raises it."""
+    messages = [*before, pb.SessionRequest(call_id=call_id, timeout_seconds=timeout, **{field: request})]
+    for response in stub.Session(iter(messages), timeout=timeout + 5):
+        if response.call_id == call_id:
+            if response.code:
+                codes = {c.value[0]: c for c in grpc.StatusCode}
+                raise StreamCallError(codes[response.code], response.message)
+            return getattr(response, field)
+    raise AssertionError(f"the Session stream ended without answering call {call_id}")
 
 
 def expect_refused(cluster: Cluster, fn: Callable[[], Any], code: grpc.StatusCode, field: str) -> None:

@@ -94,6 +94,11 @@ class CoordinatorStub:
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.PingRequest.SerializeToString,
                 response_deserializer=agent__client_dot_api_dot_coordinator__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/gpucoord.v1.Coordinator/Session',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -184,6 +189,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One stream for a session's hot calls: Acquire, Release and KeepAlive requests travel as messages with
+        a call id and are answered on the same stream, in any order, each with the status code and message that
+        the unary call would have ended with. Every message is authorized, bounded and handled exactly as the
+        unary call of the same name. It saves a gRPC call per request; clients fall back to the unary calls
+        where it is UNIMPLEMENTED (older servers) or broken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -246,6 +262,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=agent__client_dot_api_dot_coordinator__pb2.PingRequest.FromString,
                     response_serializer=agent__client_dot_api_dot_coordinator__pb2.PingResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -572,6 +593,33 @@ class Coordinator:
             '/gpucoord.v1.Coordinator/Ping',
             agent__client_dot_api_dot_coordinator__pb2.PingRequest.SerializeToString,
             agent__client_dot_api_dot_coordinator__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gpucoord.v1.Coordinator/Session',
+            agent__client_dot_api_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

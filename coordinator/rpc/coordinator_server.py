@@ -16,12 +16,13 @@ from coordinator import errors, metrics
 from coordinator.records import EvictionRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import CoordinatorConfig
+from coordinator.config import MAX_STREAM_CALLS, CoordinatorConfig
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.status import status_json
 from coordinator.replica.validate import check_lease_id, validate_acquire, validate_attach
 from coordinator.rpc.forward import Forwarder, forwarded_by
-from coordinator.security.interceptor import SecurityInterceptor, current_caller
+from coordinator.security.authz import COORDINATOR, SESSION_STREAM_CALLS
+from coordinator.security.interceptor import Refused, SecurityInterceptor, audit_call, current_caller
 from coordinator.security.tls import add_port, check_listen, server_options
 
 log = logging.getLogger(__name__)
@@ -36,25 +37,54 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
                     created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
 
 
-def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Every error becomes a gRPC status with its message: the one translation point of the server."""
+def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Awaitable[T]]:
+    """Every error becomes a gRPC status with its message: the one translation point of the server.
+    ``name``: the RPC counted in the metrics, when not the function's own name."""
+    rpc = name or fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
             return await fn(self, request, context)
         except errors.GpucoordError as e:
-            metrics.count_refusal(fn.__name__, e)
+            metrics.count_refusal(rpc, e)
             await context.abort(grpc.StatusCode[e.code], e.message)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.exception("%s failed", fn.__name__)
-            metrics.count_refusal(fn.__name__, e)
+            log.exception("%s failed", rpc)
+            metrics.count_refusal(rpc, e)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
         raise AssertionError("unreachable")
 
     return wrapper
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _CallContext:
+    """What a handler sees of its call when the call came as a Session stream message: the stream's peer and
+    metadata, and an ``abort`` that ends this call alone."""
+
+    def __init__(self, stream: grpc.aio.ServicerContext) -> None:
+        self._stream = stream
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Aborted(code, details)
+
+    def invocation_metadata(self) -> Any:
+        return self._stream.invocation_metadata()
+
+    def peer(self) -> str:
+        return str(self._stream.peer())
+
+
+def _refusal(call_id: int, code: grpc.StatusCode, details: str) -> pb.SessionResponse:
+    return pb.SessionResponse(call_id=call_id, code=code.value[0], message=details)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
@@ -126,6 +156,105 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             if registered:
                 self.svc.unregister_stream(registered[0], out)
             metrics.SESSIONS.dec()
+
+    async def Session(self, request_iterator: AsyncIterator[Any],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
+        """A session's Acquire, Release and KeepAlive calls as messages, answered on the stream as they
+        finish: each one goes to the handler of its unary call (after the interceptor has checked it as that
+        call), runs as its own task, and is cancelled when its deadline passes, when the caller cancels it or
+        when the stream ends. A session kept alive here also gets its eviction notices here (call_id 0)."""
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        calls: dict[int, asyncio.Task[None]] = {}
+        registered: list[str] = []
+        handlers: dict[str, Callable[[Any, Any], Awaitable[Any]]] = {
+            "acquire": self.Acquire, "release": self.Release, "keepalive": self._keepalive_call}
+
+        async def answer(call_id: int, field: str, request: Any, timeout_s: float) -> None:
+            method = COORDINATOR + SESSION_STREAM_CALLS[field]
+            try:
+                async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+                    result = await handlers[field](request, _CallContext(context))
+            except _Aborted as e:
+                out.put_nowait(_refusal(call_id, e.code, e.details))
+                audit_call(method, request, e.code)
+                return
+            except TimeoutError:
+                out.put_nowait(_refusal(call_id, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+                audit_call(method, request, grpc.StatusCode.DEADLINE_EXCEEDED)
+                return
+            finally:
+                calls.pop(call_id, None)
+            out.put_nowait(pb.SessionResponse(call_id=call_id, **{field: result}))
+            if field == "keepalive" and not registered:
+                # Kept alive here: the session's eviction notices come here from now on.
+                registered.append(request.session.session_id)
+                self.svc.register_stream(request.session.session_id, out)
+            audit_call(method, request, grpc.StatusCode.OK)
+
+        async def read() -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                async for request in request_iterator:
+                    if isinstance(request, Refused):   # by the interceptor, as the unary call would be
+                        out.put_nowait(_refusal(request.request.call_id, grpc.StatusCode[request.error.code],
+                                                request.error.message))
+                        continue
+                    call_id, field = request.call_id, request.WhichOneof("call")
+                    if field == "cancel":
+                        task = calls.get(request.cancel)
+                        if task is not None:
+                            task.cancel()   # as a unary call's handler is when its caller cancels
+                    elif field is None:
+                        out.put_nowait(_refusal(call_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                                "call: one of acquire, release or keepalive is required"))
+                    elif call_id == 0 or call_id in calls:
+                        why = "must be > 0" if call_id == 0 else "already names a call in flight on this stream"
+                        out.put_nowait(_refusal(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call_id: {why}"))
+                    elif len(calls) >= MAX_STREAM_CALLS:
+                        out.put_nowait(_refusal(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                f"call_id: {MAX_STREAM_CALLS} calls already in flight on this "
+                                                "stream; wait for answers or open another stream"))
+                    else:
+                        calls[call_id] = loop.create_task(answer(call_id, field, getattr(request, field),
+                                                                 request.timeout_seconds))
+                # The client has sent its last call: answer what is in flight, then end the stream.
+                while calls:
+                    await asyncio.gather(*calls.values(), return_exceptions=True)
+                out.put_nowait(None)
+            except errors.GpucoordError as e:
+                out.put_nowait(e)   # malformed bytes: the stream ends with INVALID_ARGUMENT
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.debug("session stream ended: %r", e)   # the caller went away, or the server stops
+                out.put_nowait(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    return
+                if isinstance(item, errors.GpucoordError):
+                    metrics.count_refusal("Session", item)
+                    await context.abort(grpc.StatusCode[item.code], item.message)
+                if isinstance(item, EvictionRecord):
+                    yield pb.SessionResponse(keepalive=pb.KeepAliveResponse(ttl_seconds=-1, notices=[
+                        pb.EvictionNotice(lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
+                                          requested_by=item.requested_by, deadline_unix=item.deadline_unix)]))
+                    continue
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(calls.values()):
+                task.cancel()
+            if registered:
+                self.svc.unregister_stream(registered[0], out)
+
+    async def _keepalive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+        return pb.KeepAliveResponse(ttl_seconds=await self.svc.keepalive(await self._session(request.session)))
+
+    _keepalive_call = _rpc(_keepalive, "KeepAlive")   # a KeepAlive message of a Session stream
 
     @_rpc
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:

@@ -15,6 +15,7 @@ Coordinator.GetStatus,             one host it has a live         yes         no
 Coordinator.ApplyPartition,        no                             yes         no     no
   EvictLease, RevokeLease
 Coordinator.Ping                   yes                            yes         no     no
+Coordinator.Session (the stream)   yes; each message as its call  yes         no     no
 Node.GetInventory, CheckToken      yes                            yes         no     yes
 grpc.health.v1.Health              yes                            yes         yes    yes
 server reflection                  yes                            yes         no     no
@@ -27,6 +28,9 @@ is ``sessions/<agent>/<id>``: naming another agent's session id under one's own 
 With TLS off there is no identity and every caller is trusted (loopback dev mode). With TLS on, a
 certificate that carries no ``gpucoord://`` identity is refused like any other unauthorized caller.
 Refusals are PERMISSION_DENIED naming the identity and the action, and are audited.
+
+A message of the ``Session`` stream carries one Acquire, Release or KeepAlive request: ``unwrap`` gives the
+interceptor that call, which is then authorized, bounded and audited exactly as the unary call of that name.
 """
 from __future__ import annotations
 
@@ -60,8 +64,24 @@ class Denied(errors.NotOwner):
         self.who, self.action, self.why = who, action, why
 
 
+SESSION_STREAM = COORDINATOR + "Session"
+# The calls a Session stream message may carry: its oneof field -> the RPC it stands for.
+SESSION_STREAM_CALLS = {"acquire": "Acquire", "release": "Release", "keepalive": "KeepAlive"}
+
+
 def rpc_name(method: str) -> str:
     return method.rpartition("/")[2]
+
+
+def unwrap(method: str, request: Any) -> tuple[str, Any]:
+    """The call a request stands for: a Session stream message is its Acquire, Release or KeepAlive request,
+    under that RPC's method name; anything else (a message with no call set included) is itself."""
+    if method != SESSION_STREAM or request is None:
+        return method, request
+    name = SESSION_STREAM_CALLS.get(request.WhichOneof("call") or "")
+    if name is None:
+        return method, request   # no call, or a cancel of one of the stream's own calls
+    return COORDINATOR + name, getattr(request, request.WhichOneof("call"))
 
 
 def target_of(method: str, request: Any) -> str:
@@ -122,6 +142,8 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
         raise deny(f"the {role} role may call only health on the coordinator")
     if name == "Ping":
         return
+    if name == "Session":
+        return   # the stream's opening, a cancel, or a message with no call (refused by the handler)
     if name in OPERATOR_RPCS:
         raise deny("it needs the operator role")
     if request is None:

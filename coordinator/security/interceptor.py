@@ -5,6 +5,10 @@ For every call, before the handler runs: the peer's identity is read from its ve
 are not a valid message of the method's type are answered INVALID_ARGUMENT (one log line at debug level,
 not a traceback per request). Streams are checked message by message. Operator actions and every
 refusal are audited (``authz.audit``). The handler can read the caller through ``current_caller()``.
+
+A message of the ``Session`` stream is checked as the call it carries (``authz.unwrap``). A refused one does
+not end the stream: the handler receives it as ``Refused`` and answers its call with the refusal, and
+``audit_call`` audits the outcome of each carried call as the unary call's would be.
 """
 from __future__ import annotations
 
@@ -49,6 +53,24 @@ class _Malformed:
     """What the deserializer hands on for bytes that are not a valid message."""
 
     error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A Session stream message that the checks refused: answered with ``error``, never handled."""
+
+    request: Any
+    error: errors.GpucoordError
+
+
+def audit_call(method: str, request: Any, code: grpc.StatusCode) -> None:
+    """Audit the outcome of a call carried by a Session stream message (``method`` and ``request`` unwrapped),
+    as the interceptor audits a unary call's."""
+    caller = _CALLER.get()
+    if caller is None or not authz.needs_audit(caller.identity, method):
+        return
+    outcome = "ok" if code == grpc.StatusCode.OK else f"failed: {code.name}"
+    authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request), outcome)
 
 
 class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -103,6 +125,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if isinstance(request, _Malformed):
             raise errors.InvalidArgument(f"request: not a valid message for {authz.rpc_name(method)} "
                                          f"({request.error})", "request")
+        method, request = authz.unwrap(method, request)
         try:
             await authz.authorize(caller.identity, caller.tls, method, request, self.agent_hosts)
         except authz.Denied as e:
@@ -184,6 +207,22 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             async for request in requests:
                 await interceptor._check(caller, method, request)
                 yield request
+
+        async def checked_calls(caller: Caller, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            # Session: a refused message is answered on its own; the stream goes on.
+            async for request in requests:
+                if isinstance(request, _Malformed):
+                    await interceptor._check(caller, method, request)   # raises: bytes without a call id
+                try:
+                    await interceptor._check(caller, method, request)
+                except errors.GpucoordError as e:
+                    metrics.count_refusal(authz.rpc_name(authz.unwrap(method, request)[0]), e)
+                    yield Refused(request, e)
+                    continue
+                yield request
+
+        if method == authz.SESSION_STREAM:
+            checked = checked_calls
 
         if inspect.isasyncgenfunction(behavior):
             async def gen(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:

@@ -22,7 +22,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import TlsFiles, channel_credentials
 from coordinator.etcd.ops import range_req
-from tests.harness import Cluster, Pki, wait_for, writes_since
+from tests.harness import Cluster, Pki, session_call, wait_for, writes_since
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -130,6 +130,14 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     if rpc == "CloseSession":
         sid = w.open_session()
         return lambda: s.coord.CloseSession(pb.CloseSessionRequest(session=w.ref(sid)), timeout=10)
+    if rpc == "Session(Acquire)":   # the same calls as messages of the Session stream
+        return lambda: session_call(s.coord, "acquire", pb.AcquireRequest(session=w.ref(), vram_mb=64,
+                                                                          request_id=uuid.uuid4().hex))
+    if rpc == "Session(Release)":
+        lease = w.acquire()
+        return lambda: session_call(s.coord, "release", pb.ReleaseRequest(session=w.ref(), lease_id=lease.id))
+    if rpc == "Session(KeepAlive)":
+        return lambda: session_call(s.coord, "keepalive", pb.KeepAliveRequest(session=w.ref()))
     if rpc == "GetStatus(host)":
         return lambda: s.coord.GetStatus(pb.GetStatusRequest(host=HOST), timeout=10)
     if rpc == "GetStatus(all)":
@@ -159,7 +167,8 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     raise AssertionError(rpc)
 
 
-RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "GetStatus(host)", "GetStatus(all)",
+RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "Session(Acquire)",
+        "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
         "Node.CheckToken", "Node.Health")
 ALLOWED = {
@@ -174,9 +183,9 @@ ALLOWED = {
 def _check_success(rpc: str, resp: Any) -> None:
     if rpc == "OpenSession":
         assert resp.session_id
-    elif rpc == "KeepAlive":
+    elif rpc in ("KeepAlive", "Session(KeepAlive)"):
         assert resp.ttl_seconds > 0
-    elif rpc == "Release":
+    elif rpc in ("Release", "Session(Release)"):
         assert resp.released
     elif rpc == "RevokeLease":
         assert resp.revoked
@@ -210,7 +219,11 @@ def test_role_rpc_matrix(world: World, role: str, rpc: str) -> None:
         return
     assert err.code() == C.PERMISSION_DENIED, (err.code(), err.details())
     assert IDENTITY[role] in err.details(), err.details()
-    assert rpc.split("(")[0].removeprefix("Node.") in err.details(), err.details()
+    # A Session stream message is refused as the call it carries; a role that may not open the stream at
+    # all is refused the stream.
+    names = {rpc.split("(")[0].removeprefix("Node.")} if not rpc.startswith("Session(") else \
+        {"Session", rpc[len("Session("):-1]}
+    assert any(n in err.details() for n in names), err.details()
 
 
 def test_agent_cannot_use_another_agents_session_under_its_own_name(world: World) -> None:
@@ -220,7 +233,10 @@ def test_agent_cannot_use_another_agents_session_under_its_own_name(world: World
     calls = [lambda: b.Acquire(pb.AcquireRequest(session=ref, vram_mb=64), timeout=10),
              lambda: b.Release(pb.ReleaseRequest(session=ref, lease_id=world.lease.id), timeout=10),
              lambda: b.CloseSession(pb.CloseSessionRequest(session=ref), timeout=10),
-             lambda: next(iter(b.KeepAlive(iter([pb.KeepAliveRequest(session=ref)]), timeout=10)))]
+             lambda: next(iter(b.KeepAlive(iter([pb.KeepAliveRequest(session=ref)]), timeout=10))),
+             lambda: session_call(b, "acquire", pb.AcquireRequest(session=ref, vram_mb=64)),
+             lambda: session_call(b, "release", pb.ReleaseRequest(session=ref, lease_id=world.lease.id)),
+             lambda: session_call(b, "keepalive", pb.KeepAliveRequest(session=ref))]
     for call in calls:
         before = world.revision()
         with pytest.raises(grpc.RpcError) as info:
@@ -256,3 +272,19 @@ def test_operator_actions_and_refusals_are_audited(world: World, caplog: pytest.
     denied = [x for x in lines if x["action"] == "RevokeLease" and x["identity"] == "gpucoord://agent/agent-a"]
     assert denied and denied[0]["outcome"].startswith("denied: ") and denied[0]["target"] == f"lease {lease.id!r}"
     op.RevokeLease(pb.RevokeLeaseRequest(lease_id=lease.id), timeout=10)
+
+
+def test_session_stream_calls_are_audited_as_the_unary_calls(world: World, caplog: pytest.LogCaptureFixture) -> None:
+    """An operator's acquire on the stream is audited like its unary acquire; an agent's refused one too."""
+    caplog.set_level(logging.INFO, logger="gpucoord.audit")
+    lease = session_call(world.stubs("operator").coord, "acquire", pb.AcquireRequest(
+        session=world.ref(), vram_mb=64, request_id=uuid.uuid4().hex)).lease
+    with pytest.raises(grpc.RpcError):
+        session_call(world.stubs("other").coord, "release", pb.ReleaseRequest(session=world.ref(), lease_id=lease.id))
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gpucoord.audit"]
+    target = f"session {world.session_id!r} of agent 'agent-a'"
+    assert {"audit": True, "identity": "gpucoord://operator/ops", "action": "Acquire", "target": target,
+            "outcome": "ok"} in lines, lines
+    denied = [x for x in lines if x["action"] == "Release" and x["identity"] == "gpucoord://agent/agent-b"]
+    assert denied and denied[0]["outcome"].startswith("denied: ") and lease.id in denied[0]["target"], lines
+    world.stubs("self").coord.Release(pb.ReleaseRequest(session=world.ref(), lease_id=lease.id), timeout=10)

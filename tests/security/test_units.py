@@ -147,3 +147,24 @@ def test_authorization_of_node_health_and_reflection() -> None:
 
 def test_without_tls_every_caller_is_trusted() -> None:
     assert _decide(None, authz.COORDINATOR + "RevokeLease", pb.RevokeLeaseRequest(lease_id="x"), tls_on=False) == "ok"
+
+
+def test_a_session_stream_message_is_authorized_as_the_call_it_carries() -> None:
+    def as_call(message: pb.SessionRequest) -> tuple[str, Any]:
+        return authz.unwrap(authz.SESSION_STREAM, message)
+
+    acquire = pb.AcquireRequest(session=REF_A, vram_mb=64)
+    assert as_call(pb.SessionRequest(call_id=1, acquire=acquire)) == (authz.COORDINATOR + "Acquire", acquire)
+    release = pb.ReleaseRequest(session=REF_A, lease_id="x")
+    assert as_call(pb.SessionRequest(call_id=2, release=release)) == (authz.COORDINATOR + "Release", release)
+    keepalive = pb.KeepAliveRequest(session=REF_A)
+    assert as_call(pb.SessionRequest(call_id=3, keepalive=keepalive)) == (authz.COORDINATOR + "KeepAlive", keepalive)
+    for bare in (pb.SessionRequest(call_id=4), pb.SessionRequest(cancel=1)):
+        assert as_call(bare) == (authz.SESSION_STREAM, bare)         # nothing to act on: the stream itself
+    assert authz.unwrap(authz.COORDINATOR + "Acquire", acquire) == (authz.COORDINATOR + "Acquire", acquire)
+    # The unwrapped call is decided as the unary call would be; the stream itself is open to agents only.
+    assert _decide(AGENT_B, *as_call(pb.SessionRequest(call_id=1, acquire=acquire))) == "denied"
+    assert _decide(AGENT_A, *as_call(pb.SessionRequest(call_id=1, acquire=acquire))) == "ok"
+    assert _decide(AGENT_B, authz.SESSION_STREAM, None) == "ok"
+    assert _decide(NODE, authz.SESSION_STREAM, None) == "denied"
+    assert _decide(NODE, authz.SESSION_STREAM, pb.SessionRequest(cancel=1)) == "denied"
