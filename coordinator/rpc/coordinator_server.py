@@ -99,6 +99,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self.forwarder = Forwarder(svc.replica_id, margin_s=max(2.0, 2 * cfg.etcd_timeout_s),
                                    avoid_s=float(cfg.election_ttl_s))
 
+
+    def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
+        """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
+        return pb.EvictionNotice(lease_id=record.lease_id, gpu_uuid=record.gpu_uuid, reason=record.reason,
+                                 requested_by=record.requested_by, deadline_unix=record.deadline_unix,
+                                 grace_left_seconds=self.svc.grace_left(record))
     async def _session(self, ref: pb.SessionRef) -> Any:
         return await self.svc.session(ref.agent, ref.session_id)
 
@@ -145,10 +151,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                     metrics.count_refusal("KeepAlive", item)
                     await context.abort(grpc.StatusCode[item.code], item.message)
                 if isinstance(item, EvictionRecord):
-                    yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[pb.EvictionNotice(
-                        lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
-                        requested_by=item.requested_by, deadline_unix=item.deadline_unix,
-                        grace_left_seconds=self.svc.grace_left(item))])
+                    yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[self._notice(item)])
                     continue
                 yield item
         finally:
@@ -239,9 +242,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                     metrics.count_refusal("Session", item)
                     await context.abort(grpc.StatusCode[item.code], item.message)
                 if isinstance(item, EvictionRecord):
-                    yield pb.SessionResponse(keepalive=pb.KeepAliveResponse(ttl_seconds=-1, notices=[
-                        pb.EvictionNotice(lease_id=item.lease_id, gpu_uuid=item.gpu_uuid, reason=item.reason,
-                                          requested_by=item.requested_by, deadline_unix=item.deadline_unix)]))
+                    yield pb.SessionResponse(keepalive=pb.KeepAliveResponse(ttl_seconds=-1,
+                                                                            notices=[self._notice(item)]))
                     continue
                 yield item
         finally:
@@ -334,10 +336,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 msg = lease_pb(lease, ttls.get(lease.etcd_lease, -1))
                 notice = notices.get(lease.id)
                 if notice is not None:
-                    msg.eviction.CopyFrom(pb.EvictionNotice(
-                        lease_id=notice.lease_id, gpu_uuid=notice.gpu_uuid, reason=notice.reason,
-                        requested_by=notice.requested_by, deadline_unix=notice.deadline_unix,
-                        grace_left_seconds=self.svc.grace_left(notice)))
+                    msg.eviction.CopyFrom(self._notice(notice))
                 hs.leases.append(msg)
             for q in h["queue"]:
                 hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
