@@ -74,6 +74,20 @@ async def _time_async(n: int, op: Callable[[], Awaitable[Any]]) -> list[float]:
     return out
 
 
+def _acquire_times(client: Any, n: int, warmup: int) -> list[float]:
+    """Seconds of each of ``n`` acquires of a sync client (each released at once, untimed), after
+    ``warmup`` untimed acquire+release pairs."""
+    for _ in range(warmup):
+        client.acquire(16).release()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        lease = client.acquire(16)
+        out.append(time.perf_counter() - t0)
+        lease.release()
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     import psutil
     t = psutil.Process(pid).cpu_times()
@@ -305,14 +319,7 @@ def phase_latency(n: int, out: dict[str, Any]) -> list[Line]:
         read_t, cas_t = asyncio.run(raw())
 
         with Client(addr, agent="bench-a", host="bench") as c:
-            for _ in range(30):
-                c.acquire(16).release()
-            acq_t = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                lease = c.acquire(16)
-                acq_t.append(time.perf_counter() - t0)
-                lease.release()
+            acq_t = _acquire_times(c, n, warmup=30)
             m = min(n, 200)   # under the per-agent lease limit
             before = proposals(r.metrics_url)
             held = [c.acquire(16) for _ in range(m)]
@@ -550,15 +557,7 @@ def phase_p5(n: int, hosts: int, leases: int, out: dict[str, Any]) -> list[Line]
 
     def p50(addr: str, agent: str) -> float:
         with Client(addr, agent=agent, host="p5-target") as c:
-            for _ in range(20):
-                c.acquire(16).release()
-            t = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                lease = c.acquire(16)
-                t.append(time.perf_counter() - t0)
-                lease.release()
-        return _p(t, .5)
+            return _p(_acquire_times(c, n, warmup=20), .5)
 
     with rig() as r:
         coord, addr = r.coordinator()
