@@ -52,6 +52,9 @@ MIRROR_WAIT_S = 0.02
 # The share of the etcd timeout an admission round may spend on etcd in all; the rest
 # is for answering, so that a caller hears UNAVAILABLE within the etcd timeout when etcd has no quorum.
 ROUND_ETCD_SHARE = 0.9
+# A waiter answered later than this after its deadline is logged (G8 promises 100 ms).
+LATE_WARNING_S = 0.25
+EXPIRY_SLACK_S = 0.001
 
 
 @dataclasses.dataclass(eq=False)
@@ -253,7 +256,15 @@ class HostAdmitter:
 
     async def _expire(self) -> None:
         now = time.monotonic()
-        due = [c for c in self._waiting.values() if c.gone or now >= c.deadline]
+        # A timer may fire a little before the deadline it was set for (uvloop rounds to milliseconds):
+        # the waiters due within a millisecond are due now, and a timer is set for the next one anyway, so
+        # that no waiter is left to wait for some other wake-up.
+        due = [c for c in self._waiting.values() if c.gone or now >= c.deadline - EXPIRY_SLACK_S]
+        due_ids = {id(c) for c in due}
+        later = [c.deadline for c in self._waiting.values() if id(c) not in due_ids]
+        if later:
+            asyncio.get_running_loop().call_later(max(0.0, min(later) - now) + EXPIRY_SLACK_S,
+                                                  self._expire_wake.set)
         tries = 0
         while due:
             tries += 1
@@ -288,6 +299,10 @@ class HostAdmitter:
             due = retry
 
     def _expired(self, c: AcquireCall, removed: QueueEntry | None) -> None:
+        late = time.monotonic() - c.deadline
+        if late > LATE_WARNING_S:
+            log.warning("waiter %s/%s of %s on %s answered %.2f s after its deadline (done=%s)", c.session.agent,
+                        c.request_id, c.vram_mb, self.host, late, c.future.done())
         self._fail(c, wait_over(c.vram_mb, c.wait_s))
         if removed is not None and removed.victims:
             task = asyncio.get_running_loop().create_task(self.leases.withdraw_evictions(removed))

@@ -23,7 +23,10 @@ SLICES = 3
 SLICE_S = 3.0
 PHASE_S = SLICES * SLICE_S
 AGENTS = 16
-MAX_LATE_S = 1.0
+# The issue asks for 1 s, G8 for 100 ms; 0.25 s leaves room for two busy cores. Observed: at most 0.03 s.
+# (A waiter whose expiry timer fired a millisecond early, under uvloop, waited for some other wake-up:
+# answered 0.2-0.5 s late, and 3 s late when its client's attempt deadline was the next wake-up.)
+MAX_LATE_S = 0.25
 # A holder keeps 2000 MiB for the whole run, so a request of 15000 MiB never fits: its waits run out. It
 # asks with a lower priority, so it waits behind the others rather than holding up the whole GPU (G2).
 SIZES = (2000, 4000, 6000) * 3 + (15000,)
