@@ -43,6 +43,7 @@ class _ReplicaHung(Exception):
 
 
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_TO_OWNER = ("Acquire", "Release")    # calls sent to the host's owning replica first, when known
 # The calls that travel on a replica's Session stream when it serves one (the unary call otherwise).
 _STREAMED = {"Acquire": "acquire", "Release": "release"}
 # Calls in flight on a stream past which a call goes unary: a stream's answers are written one after the
@@ -144,8 +145,9 @@ class AsyncClient:
         give_up_at = started + self.rpc_timeout + (wait_left() if wait_left else 0.0)
         delay = 0.05
         while True:
-            # An acquire goes first to the replica that owns the host, when one told us (see acquire).
-            addr = self._owner if method == "Acquire" and self._owner else self._address()
+            # An acquire goes first to the replica that owns the host, when one told us (see acquire), and
+            # so does a release: the owner's admitter then hears of the room at once, not through its watch.
+            addr = self._owner if method in _TO_OWNER and self._owner else self._address()
             req = request() if callable(request) else request
             waiting = wait_left() if wait_left else 0.0
             timeout = max(0.05, min(self.attempt_timeout + waiting, give_up_at - time.monotonic()))

@@ -18,15 +18,22 @@ def log_failure(task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel the tasks and wait until each has finished, whatever it raised."""
+    """Cancel the tasks and wait until each has finished, whatever it raised.
+
+    A task is cancelled again for as long as it runs: on Python 3.11, ``asyncio.wait_for`` loses a
+    cancellation that arrives as its inner future completes (python/cpython#86296), and a loop around it
+    would then run on and make a shutdown hang."""
     tasks = list(tasks)
+    while True:
+        running = [t for t in tasks if not t.done()]
+        if not running:
+            break
+        for t in running:
+            t.cancel()
+        await asyncio.wait(running, timeout=0.1)
     for t in tasks:
-        t.cancel()
-    for t in tasks:
-        try:
-            await t
-        except (asyncio.CancelledError, Exception):
-            pass
+        if not t.cancelled():
+            t.exception()    # retrieved: a failure at shutdown is not reported again as never retrieved
 
 
 async def retry_forever(what: str, body: Callable[[], Awaitable[None]], first_backoff: float = 0.1,

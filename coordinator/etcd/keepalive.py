@@ -9,6 +9,7 @@ import grpc
 from aetcd import rpc
 
 from coordinator import errors
+from coordinator.aio import cancel_and_wait
 from coordinator.etcd.translate import translate
 
 
@@ -83,8 +84,4 @@ class KeepAliveStream:
         if self._requests is not None:
             self._requests.put_nowait(None)
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await cancel_and_wait([self._task])

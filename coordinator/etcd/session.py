@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from coordinator import errors
+from coordinator.aio import cancel_and_wait
 from coordinator.etcd.store import Store
 
 log = logging.getLogger(__name__)
@@ -81,11 +82,7 @@ class EtcdSession:
 
     async def _stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await cancel_and_wait([self._task])
         self.done.set()
 
     async def close(self) -> None:
