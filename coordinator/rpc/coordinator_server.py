@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -100,6 +101,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                    avoid_s=float(cfg.election_ttl_s))
 
 
+    async def _answers(self, out: asyncio.Queue[Any], context: grpc.aio.ServicerContext, rpc_name: str,
+                       as_notice: Callable[[pb.KeepAliveResponse], Any]) -> AsyncGenerator[Any, None]:
+        """What a session's stream (KeepAlive or Session) sends: the items of ``out`` until None. An error
+        ends the stream with its status; an eviction notice the service pushes goes out as
+        ``as_notice(KeepAliveResponse)``."""
+        while True:
+            item = await out.get()
+            if item is None:
+                return
+            if isinstance(item, errors.GpucoordError):
+                metrics.count_refusal(rpc_name, item)
+                await context.abort(grpc.StatusCode[item.code], item.message)
+            if isinstance(item, EvictionRecord):
+                yield as_notice(pb.KeepAliveResponse(ttl_seconds=-1, notices=[self._notice(item)]))
+                continue
+            yield item
+
     def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
         return pb.EvictionNotice(lease_id=record.lease_id, gpu_uuid=record.gpu_uuid, reason=record.reason,
@@ -143,17 +161,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         metrics.SESSIONS.inc()
         reader = asyncio.get_running_loop().create_task(read())
         try:
-            while True:
-                item = await out.get()
-                if item is None:
-                    return
-                if isinstance(item, errors.GpucoordError):
-                    metrics.count_refusal("KeepAlive", item)
-                    await context.abort(grpc.StatusCode[item.code], item.message)
-                if isinstance(item, EvictionRecord):
-                    yield pb.KeepAliveResponse(ttl_seconds=-1, notices=[self._notice(item)])
-                    continue
-                yield item
+            async with contextlib.aclosing(self._answers(out, context, "KeepAlive", lambda r: r)) as answers:
+                async for item in answers:
+                    yield item
         finally:
             reader.cancel()
             if registered:
@@ -234,18 +244,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
-            while True:
-                item = await out.get()
-                if item is None:
-                    return
-                if isinstance(item, errors.GpucoordError):
-                    metrics.count_refusal("Session", item)
-                    await context.abort(grpc.StatusCode[item.code], item.message)
-                if isinstance(item, EvictionRecord):
-                    yield pb.SessionResponse(keepalive=pb.KeepAliveResponse(ttl_seconds=-1,
-                                                                            notices=[self._notice(item)]))
-                    continue
-                yield item
+            async with contextlib.aclosing(self._answers(out, context, "Session",
+                                                         lambda r: pb.SessionResponse(keepalive=r))) as answers:
+                async for item in answers:
+                    yield item
         finally:
             reader.cancel()
             for task in list(calls.values()):
