@@ -31,6 +31,7 @@ class HistoryReport:
     evictions: int = 0
     max_used: dict[str, int] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
+    over_capacity: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)   # G1: (rev, host, gpu)
 
     def assert_ok(self) -> None:
         assert not self.violations, "\n".join(self.violations[:20])
@@ -126,6 +127,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             if hg in capacity and used > capacity[hg] - headroom:
                 rep.violations.append(f"rev {rev}: G1 {host}/{gpu} has {used} MiB leased > usable "
                                       f"{capacity[hg] - headroom} MiB")
+                rep.over_capacity.append((rev, host, gpu))
             if live and hg in seq and max(int(x["token"]) for x in live.values()) > seq[hg]:
                 rep.violations.append(f"rev {rev}: G5 a live token on {host}/{gpu} is above the ledger's seq")
             if part is not None and part.get("mode") != "shared":
@@ -168,11 +170,7 @@ async def _confirm_capacity_violations(store: Store, keys: Keys, report: History
     the tests), so that a report says which leases overlapped, or that the history read missed events."""
     from coordinator.etcd.ops import range_req
     checked: list[str] = []
-    for text in report.violations:
-        if " G1 " not in text or "MiB leased" not in text or len(checked) >= 3:
-            continue
-        rev = int(text.split()[1].rstrip(":"))
-        host, gpu = text.split(" G1 ")[1].split()[0].split("/")
+    for rev, host, gpu in report.over_capacity[:3]:
         kvs, _ = await store._read_range(range_req(keys.leases(host, gpu), prefix=True), rev, False)
         live = [json.loads(kv.value) | {"create_revision": kv.create_revision} for kv in kvs]
         total = sum(int(x["vram_mb"]) for x in live)
