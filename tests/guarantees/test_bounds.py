@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 import pytest
@@ -24,7 +24,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import (MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SPEC_BYTES,
                                 MAX_TTL_S)
-from tests.harness import Cluster, LoopThread, patch_method
+from tests.harness import Cluster, LoopThread, patch_commit
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -199,16 +199,14 @@ def test_a_session_whose_write_fails_leaves_no_etcd_lease(env: Any) -> None:
     failure (here an etcd error, injected by wrapping the replica's Store)."""
     from coordinator import errors as cerrors
     cluster, stub, _ = env
-    store = next(iter(cluster.coordinators.values()))[1].store
-    orig = store.commit
     failures = [cerrors.Unavailable("etcd unavailable: injected"), cerrors.OutcomeUnknown("etcd write: injected")]
 
-    async def commit(compares: Any, success: Any, failure: Any = (), deadline: float | None = None) -> Any:
+    async def hook(compares: Any, success: Any, commit: Callable[[], Awaitable[Any]]) -> Any:
         if failures and any(b"/sessions/" in op.request_put.key for op in success if op.HasField("request_put")):
             raise failures.pop(0)
-        return await orig(compares, success, failure, deadline)
+        return await commit()
 
-    undo = patch_method(cluster, store, "commit", commit)
+    undo = patch_commit(cluster, next(iter(cluster.coordinators.values()))[1], hook)
     try:
         for _ in range(2):
             leases_before = _etcd_leases(cluster)

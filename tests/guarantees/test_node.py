@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import grpc
 import pytest
@@ -19,7 +19,7 @@ from agent_client.api import node_pb2 as npb
 from agent_client.api import node_pb2_grpc as npb_grpc
 from coordinator import errors as cerrors
 from coordinator.records import GpuProcess
-from tests.harness import REPO, Cluster, FakeDevice, FakeNvml, LoopThread, child_env, node_stub, patch_method, wait_for
+from tests.harness import REPO, Cluster, FakeDevice, FakeNvml, LoopThread, child_env, node_stub, patch_commit, wait_for
 
 
 def test_node_publishes_inventory_and_usage_under_its_etcd_lease(cluster: Cluster) -> None:
@@ -116,18 +116,16 @@ def test_the_node_registers_again_when_its_first_attempt_fails(cluster: Cluster)
     comes back. (Review finding R6: one failed write ended the registration loop; the daemon kept serving
     gRPC, but its host was gone for good.)"""
     daemon = cluster.start_node("h1", "1x8GiB", ttl=3)
-    store = daemon.store
-    orig_commit = store.commit
     failed: list[int] = []
 
-    async def commit(compares: Any, success: Any, failure: Any = (), deadline: float | None = None) -> Any:
+    async def hook(compares: Any, success: Any, commit: Callable[[], Awaitable[Any]]) -> Any:
         if not failed and any(op.HasField("request_put") and op.request_put.key == cluster.keys.host("h1")
                               for op in success):
             failed.append(1)
             raise cerrors.Unavailable("etcd unavailable: injected")
-        return await orig_commit(compares, success, failure, deadline)
+        return await commit()
 
-    undo = patch_method(cluster, store, "commit", commit)
+    undo = patch_commit(cluster, daemon, hook)   # the daemon's Store
     try:
         cluster.lt.run(cluster.store.revoke(daemon.etcd_lease))   # as if etcd was unreachable past the TTL
         wait_for(lambda: failed, 10, "the node to try to register again")
