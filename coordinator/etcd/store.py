@@ -20,7 +20,8 @@ from typing import Any, AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
 import aetcd
 import grpc
 from aetcd import rpc
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+from tenacity import (AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_delay, stop_before_delay,
+                      wait_random_exponential)
 
 from coordinator import errors
 from coordinator.etcd.keepalive import KeepAliveStream
@@ -124,6 +125,13 @@ def _future_revision(e: grpc.aio.AioRpcError) -> bool:
     return "future revision" in (e.details() or "")
 
 
+def _read_may_be_retried(e: BaseException) -> bool:
+    """A Range that etcd could not serve now (unavailable, or slow: a hung member) is tried again; one it
+    refused, or that its caller handles (too large, a future revision), is not."""
+    return (isinstance(e, grpc.aio.AioRpcError) and not _response_too_large(e) and not _future_revision(e)
+            and isinstance(translate(e, write=False), errors.Unavailable))
+
+
 async def _gather(coros: Iterable[Awaitable[T]]) -> list[T]:
     """``asyncio.gather`` that cancels (and waits for) the others when one fails."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -189,23 +197,16 @@ class Store:
         """One Range call: attempts of ``_read_attempt``, each on the next member (round robin), retried
         while etcd is unavailable or slow, all within ``_read_budget``. Raises the last gRPC error."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + _call_timeout(self._read_budget, deadline)
-        delay = 0.02
-        while True:
-            left = deadline - loop.time()
-            try:
-                return await self._kv.Range(req, timeout=max(0.001, min(self._read_attempt, left)),
+        budget = _call_timeout(self._read_budget, deadline)
+        until = loop.time() + budget
+        resp: Any = None
+        async for attempt in AsyncRetrying(retry=retry_if_exception(_read_may_be_retried),
+                                           wait=wait_random_exponential(multiplier=0.02, max=0.5),
+                                           stop=stop_before_delay(budget - 0.01), reraise=True):
+            with attempt:
+                resp = await self._kv.Range(req, timeout=max(0.001, min(self._read_attempt, until - loop.time())),
                                             wait_for_ready=True)
-            except grpc.aio.AioRpcError as e:
-                if _response_too_large(e) or _future_revision(e):
-                    raise
-                if not isinstance(translate(e, write=False), errors.Unavailable):
-                    raise
-                pause = delay * (1 + random.random())
-                if loop.time() + pause >= deadline - 0.01:
-                    raise
-                await asyncio.sleep(pause)
-                delay = min(delay * 2, 0.5)
+        return resp
 
     # -- reads ---------------------------------------------------------------------------------
     async def snapshot(self, ranges: Iterable[Any], serializable: bool = False,
