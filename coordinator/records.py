@@ -32,13 +32,15 @@ class GpuProcess:
 
 @dataclasses.dataclass(frozen=True)
 class GpuUsage:
-    """Live VRAM use of one GPU, as NVML reports it."""
+    """Live VRAM use of one GPU, as NVML reports it. ``processes_visible``: ``processes`` is the GPU's whole
+    process list (NVML listed them; false when it cannot, and for simulated GPUs without processes)."""
 
     index: int
     uuid: str
     vram_used_mb: int
     vram_free_mb: int
     processes: tuple[GpuProcess, ...] = ()
+    processes_visible: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,10 +231,55 @@ class EvictionRecord:
     deadline_unix: float
     created_at: float
     asked_by: str = ""      # who asked for an operator's eviction: its verified identity (or its address)
+    # An operator's revoke of a lease bound to processes: the holder kills them at once (no SIGTERM grace);
+    # the deadline is the revoke's time, and the kill margin after it bounds the wait for them.
+    revoke: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.revoke:
+            del d["revoke"]
+        return d
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> EvictionRecord:
         return cls(**loads(kv.value))
+
+
+@dataclasses.dataclass(frozen=True)
+class DepartingRecord:
+    """``departing/<host>/<gpu_uuid>/<lease_id>``: a lease bound to processes that ended under an eviction
+    notice (released by its holder, or revoked at the kill margin) while the node still reported some of its
+    processes on the GPU. Until the node's report lists none of them, its VRAM counts as held (G3); once the
+    bound has passed (``forced``) it counts as free, and the node (``--enforce kill``) kills what is left.
+
+    The bound is ``bound_unix - created_at`` seconds after the record was first seen (two wall times of the
+    one writer: no two clocks need agree)."""
+
+    lease_id: str
+    host: str
+    gpu_uuid: str
+    agent: str
+    vram_mb: int
+    pids: tuple[int, ...]      # the lease's recorded processes (the node also matches its process group)
+    pgid: int
+    requested_by: str          # as in the notice: "agent/request_id", or "operator"
+    reason: str
+    created_at: float          # the writer's wall clock, when the lease ended
+    bound_unix: float          # the writer's wall clock: the notice's deadline plus the kill margin
+    forced: bool = False       # the bound passed with its processes still reported
+    revoke: bool = False       # it ended by an operator's revoke
+    mod_revision: int = 0
+    create_revision: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("mod_revision", "create_revision")}
+        d["pids"] = list(self.pids)
+        return d
+
+    @classmethod
+    def from_kv(cls, kv: StoredKV) -> DepartingRecord:
+        d = loads(kv.value)
+        d["pids"] = tuple(int(p) for p in d.get("pids", ()))
+        return cls(**d, mod_revision=kv.mod_revision, create_revision=getattr(kv, "create_revision", 0))

@@ -4,10 +4,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from coordinator.policy.admission import GpuView
+from coordinator.policy.admission import Departing, GpuView
+from coordinator.policy.departing import still_reported
 from coordinator.policy.host import HostView
 from coordinator.keys import Keys
-from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease, loads
+from coordinator.records import DepartingRecord, GpuLedger, HostInventory, QueueEntry, VramLease, loads
 from coordinator.policy.partition import Partition, default_partition
 from coordinator.etcd.store import KV, Snapshot
 from coordinator.etcd.ops import range_req
@@ -22,7 +23,8 @@ def usage_is_stale(usage: dict[str, Any] | None, age_s: float) -> bool:
 
 
 def _usage_used(usage: dict[str, Any] | None, stale: bool, leased: dict[str, int]) -> dict[str, int]:
-    """NVML used VRAM per GPU uuid, as admission must count it.
+    """NVML used VRAM per GPU uuid, as admission must count it (``leased``: what leases, and ended leases whose
+    processes are still reported, account for on each GPU).
 
     Fresh usage counts as reported. Stale usage (the node's scan hangs, or its writes do not arrive) fails
     closed: the untracked VRAM of the last report is kept, never less, whatever happened to the leases
@@ -47,7 +49,12 @@ def host_ranges(keys: Keys, host: str) -> list[Any]:
         range_req(keys.gpus(host), prefix=True),
         range_req(keys.leases(host), prefix=True),
         range_req(keys.queue(host), prefix=True),
+        range_req(keys.departings(host), prefix=True),
     ]
+
+
+HOST_RANGES = 7
+"""How many ranges ``host_ranges`` reads: a snapshot's further ranges are the caller's."""
 
 
 # Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
@@ -69,11 +76,11 @@ def _default_partition(host_value: bytes) -> Partition:
 
 def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
               usage_age: Callable[[KV], float] | None = None) -> HostView:
-    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``.
+    """Build a HostView from the first ``HOST_RANGES`` ranges of a snapshot taken with ``host_ranges``.
 
     ``usage_age`` says how long ago the caller observed the usage report's revision (its own clock; see
     ``observed.py``); without it the report counts as fresh."""
-    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
+    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs, departing_kvs = snap.ranges[:HOST_RANGES]
     host_kv = host_kvs[0] if host_kvs else None
     inventory = _inventory(host_kv.value) if host_kv else None
     part_kv = part_kvs[0] if part_kvs else None
@@ -88,7 +95,16 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
         lease = VramLease.from_kv(kv)
         leases[lease.id] = lease
         by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
-    used = _usage_used(usage, stale, {u: sum(x.vram_mb for x in ls) for u, ls in by_gpu.items()}) if untracked else {}
+    departing = tuple(DepartingRecord.from_kv(kv) for kv in departing_kvs)
+    held: dict[str, list[Departing]] = {}
+    for d in departing:
+        # Until the node's report lists none of its processes, or the kill margin passed (forced).
+        if not d.forced and still_reported(usage, d.gpu_uuid, d.lease_id, d.pids):
+            held.setdefault(d.gpu_uuid, []).append(Departing(d.lease_id, d.agent, d.vram_mb))
+    counted = {u: sum(x.vram_mb for x in ls) + sum(x.vram_mb for x in held.get(u, ())) for u, ls in by_gpu.items()}
+    for u, ds in held.items():
+        counted.setdefault(u, sum(x.vram_mb for x in ds))
+    used = _usage_used(usage, stale, counted) if untracked else {}
     gpus: dict[str, GpuView] = {}
     if inventory is not None:
         part = partition or _default_partition(host_kv.value)  # type: ignore[union-attr]
@@ -96,9 +112,11 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
             gpus[g.uuid] = GpuView(
                 uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
-                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
+                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid),
+                departing=list(held.get(g.uuid, ())))
     return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs,
-                    tuple(queue_entry(kv) for kv in queue_kvs), usage_age_s=age, usage_stale=stale)
+                    tuple(queue_entry(kv) for kv in queue_kvs), usage_age_s=age, usage_stale=stale,
+                    departing=departing)
 
 
 @functools.lru_cache(maxsize=8192)

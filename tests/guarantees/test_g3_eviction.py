@@ -157,7 +157,8 @@ def test_the_leader_does_not_revoke_a_victim_whose_notice_was_withdrawn_meanwhil
     slowed, as by a slow etcd, and the requester gives up meanwhile) stops the revoke, and the victim keeps
     its lease. (Review finding R11: the revoke compared only the lease.)"""
     cluster.start_node("h1", "1x8GiB")
-    addr = cluster.start_coordinator(eviction_grace_s=1)
+    # No kill margin: the revoke comes at the deadline itself, well within the requester's wait.
+    addr = cluster.start_coordinator(eviction_grace_s=1, eviction_kill_margin_s=0)
     svc = cluster.service(addr)
     wait_for(lambda: svc.leadership.is_leader, 10, "the replica to lead")
     gate, entered, finished = threading.Event(), threading.Event(), threading.Event()
