@@ -307,6 +307,32 @@ def test_a_lease_whose_processes_the_node_no_longer_reports_is_revoked_after_its
         holder.close()
 
 
+def test_a_report_published_before_the_deadline_does_not_end_the_lease_early(
+        cluster: Cluster, tmp_path: Path, started: list[int]) -> None:
+    """The node's word counts only from a report published after the deadline: one from before it (here the
+    process has not touched the GPU yet, and no report follows within the margin) leaves the revoke to the
+    kill margin, since the process may still take the GPU until it is killed."""
+    margin = 2.0
+    procs_file = tmp_path / "procs.json"
+    write_fake_processes(procs_file, {})
+    cluster.start_node("h1", "1x16GiB", fake_processes=str(procs_file), heartbeat_s=30)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=margin)
+    with Client(addr, agent="low", host="h1") as holder, Client(addr, agent="high", host="h1") as c:
+        victim = holder.acquire(16384)
+        proc = subprocess.Popen(["sleep", "600"])
+        started.append(proc.pid)
+        victim.attach([proc.pid])
+        wait_for(lambda: [x.pids for x in cluster.leases()] == [(proc.pid,)], 10, "the lease to record it")
+        request = Background(c.acquire, 16384, priority=9, wait=30)
+        deadline = notice_deadline(cluster)
+        lease = request.result(timeout=30)
+        created = lease_created_at(cluster, lease.id)
+        assert created >= deadline + margin - 0.2, "revoked on a report from before the deadline"
+        lease.release()
+    proc.kill()
+    proc.wait()
+
+
 def test_at_the_kill_margin_a_node_with_enforce_kill_kills_what_is_left(
         cluster: Cluster, tmp_path: Path, started: list[int]) -> None:
     margin = 1.0
@@ -334,9 +360,10 @@ def test_an_operators_revoke_kills_the_child_at_once_and_frees_its_vram_only_onc
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h2", "1x16GiB", fake_processes=str(procs_file))
     addr = cluster.start_coordinator()
-    # A long TTL: the run's own check of its lease (every TTL/4 = 5 s) cannot be what kills the child.
-    run, pid = start_victim(addr, "h2", child_py, "slow", started, "--ttl", "20")
-    write_fake_processes(procs_file, {0: {pid: 15000}})
+    # A long TTL: the run's own check of its lease (every TTL/4 = 15 s) is not what kills the child.
+    run, pid = start_victim(addr, "h2", child_py, "slow", started, "--ttl", "60")
+    # Listed with 0 MiB (NVML cannot always tell a process's memory): only the listing holds the GPU.
+    write_fake_processes(procs_file, {0: {pid: 0}})
     wait_for(lambda: reported(addr, "h2", pid, "leased"), 10, "the node to list the child on its GPU")
     (victim,) = cluster.leases()
     gone = ProcessGone(pid)
@@ -351,7 +378,7 @@ def test_an_operators_revoke_kills_the_child_at_once_and_frees_its_vram_only_onc
         gone_at = gone.wait(5)
         lease.release()
     assert created > gone_at, "the VRAM was granted before the revoked child was gone"
-    assert gone_at - t0 < 4.0, f"SIGKILL came {gone_at - t0:.1f} s after the revoke, not at once"
+    assert gone_at - t0 < 2.5, f"SIGKILL came {gone_at - t0:.1f} s after the revoke, not at once"
     _, err = run.communicate(timeout=30)
     assert run.returncode == 137 and "revoked by operator: SIGKILL at once" in err, err
 
@@ -404,6 +431,7 @@ def test_run_says_in_one_line_what_ended_the_command_by_whom_and_its_status(
     _, err = run.communicate(timeout=60)
     lines = _stderr_lines(err)
     assert len(lines) == 2, err
-    assert LEASE_LINE.match(lines[0]) and LEASE_LINE.match(lines[0]).group(1) == str(pid), lines[0]  # type: ignore[union-attr]
+    started_line = LEASE_LINE.match(lines[0])
+    assert started_line is not None and started_line.group(1) == str(pid), lines[0]
     assert re.match(final, lines[1]), f"{lines[1]!r} does not match {final!r}"
     assert run.returncode == status
