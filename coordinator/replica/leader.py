@@ -207,6 +207,8 @@ class Leadership:
         bound = at + self.ctx.config.eviction_kill_margin_s
         lease_kv = self.ctx.mirror.lease(record.lease_id)
         lease = VramLease.from_kv(lease_kv) if lease_kv is not None else None
+        if lease is None and now < bound:
+            return bound         # gone (its notice goes in the same transaction): nothing to decide early
         if lease is not None and now < bound:
             if not (lease.pids or lease.pgid):
                 return bound     # a cooperative holder: it releases, or is revoked at the margin
