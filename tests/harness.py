@@ -368,33 +368,39 @@ def write_fake_processes(path: pathlib.Path, doc: dict[int, dict[int, Any]]) -> 
 
 
 class ProcessGone:
-    """When a process (not necessarily our child) is gone: exited, as a zombie or reaped. A thread waits
-    on its pidfd, which becomes readable the moment the process exits, and notes the wall time then."""
+    """When a process (not necessarily our child) is gone: exited, as a zombie or reaped. A small watcher
+    process waits on its pidfd, which becomes readable the moment the process exits, and prints the wall
+    time then. A process of its own, so that the time is taken at once, not when a thread of this process
+    (which may run a busy coordinator) gets the GIL back."""
+
+    _WATCH = ("import os, select, sys, time\n"
+              "try:\n fd = os.pidfd_open(int(sys.argv[1]))\n"
+              "except ProcessLookupError:\n print(repr(time.time()), flush=True); sys.exit()\n"
+              "print('watching', flush=True)\n"
+              "select.select([fd], [], [])\n"
+              "print(repr(time.time()), flush=True)\n")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.at: float | None = None
-        self.done = threading.Event()
-        try:
-            self._fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self.at = time.time()
-            self.done.set()
-            return
-        threading.Thread(target=self._wait, name=f"gone-{pid}", daemon=True).start()
-
-    def _wait(self) -> None:
-        import select
-        try:
-            select.select([self._fd], [], [])
-            self.at = time.time()
-        finally:
-            os.close(self._fd)
-            self.done.set()
+        self._proc = subprocess.Popen([sys.executable, "-S", "-c", self._WATCH, str(pid)], stdout=subprocess.PIPE,
+                                      text=True)
+        assert self._proc.stdout is not None
+        first = self._proc.stdout.readline().strip()
+        if first != "watching":     # it was gone already
+            self.at = float(first)
 
     def wait(self, timeout: float) -> float:
-        assert self.done.wait(timeout), f"pid {self.pid} did not exit within {timeout}s"
-        assert self.at is not None
+        if self.at is None:
+            try:
+                out, _ = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+                raise AssertionError(f"pid {self.pid} did not exit within {timeout}s") from None
+            self.at = float(out.strip())
+        else:
+            self._proc.wait(timeout)
         return self.at
 
     @staticmethod
