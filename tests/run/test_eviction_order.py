@@ -130,7 +130,9 @@ def evict_once(cluster: Cluster, addr: str, host: str, child_py: str, mode: str,
     gone, when the grant was decided, and what ``run`` said."""
     run, pid = start_victim(addr, host, child_py, mode, started)
     if procs_file is not None:
-        write_fake_processes(procs_file, {0: {pid: 15000}})
+        # 0 MiB, as NVML lists a process whose memory it cannot tell: the listing alone, not the untracked
+        # VRAM it would add up to, is what orders the grant.
+        write_fake_processes(procs_file, {0: {pid: 0}})
         wait_for(lambda: reported(addr, host, pid, "leased"), 10, "the node to list the child on its GPU")
     gone = ProcessGone(pid)
     with Client(addr, agent="high", host=host) as c:
