@@ -297,6 +297,11 @@ def test_a_lease_whose_processes_the_node_no_longer_reports_is_revoked_after_its
             assert [x.id for x in cluster.leases()] == [victim.id]
             (row,) = fetch_status(addr, "h1")["hosts"][0]["leases"]
             assert row["eviction"]["processes"] == "stopping"
+            table = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--coordinator", addr],
+                                   capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=30).stdout
+            (line,) = [x for x in table.splitlines() if victim.id in x]
+            assert "EVICTING: deadline passed, asked by high/" in line, line
+            assert line.endswith("; processes stopping (still on the GPU)"), line
             gone = ProcessGone(proc.pid)
             proc.kill()
             proc.wait()
@@ -327,6 +332,9 @@ def test_a_report_published_before_the_deadline_does_not_end_the_lease_early(
         wait_for(lambda: [x.pids for x in cluster.leases()] == [(proc.pid,)], 10, "the lease to record it")
         request = Background(c.acquire, 16384, priority=9, wait=30)
         deadline = notice_deadline(cluster)
+        # Its process is not on the GPU, which the node can see: status says so.
+        (row,) = fetch_status(addr, "h1")["hosts"][0]["leases"]
+        assert row["eviction"]["processes"] == "gone"
         lease = request.result(timeout=30)
         created = lease_created_at(cluster, lease.id)
         assert created >= deadline + margin - 0.2, "revoked on a report from before the deadline"
