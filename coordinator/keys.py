@@ -25,6 +25,9 @@ key                                    value                                    
                                                                                                                          operator; the leader enforces      mod_revision
 ``sessions/<agent>/<session_id>``      agent, host, pid, client version, ttl                       the session itself    coordinator                        every admission compares version > 0                CloseSession (revoke) or etcd on expiry
 ``election/<id>``, ``coordinators/<id>`` leader election, live replicas                            replica's etcd_lease  coordinator                        election: lowest create_revision leads              etcd, with the replica's etcd_lease
+``revoked/<serial>``                   a revoked certificate: serial (lowercase hex), role, name,  nothing (durable)     operator (``certs revoke``, its    created with version == 0 (revoking twice keeps     never by gpucoord (an operator may delete it
+                                       not_after, revoked_at, revoked_by, reason; the key alone                          etcd user may write only here)     the first record)                                   once the certificate has expired)
+                                       revokes, whatever the value
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
@@ -157,6 +160,13 @@ class Keys:
 
     def coordinators(self) -> bytes:
         return self._dir("coordinators")
+
+    def revoked(self, serial: str) -> bytes:
+        """``revoked/<serial>``: a revoked certificate (serial in lowercase hex)."""
+        return self._k("revoked", serial)
+
+    def revocations(self) -> bytes:
+        return self._dir("revoked")
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

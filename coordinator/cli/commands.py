@@ -52,6 +52,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from coordinator import errors
     from coordinator.keys import Keys, valid_name
     from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
@@ -106,6 +107,9 @@ def cmd_node(args: argparse.Namespace) -> int:
                                                 insecure=bool(args.insecure), advertise=args.advertise))
     except HostTaken as e:
         raise CliError(e.message, "stop it first, or give this daemon another --host", EXIT_HOST_TAKEN) from e
+    except errors.Unavailable as e:
+        raise CliError(f"the node daemon could not start: {e.message}",
+                       "is etcd running? give its endpoints with --etcd HOST:PORT", EXIT_UNREACHABLE) from e
     except tls.TlsError as e:   # an unreadable certificate or key
         raise CliError(f"the node daemon could not start: {e}", _TLS_HINT) from e
     except (OSError, RuntimeError) as e:   # a port in use (no SO_REUSEPORT: never shared)

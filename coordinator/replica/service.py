@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
@@ -34,12 +34,10 @@ from coordinator.replica.validate import check_name, check_session_id, check_tex
 log = logging.getLogger(__name__)
 
 
+class Outbox(Protocol):
+    """Where a session's stream takes what the service pushes to it (eviction notices, a last error)."""
 
-
-
-
-
-
+    def put_nowait(self, item: Any) -> None: ...
 
 
 class CoordinatorService:
@@ -63,7 +61,7 @@ class CoordinatorService:
         self.admitter_idle_s = ADMITTER_IDLE_S
         self._replicas_cache: tuple[int, dict[str, str]] | None = None
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
-        self._streams: dict[str, set[asyncio.Queue[Any]]] = {}
+        self._streams: dict[str, set[Outbox]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()   # fire-and-forget clean-ups, kept referenced
         self.watch_ready = asyncio.Event()
@@ -177,11 +175,11 @@ class CoordinatorService:
                 admitter.notify()
 
     # -- eviction notices to KeepAlive streams ---------------------------------------------------
-    def register_stream(self, session_id: str, queue: asyncio.Queue[Any]) -> None:
+    def register_stream(self, session_id: str, queue: Outbox) -> None:
         self._streams.setdefault(session_id, set()).add(queue)
         self._push_pending(session_id, only=queue)
 
-    def unregister_stream(self, session_id: str, queue: asyncio.Queue[Any]) -> None:
+    def unregister_stream(self, session_id: str, queue: Outbox) -> None:
         qs = self._streams.get(session_id)
         if qs is not None:
             qs.discard(queue)
@@ -196,11 +194,11 @@ class CoordinatorService:
             return max(0.0, record.deadline_unix - record.created_at)
         return max(0.0, self.ctx.notice_deadline(kv, record) - clock.monotonic())
 
-    def _deliver(self, record: EvictionRecord, only: asyncio.Queue[Any] | None = None) -> None:
+    def _deliver(self, record: EvictionRecord, only: Outbox | None = None) -> None:
         for q in ([only] if only is not None else self._streams.get(record.session_id, ())):
             q.put_nowait(record)
 
-    def _push_pending(self, session_id: str, only: asyncio.Queue[Any] | None = None) -> None:
+    def _push_pending(self, session_id: str, only: Outbox | None = None) -> None:
         for record in list(self.evictions.values()):
             if record.session_id == session_id:
                 self._deliver(record, only)
