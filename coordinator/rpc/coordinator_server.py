@@ -89,6 +89,32 @@ def _refusal(call_id: int, code: grpc.StatusCode, details: str) -> pb.SessionRes
     return pb.SessionResponse(call_id=call_id, code=code.value[0], message=details)
 
 
+def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
+    """What an agent may see of a host (G9): its own leases in full; of other agents' leases, neither the
+    session id, the request id nor the processes (pids, pgid), nor who asked for an eviction. Of the GPUs'
+    processes only its own leases' appear; the queue shows no other agent's request id."""
+    for hs in status.hosts:
+        own = {lease.id for lease in hs.leases if lease.agent == agent}
+        for lease in hs.leases:
+            if lease.agent == agent:
+                continue
+            lease.session_id = lease.request_id = ""
+            del lease.pids[:]
+            lease.pgid = 0
+            if lease.HasField("eviction"):
+                lease.eviction.requested_by = ""
+        for gpu in hs.gpus:
+            mine = [p for p in gpu.processes if p.lease_id in own]
+            del gpu.processes[:]
+            gpu.processes.extend(mine)
+            for use in gpu.lease_use:
+                if use.lease_id not in own:
+                    del use.pids[:]
+        for entry in hs.queue:
+            if entry.agent != agent:
+                entry.request_id = ""
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     def __init__(self, svc: CoordinatorService, forward: bool = True) -> None:
         self.svc = svc
@@ -340,6 +366,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
                              priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
             metrics.LEASES.labels(h["host"]).set(len(h["leases"]))
+        caller = current_caller()
+        if caller is not None and caller.identity is not None and caller.identity.role == "agent":
+            redact_for_agent(out, caller.identity.name)
         return out
 
     @_rpc
