@@ -26,6 +26,10 @@ class HostView:
     entries: tuple[QueueEntry, ...] = ()   # the queue, parsed, in rank order
     usage_age_s: float = -1.0     # since the replica saw the current usage report; -1: no report
     usage_stale: bool = False     # then admission keeps the last reported untracked VRAM (never less)
+    # Why a stored value of the host is malformed ("" when none is): the view leaves it out, so it cannot be
+    # trusted for admission, which fails closed on this host (status shows the host as INVALID).
+    invalid: str = ""
+    invalid_kinds: frozenset[str] = frozenset()   # the key kinds of the malformed values (``usage``, ...)
 
     @property
     def alive(self) -> bool:

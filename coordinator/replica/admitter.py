@@ -35,10 +35,10 @@ from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round, wait_over
-from coordinator.records import QueueEntry, SessionInfo, VramLease
+from coordinator.records import InvalidRecord, QueueEntry, SessionInfo, VramLease, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.replica.view import host_ranges, host_view
+from coordinator.replica.view import host_ranges, host_view, invalid_host
 
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,11 @@ class HostAdmitter:
             granted: list[AcquireCall] = []
             for c, out in zip(due, outcomes):
                 if out.removed is not None:
-                    self._expired(c, QueueEntry.from_kv(out.removed))
+                    try:
+                        removed: QueueEntry | None = QueueEntry.from_kv(out.removed)
+                    except InvalidRecord:
+                        removed = None
+                    self._expired(c, removed)
                 elif out.current is None:
                     granted.append(c)   # gone meanwhile: with a grant (by any replica), or removed
                 elif _served_here(out.current, self.ctx.replica_id, c.lease_id):
@@ -334,6 +338,15 @@ class HostAdmitter:
                 snap = await rep.store.snapshot(
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys], deadline=deadline)
             view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
+            if view.invalid:
+                if use_mirror:
+                    use_mirror = False
+                    continue
+                # A malformed stored value of this host: what it says cannot be trusted, so nothing is granted
+                # here (fail closed) until it is rewritten; waiters keep their place until their deadline.
+                for c in batch:
+                    self._fail(c, invalid_host(self.host, view.invalid))
+                return
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
                           clock.wall())
@@ -431,14 +444,20 @@ class HostAdmitter:
 
 
 def _served_here(kv: KV, replica_id: str, lease_id: str) -> bool:
-    d = kv.json()
+    try:
+        d = load_record(kv.value)
+    except InvalidRecord:
+        return False
     return bool(d.get("replica") == replica_id and d.get("lease_id") == lease_id)
 
 
 def _lease_in(kvs: Sequence[KV], lease_id: str) -> VramLease | None:
     for kv in kvs:
         if last_segment(kv.key) == lease_id:
-            return VramLease.from_kv(kv)
+            try:
+                return VramLease.from_kv(kv)
+            except InvalidRecord:
+                return None
     return None
 
 

@@ -22,7 +22,7 @@ from coordinator import clock, errors
 from coordinator.aio import log_failure
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.records import EvictionRecord, QueueEntry, dumps
+from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, dumps
 from coordinator.etcd.election import Election
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, range_req
@@ -182,7 +182,10 @@ class Leadership:
 
     def _still_waiting(self, record: EvictionRecord) -> bool:
         for kv in self.ctx.mirror.host_items("queue", record.host):
-            entry = QueueEntry.from_kv(kv)
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue   # (its host is INVALID; the admitters report it)
             if f"{entry.agent}/{entry.request_id}" == record.requested_by:
                 return True
         return False
@@ -212,7 +215,10 @@ class Leadership:
         swept: list[tuple[QueueEntry, str]] = []
         for kv in snap.ranges[1]:
             host = keys.parse(kv.key)[1][0]
-            entry = QueueEntry.from_kv(kv)
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue   # left as it is: its host is INVALID until it is rewritten or its session ends
             gone_host = host not in hosts
             # The wait is measured from when this replica saw this version of the entry (our clock).
             waited = self.ctx.observed.age(kv.key, kv.mod_revision, now) - entry.wait_s

@@ -20,8 +20,8 @@ from coordinator.etcd.ops import cmp_exists, cmp_mod_revision, cmp_range_unchang
 from coordinator.etcd.store import Store, WatchBatch
 from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
 from coordinator.policy.host import HostView
-from coordinator.policy.partition import Partition
-from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
+from coordinator.policy.partition import Partition, PartitionError
+from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease, dumps, load_record
 from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leader import Leadership
@@ -29,6 +29,7 @@ from coordinator.replica.leases import Leases
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.partitions import Partitions
 from coordinator.replica.status import read_status
+from coordinator.replica.view import invalid_host
 from coordinator.replica.validate import check_name, check_session_id, check_text, validate_acquire
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,13 @@ class CoordinatorService:
         self.mirror.reset(snap.ranges[0], snap.revision)
         self._observe(snap.ranges[0], reset=True)
         self.evictions.clear()
-        self.evictions.update((r.lease_id, r) for r in (EvictionRecord.from_kv(kv)
-                                                        for kv in self.mirror.items("evictions")))
+        for kv in self.mirror.items("evictions"):
+            try:
+                record = EvictionRecord.from_kv(kv)
+            except InvalidRecord as e:
+                log.warning("ignoring a malformed eviction notice %r: %s", kv.key[:200], e)
+                continue
+            self.evictions[record.lease_id] = record
         self.watch_ready.set()
         for a in self._admitters.values():
             a.notify()
@@ -226,7 +232,10 @@ class CoordinatorService:
             if not host_kvs:
                 raise errors.NotFound(f"host: no node daemon has registered host {host!r}", "host")
             if part_kvs:
-                partition = Partition.from_json(part_kvs[0].json()["partition"])
+                try:
+                    partition = Partition.from_json(load_record(part_kvs[0].value).get("partition"))  # type: ignore[arg-type]
+                except (InvalidRecord, PartitionError) as e:
+                    raise invalid_host(host, f"partitions/{host}: {str(e)[:200]}") from None
                 if not partition.allows(agent):
                     raise errors.NotOwner(
                         f"agent: {agent!r} is not in the {partition.mode} partition of host {host!r}", "agent")
@@ -268,7 +277,13 @@ class CoordinatorService:
     async def agent_hosts(self, agent: str) -> set[str]:
         """The hosts on which ``agent`` has a live session (authorization of an agent's reads)."""
         snap = await self.store.get_prefix(self.keys.sessions(agent))
-        return {str(kv.json().get("host", "")) for kv in snap.ranges[0]}
+        hosts = set()
+        for kv in snap.ranges[0]:
+            try:
+                hosts.add(str(load_record(kv.value).get("host", "")))
+            except InvalidRecord:
+                continue   # a malformed session grants no host
+        return hosts
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
         """The session's (cached) identity. Liveness is checked by every transaction, not here."""
@@ -281,7 +296,10 @@ class CoordinatorService:
         if kv is None:
             raise errors.SessionGone(f"session: no live session {session_id} of agent {agent!r} "
                                      "(unknown or expired)", "session")
-        info = SessionInfo(agent, session_id, kv.json()["host"], etcd_lease)
+        host = load_record(kv.value).get("host")
+        if not isinstance(host, str):
+            raise InvalidRecord(f"sessions/{agent}/{session_id}: host: expected a string")
+        info = SessionInfo(agent, session_id, host, etcd_lease)
         self._sessions[(agent, session_id)] = info
         return info
 

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from coordinator.etcd.ops import range_req
 from coordinator.etcd.store import KV, Snapshot
-from coordinator.keys import last_segment
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
 from coordinator.replica.context import ReplicaContext
@@ -64,10 +62,10 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                 used = [lease for lease in v.leases.values() if lease.agent == alloc.agent]
                 agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
                                "leased_mb": sum(x.vram_mb for x in used), "leases": len(used)})
-        queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
-                 for kv in v.queue for v_key in [kv.key]]
+        queue = [{**e.to_json(), "rank": e.rank} for e in v.entries]
         hosts.append({
-            "host": v.host, "alive": v.alive, "address": json.loads(v.host_kv.value).get("address", "") if v.host_kv else "",
+            "host": v.host, "alive": v.alive, "address": inv.address if inv else "",
+            "invalid": v.invalid,   # why a stored value of the host is malformed ("" when none is)
             "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
             "usage_stale": v.usage_stale,
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,

@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import errors, metrics
-from coordinator.records import EvictionRecord, VramLease
+from coordinator.records import EvictionRecord, InvalidRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import MAX_STREAM_CALLS, CoordinatorConfig
@@ -52,6 +52,11 @@ def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Await
         except errors.GpucoordError as e:
             metrics.count_refusal(rpc, e)
             refuse(context, e)
+        except InvalidRecord as e:   # a malformed stored value that the call needed: it is left as it is
+            error = errors.FailedPrecondition(f"record: a stored value this call needs is malformed ({str(e)[:200]})",
+                                              "record")
+            metrics.count_refusal(rpc, error)
+            refuse(context, error)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -87,6 +92,14 @@ class _CallContext:
 
 def _refusal(call_id: int, code: grpc.StatusCode, details: str) -> pb.SessionResponse:
     return pb.SessionResponse(call_id=call_id, code=code.value[0], message=details)
+
+
+def _eviction_or_none(kv: Any) -> EvictionRecord | None:
+    """A stored eviction notice; None for a malformed one (the replica's watch logged it)."""
+    try:
+        return EvictionRecord.from_kv(kv)
+    except InvalidRecord:
+        return None
 
 
 def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
@@ -332,12 +345,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         revision, views, ttls = await self.svc.status(request.host)
         doc = status_json(revision, views, ttls)
         # The notices, read just after the snapshot: shown next to the leases they are about.
-        notices = {n.lease_id: n for n in map(EvictionRecord.from_kv,
-                                              (await self.svc.store.get_prefix(self.svc.keys.evictions())).ranges[0])}
+        notices = {n.lease_id: n for n in map(_eviction_or_none,
+                                              (await self.svc.store.get_prefix(self.svc.keys.evictions())).ranges[0])
+                   if n is not None}
         leader = self.svc.leadership.leader_id if self.svc.leadership is not None else ""
         out = pb.GetStatusResponse(revision=revision, leader=leader)
         for h in doc["hosts"]:
             hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
+                               invalid=h["invalid"],
                                usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"], partition_mode=h["partition_mode"],
                                cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
             for g in h["gpus"]:

@@ -15,7 +15,7 @@ from coordinator import errors, metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
-from coordinator.records import VramLease
+from coordinator.records import InvalidRecord, VramLease
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
 from coordinator.rpc.guard import follow_revocations, make_guard
@@ -96,7 +96,11 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
         d = self.daemon
         snap = await d.store.get_prefix(d.keys.leases(d.host, gpu_uuid))
-        for lease in map(VramLease.from_kv, snap.ranges[0]):
+        for kv in snap.ranges[0]:
+            try:
+                lease = VramLease.from_kv(kv)
+            except InvalidRecord:
+                continue   # a malformed lease proves nothing
             if lease.token == token:
                 return True, lease.id
         return False, ""
