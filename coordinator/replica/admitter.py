@@ -33,6 +33,9 @@ from coordinator.etcd.ops import cmp_mod_revision, compile_compare, compile_op, 
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
+from coordinator.policy.host import HostView
+from coordinator.policy.partition.caps import TLS_DEFAULT, UNCAPPED
+from coordinator.policy.partition.caps import check as check_cap
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round, wait_over
 from coordinator.records import InvalidRecord, QueueEntry, SessionInfo, VramLease, load_record
@@ -73,6 +76,7 @@ class AcquireCall:
     rank: str | None = None       # set once it is queued in etcd
     entry_revision: int = 0       # its queue entry's mod_revision, as this replica last wrote or read it
     forwarded: bool = False       # sent by another replica on its caller's behalf (host ownership)
+    capped: bool = True           # held to its agent's priority cap (an operator's own acquire is not)
     cancelled_at: float | None = None   # monotonic, when its caller went away
 
     def __post_init__(self) -> None:
@@ -347,6 +351,14 @@ class HostAdmitter:
                 for c in batch:
                     self._fail(c, invalid_host(self.host, view.invalid))
                 return
+            over_cap = self._over_cap(view, batch)
+            if over_cap:
+                if use_mirror:   # the mirror may not have the operator's latest caps yet: read them
+                    use_mirror = False
+                    continue
+                for c, err in over_cap:
+                    self._fail(c, err)
+                batch = [c for c in batch if not c.future.done()]
             live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
                           clock.wall())
@@ -384,6 +396,23 @@ class HostAdmitter:
         for c in batch:
             if not c.future.done():
                 c.future.set_exception(err)
+
+    def _over_cap(self, view: HostView, batch: list[AcquireCall]) -> list[tuple[AcquireCall, errors.GpucoordError]]:
+        """The calls above their agent's priority cap on this host (G9), from the partition of the snapshot
+        (every grant compares its mod_revision, so a cap changed meanwhile is read again). A request already
+        granted (a retry of it) is answered with its lease, whatever the cap says now."""
+        if view.inventory is None or not any(c.capped for c in batch):
+            return []
+        partition = view.effective_partition()
+        caps = partition.spec.priority_caps if partition.spec is not None else ()
+        default = TLS_DEFAULT if self.ctx.config.tls_ca else UNCAPPED
+        out: list[tuple[AcquireCall, errors.GpucoordError]] = []
+        for c in batch:
+            if c.capped and c.lease_id not in view.leases:
+                err = check_cap(c.session.agent, self.host, c.priority, c.preemptible, caps, default)
+                if err is not None:
+                    out.append((c, err))
+        return out
 
     def _settle(self, plan: Plan[AcquireCall], revision: int) -> None:
         """The round's transaction has committed (or there was nothing to write): tell the callers."""

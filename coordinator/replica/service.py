@@ -347,7 +347,9 @@ class CoordinatorService:
 
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
-                      request_id: str, wait_s: float, forwarded: bool = False) -> VramLease:
+                      request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True) -> VramLease:
+        """``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
+        operator's own acquire."""
         validate_acquire(vram_mb, gpu, priority, request_id, wait_s)
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
@@ -355,7 +357,7 @@ class CoordinatorService:
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
                            lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future(),
-                           forwarded=forwarded)
+                           forwarded=forwarded, capped=capped)
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host,

@@ -321,8 +321,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 wait_s = max(0.0, wait_s - (time.monotonic() - sent))
                 owner = None
             preemptible = request.preemptible if request.HasField("preemptible") else True
+            caller = current_caller()
+            operator = caller is not None and caller.identity is not None and caller.identity.role == "operator"
             lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
-                                           request.request_id, wait_s, forwarded=bool(forwarded_by(context)))
+                                           request.request_id, wait_s, forwarded=bool(forwarded_by(context)),
+                                           capped=not operator)
             return pb.AcquireResponse(lease=lease_pb(lease), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)
