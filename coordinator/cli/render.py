@@ -109,8 +109,8 @@ def render_partition(doc: dict[str, Any]) -> str:
         r = (doc.get("spec") or {}).get("reserved", {})
         lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
                      f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
-    caps = (doc.get("spec") or {}).get("priority_caps") or {}
-    for name, cap in sorted(caps.items()):
+    priority_caps: dict[str, Any] = (doc.get("spec") or {}).get("priority_caps") or {}
+    for name, cap in sorted(priority_caps.items()):
         lines.append(f"  priority cap {name}: at most {cap.get('max_priority')}"
                      + (", non-preemptible allowed" if cap.get("non_preemptible") else ", preemptible leases only"))
     return "\n".join(lines)
