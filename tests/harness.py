@@ -956,3 +956,43 @@ def _yaml_block(lines: list[tuple[int, str]], i: int, indent: int) -> tuple[Any,
             mapping[key] = None
             i += 1
     return mapping, lines[i:]
+
+
+# -- a flood of calls by one identity (fair service) ----------------------------------------------------------
+
+def flood(addr: str, ca: str, cert: str, key: str, agent: str, host: str, kind: str, count: int,
+          concurrency: int = 32, seconds: float = 3600.0) -> dict[str, int]:
+    """``count`` calls of ``kind`` by ``agent`` (its certificate), ``concurrency`` at a time, as fast as the
+    coordinator answers, for at most ``seconds``: ``status`` (GetStatus of ``host``, where it holds a
+    session), ``acquire`` (requests that never fit), ``open`` (OpenSession). Returns how many ended with each
+    status code. Run it in a process of its own (``python -c``), so that its work is not the test's."""
+    from coordinator.security.tls import TlsFiles, channel_credentials
+
+    async def run() -> dict[str, int]:
+        codes: dict[str, int] = {}
+        creds = channel_credentials(TlsFiles(ca, cert, key))
+        async with grpc.aio.secure_channel(addr, creds) as ch:
+            stub = pb_grpc.CoordinatorStub(ch)
+            sid = (await stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=60),
+                                          timeout=30)).session_id
+            ref = pb.SessionRef(agent=agent, session_id=sid)
+            calls = {"status": lambda: stub.GetStatus(pb.GetStatusRequest(host=host), timeout=30),
+                     "acquire": lambda: stub.Acquire(pb.AcquireRequest(session=ref, vram_mb=1 << 29), timeout=30),
+                     "open": lambda: stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=5),
+                                                      timeout=30)}
+            left = count
+            until = time.monotonic() + seconds
+
+            async def worker() -> None:
+                nonlocal left
+                while left > 0 and time.monotonic() < until:
+                    left -= 1
+                    try:
+                        await calls[kind]()
+                        code = "OK"
+                    except grpc.aio.AioRpcError as e:
+                        code = e.code().name
+                    codes[code] = codes.get(code, 0) + 1
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return codes
+    return asyncio.run(run())

@@ -20,6 +20,7 @@ not end the stream: the handler receives it as ``Refused`` and answers its call 
 """
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import inspect
@@ -31,7 +32,7 @@ import grpc
 from coordinator import errors, metrics
 from coordinator.security import authz, bounds
 from coordinator.security.identity import Identity, peer_identity, peer_serial
-from coordinator.security.limits import Limits
+from coordinator.security.limits import COSTS, TARPIT_S, Limits
 from coordinator.security.revocation import Revocations
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                             f"denied: {why}")
                 raise authz.Denied(who, f"call {authz.rpc_name(method)}", why)
             if self.limits is not None:
-                self.limits.take(self._who(caller))
+                await self._take(caller, method, request)
         try:
             await authz.authorize(caller.identity, caller.tls, method, request, self.agent_hosts)
         except authz.Denied as e:
@@ -173,6 +174,21 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise
         if request is not None:
             bounds.check_request(method, request)
+
+    async def _take(self, caller: Caller, method: str, request: Any) -> None:
+        """The call's tokens of its identity's bucket; a refusal is held for a while first (``limits``)."""
+        assert self.limits is not None
+        who = self._who(caller)
+        try:
+            self.limits.take(who, COSTS.get(authz.rpc_name(method), 1))
+        except errors.CapacityError:
+            size = request.ByteSize() if request is not None and hasattr(request, "ByteSize") else 0
+            if self.limits.hold(who, size):
+                try:
+                    await asyncio.sleep(TARPIT_S)
+                finally:
+                    self.limits.release_held(who)
+            raise
 
     @staticmethod
     def _who(caller: Caller) -> str:
