@@ -155,7 +155,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise errors.InvalidArgument(f"request: not a valid message for {authz.rpc_name(method)} "
                                          f"({request.error})", "request")
         method, request = authz.unwrap(method, request)
-        if caller.tls and not method.startswith(authz.HEALTH):
+        if caller.tls:
             if self.revocations is not None and not self.revocations.ready.is_set():
                 raise errors.Unavailable("this server has not read the list of revoked certificates yet; retry")
             if self.revocations is not None and caller.serial and self.revocations.is_revoked(caller.serial):
@@ -164,7 +164,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request),
                             f"denied: {why}")
                 raise authz.Denied(who, f"call {authz.rpc_name(method)}", why)
-            if self.limits is not None:
+            if self.limits is not None and not method.startswith(authz.HEALTH):
                 await self._take(caller, method, request)
         try:
             await authz.authorize(caller.identity, caller.tls, method, request, self.agent_hosts)

@@ -140,7 +140,7 @@ def test_one_agents_flood_leaves_another_agents_acquire_p50_within_bounds(
             quiet, _ = _acquire_p50(stub, ref, 40)
             code = (f"import json; from tests.harness import flood; print('flooding', flush=True); "
                     f"print(json.dumps(flood({addr!r}, {b.ca!r}, {b.cert!r}, {b.key!r}, 'agent-b', {HOST!r}, "
-                    f"{kind!r}, {count}, seconds=6)))")
+                    f"{kind!r}, {count}, seconds=4)))")
             flooder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(),
                                        cwd=REPO, text=True)
             try:
