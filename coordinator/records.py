@@ -16,12 +16,33 @@ from coordinator.keys import last_segment
 
 @dataclasses.dataclass(frozen=True)
 class GpuInfo:
-    """One GPU as NVML (or ``--fake-gpus``) describes it."""
+    """One GPU as NVML (or ``--fake-gpus``) describes it.
+
+    Topology: ``numa_node`` is the NUMA node the GPU sits on, None when unknown; ``nvlink_peers`` are the
+    indexes of the GPUs it reaches over an active NVLink (directly or through an NVSwitch), sorted, () when
+    it has none or they are unknown. Records written before these fields existed read as unknown.
+    """
 
     index: int
     uuid: str
     name: str
     vram_total_mb: int
+    numa_node: int | None = None
+    nvlink_peers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GpuInfo:
+        """Parse a stored GPU; fields this release does not know are ignored, missing topology is unknown."""
+        numa = d.get("numa_node")
+        if numa is not None and (isinstance(numa, bool) or not isinstance(numa, int) or numa < 0):
+            raise ValueError(f"numa_node: expected a whole number >= 0 or null, got {str(numa)[:32]!r}")
+        peers = d.get("nvlink_peers", [])
+        if not isinstance(peers, (list, tuple)) or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0
+                                                  for p in peers):
+            raise ValueError(f"nvlink_peers: expected a list of GPU indexes, got {str(peers)[:32]!r}")
+        index = int(d["index"])
+        return cls(index=index, uuid=d["uuid"], name=d["name"], vram_total_mb=int(d["vram_total_mb"]),
+                   numa_node=numa, nvlink_peers=tuple(sorted(set(peers) - {index})))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +99,7 @@ class HostInventory:
             mem_bytes=int(d["mem_bytes"]),
             disk_path=d.get("disk_path", "/"),
             disk_bytes=int(d["disk_bytes"]),
-            gpus=tuple(GpuInfo(**g) for g in d.get("gpus", ())),
+            gpus=tuple(GpuInfo.from_json(g) for g in d.get("gpus", ())),
             version=d.get("version", ""),
             simulated=bool(d.get("simulated", False)),
         )
