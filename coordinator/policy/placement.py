@@ -44,8 +44,9 @@ The key is total, so the choice is deterministic. Examples (each one is a test i
 ``tests/unit/test_placement.py``), on ``8x80GiB:nvlink=0-3,4-7`` unless said otherwise:
 
 * all idle, 2 × 40 GiB ``nvlink``: GPUs (0, 1); a pair inside a quad leaves the other quad whole.
-* GPU 0 holds a lease, 2 GPUs ``exclusive``: (1, 2) rather than (4, 5): it leaves the quad 4-7 whole.
-* GPUs 0 and 1 full, 1 × 10 GiB: GPU 2, not 4: GPUs 4-7 stay a whole block of four.
+* GPU 4 holds a lease, 2 GPUs ``exclusive``: (5, 6) rather than (0, 1): it leaves the quad 0-3 whole.
+* GPUs 4 and 5 full, 1 × 10 GiB: GPU 6, not 0: GPUs 0-3 stay a whole block of four.
+* on ``4x80GiB:numa=0-1,2-3`` with GPU 2 full, 1 × 10 GiB: GPU 3, not 0: node 0 keeps two idle GPUs.
 * GPU 3 has 50 GiB free, 1 × 40 GiB: GPU 3 (10 GiB left beats 40 GiB on an idle GPU).
 * 4 ``exclusive`` ``nvlink`` while GPU 5 holds a lease: (0, 1, 2, 3); 5 GPUs ``nvlink``: refused, ``topology``.
 * on ``1x24GiB,1x80GiB`` with 20 GiB leased on the 80 GiB GPU, 1 × 20 GiB: the 24 GiB GPU (4 GiB left

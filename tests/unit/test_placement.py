@@ -62,13 +62,18 @@ def test_a_pair_goes_inside_one_quad_and_leaves_the_other_whole() -> None:
 
 
 def test_an_exclusive_pair_goes_where_it_leaves_a_whole_quad() -> None:
-    slots = host(QUADS, free={0: 79})
-    assert place(slots, gang(slots, 2, exclusive=True)) == Chosen((1, 2))
+    slots = host(QUADS, free={4: 79})
+    assert place(slots, gang(slots, 2, exclusive=True)) == Chosen((5, 6))     # not (0, 1): 0-3 stays whole
 
 
 def test_a_single_keeps_an_idle_quad_whole() -> None:
-    slots = host(QUADS, free={0: 0, 1: 0})
-    assert place(slots, gang(slots, 1, 10)) == Chosen((2,))
+    slots = host(QUADS, free={4: 0, 5: 0})
+    assert place(slots, gang(slots, 1, 10)) == Chosen((6,))                  # not 0: 0-3 stays whole
+
+
+def test_with_no_nvlink_block_at_stake_a_numa_block_is_kept_whole() -> None:
+    slots = host("4x80GiB:numa=0-1,2-3", free={2: 0})
+    assert place(slots, gang(slots, 1, 10)) == Chosen((3,))                  # not 0: node 0 keeps two idle
 
 
 def test_best_fit_comes_first_least_free_vram_left() -> None:
@@ -386,41 +391,52 @@ AGENTS = ("a", "b")
 
 
 @st.composite
-def cases(draw: st.DrawFn, max_gpus: int = 6, gangs: bool = True, single: bool = False,
-          crowded: bool = False) -> Case:
-    """``single``: one-GPU requests on one-GPU leases; ``crowded``: busy GPUs and a request of high priority
-    (where eviction has work to do)."""
-    n = draw(st.integers(1, max_gpus))
+def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
+    """A host and a request. ``mode``: ``roomy`` (few leases: placement has choices to rank), ``crowded``
+    (busy GPUs, a request of high priority: eviction has work to do), ``single`` / ``single-roomy`` (one-GPU
+    requests and leases, as admission.py knows them, crowded or roomy), ``mixed`` (anything, refusals
+    included)."""
+    single, crowded, roomy = mode.startswith("single"), mode in ("crowded", "single"), mode.endswith("roomy")
+    n = draw(st.integers(1, 6))
     sizes = st.sampled_from([1000, 2000, 4000])
-    uniform = draw(st.booleans())
+    uniform = draw(st.integers(0, 2)) > 0
     usable = [draw(sizes)] * n if uniform else [draw(sizes) for _ in range(n)]
     known = draw(st.sampled_from(["none", "numa", "nvlink", "both"]))
-    numa = [draw(st.sampled_from([None, 0, 0, 1])) if known in ("numa", "both") else None for _ in range(n)]
+    numa = [draw(st.sampled_from([None, 0, 0, 1, 1])) if known in ("numa", "both") else None for _ in range(n)]
     peers: dict[int, set[int]] = {i: set() for i in range(n)}
     if known in ("nvlink", "both"):
         for i, j in itertools.combinations(range(n), 2):
-            if draw(st.integers(0, 3)) > 0:
+            if draw(st.booleans()):
                 peers[i].add(j)
                 peers[j].add(i)
-            elif draw(st.integers(0, 5)) == 0:
-                peers[i].add(j)                   # seen from one end only: not a link
+            elif draw(st.booleans()):
+                a, b = draw(st.sampled_from([(i, j), (j, i)]))
+                peers[a].add(b)                   # listed by one end only: not a link
     leases: list[list[VramLease]] = [[] for _ in range(n)]
     held = [0] * n
     tokens = itertools.count(1)
-    for h in range(draw(st.integers(3 if crowded else 0, 10 if crowded else 8))):
-        span = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=1 if (single or not gangs) else 3,
-                             unique=True))
-        mb = draw(st.sampled_from([250, 500, 1000, 1500, 2000]))
-        if any(held[i] + mb > usable[i] for i in span):
-            continue
+
+    def lease_on(span: list[int], mb: int, h: str) -> None:
         agent = draw(st.sampled_from(AGENTS + ("c",)))
         prio, created = draw(st.integers(-1, 3)), float(draw(st.integers(0, 3)))
         pre = draw(st.integers(0, 7 if crowded else 3)) > 0
         for i in span:
             held[i] += mb
-            leases[i].append(VramLease(id=f"L{h}", host="h", gpu_uuid=f"GPU-{i}", gpu_index=i, agent=agent,
-                                       session_id="1", vram_mb=mb, priority=prio, preemptible=pre, request_id=f"r{h}",
-                                       token=next(tokens), created_at=created))
+            leases[i].append(VramLease(id=h, host="h", gpu_uuid=f"GPU-{i}", gpu_index=i, agent=agent, session_id="1",
+                                       vram_mb=mb, priority=prio, preemptible=pre, request_id=h, token=next(tokens),
+                                       created_at=created))
+
+    for h in range(draw(st.integers(0, 3 if roomy else 6))):
+        span = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=1 if single else 3, unique=True))
+        mb = draw(st.sampled_from([250, 500, 1000, 1500, 2000]))
+        if all(held[i] + mb <= usable[i] for i in span):
+            lease_on(span, mb, f"L{h}")
+    if crowded:      # fill most GPUs up with single leases of assorted priorities
+        for i in range(n):
+            for h in range(draw(st.integers(0, 4))):
+                mb = draw(st.sampled_from([250, 500, 1000]))
+                if held[i] + mb <= usable[i]:
+                    lease_on([i], mb, f"F{i}.{h}")
     views = []
     for i in range(n):
         nvml = None if draw(st.booleans()) else held[i] + draw(st.sampled_from([0, 0, 250, 500]))
@@ -430,16 +446,16 @@ def cases(draw: st.DrawFn, max_gpus: int = 6, gangs: bool = True, single: bool =
     agent = draw(st.sampled_from(AGENTS))
     capv = {f"GPU-{i}": draw(st.sampled_from([usable[i]] * 4 + [usable[i] // 2, 10_000]))
             for i in range(n) if draw(st.integers(0, 9)) > 0}
-    count = 1 if single else min(n, draw(st.sampled_from([1, 1, 2, 2, 3, 4] + ([] if crowded else [n]))))
-    exclusive = False if single else draw(st.integers(0, 2 if crowded else 1)) == 0
+    count = 1 if single else min(n, draw(st.sampled_from([1, 1, 2, 2, 3, 4] + ([n] if mode == "mixed" else []))))
+    exclusive = False if single else draw(st.integers(0, 2)) == 0
     vram = 0 if exclusive else draw(st.sampled_from([250, 500, 500, 1000, 1000, 1500, 2000, 3000]))
     topology = "any" if single else draw(st.sampled_from(["any", "numa", "nvlink"]))
     exact: tuple[int | str, ...] | None = None
-    if not single and draw(st.integers(0, 20 if crowded else 7)) == 0:
+    if mode == "mixed" and draw(st.integers(0, 7)) == 0:
         exact = tuple(draw(st.lists(st.integers(0, n - 1), min_size=count, max_size=count,
                                     unique=draw(st.integers(0, 3)) > 0)))
     unavailable = frozenset(draw(st.sets(st.integers(0, n - 1), max_size=2))
-                            if draw(st.integers(0, 3 if crowded else 1)) == 0 else ())
+                            if draw(st.integers(0, 1 if mode == "mixed" else 4)) == 0 else ())
     all_ids = sorted({x.id for ls in leases for x in ls})
     evicting = frozenset(draw(st.sets(st.sampled_from(all_ids), max_size=2))) if all_ids else frozenset()
     request = GangRequest(count, vram, capv, exclusive=exclusive, topology=topology, gpus=exact)
@@ -447,8 +463,11 @@ def cases(draw: st.DrawFn, max_gpus: int = 6, gangs: bool = True, single: bool =
     return Case(views, inventory, agent, request, priority, unavailable, evicting)
 
 
+any_case = st.one_of(cases("mixed"), cases("roomy"), cases("crowded"))
+
+
 @PROPS
-@given(case=cases())
+@given(case=any_case)
 def test_prop_the_choice_respects_topology_exclusive_and_capacity_on_every_gpu(case: Case) -> None:
     got = place(case.slots(), case.request, case.unavailable)
     if not isinstance(got, Chosen):
@@ -469,7 +488,7 @@ def test_prop_the_choice_respects_topology_exclusive_and_capacity_on_every_gpu(c
 
 
 @PROPS
-@given(case=cases())
+@given(case=any_case)
 def test_prop_the_choice_is_the_best_set_under_the_rule_by_brute_force(case: Case) -> None:
     got = place(case.slots(), case.request, case.unavailable)
     if case.allowed() is None:
@@ -487,7 +506,7 @@ def test_prop_the_choice_is_the_best_set_under_the_rule_by_brute_force(case: Cas
 
 
 @PROPS
-@given(case=cases(crowded=True))
+@given(case=st.one_of(cases("crowded"), cases("mixed")))
 def test_prop_victims_are_minimal_in_g3_order_and_the_best_over_all_sets(case: Case) -> None:
     holders = case.holders()
     slots = slots_from_views(case.views, case.agent, case.inventory, case.evicting)
@@ -535,7 +554,7 @@ def test_prop_victims_are_minimal_in_g3_order_and_the_best_over_all_sets(case: C
 
 
 @PROPS
-@given(case=cases(single=True))
+@given(case=st.one_of(cases("single"), cases("single-roomy")))
 def test_prop_one_gpu_chooses_as_admission_best_fit(case: Case) -> None:
     got = place(case.slots(), case.request, case.unavailable)
     free_of_queue = [v for v in case.views if v.index not in case.unavailable]
@@ -553,7 +572,7 @@ def test_prop_one_gpu_chooses_as_admission_best_fit(case: Case) -> None:
 
 
 @PROPS
-@given(case=cases(single=True, crowded=True))
+@given(case=cases("single"))
 def test_prop_one_gpu_victims_are_admission_plan_evictions(case: Case) -> None:
     free_of_queue = [v for v in case.views if v.index not in case.unavailable]
     old = plan_eviction(free_of_queue, dict(case.request.caps), case.request.vram_mb, case.priority, case.agent,
