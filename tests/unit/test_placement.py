@@ -393,11 +393,12 @@ AGENTS = ("a", "b")
 @st.composite
 def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
     """A host and a request. ``mode``: ``roomy`` (few leases: placement has choices to rank), ``crowded``
-    (busy GPUs, a request of high priority: eviction has work to do), ``single`` / ``single-roomy`` (one-GPU
+    (busy GPUs, a request of high priority: eviction has work to do), ``full`` (every GPU full of equal
+    leases, a request for whole GPUs), ``single`` / ``single-roomy`` (one-GPU
     requests and leases, as admission.py knows them, crowded or roomy), ``mixed`` (anything, refusals
     included)."""
-    single, crowded, roomy = mode.startswith("single"), mode in ("crowded", "single"), mode.endswith("roomy")
-    n = draw(st.integers(1, 6))
+    single, crowded, roomy = mode.startswith("single"), mode in ("crowded", "single", "full"), mode.endswith("roomy")
+    n = draw(st.integers(2 if mode == "full" else 1, 6))
     sizes = st.sampled_from([1000, 2000, 4000])
     uniform = draw(st.integers(0, 2)) > 0
     usable = [draw(sizes)] * n if uniform else [draw(sizes) for _ in range(n)]
@@ -426,11 +427,17 @@ def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
                                        vram_mb=mb, priority=prio, preemptible=pre, request_id=h, token=next(tokens),
                                        created_at=created))
 
-    for h in range(draw(st.integers(0, 3 if roomy else 6))):
+    for h in range(draw(st.integers(0, 0 if mode == "full" else 3 if roomy else 6))):
         span = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=1 if single else 3, unique=True))
         mb = draw(st.sampled_from([250, 500, 1000, 1500, 2000]))
         if all(held[i] + mb <= usable[i] for i in span):
             lease_on(span, mb, f"L{h}")
+    if mode == "full":   # every GPU full of 1, 2 or 4 equal leases: the sets' victims differ in count and rank
+        usable = [2000] * n
+        for i in range(n):
+            m = draw(st.sampled_from([1, 2, 4]))
+            for h in range(m):
+                lease_on([i], 2000 // m, f"W{i}.{h}")
     if crowded:      # fill most GPUs up with single leases of assorted priorities
         for i in range(n):
             for h in range(draw(st.integers(0, 4))):
@@ -446,20 +453,25 @@ def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
     agent = draw(st.sampled_from(AGENTS))
     capv = {f"GPU-{i}": draw(st.sampled_from([usable[i]] * 4 + [usable[i] // 2, 10_000]))
             for i in range(n) if draw(st.integers(0, 9)) > 0}
+    if mode == "full":
+        capv = {f"GPU-{i}": usable[i] for i in range(n)}
     count = 1 if single else min(n, draw(st.sampled_from([1, 1, 2, 2, 3, 4] + ([n] if mode == "mixed" else []))))
+    if mode == "full":
+        count = min(n, draw(st.sampled_from([1, 1, 2])))
     exclusive = False if single else draw(st.integers(0, 2)) == 0
-    vram = 0 if exclusive else draw(st.sampled_from([250, 500, 500, 1000, 1000, 1500, 2000, 3000]))
+    vram = 0 if exclusive else draw(st.sampled_from([2000] if mode == "full" else
+                                                    [250, 500, 500, 1000, 1000, 1500, 2000, 3000]))
     topology = "any" if single else draw(st.sampled_from(["any", "numa", "nvlink"]))
     exact: tuple[int | str, ...] | None = None
     if mode == "mixed" and draw(st.integers(0, 7)) == 0:
         exact = tuple(draw(st.lists(st.integers(0, n - 1), min_size=count, max_size=count,
                                     unique=draw(st.integers(0, 3)) > 0)))
     unavailable = frozenset(draw(st.sets(st.integers(0, n - 1), max_size=2))
-                            if draw(st.integers(0, 1 if mode == "mixed" else 4)) == 0 else ())
+                            if mode != "full" and draw(st.integers(0, 1 if mode == "mixed" else 4)) == 0 else ())
     all_ids = sorted({x.id for ls in leases for x in ls})
     evicting = frozenset(draw(st.sets(st.sampled_from(all_ids), max_size=2))) if all_ids else frozenset()
     request = GangRequest(count, vram, capv, exclusive=exclusive, topology=topology, gpus=exact)
-    priority = draw(st.integers(2, 5) if crowded else st.integers(0, 5))
+    priority = draw(st.just(5) if mode == "full" else st.integers(2, 5) if crowded else st.integers(0, 5))
     return Case(views, inventory, agent, request, priority, unavailable, evicting)
 
 
@@ -506,7 +518,7 @@ def test_prop_the_choice_is_the_best_set_under_the_rule_by_brute_force(case: Cas
 
 
 @PROPS
-@given(case=st.one_of(cases("crowded"), cases("mixed")))
+@given(case=st.one_of(cases("crowded"), cases("mixed"), cases("full")))
 def test_prop_victims_are_minimal_in_g3_order_and_the_best_over_all_sets(case: Case) -> None:
     holders = case.holders()
     slots = slots_from_views(case.views, case.agent, case.inventory, case.evicting)
