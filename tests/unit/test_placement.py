@@ -441,7 +441,7 @@ def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
     if crowded:      # fill most GPUs up with single leases of assorted priorities
         for i in range(n):
             for h in range(draw(st.integers(0, 4))):
-                mb = draw(st.sampled_from([250, 500, 1000]))
+                mb = draw(st.sampled_from([250, 250, 500, 1000, 1500, 2000]))
                 if held[i] + mb <= usable[i]:
                     lease_on([i], mb, f"F{i}.{h}")
     views = []
