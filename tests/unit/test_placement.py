@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -390,19 +390,76 @@ class Case:
 AGENTS = ("a", "b")
 
 
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """How a kind of host and request is drawn."""
+
+    gpus: tuple[int, int] = (1, 6)
+    sizes: tuple[int, ...] = (1000, 2000, 4000)
+    topology_known: tuple[str, ...] = ("none", "numa", "nvlink", "both")
+    leases: tuple[int, int] = (0, 6)           # random leases, each over up to ``span`` GPUs
+    span: int = 3
+    lease_mb: tuple[int, ...] = (250, 500, 1000, 1500, 2000)
+    fill: bool = False                         # then fill each GPU up with single leases
+    full: bool = False                         # every GPU full of 1, 2 or 4 equal leases
+    preemptible_odds: int = 3                  # preemptible unless a draw of 0..odds is 0
+    caps_allowed_odds: int = 9                 # a GPU is allowed unless a draw of 0..odds is 0
+    caps: tuple[str, ...] = ("u", "u", "u", "u", "half", "big")
+    counts: tuple[int, ...] = (1, 1, 2, 2, 3, 4, -1)    # -1: every GPU
+    exclusive_odds: int = 2                    # exclusive when a draw of 0..odds is 0 (-1: never)
+    vram: tuple[int, ...] = (250, 500, 500, 1000, 1000, 1500, 2000, 3000)
+    topologies: tuple[str, ...] = ("any", "numa", "nvlink")
+    exact_odds: int = 7                        # an exact GPU list when a draw of 0..odds is 0 (-1: never)
+    unavailable_odds: int = 1                  # some GPUs held by earlier waiters when a draw is 0 (-1: never)
+    evicting: bool = True
+    priority: tuple[int, int] = (0, 5)
+
+
+MODES = {
+    # anything, refusals included
+    "mixed": Knobs(),
+    # few leases: placement has choices to rank
+    "roomy": Knobs(leases=(0, 3), counts=(1, 1, 2, 2, 3, 4), exact_odds=-1, unavailable_odds=4),
+    # several partly used GPUs and known topology: the rule's criteria decide between many sets
+    "placing": Knobs(gpus=(3, 6), sizes=(4000, 4000, 4000, 2000), topology_known=("none", "numa", "nvlink", "both",
+                     "both"), leases=(1, 5), span=2, lease_mb=(250, 500, 1000, 1500), caps_allowed_odds=1000,
+                     caps=("u", "u", "u", "half"), counts=(1, 2, 2, 3), exclusive_odds=3, vram=(250, 500, 1000),
+                     exact_odds=-1, unavailable_odds=4),
+    # idle GPUs of one size joined by NVLink or on NUMA nodes: the blocks left decide
+    "blocks": Knobs(gpus=(3, 6), sizes=(4000,), topology_known=("nvlink", "both", "both", "numa"), leases=(0, 2),
+                    span=1, lease_mb=(4000, 4000, 250), caps_allowed_odds=1000, caps=("u",), counts=(1, 1, 2, 3),
+                    vram=(1000, 2000, 4000), exact_odds=-1, unavailable_odds=4),
+    # busy GPUs and a request of high priority: eviction has work to do
+    "crowded": Knobs(fill=True, lease_mb=(250, 250, 500, 1000, 1500, 2000), preemptible_odds=7,
+                     caps_allowed_odds=1000, caps=("u", "big"), counts=(1, 1, 2, 2, 3, 4), exclusive_odds=4,
+                     topologies=("any", "any", "any", "any", "numa", "nvlink"), exact_odds=20, unavailable_odds=4,
+                     priority=(3, 5)),
+    # every GPU full of equal leases, a request for whole GPUs: the sets' victims differ in count and rank
+    "full": Knobs(gpus=(2, 6), sizes=(2000,), leases=(0, 0), full=True, preemptible_odds=7, caps_allowed_odds=1000,
+                  caps=("u", "big"), counts=(1, 1, 2), vram=(2000,), exact_odds=-1, unavailable_odds=-1,
+                  evicting=False, priority=(5, 5)),
+    # one-GPU requests and one-GPU leases, as admission.py knows them
+    "single": Knobs(span=1, fill=True, lease_mb=(250, 250, 500, 1000, 1500, 2000), preemptible_odds=7,
+                    counts=(1,), exclusive_odds=-1, topologies=("any",), exact_odds=-1, unavailable_odds=4,
+                    priority=(3, 5)),
+    "single-roomy": Knobs(leases=(0, 3), span=1, counts=(1,), exclusive_odds=-1, topologies=("any",), exact_odds=-1,
+                          unavailable_odds=4),
+}
+
+
+def odds(draw: st.DrawFn, n: int) -> bool:
+    """True once in n + 1 draws; never for n = -1."""
+    return n >= 0 and draw(st.integers(0, n)) == 0
+
+
 @st.composite
 def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
-    """A host and a request. ``mode``: ``roomy`` (few leases: placement has choices to rank), ``crowded``
-    (busy GPUs, a request of high priority: eviction has work to do), ``full`` (every GPU full of equal
-    leases, a request for whole GPUs), ``single`` / ``single-roomy`` (one-GPU
-    requests and leases, as admission.py knows them, crowded or roomy), ``mixed`` (anything, refusals
-    included)."""
-    single, crowded, roomy = mode.startswith("single"), mode in ("crowded", "single", "full"), mode.endswith("roomy")
-    n = draw(st.integers(2 if mode == "full" else 1, 6))
-    sizes = st.sampled_from([1000, 2000, 4000])
-    uniform = draw(st.integers(0, 2)) > 0
-    usable = [draw(sizes)] * n if uniform else [draw(sizes) for _ in range(n)]
-    known = draw(st.sampled_from(["none", "numa", "nvlink", "both"]))
+    """A host snapshot and a request, drawn as ``MODES[mode]`` says."""
+    k = MODES[mode]
+    n = draw(st.integers(*k.gpus))
+    sizes = st.sampled_from(k.sizes)
+    usable = [draw(sizes)] * n if draw(st.integers(0, 2)) > 0 else [draw(sizes) for _ in range(n)]
+    known = draw(st.sampled_from(k.topology_known))
     numa = [draw(st.sampled_from([None, 0, 0, 1, 1])) if known in ("numa", "both") else None for _ in range(n)]
     peers: dict[int, set[int]] = {i: set() for i in range(n)}
     if known in ("nvlink", "both"):
@@ -420,28 +477,26 @@ def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
     def lease_on(span: list[int], mb: int, h: str) -> None:
         agent = draw(st.sampled_from(AGENTS + ("c",)))
         prio, created = draw(st.integers(-1, 3)), float(draw(st.integers(0, 3)))
-        pre = draw(st.integers(0, 7 if crowded else 3)) > 0
+        pre = not odds(draw, k.preemptible_odds)
         for i in span:
             held[i] += mb
             leases[i].append(VramLease(id=h, host="h", gpu_uuid=f"GPU-{i}", gpu_index=i, agent=agent, session_id="1",
                                        vram_mb=mb, priority=prio, preemptible=pre, request_id=h, token=next(tokens),
                                        created_at=created))
 
-    for h in range(draw(st.integers(0, 0 if mode == "full" else 3 if roomy else 6))):
-        span = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=1 if single else 3, unique=True))
-        mb = draw(st.sampled_from([250, 500, 1000, 1500, 2000]))
+    for h in range(draw(st.integers(*k.leases))):
+        span = draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=k.span, unique=True))
+        mb = draw(st.sampled_from(k.lease_mb))
         if all(held[i] + mb <= usable[i] for i in span):
             lease_on(span, mb, f"L{h}")
-    if mode == "full":   # every GPU full of 1, 2 or 4 equal leases: the sets' victims differ in count and rank
-        usable = [2000] * n
-        for i in range(n):
+    for i in range(n):
+        if k.full:
             m = draw(st.sampled_from([1, 2, 4]))
             for h in range(m):
-                lease_on([i], 2000 // m, f"W{i}.{h}")
-    if crowded:      # fill most GPUs up with single leases of assorted priorities
-        for i in range(n):
+                lease_on([i], usable[i] // m, f"W{i}.{h}")
+        elif k.fill:
             for h in range(draw(st.integers(0, 4))):
-                mb = draw(st.sampled_from([250, 250, 500, 1000, 1500, 2000]))
+                mb = draw(st.sampled_from(k.lease_mb))
                 if held[i] + mb <= usable[i]:
                     lease_on([i], mb, f"F{i}.{h}")
     views = []
@@ -451,32 +506,29 @@ def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
     inventory = HostInventory("h", "", 1, (0,), 1, "/", 1, tuple(
         GpuInfo(i, f"GPU-{i}", "sim", usable[i] + 100, numa[i], tuple(sorted(peers[i]))) for i in range(n)))
     agent = draw(st.sampled_from(AGENTS))
-    capv = {f"GPU-{i}": draw(st.sampled_from([usable[i]] * 4 + [usable[i] // 2, 10_000]))
-            for i in range(n) if draw(st.integers(0, 9)) > 0}
-    if mode in ("full", "crowded"):
-        capv = {f"GPU-{i}": draw(st.sampled_from([usable[i], 10_000])) for i in range(n)}
-    count = 1 if single else min(n, draw(st.sampled_from([1, 1, 2, 2, 3, 4] + ([n] if mode == "mixed" else []))))
-    if mode == "full":
-        count = min(n, draw(st.sampled_from([1, 1, 2])))
-    exclusive = False if single else draw(st.integers(0, 4 if mode == "crowded" else 2)) == 0
-    vram = 0 if exclusive else draw(st.sampled_from([2000] if mode == "full" else
-                                                    [250, 500, 500, 1000, 1000, 1500, 2000, 3000]))
-    topology = "any" if single else draw(st.sampled_from(["any", "numa", "nvlink"] + ["any"] * 3 * (mode == "crowded")))
+    cap_of: dict[str, Callable[[int], int]] = {"u": lambda u: u, "half": lambda u: u // 2, "big": lambda u: 10_000}
+    capv = {f"GPU-{i}": cap_of[draw(st.sampled_from(k.caps))](usable[i])
+            for i in range(n) if not odds(draw, k.caps_allowed_odds)}
+    count = draw(st.sampled_from(k.counts))
+    count = n if count < 0 else min(n, count)
+    exclusive = odds(draw, k.exclusive_odds)
+    vram = 0 if exclusive else draw(st.sampled_from(k.vram))
+    topology = draw(st.sampled_from(k.topologies))
     exact: tuple[int | str, ...] | None = None
-    if mode == "mixed" and draw(st.integers(0, 7)) == 0:
+    if odds(draw, k.exact_odds):
         exact = tuple(draw(st.lists(st.integers(0, n - 1), min_size=count, max_size=count,
                                     unique=draw(st.integers(0, 3)) > 0)))
-    unavailable = frozenset(draw(st.sets(st.integers(0, n - 1), max_size=2))
-                            if mode != "full" and draw(st.integers(0, 1 if mode == "mixed" else 4)) == 0 else ())
+    unavailable = frozenset(draw(st.sets(st.integers(0, n - 1), max_size=2)) if odds(draw, k.unavailable_odds)
+                            else ())
     all_ids = sorted({x.id for ls in leases for x in ls})
-    evicting = (frozenset(draw(st.sets(st.sampled_from(all_ids), max_size=2))) if all_ids and mode != "full"
+    evicting = (frozenset(draw(st.sets(st.sampled_from(all_ids), max_size=2))) if all_ids and k.evicting
                 else frozenset())
     request = GangRequest(count, vram, capv, exclusive=exclusive, topology=topology, gpus=exact)
-    priority = draw(st.just(5) if mode == "full" else st.integers(3, 5) if crowded else st.integers(0, 5))
-    return Case(views, inventory, agent, request, priority, unavailable, evicting)
+    return Case(views, inventory, agent, request, draw(st.integers(*k.priority)), unavailable, evicting)
 
 
-any_case = st.one_of(cases("mixed"), cases("roomy"), cases("crowded"))
+any_case = st.one_of(cases("mixed"), cases("roomy"), cases("placing"), cases("placing"), cases("blocks"),
+                     cases("crowded"))
 
 
 @PROPS
