@@ -7,7 +7,9 @@ Every key lives under a prefix (default ``/gpucoord/``, configurable). Values ar
 key                                    value                                                       hangs on              written by                         compare-and-set rule                                deleted by
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 ``hosts/<host>``                       address, inventory (cpu, mem, disk, gpus: index, uuid,      node's etcd_lease     node                               one txn: put if on the node's etcd_lease, else if   etcd, when the node's etcd_lease expires
-                                       name, vram_total_mb), version, pid, started_at                                                                       absent (version 0); else refused: one per host
+                                       name, vram_total_mb, numa_node (null: unknown),                                                                      absent (version 0); else refused: one per host
+                                       nvlink_peers (GPU indexes; absent in older records: unknown
+                                       topology)), version, pid, started_at
 ``usage/<host>``                       per GPU: vram_used_mb from NVML, processes, untracked_mb,   node's etcd_lease     node, when it changes, <= ~1/s     put only while hosts/<host> is on the node's        etcd, with the node's etcd_lease
                                        ts (the node's wall clock); each process's attribution                                                               etcd_lease (compare on its lease)
                                        (state, lease_id) and each lease's VRAM use (over_use)

@@ -86,12 +86,35 @@ def load_record(value: bytes, field: str = "value") -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class GpuInfo:
-    """One GPU as NVML (or ``--fake-gpus``) describes it."""
+    """One GPU as NVML (or ``--fake-gpus``) describes it.
+
+    Topology: ``numa_node`` is the NUMA node the GPU sits on, None when unknown; ``nvlink_peers`` are the
+    indexes of the GPUs it reaches over an active NVLink (directly or through an NVSwitch), sorted, () when
+    it has none or they are unknown. Records written before these fields existed read as unknown.
+    """
 
     index: int
     uuid: str
     name: str
     vram_total_mb: int
+    numa_node: int | None = None
+    nvlink_peers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GpuInfo:
+        """Parse a stored GPU (InvalidRecord naming the field when malformed); fields this release does not
+        know are ignored, missing topology is unknown."""
+        index = _int(d, "index", hi=1 << 16)
+        numa = d.get("numa_node")
+        if numa is not None and (isinstance(numa, bool) or not isinstance(numa, int) or not 0 <= numa < 1 << 16):
+            raise _fail("numa_node", "expected a whole number >= 0 or null")
+        peers = _list(d, "nvlink_peers", [])
+        if len(peers) > 1 << 16 or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 1 << 16
+                                           for p in peers):
+            raise _fail("nvlink_peers", "expected a list of GPU indexes")
+        return cls(index=index, uuid=_str(d, "uuid", name=True), name=_str(d, "name", ""),
+                   vram_total_mb=_int(d, "vram_total_mb", hi=1 << 30), numa_node=numa,
+                   nvlink_peers=tuple(sorted(set(peers) - {index})))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +174,7 @@ class HostInventory:
         for i, g in enumerate(_list(d, "gpus", [])[:1024]):
             try:
                 g = _dict(g, "gpu")
-                gpus.append(GpuInfo(index=_int(g, "index", hi=1 << 16), uuid=_str(g, "uuid", name=True),
-                                    name=_str(g, "name", ""), vram_total_mb=_int(g, "vram_total_mb", hi=1 << 30)))
+                gpus.append(GpuInfo.from_json(g))
             except InvalidRecord as e:
                 raise _fail(f"gpus[{i}]", str(e)) from None
         return cls(

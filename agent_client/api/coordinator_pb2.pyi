@@ -215,7 +215,7 @@ class LeaseUse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., over_use: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GpuStatus(_message.Message):
-    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq", "processes", "lease_use")
+    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq", "processes", "lease_use", "numa_node", "nvlink_peers")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,8 @@ class GpuStatus(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     LEASE_USE_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_PEERS_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -240,7 +242,9 @@ class GpuStatus(_message.Message):
     seq: int
     processes: _containers.RepeatedCompositeFieldContainer[ProcessUse]
     lease_use: _containers.RepeatedCompositeFieldContainer[LeaseUse]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessUse, _Mapping]]] = ..., lease_use: _Optional[_Iterable[_Union[LeaseUse, _Mapping]]] = ...) -> None: ...
+    numa_node: int
+    nvlink_peers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessUse, _Mapping]]] = ..., lease_use: _Optional[_Iterable[_Union[LeaseUse, _Mapping]]] = ..., numa_node: _Optional[int] = ..., nvlink_peers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AgentUse(_message.Message):
     __slots__ = ("agent", "allocation_json", "leased_mb", "leases")

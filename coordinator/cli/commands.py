@@ -81,7 +81,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise CliError(str(e), "simulate GPUs with --fake-gpus 2x16GiB", EXIT_UNREACHABLE) from e
     except ValueError as e:
         raise UsageError(f"{e}" if args.fake_processes and args.fake_gpus is None else f"--fake-gpus: {e}",
-                         "e.g. --fake-gpus 4x80GiB or 2x24GiB,1x80GiB") from e
+                         "e.g. --fake-gpus 4x80GiB, 2x24GiB,1x80GiB or 8x80GiB:numa=0-3,4-7:nvlink=0-3,4-7") from e
     try:
         overrides = host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
         from coordinator.node.enforce import Enforcer

@@ -20,7 +20,8 @@ def _eviction(notice: dict[str, Any] | None, now: float) -> str:
 
 
 def render_status(doc: dict[str, Any], now: float | None = None) -> str:
-    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue.
+    """The operator's table: hosts, GPUs (total, leased, used, untracked, free; NUMA node, ``?`` when unknown,
+    and NVLink peers, ``-`` for none), partitions, leases, queue.
     ``now`` (unix seconds) is when the deadlines of eviction notices are counted from."""
     now = time.time() if now is None else now
     lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
@@ -34,13 +35,15 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         if h.get("invalid"):
             lines.append(f"  INVALID {h['invalid']}  (no admission on this host until it is rewritten)")
         lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
-                     f"{'untracked':>9} {'free':>8} {'token':>6}")
+                     f"{'untracked':>9} {'free':>8} {'token':>6} {'numa':>4} nvlink")
         for g in h.get("gpus", []):
             used = int(g.get("used_mb", -1))
+            numa = int(g.get("numa_node", -1))
             lines.append(f"  {g['index']:>3} {g['uuid'][:24]:<24} {_mib(int(g['total_mb'])):>8} "
                          f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
                          f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
-                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
+                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6} {'?' if numa < 0 else numa:>4} "
+                         f"{_ranges([int(x) for x in g.get('nvlink_peers', [])])}")
         for g in h.get("gpus", []):
             for u in g.get("lease_use", []):
                 if u.get("over_use"):

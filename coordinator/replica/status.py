@@ -47,11 +47,16 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
         reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
+        described = {x.uuid: x for x in inv.gpus} if inv else {}
         for g in sorted(v.gpus.values(), key=lambda g: g.index):
+            info = described.get(g.uuid)
+            numa = info.numa_node if info is not None else None
             gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
                          "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
                          "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
-                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else "",
+                         "name": info.name if info is not None else "",
+                         "numa_node": -1 if numa is None else numa,     # -1: unknown
+                         "nvlink_peers": list(info.nvlink_peers) if info is not None else [],
                          "processes": list(reported.get(g.uuid, {}).get("processes", ())),
                          "lease_use": list(reported.get(g.uuid, {}).get("leases", ()))})
         leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}

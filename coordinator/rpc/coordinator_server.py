@@ -361,7 +361,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             for g in h["gpus"]:
                 gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
                                  usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
-                                 untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"])
+                                 untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"],
+                                 numa_node=g["numa_node"], nvlink_peers=g["nvlink_peers"])
                 for p in g["processes"]:
                     gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
                                      lease_id=str(p.get("lease_id", "")))
