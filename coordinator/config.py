@@ -75,6 +75,15 @@ class CoordinatorConfig:
     batch_max: int = 64                  # most acquires decided from one snapshot (group commit)
     commit_attempts: int = 32            # compare-and-set retries before UNAVAILABLE
     max_sessions_per_agent: int = 64     # open sessions of one agent name (OpenSession past it: RESOURCE_EXHAUSTED)
+    # A stream's answers its client has not read yet (KeepAlive, Session): past either bound the stream is
+    # closed with RESOURCE_EXHAUSTED naming ``stream``.
+    stream_answers_max: int = 1024
+    stream_answer_bytes_max: int = 1 << 20
+    # Per verified identity (TLS only; README "Fair service"): a token bucket of calls (each stream message
+    # counts as a call; 0 turns it off) and a cap on open KeepAlive and Session streams.
+    calls_per_s_per_identity: float = 100.0
+    call_burst_per_identity: int = 200
+    max_streams_per_identity: int = 128
     # Identity (README "Running securely"): mTLS for clients, TLS and auth towards etcd.
     tls_ca: str = ""
     tls_cert: str = ""
@@ -124,8 +133,12 @@ class CoordinatorConfig:
             raise ConfigError("eviction_kill_margin_s", f"must be within [0, {MAX_KILL_MARGIN_S:g}] seconds, got "
                                                         f"{self.eviction_kill_margin_s}")
         _validate_security(self)
+        if not 0 <= self.calls_per_s_per_identity < float("inf"):
+            raise ConfigError("calls_per_s_per_identity",
+                              f"must be a finite number >= 0 (0: no limit), got {self.calls_per_s_per_identity}")
         for name in ("max_queue_per_host", "max_queue_per_agent", "max_leases_per_agent", "batch_max",
-                     "commit_attempts", "max_sessions_per_agent"):
+                     "commit_attempts", "max_sessions_per_agent", "stream_answers_max", "stream_answer_bytes_max",
+                     "call_burst_per_identity", "max_streams_per_identity"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         return self

@@ -7,7 +7,9 @@ Every key lives under a prefix (default ``/gpucoord/``, configurable). Values ar
 key                                    value                                                       hangs on              written by                         compare-and-set rule                                deleted by
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 ``hosts/<host>``                       address, inventory (cpu, mem, disk, gpus: index, uuid,      node's etcd_lease     node                               one txn: put if on the node's etcd_lease, else if   etcd, when the node's etcd_lease expires
-                                       name, vram_total_mb), version, pid, started_at                                                                       absent (version 0); else refused: one per host
+                                       name, vram_total_mb, numa_node (null: unknown),                                                                      absent (version 0); else refused: one per host
+                                       nvlink_peers (GPU indexes; absent in older records: unknown
+                                       topology)), version, pid, started_at
 ``usage/<host>``                       per GPU: vram_used_mb from NVML, processes, untracked_mb,   node's etcd_lease     node, when it changes, <= ~1/s     put only while hosts/<host> is on the node's        etcd, with the node's etcd_lease
                                        ts (the node's wall clock); each process's attribution                                                               etcd_lease (compare on its lease)
                                        (state, lease_id) and each lease's VRAM use (over_use)
@@ -31,6 +33,9 @@ key                                    value                                    
                                        them, or the kill margin passes
 ``sessions/<agent>/<session_id>``      agent, host, pid, client version, ttl                       the session itself    coordinator                        every admission compares version > 0                CloseSession (revoke) or etcd on expiry
 ``election/<id>``, ``coordinators/<id>`` leader election, live replicas                            replica's etcd_lease  coordinator                        election: lowest create_revision leads              etcd, with the replica's etcd_lease
+``revoked/<serial>``                   a revoked certificate: serial (lowercase hex), role, name,  nothing (durable)     operator (``certs revoke``, its    created with version == 0 (revoking twice keeps     never by gpucoord (an operator may delete it
+                                       not_after, revoked_at, revoked_by, reason; the key alone                          etcd user may write only here)     the first record)                                   once the certificate has expired)
+                                       revokes, whatever the value
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
@@ -169,6 +174,13 @@ class Keys:
 
     def coordinators(self) -> bytes:
         return self._dir("coordinators")
+
+    def revoked(self, serial: str) -> bytes:
+        """``revoked/<serial>``: a revoked certificate (serial in lowercase hex)."""
+        return self._k("revoked", serial)
+
+    def revocations(self) -> bytes:
+        return self._dir("revoked")
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

@@ -40,6 +40,8 @@ SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this r
 QUEUE_DEPTH = Gauge("gpucoord_queue_depth", "Waiting requests served by this replica", ["host"], registry=REGISTRY)
 LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (last status read)", ["host"], registry=REGISTRY)
 VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU (last status read)", ["host", "gpu", "kind"], registry=REGISTRY)
+INVALID_RECORDS = Counter("gpucoord_invalid_records_total", "Malformed values read from etcd, by key kind (each "
+                          "value once): their host is INVALID and gets no admission", ["kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=REGISTRY)
 NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=REGISTRY)
 NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_mb", "VRAM used by the processes of each lease (NVML)",

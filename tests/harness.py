@@ -481,14 +481,24 @@ def nvml_error(code: int) -> pynvml.NVMLError:
 
 
 class FakeDevice:
+    """One GPU of a FakeNvml. Topology: ``bus_id`` (None: nvmlDeviceGetPciInfo is NotSupported), ``numa``
+    (None: nvmlDeviceGetNumaNodeId is NotSupported) and ``links``, per NVLink (active: 0/1, the remote end's
+    PCI bus id, its NVML_NVLINK_DEVICE_TYPE_*), None for a GPU without NVLink (NotSupported); a link
+    number past the list is InvalidArgument, as NVML answers past a GPU's last link."""
+
     def __init__(self, uuid: str | bytes, name: str | bytes, total: int, used: int = 0,
-                 procs: list[Any] | None = None, graphics: list[Any] | None = None) -> None:
+                 procs: list[Any] | None = None, graphics: list[Any] | None = None,
+                 bus_id: str | bytes | None = None, numa: int | None = None,
+                 links: list[tuple[int, str | bytes, int]] | None = None) -> None:
         self.uuid = uuid
         self.name = name
         self.total = total
         self.used = used
         self.procs: list[Any] = procs or []
         self.graphics: list[Any] = graphics or []
+        self.bus_id = bus_id
+        self.numa = numa
+        self.links = links
         # call name -> error code to raise from that call on this device
         self.fail: dict[str, int] = {}
 
@@ -498,6 +508,7 @@ class FakeNvml:
     test_inventory.py checks every name against the real module, so the fake cannot drift)."""
 
     NVMLError = pynvml.NVMLError
+    NVML_NVLINK_MAX_LINKS = pynvml.NVML_NVLINK_MAX_LINKS
 
     def __init__(self, devices: list[FakeDevice]) -> None:
         self.devices = devices
@@ -551,6 +562,35 @@ class FakeNvml:
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
         return list(self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses").graphics)
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetPciInfo")
+        if d.bus_id is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return SimpleNamespace(busId=d.bus_id)
+
+    def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
+        d = self._dev(handle, "nvmlDeviceGetNumaNodeId")
+        if d.numa is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return d.numa
+
+    def _link(self, handle: Any, link: int, call: str) -> tuple[int, str | bytes, int]:
+        d = self._dev(handle, call)
+        if d.links is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < len(d.links):
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return d.links[link]
+
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
+        return self._link(handle, link, "nvmlDeviceGetNvLinkState")[0]
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> Any:
+        return SimpleNamespace(busId=self._link(handle, link, "nvmlDeviceGetNvLinkRemotePciInfo")[1])
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+        return self._link(handle, link, "nvmlDeviceGetNvLinkRemoteDeviceType")[2]
 
 
 # -- the etcd boundary -------------------------------------------------------------------------------
@@ -1018,3 +1058,43 @@ def _yaml_block(lines: list[tuple[int, str]], i: int, indent: int) -> tuple[Any,
             mapping[key] = None
             i += 1
     return mapping, lines[i:]
+
+
+# -- a flood of calls by one identity (fair service) ----------------------------------------------------------
+
+def flood(addr: str, ca: str, cert: str, key: str, agent: str, host: str, kind: str, count: int,
+          concurrency: int = 32, seconds: float = 3600.0) -> dict[str, int]:
+    """``count`` calls of ``kind`` by ``agent`` (its certificate), ``concurrency`` at a time, as fast as the
+    coordinator answers, for at most ``seconds``: ``status`` (GetStatus of ``host``, where it holds a
+    session), ``acquire`` (requests that never fit), ``open`` (OpenSession). Returns how many ended with each
+    status code. Run it in a process of its own (``python -c``), so that its work is not the test's."""
+    from coordinator.security.tls import TlsFiles, channel_credentials
+
+    async def run() -> dict[str, int]:
+        codes: dict[str, int] = {}
+        creds = channel_credentials(TlsFiles(ca, cert, key))
+        async with grpc.aio.secure_channel(addr, creds) as ch:
+            stub = pb_grpc.CoordinatorStub(ch)
+            sid = (await stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=60),
+                                          timeout=30)).session_id
+            ref = pb.SessionRef(agent=agent, session_id=sid)
+            calls = {"status": lambda: stub.GetStatus(pb.GetStatusRequest(host=host), timeout=30),
+                     "acquire": lambda: stub.Acquire(pb.AcquireRequest(session=ref, vram_mb=1 << 29), timeout=30),
+                     "open": lambda: stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=5),
+                                                      timeout=30)}
+            left = count
+            until = time.monotonic() + seconds
+
+            async def worker() -> None:
+                nonlocal left
+                while left > 0 and time.monotonic() < until:
+                    left -= 1
+                    try:
+                        await calls[kind]()
+                        code = "OK"
+                    except grpc.aio.AioRpcError as e:
+                        code = e.code().name
+                    codes[code] = codes.get(code, 0) + 1
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return codes
+    return asyncio.run(run())

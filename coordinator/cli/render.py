@@ -46,7 +46,8 @@ def _departing(gpu: dict[str, Any]) -> list[str]:
 
 
 def render_status(doc: dict[str, Any], now: float | None = None) -> str:
-    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue.
+    """The operator's table: hosts, GPUs (total, leased, used, untracked, free; NUMA node, ``?`` when unknown,
+    and NVLink peers, ``-`` for none), partitions, leases, queue.
     ``now`` (unix seconds) is when the deadlines of eviction notices are counted from."""
     now = time.time() if now is None else now
     lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
@@ -57,14 +58,18 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
                      f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}"
                      + ("  USAGE STALE (admission keeps the last untracked VRAM)" if h.get("usage_stale") else ""))
+        if h.get("invalid"):
+            lines.append(f"  INVALID {h['invalid']}  (no admission on this host until it is rewritten)")
         lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
-                     f"{'untracked':>9} {'free':>8} {'token':>6}")
+                     f"{'untracked':>9} {'free':>8} {'token':>6} {'numa':>4} nvlink")
         for g in h.get("gpus", []):
             used = int(g.get("used_mb", -1))
+            numa = int(g.get("numa_node", -1))
             lines.append(f"  {g['index']:>3} {g['uuid'][:24]:<24} {_mib(int(g['total_mb'])):>8} "
                          f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
                          f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
-                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
+                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6} {'?' if numa < 0 else numa:>4} "
+                         f"{_ranges([int(x) for x in g.get('nvlink_peers', [])])}")
         for g in h.get("gpus", []):
             lines += _departing(g)
             for u in g.get("lease_use", []):
@@ -134,4 +139,8 @@ def render_partition(doc: dict[str, Any]) -> str:
         r = (doc.get("spec") or {}).get("reserved", {})
         lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
                      f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
+    priority_caps: dict[str, Any] = (doc.get("spec") or {}).get("priority_caps") or {}
+    for name, cap in sorted(priority_caps.items()):
+        lines.append(f"  priority cap {name}: at most {cap.get('max_priority')}"
+                     + (", non-preemptible allowed" if cap.get("non_preemptible") else ", preemptible leases only"))
     return "\n".join(lines)

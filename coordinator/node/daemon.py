@@ -26,7 +26,7 @@ from typing import Any
 
 from coordinator import __version__, errors, metrics, clock
 from coordinator.aio import cancel_and_wait, retry_forever
-from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
+from coordinator.records import GpuUsage, HostInventory, InvalidRecord, VramLease, dumps
 from coordinator.keys import Keys, last_segment
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
@@ -323,7 +323,7 @@ class NodeDaemon:
         snap = await self.store.get_prefix(prefix)
         before, self.leases = self.leases, {}
         for kv in snap.ranges[0]:
-            self._on_put(VramLease.from_kv(kv))
+            self._put_kv(kv)
         for lease_id in before.keys() - self.leases.keys():
             self.enforcer.lease_deleted(lease_id, clock.wall())   # deleted while the watch was down
         self.leases_ready = True
@@ -333,7 +333,7 @@ class NodeDaemon:
             for ev in batch.events:
                 lease_id = last_segment(ev.kv.key)
                 if ev.kind == "PUT":
-                    self._on_put(VramLease.from_kv(ev.kv))
+                    self._put_kv(ev.kv)
                 else:
                     gone = self.leases.pop(lease_id, None)
                     self.enforcer.lease_deleted(lease_id, clock.wall())
@@ -341,6 +341,15 @@ class NodeDaemon:
                         # Its processes may still be on the GPU: report at once whether they are (G3).
                         self._fast_until = time.monotonic() + FAST_SCAN_FOR_S
                         self._scan_wake.set()
+
+    def _put_kv(self, kv: KV) -> None:
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord as e:
+            # Written by no coordinator: set aside (the coordinators refuse admission on the host meanwhile).
+            log.warning("ignoring a malformed lease %s: %s", kv.key.decode(errors="replace")[:200], e)
+            return
+        self._on_put(lease)
 
     def _on_put(self, lease: VramLease) -> None:
         self.leases[lease.id] = lease

@@ -29,6 +29,10 @@ class HostView:
     # Leases bound to processes that ended under an eviction notice while the node still reported their
     # processes (``departing/<host>/``): those still reported count as held on their GPU (GpuView.departing).
     departing: tuple[DepartingRecord, ...] = ()
+    # Why a stored value of the host is malformed ("" when none is): the view leaves it out, so it cannot be
+    # trusted for admission, which fails closed on this host (status shows the host as INVALID).
+    invalid: str = ""
+    invalid_kinds: frozenset[str] = frozenset()   # the key kinds of the malformed values (``usage``, ...)
 
     @property
     def departing_held(self) -> frozenset[str]:

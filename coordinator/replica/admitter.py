@@ -33,12 +33,15 @@ from coordinator.etcd.ops import cmp_mod_revision, compile_compare, compile_op, 
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
+from coordinator.policy.host import HostView
+from coordinator.policy.partition.caps import TLS_DEFAULT, UNCAPPED
+from coordinator.policy.partition.caps import check as check_cap
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round, wait_over
-from coordinator.records import QueueEntry, SessionInfo, VramLease
+from coordinator.records import InvalidRecord, QueueEntry, SessionInfo, VramLease, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.replica.view import HOST_RANGES, host_ranges, host_view
+from coordinator.replica.view import HOST_RANGES, host_ranges, host_view, invalid_host
 
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class AcquireCall:
     rank: str | None = None       # set once it is queued in etcd
     entry_revision: int = 0       # its queue entry's mod_revision, as this replica last wrote or read it
     forwarded: bool = False       # sent by another replica on its caller's behalf (host ownership)
+    capped: bool = True           # held to its agent's priority cap (an operator's own acquire is not)
     cancelled_at: float | None = None   # monotonic, when its caller went away
 
     def __post_init__(self) -> None:
@@ -276,7 +280,11 @@ class HostAdmitter:
             granted: list[AcquireCall] = []
             for c, out in zip(due, outcomes):
                 if out.removed is not None:
-                    self._expired(c, QueueEntry.from_kv(out.removed))
+                    try:
+                        removed: QueueEntry | None = QueueEntry.from_kv(out.removed)
+                    except InvalidRecord:
+                        removed = None
+                    self._expired(c, removed)
                 elif out.current is None:
                     granted.append(c)   # gone meanwhile: with a grant (by any replica), or removed
                 elif _served_here(out.current, self.ctx.replica_id, c.lease_id):
@@ -336,6 +344,23 @@ class HostAdmitter:
                 snap = await rep.store.snapshot(
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys], deadline=deadline)
             view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
+            if view.invalid:
+                if use_mirror:
+                    use_mirror = False
+                    continue
+                # A malformed stored value of this host: what it says cannot be trusted, so nothing is granted
+                # here (fail closed) until it is rewritten; waiters keep their place until their deadline.
+                for c in batch:
+                    self._fail(c, invalid_host(self.host, view.invalid))
+                return
+            over_cap = self._over_cap(view, batch)
+            if over_cap:
+                if use_mirror:   # the mirror may not have the operator's latest caps yet: read them
+                    use_mirror = False
+                    continue
+                for c, err in over_cap:
+                    self._fail(c, err)
+                batch = [c for c in batch if not c.future.done()]
             live = {s.session_id for s, r in zip(sessions, snap.ranges[HOST_RANGES:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
                           clock.wall(), self._overdue())
@@ -398,6 +423,23 @@ class HostAdmitter:
         for lease_id in held:
             self._held_since.setdefault(lease_id, now)
 
+    def _over_cap(self, view: HostView, batch: list[AcquireCall]) -> list[tuple[AcquireCall, errors.GpucoordError]]:
+        """The calls above their agent's priority cap on this host (G9), from the partition of the snapshot
+        (every grant compares its mod_revision, so a cap changed meanwhile is read again). A request already
+        granted (a retry of it) is answered with its lease, whatever the cap says now."""
+        if view.inventory is None or not any(c.capped for c in batch):
+            return []
+        partition = view.effective_partition()
+        caps = partition.spec.priority_caps if partition.spec is not None else ()
+        default = TLS_DEFAULT if self.ctx.config.tls_ca else UNCAPPED
+        out: list[tuple[AcquireCall, errors.GpucoordError]] = []
+        for c in batch:
+            if c.capped and c.lease_id not in view.leases:
+                err = check_cap(c.session.agent, self.host, c.priority, c.preemptible, caps, default)
+                if err is not None:
+                    out.append((c, err))
+        return out
+
     def _settle(self, plan: Plan[AcquireCall], revision: int) -> None:
         """The round's transaction has committed (or there was nothing to write): tell the callers."""
         self._count_process_waits(plan)
@@ -458,14 +500,20 @@ class HostAdmitter:
 
 
 def _served_here(kv: KV, replica_id: str, lease_id: str) -> bool:
-    d = kv.json()
+    try:
+        d = load_record(kv.value)
+    except InvalidRecord:
+        return False
     return bool(d.get("replica") == replica_id and d.get("lease_id") == lease_id)
 
 
 def _lease_in(kvs: Sequence[KV], lease_id: str) -> VramLease | None:
     for kv in kvs:
         if last_segment(kv.key) == lease_id:
-            return VramLease.from_kv(kv)
+            try:
+                return VramLease.from_kv(kv)
+            except InvalidRecord:
+                return None
     return None
 
 

@@ -27,7 +27,7 @@ from coordinator.etcd.types import KV
 from coordinator.policy.departing import reports_none, still_reported
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.records import DepartingRecord, EvictionRecord, QueueEntry, VramLease, dumps
+from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, VramLease, dumps
 from coordinator.etcd.election import Election
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
@@ -274,7 +274,10 @@ class Leadership:
 
     def _still_waiting(self, record: EvictionRecord) -> bool:
         for kv in self.ctx.mirror.host_items("queue", record.host):
-            entry = QueueEntry.from_kv(kv)
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue   # (its host is INVALID; the admitters report it)
             if f"{entry.agent}/{entry.request_id}" == record.requested_by:
                 return True
         return False
@@ -304,7 +307,10 @@ class Leadership:
         swept: list[tuple[QueueEntry, str]] = []
         for kv in snap.ranges[1]:
             host = keys.parse(kv.key)[1][0]
-            entry = QueueEntry.from_kv(kv)
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue   # left as it is: its host is INVALID until it is rewritten or its session ends
             gone_host = host not in hosts
             # The wait is measured from when this replica saw this version of the entry (our clock).
             waited = self.ctx.observed.age(kv.key, kv.mod_revision, now) - entry.wait_s

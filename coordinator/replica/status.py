@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from coordinator.etcd.ops import range_req
 from coordinator.etcd.store import KV, Snapshot
-from coordinator.keys import last_segment
 from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
@@ -59,11 +57,16 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
         reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
+        described = {x.uuid: x for x in inv.gpus} if inv else {}
         for g in sorted(v.gpus.values(), key=lambda g: g.index):
+            info = described.get(g.uuid)
+            numa = info.numa_node if info is not None else None
             gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
                          "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
                          "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
-                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else "",
+                         "name": info.name if info is not None else "",
+                         "numa_node": -1 if numa is None else numa,     # -1: unknown
+                         "nvlink_peers": list(info.nvlink_peers) if info is not None else [],
                          "processes": list(reported.get(g.uuid, {}).get("processes", ())),
                          "lease_use": list(reported.get(g.uuid, {}).get("leases", ())),
                          "departing_mb": g.departing_mb,
@@ -77,10 +80,10 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                 used = [lease for lease in v.leases.values() if lease.agent == alloc.agent]
                 agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
                                "leased_mb": sum(x.vram_mb for x in used), "leases": len(used)})
-        queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
-                 for kv in v.queue for v_key in [kv.key]]
+        queue = [{**e.to_json(), "rank": e.rank} for e in v.entries]
         hosts.append({
-            "host": v.host, "alive": v.alive, "address": json.loads(v.host_kv.value).get("address", "") if v.host_kv else "",
+            "host": v.host, "alive": v.alive, "address": inv.address if inv else "",
+            "invalid": v.invalid,   # why a stored value of the host is malformed ("" when none is)
             "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
             "usage_stale": v.usage_stale,
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
