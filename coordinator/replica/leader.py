@@ -26,7 +26,7 @@ from coordinator.aio import log_failure
 from coordinator.etcd.types import KV
 from coordinator.policy.departing import reports_none, still_reported
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.leases import Leases
+from coordinator.replica.leases import Leases, usage_report
 from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, VramLease, dumps
 from coordinator.etcd.election import Election
 from coordinator.etcd.session import EtcdSession
@@ -149,7 +149,7 @@ class Leadership:
             for record, at in self._deadlines():
                 try:
                     again = await self._deadline(record, at, now, term)
-                except errors.GpucoordError as e:
+                except (errors.GpucoordError, InvalidRecord) as e:   # (a lease read from etcd may be malformed)
                     log.warning("could not enforce the deadline of lease %s: %s", record.lease_id, e)
                     failed = True
                     continue
@@ -159,7 +159,11 @@ class Leadership:
                     upcoming.append(again)
             for kv in self.ctx.mirror.all_host_items("departing"):
                 try:
-                    again = await self._departing(kv, now, term)
+                    departing = DepartingRecord.from_kv(kv)
+                except InvalidRecord:
+                    continue   # left as it is: its host is INVALID (the admitters report it) until it is rewritten
+                try:
+                    again = await self._departing(kv, departing, now, term)
                 except (errors.GpucoordError, ValueError, TypeError, KeyError) as e:
                     log.warning("could not end the departing record %r: %s", kv.key, e)
                     failed = True
@@ -206,15 +210,20 @@ class Leadership:
             return None
         bound = at + self.ctx.config.eviction_kill_margin_s
         lease_kv = self.ctx.mirror.lease(record.lease_id)
-        lease = VramLease.from_kv(lease_kv) if lease_kv is not None else None
+        try:
+            lease = VramLease.from_kv(lease_kv) if lease_kv is not None else None
+        except InvalidRecord:
+            # Its host is INVALID (no admission there) until the value is rewritten: look again then.
+            return max(bound, now + 1.0)
         if lease is None and now < bound:
             return bound         # gone (its notice goes in the same transaction): nothing to decide early
         if lease is not None and now < bound:
             if not (lease.pids or lease.pgid):
                 return bound     # a cooperative holder: it releases, or is revoked at the margin
             usage_kv = self.ctx.mirror.get(self.keys.usage(record.host))
-            if (usage_kv is not None and self._published_after(usage_kv, at, record)
-                    and reports_none(usage_kv.json(), lease.gpu_uuid, lease.id, lease.pids)):
+            usage = usage_report(usage_kv) if usage_kv is not None else None   # None too when malformed
+            if (usage_kv is not None and usage is not None and self._published_after(usage_kv, usage, at, record)
+                    and reports_none(usage, lease.gpu_uuid, lease.id, lease.pids)):
                 if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision,
                                             fence=term, usage_revision=usage_kv.mod_revision):
                     log.info("revoked lease %s of %s after its eviction deadline: the node reports none of its "
@@ -227,27 +236,28 @@ class Leadership:
                      record.agent)
         return None
 
-    def _published_after(self, usage_kv: KV, deadline: float, record: EvictionRecord) -> bool:
+    def _published_after(self, usage_kv: KV, usage: dict[str, Any], deadline: float, record: EvictionRecord) -> bool:
         """Whether a usage report was published after a notice's deadline: this replica saw it first after
         the deadline (its clock), and its node's clock says it was taken after the deadline (so a report that
         was merely slow to arrive does not count)."""
         seen = self.ctx.observed.saw(usage_kv.key, usage_kv.mod_revision)
         try:
-            taken = float(usage_kv.json().get("ts", 0.0))
+            taken = float(usage.get("ts", 0.0))
         except (TypeError, ValueError):
             return False
         return seen >= deadline and taken >= record.deadline_unix
 
-    async def _departing(self, kv: KV, now: float, term: Election) -> float | None:
+    async def _departing(self, kv: KV, record: DepartingRecord, now: float, term: Election) -> float | None:
         """Settle one ``departing/`` record: delete it once the node reports none of its processes (or the
         host is gone), mark it forced at its bound, delete a forced one ``DEPARTING_KEEP_S`` after. None
         when settled, else when to look again."""
-        record = DepartingRecord.from_kv(kv)
         bound = self.ctx.observed.saw(kv.key, kv.create_revision) + max(0.0, record.bound_unix - record.created_at)
         usage_kv = self.ctx.mirror.get(self.keys.usage(record.host))
         compares = [cmp_mod_revision(kv.key, kv.mod_revision), *term.fence()]
-        reported = usage_kv is not None and still_reported(usage_kv.json(), record.gpu_uuid, record.lease_id,
-                                                           record.pids)
+        usage = usage_report(usage_kv) if usage_kv is not None else None
+        # A malformed report counts as listing them (fail closed); no report at all: the host is gone.
+        reported = usage_kv is not None and (usage is None or still_reported(usage, record.gpu_uuid,
+                                                                             record.lease_id, record.pids))
         if not reported or (record.forced and now >= bound + DEPARTING_KEEP_S):
             if usage_kv is not None:
                 compares.append(cmp_mod_revision(usage_kv.key, usage_kv.mod_revision))

@@ -15,7 +15,8 @@ from coordinator.etcd.election import Election
 from coordinator.etcd.store import Store
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put
 from coordinator.keys import last_segment
-from coordinator.records import DepartingRecord, EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
+from coordinator.records import (DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease,
+                                 check_usage, dumps, load_record)
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.validate import check_lease_id, check_text, validate_attach
 
@@ -176,10 +177,9 @@ class Leases:
             forced = False
             if at_bound and (lease.pids or lease.pgid):
                 usage_kv = await self.store.get(usage_key)
-                notice_kv = await self.store.get(notice_key)
-                if usage_kv is not None and notice_kv is not None and still_reported(
-                        usage_kv.json(), lease.gpu_uuid, lease.id, lease.pids):
-                    record = self._departing(lease, EvictionRecord.from_kv(notice_kv), bound_in_s=0.0)
+                notice = _notice(await self.store.get(notice_key))
+                if usage_kv is not None and notice is not None and reported(usage_kv, lease):
+                    record = self._departing(lease, notice, bound_in_s=0.0)
                     compares.append(cmp_mod_revision(usage_key, usage_kv.mod_revision))
                     ops.append(op_put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
                                       dumps(record.to_json())))
@@ -277,10 +277,11 @@ class Leases:
             compares = [cmp_mod_revision(key, lease.mod_revision),
                         cmp_mod_revision(notice_key, notice_kv.mod_revision) if notice_kv else cmp_absent(notice_key)]
             ops = [op_delete(key), op_delete(notice_key)]
-            if notice_kv is not None and (lease.pids or lease.pgid):
+            # (A malformed notice is set aside: it is deleted with the lease, as if there were none.)
+            notice = _notice(notice_kv)
+            if notice_kv is not None and notice is not None and (lease.pids or lease.pgid):
                 usage_kv = await self._read(self.keys.usage(lease.host), from_mirror)
-                if usage_kv is not None and still_reported(usage_kv.json(), lease.gpu_uuid, lease.id, lease.pids):
-                    notice = EvictionRecord.from_kv(notice_kv)
+                if usage_kv is not None and reported(usage_kv, lease):
                     bound = (self.ctx.notice_deadline(notice_kv, notice) + self.config.eviction_kill_margin_s
                              - clock.monotonic())
                     record = self._departing(lease, notice, bound)
@@ -292,7 +293,7 @@ class Leases:
                         metrics.RELEASES.inc()
                         log.info("lease %s released under its eviction notice while the node still reports its "
                                  "processes %s: its VRAM stays held until they are gone (at most %.1f s)", lease.id,
-                                 list(reported_pids(usage_kv.json(), lease.gpu_uuid, lease.id, lease.pids)),
+                                 list(reported_pids(usage_report(usage_kv), lease.gpu_uuid, lease.id, lease.pids)),
                                  max(0.0, bound))
                         return True
                     continue
@@ -343,6 +344,29 @@ class Leases:
         prefix = self.keys.leases(host) if host else self.keys.leases()
         snap = await self.store.get_prefix(prefix)
         return _lease_named(snap.ranges[0], lease_id)
+
+
+def usage_report(kv: KV) -> dict[str, Any] | None:
+    """A node's ``usage/<host>`` report, checked; None when it is malformed (its host is INVALID)."""
+    try:
+        return check_usage(load_record(kv.value, "usage"))
+    except InvalidRecord:
+        return None
+
+
+def reported(usage_kv: KV, lease: VramLease) -> bool:
+    """Whether the report may still list some of the lease's processes on its GPU: a malformed report
+    counts as listing them (fail closed: the VRAM stays held until a report says otherwise, or the bound)."""
+    doc = usage_report(usage_kv)
+    return doc is None or still_reported(doc, lease.gpu_uuid, lease.id, lease.pids)
+
+
+def _notice(kv: KV | None) -> EvictionRecord | None:
+    """The notice stored in ``kv``; None when there is none, or it is malformed (then it is set aside)."""
+    try:
+        return EvictionRecord.from_kv(kv) if kv is not None else None
+    except InvalidRecord:
+        return None
 
 
 def _op_key(op: Any) -> bytes:

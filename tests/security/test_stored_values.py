@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -21,7 +22,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.etcd.ops import range_req
 from coordinator.records import dumps
-from tests.harness import Cluster, wait_for
+from tests.harness import Cluster, pass_time, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -113,6 +114,35 @@ def test_one_malformed_usage_report_is_one_hosts_problem(world: World, bad: byte
         world.put(key, good.value, good.etcd_lease)
     assert world.status()["h1"].invalid == ""
     world.release("h1", world.acquire("h1"))
+
+
+@pytest.mark.parametrize("kind", ["leases", "usage"])
+def test_a_malformed_value_under_a_notice_leaves_the_leaders_deadlines_running(
+        world: World, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A lease under an eviction notice whose own value (or its host's usage report) is malformed when its
+    deadline passes: the host is INVALID meanwhile, and the leader's duties carry on, so once the value is
+    rewritten the lease is revoked at the kill margin (G3), and no duty died."""
+    caplog.set_level(logging.WARNING)
+    keys = world.cluster.keys
+    lease = world.acquire("h1")
+    # Bound to a process (none that exists: the node only reports): the leader then reads the usage report.
+    world.stub.AttachProcesses(pb.AttachProcessesRequest(session=world.ref("h1"), lease_id=lease.id,
+                                                         pids=[4_194_000]), timeout=10)
+    key = keys.lease("h1", lease.gpu_uuid, lease.id) if kind == "leases" else keys.usage("h1")
+    good = world.get(key)
+    deadline = world.stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=0.3),
+                                     timeout=10).deadline_unix
+    world.put(key, b"[]", good.etcd_lease)
+    try:
+        assert world.status()["h1"].invalid.startswith(f"{kind}/h1"), world.status()["h1"].invalid
+        pass_time(max(0.0, deadline - time.time()) + 1.0, "the deadline, with the value malformed")
+    finally:
+        world.put(key, good.value, good.etcd_lease)
+    lease_key = keys.lease("h1", lease.gpu_uuid, lease.id)
+    wait_for(lambda: world.get(lease_key) is None, 15, "the lease revoked at the kill margin")
+    died = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+    assert not died, died
+    assert world.status()["h1"].invalid == ""
 
 
 # -- fuzzing the stored values of every kind ----------------------------------------------------------------
