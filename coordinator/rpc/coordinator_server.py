@@ -106,7 +106,8 @@ def _eviction_or_none(kv: Any) -> EvictionRecord | None:
 def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
     """What an agent may see of a host (G9): its own leases in full; of other agents' leases, neither the
     session id, the request id nor the processes (pids, pgid), nor who asked for an eviction. Of the GPUs'
-    processes only its own leases' appear; the queue shows no other agent's request id."""
+    processes only its own leases' appear (of other agents' departing leases, neither their processes nor
+    who asked); the queue shows no other agent's request id."""
     for hs in status.hosts:
         own = {lease.id for lease in hs.leases if lease.agent == agent}
         for lease in hs.leases:
@@ -124,6 +125,10 @@ def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
             for use in gpu.lease_use:
                 if use.lease_id not in own:
                     del use.pids[:]
+            for gone in gpu.departing:
+                if gone.agent != agent:
+                    del gone.pids[:]
+                    gone.requested_by = ""
         for entry in hs.queue:
             if entry.agent != agent:
                 entry.request_id = ""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent_client.api import coordinator_pb2 as pb
 from coordinator.policy.departing import process_state, processes_visible, reported_pids, reports_none, still_reported
+from coordinator.rpc.coordinator_server import redact_for_agent
 
 GPU = "GPU-0"
 
@@ -48,3 +50,18 @@ def test_process_state_for_status() -> None:
     assert process_state(report(), GPU, "L", (10,)) == "gone"
     assert process_state(report(visible=False), GPU, "L", (10,)) == "unknown"
     assert process_state(report(), GPU, "L", ()) == ""       # not bound to processes
+
+
+def test_an_agents_status_shows_other_agents_departing_leases_without_processes_or_requester() -> None:
+    """G9 for departing leases: an agent's GetStatus shows another agent's ended lease (its VRAM, whether it
+    is held) but neither its processes nor who evicted it; its own in full."""
+    status = pb.GetStatusResponse()
+    gpu = status.hosts.add(host="h1").gpus.add(index=0, uuid="GPU-0")
+    gpu.departing.add(lease_id="a1", agent="agent-a", vram_mb=100, pids=[11, 12], held=True,
+                      requested_by="agent-b/r1", reason="x")
+    gpu.departing.add(lease_id="b1", agent="agent-b", vram_mb=200, pids=[21], held=True, requested_by="operator")
+    redact_for_agent(status, "agent-b")
+    other, own = status.hosts[0].gpus[0].departing
+    assert (other.lease_id, other.vram_mb, other.held, list(other.pids), other.requested_by) == \
+        ("a1", 100, True, [], ""), other
+    assert (list(own.pids), own.requested_by) == ([21], "operator"), own
