@@ -1,5 +1,5 @@
 """Bad stored values are one host's problem: a malformed value under ``hosts/``, ``usage/``, ``gpus/``,
-``leases/``, ``queue/`` or ``partitions/`` (a node's etcd user may write its own usage, a bug may write
+``leases/``, ``queue/``, ``departing/`` or ``partitions/`` (a node's etcd user may write its own usage, a bug may write
 anything) makes that host INVALID in status, with the reason, and admission there fails closed, while every
 other host keeps working; the value is counted in ``gpucoord_invalid_records_total`` and logged once.
 Real coordinator, real node daemons, real etcd; the values are written straight into etcd."""
@@ -194,7 +194,12 @@ def test_fuzz_stored_values(world: World) -> None:
     queue_doc = {"agent": AGENT, "session_id": world.sessions["h1"], "etcd_lease": 1, "vram_mb": 1, "gpu": "",
                  "priority": 0, "preemptible": True, "request_id": "fuzz", "lease_id": "fuzz-lease",
                  "deadline_unix": 1e12, "replica": "nobody", "victims": [], "wait_s": 3600.0}
-    kinds = sorted([*records, "queue"])
+    departing_key = keys.departing("h1", gpu, "fuzz-departing")
+    departing_doc = {"lease_id": "fuzz-departing", "host": "h1", "gpu_uuid": gpu, "agent": AGENT, "vram_mb": 64,
+                     "pids": [1], "pgid": 0, "requested_by": "operator", "reason": "fuzz", "created_at": 1.0,
+                     "bound_unix": 3.0, "forced": False, "revoke": True}
+    extra = {"queue": (queue_key, queue_doc), "departing": (departing_key, departing_doc)}   # no etcd lease
+    kinds = sorted([*records, *extra])
     seen: dict[str, int] = {}
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -202,10 +207,10 @@ def test_fuzz_stored_values(world: World) -> None:
     @given(data=st.data())
     def one(data: st.DataObject) -> None:
         kind = data.draw(st.sampled_from(kinds))
-        doc = queue_doc if kind == "queue" else json.loads(originals[kind].value)
+        doc = extra[kind][1] if kind in extra else json.loads(originals[kind].value)
         value = data.draw(_mutations(doc))
-        key = queue_key if kind == "queue" else records[kind]
-        world.put(key, value, 0 if kind == "queue" else originals[kind].etcd_lease)
+        key = extra[kind][0] if kind in extra else records[kind]
+        world.put(key, value, 0 if kind in extra else originals[kind].etcd_lease)
         try:
             try:
                 hosts = world.status()
@@ -224,8 +229,8 @@ def test_fuzz_stored_values(world: World) -> None:
                     assert e.code() == C.FAILED_PRECONDITION, (kind, value[:80], e.code(), e.details())
             world.release("h2", world.acquire("h2"))
         finally:
-            if kind == "queue":
-                world.cluster.lt.run(world.cluster.store.delete(queue_key))
+            if kind in extra:
+                world.cluster.lt.run(world.cluster.store.delete(key))
             else:
                 world.put(key, originals[kind].value, originals[kind].etcd_lease)
 
