@@ -15,14 +15,19 @@ import tempfile
 import urllib.request
 from typing import Iterator
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from coordinator.etcd.process import EtcdCluster
 
 
 def etcd_metric(metrics_url: str, name: str) -> float:
+    """The value of the first sample called ``name`` (whatever its labels) in etcd's ``/metrics``."""
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.split()[-1])
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
     raise RuntimeError(f"{name} not in etcd's /metrics")
 
 

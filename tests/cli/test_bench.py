@@ -4,13 +4,16 @@ A smoke test: it asserts that each target P1-P8 is measured and reported, never 
 numbers say nothing; see the README's performance section for a full run)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.harness import child_env
+from coordinator.bench.rig import etcd_metric, proposals
+from coordinator.etcd.store import Store
+from tests.harness import EtcdEndpoint, child_env
 
 pytestmark = pytest.mark.integration
 
@@ -41,3 +44,18 @@ def test_text_output_has_one_line_per_figure() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("P7")]
     assert len(lines) == 2 and all("target <= 50 ms" in x and ("PASS" in x or "FAIL" in x) for x in lines)
+
+
+def test_proposals_read_from_etcd_metrics_count_each_write(etcd: EtcdEndpoint) -> None:
+    """P2 and P8 divide a difference of etcd's committed raft proposals: each put is one proposal."""
+    async def puts(n: int) -> None:
+        async with Store(etcd.endpoints) as s:
+            for i in range(n):
+                await s.put(f"/bench-test/proposals/{i}".encode(), b"x")
+    before = proposals(etcd.metrics_url)
+    asyncio.run(puts(5))
+    assert proposals(etcd.metrics_url) - before >= 5
+    # A sample with labels is found by its name alone; a name etcd does not export is an error, not 0.
+    assert etcd_metric(etcd.metrics_url, "etcd_server_go_version") == 1.0
+    with pytest.raises(RuntimeError, match="etcd_no_such_metric"):
+        etcd_metric(etcd.metrics_url, "etcd_no_such_metric")
