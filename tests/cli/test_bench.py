@@ -10,8 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator.bench.rig import etcd_metric, proposals
+from coordinator.bench.stats import percentile
 from coordinator.etcd.store import Store
 from tests.harness import EtcdEndpoint, child_env
 
@@ -59,3 +62,23 @@ def test_proposals_read_from_etcd_metrics_count_each_write(etcd: EtcdEndpoint) -
     assert etcd_metric(etcd.metrics_url, "etcd_server_go_version") == 1.0
     with pytest.raises(RuntimeError, match="etcd_no_such_metric"):
         etcd_metric(etcd.metrics_url, "etcd_no_such_metric")
+
+
+def test_percentile_takes_the_upper_nearest_rank() -> None:
+    """The figures are observed values: p50 of an even count is the upper middle one, p99 of 20 the largest."""
+    twenty = [float(x) for x in range(20, 0, -1)]
+    assert (percentile(twenty, .5), percentile(twenty, .99), percentile(twenty, 0)) == (11.0, 20.0, 1.0)
+    assert percentile([3.0, 1.0, 2.0], .5) == 2.0
+    assert percentile([5.0], .99) == 5.0
+    assert percentile([], .5) != percentile([], .5)     # NaN
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=300),
+       st.sampled_from([0.0, 0.25, 0.5, 0.9, 0.99, 1.0]))
+def test_percentile_is_the_smallest_value_with_more_than_q_of_them_at_or_below(values: list[float], q: float) -> None:
+    p = percentile(values, q)
+    assert p in values
+    at_or_below = sum(v <= p for v in values)
+    below = sum(v < p for v in values)
+    assert at_or_below > q * len(values) or at_or_below == len(values)
+    assert below <= q * len(values)
