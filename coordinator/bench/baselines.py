@@ -25,14 +25,15 @@ def unary_times(addr: str, n: int) -> list[float]:
     from agent_client.api import coordinator_pb2 as pb
     from agent_client.api import coordinator_pb2_grpc as pb_grpc
 
-    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
-    for _ in range(50):
-        stub.Ping(pb.PingRequest())
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        stub.Ping(pb.PingRequest())
-        out.append(time.perf_counter() - t0)
+    with grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        for _ in range(50):
+            stub.Ping(pb.PingRequest())
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            stub.Ping(pb.PingRequest())
+            out.append(time.perf_counter() - t0)
     return out
 
 

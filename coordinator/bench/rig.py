@@ -126,6 +126,8 @@ class Rig:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
         self.etcd.stop()
 
 

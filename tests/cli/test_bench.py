@@ -27,6 +27,9 @@ def test_quick_bench_reports_every_target() -> None:
     proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "bench", "all", "--quick", "--json"],
                           capture_output=True, text=True, timeout=240, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # Every phase's event loop ends with nothing left running and nothing used after it closed.
+    for noise in ("Task was destroyed but it is pending", "Event loop is closed"):
+        assert noise not in proc.stderr, f"{noise!r} in stderr:\n{proc.stderr[-2000:]}"
     doc = json.loads(proc.stdout)
     counts: dict[str, int] = {}
     for line in doc["lines"]:
