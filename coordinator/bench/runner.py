@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from coordinator.bench import eventloop
 from coordinator.bench.phases.contended import phase_contended
 from coordinator.bench.phases.idle_reclaim import phase_idle_and_reclaim
 from coordinator.bench.phases.latency import phase_latency
@@ -51,8 +52,9 @@ def run(what: str, sizes: Sizes, out: dict[str, Any], profile: str = "",
         "p7": lambda: phase_p7(sizes.p7_n, out),
     }
     wanted = {"all": PHASES, "acquire": ("latency",), "p7": ("p7",), "p4": ("contended",)}.get(what, (what,))
-    for name in wanted:
-        for line in phases[name]():
-            lines.append(line)
-            emit(line)
+    with eventloop.one_loop():
+        for name in wanted:
+            for line in phases[name]():
+                lines.append(line)
+                emit(line)
     return lines

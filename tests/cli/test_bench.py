@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from coordinator.bench import eventloop
 from coordinator.bench.rig import etcd_metric, proposals
 from coordinator.bench.stats import percentile
 from coordinator.etcd.store import Store
@@ -85,3 +86,19 @@ def test_percentile_is_the_smallest_value_with_more_than_q_of_them_at_or_below(v
     below = sum(v < p for v in values)
     assert at_or_below > q * len(values) or at_or_below == len(values)
     assert below <= q * len(values)
+
+
+def test_the_phases_share_one_event_loop_and_each_run_cancels_what_it_left() -> None:
+    """A gRPC call cancelled at the end of one phase's run completes on a loop that is still open (no
+    "Event loop is closed" from the next run), and nothing a run started keeps running into the next."""
+    left: list[asyncio.Task[None]] = []
+
+    async def phase() -> asyncio.AbstractEventLoop:
+        left.append(asyncio.create_task(asyncio.sleep(3600)))
+        return asyncio.get_running_loop()
+
+    with eventloop.one_loop():
+        first, second = eventloop.run(phase()), eventloop.run(phase())
+        assert first is second and not first.is_closed()
+        assert left[0].cancelled() and left[1].cancelled()
+    assert first.is_closed()

@@ -2,11 +2,10 @@
 pairs/s, acquire p50/p99 and the coordinator's CPU seconds per pair."""
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
-from coordinator.bench import baselines, load
+from coordinator.bench import baselines, eventloop, load
 from coordinator.bench.report import Line, line
 from coordinator.bench.rig import cpu_seconds, rig
 from coordinator.bench.stats import percentile
@@ -29,9 +28,9 @@ def phase_contended(seconds: float, levels: tuple[int, ...], out: dict[str, Any]
                 cpu = cpu_seconds(coord.pid) - cpu0
                 await load.close(clients)
                 return pairs, acq, [wall], cpu
-            pairs, acq, wall, cpu = asyncio.run(ours())
+            pairs, acq, wall, cpu = eventloop.run(ours())
             t0 = time.perf_counter()
-            lpairs, lacq, _ = asyncio.run(baselines.lock_pairs(r.ep, agents, seconds))
+            lpairs, lacq, _ = eventloop.run(baselines.lock_pairs(r.ep, agents, seconds))
             lwall = time.perf_counter() - t0
             side[str(agents)] = {
                 "gpucoord_pairs_s": pairs / wall[0], "gpucoord_acquire_p50_ms": percentile(acq, .5) * 1e3,

@@ -10,6 +10,7 @@ import statistics
 import time
 from typing import Any
 
+from coordinator.bench import eventloop
 from coordinator.bench.report import Line, line
 from coordinator.bench.rig import cpu_seconds, proposals, rig, rss_mb
 from coordinator.etcd.ops import range_req
@@ -78,7 +79,7 @@ def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int,
                         mass_done = now - t_mass
                     await asyncio.sleep(0.02)
                 return list(ours.values()), list(theirs.values()), mass_done or float("inf"), mass_before
-        ours, theirs, mass, mass_n = asyncio.run(reclaim())
+        ours, theirs, mass, mass_n = eventloop.run(reclaim())
     out["p8"] = {"sessions": sessions, "ttl_s": ttl, "window_s": wall, "coordinator_cpu_pct": coord_cpu * 100,
                  "coordinator_rss_mb": rss, "node_cpu_pct": node_cpu * 100, "etcd_proposals_s": writes}
     out["p6"] = {"ttl_s": ttl, "gpucoord_reclaim_s": ours, "raw_expiry_s": theirs, "mass_sessions": mass_n,

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from agent_client import Client
-from coordinator.bench import baselines, load
+from coordinator.bench import baselines, eventloop, load
 from coordinator.bench.report import Line, line
 from coordinator.bench.rig import proposals, rig
 from coordinator.bench.stats import percentile
@@ -18,7 +18,7 @@ def phase_latency(n: int, out: dict[str, Any]) -> list[Line]:
         _coord, addr = r.coordinator()
         r.node("bench", "8x80GiB")
         grpc_t = baselines.unary_times(addr, n)
-        read_t, cas_t = asyncio.run(baselines.read_and_cas_times(r.ep, n))
+        read_t, cas_t = eventloop.run(baselines.read_and_cas_times(r.ep, n))
 
         with Client(addr, agent="bench-a", host="bench") as c:
             acq_t = load.acquire_times(c, n, warmup=30)
@@ -37,7 +37,7 @@ def phase_latency(n: int, out: dict[str, Any]) -> list[Line]:
             props = (proposals(r.metrics_url) - before) / len(leases)
             await load.close(clients)
             return props
-        conc_props = asyncio.run(concurrent())
+        conc_props = eventloop.run(concurrent())
 
     base = percentile(grpc_t, .5) + percentile(read_t, .5) + percentile(cas_t, .5)
     out["p1"] = {"grpc_p50_ms": percentile(grpc_t, .5) * 1e3, "etcd_range_p50_ms": percentile(read_t, .5) * 1e3,

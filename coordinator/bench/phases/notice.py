@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from agent_client import AsyncClient
+from coordinator.bench import eventloop
 from coordinator.bench.report import Line, line
 from coordinator.bench.rig import rig
 from coordinator.bench.stats import percentile
@@ -53,7 +54,7 @@ def phase_p7(n: int, out: dict[str, Any]) -> list[Line]:
                     await victim.release()
                     await (await task).release()
                 return promote, notice
-        promote, notice = asyncio.run(run())
+        promote, notice = eventloop.run(run())
     promote_ms = (percentile(promote, .5) * 1e3, percentile(promote, .99) * 1e3)
     notice_ms = (percentile(notice, .5) * 1e3, percentile(notice, .99) * 1e3)
     out["p7"] = {"release_to_grant_p50_ms": promote_ms[0], "release_to_grant_p99_ms": promote_ms[1],

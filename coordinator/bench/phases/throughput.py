@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from agent_client import AsyncClient
-from coordinator.bench import baselines, load
+from coordinator.bench import baselines, eventloop, load
 from coordinator.bench.report import Line, line
 from coordinator.bench.rig import cpu_seconds, rig
 from coordinator.node.fake_hosts import fake_host_names
@@ -39,9 +39,9 @@ def phase_p3(seconds: float, agents: int, hosts: int, replicas: tuple[int, ...],
                 cpu = sum(cpu_seconds(p.pid) for p, _ in coords) - cpu0
                 await load.close(clients)
                 return pairs / wall, cpu / max(1, pairs)
-            results[count] = asyncio.run(ours())
+            results[count] = eventloop.run(ours())
 
-        base = asyncio.run(baselines.cas_rate(r.ep, agents, seconds))
+        base = eventloop.run(baselines.cas_rate(r.ep, agents, seconds))
     out["p3"] = {"raw_cas_txn_s": base, "agents": agents, "hosts": hosts,
                  "by_replicas": {str(n): {"pairs_s": rate, "coordinators_cpu_ms_per_pair": cpu * 1e3}
                                  for n, (rate, cpu) in results.items()}}
