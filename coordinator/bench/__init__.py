@@ -36,4 +36,5 @@ The package, one concern a module:
 * ``stats``: the one percentile definition every figure uses.
 * ``report``: a line's verdict and rendering, the side-by-side table.
 * ``runner``: sizes (full and ``--quick``) and which phases a command runs.
+* ``eventloop``: the one event loop the phases' asyncio work shares for the whole command.
 """
