@@ -16,6 +16,7 @@ from typing import Any, Callable
 from coordinator.bench.load import time_async
 from coordinator.etcd.ops import cmp_create_revision, cmp_mod_revision, op_delete, op_get, op_put, range_req
 from coordinator.etcd.store import Store
+from coordinator.etcd.types import KV
 
 
 def unary_times(addr: str, n: int) -> list[float]:
@@ -128,7 +129,7 @@ class LockAdmission:
                 if any(ev.kind == "DELETE" for ev in batch.events):
                     break
 
-    async def _locked(self, etcd_lease: int, change: Callable[[int, int, list[Any]], list[Any]]) -> None:
+    async def _locked(self, etcd_lease: int, change: Callable[[int, int, list[KV]], list[Any]]) -> None:
         key = await self._lock(etcd_lease)
         try:
             snap = await self.store.snapshot([range_req(self.ledger), range_req(self.leases, prefix=True)])
@@ -139,7 +140,7 @@ class LockAdmission:
             await self.store.commit([], [op_delete(key)])
 
     async def acquire(self, etcd_lease: int, lease_id: str, vram_mb: int) -> None:
-        def grant(seq: int, used: int, _kvs: list[Any]) -> list[Any]:
+        def grant(seq: int, used: int, _kvs: list[KV]) -> list[Any]:
             if used + vram_mb > self.capacity_mb:
                 raise RuntimeError("lock baseline: no room")
             return [op_put(self._lease_key(lease_id), str(vram_mb).encode(), etcd_lease),
@@ -147,7 +148,7 @@ class LockAdmission:
         await self._locked(etcd_lease, grant)
 
     async def release(self, etcd_lease: int, lease_id: str) -> None:
-        def free(seq: int, _used: int, _kvs: list[Any]) -> list[Any]:
+        def free(seq: int, _used: int, _kvs: list[KV]) -> list[Any]:
             return [op_delete(self._lease_key(lease_id)), op_put(self.ledger, str(seq + 1).encode())]
         await self._locked(etcd_lease, free)
 

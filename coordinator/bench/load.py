@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from agent_client import AsyncClient, Client
 
 
-async def time_async(n: int, op: Callable[[], Awaitable[Any]]) -> list[float]:
+async def time_async(n: int, op: Callable[[], Awaitable[object]]) -> list[float]:
     """Seconds of each of ``n`` awaits of ``op()``, one after the other."""
     out = []
     for _ in range(n):

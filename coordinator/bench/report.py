@@ -4,6 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+# The figures behind the lines, as ``--json`` prints them: each phase adds its own under its key ("p1",
+# "side_by_side", ...), with the lines and the run's facts beside them.
+Figures = dict[str, Any]
+
 
 @dataclasses.dataclass
 class Line:
@@ -36,7 +40,7 @@ def line(id: str, what: str, figure: float, unit: str, baseline: float | None, b
                 None if target == "report" else bool(ok(value)))
 
 
-def side_by_side(out: dict[str, Any]) -> list[str]:
+def side_by_side(out: Figures) -> list[str]:
     """The side-by-side table of the P4 phase (none when it did not run)."""
     if "side_by_side" not in out:
         return []

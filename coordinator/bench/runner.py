@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 from coordinator.bench import eventloop
 from coordinator.bench.phases.contended import phase_contended
@@ -11,7 +11,7 @@ from coordinator.bench.phases.latency import phase_latency
 from coordinator.bench.phases.notice import phase_p7
 from coordinator.bench.phases.scale import phase_p5
 from coordinator.bench.phases.throughput import phase_p3
-from coordinator.bench.report import Line
+from coordinator.bench.report import Figures, Line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ QUICK = Sizes(n=20, seconds=1.0, levels=(1, 16), p3_agents=16, p3_hosts=4, p5_ho
 PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7")
 
 
-def run(what: str, sizes: Sizes, out: dict[str, Any], profile: str = "",
+def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
         emit: Callable[[Line], None] = lambda _l: None) -> list[Line]:
     """Runs the phases ``what`` names (``all``, an alias, or one phase), in order; each line is emitted as
     soon as its phase ends. The figures behind the lines are added to ``out``."""

@@ -6,15 +6,14 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any
 
-from coordinator.bench.report import side_by_side
+from coordinator.bench.report import Figures, side_by_side
 from coordinator.bench.runner import QUICK, Sizes, run
 
 
 def main(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else Sizes(n=args.n)
-    out: dict[str, Any] = {"quick": bool(args.quick), "cores": os.cpu_count()}
+    out: Figures = {"quick": bool(args.quick), "cores": os.cpu_count()}
     started = time.time()
     lines = run(args.what, sizes, out, getattr(args, "profile_coordinator", "") or "",
                 emit=(lambda _l: None) if args.json else (lambda line: print(line.render(), flush=True)))

@@ -3,17 +3,16 @@ pairs/s, acquire p50/p99 and the coordinator's CPU seconds per pair."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from coordinator.bench import baselines, eventloop, load
-from coordinator.bench.report import Line, line
+from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import cpu_seconds, rig
 from coordinator.bench.stats import percentile
 
 
-def phase_contended(seconds: float, levels: tuple[int, ...], out: dict[str, Any], profile: str = "") -> list[Line]:
+def phase_contended(seconds: float, levels: tuple[int, ...], out: Figures, profile: str = "") -> list[Line]:
     """P4, and the side-by-side on one GPU: pairs/s, acquire p50/p99 and the coordinator's CPU per pair."""
-    side: dict[str, Any] = {}
+    side: dict[str, dict[str, float]] = {}
     with rig(profile) as r:
         coord, addr = r.coordinator()
         r.node("one", "1x80GiB")

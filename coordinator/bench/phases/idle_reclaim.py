@@ -8,17 +8,16 @@ import os
 import signal
 import statistics
 import time
-from typing import Any
 
 from coordinator.bench import eventloop
-from coordinator.bench.report import Line, line
+from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import cpu_seconds, proposals, rig, rss_mb
 from coordinator.etcd.ops import range_req
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 
 
-def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int, out: dict[str, Any]) -> list[Line]:
+def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int, out: Figures) -> list[Line]:
     """P8 (idle cost with many sessions), then P6 (reclaim after SIGKILL) on the same rig."""
     keys = Keys()
     with rig() as r:

@@ -3,16 +3,15 @@ per acquire, serial and with 16 agents)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from agent_client import Client
 from coordinator.bench import baselines, eventloop, load
-from coordinator.bench.report import Line, line
+from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import proposals, rig
 from coordinator.bench.stats import percentile
 
 
-def phase_latency(n: int, out: dict[str, Any]) -> list[Line]:
+def phase_latency(n: int, out: Figures) -> list[Line]:
     """P1 and P2."""
     with rig() as r:
         _coord, addr = r.coordinator()

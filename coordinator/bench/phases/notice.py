@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
-from agent_client import AsyncClient
+from agent_client import AsyncClient, EvictionNotice
 from coordinator.bench import eventloop
-from coordinator.bench.report import Line, line
+from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import rig
 from coordinator.bench.stats import percentile
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 
 
-def phase_p7(n: int, out: dict[str, Any]) -> list[Line]:
+def phase_p7(n: int, out: Figures) -> list[Line]:
     with rig() as r:
         _coord, addr = r.coordinator("--grace", "30")
         r.node("bench", "1x16GiB")
@@ -43,7 +42,7 @@ def phase_p7(n: int, out: dict[str, Any]) -> list[Line]:
                     got = asyncio.Event()
                     stamp: list[float] = []
 
-                    def on_evict(_notice: Any) -> None:
+                    def on_evict(_notice: EvictionNotice) -> None:
                         stamp.append(time.perf_counter())
                         got.set()
                     victim.on_evict(on_evict)

@@ -3,17 +3,16 @@ killed coordinator's successor, from its process start to its first acquire."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from agent_client import Client
 from coordinator.bench import load
-from coordinator.bench.report import Line, line
+from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import rig
 from coordinator.bench.stats import percentile
 from coordinator.node.fake_hosts import fake_host_names
 
 
-def phase_p5(n: int, hosts: int, leases: int, out: dict[str, Any]) -> list[Line]:
+def phase_p5(n: int, hosts: int, leases: int, out: Figures) -> list[Line]:
     def p50(addr: str, agent: str) -> float:
         with Client(addr, agent=agent, host="p5-target") as c:
             return percentile(load.acquire_times(c, n, warmup=20), .5)

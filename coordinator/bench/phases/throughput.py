@@ -5,16 +5,15 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from typing import Any
 
 from agent_client import AsyncClient
 from coordinator.bench import baselines, eventloop, load
-from coordinator.bench.report import Line, line
+from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import cpu_seconds, rig
 from coordinator.node.fake_hosts import fake_host_names
 
 
-def phase_p3(seconds: float, agents: int, hosts: int, replicas: tuple[int, ...], out: dict[str, Any]) -> list[Line]:
+def phase_p3(seconds: float, agents: int, hosts: int, replicas: tuple[int, ...], out: Figures) -> list[Line]:
     """P3 with 1, 2, 3... replicas: replicas join one by one, and the agents are spread over them (each host
     is admitted by its owning replica; the others forward)."""
     results: dict[int, tuple[float, float]] = {}
