@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_client import errors
+from agent_client._version import __version__
 from agent_client.lease import AsyncLease, EvictionNotice
 from agent_client.run import AsyncBoundProcess
 from agent_client.stream import SessionStream, StreamBroken
@@ -26,8 +27,6 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.tls import aio_channel, credentials
 
 log = logging.getLogger(__name__)
-
-__version__ = "0.1.0"
 
 # gRPC's default reconnect backoff grows to minutes: a replica back after a restart must be found again
 # well within a session TTL, so the client retries connecting at least every second.
