@@ -306,7 +306,7 @@ class AsyncClient:
                         left = (n.grace_left_seconds if n.HasField("grace_left_seconds")
                                 else n.deadline_unix - time.time())   # an older coordinator: wall clocks
                         self._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
-                                                     n.deadline_unix, time.monotonic() + left))
+                                                     n.deadline_unix, time.monotonic() + left, n.revoke))
 
             async def watchdog() -> None:
                 # A replica that hangs without closing its socket (SIGSTOP, a stuck loop, a partition that
@@ -365,6 +365,8 @@ class AsyncClient:
         self.done.set()
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
+            # Its stream ends before the channels close: no call is left behind to be destroyed pending.
+            await asyncio.gather(self._keepalive_task, return_exceptions=True)
         if self.session_id and not already:
             try:
                 await self._call("CloseSession", pb.CloseSessionRequest(session=self._ref()),

@@ -18,7 +18,14 @@ REFUSALS = Counter("gpucoord_refusals_total",
                    "RPCs answered with an error, by RPC, reason (the kind of error) and the request field at fault",
                    ["rpc", "reason", "field"], registry=REGISTRY)
 RELEASES = Counter("gpucoord_releases_total", "VRAM leases released explicitly", registry=REGISTRY)
-EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued, and forced revokes", ["kind"], registry=REGISTRY)
+EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued (notice), leases revoked (revoke), and "
+                    "leases revoked at the kill margin while the node still reported their processes (margin)",
+                    ["kind"], registry=REGISTRY)
+VICTIM_PROCESS_WAITS = Histogram(
+    "gpucoord_victim_process_wait_seconds",
+    "Grants of evicting requests that waited on a victim's processes (past its deadline, or after its lease "
+    "ended, while the node still reported them): seconds from the first round held back for them to the grant",
+    buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30), registry=REGISTRY)
 CONFLICTS = Counter("gpucoord_txn_conflicts_total", "Admission compare-and-set transactions that lost", registry=REGISTRY)
 FORWARDS = Counter("gpucoord_forwarded_acquires_total", "Acquires sent to the host's owning replica, and those "
                    "decided here because the owner could not answer", ["outcome"], registry=REGISTRY)

@@ -125,13 +125,15 @@ class GpuProcess:
 
 @dataclasses.dataclass(frozen=True)
 class GpuUsage:
-    """Live VRAM use of one GPU, as NVML reports it."""
+    """Live VRAM use of one GPU, as NVML reports it. ``processes_visible``: ``processes`` is the GPU's whole
+    process list (NVML listed them; false when it cannot, and for simulated GPUs without processes)."""
 
     index: int
     uuid: str
     vram_used_mb: int
     vram_free_mb: int
     processes: tuple[GpuProcess, ...] = ()
+    processes_visible: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +208,9 @@ def dumps(obj: Any) -> bytes:
 
 
 def check_usage(doc: Any) -> dict[str, Any]:
-    """``usage/<host>`` as readers use it, checked: per GPU a uuid and vram_used_mb (and untracked_mb), and the
-    processes and leases lists status shows. Fields it does not read may be anything. InvalidRecord else."""
+    """``usage/<host>`` as readers use it, checked: per GPU a uuid and vram_used_mb (and untracked_mb,
+    processes_visible, processes_omitted), and the processes and leases lists status shows. Fields it does not
+    read may be anything. InvalidRecord else."""
     checked = _dict(doc, "usage")
     if "interval_s" in checked and not 0 < _num(checked, "interval_s") < 1e6:
         raise _fail("interval_s", "must be > 0")
@@ -219,6 +222,10 @@ def check_usage(doc: Any) -> dict[str, Any]:
             _int(g, "vram_used_mb", hi=1 << 30)
             if "untracked_mb" in g:
                 _int(g, "untracked_mb", hi=1 << 30)
+            if "processes_visible" in g:
+                _bool(g, "processes_visible")
+            if "processes_omitted" in g:
+                _int(g, "processes_omitted", hi=1 << 32)
             for j, p in enumerate(_list(g, "processes", [])):
                 p = _dict(p, f"processes[{j}]")
                 _int(p, "pid", hi=1 << 32)
@@ -398,9 +405,15 @@ class EvictionRecord:
     deadline_unix: float
     created_at: float
     asked_by: str = ""      # who asked for an operator's eviction: its verified identity (or its address)
+    # An operator's revoke of a lease bound to processes: the holder kills them at once (no SIGTERM grace);
+    # the deadline is the revoke's time, and the kill margin after it bounds the wait for them.
+    revoke: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.revoke:
+            del d["revoke"]
+        return d
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> EvictionRecord:
@@ -417,4 +430,60 @@ class EvictionRecord:
             _int(d, "requester_priority", -(1 << 31), 1 << 31)
         _num(d, "deadline_unix")
         _num(d, "created_at")
+        _bool(d, "revoke", False)
         return record
+
+
+@dataclasses.dataclass(frozen=True)
+class DepartingRecord:
+    """``departing/<host>/<gpu_uuid>/<lease_id>``: a lease bound to processes that ended under an eviction
+    notice (released by its holder, or revoked at the kill margin) while the node still reported some of its
+    processes on the GPU. Until the node's report lists none of them, its VRAM counts as held (G3); once the
+    bound has passed (``forced``) it counts as free, and the node (``--enforce kill``) kills what is left.
+
+    The bound is ``bound_unix - created_at`` seconds after the record was first seen (two wall times of the
+    one writer: no two clocks need agree)."""
+
+    lease_id: str
+    host: str
+    gpu_uuid: str
+    agent: str
+    vram_mb: int
+    pids: tuple[int, ...]      # the lease's recorded processes (the node also matches its process group)
+    pgid: int
+    requested_by: str          # as in the notice: "agent/request_id", or "operator"
+    reason: str
+    created_at: float          # the writer's wall clock, when the lease ended
+    bound_unix: float          # the writer's wall clock: the notice's deadline plus the kill margin
+    forced: bool = False       # the bound passed with its processes still reported
+    revoke: bool = False       # it ended by an operator's revoke
+    mod_revision: int = 0
+    create_revision: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("mod_revision", "create_revision")}
+        d["pids"] = list(self.pids)
+        return d
+
+    @classmethod
+    def from_kv(cls, kv: StoredKV) -> DepartingRecord:
+        """InvalidRecord (naming the field) for a malformed value."""
+        d = load_record(kv.value)
+        unknown = set(d) - _DEPARTING_KEYS
+        if unknown:
+            raise _fail(sorted(unknown)[0][:32], "unknown field")
+        pids = _list(d, "pids", [])
+        if len(pids) > 1 << 16 or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 1 << 32
+                                          for p in pids):
+            raise _fail("pids", "expected a list of process ids")
+        return cls(lease_id=_str(d, "lease_id", name=True), host=_str(d, "host"), gpu_uuid=_str(d, "gpu_uuid"),
+                   agent=_str(d, "agent"), vram_mb=_int(d, "vram_mb", 1, 1 << 30), pids=tuple(pids),
+                   pgid=_int(d, "pgid", hi=1 << 32, default=0), requested_by=_str(d, "requested_by", ""),
+                   reason=_str(d, "reason", ""), created_at=_num(d, "created_at"), bound_unix=_num(d, "bound_unix"),
+                   forced=_bool(d, "forced", False), revoke=_bool(d, "revoke", False),
+                   mod_revision=kv.mod_revision, create_revision=getattr(kv, "create_revision", 0))
+
+
+_DEPARTING_KEYS = frozenset(f.name for f in dataclasses.fields(DepartingRecord)) - {"mod_revision",
+                                                                                    "create_revision"}

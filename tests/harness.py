@@ -10,6 +10,7 @@ and ``tests.static.import_graph``, never each other.
 * fault injection by wrapping one component's own objects, never by editing the code under test:
   ``patch_method``, ``patch_commit``;
 * child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_agent``, ``child_env``;
+* bound processes: ``gpucoord_run``, ``write_fake_processes``, ``ProcessGone`` (when a process exited);
 * fakes: ``FakeNvml``/``FakeDevice`` (the pynvml module at its function level);
 * the etcd boundary: ``EtcdEndpoint``, ``record_etcd_calls``, ``read_only``, ``TcpProxy``;
 * security: ``make_pki``/``Pki``, ``writes_since``;
@@ -349,6 +350,67 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def gpucoord_run(addr: str, *args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    """``gpucoord run --coordinator ADDR ARGS...`` as a child process, its stdout and stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "run", "--coordinator", addr, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True,
+                            env=child_env(), cwd=REPO)
+
+
+def write_fake_processes(path: pathlib.Path, doc: dict[int, dict[int, Any]]) -> None:
+    """A ``--fake-processes`` file, written atomically (the node never reads half a file): GPU index ->
+    {pid: MiB, or {"mib": MiB, "until": unix seconds}}."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({str(g): {str(p): mb for p, mb in procs.items()} for g, procs in doc.items()}))
+    tmp.replace(path)
+
+
+class ProcessGone:
+    """When a process (not necessarily our child) is gone: exited, as a zombie or reaped. A small watcher
+    process waits on its pidfd, which becomes readable the moment the process exits, and prints the wall
+    time then. A process of its own, so that the time is taken at once, not when a thread of this process
+    (which may run a busy coordinator) gets the GIL back."""
+
+    _WATCH = ("import os, select, sys, time\n"
+              "try:\n fd = os.pidfd_open(int(sys.argv[1]))\n"
+              "except ProcessLookupError:\n print(repr(time.time()), flush=True); sys.exit()\n"
+              "print('watching', flush=True)\n"
+              "select.select([fd], [], [])\n"
+              "print(repr(time.time()), flush=True)\n")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.at: float | None = None
+        self._proc = subprocess.Popen([sys.executable, "-S", "-c", self._WATCH, str(pid)], stdout=subprocess.PIPE,
+                                      text=True)
+        assert self._proc.stdout is not None
+        first = self._proc.stdout.readline().strip()
+        if first != "watching":     # it was gone already
+            self.at = float(first)
+
+    def wait(self, timeout: float) -> float:
+        if self.at is None:
+            try:
+                out, _ = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+                raise AssertionError(f"pid {self.pid} did not exit within {timeout}s") from None
+            self.at = float(out.strip())
+        else:
+            self._proc.wait(timeout)
+        return self.at
+
+    @staticmethod
+    def now_gone(pid: int) -> bool:
+        """/proc says so: no such process, or a zombie."""
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: str,

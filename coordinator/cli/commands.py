@@ -26,6 +26,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
+             "eviction_kill_margin_s": args.eviction_kill_margin,
              "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",
              "max_sessions_per_agent": args.max_sessions_per_agent, "tls_ca": args.tls_ca,
              "tls_cert": args.tls_cert, "tls_key": args.tls_key, "insecure": args.insecure,
@@ -259,7 +260,12 @@ def cmd_lease(args: argparse.Namespace) -> int:
                 # The same answer as `lease evict` of an unknown lease: nothing was revoked.
                 raise CliError(f"NOT_FOUND: lease_id: no live lease {args.id}",
                                "'gpucoord status' lists the live leases")
-            print("revoked")
+            if resp.processes:
+                print("revoking: the lease is bound to processes; its holder was told to SIGKILL them, and the "
+                      "lease ends (its VRAM free) once the node reports them gone, or at the coordinator's kill "
+                      "margin")
+            else:
+                print("revoked")
     except grpc.RpcError as e:
         raise rpc_error(e, args.coordinator) from None
     return 0

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--metrics-listen", default=None, help="host:port for Prometheus /metrics")
     co.add_argument("--session-ttl", type=int, default=None)
     co.add_argument("--grace", type=float, default=None, help="eviction grace period, seconds")
+    co.add_argument("--eviction-kill-margin", type=float, default=None, metavar="SECONDS",
+                    help="a lease still held this long after its eviction deadline is revoked by force; until "
+                         "then the VRAM of a lease bound to processes is free only once they are gone (default 2)")
     co.add_argument("--untracked-vram", choices=("on", "off"), default=None)
     co.add_argument("--config", default=None, help="TOML file with a [coordinator] table (and [tls])")
     co.add_argument("--max-sessions-per-agent", type=int, default=None)
@@ -200,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("id")
     ev.add_argument("--grace", type=float, default=None)
     ev.add_argument("--reason", default="operator")
-    rv = _command(lsub, "revoke", ("coordinator", *_TLS), help="delete the lease now")
+    rv = _command(lsub, "revoke", ("coordinator", *_TLS),
+                  help="delete the lease now; a lease bound to processes (gpucoord run) ends once they are "
+                       "killed and gone, or at the kill margin")
     rv.add_argument("id")
     le.set_defaults(fn=cmd_lease)
 

@@ -10,13 +10,39 @@ def _mib(mb: int) -> str:
     return f"{mb / 1024:.1f}G" if abs(mb) >= 1024 else f"{mb}M"
 
 
+_PROCESSES = {"stopping": "processes stopping (still on the GPU)", "gone": "processes gone",
+              "unknown": "processes not visible to the node"}
+
+
 def _eviction(notice: dict[str, Any] | None, now: float) -> str:
-    """The mark of a lease under an eviction notice: who asks, and the time left before the forced revoke."""
+    """The mark of a lease under an eviction notice: who asks, the time left before the deadline, and how
+    its processes stand (a lease bound to processes is revoked once they are gone, or at the kill margin)."""
     if not notice:
         return ""
     left = float(notice.get("deadline_unix", 0)) - now
-    return (f"  EVICTING: revoked in {max(0.0, left):.0f}s, asked by {notice.get('requested_by') or '?'}"
-            f" ({notice.get('reason') or 'no reason'})")
+    procs = _PROCESSES.get(str(notice.get("processes") or ""), "")
+    what = "REVOKING" if notice.get("revoke") else "EVICTING"
+    when = f"deadline in {left:.0f}s" if left > 0 else "deadline passed"
+    return (f"  {what}: {when}, asked by {notice.get('requested_by') or '?'}"
+            f" ({notice.get('reason') or 'no reason'})" + (f"; {procs}" if procs else ""))
+
+
+def _departing(gpu: dict[str, Any]) -> list[str]:
+    """Ended leases whose processes the node still reported: their VRAM is held until they are gone."""
+    out = []
+    for d in gpu.get("departing", []):
+        pids = ", ".join(str(x) for x in d.get("pids", [])) or "none now"
+        if d.get("held"):
+            state = "VRAM held until they are gone (or the kill margin passes)"
+        elif d.get("forced"):
+            state = ("the kill margin passed: no longer held for it (what NVML still counts is untracked VRAM); "
+                     "the node kills them with --enforce kill")
+        else:
+            state = "gone: VRAM free"
+        out.append(f"  DEPARTING on GPU {gpu['index']}: lease {d.get('lease_id', '?')} ({d.get('agent', '?')}, "
+                   f"{_mib(int(d.get('vram_mb', 0)))}) ended, {'revoked' if d.get('revoke') else 'evicted'} by "
+                   f"{d.get('requested_by') or '?'}; its processes on the GPU: {pids}; {state}")
+    return out
 
 
 def render_status(doc: dict[str, Any], now: float | None = None) -> str:
@@ -45,6 +71,7 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                          f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6} {'?' if numa < 0 else numa:>4} "
                          f"{_ranges([int(x) for x in g.get('nvlink_peers', [])])}")
         for g in h.get("gpus", []):
+            lines += _departing(g)
             for u in g.get("lease_use", []):
                 if u.get("over_use"):
                     lines.append(f"  OVER-USE on GPU {g['index']}: lease {u['lease_id']} ({u['agent']}) uses "

@@ -20,12 +20,14 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 from typing import Any, Callable
 
 import psutil
 
+from coordinator import clock
 from coordinator.records import GpuInfo, GpuProcess, GpuUsage
 
 log = logging.getLogger(__name__)
@@ -152,26 +154,50 @@ def _index_sets(value: str, key: str, gpu_count: int,
     return out
 
 
-def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[GpuProcess, ...]]:
-    """A ``--fake-processes`` document: ``{"<GPU index>": {"<pid>": MiB, ...}, ...}``.
+@dataclasses.dataclass(frozen=True)
+class FakeProcess:
+    """A row of ``--fake-processes``: ``pid`` uses ``used_mb`` on the GPU while it runs, or, with ``until``
+    (unix seconds), until then whether it runs or not (a driver that frees a process's memory late)."""
+
+    pid: int
+    used_mb: int
+    until: float | None = None
+
+    def listed(self, now: float) -> bool:
+        return now < self.until if self.until is not None else _process_alive(self.pid)
+
+
+def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[FakeProcess, ...]]:
+    """A ``--fake-processes`` document: ``{"<GPU index>": {"<pid>": MiB, ...}, ...}``, where a MiB may also be
+    ``{"mib": MiB, "until": unix_seconds}``.
 
     Raises ValueError naming the bad entry.
     """
     if not isinstance(doc, dict):
         raise ValueError("expected a JSON object mapping GPU index to {pid: MiB}")
-    out: dict[int, tuple[GpuProcess, ...]] = {}
+    out: dict[int, tuple[FakeProcess, ...]] = {}
     for key, procs in doc.items():
         if not str(key).isdigit() or not 0 <= int(key) < gpu_count:
             raise ValueError(f"GPU {key!r}: not a simulated GPU index (have 0..{gpu_count - 1})")
         if not isinstance(procs, dict):
             raise ValueError(f"GPU {key}: expected an object {{pid: MiB}}")
         rows = []
-        for pid, mb in procs.items():
+        for pid, value in procs.items():
             if not str(pid).isdigit() or int(pid) < 1:
                 raise ValueError(f"GPU {key}: {pid!r} is not a pid")
+            until = None
+            mb = value
+            if isinstance(value, dict):
+                if set(value) - {"mib", "until"} or "mib" not in value:
+                    raise ValueError(f"GPU {key}, pid {pid}: expected MiB or {{\"mib\": MiB, \"until\": unix "
+                                     f"seconds}}, got keys {sorted(value)}")
+                mb, until = value["mib"], value.get("until")
+                if until is not None and (isinstance(until, bool) or not isinstance(until, (int, float))
+                                          or not math.isfinite(until)):
+                    raise ValueError(f"GPU {key}, pid {pid}: until must be unix seconds, got {until!r}")
             if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
                 raise ValueError(f"GPU {key}, pid {pid}: MiB must be a whole number >= 0, got {mb!r}")
-            rows.append(GpuProcess(pid=int(pid), used_mb=mb))
+            rows.append(FakeProcess(pid=int(pid), used_mb=mb, until=None if until is None else float(until)))
         out[int(key)] = tuple(rows)
     return out
 
@@ -189,9 +215,11 @@ class FakeGpuSource:
 
     Memory use is whatever :meth:`set_used` says, plus the processes of ``processes_file``
     (``--fake-processes``): JSON mapping a GPU index to ``{pid: MiB}``, re-read on every scan, so that
-    tests and demos put real processes on simulated GPUs. Rows of processes that no longer run are
-    dropped, as NVML would. A file that is missing counts as empty; a malformed one is ignored with a
-    warning.
+    tests and demos put real processes on simulated GPUs. Rows of processes that no longer run (or are
+    zombies) are dropped, as NVML would; a row ``{"mib": N, "until": T}`` is listed until the unix time T
+    instead, whether its process runs or not. A file that is missing counts as empty; a malformed one is
+    ignored with a warning. The GPUs' process lists count as visible (``processes_visible``) only with a
+    ``processes_file``: without one the simulator cannot tell which processes use them.
     """
 
     simulated: bool = True
@@ -203,9 +231,11 @@ class FakeGpuSource:
         self.processes_file = processes_file
         self._file_error = ""
 
-    def _file_processes(self) -> dict[int, tuple[GpuProcess, ...]]:
+    def _file_processes(self) -> dict[int, tuple[GpuProcess, ...]] | None:
+        """The file's processes now listed on each GPU; None when the file cannot be read (then the GPUs'
+        process lists are not known)."""
         if not self.processes_file:
-            return {}
+            return None
         try:
             with open(self.processes_file, encoding="utf-8") as f:
                 doc = json.load(f)
@@ -217,9 +247,10 @@ class FakeGpuSource:
             if why != self._file_error:
                 log.warning("%s", why)
                 self._file_error = why
-            return {}
+            return None
         self._file_error = ""
-        return {i: tuple(p for p in rows if _process_alive(p.pid)) for i, rows in found.items()}
+        now = clock.wall()
+        return {i: tuple(GpuProcess(p.pid, p.used_mb) for p in rows if p.listed(now)) for i, rows in found.items()}
 
     def gpus(self) -> tuple[GpuInfo, ...]:
         return self._gpus
@@ -237,14 +268,16 @@ class FakeGpuSource:
     def usage(self) -> tuple[GpuUsage, ...]:
         with self._lock:
             used = dict(self._used)
-        extra = self._file_processes()
+        listed = self._file_processes()
+        extra = listed or {}
         out = []
         for g in self._gpus:
             base, procs = used[g.index]
             rows = extra.get(g.index, ())
             total = min(g.vram_total_mb, base + sum(p.used_mb for p in rows))
             out.append(GpuUsage(index=g.index, uuid=g.uuid, vram_used_mb=total,
-                                vram_free_mb=g.vram_total_mb - total, processes=procs + rows))
+                                vram_free_mb=g.vram_total_mb - total, processes=procs + rows,
+                                processes_visible=listed is not None))
         return tuple(out)
 
     def close(self) -> None:

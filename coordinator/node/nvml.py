@@ -207,9 +207,9 @@ class NvmlGpuSource:
         self._gpu_ok(index)
         return handle, GpuInfo(index=index, uuid=uuid, name=name, vram_total_mb=total_mb), mem
 
-    def _processes(self, index: int, handle: Any) -> tuple[GpuProcess, ...]:
-        """Compute and graphics processes on one GPU (one row per pid); () when NVML cannot list them
-        (NotSupported, no permission...)."""
+    def _processes(self, index: int, handle: Any) -> tuple[tuple[GpuProcess, ...], bool]:
+        """Compute and graphics processes on one GPU (one row per pid), and whether that is the whole list:
+        not when NVML cannot list them (NotSupported, no permission...)."""
         rows: dict[int, int] = {}
         failed = False
         for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
@@ -234,7 +234,7 @@ class NvmlGpuSource:
         if not failed:
             with self._lock:
                 self._no_procs.pop(index, None)
-        return tuple(GpuProcess(pid=pid, used_mb=mb) for pid, mb in rows.items())
+        return tuple(GpuProcess(pid=pid, used_mb=mb) for pid, mb in rows.items()), not failed
 
     # -- GpuSource ------------------------------------------------------------------------------------
 
@@ -362,13 +362,15 @@ class NvmlGpuSource:
             if one is None:
                 continue
             handle, info, mem = one
+            processes, visible = self._processes(index, handle)
             out.append(
                 GpuUsage(
                     index=index,
                     uuid=info.uuid,
                     vram_used_mb=_mib(mem.used),
                     vram_free_mb=_mib(mem.free),
-                    processes=self._processes(index, handle),
+                    processes=processes,
+                    processes_visible=visible,
                 )
             )
         return tuple(out)

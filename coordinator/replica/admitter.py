@@ -41,7 +41,7 @@ from coordinator.policy.planner import plan_round, wait_over
 from coordinator.records import InvalidRecord, QueueEntry, SessionInfo, VramLease, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.replica.view import host_ranges, host_view, invalid_host
+from coordinator.replica.view import HOST_RANGES, host_ranges, host_view, invalid_host
 
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,8 @@ class HostAdmitter:
         self._dirty = False
         self._last_commit = 0   # the mirror is used only once it has caught up with our own commits
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
+        # Queued requests held back only by their victims' processes: lease id -> when first (the metric).
+        self._held_since: dict[str, float] = {}
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run())
         self._expiry = loop.create_task(self._expire_loop())
@@ -206,7 +208,7 @@ class HostAdmitter:
                 while self._pending or self._dirty:
                     # Our last commit not yet in the mirror: its watch event is about a millisecond away.
                     # Waiting for it lets the round decide from the mirror instead of reading a snapshot
-                    # (seven Range calls), and gathers the acquires that arrive meanwhile into the batch.
+                    # (eight Range calls), and gathers the acquires that arrive meanwhile into the batch.
                     mirror = self.ctx.mirror
                     if mirror.ready and mirror.revision < self._last_commit and not self._waiting:
                         await mirror.caught_up(self._last_commit, MIRROR_WAIT_S)
@@ -359,9 +361,9 @@ class HostAdmitter:
                 for c, err in over_cap:
                     self._fail(c, err)
                 batch = [c for c in batch if not c.future.done()]
-            live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
+            live = {s.session_id for s, r in zip(sessions, snap.ranges[HOST_RANGES:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          clock.wall())
+                          clock.wall(), self._overdue())
             plan = plan_round(view, batch, self._waiting, live, ctx)
             if use_mirror:
                 use_mirror = False
@@ -397,6 +399,30 @@ class HostAdmitter:
             if not c.future.done():
                 c.future.set_exception(err)
 
+    def _overdue(self) -> frozenset[str]:
+        """Leases of this host under a notice whose deadline has passed (as this replica measures it)."""
+        now = clock.monotonic()
+        out = set()
+        for record in list(self.ctx.evictions.values()):
+            if record.host != self.host:
+                continue
+            kv = self.ctx.mirror.get(self.keys.eviction(record.lease_id))
+            if kv is not None and self.ctx.notice_deadline(kv, record) <= now:
+                out.add(record.lease_id)
+        return frozenset(out)
+
+    def _count_process_waits(self, plan: Plan[AcquireCall]) -> None:
+        """``gpucoord_victim_process_wait_seconds``: from the first round held back only by a victim's
+        processes to the grant."""
+        now = time.monotonic()
+        granted = {lease.id for _, lease in plan.grants}
+        for lease_id in granted & self._held_since.keys():
+            metrics.VICTIM_PROCESS_WAITS.observe(now - self._held_since[lease_id])
+        held = set(plan.held_by_processes)
+        self._held_since = {k: v for k, v in self._held_since.items() if k in held}
+        for lease_id in held:
+            self._held_since.setdefault(lease_id, now)
+
     def _over_cap(self, view: HostView, batch: list[AcquireCall]) -> list[tuple[AcquireCall, errors.GpucoordError]]:
         """The calls above their agent's priority cap on this host (G9), from the partition of the snapshot
         (every grant compares its mod_revision, so a cap changed meanwhile is read again). A request already
@@ -416,6 +442,7 @@ class HostAdmitter:
 
     def _settle(self, plan: Plan[AcquireCall], revision: int) -> None:
         """The round's transaction has committed (or there was nothing to write): tell the callers."""
+        self._count_process_waits(plan)
         for failed, err in plan.failures:
             self._fail(failed, err)
         for prior in plan.superseded:

@@ -33,7 +33,7 @@ class Partitions:
         except PartitionError as e:
             raise errors.InvalidArgument(str(e), e.field) from e
         check_name("host", spec.host)
-        deadline = time.monotonic() + self.config.eviction_grace_s + 5
+        deadline = time.monotonic() + self.config.eviction_grace_s + self.config.eviction_kill_margin_s + 5
         for _ in range(self.config.commit_attempts * 4):
             snap = await self.store.snapshot(host_ranges(self.keys, spec.host))
             view = host_view(self.keys, spec.host, snap, untracked=False)
@@ -53,7 +53,7 @@ class Partitions:
                     + ("" if dry_run else " (apply with --evict to send them eviction notices)"), "partition")
             if conflicts:
                 # --evict: notices to the offenders; the partition is written once they are gone (released,
-                # or revoked by the leader at their deadline), so no revision ever breaks the new caps.
+                # or revoked by the leader past their deadline), so no revision ever breaks the new caps.
                 if time.monotonic() > deadline:
                     raise errors.Unavailable("partition: the evicted leases are still held; retry", "partition")
                 for lease in offenders:

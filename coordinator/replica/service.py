@@ -130,11 +130,12 @@ class CoordinatorService:
                     self.observed.forget(ev.kv.key)
             self._on_events(batch)
 
-    _OBSERVED_KINDS = ("usage", "evictions", "queue")
+    _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing")
+    _BY_CREATION = ("evictions", "departing")
 
     def _observe(self, kvs: Any, reset: bool = False) -> None:
-        """Note when we first saw each usage report and queue entry (by mod_revision) and each eviction
-        notice (by create_revision: a rewrite keeps its grace running)."""
+        """Note when we first saw each usage report and queue entry (by mod_revision), and each eviction
+        notice and departing record (by create_revision: a rewrite keeps its grace, or its bound, running)."""
         seen: set[bytes] = set()
         for kv in kvs:
             try:
@@ -142,7 +143,7 @@ class CoordinatorService:
             except ValueError:
                 continue
             if kind in self._OBSERVED_KINDS:
-                self.observed.saw(kv.key, kv.create_revision if kind == "evictions" else kv.mod_revision)
+                self.observed.saw(kv.key, kv.create_revision if kind in self._BY_CREATION else kv.mod_revision)
                 seen.add(kv.key)
         if reset:
             self.observed.keep_only(seen)
@@ -170,8 +171,12 @@ class CoordinatorService:
                     gone = self.evictions.pop(parts[0], None)
                     if gone is not None:
                         woken.add(gone.host)
-            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus") and parts:
+            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing") and parts:
                 woken.add(parts[0])
+                if kind in ("usage", "departing") and self.leadership is not None:
+                    # A report without an evicted lease's processes, or a departing record: the leader's
+                    # deadline duty may act now (G3).
+                    self.leadership.deadline_wake.set()
             elif kind == "sessions" and ev.kind == "DELETE" and len(parts) == 2:
                 # Closed or expired (its holder died): its cached identity goes with it.
                 self._sessions.pop((parts[0], parts[1]), None)
@@ -384,6 +389,9 @@ class CoordinatorService:
     async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
                      fence: Election | None = None) -> bool:
         return await self.leases.revoke(lease_id, host, notice_revision, fence)
+
+    async def revoke_by_operator(self, lease_id: str, asked_by: str = "") -> tuple[bool, bool]:
+        return await self.leases.revoke_by_operator(lease_id, asked_by)
 
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
         return await self.leases.release(info, lease_id)

@@ -6,8 +6,10 @@ from typing import Any
 
 from coordinator.etcd.ops import range_req
 from coordinator.etcd.store import KV, Snapshot
+from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
+from coordinator.records import DepartingRecord
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.validate import check_name
 from coordinator.replica.view import host_ranges, host_view
@@ -20,9 +22,9 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
         snap = await ctx.store.snapshot(host_ranges(ctx.keys, host))
         views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)]
     else:
-        # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
+        # Seven whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
         # would pass etcd's limit of operations per transaction).
-        kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue")
+        kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue", "departing")
         snap = await ctx.store.snapshot([range_req(ctx.keys.kind(k), prefix=True)
                                           for k in kinds])
         per_host: dict[str, list[list[KV]]] = {}
@@ -36,6 +38,14 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
     etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
     ttls = dict(zip(etcd_leases, await asyncio.gather(*(ctx.store.time_to_live(x) for x in etcd_leases))))
     return snap.revision, views, ttls
+
+
+def departing_json(d: DepartingRecord, usage: dict[str, Any] | None, held: bool) -> dict[str, Any]:
+    """An ended lease whose processes the node reported when it ended: which it still reports, and whether
+    its VRAM still counts as held (false once they are gone, or the kill margin has passed: ``forced``)."""
+    return {"lease_id": d.lease_id, "agent": d.agent, "vram_mb": d.vram_mb, "requested_by": d.requested_by,
+            "reason": d.reason, "revoke": d.revoke, "forced": d.forced, "held": held,
+            "pids": list(reported_pids(usage, d.gpu_uuid, d.lease_id, d.pids))}
 
 
 def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> dict[str, Any]:
@@ -58,7 +68,10 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                          "numa_node": -1 if numa is None else numa,     # -1: unknown
                          "nvlink_peers": list(info.nvlink_peers) if info is not None else [],
                          "processes": list(reported.get(g.uuid, {}).get("processes", ())),
-                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ()))})
+                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ())),
+                         "departing_mb": g.departing_mb,
+                         "departing": [departing_json(d, v.usage, held) for d in v.departing
+                                       if d.gpu_uuid == g.uuid for held in [d.lease_id in v.departing_held]]})
         leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}
                   for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
         agents = []

@@ -7,10 +7,12 @@ import logging
 from typing import Any, Callable, TypeVar
 
 from coordinator import errors, metrics
-from coordinator.policy.admission import GpuView
+from coordinator.policy.admission import Departing, GpuView
+from coordinator.policy.departing import still_reported
 from coordinator.policy.host import HostView
 from coordinator.keys import Keys
-from coordinator.records import GpuLedger, HostInventory, InvalidRecord, QueueEntry, VramLease, check_usage, load_record
+from coordinator.records import (DepartingRecord, GpuLedger, HostInventory, InvalidRecord, QueueEntry, VramLease,
+                                 check_usage, load_record)
 from coordinator.policy.partition import Partition, default_partition
 from coordinator.etcd.store import KV, Snapshot
 from coordinator.etcd.ops import range_req
@@ -28,7 +30,8 @@ def usage_is_stale(usage: dict[str, Any] | None, age_s: float) -> bool:
 
 
 def _usage_used(usage: dict[str, Any] | None, stale: bool, leased: dict[str, int]) -> dict[str, int]:
-    """NVML used VRAM per GPU uuid, as admission must count it.
+    """NVML used VRAM per GPU uuid, as admission must count it (``leased``: what leases, and ended leases whose
+    processes are still reported, account for on each GPU).
 
     Fresh usage counts as reported. Stale usage (the node's scan hangs, or its writes do not arrive) fails
     closed: the untracked VRAM of the last report is kept, never less, whatever happened to the leases
@@ -53,7 +56,12 @@ def host_ranges(keys: Keys, host: str) -> list[Any]:
         range_req(keys.gpus(host), prefix=True),
         range_req(keys.leases(host), prefix=True),
         range_req(keys.queue(host), prefix=True),
+        range_req(keys.departings(host), prefix=True),
     ]
+
+
+HOST_RANGES = 7
+"""How many ranges ``host_ranges`` reads: a snapshot's further ranges are the caller's."""
 
 
 # Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
@@ -118,12 +126,12 @@ def _default_partition(host_value: bytes) -> Partition:
 
 def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
               usage_age: Callable[[KV], float] | None = None) -> HostView:
-    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``.
+    """Build a HostView from the first ``HOST_RANGES`` ranges of a snapshot taken with ``host_ranges``.
 
     ``usage_age`` says how long ago the caller observed the usage report's revision (its own clock; see
     ``observed.py``); without it the report counts as fresh. A malformed stored value of the host leaves
     out what it would have said, and sets ``invalid`` (why, for status): admission there fails closed."""
-    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
+    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs, departing_kvs = snap.ranges[:HOST_RANGES]
     problems: list[tuple[str, str]] = []
     host_kv = host_kvs[0] if host_kvs else None
     inventory = _parsed(keys, host_kv, lambda: _inventory(host_kv.value), problems) if host_kv else None
@@ -151,7 +159,21 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
         entry = _parsed(keys, kv, lambda kv=kv: queue_entry(kv), problems)   # type: ignore[misc]
         if entry is not None:
             entries.append(entry)
-    used = _usage_used(usage, stale, {u: sum(x.vram_mb for x in ls) for u, ls in by_gpu.items()}) if untracked else {}
+    departing_list = []
+    for kv in departing_kvs:
+        record = _parsed(keys, kv, lambda kv=kv: DepartingRecord.from_kv(kv), problems)   # type: ignore[misc]
+        if record is not None:
+            departing_list.append(record)
+    departing = tuple(departing_list)
+    held: dict[str, list[Departing]] = {}
+    for d in departing:
+        # Until the node's report lists none of its processes, or the kill margin passed (forced).
+        if not d.forced and still_reported(usage, d.gpu_uuid, d.lease_id, d.pids):
+            held.setdefault(d.gpu_uuid, []).append(Departing(d.lease_id, d.agent, d.vram_mb))
+    counted = {u: sum(x.vram_mb for x in ls) + sum(x.vram_mb for x in held.get(u, ())) for u, ls in by_gpu.items()}
+    for u, ds in held.items():
+        counted.setdefault(u, sum(x.vram_mb for x in ds))
+    used = _usage_used(usage, stale, counted) if untracked else {}
     gpus: dict[str, GpuView] = {}
     if inventory is not None:
         part = partition or _default_partition(host_kv.value)  # type: ignore[union-attr]
@@ -159,9 +181,10 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
             gpus[g.uuid] = GpuView(
                 uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
-                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
+                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid),
+                departing=list(held.get(g.uuid, ())))
     return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs,
-                    tuple(entries), usage_age_s=age, usage_stale=stale,
+                    tuple(entries), usage_age_s=age, usage_stale=stale, departing=departing,
                     invalid="; ".join(t for _, t in problems[:3])
                     + (f"; and {len(problems) - 3} more" if len(problems) > 3 else ""),
                     invalid_kinds=frozenset(k for k, _ in problems))

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import errors, metrics
+from coordinator.policy.departing import process_state
 from coordinator.records import EvictionRecord, InvalidRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
@@ -105,7 +106,8 @@ def _eviction_or_none(kv: Any) -> EvictionRecord | None:
 def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
     """What an agent may see of a host (G9): its own leases in full; of other agents' leases, neither the
     session id, the request id nor the processes (pids, pgid), nor who asked for an eviction. Of the GPUs'
-    processes only its own leases' appear; the queue shows no other agent's request id."""
+    processes only its own leases' appear (of other agents' departing leases, neither their processes nor
+    who asked); the queue shows no other agent's request id."""
     for hs in status.hosts:
         own = {lease.id for lease in hs.leases if lease.agent == agent}
         for lease in hs.leases:
@@ -123,6 +125,10 @@ def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
             for use in gpu.lease_use:
                 if use.lease_id not in own:
                     del use.pids[:]
+            for gone in gpu.departing:
+                if gone.agent != agent:
+                    del gone.pids[:]
+                    gone.requested_by = ""
         for entry in hs.queue:
             if entry.agent != agent:
                 entry.request_id = ""
@@ -161,7 +167,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
         return pb.EvictionNotice(lease_id=record.lease_id, gpu_uuid=record.gpu_uuid, reason=record.reason,
                                  requested_by=record.requested_by, deadline_unix=record.deadline_unix,
-                                 grace_left_seconds=self.svc.grace_left(record))
+                                 grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke)
     async def _session(self, ref: pb.SessionRef) -> Any:
         return await self.svc.session(ref.agent, ref.session_id)
 
@@ -370,16 +376,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                     gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
                                      used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
                                      pids=[int(x) for x in u["pids"]])
+                gs.departing_mb = int(g["departing_mb"])
+                for d in g["departing"]:
+                    gs.departing.add(**d)
                 metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
                 metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
             for a in h["agents"]:
                 hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
                               leased_mb=a["leased_mb"], leases=a["leases"])
-            for lease in views[[v.host for v in views].index(h["host"])].leases.values():
+            view = views[[v.host for v in views].index(h["host"])]
+            for lease in view.leases.values():
                 msg = lease_pb(lease, ttls.get(lease.etcd_lease, -1))
                 notice = notices.get(lease.id)
                 if notice is not None:
                     msg.eviction.CopyFrom(self._notice(notice))
+                    msg.eviction.processes = process_state(view.usage, lease.gpu_uuid, lease.id, lease.pids,
+                                                           lease.pgid)
                 hs.leases.append(msg)
             for q in h["queue"]:
                 hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
@@ -414,7 +426,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: Any) -> pb.RevokeLeaseResponse:
-        return pb.RevokeLeaseResponse(revoked=await self.svc.revoke(request.lease_id))
+        revoked, processes = await self.svc.revoke_by_operator(request.lease_id,
+                                                               asked_by=str(current_caller() or "unknown"))
+        return pb.RevokeLeaseResponse(revoked=revoked, processes=processes)
 
     async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
         return pb.PingResponse()

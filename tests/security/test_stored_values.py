@@ -1,5 +1,5 @@
 """Bad stored values are one host's problem: a malformed value under ``hosts/``, ``usage/``, ``gpus/``,
-``leases/``, ``queue/`` or ``partitions/`` (a node's etcd user may write its own usage, a bug may write
+``leases/``, ``queue/``, ``departing/`` or ``partitions/`` (a node's etcd user may write its own usage, a bug may write
 anything) makes that host INVALID in status, with the reason, and admission there fails closed, while every
 other host keeps working; the value is counted in ``gpucoord_invalid_records_total`` and logged once.
 Real coordinator, real node daemons, real etcd; the values are written straight into etcd."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -21,7 +22,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.etcd.ops import range_req
 from coordinator.records import dumps
-from tests.harness import Cluster, wait_for
+from tests.harness import Cluster, pass_time, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -115,6 +116,35 @@ def test_one_malformed_usage_report_is_one_hosts_problem(world: World, bad: byte
     world.release("h1", world.acquire("h1"))
 
 
+@pytest.mark.parametrize("kind", ["leases", "usage"])
+def test_a_malformed_value_under_a_notice_leaves_the_leaders_deadlines_running(
+        world: World, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A lease under an eviction notice whose own value (or its host's usage report) is malformed when its
+    deadline passes: the host is INVALID meanwhile, and the leader's duties carry on, so once the value is
+    rewritten the lease is revoked at the kill margin (G3), and no duty died."""
+    caplog.set_level(logging.WARNING)
+    keys = world.cluster.keys
+    lease = world.acquire("h1")
+    # Bound to a process (none that exists: the node only reports): the leader then reads the usage report.
+    world.stub.AttachProcesses(pb.AttachProcessesRequest(session=world.ref("h1"), lease_id=lease.id,
+                                                         pids=[4_194_000]), timeout=10)
+    key = keys.lease("h1", lease.gpu_uuid, lease.id) if kind == "leases" else keys.usage("h1")
+    good = world.get(key)
+    deadline = world.stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=0.3),
+                                     timeout=10).deadline_unix
+    world.put(key, b"[]", good.etcd_lease)
+    try:
+        assert world.status()["h1"].invalid.startswith(f"{kind}/h1"), world.status()["h1"].invalid
+        pass_time(max(0.0, deadline - time.time()) + 1.0, "the deadline, with the value malformed")
+    finally:
+        world.put(key, good.value, good.etcd_lease)
+    lease_key = keys.lease("h1", lease.gpu_uuid, lease.id)
+    wait_for(lambda: world.get(lease_key) is None, 15, "the lease revoked at the kill margin")
+    died = [r.getMessage() for r in caplog.records if "died" in r.getMessage()]
+    assert not died, died
+    assert world.status()["h1"].invalid == ""
+
+
 # -- fuzzing the stored values of every kind ----------------------------------------------------------------
 def _mutations(doc: Any) -> st.SearchStrategy[bytes]:
     raw = dumps(doc)
@@ -164,7 +194,12 @@ def test_fuzz_stored_values(world: World) -> None:
     queue_doc = {"agent": AGENT, "session_id": world.sessions["h1"], "etcd_lease": 1, "vram_mb": 1, "gpu": "",
                  "priority": 0, "preemptible": True, "request_id": "fuzz", "lease_id": "fuzz-lease",
                  "deadline_unix": 1e12, "replica": "nobody", "victims": [], "wait_s": 3600.0}
-    kinds = sorted([*records, "queue"])
+    departing_key = keys.departing("h1", gpu, "fuzz-departing")
+    departing_doc = {"lease_id": "fuzz-departing", "host": "h1", "gpu_uuid": gpu, "agent": AGENT, "vram_mb": 64,
+                     "pids": [1], "pgid": 0, "requested_by": "operator", "reason": "fuzz", "created_at": 1.0,
+                     "bound_unix": 3.0, "forced": False, "revoke": True}
+    extra = {"queue": (queue_key, queue_doc), "departing": (departing_key, departing_doc)}   # no etcd lease
+    kinds = sorted([*records, *extra])
     seen: dict[str, int] = {}
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -172,10 +207,10 @@ def test_fuzz_stored_values(world: World) -> None:
     @given(data=st.data())
     def one(data: st.DataObject) -> None:
         kind = data.draw(st.sampled_from(kinds))
-        doc = queue_doc if kind == "queue" else json.loads(originals[kind].value)
+        doc = extra[kind][1] if kind in extra else json.loads(originals[kind].value)
         value = data.draw(_mutations(doc))
-        key = queue_key if kind == "queue" else records[kind]
-        world.put(key, value, 0 if kind == "queue" else originals[kind].etcd_lease)
+        key = extra[kind][0] if kind in extra else records[kind]
+        world.put(key, value, 0 if kind in extra else originals[kind].etcd_lease)
         try:
             try:
                 hosts = world.status()
@@ -194,8 +229,8 @@ def test_fuzz_stored_values(world: World) -> None:
                     assert e.code() == C.FAILED_PRECONDITION, (kind, value[:80], e.code(), e.details())
             world.release("h2", world.acquire("h2"))
         finally:
-            if kind == "queue":
-                world.cluster.lt.run(world.cluster.store.delete(queue_key))
+            if kind in extra:
+                world.cluster.lt.run(world.cluster.store.delete(key))
             else:
                 world.put(key, originals[kind].value, originals[kind].etcd_lease)
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from coordinator.etcd.types import KV, Snapshot
 from coordinator.keys import Keys
-from coordinator.records import (EvictionRecord, GpuLedger, HostInventory, InvalidRecord, QueueEntry, VramLease,
-                                 check_usage, dumps, load_record)
+from coordinator.records import (DepartingRecord, EvictionRecord, GpuLedger, HostInventory, InvalidRecord, QueueEntry,
+                                 VramLease, check_usage, dumps, load_record)
 from coordinator.replica.view import host_view
 
 pytestmark = pytest.mark.unit
@@ -32,10 +32,15 @@ HOST = {"inventory": {"host": "h1", "address": "127.0.0.1:1", "cpu_count": 2, "c
                       "gpus": [{"index": 0, "uuid": UUID, "name": "T4", "vram_total_mb": 16384}]}}
 USAGE = {"ts": 1.0, "interval_s": 5.0, "gpus": [{"index": 0, "uuid": UUID, "vram_used_mb": 10, "untracked_mb": 10,
                                                  "processes": [{"pid": 7, "used_mb": 10, "state": "untracked",
-                                                                "lease_id": ""}], "leases": []}]}
+                                                                "lease_id": ""}], "leases": [],
+                                                 "processes_visible": True, "processes_omitted": 0}]}
 LEDGER = {"capacity_mb": 16384, "seq": 3}
 EVICTION = {"lease_id": "l1", "host": "h1", "gpu_uuid": UUID, "agent": "a", "session_id": "1f", "victim_priority": 0,
-            "requested_by": "b/r", "requester_priority": 5, "reason": "x", "deadline_unix": 2.0, "created_at": 1.0}
+            "requested_by": "b/r", "requester_priority": 5, "reason": "x", "deadline_unix": 2.0, "created_at": 1.0,
+            "revoke": False}
+DEPARTING = {"lease_id": "l3", "host": "h1", "gpu_uuid": UUID, "agent": "a", "vram_mb": 100, "pids": [7], "pgid": 7,
+             "requested_by": "operator", "reason": "x", "created_at": 1.0, "bound_unix": 3.0, "forced": False,
+             "revoke": True}
 
 
 def kv(key: bytes, value: bytes) -> KV:
@@ -49,6 +54,7 @@ PARSERS: dict[str, tuple[dict[str, Any], Callable[[bytes], Any]]] = {
     "usage": (USAGE, lambda v: check_usage(load_record(v))),
     "ledger": (LEDGER, lambda v: GpuLedger.from_kv(kv(KEYS.gpu("h1", UUID), v))),
     "eviction": (EVICTION, lambda v: EvictionRecord.from_kv(kv(KEYS.eviction("l1"), v))),
+    "departing": (DEPARTING, lambda v: DepartingRecord.from_kv(kv(KEYS.departing("h1", UUID, "l3"), v))),
 }
 
 json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-2**70, 2**70),
@@ -134,9 +140,10 @@ def test_a_malformed_record_raises_invalid_record_naming_a_field_or_parses_typed
 
 
 def _snapshot(values: dict[str, bytes]) -> Snapshot:
-    ranges: list[list[KV]] = [[], [], [], [], [], []]
+    ranges: list[list[KV]] = [[], [], [], [], [], [], []]
     slots = {"hosts": (0, KEYS.host("h1")), "usage": (1, KEYS.usage("h1")), "gpus": (3, KEYS.gpu("h1", UUID)),
-             "leases": (4, KEYS.lease("h1", UUID, "l1")), "queue": (5, KEYS.queue_entry("h1", "0000001-1-r"))}
+             "leases": (4, KEYS.lease("h1", UUID, "l1")), "queue": (5, KEYS.queue_entry("h1", "0000001-1-r")),
+             "departing": (6, KEYS.departing("h1", UUID, "l3"))}
     for name, value in values.items():
         i, key = slots[name]
         ranges[i].append(kv(key, value))
@@ -144,7 +151,7 @@ def _snapshot(values: dict[str, bytes]) -> Snapshot:
 
 
 GOOD = {"hosts": dumps(HOST), "usage": dumps(USAGE), "gpus": dumps(LEDGER), "leases": dumps(LEASE),
-        "queue": dumps(QUEUE)}
+        "queue": dumps(QUEUE), "departing": dumps(DEPARTING)}
 
 
 @pytest.mark.parametrize("kind", sorted(GOOD))
@@ -158,3 +165,22 @@ def test_a_host_view_over_a_malformed_value_is_invalid_and_reads_the_rest(kind: 
         assert view.inventory is not None and UUID in view.gpus
     if kind != "leases":
         assert "l1" in view.leases
+    if kind != "departing":
+        assert [d.lease_id for d in view.departing] == ["l3"]
+
+
+@pytest.mark.parametrize("kind, path, value, field", [
+    ("eviction", ("revoke",), "yes", "revoke"),
+    ("departing", ("forced",), 1, "forced"),
+    ("departing", ("pids",), ["7"], "pids"),
+    ("departing", ("bound_unix",), None, "bound_unix"),
+    ("departing", ("surprise",), 1, "surprise"),
+    ("usage", ("gpus", 0, "processes_visible"), "true", "processes_visible"),
+])
+def test_the_eviction_fields_are_parsed_strictly_naming_the_field(kind: str, path: tuple[Any, ...], value: Any,
+                                                                  field: str) -> None:
+    """The fields of a revoke notice, a departing lease and a usage report's process visibility: a wrong type
+    (or a field the record does not have) is InvalidRecord naming it, not a record carrying it."""
+    good, parse = PARSERS[kind]
+    with pytest.raises(InvalidRecord, match=field):
+        parse(json.dumps(replaced(good, path, value)).encode())
