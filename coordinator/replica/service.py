@@ -14,13 +14,13 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
-from coordinator.config import MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_TTL_S, MIN_TTL_S, CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
 from coordinator.etcd.ops import cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_put, range_req
 from coordinator.etcd.store import Store, WatchBatch
-from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
+from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease
 from coordinator.policy.host import HostView
-from coordinator.policy.partition import Partition, PartitionError
+from coordinator.policy.partition import Partition, PartitionError, PartitionSpec
 from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease, dumps, load_record
 from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
 from coordinator.replica.context import ReplicaContext
@@ -30,7 +30,6 @@ from coordinator.replica.mirror import Mirror
 from coordinator.replica.partitions import Partitions
 from coordinator.replica.status import read_status
 from coordinator.replica.view import invalid_host
-from coordinator.replica.validate import check_name, check_session_id, check_text, validate_acquire
 
 log = logging.getLogger(__name__)
 
@@ -216,16 +215,8 @@ class CoordinatorService:
 
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, agent: str, host: str, ttl_s: int, pid: int, client_version: str) -> tuple[str, int]:
-        # Every field first: nothing is read, granted or written for a request that is refused.
-        check_name("agent", agent)
-        check_name("host", host)
+        """Fields validated by the caller (``coordinator.rpc.validate``); ``ttl_s`` 0: the configured TTL."""
         ttl = ttl_s or self.config.session_ttl_s
-        if not MIN_TTL_S <= ttl <= MAX_TTL_S:
-            raise errors.InvalidArgument(f"ttl_seconds: must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {ttl}",
-                                         "ttl_seconds")
-        if not 0 <= pid <= MAX_PID:
-            raise errors.InvalidArgument(f"pid: must be within [0, {MAX_PID}], got {pid}", "pid")
-        check_text("client_version", client_version, MAX_CLIENT_VERSION_BYTES)
         for _ in range(self.config.commit_attempts):
             snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host)),
                                               range_req(self.keys.sessions(agent), prefix=True, keys_only=True)])
@@ -291,9 +282,9 @@ class CoordinatorService:
         return hosts
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
-        """The session's (cached) identity. Liveness is checked by every transaction, not here."""
-        check_name("session.agent", agent)
-        etcd_lease = check_session_id(session_id)
+        """The session's (cached) identity. Liveness is checked by every transaction, not here. The caller
+        has validated both fields (``coordinator.rpc.validate.session_ref``)."""
+        etcd_lease = etcd_lease_from_session_id(session_id)
         info = self._sessions.get((agent, session_id))
         if info is not None:
             return info
@@ -354,8 +345,7 @@ class CoordinatorService:
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
                       request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True) -> VramLease:
         """``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
-        operator's own acquire."""
-        validate_acquire(vram_mb, gpu, priority, request_id, wait_s)
+        operator's own acquire. The fields are validated by the caller (``coordinator.rpc.validate``)."""
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
@@ -402,8 +392,8 @@ class CoordinatorService:
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         return await self.leases.find_lease(lease_id, host)
 
-    async def apply_partition(self, spec_data: dict[str, Any], dry_run: bool, evict: bool) -> tuple[Partition, bool]:
-        return await self.partitions.apply_partition(spec_data, dry_run, evict)
+    async def apply_partition(self, spec: PartitionSpec, dry_run: bool, evict: bool) -> tuple[Partition, bool]:
+        return await self.partitions.apply_partition(spec, dry_run, evict)
 
     async def get_partition(self, host: str) -> tuple[Partition, bool]:
         return await self.partitions.get_partition(host)

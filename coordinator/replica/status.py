@@ -11,14 +11,12 @@ from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
 from coordinator.records import DepartingRecord
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.validate import check_name
 from coordinator.replica.view import host_ranges, host_view
 
 
 async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
     """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
     if host:
-        check_name("host", host)
         snap = await ctx.store.snapshot(host_ranges(ctx.keys, host))
         views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)]
     else:
