@@ -12,18 +12,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator import errors, metrics
-from coordinator.policy.departing import process_state
-from coordinator.records import EvictionRecord, InvalidRecord, SessionInfo, VramLease
+from coordinator import metrics
+from coordinator.records import EvictionRecord, SessionInfo
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.replica.service import CoordinatorService
-from coordinator.replica.status import status_json
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.rpc.session_stream import SessionStreams
+from coordinator.rpc.status_message import lease_pb, redact_for_agent, status_response
 from coordinator.security.interceptor import current_caller
 from coordinator.security.status import as_error, internal, set_status, wire_status
 from coordinator.security.tls import add_port, check_listen, server_options
@@ -31,13 +30,6 @@ from coordinator.security.tls import add_port, check_listen, server_options
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
-    return pb.Lease(id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, gpu_index=lease.gpu_index,
-                    vram_mb=lease.vram_mb, priority=lease.priority, preemptible=lease.preemptible, token=lease.token,
-                    agent=lease.agent, session_id=lease.session_id, request_id=lease.request_id,
-                    created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
 
 
 def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Awaitable[T | None]]:
@@ -61,45 +53,6 @@ def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Await
         return None
 
     return wrapper
-
-
-def _eviction_or_none(kv: Any) -> EvictionRecord | None:
-    """A stored eviction notice; None for a malformed one (the replica's watch logged it)."""
-    try:
-        return EvictionRecord.from_kv(kv)
-    except InvalidRecord:
-        return None
-
-
-def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
-    """What an agent may see of a host (G9): its own leases in full; of other agents' leases, neither the
-    session id, the request id nor the processes (pids, pgid), nor who asked for an eviction. Of the GPUs'
-    processes only its own leases' appear (of other agents' departing leases, neither their processes nor
-    who asked); the queue shows no other agent's request id."""
-    for hs in status.hosts:
-        own = {lease.id for lease in hs.leases if lease.agent == agent}
-        for lease in hs.leases:
-            if lease.agent == agent:
-                continue
-            lease.session_id = lease.request_id = ""
-            del lease.pids[:]
-            lease.pgid = 0
-            if lease.HasField("eviction"):
-                lease.eviction.requested_by = ""
-        for gpu in hs.gpus:
-            mine = [p for p in gpu.processes if p.lease_id in own]
-            del gpu.processes[:]
-            gpu.processes.extend(mine)
-            for use in gpu.lease_use:
-                if use.lease_id not in own:
-                    del use.pids[:]
-            for gone in gpu.departing:
-                if gone.agent != agent:
-                    del gone.pids[:]
-                    gone.requested_by = ""
-        for entry in hs.queue:
-            if entry.agent != agent:
-                entry.request_id = ""
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
@@ -195,52 +148,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         validate.status_host(request.host)
-        revision, views, ttls = await self.svc.status(request.host)
-        doc = status_json(revision, views, ttls)
-        # The notices, read just after the snapshot: shown next to the leases they are about.
-        notices = {n.lease_id: n for n in map(_eviction_or_none,
-                                              (await self.svc.store.get_prefix(self.svc.keys.evictions())).ranges[0])
-                   if n is not None}
-        leader = self.svc.leadership.leader_id if self.svc.leadership is not None else ""
-        out = pb.GetStatusResponse(revision=revision, leader=leader)
-        for h in doc["hosts"]:
-            hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
-                               invalid=h["invalid"],
-                               usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"], partition_mode=h["partition_mode"],
-                               cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
-            for g in h["gpus"]:
-                gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
-                                 usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
-                                 untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"],
-                                 numa_node=g["numa_node"], nvlink_peers=g["nvlink_peers"])
-                for p in g["processes"]:
-                    gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
-                                     lease_id=str(p.get("lease_id", "")))
-                for u in g["lease_use"]:
-                    gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
-                                     used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
-                                     pids=[int(x) for x in u["pids"]])
-                gs.departing_mb = int(g["departing_mb"])
-                for d in g["departing"]:
-                    gs.departing.add(**d)
-                metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
-                metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
-            for a in h["agents"]:
-                hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
-                              leased_mb=a["leased_mb"], leases=a["leases"])
-            view = views[[v.host for v in views].index(h["host"])]
-            for lease in view.leases.values():
-                msg = lease_pb(lease, ttls.get(lease.etcd_lease, -1))
-                notice = notices.get(lease.id)
-                if notice is not None:
-                    msg.eviction.CopyFrom(self._notice(notice))
-                    msg.eviction.processes = process_state(view.usage, lease.gpu_uuid, lease.id, lease.pids,
-                                                           lease.pgid)
-                hs.leases.append(msg)
-            for q in h["queue"]:
-                hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
-                             priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
-            metrics.LEASES.labels(h["host"]).set(len(h["leases"]))
+        out = status_response(await self.svc.status(request.host), self._notice)
         caller = current_caller()
         if caller is not None and caller.identity is not None and caller.identity.role == "agent":
             redact_for_agent(out, caller.identity.name)
