@@ -328,7 +328,7 @@ class AsyncClient:
                              self.addresses[self._addr_i], time.monotonic() - self._last_refresh)
                     self._next_address()
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
+                if errors.session_gone(e):
                     log.warning("session %s of %s expired: %s", self.session_id, self.agent, e.details())
                     self.expired = True
                     self.done.set()

@@ -18,6 +18,7 @@ import grpc
 
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.errors import DETAILS_KEY
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # What a stream ends with that is an answer to the caller, not a failure of the transport.
@@ -25,8 +26,10 @@ _ANSWERS = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED, gr
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def rpc_error(code: grpc.StatusCode, details: str, status_details: bytes = b"") -> grpc.aio.AioRpcError:
+    """The error a unary call would have raised: code, message and (as its trailer) the rich details."""
+    trailing = grpc.aio.Metadata((DETAILS_KEY, status_details)) if status_details else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=details)
 
 
 class StreamBroken(grpc.aio.AioRpcError):  # type: ignore[misc]
@@ -74,7 +77,7 @@ class SessionStream:
         finally:
             self._pending.pop(call_id, None)
         if response.code != 0:
-            raise rpc_error(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
+            raise rpc_error(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message, response.details)
         return getattr(response, field)
 
     async def _write(self, message: pb.SessionRequest) -> None:
@@ -120,7 +123,7 @@ class SessionStream:
     def _fail(self, e: BaseException | None) -> StreamBroken:
         if self.broken is None:
             if isinstance(e, grpc.aio.AioRpcError) and e.code() in _ANSWERS:
-                self.broken = StreamBroken(e.code(), grpc.aio.Metadata(), grpc.aio.Metadata(), details=e.details())
+                self.broken = StreamBroken(e.code(), grpc.aio.Metadata(), e.trailing_metadata(), details=e.details())
             else:
                 why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else \
                     repr(e) if e is not None else "the server ended it"

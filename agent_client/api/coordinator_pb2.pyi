@@ -435,17 +435,19 @@ class SessionRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAliveRequest, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("call_id", "code", "message", "acquire", "release", "keepalive")
+    __slots__ = ("call_id", "code", "message", "acquire", "release", "keepalive", "details")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     code: int
     message: str
     acquire: AcquireResponse
     release: ReleaseResponse
     keepalive: KeepAliveResponse
-    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ...) -> None: ...
+    details: bytes
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., details: _Optional[bytes] = ...) -> None: ...

@@ -8,7 +8,6 @@ import logging
 from typing import Any, Sequence
 
 from coordinator import clock, errors, metrics
-from coordinator.config import MAX_GRACE_S, MAX_REASON_BYTES
 from coordinator.etcd.types import KV
 from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.etcd.election import Election
@@ -18,7 +17,6 @@ from coordinator.keys import last_segment
 from coordinator.records import (DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease,
                                  check_usage, dumps, load_record)
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.validate import check_lease_id, check_text, validate_attach
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +97,6 @@ class Leases:
 
     async def evict(self, lease_id: str, grace_s: float, reason: str, asked_by: str = "") -> float:
         """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
-        check_lease_id(lease_id)
-        if grace_s < 0 or grace_s != grace_s or grace_s > MAX_GRACE_S:
-            raise errors.InvalidArgument(f"grace_seconds: must be within [0, {MAX_GRACE_S:g}]", "grace_seconds")
-        check_text("reason", reason, MAX_REASON_BYTES)
         grace = grace_s or self.config.eviction_grace_s
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id)
@@ -154,7 +148,6 @@ class Leases:
         still reports leaves a forced ``departing/`` record (G3: its VRAM counts as free from now on, and the
         history shows that the bound, not the processes' exit, ended it).
         """
-        check_lease_id(lease_id)
         notice_key = self.keys.eviction(lease_id)
         fenced = fence.fence() if fence is not None else []
         for _ in range(self.config.commit_attempts):
@@ -206,7 +199,6 @@ class Leases:
         bound to processes gets a revoke notice: its holder (``gpucoord run``) SIGKILLs them at once and
         releases it once they are gone, and the leader revokes it when the node reports none of them, or at
         the kill margin (G3: its VRAM counts as free only then). (False, False) if it was gone."""
-        check_lease_id(lease_id)
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id)
             if lease is None:
@@ -257,7 +249,6 @@ class Leases:
         counts as held until the node lists none of them, or the kill margin past the notice's deadline has
         passed (G3). The transaction compares the notice it read (or its absence) and the report.
         """
-        check_lease_id(lease_id)
         for attempt in range(self.config.commit_attempts):
             # First from the mirror (a miss or a lost compare falls back to reading etcd).
             from_mirror = attempt == 0 and self.mirror.ready
@@ -313,7 +304,6 @@ class Leases:
     async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
         """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
         keeps everything else, token included. False when it already recorded exactly these."""
-        validate_attach(lease_id, pids, pgid)
         wanted = tuple(sorted(set(pids)))
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, info.host)

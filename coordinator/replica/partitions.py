@@ -7,14 +7,13 @@ import time
 from typing import Any
 
 from coordinator import errors
-from coordinator.config import MAX_PARTITION_BYTES, MAX_SPEC_BYTES
+from coordinator.config import MAX_PARTITION_BYTES
 from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from coordinator.policy.host import HostView
-from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
+from coordinator.policy.partition import Partition, PartitionError, PartitionSpec, compute_partition, default_partition
 from coordinator.records import HostInventory, InvalidRecord, VramLease, dumps, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.replica.validate import check_name
 from coordinator.replica.view import host_ranges, host_view, invalid_host
 
 
@@ -23,16 +22,8 @@ class Partitions:
         self.ctx, self.leases = ctx, leases
         self.store, self.keys, self.config = ctx.store, ctx.keys, ctx.config
 
-    async def apply_partition(self, spec_data: dict[str, Any], dry_run: bool, evict: bool) -> tuple[Partition, bool]:
-        size = len(dumps(spec_data))
-        if size > MAX_SPEC_BYTES:
-            raise errors.InvalidArgument(f"spec: {size} bytes of JSON, more than the limit of {MAX_SPEC_BYTES}",
-                                         "spec")
-        try:
-            spec = parse_spec(spec_data)
-        except PartitionError as e:
-            raise errors.InvalidArgument(str(e), e.field) from e
-        check_name("host", spec.host)
+    async def apply_partition(self, spec: PartitionSpec, dry_run: bool, evict: bool) -> tuple[Partition, bool]:
+        """``spec``: parsed and validated by the caller (``coordinator.rpc.validate.partition_spec``)."""
         deadline = time.monotonic() + self.config.eviction_grace_s + self.config.eviction_kill_margin_s + 5
         for _ in range(self.config.commit_attempts * 4):
             snap = await self.store.snapshot(host_ranges(self.keys, spec.host))
@@ -91,7 +82,6 @@ class Partitions:
             pass
 
     async def get_partition(self, host: str) -> tuple[Partition, bool]:
-        check_name("host", host)
         snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host))])
         host_kvs, part_kvs = snap.ranges
         try:

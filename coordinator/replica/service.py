@@ -7,30 +7,28 @@ from one consistent snapshot and committed in one transaction that compares what
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import uuid
-from typing import Any, Awaitable, Callable, Iterable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
-from coordinator.config import MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_TTL_S, MIN_TTL_S, CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
 from coordinator.etcd.ops import cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_put, range_req
 from coordinator.etcd.store import Store, WatchBatch
-from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
-from coordinator.policy.host import HostView
-from coordinator.policy.partition import Partition, PartitionError
+from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease
+from coordinator.policy.partition import Partition, PartitionError, PartitionSpec
 from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease, dumps, load_record
 from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leader import Leadership
 from coordinator.replica.leases import Leases
 from coordinator.replica.mirror import Mirror
+from coordinator.replica.ownership import Ownership, owner_of  # noqa: F401 - owner_of: where the tests look
 from coordinator.replica.partitions import Partitions
-from coordinator.replica.status import read_status
+from coordinator.replica.status import StatusReport, read_report
 from coordinator.replica.view import invalid_host
-from coordinator.replica.validate import check_name, check_session_id, check_text, validate_acquire
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ class CoordinatorService:
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
         self._admitters: dict[str, HostAdmitter] = {}
         self.admitter_idle_s = ADMITTER_IDLE_S
-        self._replicas_cache: tuple[int, dict[str, str]] | None = None
+        self.ownership = Ownership(self.mirror)
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
         self._streams: dict[str, set[Outbox]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -216,16 +214,8 @@ class CoordinatorService:
 
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, agent: str, host: str, ttl_s: int, pid: int, client_version: str) -> tuple[str, int]:
-        # Every field first: nothing is read, granted or written for a request that is refused.
-        check_name("agent", agent)
-        check_name("host", host)
+        """Fields validated by the caller (``coordinator.rpc.validate``); ``ttl_s`` 0: the configured TTL."""
         ttl = ttl_s or self.config.session_ttl_s
-        if not MIN_TTL_S <= ttl <= MAX_TTL_S:
-            raise errors.InvalidArgument(f"ttl_seconds: must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {ttl}",
-                                         "ttl_seconds")
-        if not 0 <= pid <= MAX_PID:
-            raise errors.InvalidArgument(f"pid: must be within [0, {MAX_PID}], got {pid}", "pid")
-        check_text("client_version", client_version, MAX_CLIENT_VERSION_BYTES)
         for _ in range(self.config.commit_attempts):
             snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host)),
                                               range_req(self.keys.sessions(agent), prefix=True, keys_only=True)])
@@ -291,9 +281,9 @@ class CoordinatorService:
         return hosts
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
-        """The session's (cached) identity. Liveness is checked by every transaction, not here."""
-        check_name("session.agent", agent)
-        etcd_lease = check_session_id(session_id)
+        """The session's (cached) identity. Liveness is checked by every transaction, not here. The caller
+        has validated both fields (``coordinator.rpc.validate.session_ref``)."""
+        etcd_lease = etcd_lease_from_session_id(session_id)
         info = self._sessions.get((agent, session_id))
         if info is not None:
             return info
@@ -320,42 +310,18 @@ class CoordinatorService:
         await self.store.revoke(info.etcd_lease)
         self._sessions.pop((info.agent, info.session_id), None)
 
-    # -- host ownership ------------------------------------------------------------------------
+    # -- host ownership (replica/ownership.py) -------------------------------------------------------
     def live_replicas(self) -> dict[str, str]:
-        """replica id -> gRPC address, of the replicas registered under ``coordinators/`` (the mirror).
-        Asked on every acquire: decoded again only when a registration has changed."""
-        generation = self.mirror.generation("coordinators")
-        if self._replicas_cache is not None and self._replicas_cache[0] == generation:
-            return self._replicas_cache[1]
-        out: dict[str, str] = {}
-        for kv in self.mirror.items("coordinators"):
-            try:
-                doc = kv.json()
-                out[str(doc["replica"])] = str(doc.get("address", ""))
-            except (ValueError, KeyError, TypeError):
-                continue
-        self._replicas_cache = (generation, out)
-        return out
+        return self.ownership.live_replicas()
 
     def owner(self, host: str) -> tuple[str, str] | None:
-        """The replica that admits on ``host`` (id, address), by rendezvous hashing over the live replicas;
-        None when this replica cannot tell (its mirror is not current, or no replica is registered).
-        Ownership is a performance property: every decision is still a compare-and-set, so two replicas
-        that disagree for a moment (one joined, one died) stay correct, only slower."""
-        if not self.mirror.ready:
-            return None
-        replicas = self.live_replicas()
-        if not replicas:
-            return None
-        winner = owner_of(host, replicas)
-        return winner, replicas[winner]
+        return self.ownership.owner(host)
 
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
                       request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True) -> VramLease:
         """``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
-        operator's own acquire."""
-        validate_acquire(vram_mb, gpu, priority, request_id, wait_s)
+        operator's own acquire. The fields are validated by the caller (``coordinator.rpc.validate``)."""
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         request_id = request_id or uuid.uuid4().hex
@@ -402,18 +368,14 @@ class CoordinatorService:
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         return await self.leases.find_lease(lease_id, host)
 
-    async def apply_partition(self, spec_data: dict[str, Any], dry_run: bool, evict: bool) -> tuple[Partition, bool]:
-        return await self.partitions.apply_partition(spec_data, dry_run, evict)
+    async def apply_partition(self, spec: PartitionSpec, dry_run: bool, evict: bool) -> tuple[Partition, bool]:
+        return await self.partitions.apply_partition(spec, dry_run, evict)
 
     async def get_partition(self, host: str) -> tuple[Partition, bool]:
         return await self.partitions.get_partition(host)
 
-    async def status(self, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
-        """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
-        return await read_status(self.ctx, host)
-
-
-def owner_of(host: str, replicas: Iterable[str]) -> str:
-    """Rendezvous (highest random weight) hashing: the replica whose hash with the host is highest. When a
-    replica joins or leaves, only the hosts it wins or held move."""
-    return max(replicas, key=lambda r: hashlib.sha256(f"{host}\0{r}".encode()).digest())
+    async def status(self, host: str = "") -> StatusReport:
+        """Every host's view at one revision, the TTLs of the sessions' etcd_leases, the eviction notices and
+        the leader (``replica.status``)."""
+        leader = self.leadership.leader_id if self.leadership is not None else ""
+        return await read_report(self.ctx, host, leader)

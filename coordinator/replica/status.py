@@ -1,7 +1,9 @@
-"""The operator's view: every host at one revision (``read_status``), and as plain JSON (``status_json``)."""
+"""The operator's view: every host at one revision with the eviction notices (``read_status``: a
+``StatusReport``, which the servicer only converts to its message), and as plain JSON (``status_json``)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from coordinator.etcd.ops import range_req
@@ -9,16 +11,45 @@ from coordinator.etcd.store import KV, Snapshot
 from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
-from coordinator.records import DepartingRecord
+from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.validate import check_name
 from coordinator.replica.view import host_ranges, host_view
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusReport:
+    """Every host's view at one revision (``views``, and as plain JSON in ``doc``), the remaining TTL of each
+    session's etcd_lease (``ttls``), the eviction notices by lease id (read just after the snapshot, shown
+    next to the leases they are about) and the leader's replica id ("" when unknown)."""
+
+    revision: int
+    views: list[HostView]
+    ttls: dict[int, int]
+    notices: dict[str, EvictionRecord]
+    leader: str = ""
+
+    @property
+    def doc(self) -> dict[str, Any]:
+        return status_json(self.revision, self.views, self.ttls)
+
+
+async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> StatusReport:
+    """The operator's view: ``read_status``, then the eviction notices (a malformed one is left out: the
+    replica's watch has logged it)."""
+    revision, views, ttls = await read_status(ctx, host)
+    notices = {}
+    for kv in (await ctx.store.get_prefix(ctx.keys.evictions())).ranges[0]:
+        try:
+            notice = EvictionRecord.from_kv(kv)
+        except InvalidRecord:
+            continue
+        notices[notice.lease_id] = notice
+    return StatusReport(revision, views, ttls, notices, leader)
 
 
 async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
     """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
     if host:
-        check_name("host", host)
         snap = await ctx.store.snapshot(host_ranges(ctx.keys, host))
         views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)]
     else:

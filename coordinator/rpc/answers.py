@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from coordinator import errors, metrics
+from coordinator.security.status import abort
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ async def _write_loop(out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_n
 async def _end(context: grpc.aio.ServicerContext, error: errors.GpucoordError) -> None:
     """End the stream with ``error``'s status; a client that has gone meanwhile ends it as cancelled."""
     try:
-        await context.abort(grpc.StatusCode[error.code], error.message)
+        await abort(context, error)
     except (asyncio.CancelledError, grpc.aio.AbortError):
         raise
     except Exception as e:   # noqa: BLE001 - the status could not be sent: the client has gone

@@ -24,6 +24,7 @@ import grpc
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import errors, metrics
+from coordinator.security.status import error_info
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,15 @@ FALL_BACK = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 
 
 class Relayed(errors.GpucoordError):
-    """The owner's answer (an error status), passed on to our caller as it is."""
+    """The owner's answer (an error status), passed on to our caller as it is: code, message, reason, field."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+    def __init__(self, status: errors.Status, message: str) -> None:
+        super().__init__(message, status.field or None)
+        self.relayed = status
+
+    @property
+    def status(self) -> errors.Status:
+        return self.relayed
 
 
 class Forwarder:
@@ -87,7 +92,7 @@ class Forwarder:
                 metrics.FORWARDS.labels("fallback").inc()
                 return None
             metrics.FORWARDS.labels("forwarded").inc()
-            raise Relayed(e.code().name, e.details() or e.code().name) from None
+            raise Relayed(relayed_status(e), e.details() or e.code().name) from None
         finally:
             if not call.done():
                 call.cancel()     # our caller went away: so does the forwarded call (the owner dequeues it)
@@ -95,6 +100,12 @@ class Forwarder:
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+
+
+def relayed_status(e: grpc.aio.AioRpcError) -> errors.Status:
+    """The owner's status: its code, and the reason and field of its details."""
+    reason, field = error_info(e.trailing_metadata())
+    return errors.Status(e.code().name, reason or e.code().name, field)
 
 
 def forwarded_by(context: Any) -> str:

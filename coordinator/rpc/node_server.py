@@ -19,8 +19,8 @@ from coordinator.records import InvalidRecord, VramLease
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
 from coordinator.rpc.guard import follow_revocations, make_guard
-from coordinator.security.interceptor import refuse
 from coordinator.security.limits import Limits
+from coordinator.security.status import refuse
 from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
 
 

@@ -34,6 +34,7 @@ from coordinator.security import authz, bounds
 from coordinator.security.identity import Identity, peer_identity, peer_serial
 from coordinator.security.limits import COSTS, TARPIT_S, Limits
 from coordinator.security.revocation import Revocations
+from coordinator.security.status import refuse
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,6 @@ def audit_call(method: str, request: Any, code: grpc.StatusCode) -> None:
 
 
 STREAMS_CAPPED = frozenset({authz.COORDINATOR + "KeepAlive", authz.SESSION_STREAM})
-
-
-def refuse(context: Any, error: errors.GpucoordError) -> None:
-    """Answer the call with ``error``'s status once the handler returns (see the module's docstring)."""
-    context.set_code(grpc.StatusCode[error.code])
-    context.set_details(error.message)
 
 
 class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

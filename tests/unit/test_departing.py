@@ -6,7 +6,7 @@ from typing import Any
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.policy.departing import process_state, processes_visible, reported_pids, reports_none, still_reported
-from coordinator.rpc.coordinator_server import redact_for_agent
+from coordinator.rpc.status_message import redact_for_agent
 
 GPU = "GPU-0"
 

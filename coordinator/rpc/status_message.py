@@ -1,0 +1,98 @@
+"""Messages of the Coordinator service built from the replica's records: a lease, the status of the hosts
+(from the replica's ``StatusReport``), and what an agent may see of it."""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from agent_client.api import coordinator_pb2 as pb
+from coordinator import metrics
+from coordinator.policy.departing import process_state
+from coordinator.records import EvictionRecord, VramLease
+from coordinator.replica.status import StatusReport
+
+
+def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
+    return pb.Lease(id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, gpu_index=lease.gpu_index,
+                    vram_mb=lease.vram_mb, priority=lease.priority, preemptible=lease.preemptible, token=lease.token,
+                    agent=lease.agent, session_id=lease.session_id, request_id=lease.request_id,
+                    created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
+
+
+def status_response(report: StatusReport,
+                    as_notice: Callable[[EvictionRecord], pb.EvictionNotice]) -> pb.GetStatusResponse:
+    """The hosts' status as a message (and the VRAM and lease gauges set from it); ``as_notice``: an
+    eviction notice as an agent gets it."""
+    doc = report.doc
+    out = pb.GetStatusResponse(revision=report.revision, leader=report.leader)
+    views = {v.host: v for v in report.views}
+    for h in doc["hosts"]:
+        hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
+                           invalid=h["invalid"],
+                           usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"], partition_mode=h["partition_mode"],
+                           cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
+        for g in h["gpus"]:
+            gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
+                             usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
+                             untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"],
+                             numa_node=g["numa_node"], nvlink_peers=g["nvlink_peers"])
+            for p in g["processes"]:
+                gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
+                                 lease_id=str(p.get("lease_id", "")))
+            for u in g["lease_use"]:
+                gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
+                                 used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
+                                 pids=[int(x) for x in u["pids"]])
+            gs.departing_mb = int(g["departing_mb"])
+            for d in g["departing"]:
+                gs.departing.add(**d)
+            metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
+            metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
+        for a in h["agents"]:
+            hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
+                          leased_mb=a["leased_mb"], leases=a["leases"])
+        view = views[h["host"]]
+        for lease in view.leases.values():
+            msg = lease_pb(lease, report.ttls.get(lease.etcd_lease, -1))
+            notice = report.notices.get(lease.id)
+            if notice is not None:
+                msg.eviction.CopyFrom(as_notice(notice))
+                msg.eviction.processes = process_state(view.usage, lease.gpu_uuid, lease.id, lease.pids,
+                                                       lease.pgid)
+            hs.leases.append(msg)
+        for q in h["queue"]:
+            hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
+                         priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
+        metrics.LEASES.labels(h["host"]).set(len(h["leases"]))
+    return out
+
+
+def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
+    """What an agent may see of a host (G9): its own leases in full; of other agents' leases, neither the
+    session id, the request id nor the processes (pids, pgid), nor who asked for an eviction. Of the GPUs'
+    processes only its own leases' appear (of other agents' departing leases, neither their processes nor
+    who asked); the queue shows no other agent's request id."""
+    for hs in status.hosts:
+        own = {lease.id for lease in hs.leases if lease.agent == agent}
+        for lease in hs.leases:
+            if lease.agent == agent:
+                continue
+            lease.session_id = lease.request_id = ""
+            del lease.pids[:]
+            lease.pgid = 0
+            if lease.HasField("eviction"):
+                lease.eviction.requested_by = ""
+        for gpu in hs.gpus:
+            mine = [p for p in gpu.processes if p.lease_id in own]
+            del gpu.processes[:]
+            gpu.processes.extend(mine)
+            for use in gpu.lease_use:
+                if use.lease_id not in own:
+                    del use.pids[:]
+            for gone in gpu.departing:
+                if gone.agent != agent:
+                    del gone.pids[:]
+                    gone.requested_by = ""
+        for entry in hs.queue:
+            if entry.agent != agent:
+                entry.request_id = ""
