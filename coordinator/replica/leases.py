@@ -8,7 +8,7 @@ import logging
 from typing import Any, Sequence
 
 from coordinator import clock, errors, metrics
-from coordinator.config import MAX_GRACE_S, MAX_REASON_BYTES
+from coordinator.limits import MAX_GRACE_S, MAX_REASON_BYTES
 from coordinator.etcd.types import KV
 from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.etcd.election import Election

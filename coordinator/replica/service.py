@@ -14,11 +14,12 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
-from coordinator.config import MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_TTL_S, MIN_TTL_S, CoordinatorConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
 from coordinator.etcd.ops import cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_put, range_req
 from coordinator.etcd.store import Store, WatchBatch
 from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
+from coordinator.limits import MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_TTL_S, MIN_TTL_S
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import Partition, PartitionError
 from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease, dumps, load_record

@@ -3,7 +3,7 @@ refused with INVALID_ARGUMENT naming the field (quoting at most a short prefix o
 from __future__ import annotations
 
 from coordinator import errors
-from coordinator.config import (MAX_ATTACHED_PIDS, MAX_PID, MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_VRAM_MB,
+from coordinator.limits import (MAX_ATTACHED_PIDS, MAX_PID, MAX_PRIORITY, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_VRAM_MB,
                                 MAX_WAIT_S, quote)
 from coordinator.keys import etcd_lease_from_session_id, valid_name
 

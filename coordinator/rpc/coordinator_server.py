@@ -17,7 +17,8 @@ from coordinator.policy.departing import process_state
 from coordinator.records import EvictionRecord, InvalidRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import MAX_STREAM_CALLS, CoordinatorConfig
+from coordinator.config import CoordinatorConfig
+from coordinator.limits import MAX_STREAM_CALLS
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.status import status_json
 from coordinator.replica.validate import check_lease_id, validate_acquire, validate_attach

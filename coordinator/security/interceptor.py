@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from coordinator import errors, metrics
+from coordinator import errors
 from coordinator.security import authz, bounds
 from coordinator.security.identity import Identity, peer_identity, peer_serial
 from coordinator.security.limits import COSTS, TARPIT_S, Limits
@@ -98,9 +98,13 @@ def refuse(context: Any, error: errors.GpucoordError) -> None:
 
 
 class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, tls: bool, agent_hosts: authz.AgentHosts | None = None, limits: Limits | None = None,
+    def __init__(self, tls: bool, count_refusal: Callable[[str, BaseException], None],
+                 agent_hosts: authz.AgentHosts | None = None, limits: Limits | None = None,
                  revocations: Revocations | None = None) -> None:
+        """``count_refusal(rpc, error)`` counts a call refused here, before its handler (the servers pass
+        ``metrics.count_refusal``: security sits below the metrics and does not import them)."""
         self.tls = tls
+        self.count_refusal = count_refusal
         self.agent_hosts = agent_hosts
         self.limits = limits
         self.revocations = revocations
@@ -199,7 +203,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         try:
             await self._check(caller, method, request)
         except errors.GpucoordError as e:
-            metrics.count_refusal(authz.rpc_name(method), e)   # refused before the handler: counted here
+            self.count_refusal(authz.rpc_name(method), e)   # refused before the handler: counted here
             return e
         return None
 
@@ -268,7 +272,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     interceptor.limits.open_stream(who)
                     return caller, who
                 except errors.GpucoordError as e:
-                    metrics.count_refusal(authz.rpc_name(method), e)
+                    interceptor.count_refusal(authz.rpc_name(method), e)
                     error = e
             if error is not None:
                 refuse(context, error)
@@ -288,7 +292,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 try:
                     await interceptor._check(caller, method, request)
                 except errors.GpucoordError as e:
-                    metrics.count_refusal(authz.rpc_name(authz.unwrap(method, request)[0]), e)
+                    interceptor.count_refusal(authz.rpc_name(authz.unwrap(method, request)[0]), e)
                     yield Refused(request, e)
                     continue
                 yield request

@@ -22,7 +22,7 @@ from aetcd import rpc
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import (MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SPEC_BYTES,
+from coordinator.limits import (MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SPEC_BYTES,
                                 MAX_TTL_S)
 from tests.harness import Cluster, LoopThread, patch_commit
 

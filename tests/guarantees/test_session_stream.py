@@ -15,7 +15,7 @@ import pytest
 from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import MAX_STREAM_CALLS
+from coordinator.limits import MAX_STREAM_CALLS
 from tests.harness import (Cluster, StreamCallError, acquire_req, coordinator_stub, patch_method, queue, session_call,
                            wait_for)
 
