@@ -12,10 +12,10 @@ and the replica's new calls. It decides, for each:
   arrival, or it was granted).
 
 A round runs in named steps: ``_order`` (the requests in rank order, answering at once the calls that cannot
-take part), then for each request ``_decide`` (a small typed result: ``_Grant``, ``_Refuse``, ``_Leave`` or
-``_Wait``), ``_bound_queue`` (a new waiter on a full queue displaces a lower-ranked one or is refused),
-``_plan_evictions`` (G3), ``_write_wait``/``_write_grant``; and at the end ``_write_transaction`` (the
-leases, the ledgers and the guards).
+take part), then for each request ``decide`` (``policy/decide.py``: a small typed result, ``Grant``,
+``Refuse``, ``Leave`` or ``Waits``), ``_bound_queue`` (a new waiter on a full queue displaces a lower-ranked
+one or is refused), ``_plan_evictions`` (G3), ``_write_wait``/``_write_grant``; and at the end
+``_write_transaction`` (the leases, the ledgers and the guards).
 
 The plan carries the transaction (``coordinator.txn`` compares and operations) and what to tell each
 caller once it has committed. The transaction compares every ledger of the host, the partition, the host's
@@ -39,13 +39,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Collection, Generic, Mapping, Sequence, Union
+from typing import Collection, Generic, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.keys import Keys
-from coordinator.policy.admission import GpuView, best_fit, never_fits, plan_eviction
+from coordinator.policy.admission import GpuView, plan_eviction
+from coordinator.policy.decide import Grant, Item, Leave, Refuse, Request, Waits, decide, eligible, left_the_queue
+from coordinator.policy.decide import wait_over as wait_over   # the admitter answers a wait that ended with it
 from coordinator.policy.host import HostView
-from coordinator.policy.plan import C, Caller, Context, Plan, Wait
+from coordinator.policy.plan import C, Context, Plan, Wait
 from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
 from coordinator.txn import Absent, Compare, Delete, Exists, ModRevisionIs, NothingWrittenSince, Put
 
@@ -53,86 +55,6 @@ from coordinator.txn import Absent, Compare, Delete, Exists, ModRevisionIs, Noth
 # deciding before it would pass these budgets; the rest is decided in the next round.
 TXN_OPS_BUDGET = 120
 TXN_COMPARES_BUDGET = 120
-
-
-@dataclasses.dataclass(frozen=True)
-class _Request:
-    """What is asked, read once from the queue entry (which wins when there is one) or from the call."""
-
-    agent: str
-    lease_id: str
-    request_id: str
-    vram_mb: int
-    priority: int
-    preemptible: bool
-    gpu: str          # the GPU asked for (index or uuid), "" for any
-
-    @classmethod
-    def of_entry(cls, e: QueueEntry) -> _Request:
-        return cls(e.agent, e.lease_id, e.request_id, int(e.vram_mb), int(e.priority), bool(e.preemptible), e.gpu)
-
-    @classmethod
-    def of_call(cls, c: Caller) -> _Request:
-        return cls(c.session.agent, c.lease_id, c.request_id, int(c.vram_mb), int(c.priority),
-                   bool(c.preemptible), c.gpu_ref or "")
-
-
-@dataclasses.dataclass
-class _Item(Generic[C]):
-    """One request of a round: a queue entry from etcd, a call of ours, or both (our queued call)."""
-
-    rank: str
-    entry: QueueEntry | None
-    call: C | None
-    req: _Request = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.entry is not None:
-            self.req = _Request.of_entry(self.entry)
-        else:
-            assert self.call is not None
-            self.req = _Request.of_call(self.call)
-
-    @property
-    def agent(self) -> str:
-        return self.req.agent
-
-
-# -- what ``_decide`` answers for one request ---------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Grant:
-    """Granted: the lease it already holds (a retry), or a new one on ``gpu``."""
-
-    existing: VramLease | None = None
-    gpu: GpuView | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Refuse:
-    """A new call refused without a write."""
-
-    error: errors.GpucoordError
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leave:
-    """A queued request that can never be granted any more: its entry leaves the queue."""
-
-    error: errors.GpucoordError
-
-
-@dataclasses.dataclass(frozen=True)
-class _Wait:
-    """It waits (subject to the queue's bound, for a new call): the GPUs it may use and its caps on them."""
-
-    candidates: list[GpuView]
-    free_of_queue: list[GpuView]   # those of the candidates that no request ranked before it waits for
-    caps: dict[str, int]
-    victims_pending: bool      # a queued request whose victims are not gone yet
-    held_by_processes: bool    # ... and only their processes hold it back
-
-
-_Decision = Union[_Grant, _Refuse, _Leave, _Wait]
 
 
 def plan_round(view: HostView, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str],
@@ -165,7 +87,7 @@ class _Planner(Generic[C]):
         self.out: Plan[C] = Plan()
         self.departing_held = self.view.departing_held
         self.evicting = set(ctx.evicting)
-        self.items: list[_Item[C]] = []
+        self.items: list[Item[C]] = []
         self.attached_calls: set[int] = set()   # ids of the calls that retry a request already waiting
         self.blocked: set[str] = set()          # GPUs that a request ranked earlier is still waiting for
         self.displaced: set[str] = set()        # ranks of entries this round displaces
@@ -186,13 +108,13 @@ class _Planner(Generic[C]):
                 plan.deferred = [x.call for x in self.items[n:] if x.call is not None and x.entry is None]
                 plan.more = True
                 break
-            decision = self._decide(it)
-            if isinstance(decision, _Grant):
+            decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent])
+            if isinstance(decision, Grant):
                 self._write_grant(it, decision)
-            elif isinstance(decision, _Refuse):
+            elif isinstance(decision, Refuse):
                 assert it.call is not None
                 plan.refusals.append((it.call, decision.error))
-            elif isinstance(decision, _Leave):
+            elif isinstance(decision, Leave):
                 assert it.entry is not None
                 self._leaves(it.entry, it.call, decision.error)
             else:
@@ -212,7 +134,7 @@ class _Planner(Generic[C]):
         return plan
 
     # -- order the calls -------------------------------------------------------------------------------
-    def _order(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> list[_Item[C]]:
+    def _order(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> list[Item[C]]:
         """Every request of the host in rank order: the queue's entries (with our calls attached) and the new
         calls. Answers at once what takes no part: our waiters whose entry vanished, calls of dead sessions,
         retries from another session than the one that waits."""
@@ -227,7 +149,7 @@ class _Planner(Generic[C]):
                 else:
                     plan.refusals.append((c, self._why_removed(c)))
         attached: dict[str, C] = {}
-        fresh: list[_Item[C]] = []
+        fresh: list[Item[C]] = []
         for c in batch:
             if c.session.session_id not in live:
                 plan.refusals.append((c, errors.SessionGone(
@@ -245,15 +167,15 @@ class _Planner(Generic[C]):
                     plan.superseded.append(prior)
                 attached[c.lease_id] = c
                 continue
-            fresh.append(_Item(Keys.queue_rank(c.priority, c.arrival_ns, c.lease_id), None, c))
-        items: list[_Item[C]] = [_Item(e.rank, e, attached.get(e.lease_id) or waiting.get(e.lease_id))
+            fresh.append(Item(Keys.queue_rank(c.priority, c.arrival_ns, c.lease_id), None, c))
+        items: list[Item[C]] = [Item(e.rank, e, attached.get(e.lease_id) or waiting.get(e.lease_id))
                                  for e in view.entries]
         items += fresh
         items.sort(key=lambda it: it.rank)
         self.attached_calls = {id(c) for c in attached.values()}
         return items
 
-    def _leaving(self, it: _Item[C]) -> bool:
+    def _leaving(self, it: Item[C]) -> bool:
         """Our waiter whose caller went away or whose wait is over: the expiry removes its entry, so it
         neither blocks a GPU nor counts against the queue bounds, and it is not granted any more."""
         c = it.call
@@ -269,110 +191,22 @@ class _Planner(Generic[C]):
         return (used_ops + ops <= TXN_OPS_BUDGET
                 and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 
-    # -- decide one ------------------------------------------------------------------------------------
-    def _decide(self, it: _Item[C]) -> _Decision:
-        """Grant, refuse, leave or wait: what this request gets, from the round's state so far (it changes
-        nothing; the ``_write_*`` steps do)."""
-        view, req = self.view, it.req
-        existing = view.leases.get(req.lease_id)
-        if existing is not None:
-            if it.call is not None and it.entry is None and existing.session_id != it.call.session.session_id:
-                # The same request from another session of the agent: handing it a lease that it could
-                # neither release nor keep (it lives and dies with the other session) would be wrong.
-                return _Refuse(errors.FailedPrecondition(
-                    "request_id: already holds a lease in another session of this agent", "request_id"))
-            return _Grant(existing=existing)
-        try:
-            candidates, caps = self._candidates(it, count_leases=it.entry is None)
-        except errors.GpucoordError as e:
-            if it.entry is None:
-                return _Refuse(e)
-            return _Leave(_left_the_queue(e))   # it can never be granted any more: it leaves the queue
-        free_of_queue = [g for g in candidates if g.uuid not in self.blocked]
-        # G3: a request with victims is admitted only once they are gone: their leases, and the processes
-        # of those bound to processes, as the node reports them (or the kill margin passed).
-        victims = it.entry.victims if it.entry is not None else ()
-        pending = any(v in view.leases or v in self.departing_held for v in victims)
-        held_by_processes = pending and all(
-            v in self.departing_held or v not in view.leases
-            or (v in self.ctx.overdue and bool(view.leases[v].pids or view.leases[v].pgid))
-            for v in victims)
-        placement = best_fit(req.vram_mb, req.agent, free_of_queue, caps) if not pending else None
-        if placement is not None and placement.gpu is not None:
-            return _Grant(gpu=placement.gpu)
-        if it.call is not None and it.entry is None:
-            refusal = self._may_not_wait(it.call, req.vram_mb, bool(self.blocked & {g.uuid for g in candidates}),
-                                         self.per_agent[req.agent], placement.reason if placement else "")
-            if refusal is not None:
-                return _Refuse(refusal)
-        return _Wait(candidates, free_of_queue, caps, pending, held_by_processes)
-
-    def _may_not_wait(self, c: C, vram: int, behind_waiters: bool, agent_waiting: int,
-                      no_fit: str) -> errors.GpucoordError | None:
-        """Why a new request that does not fit now may not wait, or None (the host's bound is apart)."""
-        cfg = self.cfg
-        if c.deadline <= self.now:
-            if c.wait_s > 0:
-                return wait_over(c.vram_mb, c.wait_s)
-            return errors.CapacityError(
-                f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests" if behind_waiters
-                else no_fit or f"vram_mb: {vram} MiB does not fit now on any allowed GPU", "vram_mb")
-        if agent_waiting >= cfg.max_queue_per_agent:
-            return errors.CapacityError(
-                f"queue: agent {c.session.agent!r} already has {agent_waiting} waiting requests on host "
-                f"{self.host!r} (limit {cfg.max_queue_per_agent} per agent)", "queue")
-        return None
-
     def _why_removed(self, c: C) -> errors.GpucoordError:
         """The answer for our waiter whose entry someone else removed without a grant, from the snapshot:
         FAILED_PRECONDITION only when it can never be granted there any more (the host is gone, the
         partition changed); otherwise it was displaced, or removed at the end of its wait."""
         try:
-            self._candidates(_Item(c.rank or "", None, c), count_leases=False)
+            eligible(self.view, self.cfg, Request.of_call(c), count_leases=False)
         except errors.GpucoordError as e:
-            return _left_the_queue(e)
+            return left_the_queue(e)
         if self.now >= c.deadline:
             return wait_over(c.vram_mb, c.wait_s)
         return errors.CapacityError(
             "queue: the waiting request was removed from the queue without a grant (displaced by a request "
             "of higher priority)", "queue")
 
-    def _candidates(self, it: _Item[C], count_leases: bool) -> tuple[list[GpuView], dict[str, int]]:
-        """The GPUs this request may ever use, with the agent's cap on each; raises why there are none.
-        ``count_leases``: a new request is also refused when its agent holds its limit of leases."""
-        view, agent = self.view, it.agent
-        if view.inventory is None or not view.alive:
-            raise errors.FailedPrecondition(
-                f"host: the node daemon of host {self.host!r} is gone; no new admissions there", "host")
-        partition = view.effective_partition()
-        if not partition.allows(agent):
-            raise errors.NotOwner(f"agent: {agent!r} is not in the partition of host {self.host!r}", "agent")
-        if count_leases:
-            mine = sum(1 for lease in view.leases.values() if lease.agent == agent)
-            if mine >= self.cfg.max_leases_per_agent:
-                raise errors.CapacityError(
-                    f"agent: {agent!r} already holds {mine} leases on {self.host!r} (limit "
-                    f"{self.cfg.max_leases_per_agent})", "agent")
-        caps = partition.gpu_caps(agent, view.inventory)
-        candidates = list(view.gpus.values())
-        ref = it.req.gpu
-        if ref:
-            info = view.inventory.gpu(ref)
-            if info is None:
-                raise errors.NotFound(f"gpu: host {self.host!r} has no GPU {ref!r}", "gpu")
-            if info.uuid not in caps:
-                raise errors.NotOwner(f"gpu: GPU {ref} of host {self.host!r} is outside the partition of "
-                                      f"agent {agent!r}", "gpu")
-            candidates = [view.gpus[info.uuid]]
-        reason = never_fits(it.req.vram_mb, candidates, caps)
-        if reason is not None:
-            if "cap" in reason or reason == "no GPU is allowed":
-                raise errors.FailedPrecondition(reason, "vram_mb")
-            raise errors.InvalidArgument(reason, "vram_mb")
-        return [g for g in candidates if g.uuid in caps], caps
-
     # -- bound the queue -------------------------------------------------------------------------------
-    def _bound_queue(self, n: int, it: _Item[C]) -> errors.GpucoordError | None:
+    def _bound_queue(self, n: int, it: Item[C]) -> errors.GpucoordError | None:
         """Room in the host's queue for the new waiter ``items[n]``, or why not. When the queue is full, an
         arrival that outranks the lowest-ranked waiter takes its place (that waiter is told
         RESOURCE_EXHAUSTED); one that does not is refused."""
@@ -391,7 +225,7 @@ class _Planner(Generic[C]):
             "higher priority", "queue"))
         return None
 
-    def _lowest_waiter(self, start: int) -> _Item[C] | None:
+    def _lowest_waiter(self, start: int) -> Item[C] | None:
         """The lowest-ranked entry of the queue among ``items[start:]`` (which rank below the arrival) that a
         higher-ranked arrival may displace."""
         for it in reversed(self.items[start:]):
@@ -400,7 +234,7 @@ class _Planner(Generic[C]):
         return None
 
     # -- plan evictions (G3) ---------------------------------------------------------------------------
-    def _plan_evictions(self, it: _Item[C], w: _Wait) -> tuple[str, ...]:
+    def _plan_evictions(self, it: Item[C], w: Waits) -> tuple[str, ...]:
         """The victims this waiter waits for: those it already chose, or new ones if evicting makes it fit on
         a GPU nobody ahead waits for (their notices go into this transaction)."""
         plan, req = self.out, it.req
@@ -421,7 +255,7 @@ class _Planner(Generic[C]):
             plan.evictions.append(record)
         return tuple(v.id for v in new) if new else victims
 
-    def _eviction(self, victim: VramLease, it: _Item[C]) -> EvictionRecord:
+    def _eviction(self, victim: VramLease, it: Item[C]) -> EvictionRecord:
         wall, req = self.ctx.wall, it.req
         return EvictionRecord(
             lease_id=victim.id, host=self.host, gpu_uuid=victim.gpu_uuid, agent=victim.agent,
@@ -431,7 +265,7 @@ class _Planner(Generic[C]):
             deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall)
 
     # -- write the ops ---------------------------------------------------------------------------------
-    def _write_grant(self, it: _Item[C], g: _Grant) -> None:
+    def _write_grant(self, it: Item[C], g: Grant) -> None:
         plan = self.out
         if g.existing is not None:
             lease = g.existing
@@ -445,7 +279,7 @@ class _Planner(Generic[C]):
         if it.entry is not None:
             self._leaves(it.entry, None, None)
 
-    def _grant(self, it: _Item[C], gpu: GpuView) -> VramLease:
+    def _grant(self, it: Item[C], gpu: GpuView) -> VramLease:
         """The lease on ``gpu``, with the GPU's next fencing token (in this round's copies)."""
         gpu.seq += 1
         if it.entry is not None:
@@ -462,7 +296,7 @@ class _Planner(Generic[C]):
         self.view.leases[lease.id] = lease
         return lease
 
-    def _write_wait(self, it: _Item[C], victims: tuple[str, ...]) -> None:
+    def _write_wait(self, it: Item[C], victims: tuple[str, ...]) -> None:
         """A new entry for a new waiter; for a queued one, its entry rewritten if its victims or its serving
         replica changed."""
         plan, ctx = self.out, self.ctx
@@ -540,13 +374,3 @@ class _Planner(Generic[C]):
         out.append(NothingWrittenSince(keys.queue(host), view.revision))
         out += [Exists(keys.session(x.agent, x.session_id)) for x in sessions]
         return out
-
-
-def wait_over(vram_mb: int, wait_s: float) -> errors.WaitTimeout:
-    return errors.WaitTimeout(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
-
-
-def _left_the_queue(e: errors.GpucoordError) -> errors.FailedPrecondition:
-    """A waiting request that can never be granted on the host any more (the host is gone, the partition
-    changed): it leaves the queue, and its caller learns why."""
-    return errors.FailedPrecondition(f"{e.message}; the waiting request left the queue", e.field or "queue")

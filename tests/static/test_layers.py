@@ -100,8 +100,8 @@ def test_dependencies_only_point_down() -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.admission",
-                                    "coordinator.policy.placement",
+@pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.decide",
+                                    "coordinator.policy.admission", "coordinator.policy.placement",
                                     "coordinator.policy.partition"])
 def test_the_pure_policy_loads_neither_aetcd_nor_grpc(module: str) -> None:
     code = (f"import sys, {module}; "
