@@ -94,20 +94,6 @@ _TRAMPOLINE = (
 )
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 class AsyncBoundProcess:
     """A command bound to a VRAM lease of ``client``'s session. ``async with client.run(cmd, vram_mb=...)
     as proc: await proc.wait()``; see the module's docstring for what binds it.

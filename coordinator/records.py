@@ -329,14 +329,12 @@ class GpuLedger:
         return cls(_int(d, "capacity_mb", hi=1 << 30), _int(d, "seq"), kv.mod_revision)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SessionInfo:
     agent: str
     session_id: str
     host: str
     etcd_lease: int
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A transaction as plain data: the compares and operations that a decision asks etcd to commit.
 
 The pure policy (``policy/planner.py``) states its writes with these, importing nothing of etcd's client;
-``etcd/ops.compile_txn`` turns them into etcd's messages at the boundary.
+``etcd/ops.py`` (``compile_compare``, ``compile_op``) turns them into etcd's messages at the boundary.
 """
 from __future__ import annotations
 

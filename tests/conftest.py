@@ -13,14 +13,17 @@ import os
 import pathlib
 import sys
 import time
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
+import grpc
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from agent_client import Client  # noqa: E402
+from agent_client.api import coordinator_pb2_grpc as pb_grpc  # noqa: E402
 from coordinator.etcd.process import EtcdCluster, choose_etcd  # noqa: E402
-from tests.harness import DEFAULT_ETCD_IMAGE, Cluster, EtcdEndpoint, LoopThread  # noqa: E402
+from tests.harness import DEFAULT_ETCD_IMAGE, Cluster, EtcdEndpoint, LoopThread, wait_for  # noqa: E402
 from tests.history import check_store  # noqa: E402
 
 
@@ -161,6 +164,38 @@ def cluster(etcd: EtcdEndpoint, prefix: str) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def own_etcd() -> Iterator[list[str]]:
+    """An etcd of the module's own (a module overrides ``cluster`` to use it): "a refused call changed
+    nothing" compares etcd's revision, which sessions of other modules (expiring in the shared etcd) would
+    move."""
+    own = EtcdCluster(1).start()
+    try:
+        yield own.endpoints
+    finally:
+        own.stop()
+
+
+@pytest.fixture
+def env_gpus() -> str:
+    """The GPUs of host h1 in ``env``; a module that needs others overrides this fixture."""
+    return "1x16GiB"
+
+
+@pytest.fixture
+def env(cluster: Cluster, env_gpus: str) -> Iterator[tuple[Cluster, Any, Client]]:
+    """Host h1 (a node daemon with ``env_gpus``), one coordinator, a stub of it and agent-a's Client, connected
+    to h1: ``cluster, stub, client``."""
+    cluster.start_node("h1", env_gpus)
+    addr = cluster.start_coordinator()
+    # The replica registers and runs for leader in the background: let that write land first.
+    wait_for(lambda: cluster.get_prefix(cluster.keys.election()), 10, "the coordinator's election key")
+    channel = grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 8 << 20)])
+    with Client(addr, agent="agent-a", host="h1") as c:
+        yield cluster, pb_grpc.CoordinatorStub(channel), c
+    channel.close()
 
 
 @pytest.fixture

@@ -33,7 +33,6 @@ from coordinator.records import GpuInfo, GpuProcess, GpuUsage
 log = logging.getLogger(__name__)
 
 
-
 MAX_FAKE_GPUS = 64
 MAX_FAKE_SIZE_MB = 1024 * 1024  # 1 TiB
 _FAKE_FORMAT = (
@@ -282,5 +281,3 @@ class FakeGpuSource:
 
     def close(self) -> None:
         """Nothing to release."""
-
-

@@ -24,8 +24,6 @@ from coordinator.node.source import MAX_GPU_NAME, MIB, GpuSource, NvmlScanError,
 from coordinator.records import HostInventory
 
 
-
-
 def host_resources(disk_path: str) -> tuple[int, tuple[int, ...], int, int]:
     """(logical cpu count, usable core ids, memory bytes, disk bytes at ``disk_path``).
 

@@ -384,5 +384,3 @@ class NvmlGpuSource:
             self._nvml.nvmlShutdown()
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             log.debug("nvmlShutdown failed (ignored): %s", _err_text(e))
-
-

@@ -45,5 +45,3 @@ class GpuSource(Protocol):
     def close(self) -> None:
         """Release the underlying library; safe to call more than once."""
         ...
-
-

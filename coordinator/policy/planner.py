@@ -11,6 +11,12 @@ and the replica's new calls. It decides, for each:
 * leaving the queue (its request can never be granted any more, it was displaced by a higher-priority
   arrival, or it was granted).
 
+A round runs in named steps: ``_order`` (the requests in rank order, answering at once the calls that cannot
+take part), then for each request ``decide`` (``policy/decide.py``: a small typed result, ``Grant``,
+``Refuse``, ``Leave`` or ``Waits``), ``_bound_queue`` (a new waiter on a full queue displaces a lower-ranked
+one or is refused), ``_plan_evictions`` (G3), ``_write_wait``/``_write_grant``; and at the end
+``_write_transaction`` (the leases, the ledgers and the guards).
+
 The plan carries the transaction (``coordinator.txn`` compares and operations) and what to tell each
 caller once it has committed. The transaction compares every ledger of the host, the partition, the host's
 registration, the new callers' sessions and the queue condition (no entry written since the snapshot), so a
@@ -33,11 +39,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Collection, Generic, Mapping, Sequence
+from typing import Collection, Generic, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.keys import Keys
-from coordinator.policy.admission import GpuView, best_fit, never_fits, plan_eviction
+from coordinator.policy.admission import GpuView, plan_eviction
+from coordinator.policy.decide import Grant, Item, Leave, Refuse, Request, Waits, decide, eligible, left_the_queue
+from coordinator.policy.decide import wait_over as wait_over   # the admitter answers a wait that ended with it
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan, Wait
 from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
@@ -47,28 +55,6 @@ from coordinator.txn import Absent, Compare, Delete, Exists, ModRevisionIs, Noth
 # deciding before it would pass these budgets; the rest is decided in the next round.
 TXN_OPS_BUDGET = 120
 TXN_COMPARES_BUDGET = 120
-
-
-@dataclasses.dataclass
-class _Item(Generic[C]):
-    """One request of a round: a queue entry from etcd, a call of ours, or both (our queued call)."""
-
-    rank: str
-    entry: QueueEntry | None
-    call: C | None
-
-    @property
-    def agent(self) -> str:
-        if self.entry is not None:
-            return self.entry.agent
-        assert self.call is not None
-        return self.call.session.agent
-
-    def field(self, name: str) -> Any:
-        if self.entry is not None:
-            return getattr(self.entry, name)
-        assert self.call is not None
-        return (self.call.gpu_ref or "") if name == "gpu" else getattr(self.call, name)
 
 
 def plan_round(view: HostView, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str],
@@ -83,6 +69,8 @@ def plan_round(view: HostView, batch: Sequence[C], waiting: Mapping[str, C], liv
 
 
 class _Planner(Generic[C]):
+    """One round. Made for one ``plan`` call: it holds the round's state as it decides."""
+
     def __init__(self, view: HostView, ctx: Context) -> None:
         # Copies of what a round changes as it decides (tokens, leases): the snapshot stays as it was given.
         gpus = {}
@@ -95,12 +83,63 @@ class _Planner(Generic[C]):
         self.cfg = ctx.config
         self.keys = ctx.keys
         self.host = view.host
+        self.now = ctx.now
+        self.out: Plan[C] = Plan()
+        self.departing_held = self.view.departing_held
+        self.evicting = set(ctx.evicting)
+        self.items: list[Item[C]] = []
+        self.attached_calls: set[int] = set()   # ids of the calls that retry a request already waiting
+        self.blocked: set[str] = set()          # GPUs that a request ranked earlier is still waiting for
+        self.displaced: set[str] = set()        # ranks of entries this round displaces
+        self.queued = 0                         # entries in the queue after what is decided so far
+        self.per_agent: collections.Counter[str] = collections.Counter()
 
     def plan(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> Plan[C]:
-        view, cfg, now = self.view, self.cfg, self.ctx.now
-        plan: Plan[C] = Plan()
-        queue = list(view.entries)
-        by_lease = {e.lease_id: e for e in queue}
+        plan = self.out
+        self.items = self._order(batch, waiting, live)
+        staying = [it.entry for it in self.items if it.entry is not None and not self._leaving(it)]
+        self.queued = len(staying)
+        self.per_agent.update(e.agent for e in staying)
+        for n, it in enumerate(self.items):
+            if it.rank in self.displaced or self._leaving(it):
+                continue
+            if not self._fits_budget(3, 2):
+                # The rest waits for the next round: new callers go back to the front of the line.
+                plan.deferred = [x.call for x in self.items[n:] if x.call is not None and x.entry is None]
+                plan.more = True
+                break
+            decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent])
+            if isinstance(decision, Grant):
+                self._write_grant(it, decision)
+            elif isinstance(decision, Refuse):
+                assert it.call is not None
+                plan.refusals.append((it.call, decision.error))
+            elif isinstance(decision, Leave):
+                assert it.entry is not None
+                self._leaves(it.entry, it.call, decision.error)
+            else:
+                if decision.held_by_processes:
+                    assert it.entry is not None
+                    plan.held_by_processes.append(it.entry.lease_id)
+                if it.entry is None:
+                    refusal = self._bound_queue(n, it)
+                    if refusal is not None:
+                        assert it.call is not None
+                        plan.refusals.append((it.call, refusal))
+                        continue
+                victims = self._plan_evictions(it, decision)
+                self.blocked |= {g.uuid for g in decision.candidates}
+                self._write_wait(it, victims)
+        self._write_transaction()
+        return plan
+
+    # -- order the calls -------------------------------------------------------------------------------
+    def _order(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> list[Item[C]]:
+        """Every request of the host in rank order: the queue's entries (with our calls attached) and the new
+        calls. Answers at once what takes no part: our waiters whose entry vanished, calls of dead sessions,
+        retries from another session than the one that waits."""
+        plan, view = self.out, self.view
+        by_lease = {e.lease_id: e for e in view.entries}
         # Our waiters whose entry vanished: granted (by any replica), or removed by someone else.
         for lease_id, c in waiting.items():
             if lease_id not in by_lease:
@@ -110,7 +149,7 @@ class _Planner(Generic[C]):
                 else:
                     plan.refusals.append((c, self._why_removed(c)))
         attached: dict[str, C] = {}
-        fresh: list[_Item[C]] = []
+        fresh: list[Item[C]] = []
         for c in batch:
             if c.session.session_id not in live:
                 plan.refusals.append((c, errors.SessionGone(
@@ -128,165 +167,191 @@ class _Planner(Generic[C]):
                     plan.superseded.append(prior)
                 attached[c.lease_id] = c
                 continue
-            fresh.append(_Item(Keys.queue_rank(c.priority, c.arrival_ns, c.lease_id), None, c))
-        items: list[_Item[C]] = [_Item(e.rank, e, attached.get(e.lease_id) or waiting.get(e.lease_id))
-                                 for e in queue]
+            fresh.append(Item(Keys.queue_rank(c.priority, c.arrival_ns, c.lease_id), None, c))
+        items: list[Item[C]] = [Item(e.rank, e, attached.get(e.lease_id) or waiting.get(e.lease_id))
+                                 for e in view.entries]
         items += fresh
         items.sort(key=lambda it: it.rank)
-        attached_calls = {id(c) for c in attached.values()}
+        self.attached_calls = {id(c) for c in attached.values()}
+        return items
 
-        def leaving(it: _Item[C]) -> bool:
-            """Our waiter whose caller went away or whose wait is over: the expiry removes its entry, so it
-            neither blocks a GPU nor counts against the queue bounds, and it is not granted any more."""
-            c = it.call
-            return (c is not None and it.entry is not None and id(c) not in attached_calls
-                    and (c.gone or now >= c.deadline))
+    def _leaving(self, it: Item[C]) -> bool:
+        """Our waiter whose caller went away or whose wait is over: the expiry removes its entry, so it
+        neither blocks a GPU nor counts against the queue bounds, and it is not granted any more."""
+        c = it.call
+        return (c is not None and it.entry is not None and id(c) not in self.attached_calls
+                and (c.gone or self.now >= c.deadline))
 
-        blocked: set[str] = set()   # GPUs that a request ranked earlier is still waiting for
-        staying = [it.entry for it in items if it.entry is not None and not leaving(it)]
-        queued = len(staying)
-        per_agent = collections.Counter(e.agent for e in staying)
-        displaced: set[str] = set()   # ranks of entries this round displaces
-        evicting = set(self.ctx.evicting)
-        departing_held = view.departing_held
+    def _fits_budget(self, ops: int, compares: int) -> bool:
+        """Whether ``ops`` more operations and ``compares`` more compares stay within etcd's limits."""
+        plan, view = self.out, self.view
+        used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
+        # Guards: host, partition, queue, every ledger, and one per caller's session (+1 for this one).
+        guards = 3 + len(view.gpus) + len(plan.sessions) + 1
+        return (used_ops + ops <= TXN_OPS_BUDGET
+                and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 
-        def fits_budget(ops: int, compares: int) -> bool:
-            used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
-            # Guards: host, partition, queue, every ledger, and one per caller's session (+1 for this one).
-            guards = 3 + len(view.gpus) + len(plan.sessions) + 1
-            return (used_ops + ops <= TXN_OPS_BUDGET
-                    and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
+    def _why_removed(self, c: C) -> errors.GpucoordError:
+        """The answer for our waiter whose entry someone else removed without a grant, from the snapshot:
+        FAILED_PRECONDITION only when it can never be granted there any more (the host is gone, the
+        partition changed); otherwise it was displaced, or removed at the end of its wait."""
+        try:
+            eligible(self.view, self.cfg, Request.of_call(c), count_leases=False)
+        except errors.GpucoordError as e:
+            return left_the_queue(e)
+        if self.now >= c.deadline:
+            return wait_over(c.vram_mb, c.wait_s)
+        return errors.CapacityError(
+            "queue: the waiting request was removed from the queue without a grant (displaced by a request "
+            "of higher priority)", "queue")
 
-        def leaves(entry: QueueEntry, call: C | None, err: errors.GpucoordError | None) -> None:
-            """The entry leaves the queue in this transaction; its caller (if ours) is told after the commit."""
-            nonlocal queued
-            self._remove_entry(plan, entry)
-            queued -= 1
-            per_agent[entry.agent] -= 1
-            if err is not None:
-                plan.left.append(entry)
-                if call is not None:
-                    plan.failures.append((call, err))
+    # -- bound the queue -------------------------------------------------------------------------------
+    def _bound_queue(self, n: int, it: Item[C]) -> errors.GpucoordError | None:
+        """Room in the host's queue for the new waiter ``items[n]``, or why not. When the queue is full, an
+        arrival that outranks the lowest-ranked waiter takes its place (that waiter is told
+        RESOURCE_EXHAUSTED); one that does not is refused."""
+        limit = self.cfg.max_queue_per_host
+        if self.queued < limit:
+            return None
+        lowest = self._lowest_waiter(n + 1)
+        if lowest is None:
+            return errors.CapacityError(
+                f"queue: host {self.host!r} already has {self.queued} waiting requests ranked at or above "
+                f"this one (limit {limit})", "queue")
+        assert lowest.entry is not None
+        self.displaced.add(lowest.rank)
+        self._leaves(lowest.entry, lowest.call, errors.CapacityError(
+            f"queue: displaced from the full queue of host {self.host!r} (limit {limit}) by a request of "
+            "higher priority", "queue"))
+        return None
 
-        for n, it in enumerate(items):
-            if it.rank in displaced or leaving(it):
-                continue
-            if not fits_budget(3, 2):
-                # The rest waits for the next round: new callers go back to the front of the line.
-                plan.deferred = [x.call for x in items[n:] if x.call is not None and x.entry is None]
-                plan.more = True
-                break
-            agent = it.agent
-            lease_id = it.field("lease_id")
-            existing = view.leases.get(lease_id)
-            if existing is not None:
-                if it.call is not None and it.entry is None and existing.session_id != it.call.session.session_id:
-                    # The same request from another session of the agent: handing it a lease that it could
-                    # neither release nor keep (it lives and dies with the other session) would be wrong.
-                    plan.refusals.append((it.call, errors.FailedPrecondition(
-                        "request_id: already holds a lease in another session of this agent", "request_id")))
-                    continue
-                plan.grants.append((it.call, existing))
-                if it.entry is not None:
-                    leaves(it.entry, None, None)
-                continue
-            try:
-                candidates, caps = self._candidates(it, count_leases=it.entry is None)
-            except errors.GpucoordError as e:
-                if it.entry is None:
-                    assert it.call is not None
-                    plan.refusals.append((it.call, e))
-                else:   # it can never be granted any more: it leaves the queue
-                    leaves(it.entry, it.call, _left_the_queue(e))
-                continue
-            vram, priority = int(it.field("vram_mb")), int(it.field("priority"))
-            free_of_queue = [g for g in candidates if g.uuid not in blocked]
-            # G3: a request with victims is admitted only once they are gone: their leases, and the processes
-            # of those bound to processes, as the node reports them (or the kill margin passed).
-            victims_pending = it.entry is not None and any(v in view.leases or v in departing_held
-                                                           for v in it.entry.victims)
-            if victims_pending and it.entry is not None and all(
-                    v in departing_held or v not in view.leases
-                    or (v in self.ctx.overdue and bool(view.leases[v].pids or view.leases[v].pgid))
-                    for v in it.entry.victims):
-                plan.held_by_processes.append(it.entry.lease_id)   # only by its victims' processes now
-            placement = best_fit(vram, agent, free_of_queue, caps) if not victims_pending else None
-            if placement is not None and placement.gpu is not None:
-                if it.call is not None and it.entry is None:
-                    plan.sessions[it.call.session.session_id] = it.call.session
-                lease = self._grant(it, placement.gpu)
-                plan.grants.append((it.call, lease))
-                plan.new_leases.append(lease)
-                if it.entry is not None:
-                    leaves(it.entry, None, None)
-                continue
-            if it.entry is None:
-                assert it.call is not None
-                refusal = self._may_not_wait(it.call, vram, bool(blocked & {g.uuid for g in candidates}),
-                                             per_agent[agent], placement.reason if placement else "")
-                if refusal is None and queued >= cfg.max_queue_per_host:
-                    # The host's queue is full: an arrival that outranks the lowest-ranked waiter takes its
-                    # place (that waiter is told RESOURCE_EXHAUSTED); one that does not is refused.
-                    lowest = _lowest_waiter(items, n + 1, displaced, leaving)
-                    if lowest is None:
-                        refusal = errors.CapacityError(
-                            f"queue: host {self.host!r} already has {queued} waiting requests ranked at or above "
-                            f"this one (limit {cfg.max_queue_per_host})", "queue")
-                    else:
-                        assert lowest.entry is not None
-                        displaced.add(lowest.rank)
-                        leaves(lowest.entry, lowest.call, errors.CapacityError(
-                            f"queue: displaced from the full queue of host {self.host!r} (limit "
-                            f"{cfg.max_queue_per_host}) by a request of higher priority", "queue"))
-                if refusal is not None:
-                    plan.refusals.append((it.call, refusal))
-                    continue
-            # It waits. Before waiting it may evict (G3), if that makes it fit on a GPU nobody ahead waits for.
-            victims = list(it.entry.victims) if it.entry else []
-            if not victims_pending:
-                new = plan_eviction(free_of_queue, caps, vram, priority, agent, evicting)
-                if new and not fits_budget(len(new) + 2, 2 * len(new) + 2):
-                    new = []              # too many for this transaction: evict in the next round
-                    plan.more = True
-                for victim in new:
-                    record = self._eviction(victim, it, priority)
-                    plan.ops.append(Put(self.keys.eviction(victim.id), dumps(record.to_json()), victim.etcd_lease))
-                    plan.compares.append(ModRevisionIs(
-                        self.keys.lease(self.host, victim.gpu_uuid, victim.id), victim.mod_revision))
-                    plan.compares.append(Absent(self.keys.eviction(victim.id)))
-                    evicting.add(victim.id)
-                    plan.evictions.append(record)
-                if new:
-                    victims = [v.id for v in new]
-            blocked |= {g.uuid for g in candidates}
-            if it.entry is None:
-                assert it.call is not None
+    def _lowest_waiter(self, start: int) -> Item[C] | None:
+        """The lowest-ranked entry of the queue among ``items[start:]`` (which rank below the arrival) that a
+        higher-ranked arrival may displace."""
+        for it in reversed(self.items[start:]):
+            if it.entry is not None and it.rank not in self.displaced and not self._leaving(it):
+                return it
+        return None
+
+    # -- plan evictions (G3) ---------------------------------------------------------------------------
+    def _plan_evictions(self, it: Item[C], w: Waits) -> tuple[str, ...]:
+        """The victims this waiter waits for: those it already chose, or new ones if evicting makes it fit on
+        a GPU nobody ahead waits for (their notices go into this transaction)."""
+        plan, req = self.out, it.req
+        victims = it.entry.victims if it.entry is not None else ()
+        if w.victims_pending:
+            return victims
+        new = plan_eviction(w.free_of_queue, w.caps, req.vram_mb, req.priority, req.agent, self.evicting)
+        if new and not self._fits_budget(len(new) + 2, 2 * len(new) + 2):
+            new = []              # too many for this transaction: evict in the next round
+            plan.more = True
+        for victim in new:
+            record = self._eviction(victim, it)
+            plan.ops.append(Put(self.keys.eviction(victim.id), dumps(record.to_json()), victim.etcd_lease))
+            plan.compares.append(ModRevisionIs(
+                self.keys.lease(self.host, victim.gpu_uuid, victim.id), victim.mod_revision))
+            plan.compares.append(Absent(self.keys.eviction(victim.id)))
+            self.evicting.add(victim.id)
+            plan.evictions.append(record)
+        return tuple(v.id for v in new) if new else victims
+
+    def _eviction(self, victim: VramLease, it: Item[C]) -> EvictionRecord:
+        wall, req = self.ctx.wall, it.req
+        return EvictionRecord(
+            lease_id=victim.id, host=self.host, gpu_uuid=victim.gpu_uuid, agent=victim.agent,
+            session_id=victim.session_id, victim_priority=victim.priority,
+            requested_by=f"{req.agent}/{req.request_id}", requester_priority=req.priority,
+            reason=f"priority {req.priority} request for {req.vram_mb} MiB needs the room",
+            deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall)
+
+    # -- write the ops ---------------------------------------------------------------------------------
+    def _write_grant(self, it: Item[C], g: Grant) -> None:
+        plan = self.out
+        if g.existing is not None:
+            lease = g.existing
+        else:
+            assert g.gpu is not None
+            if it.call is not None and it.entry is None:
                 plan.sessions[it.call.session.session_id] = it.call.session
-                entry = self._entry(it.call, it.rank, tuple(victims))
-                key = self.keys.queue_entry(self.host, it.rank)
-                plan.compares.append(Absent(key))
-                plan.ops.append(Put(key, dumps(entry.to_json()), it.call.session.etcd_lease))
-                plan.waits.append(Wait(it.call, it.rank, 0))
-                plan.new_entries += 1
-                queued += 1
-                per_agent[agent] += 1
-            else:
-                updated = it.entry
-                if tuple(victims) != it.entry.victims:
-                    updated = dataclasses.replace(updated, victims=tuple(victims))
-                if it.call is not None and (it.entry.replica != self.ctx.replica_id):
-                    # Served by this replica now (a retry through it): the entry says so, and keeps the
-                    # later of the two deadlines.
-                    updated = dataclasses.replace(
-                        updated, replica=self.ctx.replica_id,
-                        deadline_unix=max(updated.deadline_unix, self.ctx.wall + max(0.0, it.call.deadline - now)))
-                if updated is not it.entry:
-                    key = self.keys.queue_entry(self.host, it.entry.rank)
-                    plan.compares.append(ModRevisionIs(key, it.entry.mod_revision))
-                    plan.ops.append(Put(key, dumps(updated.to_json()), updated.etcd_lease))
-                if it.call is not None:
-                    plan.waits.append(Wait(it.call, it.entry.rank,
-                                           0 if updated is not it.entry else it.entry.mod_revision))
+            lease = self._grant(it, g.gpu)
+            plan.new_leases.append(lease)
+        plan.grants.append((it.call, lease))
+        if it.entry is not None:
+            self._leaves(it.entry, None, None)
+
+    def _grant(self, it: Item[C], gpu: GpuView) -> VramLease:
+        """The lease on ``gpu``, with the GPU's next fencing token (in this round's copies)."""
+        gpu.seq += 1
+        if it.entry is not None:
+            session_id, etcd_lease = it.entry.session_id, it.entry.etcd_lease
+        else:
+            assert it.call is not None
+            session_id, etcd_lease = it.call.session.session_id, it.call.session.etcd_lease
+        req = it.req
+        lease = VramLease(
+            id=req.lease_id, host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=req.agent,
+            session_id=session_id, vram_mb=req.vram_mb, priority=req.priority, preemptible=req.preemptible,
+            request_id=req.request_id, token=gpu.seq, created_at=self.ctx.wall, etcd_lease=etcd_lease)
+        gpu.leases.append(lease)
+        self.view.leases[lease.id] = lease
+        return lease
+
+    def _write_wait(self, it: Item[C], victims: tuple[str, ...]) -> None:
+        """A new entry for a new waiter; for a queued one, its entry rewritten if its victims or its serving
+        replica changed."""
+        plan, ctx = self.out, self.ctx
+        if it.entry is None:
+            assert it.call is not None
+            plan.sessions[it.call.session.session_id] = it.call.session
+            entry = self._entry(it.call, it.rank, victims)
+            key = self.keys.queue_entry(self.host, it.rank)
+            plan.compares.append(Absent(key))
+            plan.ops.append(Put(key, dumps(entry.to_json()), it.call.session.etcd_lease))
+            plan.waits.append(Wait(it.call, it.rank, 0))
+            plan.new_entries += 1
+            self.queued += 1
+            self.per_agent[it.agent] += 1
+            return
+        updated = it.entry
+        if victims != it.entry.victims:
+            updated = dataclasses.replace(updated, victims=victims)
+        if it.call is not None and (it.entry.replica != ctx.replica_id):
+            # Served by this replica now (a retry through it): the entry says so, and keeps the later of the
+            # two deadlines.
+            updated = dataclasses.replace(
+                updated, replica=ctx.replica_id,
+                deadline_unix=max(updated.deadline_unix, ctx.wall + max(0.0, it.call.deadline - self.now)))
+        if updated is not it.entry:
+            key = self.keys.queue_entry(self.host, it.entry.rank)
+            plan.compares.append(ModRevisionIs(key, it.entry.mod_revision))
+            plan.ops.append(Put(key, dumps(updated.to_json()), updated.etcd_lease))
+        if it.call is not None:
+            plan.waits.append(Wait(it.call, it.entry.rank, 0 if updated is not it.entry else it.entry.mod_revision))
+
+    def _entry(self, c: C, rank: str, victims: tuple[str, ...]) -> QueueEntry:
+        return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
+                          etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
+                          priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
+                          lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.now),
+                          replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.now))
+
+    def _leaves(self, entry: QueueEntry, call: C | None, err: errors.GpucoordError | None) -> None:
+        """The entry leaves the queue in this transaction (if nobody changed it since the snapshot); its
+        caller (if ours) is told after the commit."""
+        plan = self.out
+        key = self.keys.queue_entry(self.host, entry.rank)
+        plan.compares.append(ModRevisionIs(key, entry.mod_revision))
+        plan.ops.append(Delete(key))
+        self.queued -= 1
+        self.per_agent[entry.agent] -= 1
+        if err is not None:
+            plan.left.append(entry)
+            if call is not None:
+                plan.failures.append((call, err))
+
+    def _write_transaction(self) -> None:
+        """The new leases, the bumped ledgers, and the guards of the whole transaction."""
+        plan, view = self.out, self.view
         for lease in plan.new_leases:
             plan.ops.append(Put(self.keys.lease(self.host, lease.gpu_uuid, lease.id), dumps(lease.to_json()),
                                 lease.etcd_lease))
@@ -297,112 +362,6 @@ class _Planner(Generic[C]):
             # Admitting or queueing needs a live host; removing entries of a host that is gone does not.
             adds = bool(plan.new_leases) or plan.new_entries > 0
             plan.compares += self._guards(list(plan.sessions.values()), host_must_live=adds)
-        return plan
-
-    # -- one request ---------------------------------------------------------------------------------
-    def _may_not_wait(self, c: C, vram: int, behind_waiters: bool, agent_waiting: int,
-                      no_fit: str) -> errors.GpucoordError | None:
-        """Why a new request that does not fit now may not wait, or None (the host's bound is apart)."""
-        cfg = self.cfg
-        if c.deadline <= self.ctx.now:
-            if c.wait_s > 0:
-                return wait_over(c.vram_mb, c.wait_s)
-            return errors.CapacityError(
-                f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests" if behind_waiters
-                else no_fit or f"vram_mb: {vram} MiB does not fit now on any allowed GPU", "vram_mb")
-        if agent_waiting >= cfg.max_queue_per_agent:
-            return errors.CapacityError(
-                f"queue: agent {c.session.agent!r} already has {agent_waiting} waiting requests on host "
-                f"{self.host!r} (limit {cfg.max_queue_per_agent} per agent)", "queue")
-        return None
-
-    def _why_removed(self, c: C) -> errors.GpucoordError:
-        """The answer for our waiter whose entry someone else removed without a grant, from the snapshot:
-        FAILED_PRECONDITION only when it can never be granted there any more (the host is gone, the
-        partition changed); otherwise it was displaced, or removed at the end of its wait."""
-        try:
-            self._candidates(_Item(c.rank or "", None, c), count_leases=False)
-        except errors.GpucoordError as e:
-            return _left_the_queue(e)
-        if self.ctx.now >= c.deadline:
-            return wait_over(c.vram_mb, c.wait_s)
-        return errors.CapacityError(
-            "queue: the waiting request was removed from the queue without a grant (displaced by a request "
-            "of higher priority)", "queue")
-
-    def _candidates(self, it: _Item[C], count_leases: bool) -> tuple[list[GpuView], dict[str, int]]:
-        """The GPUs this request may ever use, with the agent's cap on each; raises why there are none.
-        ``count_leases``: a new request is also refused when its agent holds its limit of leases."""
-        view, agent = self.view, it.agent
-        if view.inventory is None or not view.alive:
-            raise errors.FailedPrecondition(
-                f"host: the node daemon of host {self.host!r} is gone; no new admissions there", "host")
-        partition = view.effective_partition()
-        if not partition.allows(agent):
-            raise errors.NotOwner(f"agent: {agent!r} is not in the partition of host {self.host!r}", "agent")
-        if count_leases:
-            mine = sum(1 for lease in view.leases.values() if lease.agent == agent)
-            if mine >= self.cfg.max_leases_per_agent:
-                raise errors.CapacityError(
-                    f"agent: {agent!r} already holds {mine} leases on {self.host!r} (limit "
-                    f"{self.cfg.max_leases_per_agent})", "agent")
-        caps = partition.gpu_caps(agent, view.inventory)
-        candidates = list(view.gpus.values())
-        ref = it.field("gpu")
-        if ref:
-            info = view.inventory.gpu(ref)
-            if info is None:
-                raise errors.NotFound(f"gpu: host {self.host!r} has no GPU {ref!r}", "gpu")
-            if info.uuid not in caps:
-                raise errors.NotOwner(f"gpu: GPU {ref} of host {self.host!r} is outside the partition of "
-                                      f"agent {agent!r}", "gpu")
-            candidates = [view.gpus[info.uuid]]
-        reason = never_fits(int(it.field("vram_mb")), candidates, caps)
-        if reason is not None:
-            if "cap" in reason or reason == "no GPU is allowed":
-                raise errors.FailedPrecondition(reason, "vram_mb")
-            raise errors.InvalidArgument(reason, "vram_mb")
-        return [g for g in candidates if g.uuid in caps], caps
-
-    def _grant(self, it: _Item[C], gpu: GpuView) -> VramLease:
-        """The lease on ``gpu``, with the GPU's next fencing token (in this round's copies)."""
-        gpu.seq += 1
-        if it.entry is not None:
-            session_id, etcd_lease = it.entry.session_id, it.entry.etcd_lease
-        else:
-            assert it.call is not None
-            session_id, etcd_lease = it.call.session.session_id, it.call.session.etcd_lease
-        lease = VramLease(
-            id=it.field("lease_id"), host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=it.agent,
-            session_id=session_id, vram_mb=int(it.field("vram_mb")), priority=int(it.field("priority")),
-            preemptible=bool(it.field("preemptible")), request_id=it.field("request_id"), token=gpu.seq,
-            created_at=self.ctx.wall, etcd_lease=etcd_lease)
-        gpu.leases.append(lease)
-        self.view.leases[lease.id] = lease
-        return lease
-
-    def _eviction(self, victim: VramLease, it: _Item[C], priority: int) -> EvictionRecord:
-        wall = self.ctx.wall
-        return EvictionRecord(
-            lease_id=victim.id, host=self.host, gpu_uuid=victim.gpu_uuid, agent=victim.agent,
-            session_id=victim.session_id, victim_priority=victim.priority,
-            requested_by=f"{it.agent}/{it.field('request_id')}", requester_priority=priority,
-            reason=f"priority {priority} request for {it.field('vram_mb')} MiB needs the room",
-            deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall)
-
-    def _entry(self, c: C, rank: str, victims: tuple[str, ...]) -> QueueEntry:
-        return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
-                          etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
-                          priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
-                          lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.ctx.now),
-                          replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.ctx.now))
-
-    # -- the transaction -------------------------------------------------------------------------------
-    def _remove_entry(self, plan: Plan[C], entry: QueueEntry) -> None:
-        """The entry leaves the queue in this round's transaction, if nobody changed it since the snapshot."""
-        key = self.keys.queue_entry(self.host, entry.rank)
-        plan.compares.append(ModRevisionIs(key, entry.mod_revision))
-        plan.ops.append(Delete(key))
 
     def _guards(self, sessions: list[SessionInfo], host_must_live: bool) -> list[Compare]:
         """What must still hold at commit: nothing admitted or queued on the host since the snapshot, and
@@ -415,23 +374,3 @@ class _Planner(Generic[C]):
         out.append(NothingWrittenSince(keys.queue(host), view.revision))
         out += [Exists(keys.session(x.agent, x.session_id)) for x in sessions]
         return out
-
-
-def wait_over(vram_mb: int, wait_s: float) -> errors.WaitTimeout:
-    return errors.WaitTimeout(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
-
-
-def _left_the_queue(e: errors.GpucoordError) -> errors.FailedPrecondition:
-    """A waiting request that can never be granted on the host any more (the host is gone, the partition
-    changed): it leaves the queue, and its caller learns why."""
-    return errors.FailedPrecondition(f"{e.message}; the waiting request left the queue", e.field or "queue")
-
-
-def _lowest_waiter(items: Sequence[_Item[C]], start: int, displaced: set[str],
-                   leaving: Callable[[_Item[C]], bool]) -> _Item[C] | None:
-    """The lowest-ranked entry of the queue among ``items[start:]`` (which rank below the arrival) that a
-    higher-ranked arrival may displace."""
-    for it in reversed(items[start:]):
-        if it.entry is not None and it.rank not in displaced and not leaving(it):
-            return it
-    return None

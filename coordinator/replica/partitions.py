@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from coordinator import errors
-from coordinator.config import MAX_PARTITION_BYTES
+from coordinator.limits import MAX_PARTITION_BYTES
 from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import Partition, PartitionError, PartitionSpec, compute_partition, default_partition

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from coordinator import errors
+from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
@@ -21,8 +21,9 @@ _FOLLOWERS: set[asyncio.Task[None]] = set()
 def make_guard(tls: bool, calls_per_s: float, burst: int, max_streams: int) -> SecurityInterceptor:
     """The interceptor; with TLS it has identities to limit and certificates to revoke."""
     if not tls:
-        return SecurityInterceptor(False)
-    return SecurityInterceptor(True, limits=Limits(calls_per_s, burst, max_streams), revocations=Revocations())
+        return SecurityInterceptor(False, metrics.count_refusal)
+    return SecurityInterceptor(True, metrics.count_refusal, limits=Limits(calls_per_s, burst, max_streams),
+                               revocations=Revocations())
 
 
 async def follow_revocations(server: grpc.aio.Server, guard: SecurityInterceptor, store: Store, keys: Keys,

@@ -15,7 +15,7 @@ import grpc
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors, metrics
-from coordinator.config import MAX_STREAM_CALLS
+from coordinator.limits import MAX_STREAM_CALLS
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
 from coordinator.rpc.answers import AnswerQueue, send_answers

@@ -39,7 +39,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from coordinator import errors
-from coordinator.config import quote
+from coordinator.limits import quote
 from coordinator.security.identity import Identity
 
 audit_log = logging.getLogger("gpucoord.audit")

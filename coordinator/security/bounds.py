@@ -4,7 +4,7 @@ Per-field rules (names, lengths, numbers) live with the handlers that own those 
 the limits on size and count that protect the servers themselves (README "Limits"):
 
 * gRPC messages: at most 1 MiB received (``tls.MAX_RECEIVE_BYTES``, a server option);
-* a partition spec: at most ``config.MAX_SPEC_BYTES`` (64 KiB) of JSON, refused before it is parsed
+* a partition spec: at most ``limits.MAX_SPEC_BYTES`` (64 KiB) of JSON, refused before it is parsed
   (and 256 agents, ``partition.MAX_AGENTS``);
 * open sessions per agent: ``max_sessions_per_agent`` (64), enforced by the session's own transaction.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator import errors
-from coordinator.config import MAX_SPEC_BYTES
+from coordinator.limits import MAX_SPEC_BYTES
 
 MAX_GPU_UUID_LEN = 128
 

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from coordinator import errors, metrics
+from coordinator import errors
 from coordinator.security import authz, bounds
 from coordinator.security.identity import Identity, peer_identity, peer_serial
 from coordinator.security.limits import COSTS, TARPIT_S, Limits
@@ -93,9 +93,13 @@ STREAMS_CAPPED = frozenset({authz.COORDINATOR + "KeepAlive", authz.SESSION_STREA
 
 
 class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, tls: bool, agent_hosts: authz.AgentHosts | None = None, limits: Limits | None = None,
+    def __init__(self, tls: bool, count_refusal: Callable[[str, BaseException], None],
+                 agent_hosts: authz.AgentHosts | None = None, limits: Limits | None = None,
                  revocations: Revocations | None = None) -> None:
+        """``count_refusal(rpc, error)`` counts a call refused here, before its handler (the servers pass
+        ``metrics.count_refusal``: security sits below the metrics and does not import them)."""
         self.tls = tls
+        self.count_refusal = count_refusal
         self.agent_hosts = agent_hosts
         self.limits = limits
         self.revocations = revocations
@@ -194,7 +198,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         try:
             await self._check(caller, method, request)
         except errors.GpucoordError as e:
-            metrics.count_refusal(authz.rpc_name(method), e)   # refused before the handler: counted here
+            self.count_refusal(authz.rpc_name(method), e)   # refused before the handler: counted here
             return e
         return None
 
@@ -263,7 +267,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     interceptor.limits.open_stream(who)
                     return caller, who
                 except errors.GpucoordError as e:
-                    metrics.count_refusal(authz.rpc_name(method), e)
+                    interceptor.count_refusal(authz.rpc_name(method), e)
                     error = e
             if error is not None:
                 refuse(context, error)
@@ -283,7 +287,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 try:
                     await interceptor._check(caller, method, request)
                 except errors.GpucoordError as e:
-                    metrics.count_refusal(authz.rpc_name(authz.unwrap(method, request)[0]), e)
+                    interceptor.count_refusal(authz.rpc_name(authz.unwrap(method, request)[0]), e)
                     yield Refused(request, e)
                     continue
                 yield request

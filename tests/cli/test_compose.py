@@ -1,5 +1,5 @@
-"""docker-compose.yml is a small cluster that cannot drift from the CLI: parsed here, its structure checked,
-and every flag it passes to gpucoord or etcd found in that program's --help."""
+"""docker-compose.yml is a small cluster that cannot drift from the CLI: parsed here (PyYAML, the ``test``
+extra), its structure checked, and every flag it passes to gpucoord or etcd found in that program's --help."""
 from __future__ import annotations
 
 import re
@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from coordinator.etcd.process import etcd_binary
-from tests.harness import REPO, child_env, load_yaml
+from tests.harness import REPO, child_env
 
 COMPOSE = Path(REPO) / "docker-compose.yml"
 
 
 def compose() -> dict[str, Any]:
-    doc: dict[str, Any] = load_yaml(COMPOSE.read_text())
+    doc: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
     return doc
 
 

@@ -108,5 +108,3 @@ def test_up_prints_the_etcd_version_and_runs_it_with_compaction_and_a_quota(tmp_
             proc.send_signal(signal.SIGINT)
         proc.wait(60)
     assert proc.returncode == 0
-
-

@@ -5,8 +5,8 @@ One run, real processes (a node daemon and two coordinators), 16 agents doing ra
 of 0, 0.5 and 2 s on one host: first through one replica alone, then split over two. The two must serve at
 least as many acquire/release operations as the one (the acceptance of issue 7; before host ownership
 they served 0.18x, every commit of one invalidating the other's compares), and no waiter may be answered
-more than 1 s after its wait (the issue's acceptance; DESIGN G8 targets 100 ms, which this loaded 2-core
-machine cannot promise).
+more than 1 s after its wait (the issue's acceptance; the README's G8 targets 100 ms, which this loaded
+2-core machine cannot promise).
 """
 from __future__ import annotations
 

@@ -15,20 +15,11 @@ import pytest
 from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator.config import MAX_STREAM_CALLS
-from tests.harness import (Cluster, StreamCallError, acquire_req, coordinator_stub, patch_method, queue, session_call,
-                           wait_for)
+from coordinator.limits import MAX_STREAM_CALLS
+from tests.harness import Cluster, StreamCallError, acquire_req, patch_method, queue, session_call, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
-
-
-@pytest.fixture
-def env(cluster: Cluster) -> Iterator[tuple[Cluster, Any, Client]]:
-    cluster.start_node("h1", "1x16GiB")
-    addr = cluster.start_coordinator()
-    with Client(addr, agent="agent-a", host="h1") as c:
-        yield cluster, coordinator_stub(addr), c
 
 
 def _outcome(fn: Any) -> tuple[Any, ...]:

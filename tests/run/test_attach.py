@@ -6,7 +6,7 @@ import json
 import os
 import signal
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -18,16 +18,6 @@ from tests.harness import Cluster, expect_refused, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
-
-
-@pytest.fixture
-def env(cluster: Cluster) -> Iterator[tuple[Cluster, Any, Client]]:
-    cluster.start_node("h1", "1x16GiB")
-    addr = cluster.start_coordinator()
-    channel = grpc.insecure_channel(addr)
-    with Client(addr, agent="agent-a", host="h1") as c:
-        yield cluster, pb_grpc.CoordinatorStub(channel), c
-    channel.close()
 
 
 def _lease_value(cluster: Cluster) -> tuple[dict[str, Any], int, int]:

@@ -1,14 +1,17 @@
 """The package's layers, as the source shows them: dependencies point down, never back up, never in a cycle.
 
 Layers, bottom up (a module may import its own layer's modules and those of the layers below):
-    base     keys, config, errors, metrics, clock, records, aio, txn, and security/ (certificates, TLS, identity,
-             authorization: it imports only base, and the etcd boundary, servers and CLI use it)
+    limits   protocol limits and ``quote()``: imports nothing of the package
+    core     keys, errors, clock, records, aio, txn                      (limits)
+    security certificates, TLS, identity, authorization, the interceptor  (limits, core)
+    config   config, metrics                                             (limits, core, security)
     etcd     the store and its request builders, etcd processes        (base)
     policy   admission, planner, partition: pure, no I/O                (base)
     node     the node daemon and its inventory                          (base, etcd, policy)
     replica  service, admitter, leader, mirror, view                    (base, etcd, policy)
     rpc      the gRPC servers and message conversion                    (all of the above, agent_client.api)
     bench    the performance bench: rig, baselines, phases, report      (base, etcd, node, agent_client)
+where base is the four layers below etcd (limits, core, security, config).
     cli      commands, rendering, up, demo, the bench command           (everything)
 ``agent_client`` imports nothing of ``coordinator``.
 
@@ -27,25 +30,35 @@ import pytest
 
 from tests.static.import_graph import REPO, cycles, graph
 
-BASE = {"coordinator", "coordinator.keys", "coordinator.config", "coordinator.errors", "coordinator.metrics", "coordinator.clock",
-        "coordinator.records", "coordinator.aio", "coordinator.txn"}
+# The bottom of the package, in order: each may import its own layer and those before it.
+BASE_LAYERS = {
+    "limits": {"coordinator.limits"},
+    "core": {"coordinator", "coordinator.keys", "coordinator.errors", "coordinator.clock", "coordinator.records",
+             "coordinator.aio", "coordinator.txn"},
+    "security": set(),      # coordinator.security and its modules
+    "config": {"coordinator.config", "coordinator.metrics"},
+}
+BASE = set(BASE_LAYERS)
 ALLOWED = {
-    "base": {"base"},
-    "etcd": {"base", "etcd"},
-    "policy": {"base", "policy"},
-    "node": {"base", "etcd", "policy", "node", "api"},
-    "replica": {"base", "etcd", "policy", "replica"},
-    "rpc": {"base", "etcd", "policy", "node", "replica", "rpc", "api"},
+    **{name: set(list(BASE_LAYERS)[:n + 1]) for n, name in enumerate(BASE_LAYERS)},
+    "etcd": {*BASE, "etcd"},
+    "policy": {*BASE, "policy"},
+    "node": {*BASE, "etcd", "policy", "node", "api"},
+    "replica": {*BASE, "etcd", "policy", "replica"},
+    "rpc": {*BASE, "etcd", "policy", "node", "replica", "rpc", "api"},
     # The bench drives gpucoord from outside, as agents and operators do: through processes, agent_client
     # and etcd itself, never through the replica's or the servers' code.
-    "bench": {"base", "etcd", "node", "bench", "api", "client"},
-    "cli": {"base", "etcd", "policy", "node", "replica", "rpc", "bench", "cli", "api", "client"},
+    "bench": {*BASE, "etcd", "node", "bench", "api", "client"},
+    "cli": {*BASE, "etcd", "policy", "node", "replica", "rpc", "bench", "cli", "api", "client"},
 }
 
 
 def layer(module: str) -> str:
-    if module in BASE or module.startswith("coordinator.security"):
-        return "base"
+    if module == "coordinator.security" or module.startswith("coordinator.security."):
+        return "security"
+    for name, members in BASE_LAYERS.items():
+        if module in members:
+            return name
     if module.startswith("agent_client.api"):
         return "api"
     if module.startswith("agent_client"):
@@ -66,6 +79,16 @@ def test_agent_client_imports_nothing_of_coordinator() -> None:
     assert not bad
 
 
+def test_the_base_layers_are_ordered() -> None:
+    """limits < core < security < config and metrics: the order is the layer test's own, so check it says
+    what the docstring says (security below config and metrics, limits at the bottom)."""
+    assert list(BASE_LAYERS) == ["limits", "core", "security", "config"]
+    assert ALLOWED["limits"] == {"limits"}
+    assert "config" not in ALLOWED["security"] and "security" in ALLOWED["config"]
+    assert layer("coordinator.limits") == "limits" and layer("coordinator.metrics") == "config"
+    assert layer("coordinator.security.interceptor") == "security"
+
+
 def test_dependencies_only_point_down() -> None:
     bad = []
     for mod, deps in graph().items():
@@ -77,8 +100,8 @@ def test_dependencies_only_point_down() -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.admission",
-                                    "coordinator.policy.placement",
+@pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.decide",
+                                    "coordinator.policy.admission", "coordinator.policy.placement",
                                     "coordinator.policy.partition"])
 def test_the_pure_policy_loads_neither_aetcd_nor_grpc(module: str) -> None:
     code = (f"import sys, {module}; "

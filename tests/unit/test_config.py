@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.config import MAX_TTL_S, MIN_TTL_S, ConfigError, CoordinatorConfig
+from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.limits import MAX_TTL_S, MIN_TTL_S
 from coordinator.keys import DEFAULT_PREFIX
 
 NO_ENV: dict[str, str] = {}

@@ -88,7 +88,7 @@ def json_roundtrip(obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# -- the numbers of DESIGN.md -------------------------------------------------------------------
+# -- the numbers of the design brief's worked examples (the brief is not in this repository) ----
 
 
 def test_auto_split_memory_three_agents_on_16_gib() -> None:
@@ -485,7 +485,8 @@ vram = { 2 = "20GiB" }         # a VRAM cap on a shared device
 
 
 def test_design_example_verbatim_is_rejected_because_allocations_need_manual_mode() -> None:
-    # The example in DESIGN.md shows every key at once; its allocations table is "manual mode only".
+    # The design brief's example (quoted above) shows every key at once; its allocations table is "manual
+    # mode only".
     with pytest.raises(PartitionError) as ei:
         parse_spec(tomllib.loads(DESIGN_EXAMPLE))
     assert ei.value.field == "allocations.agent-a"

@@ -22,7 +22,7 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 
 from coordinator import errors
-from coordinator.config import MAX_PRIORITY, quote
+from coordinator.limits import MAX_PRIORITY, quote
 from coordinator.policy.partition.units import MAX_AGENTS, PartitionError, _key, _show
 
 PATTERN_CHARS = frozenset("*?[]")

@@ -184,5 +184,3 @@ def _fmt_cores(cores: Sequence[int]) -> str:
         out.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
         i = j + 1
     return ",".join(out) or "none"
-
-

@@ -336,5 +336,3 @@ def load_spec_file(path: str) -> PartitionSpec:
         except UnicodeDecodeError as e:
             raise PartitionError(path, f"not valid UTF-8: {e}") from e
     return parse_spec(data)
-
-

@@ -32,7 +32,6 @@ class PartitionError(ValueError):
         return (type(self), (self.field, self.message))
 
 
-
 # -- sizes ----------------------------------------------------------------------------------------
 
 _SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+) *([A-Za-z]*)")
@@ -135,5 +134,3 @@ def _human(n: int) -> str:
             q = n / mult
             return f"{n} bytes ({q:.4g}{unit})"
     return f"{n} bytes"
-
-

@@ -1,0 +1,199 @@
+"""Decide one request of an admission round (``planner.py`` walks the round): grant, refuse, leave the queue
+or wait, as a small typed result. Pure: it reads the round's copy of the snapshot and the round's state so
+far, and changes nothing (the planner writes what it decides).
+
+``Request`` holds what is asked, with its types, read once from the queue entry or from the call.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Collection, Generic, Union
+
+from coordinator import errors
+from coordinator.config import CoordinatorConfig
+from coordinator.policy.admission import GpuView, best_fit, never_fits
+from coordinator.policy.host import HostView
+from coordinator.policy.plan import C, Caller, Context
+from coordinator.records import QueueEntry, VramLease
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What is asked, read once from the queue entry (which wins when there is one) or from the call."""
+
+    agent: str
+    lease_id: str
+    request_id: str
+    vram_mb: int
+    priority: int
+    preemptible: bool
+    gpu: str          # the GPU asked for (index or uuid), "" for any
+
+    @classmethod
+    def of_entry(cls, e: QueueEntry) -> Request:
+        return cls(e.agent, e.lease_id, e.request_id, int(e.vram_mb), int(e.priority), bool(e.preemptible), e.gpu)
+
+    @classmethod
+    def of_call(cls, c: Caller) -> Request:
+        return cls(c.session.agent, c.lease_id, c.request_id, int(c.vram_mb), int(c.priority),
+                   bool(c.preemptible), c.gpu_ref or "")
+
+
+@dataclasses.dataclass
+class Item(Generic[C]):
+    """One request of a round: a queue entry from etcd, a call of ours, or both (our queued call)."""
+
+    rank: str
+    entry: QueueEntry | None
+    call: C | None
+    req: Request = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.entry is not None:
+            self.req = Request.of_entry(self.entry)
+        else:
+            assert self.call is not None
+            self.req = Request.of_call(self.call)
+
+    @property
+    def agent(self) -> str:
+        return self.req.agent
+
+
+# -- what ``decide`` answers ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """Granted: the lease it already holds (a retry), or a new one on ``gpu``."""
+
+    existing: VramLease | None = None
+    gpu: GpuView | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Refuse:
+    """A new call refused without a write."""
+
+    error: errors.GpucoordError
+
+
+@dataclasses.dataclass(frozen=True)
+class Leave:
+    """A queued request that can never be granted any more: its entry leaves the queue."""
+
+    error: errors.GpucoordError
+
+
+@dataclasses.dataclass(frozen=True)
+class Waits:
+    """It waits (subject to the queue's bound, for a new call): the GPUs it may use and its caps on them."""
+
+    candidates: list[GpuView]
+    free_of_queue: list[GpuView]   # those of the candidates that no request ranked before it waits for
+    caps: dict[str, int]
+    victims_pending: bool      # a queued request whose victims are not gone yet
+    held_by_processes: bool    # ... and only their processes hold it back
+
+
+Decision = Union[Grant, Refuse, Leave, Waits]
+
+
+def decide(it: Item[C], view: HostView, ctx: Context, departing_held: Collection[str], blocked: Collection[str],
+           agent_waiting: int) -> Decision:
+    """What this request gets. ``view``: the round's copy (with the leases granted so far); ``blocked``: the
+    GPUs that a request ranked earlier still waits for; ``agent_waiting``: the agent's waiting requests."""
+    req = it.req
+    existing = view.leases.get(req.lease_id)
+    if existing is not None:
+        if it.call is not None and it.entry is None and existing.session_id != it.call.session.session_id:
+            # The same request from another session of the agent: handing it a lease that it could
+            # neither release nor keep (it lives and dies with the other session) would be wrong.
+            return Refuse(errors.FailedPrecondition(
+                "request_id: already holds a lease in another session of this agent", "request_id"))
+        return Grant(existing=existing)
+    try:
+        candidates, caps = eligible(view, ctx.config, req, count_leases=it.entry is None)
+    except errors.GpucoordError as e:
+        if it.entry is None:
+            return Refuse(e)
+        return Leave(left_the_queue(e))   # it can never be granted any more: it leaves the queue
+    free_of_queue = [g for g in candidates if g.uuid not in blocked]
+    # G3: a request with victims is admitted only once they are gone: their leases, and the processes
+    # of those bound to processes, as the node reports them (or the kill margin passed).
+    victims = it.entry.victims if it.entry is not None else ()
+    pending = any(v in view.leases or v in departing_held for v in victims)
+    held_by_processes = pending and all(
+        v in departing_held or v not in view.leases
+        or (v in ctx.overdue and bool(view.leases[v].pids or view.leases[v].pgid))
+        for v in victims)
+    placement = best_fit(req.vram_mb, req.agent, free_of_queue, caps) if not pending else None
+    if placement is not None and placement.gpu is not None:
+        return Grant(gpu=placement.gpu)
+    if it.call is not None and it.entry is None:
+        refusal = _may_not_wait(it.call, view.host, ctx, req.vram_mb, bool(set(blocked) & {g.uuid for g in candidates}),
+                                agent_waiting, placement.reason if placement else "")
+        if refusal is not None:
+            return Refuse(refusal)
+    return Waits(candidates, free_of_queue, caps, pending, held_by_processes)
+
+
+def _may_not_wait(c: Caller, host: str, ctx: Context, vram: int, behind_waiters: bool, agent_waiting: int,
+                  no_fit: str) -> errors.GpucoordError | None:
+    """Why a new request that does not fit now may not wait, or None (the host's bound is apart)."""
+    cfg = ctx.config
+    if c.deadline <= ctx.now:
+        if c.wait_s > 0:
+            return wait_over(c.vram_mb, c.wait_s)
+        return errors.CapacityError(
+            f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests" if behind_waiters
+            else no_fit or f"vram_mb: {vram} MiB does not fit now on any allowed GPU", "vram_mb")
+    if agent_waiting >= cfg.max_queue_per_agent:
+        return errors.CapacityError(
+            f"queue: agent {c.session.agent!r} already has {agent_waiting} waiting requests on host "
+            f"{host!r} (limit {cfg.max_queue_per_agent} per agent)", "queue")
+    return None
+
+
+def eligible(view: HostView, cfg: CoordinatorConfig, req: Request,
+             count_leases: bool) -> tuple[list[GpuView], dict[str, int]]:
+    """The GPUs this request may ever use, with the agent's cap on each; raises why there are none.
+    ``count_leases``: a new request is also refused when its agent holds its limit of leases."""
+    host, agent = view.host, req.agent
+    if view.inventory is None or not view.alive:
+        raise errors.FailedPrecondition(
+            f"host: the node daemon of host {host!r} is gone; no new admissions there", "host")
+    partition = view.effective_partition()
+    if not partition.allows(agent):
+        raise errors.NotOwner(f"agent: {agent!r} is not in the partition of host {host!r}", "agent")
+    if count_leases:
+        mine = sum(1 for lease in view.leases.values() if lease.agent == agent)
+        if mine >= cfg.max_leases_per_agent:
+            raise errors.CapacityError(
+                f"agent: {agent!r} already holds {mine} leases on {host!r} (limit "
+                f"{cfg.max_leases_per_agent})", "agent")
+    caps = partition.gpu_caps(agent, view.inventory)
+    candidates = list(view.gpus.values())
+    ref = req.gpu
+    if ref:
+        info = view.inventory.gpu(ref)
+        if info is None:
+            raise errors.NotFound(f"gpu: host {host!r} has no GPU {ref!r}", "gpu")
+        if info.uuid not in caps:
+            raise errors.NotOwner(f"gpu: GPU {ref} of host {host!r} is outside the partition of "
+                                  f"agent {agent!r}", "gpu")
+        candidates = [view.gpus[info.uuid]]
+    reason = never_fits(req.vram_mb, candidates, caps)
+    if reason is not None:
+        if "cap" in reason or reason == "no GPU is allowed":
+            raise errors.FailedPrecondition(reason, "vram_mb")
+        raise errors.InvalidArgument(reason, "vram_mb")
+    return [g for g in candidates if g.uuid in caps], caps
+
+
+def wait_over(vram_mb: int, wait_s: float) -> errors.WaitTimeout:
+    return errors.WaitTimeout(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
+
+
+def left_the_queue(e: errors.GpucoordError) -> errors.FailedPrecondition:
+    """A waiting request that can never be granted on the host any more (the host is gone, the partition
+    changed): it leaves the queue, and its caller learns why."""
+    return errors.FailedPrecondition(f"{e.message}; the waiting request left the queue", e.field or "queue")
