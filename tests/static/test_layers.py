@@ -12,7 +12,8 @@ Layers, bottom up (a module may import its own layer's modules and those of the 
 ``agent_client`` imports nothing of ``coordinator``.
 
 The tests have a rule of their own: a test module (and a conftest) imports, of ``tests``, only the shared
-helpers (``tests.harness``, ``tests.history``, ``tests.static.import_graph``), never another test module.
+helpers (``tests.harness``, ``tests.history``, ``tests.faultlink``, ``tests.static.import_graph``), never another
+test module.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_no_key_is_built_or_parsed_outside_keys_py() -> None:
 
 
 # What a test may import of ``tests``: the shared helpers, never another test module or a conftest.
-TEST_HELPERS = {"tests.harness", "tests.history", "tests.static.import_graph"}
+TEST_HELPERS = {"tests.harness", "tests.history", "tests.faultlink", "tests.static.import_graph"}
 
 
 def _imports_of_tests(path: pathlib.Path) -> set[str]:
