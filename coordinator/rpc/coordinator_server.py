@@ -384,7 +384,7 @@ async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int
     guard = SecurityInterceptor(tls is not None)
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     port = add_port(server, config.listen, tls)
-    svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
+    svc = CoordinatorService(config, advertise=config.advertise or f"{config.listen.rpartition(':')[0]}:{port}")
     await svc.start()
     guard.agent_hosts = svc.agent_hosts
     servicer = CoordinatorServicer(svc, forward=tls is None)
