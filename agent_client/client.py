@@ -165,8 +165,7 @@ class AsyncClient:
             log.info("%s: coordinator %s failed (%s); trying the next one", method, addr, why)
             if addr == self._owner:
                 self._owner = ""      # back to our own list: any replica forwards to the owner
-            else:
-                self._move_from(addr)
+            self._move_from(addr)     # and not to the same replica again, if our list is at it
             if code == grpc.StatusCode.UNAVAILABLE:
                 # Refused at once (a replica down, or all of them): back off. A timed-out attempt has
                 # waited already.

@@ -22,9 +22,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import pathlib
 import random
@@ -730,6 +732,36 @@ class Etcd3:
         self.cluster.stop()
 
 
+class ClientFailovers(logging.Handler):
+    """What the agent clients of this process were answered when they moved to another replica, counted by
+    call and status ("Acquire UNAVAILABLE", "KeepAlive no answer", ...), from agent_client's own log. Use
+    ``with ClientFailovers() as seen:``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._logger = logging.getLogger("agent_client.client")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg, args = record.msg, record.args or ()
+        if msg.startswith("%s: coordinator %s failed") and len(args) == 3:
+            self.counts[f"{args[0]} {str(args[2]).split(':')[0]}"] += 1
+        elif msg.startswith("keepalive stream broke") and args:
+            self.counts[f"KeepAlive {args[0]}"] += 1
+        elif msg.startswith("keepalive: no answer"):
+            self.counts["KeepAlive no answer"] += 1
+
+    def __enter__(self) -> ClientFailovers:
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+
 # -- a load of agents --------------------------------------------------------------------------------
 # Agents doing random acquire/release cycles, each call's outcome and timing recorded: used by the replica
 # tests (throughput with one and two replicas, waits answered on time) and the nemesis run (every call must
@@ -747,6 +779,7 @@ class LoadCall:
     outcome: str          # "ok" or the agent_client error class name
     host: str = ""
     ended_at: float = 0.0     # time.monotonic() when it was answered
+    lease_id: str = ""        # the lease granted ("ok")
 
     @property
     def late_s(self) -> float:
@@ -798,7 +831,8 @@ async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng:
             if not isinstance(e, errors.ResourceExhausted):
                 await asyncio.sleep(0.05)    # a fault: do not spin while it lasts
             continue
-        report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok", client.host, time.monotonic()))
+        report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok", client.host, time.monotonic(),
+                                     lease.id))
         await asyncio.sleep(rng.uniform(0, hold_s))
         try:
             await lease.release()

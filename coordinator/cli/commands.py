@@ -24,7 +24,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.rpc.coordinator_server import serve
     from coordinator.security.tls import TlsError
 
-    flags = {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
+    flags = {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise, "prefix": args.prefix,
+             "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
              "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",
              "max_sessions_per_agent": args.max_sessions_per_agent, "tls_ca": args.tls_ca,

@@ -24,6 +24,11 @@ class KeepAliveStream:
         self._task: asyncio.Task[None] | None = None
         self._last_response = 0.0
 
+    @property
+    def last_response(self) -> float:
+        """``loop.time()`` of the stream's last answer."""
+        return self._last_response
+
     def _ensure_running(self) -> asyncio.Queue[Any]:
         if self._task is None or self._task.done():
             self._requests = asyncio.Queue()

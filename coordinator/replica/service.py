@@ -72,6 +72,8 @@ class CoordinatorService:
         self.on_stop: list[Callable[[], Awaitable[None]]] = []   # e.g. the RPC layer's forwarding channels
         self.observed = self.ctx.observed
         self.usage_age = self.ctx.usage_age
+        self.reach = self.ctx.reach
+        self.reach.listeners.append(self._on_reach)
 
     async def start(self, leader_duties: bool = True) -> None:
         await self.store.connect()
@@ -176,6 +178,19 @@ class CoordinatorService:
             if admitter is not None and admitter.has_waiters:
                 admitter.notify()
 
+    def _on_reach(self, ok: bool) -> None:
+        """etcd went out of reach: hand every caller to another replica (see replica/reach.py). The waiters'
+        queue entries stay ours to remove if no other replica takes them over."""
+        if ok:
+            for a in self._admitters.values():
+                a.notify()
+            return
+        err = self.reach.error()
+        for a in self._admitters.values():
+            a.hand_off(err)
+        for q in [q for qs in self._streams.values() for q in qs]:
+            q.put_nowait(err)
+
     # -- eviction notices to KeepAlive streams ---------------------------------------------------
     def register_stream(self, session_id: str, queue: asyncio.Queue[Any]) -> None:
         self._streams.setdefault(session_id, set()).add(queue)
@@ -210,6 +225,7 @@ class CoordinatorService:
         # Every field first: nothing is read, granted or written for a request that is refused.
         check_name("agent", agent)
         check_name("host", host)
+        self.reach.check()
         ttl = ttl_s or self.config.session_ttl_s
         if not MIN_TTL_S <= ttl <= MAX_TTL_S:
             raise errors.InvalidArgument(f"ttl_seconds: must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {ttl}",
@@ -251,7 +267,7 @@ class CoordinatorService:
                     # ever know this etcd_lease: it goes now rather than living out its TTL.
                     await self._revoke_unused(etcd_lease)
             if written:
-                self._sessions[(agent, session_id)] = SessionInfo(agent, session_id, host, etcd_lease)
+                self._sessions[(agent, session_id)] = SessionInfo(agent, session_id, host, etcd_lease, ttl)
                 return session_id, ttl
         raise errors.Unavailable("open session: too much contention on the host's partition; retry")
 
@@ -276,6 +292,7 @@ class CoordinatorService:
         """The session's (cached) identity. Liveness is checked by every transaction, not here."""
         check_name("session.agent", agent)
         etcd_lease = check_session_id(session_id)
+        self.reach.check()
         info = self._sessions.get((agent, session_id))
         if info is not None:
             return info
@@ -283,12 +300,22 @@ class CoordinatorService:
         if kv is None:
             raise errors.SessionGone(f"session: no live session {session_id} of agent {agent!r} "
                                      "(unknown or expired)", "session")
-        info = SessionInfo(agent, session_id, kv.json()["host"], etcd_lease)
+        doc = kv.json()
+        ttl = doc.get("ttl")
+        info = SessionInfo(agent, session_id, doc["host"], etcd_lease, ttl if isinstance(ttl, int) else 0)
         self._sessions[(agent, session_id)] = info
         return info
 
     async def keepalive(self, info: SessionInfo) -> int:
-        ttl = await self.store.keepalive(info.etcd_lease)
+        """Refresh the session. Given up (UNAVAILABLE) after a quarter of its TTL at most, so that a client
+        whose replica cannot refresh it (etcd slow or out of reach) tries another one in time."""
+        self.reach.check()
+        timeout = min(self.store.timeout, info.ttl_s / 4) if info.ttl_s > 0 else None
+        try:
+            ttl = await self.store.keepalive(info.etcd_lease, timeout=timeout)
+        except errors.Timeout:
+            self.reach.suspect_now("a session's keepalive timed out")
+            raise
         if ttl <= 0:
             self._sessions.pop((info.agent, info.session_id), None)
             raise errors.SessionGone(f"session: session {info.session_id} of agent {info.agent!r} has expired",
@@ -335,6 +362,11 @@ class CoordinatorService:
         validate_acquire(vram_mb, gpu, priority, request_id, wait_s)
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
+        self.reach.check()
+        if forwarded and self.reach.suspect:
+            # The replica that forwarded it decides it itself, rather than wait for us to find out.
+            raise errors.Unavailable(f"coordinator {self.replica_id} may not reach etcd (its calls run late): "
+                                     "decide it yourself")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
@@ -368,7 +400,15 @@ class CoordinatorService:
         return await self.leases.revoke(lease_id, host, notice_revision, fence)
 
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
-        return await self.leases.release(info, lease_id)
+        """Answered within the etcd timeout: UNAVAILABLE (outcome unknown) when etcd did not settle it by
+        then; a release is idempotent, so the client retries it, through another replica if it must."""
+        try:
+            async with asyncio.timeout(self.config.etcd_timeout_s):
+                return await self.leases.release(info, lease_id)
+        except TimeoutError:
+            self.reach.suspect_now("a release timed out")
+            raise errors.OutcomeUnknown(f"release: etcd did not settle the release of {lease_id} in time; it may or "
+                                        "may not have happened: retry (a release is idempotent)") from None
 
     async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
         return await self.leases.attach_processes(info, lease_id, pids, pgid)

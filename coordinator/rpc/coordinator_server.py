@@ -46,6 +46,7 @@ def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Await
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
+            self.svc.reach.check()   # cut off from etcd: UNAVAILABLE at once, the caller tries another replica
             return await fn(self, request, context)
         except errors.GpucoordError as e:
             metrics.count_refusal(rpc, e)
