@@ -12,8 +12,9 @@ between a replica and etcd.
 At the end: the history checker over etcd's whole history (G1, G2's queue order is the admitter's, G3,
 G5, G6 at every revision), no lease, queue entry, eviction or session left once every agent is gone, and
 every client call ended with a documented status. The seed is printed (``GPUCOORD_NEMESIS_SEED`` replays
-one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s). A last line ``nemesis summary`` gives the seed,
-the faults, the calls, the violations and the leaks in one line.
+one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s); ``GPUCOORD_NEMESIS_FAULTS`` = ``process`` or
+``network`` keeps to one kind of fault (default: both). A last line ``nemesis summary`` gives the seed, the
+faults, the calls, the violations and the leaks in one line.
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ def nemesis_cluster(member_links: list[FaultLink]) -> Iterator[Cluster]:
 def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: Cluster, tmp_path: Path) -> None:
     seed = int(os.environ.get("GPUCOORD_NEMESIS_SEED") or random.randrange(1 << 30))
     duration = float(os.environ.get("GPUCOORD_NEMESIS_S", "60"))
-    print(f"nemesis seed {seed} ({duration:g} s)")
+    print(f"nemesis seed {seed} ({duration:g} s, faults: {os.environ.get('GPUCOORD_NEMESIS_FAULTS', 'all')})")
     rng = random.Random(seed)    # the scheduler's own: other code's use of random must not change its picks
     c = nemesis_cluster
     for host in HOSTS:
@@ -154,6 +155,9 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     injected: list[str] = []
     try:
         faults = _faults(etcd3, reps, member_links, c, rng)
+        kind = os.environ.get("GPUCOORD_NEMESIS_FAULTS", "all")
+        if kind in ("process", "network"):
+            faults = {n: f for n, f in faults.items() if (n in _NETWORK) == (kind == "network")}
         a, b = reps.addrs
 
         async def scenario() -> LoadReport:
