@@ -61,6 +61,10 @@ class KeepAliveStream:
                     if not fut.done():
                         fut.set_exception(err)
         finally:
+            # The request generator ends too: a call that has already ended ignores cancel(), and its
+            # consumer of the generator would otherwise wait on the queue until collected (asyncio then
+            # reports a task destroyed while pending, and an aclose() of a running generator).
+            requests.put_nowait(None)
             call.cancel()
 
     async def refresh(self, etcd_lease: int, timeout: float | None = None) -> int:

@@ -43,7 +43,8 @@ class EtcdReach:
     def suspect_now(self, why: str) -> None:
         """etcd answered this replica late: find out now whether it still reaches etcd."""
         if self.ok and not self.suspect:
-            log.info("replica %s suspects it cannot reach etcd (%s): probing", self.replica_id, why)
+            log.info("replica %s: its etcd calls run late (%s): refreshing its etcd lease to find out whether "
+                     "etcd is out of reach", self.replica_id, why)
             self.suspect = True
             if self.probe is not None:
                 self.probe()

