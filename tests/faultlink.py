@@ -26,7 +26,7 @@ import socket
 import struct
 import threading
 from collections import deque
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -134,15 +134,13 @@ class _Relay:
             while True:
                 # Held while the link does not pass this way: nothing is read, so the sender's buffers fill.
                 await self.link._passing(direction)
-                done, _ = await asyncio.wait({sender, asyncio.ensure_future(src.read(_CHUNK))},
-                                             return_when=asyncio.FIRST_COMPLETED)
+                reading = asyncio.ensure_future(src.read(_CHUNK))
+                done, _ = await asyncio.wait({sender, reading}, return_when=asyncio.FIRST_COMPLETED)
                 if sender in done:
-                    for t in done:
-                        if t is not sender:
-                            t.cancel()
+                    reading.cancel()
                     sender.result()
                     return
-                data = done.pop().result()
+                data = reading.result()
                 queue.append((loop.time() + self.link._delay[direction], data))
                 ready.set()
                 if not data:
@@ -206,11 +204,16 @@ class FaultLink:
         out = []
         for up in ups:
             host, _, port = up.removeprefix("http://").rpartition(":")
-            server = await asyncio.start_server(
-                lambda r, w, target=(host, int(port)): self._accept(target, r, w), "127.0.0.1", 0)
+            server = await asyncio.start_server(self._acceptor((host, int(port))), "127.0.0.1", 0)
             self._servers.append(server)
             out.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
         return out
+
+    def _acceptor(self, upstream: tuple[str, int]) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                                               Coroutine[Any, Any, None]]:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._accept(upstream, reader, writer)
+        return accept
 
     async def _accept(self, upstream: tuple[str, int], reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:

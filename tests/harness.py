@@ -285,6 +285,17 @@ def session_alive(cluster: Cluster, agent: str, session_id: str) -> bool:
     return bool(cluster.get_prefix(cluster.keys.session(agent, session_id)))
 
 
+def leaked(cluster: Cluster) -> list[bytes]:
+    """The leases, queue entries, eviction notices and sessions under the cluster's prefix."""
+    return [kv.key for kv in cluster.get_prefix(cluster.keys.root())
+            if cluster.keys.parse(kv.key)[0] in ("leases", "queue", "evictions", "sessions")]
+
+
+def wait_no_leaks(cluster: Cluster, within: float) -> None:
+    """The leak check that ends a fault test once every agent is gone: nothing of theirs is left in etcd."""
+    wait_for(lambda: not leaked(cluster), within, "no leaked lease, queue entry, eviction or session")
+
+
 # -- gRPC --------------------------------------------------------------------------------------------
 
 def coordinator_stub(addr: str) -> pb_grpc.CoordinatorStub:
@@ -744,7 +755,7 @@ class ClientFailovers(logging.Handler):
         self._level = self._logger.level
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg, args = record.msg, record.args or ()
+        msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
         if msg.startswith("%s: coordinator %s failed") and len(args) == 3:
             self.counts[f"{args[0]} {str(args[2]).split(':')[0]}"] += 1
         elif msg.startswith("keepalive stream broke") and args:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.faultlink import FaultLink
-from tests.harness import Cluster, Etcd3, LinkedReplica, LoadReport, run_load, wait_for
+from tests.harness import Cluster, Etcd3, LinkedReplica, LoadReport, leaked, run_load, wait_no_leaks
 from tests.history import check_store
 
 pytestmark = pytest.mark.nemesis
@@ -105,8 +105,8 @@ def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng:
     member = lambda: members[rng.randrange(3)]                         # noqa: E731
     return {
         # processes
-        "kill -9 etcd leader": (kill_leader, lambda m: e.restart(m), FAULT_LASTS_S),  # type: ignore[arg-type]
-        "SIGSTOP etcd member": (stop_member, lambda m: e.cont(m), FAULT_LASTS_S),  # type: ignore[arg-type]
+        "kill -9 etcd leader": (kill_leader, lambda m: e.restart(m), FAULT_LASTS_S),
+        "SIGSTOP etcd member": (stop_member, lambda m: e.cont(m), FAULT_LASTS_S),
         "SIGSTOP replica": (replica(stop), cont, FAULT_LASTS_S),
         "kill -9 replica": (replica(kill), restart, FAULT_LASTS_S),
         # the network
@@ -185,13 +185,10 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     print(f"nemesis seed {seed}: faults {injected}; calls {len(report.calls)}, outcomes {report.outcomes()}, "
           f"sessions lost {report.expired}")
 
-    def left() -> list[bytes]:
-        return [kv.key for kv in c.get_prefix(c.keys.root())
-                if c.keys.parse(kv.key)[0] in ("leases", "queue", "evictions", "sessions")]
     try:
-        wait_for(lambda: not left(), 3 * TTL, "no leaked lease, queue entry, eviction or session")
+        wait_no_leaks(c, 3 * TTL)
     finally:
-        leaks = left()
+        leaks = leaked(c)
         history = c.lt.run(check_store(c.store, c.keys), timeout=300)
         print(f"nemesis seed {seed}: history {history.revisions} revisions, {history.leases_created} leases, "
               f"violations {len(history.violations)}")

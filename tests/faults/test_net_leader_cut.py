@@ -15,8 +15,8 @@ import grpc
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, pass_time, patch_method, revision, wait_for
-from tests.history import check_history, read_history
+from tests.harness import Cluster, pass_time, patch_method, revision, wait_for, wait_no_leaks
+from tests.history import check_history, check_store, read_history
 
 GRACE_S = 8.0
 
@@ -37,6 +37,7 @@ def test_a_leader_cut_from_etcd_stops_its_duties_before_its_election_can_lapse(c
     cluster.etcd_links[addr].heal()
     wait_for(lambda: lead.acting, 15, "the healed replica to lead again")
     assert cluster.service(addr).reach.ok
+    cluster.lt.run(check_store(cluster.store, cluster.keys)).assert_ok()
 
 
 def test_a_leader_cut_from_etcd_commits_nothing_once_its_election_key_is_gone(cluster: Cluster) -> None:
@@ -97,3 +98,4 @@ def test_a_leader_cut_from_etcd_commits_nothing_once_its_election_key_is_gone(cl
     assert gone and revoked and revoked[0] > gone[0]
     assert len(revoked) == 1
     check_history(events, cluster.keys).assert_ok()
+    wait_no_leaks(cluster, 10)

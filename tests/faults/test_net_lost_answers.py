@@ -13,7 +13,7 @@ import pytest
 
 from agent_client import Client
 from coordinator.replica.service import owner_of
-from tests.harness import Cluster, session_alive, wait_for
+from tests.harness import Cluster, session_alive, wait_for, wait_no_leaks
 from tests.history import check_store
 
 TTL = 6
@@ -55,5 +55,5 @@ def test_a_client_whose_answers_are_lost_gets_one_lease_and_never_loses_a_releas
         # Its session lived on: the keepalives moved to B when A's answers stopped.
         link.heal()
         assert not c.expired and session_alive(cluster, "agent-a", c.session_id)
-    wait_for(lambda: not cluster.get_prefix(cluster.keys.sessions()), 2 * TTL, "the session to be closed")
+    wait_no_leaks(cluster, 2 * TTL)
     cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=120).assert_ok()

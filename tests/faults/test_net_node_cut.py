@@ -25,7 +25,7 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import node_pb2 as npb
-from tests.harness import Background, Cluster, coordinator_stub, node_stub, session_alive, wait_for
+from tests.harness import Background, Cluster, coordinator_stub, node_stub, session_alive, wait_for, wait_no_leaks
 from tests.history import check_store
 
 NODE_TTL = 4
@@ -39,10 +39,10 @@ def usage_stale(addr: str, host: str) -> bool:
 
 def check_token(address: str, gpu: str, token: int) -> str:
     try:
-        return "live" if node_stub(address).CheckToken(npb.CheckTokenRequest(gpu_uuid=gpu, token=token),
-                                                       timeout=5).live else "gone"
+        answer = node_stub(address).CheckToken(npb.CheckTokenRequest(gpu_uuid=gpu, token=token), timeout=5)
     except grpc.RpcError as e:
-        return e.code().name
+        return str(e.code().name)
+    return "live" if answer.live else "gone"
 
 
 def test_a_node_cut_from_etcd_past_its_ttl_loses_its_host_keeps_the_leases_and_comes_back(cluster: Cluster) -> None:
@@ -97,6 +97,7 @@ def test_a_node_cut_from_etcd_past_its_ttl_loses_its_host_keeps_the_leases_and_c
               f"registration gone at {gone_after:.1f}s; registered again {back_after:.1f}s after the heal")
         more.release()
         kept.release()
+    wait_no_leaks(cluster, 10)
     cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=120).assert_ok()
 
 

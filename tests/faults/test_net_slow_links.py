@@ -15,7 +15,7 @@ import asyncio
 from pathlib import Path
 
 from tests.faultlink import FaultLink
-from tests.harness import Cluster, Etcd3, LinkedReplica, run_load, wait_for
+from tests.harness import Cluster, Etcd3, LinkedReplica, run_load, wait_for, wait_no_leaks
 from tests.history import check_store
 
 TTL = 6
@@ -52,10 +52,7 @@ def test_a_slow_etcd_member_and_a_slow_replica_meet_the_etcd_timeout_and_lose_no
         assert report.max_late_s() < 2 * ETCD_TIMEOUT_S, sorted(report.waits(), key=lambda c: -c.late_s)[:3]
         assert "answering UNAVAILABLE, so that clients move" not in slow.log(), "a slow replica took itself for cut off"
 
-        def left() -> list[bytes]:
-            return [kv.key for kv in cluster.get_prefix(cluster.keys.root())
-                    if cluster.keys.parse(kv.key)[0] in ("leases", "queue", "evictions", "sessions")]
-        wait_for(lambda: not left(), 3 * TTL, "no leaked lease, queue entry, eviction or session")
+        wait_no_leaks(cluster, 3 * TTL)
         cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=120).assert_ok()
     finally:
         for r in replicas:
