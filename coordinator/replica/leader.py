@@ -81,6 +81,8 @@ class Leadership:
                 raise
             except errors.GpucoordError as e:
                 log.warning("election: %s; campaigning again", e)
+            except Exception:   # noqa: BLE001 - the loop must outlive anything one term meets
+                log.exception("election: a term ended with an unexpected error; campaigning again")
             self._step_down()
             if self._session is not None and not self._resigned:
                 await self._session.orphan()

@@ -99,3 +99,26 @@ def test_a_leader_cut_from_etcd_commits_nothing_once_its_election_key_is_gone(cl
     assert len(revoked) == 1
     check_history(events, cluster.keys).assert_ok()
     wait_no_leaks(cluster, 10)
+
+
+def test_a_replica_whose_last_candidacy_outlived_its_session_stands_again(cluster: Cluster) -> None:
+    """A replica gives its session up for lost (no keepalive got through for a TTL) while etcd still holds it:
+    a keepalive held by a partition arrived late, or etcd expires leases a moment after the replica counts.
+    Its next term must stand anyway (its own old candidacy is in the way, on the old etcd lease), not end the
+    replica's leadership loop: the nemesis once saw "background task leadership died: RuntimeError('candidate
+    ... already stands')", after which that replica neither led nor knew whether it could reach etcd."""
+    addr = cluster.start_coordinator()
+    lead = cluster.service(addr).leadership
+    wait_for(lambda: lead.acting, 15, "the replica to lead")
+    old = lead.session
+    assert old is not None
+
+    async def given_up_for_lost() -> None:      # what the session does when no keepalive got through for a TTL
+        await old.orphan()
+        old.lost = True
+    cluster.lt.run(given_up_for_lost())
+    wait_for(lambda: lead.session is not old and lead.acting, 15, "the replica to stand again and lead")
+    assert lead.session is not None and lead.session.etcd_lease != old.etcd_lease
+    assert cluster.lt.run(cluster.store.time_to_live(old.etcd_lease)) < 0, "the old etcd lease was left behind"
+    assert [r for r in cluster.replicas()] == [cluster.service(addr).replica_id]
+    cluster.lt.run(check_store(cluster.store, cluster.keys)).assert_ok()
