@@ -10,8 +10,8 @@ cut off from etcd; an etcd member cut off from everyone's clients; a slow (200 m
 between a replica and etcd.
 
 At the end: the history checker over etcd's whole history (G1, G2's queue order is the admitter's, G3,
-G5, G6 at every revision), no lease, queue entry, eviction or session left once every agent is gone, and
-every client call ended with a documented status. The seed is printed (``GPUCOORD_NEMESIS_SEED`` replays
+G5, G6 at every revision), no lease, queue entry, eviction or session left once every agent is gone, every
+client call ended with a documented status, and no replica logged a traceback or an error nobody handled. The seed is printed (``GPUCOORD_NEMESIS_SEED`` replays
 one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s); ``GPUCOORD_NEMESIS_FAULTS`` = ``process`` or
 ``network`` keeps to one kind of fault (default: both). A last line ``nemesis summary`` gives the seed, the
 faults, the calls, the violations and the leaks in one line.
@@ -197,6 +197,10 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
               f"violations={len(history.violations)} leaks={len(leaks)}")
     assert not report.undocumented(), report.undocumented()[:5]
     history.assert_ok()
+    for r in reps.reps:      # no replica died inside, or left an error nobody handled
+        log = r.log()
+        assert not any(bad in log for bad in ("Traceback", "never retrieved", "destroyed but it is pending")), \
+            log[-3000:]
 
 
 _NETWORK = {"cut replica-etcd", "cut replica-etcd past the TTL", "reset replica-etcd", "lose a replica's answers",
