@@ -22,6 +22,7 @@ import asyncio
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -153,6 +154,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         c.start_node(host, "2x16GiB", ttl=10, linked=True)
     reps = Replicas(c.endpoints, c.prefix, tmp_path)
     injected: list[str] = []
+    spans: list[tuple[float, float, str]] = []    # (injected at, healed at, name), time.monotonic()
     try:
         faults = _faults(etcd3, reps, member_links, c, rng)
         kind = os.environ.get("GPUCOORD_NEMESIS_FAULTS", "all")
@@ -170,10 +172,12 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
                 await asyncio.sleep(FAULT_EVERY_S - FAULT_LASTS_S)
                 name = rng.choice(sorted(faults))
                 inject, heal, lasts = faults[name]
+                at = time.monotonic()
                 what = await asyncio.to_thread(inject)
                 injected.append(name)
                 await asyncio.sleep(lasts)
                 await asyncio.to_thread(heal, what)
+                spans.append((at, time.monotonic(), name))
             await load
             return report
 
@@ -184,6 +188,12 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         reps.close()
     print(f"nemesis seed {seed}: faults {injected}; calls {len(report.calls)}, outcomes {report.outcomes()}, "
           f"sessions lost {report.expired}")
+    for call in report.calls:
+        if call.outcome == "SessionExpired":     # the faults of the TTL before: what cost it its session
+            recent = [(round(a - call.ended_at, 1), round(h - call.ended_at, 1), n) for a, h, n in spans
+                      if h > call.ended_at - TTL - 3 and a < call.ended_at]
+            print(f"nemesis seed {seed}: {call.agent} learned its session was gone; faults around then "
+                  f"(from, to, seconds relative): {recent}")
 
     try:
         wait_no_leaks(c, 3 * TTL)
