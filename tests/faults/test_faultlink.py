@@ -10,10 +10,17 @@ from typing import Iterator
 import pytest
 
 from tests.faultlink import FaultLink
+from tests.harness import wait_for
 
 
 @pytest.fixture
-def link() -> Iterator[FaultLink]:
+def received() -> list[bytes]:
+    """What the echo server behind the link has received, in order."""
+    return []
+
+
+@pytest.fixture
+def link(received: list[bytes]) -> Iterator[FaultLink]:
     server = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -26,6 +33,7 @@ def link() -> Iterator[FaultLink]:
             def echo(conn: socket.socket = conn) -> None:
                 try:
                     while data := conn.recv(65536):
+                        received.append(data)
                         conn.sendall(data)
                 except OSError:
                     pass
@@ -84,14 +92,26 @@ def test_a_loud_cut_resets_connections_and_refuses_new_ones_until_healed(link: F
     assert fresh.recv(64) == b"back"
 
 
-def test_a_one_way_cut_lets_requests_through_and_holds_the_answers(link: FaultLink) -> None:
+def test_a_one_way_cut_lets_requests_through_and_holds_the_answers(link: FaultLink, received: list[bytes]) -> None:
     s = connect(link)
     link.cut_one_way("answers")
     s.sendall(b"ping")
+    wait_for(lambda: b"".join(received) == b"ping", 5, "the request to arrive")
     assert quiet(s)
     link.heal()
     s.settimeout(5)
     assert s.recv(64) == b"ping"
+
+
+def test_a_one_way_cut_of_requests_holds_them_until_healed(link: FaultLink, received: list[bytes]) -> None:
+    s = connect(link)
+    link.cut_one_way("requests")
+    s.sendall(b"ping")
+    assert quiet(s) and received == []
+    link.heal()
+    s.settimeout(5)
+    assert s.recv(64) == b"ping"
+    assert received == [b"ping"]
 
 
 def test_latency_is_added_each_way(link: FaultLink) -> None:
