@@ -2,7 +2,7 @@
 hold leases, then healed.
 
 * While cut, its usage goes stale within 3 heartbeats and admission fails closed: the untracked VRAM it last
-  reported still counts, though the process that used it has exited meanwhile.
+  reported still counts, though the process that used it has exited meanwhile, and beside leases granted since.
 * It stops answering CheckToken (UNAVAILABLE) once it knows it cannot reach etcd: its view of the leases may
   miss a revocation, as it does here (an operator revokes a lease during the cut).
 * Past its TTL its registration expires: new acquires on the host are FAILED_PRECONDITION naming the host, a
@@ -67,6 +67,12 @@ def test_a_node_cut_from_etcd_past_its_ttl_loses_its_host_keeps_the_leases_and_c
         stale_after = time.monotonic() - cut_at
         with pytest.raises(errors.ResourceExhausted):
             holder.acquire(8000)                    # fails closed: the 4000 untracked still count
+        # A lease granted since the last report: the report's used VRAM does not cover it, and the 4000 MiB
+        # of no lease still count beside it (never less), not the report's used VRAM less today's leases.
+        extra = holder.acquire(4000)                # 16384 - 6000 leased - 4000 untracked
+        with pytest.raises(errors.ResourceExhausted):
+            holder.acquire(4000)                    # 16384 - 10000 leased - 4000 untracked
+        extra.release()
         coordinator_stub(addr).RevokeLease(pb.RevokeLeaseRequest(lease_id=revoked.id), timeout=10)
         wait_for(lambda: check_token(daemon.address, kept.gpu_uuid, revoked.token) == "UNAVAILABLE", NODE_TTL,
                  "the cut node to stop answering CheckToken")
