@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_client import errors
+from agent_client._version import __version__
 from agent_client.lease import AsyncLease, EvictionNotice
 from agent_client.run import AsyncBoundProcess
 from agent_client.stream import SessionStream, StreamBroken
@@ -26,8 +27,6 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.tls import aio_channel, credentials
 
 log = logging.getLogger(__name__)
-
-__version__ = "0.1.0"
 
 # gRPC's default reconnect backoff grows to minutes: a replica back after a restart must be found again
 # well within a session TTL, so the client retries connecting at least every second.
@@ -311,7 +310,7 @@ class AsyncClient:
                         left = (n.grace_left_seconds if n.HasField("grace_left_seconds")
                                 else n.deadline_unix - time.time())   # an older coordinator: wall clocks
                         self._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
-                                                     n.deadline_unix, time.monotonic() + left))
+                                                     n.deadline_unix, time.monotonic() + left, n.revoke))
 
             async def watchdog() -> None:
                 # A replica that hangs without closing its socket (SIGSTOP, a stuck loop, a partition that
@@ -370,6 +369,8 @@ class AsyncClient:
         self.done.set()
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
+            # Its stream ends before the channels close: no call is left behind to be destroyed pending.
+            await asyncio.gather(self._keepalive_task, return_exceptions=True)
         if self.session_id and not already:
             try:
                 await self._call("CloseSession", pb.CloseSessionRequest(session=self._ref()),

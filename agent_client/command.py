@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from typing import Any, Sequence
@@ -23,6 +24,12 @@ async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd
     """
     def say(msg: str) -> None:
         print(f"gpucoord run: {msg}", file=sys.stderr, flush=True)
+
+    if not logging.getLogger().handlers:
+        # Nobody asked for logs (no --verbose): what the library would warn about (a session that expired,
+        # a release that failed) is said once, in the final line; Python's last-resort handler would print
+        # it a second time, bare.
+        logging.getLogger("agent_client").setLevel(logging.ERROR)
 
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()

@@ -25,13 +25,20 @@ class LeaseHolder(Protocol):
 class EvictionNotice:
     """``deadline`` is on this process's ``time.monotonic()`` clock: the time left that the coordinator
     sent, added to ours when the notice came (``deadline_unix`` is the coordinator's wall clock, for
-    people: the two machines' clocks need not agree)."""
+    people: the two machines' clocks need not agree). ``revoke``: an operator's revoke of a lease bound to
+    processes, which are to be killed at once."""
     lease_id: str
     gpu_uuid: str
     reason: str
     requested_by: str
     deadline_unix: float
     deadline: float = 0.0
+    revoke: bool = False
+
+    def supersedes(self, other: EvictionNotice) -> bool:
+        """Whether this notice changes what the holder must do after ``other``: it is a revoke, or it brings
+        the deadline forward (an operator's shorter grace)."""
+        return (self.revoke and not other.revoke) or self.deadline < other.deadline - 0.05
 
     @property
     def seconds_left(self) -> float:
@@ -57,13 +64,14 @@ class _LeaseBase:
         self._callbacks: list[Callable[[EvictionNotice], Any]] = []
 
     def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
-        """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has)."""
+        """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has),
+        and again if a later notice supersedes it (a revoke, or an earlier deadline)."""
         self._callbacks.append(callback)
         if self.notice is not None:
             callback(self.notice)
 
     def _notify(self, notice: EvictionNotice) -> None:
-        if self.notice is not None:
+        if self.notice is not None and not notice.supersedes(self.notice):
             return
         self.notice = notice
         self.evicting.set()

@@ -13,13 +13,18 @@
 4. applies the agent's partition where the host allows it: CPU affinity to the partition's cores, and
    ``memory.max`` / ``cpu.max`` in a cgroup v2 directory under ``cgroup_root`` when one is given and
    writable. What cannot be enforced is said once, with the reason (``not_enforced``);
-5. on an eviction notice sends SIGTERM to the group at once and SIGKILL at the notice's deadline
-   (``KILL_MARGIN_S`` before it, so the process is gone before the leader revokes the lease and the
-   evicting request is granted), or ``kill_after`` seconds after the SIGTERM if that comes first;
-6. on losing the lease (revoked, the session expired or closed) sends SIGKILL at once: a process
-   without a lease must not hold the GPU;
-7. when the command exits, kills what is left of its process group, releases the lease and reports why
-   it ended (``reason``: exited, evicted, lease lost, stopped; ``message``: one readable line).
+5. on an eviction notice sends SIGTERM to the group at once and SIGKILL at the notice's deadline, as
+   this machine measures it (the grace the coordinator had left when it sent the notice, added to our
+   clock when it came), or ``kill_after`` seconds after the SIGTERM if that comes first. The leader
+   revokes the lease only a kill margin (``eviction_kill_margin_s``, 2 s) after the deadline, unless the
+   node reports none of its processes first; the margin absorbs the notice's transit and the process's
+   exit, and the evicting request is granted only once the processes are gone (G3);
+6. on an operator's revoke (a notice marked ``revoke``) sends SIGKILL at once; on losing the lease (the
+   session expired or closed) sends SIGKILL at once: a process without a lease must not hold the GPU;
+7. when the command exits, kills what is left of its process group, releases the lease (only now, once
+   the group has exited: the release is what tells the coordinator the processes are gone) and reports
+   why it ended (``reason``: exited, evicted, revoked, lease lost, stopped, interrupted; ``message``: one
+   readable line saying what happened, by whom, and the exit status).
 
 The session stays the client's: ``gpucoord run`` opens one for the command and closes it afterwards.
 """
@@ -67,9 +72,8 @@ class LoopRunner(Protocol):
 
     def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T: ...
 
-KILL_MARGIN_S = 0.5
-"""SIGKILL comes this long before an eviction deadline: the leader revokes at the deadline, and the
-evicting request must not be granted while the process still runs."""
+GROUP_EXIT_WAIT_S = 10.0
+"""How long the release waits for the rest of the command's process group to exit after its SIGKILL."""
 
 DEFAULT_STOP_GRACE_S = 10.0
 """``stop()`` (and leaving the ``with`` block early): SIGTERM, then SIGKILL after this long."""
@@ -145,8 +149,10 @@ class AsyncBoundProcess:
         self.returncode: int | None = None   # shell style: 128+N for signal N
         self.reason = ""                     # exited | evicted | lease lost | stopped
         self.message = ""
-        self.notice: Any = None   # the EvictionNotice, once one came
-        self.killed_by = ""                  # "the deadline" or "--kill-after", when SIGKILL ended it
+        self.notice: Any = None   # the EvictionNotice, once one came (the latest, if one superseded it)
+        self.killed_by = ""                  # "the deadline", "--kill-after" or "the revoke", when SIGKILL ended it
+        self._term_at: float | None = None   # when the eviction's SIGTERM went (monotonic)
+        self._forwarded: list[int] = []      # signals forwarded to the command (send_signal)
         self._proc: subprocess.Popen[bytes] | None = None
         self._task: asyncio.Task[int] | None = None
         self._evicted = asyncio.Event()
@@ -252,7 +258,7 @@ class AsyncBoundProcess:
 
     # -- events --------------------------------------------------------------------------------
     def _on_notice(self, notice: Any) -> None:
-        if self.notice is None:
+        if self.notice is None or notice.supersedes(self.notice):
             self.notice = notice
             self._evicted.set()
 
@@ -273,6 +279,8 @@ class AsyncBoundProcess:
         """Forward a signal to the command's process group (``gpucoord run`` does this for SIGINT, SIGTERM
         and SIGHUP)."""
         if self.started and not self.finished:
+            if sig not in self._forwarded:
+                self._forwarded.append(sig)
             self._kill(sig)
 
     async def _wait_exit(self) -> int:
@@ -305,8 +313,8 @@ class AsyncBoundProcess:
             except asyncio.TimeoutError:
                 pass
             if self.client.done.is_set():
-                self._lose("the session expired: no keepalive for longer than its TTL" if self.client.expired
-                           else "the session was closed")
+                self._lose("the session expired or was revoked: the coordinator no longer keeps it alive"
+                           if self.client.expired else "the session was closed")
                 return
             try:
                 await self.client.attach_processes(self.lease.id, [self.pid], self.pgid)
@@ -332,15 +340,15 @@ class AsyncBoundProcess:
                     self._kill(signal.SIGKILL)
                     waits["lost"] = loop.create_future()   # handled
                 if waits["evicted"].done() and not exited.done():
-                    waits["evicted"] = loop.create_future()
+                    # Handled now; a notice that supersedes this one (a revoke, an earlier deadline) sets
+                    # the event again.
+                    self._evicted.clear()
+                    waits["evicted"] = loop.create_task(self._evicted.wait())
                     assert self.notice is not None
-                    self._kill(signal.SIGTERM)
-                    delay, by = self.notice.seconds_left - KILL_MARGIN_S, "the eviction deadline"
-                    if self.kill_after is not None and self.kill_after < delay:
-                        delay, by = self.kill_after, "--kill-after"
                     if killer is not None:
                         killer.cancel()
-                    killer = loop.call_later(max(0.0, delay), self._kill_after_notice, by)
+                        killer = None
+                    killer = self._on_eviction(loop)
                 if waits["stop"].done() and not exited.done():
                     waits["stop"] = loop.create_future()
                     self._kill(signal.SIGTERM)
@@ -360,25 +368,69 @@ class AsyncBoundProcess:
                 t.cancel()
         self._kill(signal.SIGKILL)   # leftovers of the group: the lease is about to go
         self._give_terminal_back()
+        # The release tells the coordinator that the processes are gone (G3): only once the whole group is.
+        await self._wait_group_gone(GROUP_EXIT_WAIT_S)
         self.returncode = exit_status(returncode)
-        what = f"{self.cmd[0]} (pid {self.pid}) {describe_exit(returncode)}"
-        if self._lost.is_set():
-            self.reason = "lease lost"
-            self.message = f"lease lost ({self._lost_why}): {what}"
-        elif self.notice is not None:
-            n = self.notice
-            self.reason = "evicted"
-            how = f"SIGKILL at {self.killed_by}" if self.killed_by else "it ended after SIGTERM"
-            self.message = (f"evicted by {n.requested_by or 'unknown'} ({n.reason or 'no reason given'}): "
-                            f"SIGTERM at the notice, {how}; {what}")
-        elif self._stop.is_set():
-            self.reason = "stopped"
-            self.message = f"stopped: {what}"
-        else:
-            self.reason = "exited"
-            self.message = what
+        self.reason, self.message = self._outcome(returncode)
         await self._release_and_clean()
         return self.returncode
+
+    def _outcome(self, returncode: int) -> tuple[str, str]:
+        """Why the command ended, and one line that says what happened, by whom, and the exit status."""
+        what = f"{self.cmd[0]} (pid {self.pid}) {describe_exit(returncode)}"
+        lost = f"lease lost ({self._lost_why})" if self._lost.is_set() else ""
+        n = self.notice
+        if n is not None and n.revoke:
+            how = "SIGKILL at once" if self.killed_by == "the revoke" else "it had ended already"
+            return "revoked", f"revoked by {n.requested_by or 'an operator'}: {how}; {what}"
+        if n is not None:
+            how = f"SIGKILL at {self.killed_by}" if self.killed_by else "it ended after SIGTERM"
+            late = f"; {lost} before it exited" if lost else ""
+            return "evicted", (f"evicted by {n.requested_by or 'unknown'} ({n.reason or 'no reason given'}): "
+                               f"SIGTERM at the notice, {how}{late}; {what}")
+        if lost:
+            return "lease lost", f"{lost}: SIGKILL at once; {what}"
+        if self._stop.is_set():
+            return "stopped", f"stopped: {what}"
+        if self._forwarded:
+            sigs = ", ".join(signal.Signals(x).name for x in self._forwarded)
+            return "interrupted", f"interrupted: {sigs} forwarded to the command; {what}"
+        return "exited", what
+
+    def _on_eviction(self, loop: asyncio.AbstractEventLoop) -> asyncio.TimerHandle | None:
+        """SIGTERM now and SIGKILL at the notice's deadline (or ``kill_after`` after the SIGTERM), or, for an
+        operator's revoke, SIGKILL now. Returns the SIGKILL's timer."""
+        n = self.notice
+        if n.revoke:
+            self._kill_after_notice("the revoke")
+            return None
+        if self._term_at is None:
+            self._term_at = time.monotonic()
+            self._kill(signal.SIGTERM)
+        delay, by = n.seconds_left, "the eviction deadline"
+        if self.kill_after is not None:
+            after = self._term_at + self.kill_after - time.monotonic()
+            if after < delay:
+                delay, by = after, "--kill-after"
+        return loop.call_later(max(0.0, delay), self._kill_after_notice, by)
+
+    async def _wait_group_gone(self, timeout: float) -> None:
+        """Wait (polling, at most ``timeout``) until no process of the command's group is left."""
+        until = time.monotonic() + timeout
+        delay = 0.005
+        while self.pgid:
+            try:
+                os.killpg(self.pgid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass    # a member we may not signal (it changed its uid): still there
+            if time.monotonic() >= until:
+                log.warning("process group %d of %s is still there %.0f s after SIGKILL; releasing the lease "
+                            "anyway", self.pgid, self.cmd[0], timeout)
+                return
+            await asyncio.sleep(delay)
+            delay = min(0.05, delay * 2)
 
     def _kill_after_notice(self, by: str) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -421,5 +473,5 @@ class AsyncBoundProcess:
             await self._task
 
 
-__all__ = ["AsyncBoundProcess", "KILL_MARGIN_S", "LimitPlan", "LoopRunner", "SessionClient", "child_env", "exit_status",
+__all__ = ["AsyncBoundProcess", "LimitPlan", "LoopRunner", "SessionClient", "child_env", "exit_status",
            "plan_limits", "prepare_cgroup"]

@@ -34,6 +34,7 @@ MAX_SESSION_ID_LEN = 16           # lowercase hex of an etcd_lease id (64 bits)
 MAX_SPEC_BYTES = 64 * 1024        # a partition spec, as JSON
 MAX_PARTITION_BYTES = 256 * 1024  # the computed partition stored under partitions/<host>
 MAX_GRACE_S = 3600.0              # an operator's eviction grace
+MAX_KILL_MARGIN_S = 600.0         # eviction_kill_margin_s
 MAX_STREAM_CALLS = 256            # calls in flight on one Session stream
 QUOTE_CHARS = 32                  # an error message quotes at most this much of a bad value
 
@@ -67,6 +68,9 @@ class CoordinatorConfig:
     etcd_timeout_s: float = 0.0          # deadline of one etcd call; must be < TTL / 2 (0: min(3, TTL/3))
     election_ttl_s: int = 5
     eviction_grace_s: float = 10.0
+    # A lease under an eviction notice is revoked by force this long after its deadline, and the VRAM of
+    # a process-bound lease counts as held until then unless its processes are gone first (README, G3).
+    eviction_kill_margin_s: float = 2.0
     max_queue_per_host: int = 1024      # waiting requests per host (a higher-priority arrival displaces)
     max_queue_per_agent: int = 64       # waiting requests per agent per host
     max_leases_per_agent: int = 256
@@ -74,6 +78,15 @@ class CoordinatorConfig:
     batch_max: int = 64                  # most acquires decided from one snapshot (group commit)
     commit_attempts: int = 32            # compare-and-set retries before UNAVAILABLE
     max_sessions_per_agent: int = 64     # open sessions of one agent name (OpenSession past it: RESOURCE_EXHAUSTED)
+    # A stream's answers its client has not read yet (KeepAlive, Session): past either bound the stream is
+    # closed with RESOURCE_EXHAUSTED naming ``stream``.
+    stream_answers_max: int = 1024
+    stream_answer_bytes_max: int = 1 << 20
+    # Per verified identity (TLS only; README "Fair service"): a token bucket of calls (each stream message
+    # counts as a call; 0 turns it off) and a cap on open KeepAlive and Session streams.
+    calls_per_s_per_identity: float = 100.0
+    call_burst_per_identity: int = 200
+    max_streams_per_identity: int = 128
     # Identity (README "Running securely"): mTLS for clients, TLS and auth towards etcd.
     tls_ca: str = ""
     tls_cert: str = ""
@@ -107,7 +120,7 @@ class CoordinatorConfig:
                 raise ConfigError("advertise", f"must be host:port, got {self.advertise!r}")
         if not (self.prefix.startswith("/") and self.prefix.endswith("/")):
             raise ConfigError("prefix", f"must start and end with '/', got {self.prefix!r}")
-        for name in ("keepalive_interval_s", "etcd_timeout_s", "eviction_grace_s"):
+        for name in ("keepalive_interval_s", "etcd_timeout_s", "eviction_grace_s", "eviction_kill_margin_s"):
             value = getattr(self, name)
             if value != value or value in (float("inf"), float("-inf")):
                 raise ConfigError(name, f"must be a finite number, got {value}")
@@ -123,9 +136,16 @@ class CoordinatorConfig:
             raise ConfigError("election_ttl_s", f"must be >= {MIN_TTL_S}")
         if self.eviction_grace_s < 0:
             raise ConfigError("eviction_grace_s", "must be >= 0")
+        if not 0 <= self.eviction_kill_margin_s <= MAX_KILL_MARGIN_S:
+            raise ConfigError("eviction_kill_margin_s", f"must be within [0, {MAX_KILL_MARGIN_S:g}] seconds, got "
+                                                        f"{self.eviction_kill_margin_s}")
         _validate_security(self)
+        if not 0 <= self.calls_per_s_per_identity < float("inf"):
+            raise ConfigError("calls_per_s_per_identity",
+                              f"must be a finite number >= 0 (0: no limit), got {self.calls_per_s_per_identity}")
         for name in ("max_queue_per_host", "max_queue_per_agent", "max_leases_per_agent", "batch_max",
-                     "commit_attempts", "max_sessions_per_agent"):
+                     "commit_attempts", "max_sessions_per_agent", "stream_answers_max", "stream_answer_bytes_max",
+                     "call_burst_per_identity", "max_streams_per_identity"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         return self

@@ -7,7 +7,9 @@ Every key lives under a prefix (default ``/gpucoord/``, configurable). Values ar
 key                                    value                                                       hangs on              written by                         compare-and-set rule                                deleted by
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 ``hosts/<host>``                       address, inventory (cpu, mem, disk, gpus: index, uuid,      node's etcd_lease     node                               one txn: put if on the node's etcd_lease, else if   etcd, when the node's etcd_lease expires
-                                       name, vram_total_mb), version, pid, started_at                                                                       absent (version 0); else refused: one per host
+                                       name, vram_total_mb, numa_node (null: unknown),                                                                      absent (version 0); else refused: one per host
+                                       nvlink_peers (GPU indexes; absent in older records: unknown
+                                       topology)), version, pid, started_at
 ``usage/<host>``                       per GPU: vram_used_mb from NVML, processes, untracked_mb,   node's etcd_lease     node, when it changes, <= ~1/s     put only while hosts/<host> is on the node's        etcd, with the node's etcd_lease
                                        ts (the node's wall clock); each process's attribution                                                               etcd_lease (compare on its lease)
                                        (state, lease_id) and each lease's VRAM use (over_use)
@@ -21,10 +23,19 @@ key                                    value                                    
 ``queue/<host>/<rank>``                a waiting request; rank sorts by priority (highest first),  waiter's session      coordinator                        created with version == 0; every admission compares the grant's transaction, a timed-out or
                                        then arrival                                                                                                             that no entry changed since its snapshot            cancelled waiter, session expiry, leader sweep,
                                                                                                                                                                                                                     an arrival that displaces it (full queue)
-``evictions/<lease_id>``               who asked (and its priority), why, deadline                 victim's session      the deciding coordinator, or an    created with version == 0, comparing the victim's   release of the victim, leader at deadline
-                                                                                                                         operator; the leader enforces      mod_revision
+``evictions/<lease_id>``               who asked (and its priority), why, deadline                 victim's session      the deciding coordinator, or an    created with version == 0, comparing the victim's   release of the victim, leader at deadline +
+                                                                                                                         operator; the leader enforces      mod_revision                                        the kill margin (or earlier once the node
+                                                                                                                                                                                                                    reports none of its processes)
+``departing/<host>/<gpu_uuid>/<lease_id>``
+                                       an ended lease whose processes the node still reported:     nothing (durable)     the replica that releases a lease  created in the transaction that deletes the lease   leader: once the node reports none of its
+                                       agent, vram_mb, pids, pgid, who asked, bound, forced;                             under a notice; the leader at the  (compares it, its notice and the usage report);     processes (or the host is gone), or 5 min
+                                       its VRAM counts as held until the node lists none of                              kill margin                        the leader marks it forced at the bound             after the bound
+                                       them, or the kill margin passes
 ``sessions/<agent>/<session_id>``      agent, host, pid, client version, ttl                       the session itself    coordinator                        every admission compares version > 0                CloseSession (revoke) or etcd on expiry
 ``election/<id>``, ``coordinators/<id>`` leader election, live replicas                            replica's etcd_lease  coordinator                        election: lowest create_revision leads              etcd, with the replica's etcd_lease
+``revoked/<serial>``                   a revoked certificate: serial (lowercase hex), role, name,  nothing (durable)     operator (``certs revoke``, its    created with version == 0 (revoking twice keeps     never by gpucoord (an operator may delete it
+                                       not_after, revoked_at, revoked_by, reason; the key alone                          etcd user may write only here)     the first record)                                   once the certificate has expired)
+                                       revokes, whatever the value
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
@@ -135,6 +146,12 @@ class Keys:
     def evictions(self) -> bytes:
         return self._dir("evictions")
 
+    def departing(self, host: str, gpu_uuid: str, lease_id: str) -> bytes:
+        return self._k("departing", host, gpu_uuid, lease_id)
+
+    def departings(self, host: str | None = None) -> bytes:
+        return self._dir("departing", host) if host else self._dir("departing")
+
     def session(self, agent: str, session_id: str) -> bytes:
         return self._k("sessions", agent, session_id)
 
@@ -157,6 +174,13 @@ class Keys:
 
     def coordinators(self) -> bytes:
         return self._dir("coordinators")
+
+    def revoked(self, serial: str) -> bytes:
+        """``revoked/<serial>``: a revoked certificate (serial in lowercase hex)."""
+        return self._k("revoked", serial)
+
+    def revocations(self) -> bytes:
+        return self._dir("revoked")
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

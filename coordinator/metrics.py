@@ -18,7 +18,14 @@ REFUSALS = Counter("gpucoord_refusals_total",
                    "RPCs answered with an error, by RPC, reason (the kind of error) and the request field at fault",
                    ["rpc", "reason", "field"], registry=REGISTRY)
 RELEASES = Counter("gpucoord_releases_total", "VRAM leases released explicitly", registry=REGISTRY)
-EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued, and forced revokes", ["kind"], registry=REGISTRY)
+EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued (notice), leases revoked (revoke), and "
+                    "leases revoked at the kill margin while the node still reported their processes (margin)",
+                    ["kind"], registry=REGISTRY)
+VICTIM_PROCESS_WAITS = Histogram(
+    "gpucoord_victim_process_wait_seconds",
+    "Grants of evicting requests that waited on a victim's processes (past its deadline, or after its lease "
+    "ended, while the node still reported them): seconds from the first round held back for them to the grant",
+    buckets=(.01, .05, .1, .25, .5, 1, 2, 5, 10, 30), registry=REGISTRY)
 CONFLICTS = Counter("gpucoord_txn_conflicts_total", "Admission compare-and-set transactions that lost", registry=REGISTRY)
 FORWARDS = Counter("gpucoord_forwarded_acquires_total", "Acquires sent to the host's owning replica, and those "
                    "decided here because the owner could not answer", ["outcome"], registry=REGISTRY)
@@ -33,6 +40,8 @@ SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this r
 QUEUE_DEPTH = Gauge("gpucoord_queue_depth", "Waiting requests served by this replica", ["host"], registry=REGISTRY)
 LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (last status read)", ["host"], registry=REGISTRY)
 VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU (last status read)", ["host", "gpu", "kind"], registry=REGISTRY)
+INVALID_RECORDS = Counter("gpucoord_invalid_records_total", "Malformed values read from etcd, by key kind (each "
+                          "value once): their host is INVALID and gets no admission", ["kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=REGISTRY)
 NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=REGISTRY)
 NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_mb", "VRAM used by the processes of each lease (NVML)",

@@ -10,6 +10,7 @@
 * fault injection by wrapping one component's own objects, never by editing the code under test:
   ``patch_method``, ``patch_commit``;
 * child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_agent``, ``child_env``;
+* bound processes: ``gpucoord_run``, ``write_fake_processes``, ``ProcessGone`` (when a process exited);
 * fakes: ``FakeNvml``/``FakeDevice`` (the pynvml module at its function level);
 * the etcd boundary: ``EtcdEndpoint``, ``record_etcd_calls``, ``read_only``;
 * network faults: ``Cluster``'s linked coordinators and nodes and ``LinkedReplica`` (a coordinator process)
@@ -398,6 +399,67 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def gpucoord_run(addr: str, *args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    """``gpucoord run --coordinator ADDR ARGS...`` as a child process, its stdout and stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "run", "--coordinator", addr, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True,
+                            env=child_env(), cwd=REPO)
+
+
+def write_fake_processes(path: pathlib.Path, doc: dict[int, dict[int, Any]]) -> None:
+    """A ``--fake-processes`` file, written atomically (the node never reads half a file): GPU index ->
+    {pid: MiB, or {"mib": MiB, "until": unix seconds}}."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({str(g): {str(p): mb for p, mb in procs.items()} for g, procs in doc.items()}))
+    tmp.replace(path)
+
+
+class ProcessGone:
+    """When a process (not necessarily our child) is gone: exited, as a zombie or reaped. A small watcher
+    process waits on its pidfd, which becomes readable the moment the process exits, and prints the wall
+    time then. A process of its own, so that the time is taken at once, not when a thread of this process
+    (which may run a busy coordinator) gets the GIL back."""
+
+    _WATCH = ("import os, select, sys, time\n"
+              "try:\n fd = os.pidfd_open(int(sys.argv[1]))\n"
+              "except ProcessLookupError:\n print(repr(time.time()), flush=True); sys.exit()\n"
+              "print('watching', flush=True)\n"
+              "select.select([fd], [], [])\n"
+              "print(repr(time.time()), flush=True)\n")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.at: float | None = None
+        self._proc = subprocess.Popen([sys.executable, "-S", "-c", self._WATCH, str(pid)], stdout=subprocess.PIPE,
+                                      text=True)
+        assert self._proc.stdout is not None
+        first = self._proc.stdout.readline().strip()
+        if first != "watching":     # it was gone already
+            self.at = float(first)
+
+    def wait(self, timeout: float) -> float:
+        if self.at is None:
+            try:
+                out, _ = self._proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+                raise AssertionError(f"pid {self.pid} did not exit within {timeout}s") from None
+            self.at = float(out.strip())
+        else:
+            self._proc.wait(timeout)
+        return self.at
+
+    @staticmethod
+    def now_gone(pid: int) -> bool:
+        """/proc says so: no such process, or a zombie."""
+        try:
+            stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: str,
                       extra: list[str] | None = None,
                       env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
@@ -510,14 +572,24 @@ def nvml_error(code: int) -> pynvml.NVMLError:
 
 
 class FakeDevice:
+    """One GPU of a FakeNvml. Topology: ``bus_id`` (None: nvmlDeviceGetPciInfo is NotSupported), ``numa``
+    (None: nvmlDeviceGetNumaNodeId is NotSupported) and ``links``, per NVLink (active: 0/1, the remote end's
+    PCI bus id, its NVML_NVLINK_DEVICE_TYPE_*), None for a GPU without NVLink (NotSupported); a link
+    number past the list is InvalidArgument, as NVML answers past a GPU's last link."""
+
     def __init__(self, uuid: str | bytes, name: str | bytes, total: int, used: int = 0,
-                 procs: list[Any] | None = None, graphics: list[Any] | None = None) -> None:
+                 procs: list[Any] | None = None, graphics: list[Any] | None = None,
+                 bus_id: str | bytes | None = None, numa: int | None = None,
+                 links: list[tuple[int, str | bytes, int]] | None = None) -> None:
         self.uuid = uuid
         self.name = name
         self.total = total
         self.used = used
         self.procs: list[Any] = procs or []
         self.graphics: list[Any] = graphics or []
+        self.bus_id = bus_id
+        self.numa = numa
+        self.links = links
         # call name -> error code to raise from that call on this device
         self.fail: dict[str, int] = {}
 
@@ -527,6 +599,7 @@ class FakeNvml:
     test_inventory.py checks every name against the real module, so the fake cannot drift)."""
 
     NVMLError = pynvml.NVMLError
+    NVML_NVLINK_MAX_LINKS = pynvml.NVML_NVLINK_MAX_LINKS
 
     def __init__(self, devices: list[FakeDevice]) -> None:
         self.devices = devices
@@ -580,6 +653,35 @@ class FakeNvml:
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
         return list(self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses").graphics)
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetPciInfo")
+        if d.bus_id is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return SimpleNamespace(busId=d.bus_id)
+
+    def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
+        d = self._dev(handle, "nvmlDeviceGetNumaNodeId")
+        if d.numa is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return d.numa
+
+    def _link(self, handle: Any, link: int, call: str) -> tuple[int, str | bytes, int]:
+        d = self._dev(handle, call)
+        if d.links is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < len(d.links):
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return d.links[link]
+
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
+        return self._link(handle, link, "nvmlDeviceGetNvLinkState")[0]
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> Any:
+        return SimpleNamespace(busId=self._link(handle, link, "nvmlDeviceGetNvLinkRemotePciInfo")[1])
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+        return self._link(handle, link, "nvmlDeviceGetNvLinkRemoteDeviceType")[2]
 
 
 # -- the etcd boundary -------------------------------------------------------------------------------
@@ -1011,3 +1113,43 @@ def _yaml_block(lines: list[tuple[int, str]], i: int, indent: int) -> tuple[Any,
             mapping[key] = None
             i += 1
     return mapping, lines[i:]
+
+
+# -- a flood of calls by one identity (fair service) ----------------------------------------------------------
+
+def flood(addr: str, ca: str, cert: str, key: str, agent: str, host: str, kind: str, count: int,
+          concurrency: int = 32, seconds: float = 3600.0) -> dict[str, int]:
+    """``count`` calls of ``kind`` by ``agent`` (its certificate), ``concurrency`` at a time, as fast as the
+    coordinator answers, for at most ``seconds``: ``status`` (GetStatus of ``host``, where it holds a
+    session), ``acquire`` (requests that never fit), ``open`` (OpenSession). Returns how many ended with each
+    status code. Run it in a process of its own (``python -c``), so that its work is not the test's."""
+    from coordinator.security.tls import TlsFiles, channel_credentials
+
+    async def run() -> dict[str, int]:
+        codes: dict[str, int] = {}
+        creds = channel_credentials(TlsFiles(ca, cert, key))
+        async with grpc.aio.secure_channel(addr, creds) as ch:
+            stub = pb_grpc.CoordinatorStub(ch)
+            sid = (await stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=60),
+                                          timeout=30)).session_id
+            ref = pb.SessionRef(agent=agent, session_id=sid)
+            calls = {"status": lambda: stub.GetStatus(pb.GetStatusRequest(host=host), timeout=30),
+                     "acquire": lambda: stub.Acquire(pb.AcquireRequest(session=ref, vram_mb=1 << 29), timeout=30),
+                     "open": lambda: stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=5),
+                                                      timeout=30)}
+            left = count
+            until = time.monotonic() + seconds
+
+            async def worker() -> None:
+                nonlocal left
+                while left > 0 and time.monotonic() < until:
+                    left -= 1
+                    try:
+                        await calls[kind]()
+                        code = "OK"
+                    except grpc.aio.AioRpcError as e:
+                        code = e.code().name
+                    codes[code] = codes.get(code, 0) + 1
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return codes
+    return asyncio.run(run())

@@ -10,7 +10,13 @@ revision checks:
 * G6 idempotency: never two live leases with the same (host, agent, request_id) (a request is of one
   host: agent a's request_id on h2 is another request than on h1);
 * G3 eviction: every eviction notice made for a request of priority P names a preemptible lease of
-  priority < P, and a request that had victims is admitted only once all of them are gone.
+  priority < P, and a request that had victims is admitted only once all of them are gone;
+* G3 order for leases bound to processes, against the node's ``usage/`` reports in the history: a lease
+  that ended under an eviction notice (released, or revoked) counts as gone only once the host's report
+  lists none of its processes on its GPU, or its ``departing/`` record was forced (the kill margin passed).
+  Until then no lease is created for the request that evicted it, and a lease created on that GPU by
+  anyone else must fit with the ended lease's VRAM still counted. Leases that went with their session
+  (expiry, or the holder closing it) are not held to this: the node's untracked VRAM covers them.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from typing import Any
 
 from coordinator.keys import Keys
 from coordinator.etcd.store import Store, WatchEvent
+from coordinator.policy.departing import reported_pids, still_reported
 
 
 @dataclasses.dataclass
@@ -63,6 +70,10 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     seq: dict[tuple[str, str], int] = {}
     max_token: dict[tuple[str, str], int] = defaultdict(int)
     partitions: dict[str, dict[str, Any]] = {}
+    notices: dict[str, dict[str, Any]] = {}        # lease id -> live eviction notice
+    usage: dict[str, dict[str, Any]] = {}          # host -> its node's latest report
+    ended: dict[str, dict[str, Any]] = {}          # lease id -> a lease bound to processes that ended under a notice
+    forced: set[str] = set()                       # lease ids whose departing record was forced (the kill margin)
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         by_rev[ev.kv.mod_revision].append(ev)
@@ -70,8 +81,24 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
         rep.revisions += 1
         touched: set[tuple[str, str]] = set()
         granted_from_queue: list[tuple[str, list[str]]] = []
+        created: list[tuple[str, str, dict[str, Any]]] = []
+        # Sessions that end in this revision (expiry, or closed): their leases go with them.
+        sessions_gone = {keys.parse(ev.kv.key)[1][-1] for ev in by_rev[rev]
+                         if ev.kind == "DELETE" and keys.parse(ev.kv.key)[0] == "sessions"}
         for ev in by_rev[rev]:
             kind, parts = keys.parse(ev.kv.key)
+            if kind == "evictions" and parts:
+                if ev.kind == "PUT":
+                    notices[parts[0]] = json.loads(ev.kv.value)
+                else:
+                    notices.pop(parts[0], None)
+            elif kind == "usage" and parts:
+                if ev.kind == "PUT":
+                    usage[parts[0]] = json.loads(ev.kv.value)
+                else:
+                    usage.pop(parts[0], None)
+            elif kind == "departing" and ev.kind == "PUT" and json.loads(ev.kv.value).get("forced"):
+                forced.add(parts[-1])
             if kind == "evictions" and ev.kind == "PUT":
                 rec = json.loads(ev.kv.value)
                 rep.evictions += 1
@@ -96,6 +123,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     lease = json.loads(ev.kv.value)
                     if ev.kv.version == 1:
                         rep.leases_created += 1
+                        created.append((host, gpu, lease))
                         if lease["token"] <= max_token[(host, gpu)]:
                             rep.violations.append(
                                 f"rev {rev}: G5 token {lease['token']} on {host}/{gpu} is not above "
@@ -103,7 +131,10 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                         max_token[(host, gpu)] = max(max_token[(host, gpu)], lease["token"])
                     leases[(host, gpu)][lease_id] = lease
                 else:
-                    leases[(host, gpu)].pop(lease_id, None)
+                    gone = leases[(host, gpu)].pop(lease_id, None)
+                    bound = gone is not None and (gone.get("pids") or gone.get("pgid"))
+                    if bound and lease_id in notices and gone["session_id"] not in sessions_gone:
+                        ended[lease_id] = gone | {"requested_by": notices[lease_id].get("requested_by", "")}
             elif kind == "gpus" and ev.kind == "PUT":
                 host, gpu = parts
                 d = json.loads(ev.kv.value)
@@ -141,6 +172,29 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     if mb > cap:
                         rep.violations.append(f"rev {rev}: G1 agent {agent} holds {mb} MiB on {host}/{gpu}, "
                                               f"above its cap {cap} MiB")
+        # G3 for leases bound to processes: an ended victim is gone once the node lists none of its processes.
+        for host, gpu, lease in created:
+            held = []
+            for v in ended.values():
+                if (v["host"], v["gpu_uuid"]) != (host, gpu) or v["id"] in forced:
+                    continue
+                if not still_reported(usage.get(host), gpu, v["id"], v.get("pids", ())):
+                    continue
+                held.append(v)
+                pids = list(reported_pids(usage.get(host), gpu, v["id"], v.get("pids", ())))
+                if v["requested_by"] == f"{lease['agent']}/{lease['request_id']}":
+                    rep.violations.append(f"rev {rev}: G3 lease {lease['id']} admitted while its victim {v['id']}'s "
+                                          f"processes {pids} are still reported on {host}/{gpu}")
+            if held:
+                part = partitions.get(host)
+                usable = capacity.get((host, gpu), 0) - (int(part.get("headroom_mb", 0)) if part else 0)
+                used = sum(int(x["vram_mb"]) for x in leases[(host, gpu)].values()) + sum(
+                    int(v["vram_mb"]) for v in held)
+                if (host, gpu) in capacity and used > usable:
+                    rep.violations.append(
+                        f"rev {rev}: G3 lease {lease['id']} admitted on {host}/{gpu} with {used} MiB held > usable "
+                        f"{usable} MiB, counting ended leases {[v['id'] for v in held]} whose processes are "
+                        "still reported")
         # G3: a request with victims is admitted only after they are all gone.
         live_ids = {lease_id for live in leases.values() for lease_id in live}
         for lease_id, victims in granted_from_queue:

@@ -45,20 +45,24 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
 class EvictionNotice(_message.Message):
-    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds")
+    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds", "revoke", "processes")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     gpu_uuid: str
     reason: str
     requested_by: str
     deadline_unix: float
     grace_left_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ...) -> None: ...
+    revoke: bool
+    processes: str
+    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ..., revoke: _Optional[bool] = ..., processes: _Optional[str] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("ttl_seconds", "notices")
@@ -215,7 +219,7 @@ class LeaseUse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., over_use: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GpuStatus(_message.Message):
-    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq", "processes", "lease_use")
+    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq", "processes", "lease_use", "numa_node", "nvlink_peers", "departing_mb", "departing")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +232,10 @@ class GpuStatus(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     LEASE_USE_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_PEERS_FIELD_NUMBER: _ClassVar[int]
+    DEPARTING_MB_FIELD_NUMBER: _ClassVar[int]
+    DEPARTING_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -240,7 +248,33 @@ class GpuStatus(_message.Message):
     seq: int
     processes: _containers.RepeatedCompositeFieldContainer[ProcessUse]
     lease_use: _containers.RepeatedCompositeFieldContainer[LeaseUse]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessUse, _Mapping]]] = ..., lease_use: _Optional[_Iterable[_Union[LeaseUse, _Mapping]]] = ...) -> None: ...
+    numa_node: int
+    nvlink_peers: _containers.RepeatedScalarFieldContainer[int]
+    departing_mb: int
+    departing: _containers.RepeatedCompositeFieldContainer[DepartingLease]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessUse, _Mapping]]] = ..., lease_use: _Optional[_Iterable[_Union[LeaseUse, _Mapping]]] = ..., numa_node: _Optional[int] = ..., nvlink_peers: _Optional[_Iterable[int]] = ..., departing_mb: _Optional[int] = ..., departing: _Optional[_Iterable[_Union[DepartingLease, _Mapping]]] = ...) -> None: ...
+
+class DepartingLease(_message.Message):
+    __slots__ = ("lease_id", "agent", "vram_mb", "pids", "held", "forced", "requested_by", "reason", "revoke")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    agent: str
+    vram_mb: int
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    held: bool
+    forced: bool
+    requested_by: str
+    reason: str
+    revoke: bool
+    def __init__(self, lease_id: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., held: _Optional[bool] = ..., forced: _Optional[bool] = ..., requested_by: _Optional[str] = ..., reason: _Optional[str] = ..., revoke: _Optional[bool] = ...) -> None: ...
 
 class AgentUse(_message.Message):
     __slots__ = ("agent", "allocation_json", "leased_mb", "leases")
@@ -271,7 +305,7 @@ class QueueEntry(_message.Message):
     def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class HostStatus(_message.Message):
-    __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes", "usage_stale")
+    __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes", "usage_stale", "invalid")
     HOST_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +320,7 @@ class HostStatus(_message.Message):
     MEM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     USAGE_STALE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
     host: str
     address: str
     alive: bool
@@ -300,7 +335,8 @@ class HostStatus(_message.Message):
     mem_bytes: int
     disk_bytes: int
     usage_stale: bool
-    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ...) -> None: ...
+    invalid: str
+    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ..., invalid: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("hosts", "revision", "leader")
@@ -367,10 +403,12 @@ class RevokeLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class RevokeLeaseResponse(_message.Message):
-    __slots__ = ("revoked",)
+    __slots__ = ("revoked", "processes")
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     revoked: bool
-    def __init__(self, revoked: _Optional[bool] = ...) -> None: ...
+    processes: bool
+    def __init__(self, revoked: _Optional[bool] = ..., processes: _Optional[bool] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

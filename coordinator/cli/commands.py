@@ -27,6 +27,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     flags = {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise, "prefix": args.prefix,
              "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
+             "eviction_kill_margin_s": args.eviction_kill_margin,
              "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",
              "max_sessions_per_agent": args.max_sessions_per_agent, "tls_ca": args.tls_ca,
              "tls_cert": args.tls_cert, "tls_key": args.tls_key, "insecure": args.insecure,
@@ -53,6 +54,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from coordinator import errors
     from coordinator.keys import Keys, valid_name
     from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
@@ -81,7 +83,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         raise CliError(str(e), "simulate GPUs with --fake-gpus 2x16GiB", EXIT_UNREACHABLE) from e
     except ValueError as e:
         raise UsageError(f"{e}" if args.fake_processes and args.fake_gpus is None else f"--fake-gpus: {e}",
-                         "e.g. --fake-gpus 4x80GiB or 2x24GiB,1x80GiB") from e
+                         "e.g. --fake-gpus 4x80GiB, 2x24GiB,1x80GiB or 8x80GiB:numa=0-3,4-7:nvlink=0-3,4-7") from e
     try:
         overrides = host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
         from coordinator.node.enforce import Enforcer
@@ -107,6 +109,9 @@ def cmd_node(args: argparse.Namespace) -> int:
                                                 insecure=bool(args.insecure), advertise=args.advertise))
     except HostTaken as e:
         raise CliError(e.message, "stop it first, or give this daemon another --host", EXIT_HOST_TAKEN) from e
+    except errors.Unavailable as e:
+        raise CliError(f"the node daemon could not start: {e.message}",
+                       "is etcd running? give its endpoints with --etcd HOST:PORT", EXIT_UNREACHABLE) from e
     except tls.TlsError as e:   # an unreadable certificate or key
         raise CliError(f"the node daemon could not start: {e}", _TLS_HINT) from e
     except (OSError, RuntimeError) as e:   # a port in use (no SO_REUSEPORT: never shared)
@@ -256,7 +261,12 @@ def cmd_lease(args: argparse.Namespace) -> int:
                 # The same answer as `lease evict` of an unknown lease: nothing was revoked.
                 raise CliError(f"NOT_FOUND: lease_id: no live lease {args.id}",
                                "'gpucoord status' lists the live leases")
-            print("revoked")
+            if resp.processes:
+                print("revoking: the lease is bound to processes; its holder was told to SIGKILL them, and the "
+                      "lease ends (its VRAM free) once the node reports them gone, or at the coordinator's kill "
+                      "margin")
+            else:
+                print("revoked")
     except grpc.RpcError as e:
         raise rpc_error(e, args.coordinator) from None
     return 0

@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     up = _command(sub, "up", help="run etcd, a coordinator and a node daemon on loopback")
-    up.add_argument("--fake-gpus", help="simulate GPUs, e.g. 4x80GiB or 2x24GiB,1x80GiB (default: NVML, "
-                                        "else 2x16GiB)")
+    up.add_argument("--fake-gpus", help="simulate GPUs, e.g. 4x80GiB, 2x24GiB,1x80GiB or, with topology, "
+                                        "8x80GiB:numa=0-3,4-7:nvlink=0-3,4-7 (default: NVML, else 2x16GiB)")
     up.add_argument("--fake-cpus", type=int, default=None, help="the simulated host reports this many cores")
     up.add_argument("--fake-mem", default=None, help="the simulated host reports this much memory, e.g. 64GiB")
     up.add_argument("--fake-disk", default=None, help="the simulated host reports this much disk, e.g. 1TiB")
@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "with the bound port)")
     co.add_argument("--session-ttl", type=int, default=None)
     co.add_argument("--grace", type=float, default=None, help="eviction grace period, seconds")
+    co.add_argument("--eviction-kill-margin", type=float, default=None, metavar="SECONDS",
+                    help="a lease still held this long after its eviction deadline is revoked by force; until "
+                         "then the VRAM of a lease bound to processes is free only once they are gone (default 2)")
     co.add_argument("--untracked-vram", choices=("on", "off"), default=None)
     co.add_argument("--config", default=None, help="TOML file with a [coordinator] table (and [tls])")
     co.add_argument("--max-sessions-per-agent", type=int, default=None)
@@ -144,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     no.add_argument("--advertise", default=None, metavar="HOST:PORT",
                     help="the address published for this node's gRPC service, where coordinators and agents reach "
                          "it (default: the --listen address with the bound port)")
-    no.add_argument("--fake-gpus", default=None, help="simulate GPUs instead of NVML: COUNTxSIZE[,...], "
-                                                      "e.g. 4x80GiB or 2x24GiB,1x80GiB")
+    no.add_argument("--fake-gpus", default=None, help="simulate GPUs instead of NVML: COUNTxSIZE[,...]"
+                                                      "[:numa=SETS][:nvlink=SETS], e.g. 4x80GiB, 2x24GiB,1x80GiB "
+                                                      "or 8x80GiB:numa=0-3,4-7:nvlink=0-3,4-7")
     no.add_argument("--disk-path", default="/", help="the filesystem whose size is reported as the host's disk")
     no.add_argument("--fake-cpus", type=int, default=None, help="simulated host: report this many cores")
     no.add_argument("--fake-mem", default=None, help="simulated host: report this much memory, e.g. 64GiB")
@@ -202,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("id")
     ev.add_argument("--grace", type=float, default=None)
     ev.add_argument("--reason", default="operator")
-    rv = _command(lsub, "revoke", ("coordinator", *_TLS), help="delete the lease now")
+    rv = _command(lsub, "revoke", ("coordinator", *_TLS),
+                  help="delete the lease now; a lease bound to processes (gpucoord run) ends once they are "
+                       "killed and gone, or at the kill margin")
     rv.add_argument("id")
     le.set_defaults(fn=cmd_lease)
 

@@ -10,17 +10,44 @@ def _mib(mb: int) -> str:
     return f"{mb / 1024:.1f}G" if abs(mb) >= 1024 else f"{mb}M"
 
 
+_PROCESSES = {"stopping": "processes stopping (still on the GPU)", "gone": "processes gone",
+              "unknown": "processes not visible to the node"}
+
+
 def _eviction(notice: dict[str, Any] | None, now: float) -> str:
-    """The mark of a lease under an eviction notice: who asks, and the time left before the forced revoke."""
+    """The mark of a lease under an eviction notice: who asks, the time left before the deadline, and how
+    its processes stand (a lease bound to processes is revoked once they are gone, or at the kill margin)."""
     if not notice:
         return ""
     left = float(notice.get("deadline_unix", 0)) - now
-    return (f"  EVICTING: revoked in {max(0.0, left):.0f}s, asked by {notice.get('requested_by') or '?'}"
-            f" ({notice.get('reason') or 'no reason'})")
+    procs = _PROCESSES.get(str(notice.get("processes") or ""), "")
+    what = "REVOKING" if notice.get("revoke") else "EVICTING"
+    when = f"deadline in {left:.0f}s" if left > 0 else "deadline passed"
+    return (f"  {what}: {when}, asked by {notice.get('requested_by') or '?'}"
+            f" ({notice.get('reason') or 'no reason'})" + (f"; {procs}" if procs else ""))
+
+
+def _departing(gpu: dict[str, Any]) -> list[str]:
+    """Ended leases whose processes the node still reported: their VRAM is held until they are gone."""
+    out = []
+    for d in gpu.get("departing", []):
+        pids = ", ".join(str(x) for x in d.get("pids", [])) or "none now"
+        if d.get("held"):
+            state = "VRAM held until they are gone (or the kill margin passes)"
+        elif d.get("forced"):
+            state = ("the kill margin passed: no longer held for it (what NVML still counts is untracked VRAM); "
+                     "the node kills them with --enforce kill")
+        else:
+            state = "gone: VRAM free"
+        out.append(f"  DEPARTING on GPU {gpu['index']}: lease {d.get('lease_id', '?')} ({d.get('agent', '?')}, "
+                   f"{_mib(int(d.get('vram_mb', 0)))}) ended, {'revoked' if d.get('revoke') else 'evicted'} by "
+                   f"{d.get('requested_by') or '?'}; its processes on the GPU: {pids}; {state}")
+    return out
 
 
 def render_status(doc: dict[str, Any], now: float | None = None) -> str:
-    """The operator's table: hosts, GPUs (total, leased, used, untracked, free), partitions, leases, queue.
+    """The operator's table: hosts, GPUs (total, leased, used, untracked, free; NUMA node, ``?`` when unknown,
+    and NVLink peers, ``-`` for none), partitions, leases, queue.
     ``now`` (unix seconds) is when the deadlines of eviction notices are counted from."""
     now = time.time() if now is None else now
     lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
@@ -31,15 +58,20 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
                      f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}"
                      + ("  USAGE STALE (admission keeps the last untracked VRAM)" if h.get("usage_stale") else ""))
+        if h.get("invalid"):
+            lines.append(f"  INVALID {h['invalid']}  (no admission on this host until it is rewritten)")
         lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
-                     f"{'untracked':>9} {'free':>8} {'token':>6}")
+                     f"{'untracked':>9} {'free':>8} {'token':>6} {'numa':>4} nvlink")
         for g in h.get("gpus", []):
             used = int(g.get("used_mb", -1))
+            numa = int(g.get("numa_node", -1))
             lines.append(f"  {g['index']:>3} {g['uuid'][:24]:<24} {_mib(int(g['total_mb'])):>8} "
                          f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
                          f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
-                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6}")
+                         f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6} {'?' if numa < 0 else numa:>4} "
+                         f"{_ranges([int(x) for x in g.get('nvlink_peers', [])])}")
         for g in h.get("gpus", []):
+            lines += _departing(g)
             for u in g.get("lease_use", []):
                 if u.get("over_use"):
                     lines.append(f"  OVER-USE on GPU {g['index']}: lease {u['lease_id']} ({u['agent']}) uses "
@@ -107,4 +139,8 @@ def render_partition(doc: dict[str, Any]) -> str:
         r = (doc.get("spec") or {}).get("reserved", {})
         lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
                      f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
+    priority_caps: dict[str, Any] = (doc.get("spec") or {}).get("priority_caps") or {}
+    for name, cap in sorted(priority_caps.items()):
+        lines.append(f"  priority cap {name}: at most {cap.get('max_priority')}"
+                     + (", non-preemptible allowed" if cap.get("non_preemptible") else ", preemptible leases only"))
     return "\n".join(lines)

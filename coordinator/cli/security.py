@@ -4,26 +4,163 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any, Callable
+import datetime
+import getpass
+import re
+import sys
+from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
 
+from coordinator import errors
 from coordinator.cli.common import EXIT_UNREACHABLE, CliError, UsageError
+from coordinator.etcd.ops import cmp_absent, op_put
+from coordinator.etcd.store import Store
+from coordinator.keys import Keys, last_segment
+from coordinator.records import dumps
 from coordinator.security import certs, etcd_auth
+
+T = TypeVar("T")
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
+    if args.certs_cmd in ("list", "revoke"):
+        return _certs_list(args) if args.certs_cmd == "list" else _certs_revoke(args)
     try:
         if args.certs_cmd == "init":
             files = certs.init_ca(args.dir, days=args.days or certs.CA_DAYS, force=args.force)
-            print(f"CA: {files.cert} (key {files.key}, keep it private)")
+            print(f"gRPC CA: {files.cert} (key {files.key}, keep it private): signs every identity's certificate")
+            print(f"etcd CA: {files.etcd_cert} (key {files.etcd_key}, keep it private): signs etcd's server and "
+                  "its clients (coordinator, node, operator), never an agent; give it to etcd as --trusted-ca-file")
         else:
             files = certs.issue(args.dir, args.role, args.name, hosts=args.host_ip, days=args.days)
             print(f"{args.role} {args.name}: {files.cert} (key {files.key})")
+            if files.etcd_cert is not None:
+                print(f"{args.role} {args.name} towards etcd: {files.etcd_cert} (key {files.etcd_key})")
     except ValueError as e:
         raise UsageError(str(e), f"see 'gpucoord certs {args.certs_cmd} --help'") from e
     except OSError as e:
         raise CliError(f"certs: {e}", f"is {args.dir} writable?") from e
+    return 0
+
+
+def _etcd_call(args: argparse.Namespace, body: Callable[[Store, Keys], Awaitable[T]]) -> T:
+    """``body`` with a store on ``--etcd`` (one attempt, a short deadline, the operator's etcd credentials)."""
+    try:
+        security = etcd_auth.from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e), f"see 'gpucoord certs {args.certs_cmd} --help'") from e
+
+    async def run() -> T:
+        store = Store(args.etcd.split(","), timeout=3.0, retry_for=0.0, security=security)
+        try:
+            await store.connect()
+            return await body(store, Keys(args.prefix))
+        except errors.GpucoordError as e:
+            if "permission denied" in e.message or "user name" in e.message or "authentication" in e.message:
+                raise CliError(f"etcd refused: {e.message}", "revoking needs the operator's etcd certificate "
+                               "(--etcd-ca etcd-ca.crt --etcd-cert operator-NAME.etcd.crt --etcd-key ...)") from e
+            raise CliError(f"cannot reach etcd at {args.etcd} ({e.message})",
+                           "is etcd running? give its address with --etcd HOST:PORT (and --etcd-ca for TLS)",
+                           EXIT_UNREACHABLE) from e
+        except (grpc.RpcError, OSError) as e:
+            raise CliError(f"cannot reach etcd at {args.etcd} ({e})",
+                           "is etcd running? give its address with --etcd HOST:PORT (and --etcd-ca for TLS)",
+                           EXIT_UNREACHABLE) from e
+        finally:
+            await store.close()
+    return asyncio.run(run())
+
+
+def _revoked_in_etcd(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    async def read(store: Store, keys: Keys) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for kv in (await store.get_prefix(keys.revocations())).ranges[0]:
+            try:
+                doc = kv.json()
+            except ValueError:
+                doc = {}
+            out[last_segment(kv.key)] = doc if isinstance(doc, dict) else {}
+        return out
+    return _etcd_call(args, read)
+
+
+def _certs_list(args: argparse.Namespace) -> int:
+    """Every certificate issued from DIR, its state (valid, expired, REVOKED), and revocations in etcd of
+    certificates that DIR did not issue."""
+    entries = certs.issued(args.dir)
+    revoked = {} if args.offline else _revoked_in_etcd(args)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"{'SERIAL':<42} {'ROLE':<12} {'NAME':<24} {'CA':<8} {'EXPIRES':<26} STATE")
+    for e in entries:
+        expires = str(e.get("not_after", ""))
+        try:
+            expired = datetime.datetime.fromisoformat(expires) < now
+        except ValueError:
+            expired = False
+        state = "?" if args.offline else "valid"
+        if e["serial"] in revoked:
+            state = "REVOKED " + str(revoked[e["serial"]].get("revoked_at", ""))
+        elif expired:
+            state = "expired"
+        print(f"{e['serial']:<42} {e.get('role', '?'):<12} {e.get('name', '?'):<24} {e.get('ca', '?'):<8} "
+              f"{expires:<26} {state}")
+    known = {e["serial"] for e in entries}
+    for serial, doc in sorted(revoked.items()):
+        if serial not in known:
+            print(f"{serial:<42} {str(doc.get('role', '?')):<12} {str(doc.get('name', '?')):<24} {'?':<8} "
+                  f"{str(doc.get('not_after', '?')):<26} REVOKED {doc.get('revoked_at', '')} (not issued from {args.dir})")
+    if args.offline:
+        print("# --offline: revocations (in etcd) not read", file=sys.stderr)
+    return 0
+
+
+def _certs_revoke(args: argparse.Namespace) -> int:
+    """Write ``revoked/<serial>`` for every certificate ``args.target`` names: a serial, or a NAME (or
+    ROLE/NAME) of certificates issued from ``--dir`` that have not expired yet."""
+    target = args.target
+    entries = certs.issued(args.dir) if args.dir else []
+    role, _, name = target.rpartition("/")
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def live(e: dict[str, Any]) -> bool:
+        try:
+            return datetime.datetime.fromisoformat(str(e.get("not_after"))) > now
+        except ValueError:
+            return True
+    chosen = [e for e in entries if e["serial"] == target.lower()]
+    if not chosen:
+        chosen = [e for e in entries if e.get("name") == name and (not role or e.get("role") == role) and live(e)]
+    if not chosen:
+        if re.fullmatch(r"[0-9a-fA-F]{1,64}", target):
+            chosen = [{"serial": target.lower().lstrip("0") or "0", "role": "", "name": "", "not_after": ""}]
+        elif args.dir:
+            raise CliError(f"certs revoke: no certificate named {target!r} that has not expired was issued from "
+                           f"{args.dir}", "'gpucoord certs list --dir DIR' lists them; give a SERIAL or NAME")
+        else:
+            raise UsageError(f"certs revoke: {target!r} is not a serial (hex); a NAME needs --dir, where the "
+                             "certificates were issued", "see 'gpucoord certs revoke --help'")
+    reason = args.reason or ""
+    if len(reason.encode()) > 256:
+        raise UsageError("--reason: at most 256 bytes", "see 'gpucoord certs revoke --help'")
+
+    async def write(store: Store, keys: Keys) -> list[bool]:
+        created = []
+        for e in chosen:
+            key = keys.revoked(e["serial"])
+            value = dumps({"serial": e["serial"], "role": e.get("role", ""), "name": e.get("name", ""),
+                           "not_after": e.get("not_after", ""), "reason": reason,
+                           "revoked_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "revoked_by": getpass.getuser()})
+            res = await store.commit([cmp_absent(key)], [op_put(key, value)])
+            created.append(res.succeeded)
+        return created
+    created = _etcd_call(args, write)
+    for e, new in zip(chosen, created):
+        what = f" ({e.get('role')} {e.get('name')}, {e.get('ca', '?')} CA)" if e.get("name") else ""
+        print(f"{'revoked' if new else 'already revoked'}: {e['serial']}{what}")
+    print("every coordinator and node refuses it from now on (they watch revoked/); etcd itself does not read "
+          "this list: see the README on revoking an etcd client certificate")
     return 0
 
 
@@ -53,13 +190,15 @@ def cmd_etcd_setup(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
     """``certs`` and ``etcd-setup`` on ``sub``; ``command(sub, name, uses, **kw)`` makes a subcommand that
     takes the global options ``uses`` (coordinator.cli.main)."""
-    ce = command(sub, "certs", help="make a CA and issue certificates (ECDSA P-256)")
-    csub = ce.add_subparsers(dest="certs_cmd", required=True, metavar="init|issue")
-    ini = command(csub, "init", help="make ca.crt and ca.key in DIR")
+    ce = command(sub, "certs", ("etcd", "prefix"),
+                 help="make the CAs, issue, list and revoke certificates (ECDSA P-256)")
+    csub = ce.add_subparsers(dest="certs_cmd", required=True, metavar="init|issue|list|revoke")
+    ini = command(csub, "init", help="make the gRPC CA (ca.crt) and the etcd CA (etcd-ca.crt) in DIR")
     ini.add_argument("--dir", required=True)
     ini.add_argument("--days", type=int, default=None, help=f"CA lifetime (default {certs.CA_DAYS})")
-    ini.add_argument("--force", action="store_true", help="replace an existing CA")
-    iss = command(csub, "issue", help="issue ROLE-NAME.crt/.key for gpucoord://ROLE/NAME")
+    ini.add_argument("--force", action="store_true", help="replace existing CAs")
+    iss = command(csub, "issue", help="issue ROLE-NAME.crt/.key for gpucoord://ROLE/NAME (and ROLE-NAME.etcd.crt/.key "
+                                      "for a coordinator, node or operator)")
     iss.add_argument("--dir", required=True)
     iss.add_argument("--role", required=True, choices=certs.CERT_KINDS)
     iss.add_argument("--name", required=True)
@@ -67,6 +206,18 @@ def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> No
                      help="a server's address, as a SAN (repeatable)")
     iss.add_argument("--days", type=int, default=None,
                      help="lifetime (default: " + ", ".join(f"{k} {v}" for k, v in certs.DEFAULT_DAYS.items()) + ")")
+    li = command(csub, "list", ("etcd", "prefix"),
+                 help="the certificates issued from DIR, and which are revoked (read from etcd)")
+    li.add_argument("--dir", required=True)
+    li.add_argument("--offline", action="store_true", help="do not read etcd (revocations unknown)")
+    etcd_auth.add_arguments(li)
+    rv = command(csub, "revoke", ("etcd", "prefix"),
+                 help="revoke certificates: write revoked/<serial> in etcd (the operator's etcd certificate)")
+    rv.add_argument("target", metavar="NAME|ROLE/NAME|SERIAL",
+                    help="a serial (hex), or the name of certificates issued from --dir that have not expired")
+    rv.add_argument("--dir", default=None, help="where the certificates were issued (needed for a NAME)")
+    rv.add_argument("--reason", default="", help="recorded with the revocation (at most 256 bytes)")
+    etcd_auth.add_arguments(rv)
     ce.set_defaults(fn=cmd_certs)
 
     es = command(sub, "etcd-setup", ("etcd", "prefix"),

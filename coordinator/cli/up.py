@@ -136,7 +136,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         secure = prepare_secure(data_dir, args.host, DEMO_AGENTS if args.demo else (args.agent,))
         print(f"certificates: {secure.dir} (CA {secure.ca})")
     etcd = EtcdCluster(1, base_dir=data_dir, client_port=etcd_port, binary=binary.path, options=options,
-                       client_tls=None if secure is None else ClientTls(secure.ca, secure.etcd_server.cert,
+                       client_tls=None if secure is None else ClientTls(secure.etcd_ca, secure.etcd_server.cert,
                                                                         secure.etcd_server.key))
     children: list[Child] = []
     py = sys.executable
@@ -154,12 +154,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         if secure is not None:
             from coordinator.security.etcd_auth import setup_roles
             asyncio.run(setup_roles(ep, secure.etcd_security(secure.etcd_root), "/gpucoord/", [args.host]))
-            etcdctl = (f"{binary.etcdctl()} --endpoints=https://{ep} --cacert={secure.ca} "
+            etcdctl = (f"{binary.etcdctl()} --endpoints=https://{ep} --cacert={secure.etcd_ca} "
                        f"--cert={secure.etcd_root.cert} --key={secure.etcd_root.key}")
-            coord_extra = secure.tls_flags(secure.coordinator) + secure.etcd_flags(secure.coordinator)
-            node_extra = secure.tls_flags(secure.node) + secure.etcd_flags(secure.node)
+            coord_extra = secure.tls_flags(secure.coordinator) + secure.etcd_flags("coordinator")
+            node_extra = secure.tls_flags(secure.node) + secure.etcd_flags("node")
             print("etcd:        client-certificate TLS, auth enabled (users root, gpucoord-coordinator, "
-                  f"gpucoord-operator, gpucoord-node-{args.host})")
+                  f"gpucoord-operator, gpucoord-node-{args.host}); it trusts only the etcd CA "
+                  f"{secure.etcd_ca}, which signs no agent certificate")
         print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
         print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
               f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
@@ -195,8 +196,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             for name, files in secure.agents.items():
                 print(f"  # gpucoord://agent/{name}")
                 print("  " + " ".join(f"export {k}={v}" for k, v in files.env().items()))
-            print("  # the operator (gpucoord status, partition, lease)")
-            print("  " + " ".join(f"export {k}={v}" for k, v in secure.operator.env().items()), flush=True)
+            print("  # the operator (gpucoord status, partition, lease; certs revoke and keys read etcd)")
+            print("  " + " ".join(f"export {k}={v}" for k, v in {**secure.operator.env(),
+                                                                  **secure.etcd_env("operator")}.items()),
+                  flush=True)
         if args.demo:
             from coordinator.cli.demo import run_demo
             run_demo(caddr, args.host, data_dir, tls=operator_tls,

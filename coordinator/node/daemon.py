@@ -26,7 +26,7 @@ from typing import Any
 
 from coordinator import __version__, errors, metrics, clock
 from coordinator.aio import cancel_and_wait, retry_forever
-from coordinator.records import GpuUsage, HostInventory, VramLease, dumps
+from coordinator.records import GpuUsage, HostInventory, InvalidRecord, VramLease, dumps
 from coordinator.keys import Keys, last_segment
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
@@ -41,6 +41,12 @@ MAX_LISTED = 64
 
 MAX_DISK_PATH = 256
 """Characters of ``--disk-path``, which is stored in ``hosts/<host>``."""
+
+FAST_SCAN_S = 0.25
+FAST_SCAN_FOR_S = 60.0
+"""When a lease that covered processes ends, the node scans at once, then every FAST_SCAN_S for
+FAST_SCAN_FOR_S, and publishes at once whenever a process leaves a GPU: a request may be waiting for that
+VRAM (G3)."""
 
 
 def quote_prefix(value: object, limit: int = 40) -> str:
@@ -97,6 +103,8 @@ class NodeDaemon:
         self.enforcer = enforcer or Enforcer()
         self._published: Any = None
         self._last_write = 0.0
+        self._scan_wake = asyncio.Event()    # a lease that covered processes ended: scan now
+        self._fast_until = 0.0               # scan often until then (monotonic): a lease with processes ended
         self._tasks: list[asyncio.Task[None]] = []
         self.ready = asyncio.Event()
 
@@ -210,16 +218,21 @@ class NodeDaemon:
             leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
         gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
                  "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)),
+                 "processes_visible": u.processes_visible,
                  **bounded_usage(usage_doc(*attribution.for_gpu(u.uuid)))} for u in usage]
         for u in usage:
             metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
         now = clock.wall()
         changed = gpus != self._published
-        # Written when it changes (at most about once a second), and at least every heartbeat_s so that
-        # readers can tell fresh usage from a stuck daemon (stale = older than 3 heartbeats).
+        # A process left the GPU: someone may be waiting for its VRAM (an evicted lease's processes, G3).
+        left = changed and bool(_listed(self._published) - _listed(gpus))
+        # Written when it changes (at most about once a second, at once when a process left), and at least
+        # every heartbeat_s so that readers can tell fresh usage from a stuck daemon (stale = older than 3
+        # heartbeats).
         if self._need_register and not force:
             return    # not registered: the registration writes usage (and a standby writes none)
-        if force or (changed and now - self._last_write >= 1.0) or now - self._last_write >= self.heartbeat_s:
+        if (force or left or (changed and now - self._last_write >= 1.0)
+                or now - self._last_write >= self.heartbeat_s):
             value = dumps({"ts": now, "interval_s": self.heartbeat_s, "gpus": gpus})
             res = await self.store.commit([cmp_lease(self.keys.host(self.host), self.etcd_lease)],
                                           [op_put(self.keys.usage(self.host), value, self.etcd_lease)])
@@ -290,7 +303,15 @@ class NodeDaemon:
 
     async def _scan_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.scan_interval_s)
+            # While a gone lease's processes are still listed, scan often: waiters need their VRAM.
+            interval = self.scan_interval_s
+            if time.monotonic() < self._fast_until:
+                interval = min(interval, FAST_SCAN_S)
+            try:
+                await asyncio.wait_for(self._scan_wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            self._scan_wake.clear()
             try:
                 await self._publish_usage()
             except errors.GpucoordError as e:
@@ -308,7 +329,7 @@ class NodeDaemon:
         snap = await self.store.get_prefix(prefix)
         before, self.leases = self.leases, {}
         for kv in snap.ranges[0]:
-            self._on_put(VramLease.from_kv(kv))
+            self._put_kv(kv)
         for lease_id in before.keys() - self.leases.keys():
             self.enforcer.lease_deleted(lease_id, clock.wall())   # deleted while the watch was down
         self.leases_ready = True
@@ -318,10 +339,23 @@ class NodeDaemon:
             for ev in batch.events:
                 lease_id = last_segment(ev.kv.key)
                 if ev.kind == "PUT":
-                    self._on_put(VramLease.from_kv(ev.kv))
+                    self._put_kv(ev.kv)
                 else:
-                    self.leases.pop(lease_id, None)
+                    gone = self.leases.pop(lease_id, None)
                     self.enforcer.lease_deleted(lease_id, clock.wall())
+                    if gone is not None and (gone.pids or gone.pgid):
+                        # Its processes may still be on the GPU: report at once whether they are (G3).
+                        self._fast_until = time.monotonic() + FAST_SCAN_FOR_S
+                        self._scan_wake.set()
+
+    def _put_kv(self, kv: KV) -> None:
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord as e:
+            # Written by no coordinator: set aside (the coordinators refuse admission on the host meanwhile).
+            log.warning("ignoring a malformed lease %s: %s", kv.key.decode(errors="replace")[:200], e)
+            return
+        self._on_put(lease)
 
     def _on_put(self, lease: VramLease) -> None:
         self.leases[lease.id] = lease
@@ -333,6 +367,11 @@ class NodeDaemon:
             if lease.gpu_uuid == gpu_uuid and lease.token == token:
                 return True, lease.id
         return False, ""
+
+
+def _listed(gpus: Any) -> set[tuple[str, int]]:
+    """(GPU uuid, pid) of every process a usage document lists."""
+    return {(str(g.get("uuid")), int(p.get("pid", 0))) for g in gpus or () for p in g.get("processes", ())}
 
 
 def _largest(items: list[dict[str, Any]], what: str, out: dict[str, Any]) -> list[dict[str, Any]]:

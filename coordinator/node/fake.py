@@ -1,16 +1,33 @@
 """Simulated GPUs for development hosts and tests without NVIDIA hardware: ``--fake-gpus 4x80GiB``, and
-simulated processes on them with ``--fake-processes FILE``."""
+simulated processes on them with ``--fake-processes FILE``.
+
+The spec's grammar (whitespace around its parts is ignored)::
+
+    SPEC     := SIZES (':' TOPOLOGY)*          at most one numa= part and one nvlink= part
+    SIZES    := GROUP (',' GROUP)*             GROUP := [COUNT 'x'] SIZE ('GiB' | 'MiB')
+    TOPOLOGY := 'numa=' SETS | 'nvlink=' SETS
+    SETS     := SET (',' SET)*                 SET := ITEM ('+' ITEM)*, ITEM := N | N '-' M (GPU indexes)
+
+``numa=``: the i-th set (from 0) is NUMA node i; sets must not overlap; a GPU in no set has an unknown NUMA
+node. ``nvlink=``: every pair of GPUs in one set is joined by NVLink; sets may overlap (a GPU's peers are the
+union). Without ``numa=`` every NUMA node is unknown; without ``nvlink=`` no GPU has peers. Examples:
+``8x80GiB:numa=0-3,4-7:nvlink=0-3,4-7`` (two NVLink quads, one per socket), ``8x80GiB:nvlink=0-7`` (an
+NVSwitch), ``8x16GiB:nvlink=0-3,4-7,0+4,1+5,2+6,3+7`` (a hybrid cube mesh).
+"""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
+from coordinator import clock
 from coordinator.records import GpuInfo, GpuProcess, GpuUsage
 
 log = logging.getLogger(__name__)
@@ -21,9 +38,12 @@ MAX_FAKE_GPUS = 64
 MAX_FAKE_SIZE_MB = 1024 * 1024  # 1 TiB
 _FAKE_FORMAT = (
     "expected COUNTxSIZE[,COUNTxSIZE...] with COUNT 1..64 and SIZE a whole number of GiB or MiB "
-    "(1MiB..1024GiB), e.g. '4x80GiB', '2x24GiB,1x80GiB', '1x16384MiB' or just '80GiB'"
+    "(1MiB..1024GiB), e.g. '4x80GiB', '2x24GiB,1x80GiB', '1x16384MiB' or just '80GiB', optionally followed "
+    "by topology ':numa=SETS' and ':nvlink=SETS', SETS being GPU index sets like '0-3,4-7' or '0+4,1-2', "
+    "e.g. '8x80GiB:numa=0-3,4-7:nvlink=0-3,4-7'"
 )
 _GROUP_RE = re.compile(r"^(?:([0-9]{1,9})\s*[xX]\s*)?([0-9]{1,12})\s*([GgMm][Ii][Bb])$", re.ASCII)
+_ITEM_RE = re.compile(r"^([0-9]{1,3})(?:\s*-\s*([0-9]{1,3}))?$", re.ASCII)
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._:@-]")
 _MAX_KEY_SEGMENT = 128  # coordinator/keys.py accepts names up to 128 characters
 
@@ -47,15 +67,17 @@ def _fake_uuid(host: str, index: int) -> str:
 
 
 def parse_fake_gpus(spec: str, host: str) -> tuple[GpuInfo, ...]:
-    """Parse a ``--fake-gpus`` spec into GPUs; a ValueError quotes the spec and shows the format."""
+    """Parse a ``--fake-gpus`` spec (grammar in the module's docstring) into GPUs; a ValueError quotes the
+    spec, names the part that is wrong and shows the format."""
 
     def bad(reason: str) -> ValueError:
         return ValueError(f"invalid --fake-gpus spec {spec!r}: {reason}; {_FAKE_FORMAT}")
 
     if not isinstance(spec, str) or not spec.strip():
         raise bad("it is empty")
+    sizes, *topology = spec.split(":")
     gpus: list[GpuInfo] = []
-    for group in spec.split(","):
+    for group in sizes.split(","):
         g = group.strip()
         m = _GROUP_RE.match(g)
         if m is None:
@@ -79,29 +101,103 @@ def parse_fake_gpus(spec: str, host: str) -> tuple[GpuInfo, ...]:
                     vram_total_mb=size_mb,
                 )
             )
-    return tuple(gpus)
+    numa: dict[int, int] = {}
+    peers: dict[int, set[int]] = {g.index: set() for g in gpus}
+    seen: set[str] = set()
+    for part in topology:
+        p = part.strip()
+        key, eq, value = p.partition("=")
+        key = key.strip()
+        if not p:
+            raise bad("it has an empty topology part (two ':' in a row, or one at the end)")
+        if not eq or key not in ("numa", "nvlink"):
+            raise bad(f"cannot read topology part {p[:40]!r}: expected numa=SETS or nvlink=SETS")
+        if key in seen:
+            raise bad(f"{key}= is given twice")
+        seen.add(key)
+        sets = _index_sets(value, key, len(gpus), bad)
+        if key == "numa":
+            for node, (text, members) in enumerate(sets):
+                for i in members:
+                    if i in numa:
+                        raise bad(f"numa set {text!r} names GPU {i}, which is already on NUMA node {numa[i]}")
+                    numa[i] = node
+        else:
+            for _, members in sets:
+                for i in members:
+                    peers[i] |= members - {i}
+    return tuple(dataclasses.replace(g, numa_node=numa.get(g.index), nvlink_peers=tuple(sorted(peers[g.index])))
+                 for g in gpus)
 
 
-def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[GpuProcess, ...]]:
-    """A ``--fake-processes`` document: ``{"<GPU index>": {"<pid>": MiB, ...}, ...}``.
+def _index_sets(value: str, key: str, gpu_count: int,
+                bad: Callable[[str], ValueError]) -> list[tuple[str, set[int]]]:
+    """The sets of a ``numa=``/``nvlink=`` part: each set's text and its GPU indexes."""
+    out: list[tuple[str, set[int]]] = []
+    for text in value.split(","):
+        t = text.strip()
+        if not t:
+            raise bad(f"{key}= has an empty set")
+        members: set[int] = set()
+        for item in t.split("+"):
+            m = _ITEM_RE.match(item.strip())
+            if m is None:
+                raise bad(f"cannot read {key} set {t[:40]!r}: expected indexes like 0-3 or 0+4")
+            lo = int(m.group(1))
+            hi = int(m.group(2)) if m.group(2) is not None else lo
+            if hi < lo:
+                raise bad(f"{key} set {t!r}: the range {item.strip()!r} runs backwards")
+            if hi >= gpu_count:
+                raise bad(f"{key} set {t!r} names GPU {hi}, but the spec has {gpu_count} GPUs (0..{gpu_count - 1})")
+            members.update(range(lo, hi + 1))
+        out.append((t, members))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeProcess:
+    """A row of ``--fake-processes``: ``pid`` uses ``used_mb`` on the GPU while it runs, or, with ``until``
+    (unix seconds), until then whether it runs or not (a driver that frees a process's memory late)."""
+
+    pid: int
+    used_mb: int
+    until: float | None = None
+
+    def listed(self, now: float) -> bool:
+        return now < self.until if self.until is not None else _process_alive(self.pid)
+
+
+def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[FakeProcess, ...]]:
+    """A ``--fake-processes`` document: ``{"<GPU index>": {"<pid>": MiB, ...}, ...}``, where a MiB may also be
+    ``{"mib": MiB, "until": unix_seconds}``.
 
     Raises ValueError naming the bad entry.
     """
     if not isinstance(doc, dict):
         raise ValueError("expected a JSON object mapping GPU index to {pid: MiB}")
-    out: dict[int, tuple[GpuProcess, ...]] = {}
+    out: dict[int, tuple[FakeProcess, ...]] = {}
     for key, procs in doc.items():
         if not str(key).isdigit() or not 0 <= int(key) < gpu_count:
             raise ValueError(f"GPU {key!r}: not a simulated GPU index (have 0..{gpu_count - 1})")
         if not isinstance(procs, dict):
             raise ValueError(f"GPU {key}: expected an object {{pid: MiB}}")
         rows = []
-        for pid, mb in procs.items():
+        for pid, value in procs.items():
             if not str(pid).isdigit() or int(pid) < 1:
                 raise ValueError(f"GPU {key}: {pid!r} is not a pid")
+            until = None
+            mb = value
+            if isinstance(value, dict):
+                if set(value) - {"mib", "until"} or "mib" not in value:
+                    raise ValueError(f"GPU {key}, pid {pid}: expected MiB or {{\"mib\": MiB, \"until\": unix "
+                                     f"seconds}}, got keys {sorted(value)}")
+                mb, until = value["mib"], value.get("until")
+                if until is not None and (isinstance(until, bool) or not isinstance(until, (int, float))
+                                          or not math.isfinite(until)):
+                    raise ValueError(f"GPU {key}, pid {pid}: until must be unix seconds, got {until!r}")
             if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
                 raise ValueError(f"GPU {key}, pid {pid}: MiB must be a whole number >= 0, got {mb!r}")
-            rows.append(GpuProcess(pid=int(pid), used_mb=mb))
+            rows.append(FakeProcess(pid=int(pid), used_mb=mb, until=None if until is None else float(until)))
         out[int(key)] = tuple(rows)
     return out
 
@@ -119,9 +215,11 @@ class FakeGpuSource:
 
     Memory use is whatever :meth:`set_used` says, plus the processes of ``processes_file``
     (``--fake-processes``): JSON mapping a GPU index to ``{pid: MiB}``, re-read on every scan, so that
-    tests and demos put real processes on simulated GPUs. Rows of processes that no longer run are
-    dropped, as NVML would. A file that is missing counts as empty; a malformed one is ignored with a
-    warning.
+    tests and demos put real processes on simulated GPUs. Rows of processes that no longer run (or are
+    zombies) are dropped, as NVML would; a row ``{"mib": N, "until": T}`` is listed until the unix time T
+    instead, whether its process runs or not. A file that is missing counts as empty; a malformed one is
+    ignored with a warning. The GPUs' process lists count as visible (``processes_visible``) only with a
+    ``processes_file``: without one the simulator cannot tell which processes use them.
     """
 
     simulated: bool = True
@@ -133,9 +231,11 @@ class FakeGpuSource:
         self.processes_file = processes_file
         self._file_error = ""
 
-    def _file_processes(self) -> dict[int, tuple[GpuProcess, ...]]:
+    def _file_processes(self) -> dict[int, tuple[GpuProcess, ...]] | None:
+        """The file's processes now listed on each GPU; None when the file cannot be read (then the GPUs'
+        process lists are not known)."""
         if not self.processes_file:
-            return {}
+            return None
         try:
             with open(self.processes_file, encoding="utf-8") as f:
                 doc = json.load(f)
@@ -147,9 +247,10 @@ class FakeGpuSource:
             if why != self._file_error:
                 log.warning("%s", why)
                 self._file_error = why
-            return {}
+            return None
         self._file_error = ""
-        return {i: tuple(p for p in rows if _process_alive(p.pid)) for i, rows in found.items()}
+        now = clock.wall()
+        return {i: tuple(GpuProcess(p.pid, p.used_mb) for p in rows if p.listed(now)) for i, rows in found.items()}
 
     def gpus(self) -> tuple[GpuInfo, ...]:
         return self._gpus
@@ -167,14 +268,16 @@ class FakeGpuSource:
     def usage(self) -> tuple[GpuUsage, ...]:
         with self._lock:
             used = dict(self._used)
-        extra = self._file_processes()
+        listed = self._file_processes()
+        extra = listed or {}
         out = []
         for g in self._gpus:
             base, procs = used[g.index]
             rows = extra.get(g.index, ())
             total = min(g.vram_total_mb, base + sum(p.used_mb for p in rows))
             out.append(GpuUsage(index=g.index, uuid=g.uuid, vram_used_mb=total,
-                                vram_free_mb=g.vram_total_mb - total, processes=procs + rows))
+                                vram_free_mb=g.vram_total_mb - total, processes=procs + rows,
+                                processes_visible=listed is not None))
         return tuple(out)
 
     def close(self) -> None:

@@ -3,13 +3,27 @@
 A GPU that fails mid-scan (fell off the bus, reset, ...) is skipped with a warning, so one sick device
 never hides the healthy ones. A failure of the whole library raises ``NvmlScanError``, which the daemon
 retries.
+
+Topology, read once with the static description:
+
+* NUMA node: ``nvmlDeviceGetNumaNodeId`` where the driver has it, else the PCI device's ``numa_node`` in
+  sysfs (``/sys/bus/pci/devices/<bus id>/numa_node``; -1 there means unknown).
+* NVLink peers: for every link up to ``NVML_NVLINK_MAX_LINKS``, ``nvmlDeviceGetNvLinkState`` and, for an
+  active link, the remote end's PCI bus id (``nvmlDeviceGetNvLinkRemotePciInfo``, which pynvml implements
+  with NVML's ``..._v2``). A remote end that is another GPU of this host makes it a peer; GPUs whose links
+  reach the same NVSwitch (``nvmlDeviceGetNvLinkRemoteDeviceType``) are peers of each other.
+
+Every topology call may fail (NotSupported on GPUs without NVLink, FunctionNotFound on older drivers, or
+any other NVML error): the answer is then "unknown" (no NUMA node) or no peers, never a skipped GPU.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import re
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from coordinator.keys import valid_name
 from coordinator.node.source import (_FAKE_HINT, _NVML_VALUE_NOT_AVAILABLE, MAX_GPU_NAME, MIB, NvmlScanError,
@@ -18,7 +32,49 @@ from coordinator.records import GpuInfo, GpuProcess, GpuUsage
 
 log = logging.getLogger(__name__)
 
+# NVML's return codes and NVLink remote device types (stable numbers of nvml.h; a test checks them against
+# pynvml's): the code reads them here rather than from the module, so a fake module needs none of them.
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_FEATURE_ENABLED = 1
+NVLINK_DEVICE_TYPE_SWITCH = 2
+_DEFAULT_MAX_LINKS = 18          # NVML_NVLINK_MAX_LINKS of older pynvml builds that lack the constant
+_MAX_LINKS_CEILING = 64          # whatever the module says, never more calls than this per GPU
 
+_PCI_BUS_ID_RE = re.compile(r"^([0-9A-Fa-f]{1,8}):([0-9A-Fa-f]{1,2}):([0-9A-Fa-f]{1,2})\.([0-7])$", re.ASCII)
+
+PciBusId = tuple[int, int, int, int]
+"""(domain, bus, device, function): NVML writes ``00000000:07:00.0``, sysfs ``0000:07:00.0``."""
+
+
+def parse_pci_bus_id(value: object) -> PciBusId | None:
+    """A PCI bus id as NVML or sysfs writes it, or None when it is not one."""
+    m = _PCI_BUS_ID_RE.match(_text(value).strip().rstrip("\0"))
+    if m is None:
+        return None
+    return int(m.group(1), 16), int(m.group(2), 16), int(m.group(3), 16), int(m.group(4))
+
+
+def sysfs_pci_name(bus: PciBusId) -> str:
+    """The PCI device's directory name under /sys/bus/pci/devices."""
+    return f"{bus[0]:04x}:{bus[1]:02x}:{bus[2]:02x}.{bus[3]:x}"
+
+
+def sysfs_numa_node(sysfs_root: str, bus: PciBusId) -> int | None:
+    """The NUMA node sysfs gives the PCI device, or None (no such file, unreadable, or -1: unknown)."""
+    path = os.path.join(sysfs_root, "bus", "pci", "devices", sysfs_pci_name(bus), "numa_node")
+    try:
+        with open(path, encoding="ascii") as f:
+            node = int(f.read(32).strip())
+    except (OSError, ValueError) as e:
+        log.debug("no NUMA node for PCI device %s from sysfs (%s)", sysfs_pci_name(bus), e)
+        return None
+    return node if node >= 0 else None
+
+
+def _error_code(e: BaseException) -> int | None:
+    value = getattr(e, "value", None)
+    return value if isinstance(value, int) else None
 
 
 def _text(value: object) -> str:
@@ -74,7 +130,7 @@ class NvmlGpuSource:
 
     simulated: bool = False
 
-    def __init__(self, nvml: Any = None) -> None:
+    def __init__(self, nvml: Any = None, sysfs_root: str = "/sys") -> None:
         if nvml is None:
             try:
                 nvml = importlib.import_module("pynvml")
@@ -84,7 +140,9 @@ class NvmlGpuSource:
                     f"{_FAKE_HINT}"
                 ) from e
         self._nvml: Any = nvml
+        self._sysfs_root = sysfs_root
         self._errors = _nvml_error_types(nvml)
+        self._topology_errors: tuple[type[BaseException], ...] = (*self._errors, TypeError, ValueError)
         init_errors: tuple[type[BaseException], ...] = (*self._errors, OSError)  # OSError: dlopen failed
         try:
             nvml.nvmlInit()
@@ -95,6 +153,7 @@ class NvmlGpuSource:
             ) from e
         self._lock = threading.Lock()
         self._static: tuple[GpuInfo, ...] | None = None
+        self._topology_logged = ""
         self._bad: dict[int, str] = {}  # index -> last error, so a lost GPU warns once, not every second
         self._no_procs: dict[int, str] = {}  # index -> why its process list is unavailable
         self._closed = False
@@ -148,9 +207,9 @@ class NvmlGpuSource:
         self._gpu_ok(index)
         return handle, GpuInfo(index=index, uuid=uuid, name=name, vram_total_mb=total_mb), mem
 
-    def _processes(self, index: int, handle: Any) -> tuple[GpuProcess, ...]:
-        """Compute and graphics processes on one GPU (one row per pid); () when NVML cannot list them
-        (NotSupported, no permission...)."""
+    def _processes(self, index: int, handle: Any) -> tuple[tuple[GpuProcess, ...], bool]:
+        """Compute and graphics processes on one GPU (one row per pid), and whether that is the whole list:
+        not when NVML cannot list them (NotSupported, no permission...)."""
         rows: dict[int, int] = {}
         failed = False
         for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
@@ -175,7 +234,7 @@ class NvmlGpuSource:
         if not failed:
             with self._lock:
                 self._no_procs.pop(index, None)
-        return tuple(GpuProcess(pid=pid, used_mb=mb) for pid, mb in rows.items())
+        return tuple(GpuProcess(pid=pid, used_mb=mb) for pid, mb in rows.items()), not failed
 
     # -- GpuSource ------------------------------------------------------------------------------------
 
@@ -190,15 +249,107 @@ class NvmlGpuSource:
         if cached is not None:
             return cached
         count = self._count()
-        found: list[GpuInfo] = []
+        found: list[tuple[Any, GpuInfo]] = []
         for index in range(count):
             one = self._read_one(index)
             if one is not None:
-                found.append(one[1])
-        result = tuple(found)
+                found.append((one[0], one[1]))
+        result = self._with_topology(found)
         if len(result) == count:
             self._static = result
         return result
+
+    # -- topology ---------------------------------------------------------------------------------------
+
+    def _with_topology(self, found: Sequence[tuple[Any, GpuInfo]]) -> tuple[GpuInfo, ...]:
+        """The GPUs with their NUMA node and NVLink peers (among the GPUs offered here)."""
+        bus_of = {info.index: bus for handle, info in found if (bus := self._pci_bus_id(handle)) is not None}
+        index_of_bus = {bus: index for index, bus in bus_of.items()}
+        peers: dict[int, set[int]] = {info.index: set() for _, info in found}
+        switches: dict[PciBusId, set[int]] = {}
+        for handle, info in found:
+            for kind, remote in self._nvlinks(info.index, handle):
+                peer = index_of_bus.get(remote)
+                if kind == NVLINK_DEVICE_TYPE_SWITCH:
+                    switches.setdefault(remote, set()).add(info.index)
+                elif peer is not None and peer != info.index:   # the remote bus id is one of our GPUs
+                    peers[info.index].add(peer)
+        for members in switches.values():   # GPUs on one NVSwitch all reach each other
+            for index in members:
+                peers[index] |= members - {index}
+        out = tuple(
+            GpuInfo(index=info.index, uuid=info.uuid, name=info.name, vram_total_mb=info.vram_total_mb,
+                    numa_node=self._numa_node(handle, bus_of.get(info.index)),
+                    nvlink_peers=tuple(sorted(peers[info.index])))
+            for handle, info in found)
+        text = ", ".join(f"GPU {g.index}: NUMA {'?' if g.numa_node is None else g.numa_node}, NVLink "
+                         f"{'+'.join(str(p) for p in g.nvlink_peers) or 'none'}" for g in out)
+        if text != self._topology_logged:
+            self._topology_logged = text
+            log.info("GPU topology: %s", text or "no GPUs")
+        return out
+
+    def _optional(self, name: str) -> Any:
+        """An NVML function that older pynvml builds may lack: None then."""
+        fn = getattr(self._nvml, name, None)
+        return fn if callable(fn) else None
+
+    def _pci_bus_id(self, handle: Any) -> PciBusId | None:
+        fn = self._optional("nvmlDeviceGetPciInfo")
+        if fn is None:
+            return None
+        try:
+            info = fn(handle)
+        except self._errors as e:
+            log.debug("nvmlDeviceGetPciInfo failed (%s): no PCI bus id", _err_text(e))
+            return None
+        return parse_pci_bus_id(getattr(info, "busId", None) or getattr(info, "busIdLegacy", ""))
+
+    def _numa_node(self, handle: Any, bus: PciBusId | None) -> int | None:
+        fn = self._optional("nvmlDeviceGetNumaNodeId")
+        if fn is not None:
+            try:
+                node = int(fn(handle))
+            except self._topology_errors as e:
+                log.debug("nvmlDeviceGetNumaNodeId failed (%s); trying sysfs", _err_text(e))
+            else:
+                if node >= 0:
+                    return node
+        return sysfs_numa_node(self._sysfs_root, bus) if bus is not None else None
+
+    def _nvlinks(self, index: int, handle: Any) -> list[tuple[int | None, PciBusId]]:
+        """(remote device type or None when unknown, remote PCI bus id) of each active NVLink of a GPU."""
+        state = self._optional("nvmlDeviceGetNvLinkState")
+        remote_pci = self._optional("nvmlDeviceGetNvLinkRemotePciInfo")
+        remote_type = self._optional("nvmlDeviceGetNvLinkRemoteDeviceType")
+        if state is None or remote_pci is None:
+            return []
+        try:
+            max_links = min(int(getattr(self._nvml, "NVML_NVLINK_MAX_LINKS", _DEFAULT_MAX_LINKS)), _MAX_LINKS_CEILING)
+        except (TypeError, ValueError):
+            max_links = _DEFAULT_MAX_LINKS
+        out: list[tuple[int | None, PciBusId]] = []
+        for link in range(max_links):
+            try:
+                if int(state(handle, link)) != NVML_FEATURE_ENABLED:
+                    continue
+                info = remote_pci(handle, link)
+            except self._topology_errors as e:
+                if _error_code(e) in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND):
+                    log.debug("GPU %d: no NVLink (%s)", index, _err_text(e))
+                    break
+                continue   # a link this GPU does not have (InvalidArgument past its last one), or unreadable
+            remote = parse_pci_bus_id(getattr(info, "busId", None) or getattr(info, "busIdLegacy", ""))
+            if remote is None:
+                continue
+            kind: int | None = None
+            if remote_type is not None:
+                try:
+                    kind = int(remote_type(handle, link))
+                except self._topology_errors:
+                    kind = None
+            out.append((kind, remote))
+        return out
 
     def usage(self) -> tuple[GpuUsage, ...]:
         """Live VRAM use, re-read on every call; only GPUs readable right now are reported.
@@ -211,13 +362,15 @@ class NvmlGpuSource:
             if one is None:
                 continue
             handle, info, mem = one
+            processes, visible = self._processes(index, handle)
             out.append(
                 GpuUsage(
                     index=index,
                     uuid=info.uuid,
                     vram_used_mb=_mib(mem.used),
                     vram_free_mb=_mib(mem.free),
-                    processes=self._processes(index, handle),
+                    processes=processes,
+                    processes_visible=visible,
                 )
             )
         return tuple(out)

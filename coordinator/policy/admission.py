@@ -12,6 +12,17 @@ from typing import Iterable, Mapping, Sequence
 from coordinator.records import GpuLedger, VramLease
 
 
+@dataclasses.dataclass(frozen=True)
+class Departing:
+    """A lease bound to processes that ended under an eviction notice while the node still reports some of
+    its processes on the GPU: until they are gone (or the kill margin has passed) its VRAM counts as held,
+    by its agent (G3: the victim is gone first)."""
+
+    lease_id: str
+    agent: str
+    vram_mb: int
+
+
 @dataclasses.dataclass
 class GpuView:
     """One GPU as admission sees it in a snapshot. Mutable: a batch updates it as it decides."""
@@ -24,6 +35,7 @@ class GpuView:
     leases: list[VramLease]
     nvml_used_mb: int | None = None  # None: unknown or stale, then untracked counts as 0
     seq: int = 0
+    departing: list[Departing] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.seq = self.ledger.seq
@@ -33,18 +45,28 @@ class GpuView:
         return sum(lease.vram_mb for lease in self.leases)
 
     @property
+    def departing_mb(self) -> int:
+        return sum(d.vram_mb for d in self.departing)
+
+    @property
+    def held_mb(self) -> int:
+        """VRAM that live leases, and ended leases whose processes are still reported, account for."""
+        return self.leased_mb + self.departing_mb
+
+    @property
     def untracked_mb(self) -> int:
         """VRAM used outside gpucoord: NVML's used memory beyond what leases account for."""
         if self.nvml_used_mb is None:
             return 0
-        return max(0, self.nvml_used_mb - self.leased_mb)
+        return max(0, self.nvml_used_mb - self.held_mb)
 
     @property
     def free_mb(self) -> int:
-        return self.usable_mb - self.leased_mb - self.untracked_mb
+        return self.usable_mb - self.held_mb - self.untracked_mb
 
     def agent_mb(self, agent: str) -> int:
-        return sum(lease.vram_mb for lease in self.leases if lease.agent == agent)
+        return (sum(lease.vram_mb for lease in self.leases if lease.agent == agent)
+                + sum(d.vram_mb for d in self.departing if d.agent == agent))
 
 
 @dataclasses.dataclass(frozen=True)

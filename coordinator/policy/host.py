@@ -6,7 +6,7 @@ from typing import Any
 
 from coordinator.policy.admission import GpuView
 from coordinator.policy.partition import Partition, default_partition
-from coordinator.records import HostInventory, QueueEntry, StoredKV, VramLease
+from coordinator.records import DepartingRecord, HostInventory, QueueEntry, StoredKV, VramLease
 
 
 @dataclasses.dataclass
@@ -26,6 +26,18 @@ class HostView:
     entries: tuple[QueueEntry, ...] = ()   # the queue, parsed, in rank order
     usage_age_s: float = -1.0     # since the replica saw the current usage report; -1: no report
     usage_stale: bool = False     # then admission keeps the last reported untracked VRAM (never less)
+    # Leases bound to processes that ended under an eviction notice while the node still reported their
+    # processes (``departing/<host>/``): those still reported count as held on their GPU (GpuView.departing).
+    departing: tuple[DepartingRecord, ...] = ()
+    # Why a stored value of the host is malformed ("" when none is): the view leaves it out, so it cannot be
+    # trusted for admission, which fails closed on this host (status shows the host as INVALID).
+    invalid: str = ""
+    invalid_kinds: frozenset[str] = frozenset()   # the key kinds of the malformed values (``usage``, ...)
+
+    @property
+    def departing_held(self) -> frozenset[str]:
+        """Ids of the ended leases whose VRAM still counts as held (their processes are still reported)."""
+        return frozenset(d.lease_id for g in self.gpus.values() for d in g.departing)
 
     @property
     def alive(self) -> bool:

@@ -76,6 +76,9 @@ class Plan(Generic[C]):
     more: bool = False          # something was left for the next round (evictions past the budget)
     sessions: dict[str, SessionInfo] = dataclasses.field(default_factory=dict)  # of new grants and waits
     evictions: list[EvictionRecord] = dataclasses.field(default_factory=list)
+    # Lease ids of queued requests whose victims' leases are gone but whose processes are still reported:
+    # held back this round for them (the metric of such waits).
+    held_by_processes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +91,4 @@ class Context:
     evicting: Collection[str]   # lease ids under an eviction notice: admission counts them as leaving
     now: float                  # the monotonic clock of the callers' deadlines
     wall: float                 # seconds since the epoch, for what is stored
+    overdue: Collection[str] = frozenset()   # lease ids under a notice whose deadline has passed

@@ -20,7 +20,9 @@ Guarantees, checked by the property tests in ``tests/unit/test_planner.py``:
 * G1: no GPU and no partition cap is over-committed by the grants.
 * G2: a request is only placed on GPUs that no request ranked before it is still waiting for.
 * G3: victims are preemptible, of lower priority, chosen by ``admission.choose_victims`` (lowest priority
-  first, then newest; no victim can be spared); a request with victims is admitted only once they are gone.
+  first, then newest; no victim can be spared); a request with victims is admitted only once they are gone:
+  their leases, and the processes of those bound to processes while the node still reports them and the
+  kill margin has not passed (``HostView.departing``, whose VRAM also counts as held for everyone else).
 * etcd's limits: at most ``TXN_OPS_BUDGET`` operations and ``TXN_COMPARES_BUDGET`` compares.
 
 It does no I/O and changes nothing it is given: it works on copies of the snapshot's GPUs and leases, and
@@ -146,6 +148,7 @@ class _Planner(Generic[C]):
         per_agent = collections.Counter(e.agent for e in staying)
         displaced: set[str] = set()   # ranks of entries this round displaces
         evicting = set(self.ctx.evicting)
+        departing_held = view.departing_held
 
         def fits_budget(ops: int, compares: int) -> bool:
             used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
@@ -198,7 +201,15 @@ class _Planner(Generic[C]):
                 continue
             vram, priority = int(it.field("vram_mb")), int(it.field("priority"))
             free_of_queue = [g for g in candidates if g.uuid not in blocked]
-            victims_pending = it.entry is not None and any(v in view.leases for v in it.entry.victims)
+            # G3: a request with victims is admitted only once they are gone: their leases, and the processes
+            # of those bound to processes, as the node reports them (or the kill margin passed).
+            victims_pending = it.entry is not None and any(v in view.leases or v in departing_held
+                                                           for v in it.entry.victims)
+            if victims_pending and it.entry is not None and all(
+                    v in departing_held or v not in view.leases
+                    or (v in self.ctx.overdue and bool(view.leases[v].pids or view.leases[v].pgid))
+                    for v in it.entry.victims):
+                plan.held_by_processes.append(it.entry.lease_id)   # only by its victims' processes now
             placement = best_fit(vram, agent, free_of_queue, caps) if not victims_pending else None
             if placement is not None and placement.gpu is not None:
                 if it.call is not None and it.entry is None:

@@ -33,12 +33,15 @@ from coordinator.etcd.ops import cmp_mod_revision, compile_compare, compile_op, 
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
+from coordinator.policy.host import HostView
+from coordinator.policy.partition.caps import TLS_DEFAULT, UNCAPPED
+from coordinator.policy.partition.caps import check as check_cap
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round, wait_over
-from coordinator.records import QueueEntry, SessionInfo, VramLease
+from coordinator.records import InvalidRecord, QueueEntry, SessionInfo, VramLease, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.replica.view import host_ranges, host_view
+from coordinator.replica.view import HOST_RANGES, host_ranges, host_view, invalid_host
 
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ class AcquireCall:
     rank: str | None = None       # set once it is queued in etcd
     entry_revision: int = 0       # its queue entry's mod_revision, as this replica last wrote or read it
     forwarded: bool = False       # sent by another replica on its caller's behalf (host ownership)
+    capped: bool = True           # held to its agent's priority cap (an operator's own acquire is not)
     cancelled_at: float | None = None   # monotonic, when its caller went away
 
     def __post_init__(self) -> None:
@@ -116,6 +120,8 @@ class HostAdmitter:
         self._dirty = False
         self._last_commit = 0   # the mirror is used only once it has caught up with our own commits
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
+        # Queued requests held back only by their victims' processes: lease id -> when first (the metric).
+        self._held_since: dict[str, float] = {}
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run())
         self._expiry = loop.create_task(self._expire_loop())
@@ -130,14 +136,14 @@ class HostAdmitter:
         # within the etcd timeout (even behind a round that is stuck on etcd).
         answer_by = ANSWER_BY_S if call.wait_s > 0 else self.ctx.config.etcd_timeout_s
         late = asyncio.get_running_loop().call_later(call.deadline + answer_by - time.monotonic(),
-                                                      self._overdue, call)
+                                                      self._unanswered_in_time, call)
         call.future.add_done_callback(lambda _: late.cancel())
         # A caller that goes away (cancelled RPC) must leave the queue: at once, or after the grace of a
         # forwarded one (see ``AcquireCall.gone``).
         call.future.add_done_callback(functools.partial(self._on_done, call))
         return await call.future
 
-    def _overdue(self, call: AcquireCall) -> None:
+    def _unanswered_in_time(self, call: AcquireCall) -> None:
         if call.future.done():
             return
         loop = asyncio.get_running_loop()
@@ -145,7 +151,7 @@ class HostAdmitter:
         if quiet < ANSWER_BY_S:
             # etcd answers this replica: the answer is late for another reason (a busy machine, a mass
             # expiry), and comes by itself. Looked at again once etcd has been quiet for that long.
-            loop.call_later(ANSWER_BY_S - quiet, self._overdue, call)
+            loop.call_later(ANSWER_BY_S - quiet, self._unanswered_in_time, call)
             return
         if not call.future.done():
             log.warning("acquire %s/%s of %s on %s (wait %.1f s) not answered in time (etcd slow or out of reach): "
@@ -245,7 +251,7 @@ class HostAdmitter:
                 while self._pending or self._dirty:
                     # Our last commit not yet in the mirror: its watch event is about a millisecond away.
                     # Waiting for it lets the round decide from the mirror instead of reading a snapshot
-                    # (seven Range calls), and gathers the acquires that arrive meanwhile into the batch.
+                    # (eight Range calls), and gathers the acquires that arrive meanwhile into the batch.
                     mirror = self.ctx.mirror
                     if mirror.ready and mirror.revision < self._last_commit and not self._waiting:
                         await mirror.caught_up(self._last_commit, MIRROR_WAIT_S)
@@ -323,7 +329,11 @@ class HostAdmitter:
             granted: list[AcquireCall] = []
             for c, out in zip(due, outcomes):
                 if out.removed is not None:
-                    self._expired(c, QueueEntry.from_kv(out.removed))
+                    try:
+                        removed: QueueEntry | None = QueueEntry.from_kv(out.removed)
+                    except InvalidRecord:
+                        removed = None
+                    self._expired(c, removed)
                 elif out.current is None:
                     granted.append(c)   # gone meanwhile: with a grant (by any replica), or removed
                 elif _served_here(out.current, self.ctx.replica_id, c.lease_id):
@@ -384,9 +394,26 @@ class HostAdmitter:
                 snap = await rep.store.snapshot(
                     host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys], deadline=deadline)
             view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
-            live = {s.session_id for s, r in zip(sessions, snap.ranges[6:]) if r}
+            if view.invalid:
+                if use_mirror:
+                    use_mirror = False
+                    continue
+                # A malformed stored value of this host: what it says cannot be trusted, so nothing is granted
+                # here (fail closed) until it is rewritten; waiters keep their place until their deadline.
+                for c in batch:
+                    self._fail(c, invalid_host(self.host, view.invalid))
+                return
+            over_cap = self._over_cap(view, batch)
+            if over_cap:
+                if use_mirror:   # the mirror may not have the operator's latest caps yet: read them
+                    use_mirror = False
+                    continue
+                for c, err in over_cap:
+                    self._fail(c, err)
+                batch = [c for c in batch if not c.future.done()]
+            live = {s.session_id for s, r in zip(sessions, snap.ranges[HOST_RANGES:]) if r}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          clock.wall())
+                          clock.wall(), self._overdue())
             plan = plan_round(view, batch, self._waiting, live, ctx)
             if use_mirror:
                 use_mirror = False
@@ -422,8 +449,50 @@ class HostAdmitter:
             if not c.future.done():
                 c.future.set_exception(err)
 
+    def _overdue(self) -> frozenset[str]:
+        """Leases of this host under a notice whose deadline has passed (as this replica measures it)."""
+        now = clock.monotonic()
+        out = set()
+        for record in list(self.ctx.evictions.values()):
+            if record.host != self.host:
+                continue
+            kv = self.ctx.mirror.get(self.keys.eviction(record.lease_id))
+            if kv is not None and self.ctx.notice_deadline(kv, record) <= now:
+                out.add(record.lease_id)
+        return frozenset(out)
+
+    def _count_process_waits(self, plan: Plan[AcquireCall]) -> None:
+        """``gpucoord_victim_process_wait_seconds``: from the first round held back only by a victim's
+        processes to the grant."""
+        now = time.monotonic()
+        granted = {lease.id for _, lease in plan.grants}
+        for lease_id in granted & self._held_since.keys():
+            metrics.VICTIM_PROCESS_WAITS.observe(now - self._held_since[lease_id])
+        held = set(plan.held_by_processes)
+        self._held_since = {k: v for k, v in self._held_since.items() if k in held}
+        for lease_id in held:
+            self._held_since.setdefault(lease_id, now)
+
+    def _over_cap(self, view: HostView, batch: list[AcquireCall]) -> list[tuple[AcquireCall, errors.GpucoordError]]:
+        """The calls above their agent's priority cap on this host (G9), from the partition of the snapshot
+        (every grant compares its mod_revision, so a cap changed meanwhile is read again). A request already
+        granted (a retry of it) is answered with its lease, whatever the cap says now."""
+        if view.inventory is None or not any(c.capped for c in batch):
+            return []
+        partition = view.effective_partition()
+        caps = partition.spec.priority_caps if partition.spec is not None else ()
+        default = TLS_DEFAULT if self.ctx.config.tls_ca else UNCAPPED
+        out: list[tuple[AcquireCall, errors.GpucoordError]] = []
+        for c in batch:
+            if c.capped and c.lease_id not in view.leases:
+                err = check_cap(c.session.agent, self.host, c.priority, c.preemptible, caps, default)
+                if err is not None:
+                    out.append((c, err))
+        return out
+
     def _settle(self, plan: Plan[AcquireCall], revision: int) -> None:
         """The round's transaction has committed (or there was nothing to write): tell the callers."""
+        self._count_process_waits(plan)
         for failed, err in plan.failures:
             self._fail(failed, err)
         for prior in plan.superseded:
@@ -444,7 +513,7 @@ class HostAdmitter:
                 # Its caller went away while the grant was being committed: nobody knows the lease, so it
                 # is given back rather than held for the rest of the session, unless a retry of the same
                 # request claims it first (a client retries at once after a cancelled call). A caller we
-                # answered UNAVAILABLE (``_overdue``, ``hand_off``) retries, maybe through another replica
+                # answered UNAVAILABLE (``_unanswered_in_time``, ``hand_off``) retries, maybe through another replica
                 # that finds the lease: it is kept for that retry; so is the lease of a forwarded call, whose
                 # forwarding replica cancelled it to decide the request itself (and may hand this lease out).
                 self._orphans[lease.id] = revision
@@ -484,14 +553,20 @@ class HostAdmitter:
 
 
 def _served_here(kv: KV, replica_id: str, lease_id: str) -> bool:
-    d = kv.json()
+    try:
+        d = load_record(kv.value)
+    except InvalidRecord:
+        return False
     return bool(d.get("replica") == replica_id and d.get("lease_id") == lease_id)
 
 
 def _lease_in(kvs: Sequence[KV], lease_id: str) -> VramLease | None:
     for kv in kvs:
         if last_segment(kv.key) == lease_id:
-            return VramLease.from_kv(kv)
+            try:
+                return VramLease.from_kv(kv)
+            except InvalidRecord:
+                return None
     return None
 
 

@@ -11,24 +11,29 @@ The same session tells the replica whether it can reach etcd at all (``replica/r
 
 The leader's duties, all restartable from etcd alone:
 
-* eviction deadlines: a lease still held when its notice's deadline passes is revoked;
+* eviction deadlines: a lease still held when its notice's deadline passes is revoked, at once if it is
+  bound to processes that the node no longer reports, else at the kill margin past the deadline; and the
+  ``departing/`` records of ended leases are deleted once the node reports none of their processes;
 * the queue sweep: entries of hosts that are gone, and entries past their waiter's deadline whose
   replica is no longer there to remove them.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
-from coordinator import clock, errors
+from coordinator import clock, errors, metrics
 from coordinator.aio import log_failure
+from coordinator.etcd.types import KV
+from coordinator.policy.departing import reports_none, still_reported
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.leases import Leases
-from coordinator.records import EvictionRecord, QueueEntry, dumps
+from coordinator.replica.leases import Leases, usage_report
+from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, VramLease, dumps
 from coordinator.etcd.election import Election
 from coordinator.etcd.session import EtcdSession
-from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, range_req
+from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
 from coordinator.etcd.removals import Removal, remove_entries
 
 
@@ -39,6 +44,9 @@ SWEEP_GRACE_S = 2.0
 # A waiter's own replica removes its entry within moments of its deadline; the leader removes one that is
 # still there this long after it only as a safety net (and the waiter's replica still answers it right).
 OVERDUE_S = 20.0
+# A forced departing record (its processes outlived the kill margin) is kept this long for status and the
+# history, then forgotten even if the node still reports them (it kills them with --enforce kill).
+DEPARTING_KEEP_S = 300.0
 
 
 class Leadership:
@@ -162,24 +170,40 @@ class Leadership:
         await asyncio.gather(self._enforce_deadlines(term), self._sweep_queue(term))
 
     async def _enforce_deadlines(self, term: Election) -> None:
-        """Revoke every lease whose eviction deadline passed. Notices live in etcd, so a new leader picks
-        them up from the replica's watch-fed cache of ``evictions/``. A deadline is the notice's grace
-        measured on this replica's monotonic clock from when it first saw the notice (never the writer's
-        wall clock against ours): with a leader change it can come late, never early."""
+        """Revoke every lease whose eviction deadline passed (at once for a lease bound to processes once the
+        node reports none of them, else at the kill margin past the deadline), and end the ``departing/``
+        records once their processes are gone. Notices live in etcd, so a new leader picks them up from the
+        replica's watch-fed cache of ``evictions/``. A deadline is the notice's grace measured on this
+        replica's monotonic clock from when it first saw the notice (never the writer's wall clock against
+        ours): with a leader change it can come late, never early."""
         while True:
             now = clock.monotonic()
             failed = False
+            upcoming: list[float] = []
             for record, at in self._deadlines():
-                if at > now:
-                    continue
                 try:
-                    await self._deadline(record, term)
-                except errors.GpucoordError as e:
+                    again = await self._deadline(record, at, now, term)
+                except (errors.GpucoordError, InvalidRecord) as e:   # (a lease read from etcd may be malformed)
                     log.warning("could not enforce the deadline of lease %s: %s", record.lease_id, e)
                     failed = True
                     continue
-                self.ctx.evictions.pop(record.lease_id, None)
-            upcoming = [at for _, at in self._deadlines()]
+                if again is None:
+                    self.ctx.evictions.pop(record.lease_id, None)
+                else:
+                    upcoming.append(again)
+            for kv in self.ctx.mirror.all_host_items("departing"):
+                try:
+                    departing = DepartingRecord.from_kv(kv)
+                except InvalidRecord:
+                    continue   # left as it is: its host is INVALID (the admitters report it) until it is rewritten
+                try:
+                    again = await self._departing(kv, departing, now, term)
+                except (errors.GpucoordError, ValueError, TypeError, KeyError) as e:
+                    log.warning("could not end the departing record %r: %s", kv.key, e)
+                    failed = True
+                    continue
+                if again is not None:
+                    upcoming.append(again)
             timeout = max(0.0, min(upcoming) - clock.monotonic()) if upcoming else 1.0
             if failed:
                 timeout = max(timeout, 0.2)   # etcd is failing us: do not spin
@@ -197,26 +221,107 @@ class Leadership:
                 out.append((record, self.ctx.notice_deadline(kv, record)))
         return out
 
-    async def _deadline(self, record: EvictionRecord, term: Election) -> None:
-        """Revoke the lease, unless the request it was evicted for has gone (then the notice is withdrawn:
-        nobody needs the room)."""
+    async def _deadline(self, record: EvictionRecord, at: float, now: float, term: Election) -> float | None:
+        """Act on one notice: None when it is settled (revoked, withdrawn, gone), else when to look again.
+
+        Before the deadline nothing happens. After it, the request it was made for may have gone (then the
+        notice is withdrawn: nobody needs the room). Otherwise the lease is revoked: at once if it is bound
+        to processes and the node, in a usage report it published after the deadline, lists none of them on
+        the GPU; else at the kill margin past the deadline (``eviction_kill_margin_s``), when the holder has
+        had its chance to kill them and see them exit (G3)."""
+        if now < at:
+            return at
         key = self.keys.eviction(record.lease_id)
         kv = self.ctx.mirror.get(key)
         if kv is None:
-            return
+            return None
         if record.requester_priority is not None and not self._still_waiting(record):
             res = await self.ctx.store.commit([cmp_mod_revision(key, kv.mod_revision), *term.fence()],
                                               [op_delete(key)])
             if res.succeeded:
                 log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
                          record.requested_by)
-            return
-        if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=term):
-            log.info("revoked lease %s of %s at its eviction deadline", record.lease_id, record.agent)
+            return None
+        bound = at + self.ctx.config.eviction_kill_margin_s
+        lease_kv = self.ctx.mirror.lease(record.lease_id)
+        try:
+            lease = VramLease.from_kv(lease_kv) if lease_kv is not None else None
+        except InvalidRecord:
+            # Its host is INVALID (no admission there) until the value is rewritten: look again then.
+            return max(bound, now + 1.0)
+        if lease is None and now < bound:
+            return bound         # gone (its notice goes in the same transaction): nothing to decide early
+        if lease is not None and now < bound:
+            if not (lease.pids or lease.pgid):
+                return bound     # a cooperative holder: it releases, or is revoked at the margin
+            usage_kv = self.ctx.mirror.get(self.keys.usage(record.host))
+            usage = usage_report(usage_kv) if usage_kv is not None else None   # None too when malformed
+            if (usage_kv is not None and usage is not None and self._published_after(usage_kv, usage, at, record)
+                    and reports_none(usage, lease.gpu_uuid, lease.id, lease.pids)):
+                if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision,
+                                            fence=term, usage_revision=usage_kv.mod_revision):
+                    log.info("revoked lease %s of %s after its eviction deadline: the node reports none of its "
+                             "processes on the GPU", record.lease_id, record.agent)
+                    return None
+            return bound
+        if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=term,
+                                    at_bound=True):
+            log.info("revoked lease %s of %s at the kill margin past its eviction deadline", record.lease_id,
+                     record.agent)
+        return None
+
+    def _published_after(self, usage_kv: KV, usage: dict[str, Any], deadline: float, record: EvictionRecord) -> bool:
+        """Whether a usage report was published after a notice's deadline: this replica saw it first after
+        the deadline (its clock), and its node's clock says it was taken after the deadline (so a report that
+        was merely slow to arrive does not count)."""
+        seen = self.ctx.observed.saw(usage_kv.key, usage_kv.mod_revision)
+        try:
+            taken = float(usage.get("ts", 0.0))
+        except (TypeError, ValueError):
+            return False
+        return seen >= deadline and taken >= record.deadline_unix
+
+    async def _departing(self, kv: KV, record: DepartingRecord, now: float, term: Election) -> float | None:
+        """Settle one ``departing/`` record: delete it once the node reports none of its processes (or the
+        host is gone), mark it forced at its bound, delete a forced one ``DEPARTING_KEEP_S`` after. None
+        when settled, else when to look again."""
+        bound = self.ctx.observed.saw(kv.key, kv.create_revision) + max(0.0, record.bound_unix - record.created_at)
+        usage_kv = self.ctx.mirror.get(self.keys.usage(record.host))
+        compares = [cmp_mod_revision(kv.key, kv.mod_revision), *term.fence()]
+        usage = usage_report(usage_kv) if usage_kv is not None else None
+        # A malformed report counts as listing them (fail closed); no report at all: the host is gone.
+        reported = usage_kv is not None and (usage is None or still_reported(usage, record.gpu_uuid,
+                                                                             record.lease_id, record.pids))
+        if not reported or (record.forced and now >= bound + DEPARTING_KEEP_S):
+            if usage_kv is not None:
+                compares.append(cmp_mod_revision(usage_kv.key, usage_kv.mod_revision))
+            else:
+                compares.append(cmp_absent(self.keys.usage(record.host)))
+            res = await self.ctx.store.commit(compares, [op_delete(kv.key)])
+            if res.succeeded and reported:
+                log.warning("forgot departing lease %s: the node still reports its processes %s on GPU %s %.0f s "
+                            "after the kill margin", record.lease_id, list(record.pids), record.gpu_uuid,
+                            DEPARTING_KEEP_S)
+            return None
+        if record.forced:
+            return bound + DEPARTING_KEEP_S
+        if now < bound:
+            return bound
+        forced = dataclasses.replace(record, forced=True)
+        res = await self.ctx.store.commit(compares, [op_put(kv.key, dumps(forced.to_json()))])
+        if res.succeeded:
+            metrics.EVICTIONS.labels("margin").inc()
+            log.warning("departing lease %s of %s: the kill margin passed while the node still reports its "
+                        "processes on GPU %s; its VRAM counts as free now", record.lease_id, record.agent,
+                        record.gpu_uuid)
+        return None
 
     def _still_waiting(self, record: EvictionRecord) -> bool:
         for kv in self.ctx.mirror.host_items("queue", record.host):
-            entry = QueueEntry.from_kv(kv)
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue   # (its host is INVALID; the admitters report it)
             if f"{entry.agent}/{entry.request_id}" == record.requested_by:
                 return True
         return False
@@ -246,7 +351,10 @@ class Leadership:
         swept: list[tuple[QueueEntry, str]] = []
         for kv in snap.ranges[1]:
             host = keys.parse(kv.key)[1][0]
-            entry = QueueEntry.from_kv(kv)
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue   # left as it is: its host is INVALID until it is rewritten or its session ends
             gone_host = host not in hosts
             # The wait is measured from when this replica saw this version of the entry (our clock).
             waited = self.ctx.observed.age(kv.key, kv.mod_revision, now) - entry.wait_s

@@ -9,17 +9,20 @@ from typing import Any, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.config import MAX_GRACE_S, MAX_REASON_BYTES
+from coordinator.etcd.types import KV
+from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.etcd.election import Election
 from coordinator.etcd.store import Store
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put
 from coordinator.keys import last_segment
-from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
+from coordinator.records import (DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease,
+                                 check_usage, dumps, load_record)
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.validate import check_lease_id, check_text, validate_attach
 
 log = logging.getLogger(__name__)
 
-# Releases per group commit: each is one compare and two deletes, under etcd's default --max-txn-ops (128).
+# Releases per group commit: each is two compares and two deletes, under etcd's default --max-txn-ops (128).
 RELEASES_PER_TXN = 48
 
 
@@ -31,17 +34,17 @@ class ReleaseCommits:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._pending: list[tuple[Any, Sequence[Any], asyncio.Future[bool]]] = []
+        self._pending: list[tuple[Sequence[Any], Sequence[Any], asyncio.Future[bool]]] = []
         self._task: asyncio.Task[None] | None = None
 
-    async def commit(self, compare: Any, ops: Sequence[Any]) -> bool:
-        """Whether ``compare`` held and ``ops`` were committed (the same answer as a transaction of its own)."""
+    async def commit(self, compares: Sequence[Any], ops: Sequence[Any]) -> bool:
+        """Whether ``compares`` held and ``ops`` were committed (the same answer as a transaction of its own)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         # A caller that went away (its RPC cancelled) leaves the outcome to nobody: retrieved here, so that
         # an error (OutcomeUnknown while etcd is out of reach) is not reported as never retrieved.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._pending.append((compare, ops, future))
+        self._pending.append((compares, ops, future))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._flush())
         return await asyncio.shield(future)
@@ -51,17 +54,19 @@ class ReleaseCommits:
             batch = self._pending[:RELEASES_PER_TXN]
             del self._pending[:RELEASES_PER_TXN]
             try:
-                # etcd refuses a transaction that names a key twice (the same release retried while the
-                # first is pending): such a batch is committed one release at a time.
-                keys = [c.key for c, _, _ in batch]
+                # etcd refuses a transaction that writes a key twice (the same release retried while the
+                # first is pending): such a batch is committed one release at a time. (Compares may repeat a
+                # key: releases on one host all compare its usage report.)
+                keys = [_op_key(op) for _, ops, _ in batch for op in ops]
                 if len(batch) > 1 and len(set(keys)) == len(keys):
-                    res = await self.store.commit([c for c, _, _ in batch], [op for _, ops, _ in batch for op in ops])
+                    res = await self.store.commit([c for cs, _, _ in batch for c in cs],
+                                                  [op for _, ops, _ in batch for op in ops])
                     if res.succeeded:
                         for _, _, future in batch:
                             if not future.done():
                                 future.set_result(True)
                         continue
-                outcomes = await asyncio.gather(*(self.store.commit([c], ops) for c, ops, _ in batch),
+                outcomes = await asyncio.gather(*(self.store.commit(list(cs), ops) for cs, ops, _ in batch),
                                                 return_exceptions=True)
                 for (_, _, future), out in zip(batch, outcomes):
                     if future.done():
@@ -138,12 +143,19 @@ class Leases:
         raise errors.Unavailable("evict: too much contention; retry")
 
     async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
-                     fence: Election | None = None) -> bool:
-        """Delete a lease now (operator, or the leader at an eviction deadline). False if it was gone.
+                     fence: Election | None = None, *, at_bound: bool = False,
+                     usage_revision: int | None = None) -> bool:
+        """Delete a lease now (the leader at an eviction deadline, or ``revoke_by_operator`` for a lease not
+        bound to processes). False if it was gone.
 
         With ``notice_revision`` (the leader at a deadline) it happens only while that very notice still
         stands: a notice withdrawn meanwhile (its requester left) saves the lease. With ``fence`` (the
         leader) every write also compares the leader's candidacy, and a deposed leader gets NotOwner.
+        ``usage_revision``: the revoke was decided on that usage report of the host (it lists none of the
+        lease's processes): it happens only while the report is unchanged, else False (decide again).
+        ``at_bound``: the kill margin past the deadline has passed; a lease bound to processes that the node
+        still reports leaves a forced ``departing/`` record (G3: its VRAM counts as free from now on, and the
+        history shows that the bound, not the processes' exit, ended it).
         """
         check_lease_id(lease_id)
         notice_key = self.keys.eviction(lease_id)
@@ -159,38 +171,147 @@ class Leases:
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             compares = [cmp_mod_revision(key, lease.mod_revision), *fenced]
+            ops = [op_delete(key), op_delete(notice_key)]
             if notice_revision is not None:
                 compares.append(cmp_mod_revision(notice_key, notice_revision))
-            res = await self.store.commit(compares, [op_delete(key), op_delete(notice_key)])
+            usage_key = self.keys.usage(lease.host)
+            if usage_revision is not None:
+                compares.append(cmp_mod_revision(usage_key, usage_revision))
+            forced = False
+            if at_bound and (lease.pids or lease.pgid):
+                usage_kv = await self.store.get(usage_key)
+                notice = _notice(await self.store.get(notice_key))
+                if usage_kv is not None and notice is not None and reported(usage_kv, lease):
+                    record = self._departing(lease, notice, bound_in_s=0.0)
+                    compares.append(cmp_mod_revision(usage_key, usage_kv.mod_revision))
+                    ops.append(op_put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
+                                      dumps(record.to_json())))
+                    forced = True
+            res = await self.store.commit(compares, ops)
             if res.succeeded:
                 metrics.EVICTIONS.labels("revoke").inc()
+                if forced:
+                    metrics.EVICTIONS.labels("margin").inc()
+                    log.warning("lease %s of %s revoked at the kill margin while the node still reports its "
+                                "processes on GPU %s: its VRAM counts as free now", lease.id, lease.agent,
+                                lease.gpu_uuid)
                 return True
             if fence is not None and not await fence.holds():
                 raise errors.NotOwner("leader: this replica is no longer the leader", "leader")
             if notice_revision is not None and (await self.store.get(notice_key)) is None:
                 return False   # withdrawn: nothing to enforce any more
+            if usage_revision is not None:
+                return False   # a new usage report: the caller decides again
         raise errors.Unavailable("revoke: too much contention; retry")
 
+    async def revoke_by_operator(self, lease_id: str, asked_by: str = "") -> tuple[bool, bool]:
+        """An operator's revoke: (revoked, processes). A lease not bound to processes is deleted at once. One
+        bound to processes gets a revoke notice: its holder (``gpucoord run``) SIGKILLs them at once and
+        releases it once they are gone, and the leader revokes it when the node reports none of them, or at
+        the kill margin (G3: its VRAM counts as free only then). (False, False) if it was gone."""
+        check_lease_id(lease_id)
+        for _ in range(self.config.commit_attempts):
+            lease = await self.find_lease(lease_id)
+            if lease is None:
+                await self.store.delete(self.keys.eviction(lease_id))
+                return False, False
+            if not (lease.pids or lease.pgid):
+                return await self.revoke(lease_id, lease.host), False
+            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
+            notice_key = self.keys.eviction(lease_id)
+            now = clock.wall()
+            existing = await self.store.get(notice_key)
+            if existing is not None:
+                record = EvictionRecord.from_kv(existing)
+                if record.revoke:
+                    return True, True
+                record = dataclasses.replace(record, requested_by="operator", requester_priority=None,
+                                             reason="revoked by an operator", asked_by=asked_by, revoke=True,
+                                             deadline_unix=min(record.deadline_unix, now))
+                res = await self.store.commit([cmp_mod_revision(notice_key, existing.mod_revision)],
+                                              [op_put(notice_key, dumps(record.to_json()), existing.etcd_lease)])
+            else:
+                record = EvictionRecord(
+                    lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent,
+                    session_id=lease.session_id, victim_priority=lease.priority, requested_by="operator",
+                    requester_priority=None, reason="revoked by an operator", deadline_unix=now, created_at=now,
+                    asked_by=asked_by, revoke=True)
+                res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision), cmp_absent(notice_key)],
+                                              [op_put(notice_key, dumps(record.to_json()), lease.etcd_lease)])
+            if res.succeeded:
+                metrics.EVICTIONS.labels("notice").inc()
+                return True, True
+        raise errors.Unavailable("revoke: too much contention; retry")
+
+    def _departing(self, lease: VramLease, notice: EvictionRecord, bound_in_s: float) -> DepartingRecord:
+        """The ``departing/`` record of ``lease``, ended under ``notice``; the bound comes ``bound_in_s`` from
+        now (0 or less: it has passed, the record is forced)."""
+        now = clock.wall()
+        return DepartingRecord(
+            lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent, vram_mb=lease.vram_mb,
+            pids=lease.pids, pgid=lease.pgid, requested_by=notice.requested_by, reason=notice.reason,
+            created_at=now, bound_unix=now + max(0.0, bound_in_s), forced=bound_in_s <= 0, revoke=notice.revoke)
+
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
-        """Delete the lease if it is the caller's. Idempotent: a lease that is gone answers False."""
+        """Delete the lease if it is the caller's. Idempotent: a lease that is gone answers False.
+
+        A lease bound to processes, released under an eviction notice while the node's report still lists
+        some of its processes on the GPU, leaves a ``departing/`` record in the same transaction: its VRAM
+        counts as held until the node lists none of them, or the kill margin past the notice's deadline has
+        passed (G3). The transaction compares the notice it read (or its absence) and the report.
+        """
         check_lease_id(lease_id)
         for attempt in range(self.config.commit_attempts):
             # First from the mirror (a miss or a lost compare falls back to reading etcd).
-            lease = self._mirrored_lease(lease_id, info.host) if attempt == 0 else None
+            from_mirror = attempt == 0 and self.mirror.ready
+            lease = self._mirrored_lease(lease_id, info.host) if from_mirror else None
             if lease is not None and lease.session_id != info.session_id:
                 lease = None   # only the positive case is trusted from the mirror
             if lease is None:
                 lease = await self.find_lease(lease_id, info.host)
+                from_mirror = False
             if lease is None:
                 return False
             if lease.session_id != info.session_id or lease.agent != info.agent:
                 raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            if await self.release_commits.commit(cmp_mod_revision(key, lease.mod_revision),
-                                                 [op_delete(key), op_delete(self.keys.eviction(lease.id))]):
+            notice_key = self.keys.eviction(lease.id)
+            notice_kv = await self._read(notice_key, from_mirror)
+            compares = [cmp_mod_revision(key, lease.mod_revision),
+                        cmp_mod_revision(notice_key, notice_kv.mod_revision) if notice_kv else cmp_absent(notice_key)]
+            ops = [op_delete(key), op_delete(notice_key)]
+            # (A malformed notice is set aside: it is deleted with the lease, as if there were none.)
+            notice = _notice(notice_kv)
+            if notice_kv is not None and notice is not None and (lease.pids or lease.pgid):
+                usage_kv = await self._read(self.keys.usage(lease.host), from_mirror)
+                if usage_kv is not None and reported(usage_kv, lease):
+                    bound = (self.ctx.notice_deadline(notice_kv, notice) + self.config.eviction_kill_margin_s
+                             - clock.monotonic())
+                    record = self._departing(lease, notice, bound)
+                    res = await self.store.commit(
+                        [*compares, cmp_mod_revision(usage_kv.key, usage_kv.mod_revision)],
+                        [*ops, op_put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
+                                      dumps(record.to_json()))])
+                    if res.succeeded:
+                        metrics.RELEASES.inc()
+                        log.info("lease %s released under its eviction notice while the node still reports its "
+                                 "processes %s: its VRAM stays held until they are gone (at most %.1f s)", lease.id,
+                                 list(reported_pids(usage_report(usage_kv), lease.gpu_uuid, lease.id, lease.pids)),
+                                 max(0.0, bound))
+                        return True
+                    continue
+                # The report lists none of them: it must still say so when the lease goes.
+                usage_key = self.keys.usage(lease.host)
+                compares.append(cmp_mod_revision(usage_key, usage_kv.mod_revision) if usage_kv is not None
+                                else cmp_absent(usage_key))
+            if await self.release_commits.commit(compares, ops):
                 metrics.RELEASES.inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")
+
+    async def _read(self, key: bytes, from_mirror: bool) -> KV | None:
+        """A key from the mirror (``from_mirror``: the caller's compares validate it) or from etcd."""
+        return self.mirror.get(key) if from_mirror else await self.store.get(key)
 
     async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
         """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
@@ -226,6 +347,35 @@ class Leases:
         prefix = self.keys.leases(host) if host else self.keys.leases()
         snap = await self.store.get_prefix(prefix)
         return _lease_named(snap.ranges[0], lease_id)
+
+
+def usage_report(kv: KV) -> dict[str, Any] | None:
+    """A node's ``usage/<host>`` report, checked; None when it is malformed (its host is INVALID)."""
+    try:
+        return check_usage(load_record(kv.value, "usage"))
+    except InvalidRecord:
+        return None
+
+
+def reported(usage_kv: KV, lease: VramLease) -> bool:
+    """Whether the report may still list some of the lease's processes on its GPU: a malformed report
+    counts as listing them (fail closed: the VRAM stays held until a report says otherwise, or the bound)."""
+    doc = usage_report(usage_kv)
+    return doc is None or still_reported(doc, lease.gpu_uuid, lease.id, lease.pids)
+
+
+def _notice(kv: KV | None) -> EvictionRecord | None:
+    """The notice stored in ``kv``; None when there is none, or it is malformed (then it is set aside)."""
+    try:
+        return EvictionRecord.from_kv(kv) if kv is not None else None
+    except InvalidRecord:
+        return None
+
+
+def _op_key(op: Any) -> bytes:
+    """The key a put or delete of a transaction writes."""
+    which = op.WhichOneof("request")
+    return bytes(getattr(op, which).key) if which in ("request_put", "request_delete_range") else b""
 
 
 def _lease_named(kvs: Any, lease_id: str) -> VramLease | None:

@@ -14,7 +14,7 @@ from typing import Iterable
 from coordinator.keys import Keys, last_segment
 from coordinator.etcd.store import KV, Snapshot, WatchBatch
 
-_PER_HOST = ("gpus", "leases", "queue")
+_PER_HOST = ("gpus", "leases", "queue", "departing")
 _EMPTY: dict[bytes, KV] = {}
 
 
@@ -171,6 +171,10 @@ class Mirror:
         ranges += [self.host_items(kind, host) for kind in _PER_HOST]
         ranges += [tuple(x for x in [self._flat.get(key)] if x is not None) for key in extra_keys]
         return Snapshot(self.revision, tuple(ranges))
+
+    def all_host_items(self, kind: str) -> list[KV]:
+        """Every key of one per-host kind (e.g. ``departing``), over all hosts."""
+        return [kv for (k, _), bucket in self._buckets.items() if k == kind for kv in bucket.values()]
 
     def items(self, kind: str) -> list[KV]:
         """Every flat key of one kind (e.g. ``evictions``)."""

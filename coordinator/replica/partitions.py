@@ -11,11 +11,11 @@ from coordinator.config import MAX_PARTITION_BYTES, MAX_SPEC_BYTES
 from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import Partition, PartitionError, compute_partition, default_partition, parse_spec
-from coordinator.records import HostInventory, VramLease, dumps
+from coordinator.records import HostInventory, InvalidRecord, VramLease, dumps, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
 from coordinator.replica.validate import check_name
-from coordinator.replica.view import host_ranges, host_view
+from coordinator.replica.view import host_ranges, host_view, invalid_host
 
 
 class Partitions:
@@ -33,10 +33,13 @@ class Partitions:
         except PartitionError as e:
             raise errors.InvalidArgument(str(e), e.field) from e
         check_name("host", spec.host)
-        deadline = time.monotonic() + self.config.eviction_grace_s + 5
+        deadline = time.monotonic() + self.config.eviction_grace_s + self.config.eviction_kill_margin_s + 5
         for _ in range(self.config.commit_attempts * 4):
             snap = await self.store.snapshot(host_ranges(self.keys, spec.host))
             view = host_view(self.keys, spec.host, snap, untracked=False)
+            if view.invalid_kinds - {"partitions"}:
+                # (A malformed partition alone is what a new spec repairs.)
+                raise invalid_host(spec.host, view.invalid)
             if view.inventory is None:
                 raise errors.NotFound(f"host: no node daemon has registered host {spec.host!r}", "host")
             try:
@@ -50,7 +53,7 @@ class Partitions:
                     + ("" if dry_run else " (apply with --evict to send them eviction notices)"), "partition")
             if conflicts:
                 # --evict: notices to the offenders; the partition is written once they are gone (released,
-                # or revoked by the leader at their deadline), so no revision ever breaks the new caps.
+                # or revoked by the leader past their deadline), so no revision ever breaks the new caps.
                 if time.monotonic() > deadline:
                     raise errors.Unavailable("partition: the evicted leases are still held; retry", "partition")
                 for lease in offenders:
@@ -91,11 +94,15 @@ class Partitions:
         check_name("host", host)
         snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host))])
         host_kvs, part_kvs = snap.ranges
-        if part_kvs:
-            return Partition.from_json(part_kvs[0].json()["partition"]), True
-        if not host_kvs:
-            raise errors.NotFound(f"host: no node daemon has registered host {host!r}", "host")
-        return default_partition(HostInventory.from_json(host_kvs[0].json()["inventory"])), False
+        try:
+            if part_kvs:
+                return Partition.from_json(load_record(part_kvs[0].value).get("partition")), True  # type: ignore[arg-type]
+            if not host_kvs:
+                raise errors.NotFound(f"host: no node daemon has registered host {host!r}", "host")
+            inventory = HostInventory.from_json(load_record(host_kvs[0].value).get("inventory"))  # type: ignore[arg-type]
+        except (InvalidRecord, PartitionError) as e:
+            raise invalid_host(host, f"{'partitions' if part_kvs else 'hosts'}/{host}: {str(e)[:200]}") from None
+        return default_partition(inventory), False
 
 
 def partition_conflicts(partition: Partition, view: HostView) -> tuple[list[str], list[VramLease]]:

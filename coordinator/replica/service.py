@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
@@ -20,8 +20,8 @@ from coordinator.etcd.ops import cmp_exists, cmp_mod_revision, cmp_range_unchang
 from coordinator.etcd.store import Store, WatchBatch
 from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
 from coordinator.policy.host import HostView
-from coordinator.policy.partition import Partition
-from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
+from coordinator.policy.partition import Partition, PartitionError
+from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease, dumps, load_record
 from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leader import Leadership
@@ -29,17 +29,16 @@ from coordinator.replica.leases import Leases
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.partitions import Partitions
 from coordinator.replica.status import read_status
+from coordinator.replica.view import invalid_host
 from coordinator.replica.validate import check_name, check_session_id, check_text, validate_acquire
 
 log = logging.getLogger(__name__)
 
 
+class Outbox(Protocol):
+    """Where a session's stream takes what the service pushes to it (eviction notices, a last error)."""
 
-
-
-
-
-
+    def put_nowait(self, item: Any) -> None: ...
 
 
 class CoordinatorService:
@@ -63,7 +62,7 @@ class CoordinatorService:
         self.admitter_idle_s = ADMITTER_IDLE_S
         self._replicas_cache: tuple[int, dict[str, str]] | None = None
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
-        self._streams: dict[str, set[asyncio.Queue[Any]]] = {}
+        self._streams: dict[str, set[Outbox]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()   # fire-and-forget clean-ups, kept referenced
         self.watch_ready = asyncio.Event()
@@ -110,8 +109,13 @@ class CoordinatorService:
         self.mirror.reset(snap.ranges[0], snap.revision)
         self._observe(snap.ranges[0], reset=True)
         self.evictions.clear()
-        self.evictions.update((r.lease_id, r) for r in (EvictionRecord.from_kv(kv)
-                                                        for kv in self.mirror.items("evictions")))
+        for kv in self.mirror.items("evictions"):
+            try:
+                record = EvictionRecord.from_kv(kv)
+            except InvalidRecord as e:
+                log.warning("ignoring a malformed eviction notice %r: %s", kv.key[:200], e)
+                continue
+            self.evictions[record.lease_id] = record
         self.watch_ready.set()
         for a in self._admitters.values():
             a.notify()
@@ -128,11 +132,12 @@ class CoordinatorService:
                     self.observed.forget(ev.kv.key)
             self._on_events(batch)
 
-    _OBSERVED_KINDS = ("usage", "evictions", "queue")
+    _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing")
+    _BY_CREATION = ("evictions", "departing")
 
     def _observe(self, kvs: Any, reset: bool = False) -> None:
-        """Note when we first saw each usage report and queue entry (by mod_revision) and each eviction
-        notice (by create_revision: a rewrite keeps its grace running)."""
+        """Note when we first saw each usage report and queue entry (by mod_revision), and each eviction
+        notice and departing record (by create_revision: a rewrite keeps its grace, or its bound, running)."""
         seen: set[bytes] = set()
         for kv in kvs:
             try:
@@ -140,7 +145,7 @@ class CoordinatorService:
             except ValueError:
                 continue
             if kind in self._OBSERVED_KINDS:
-                self.observed.saw(kv.key, kv.create_revision if kind == "evictions" else kv.mod_revision)
+                self.observed.saw(kv.key, kv.create_revision if kind in self._BY_CREATION else kv.mod_revision)
                 seen.add(kv.key)
         if reset:
             self.observed.keep_only(seen)
@@ -168,8 +173,12 @@ class CoordinatorService:
                     gone = self.evictions.pop(parts[0], None)
                     if gone is not None:
                         woken.add(gone.host)
-            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus") and parts:
+            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing") and parts:
                 woken.add(parts[0])
+                if kind in ("usage", "departing") and self.leadership is not None:
+                    # A report without an evicted lease's processes, or a departing record: the leader's
+                    # deadline duty may act now (G3).
+                    self.leadership.deadline_wake.set()
             elif kind == "sessions" and ev.kind == "DELETE" and len(parts) == 2:
                 # Closed or expired (its holder died): its cached identity goes with it.
                 self._sessions.pop((parts[0], parts[1]), None)
@@ -192,11 +201,11 @@ class CoordinatorService:
             q.put_nowait(err)
 
     # -- eviction notices to KeepAlive streams ---------------------------------------------------
-    def register_stream(self, session_id: str, queue: asyncio.Queue[Any]) -> None:
+    def register_stream(self, session_id: str, queue: Outbox) -> None:
         self._streams.setdefault(session_id, set()).add(queue)
         self._push_pending(session_id, only=queue)
 
-    def unregister_stream(self, session_id: str, queue: asyncio.Queue[Any]) -> None:
+    def unregister_stream(self, session_id: str, queue: Outbox) -> None:
         qs = self._streams.get(session_id)
         if qs is not None:
             qs.discard(queue)
@@ -211,11 +220,11 @@ class CoordinatorService:
             return max(0.0, record.deadline_unix - record.created_at)
         return max(0.0, self.ctx.notice_deadline(kv, record) - clock.monotonic())
 
-    def _deliver(self, record: EvictionRecord, only: asyncio.Queue[Any] | None = None) -> None:
+    def _deliver(self, record: EvictionRecord, only: Outbox | None = None) -> None:
         for q in ([only] if only is not None else self._streams.get(record.session_id, ())):
             q.put_nowait(record)
 
-    def _push_pending(self, session_id: str, only: asyncio.Queue[Any] | None = None) -> None:
+    def _push_pending(self, session_id: str, only: Outbox | None = None) -> None:
         for record in list(self.evictions.values()):
             if record.session_id == session_id:
                 self._deliver(record, only)
@@ -244,7 +253,10 @@ class CoordinatorService:
             if not host_kvs:
                 raise errors.NotFound(f"host: no node daemon has registered host {host!r}", "host")
             if part_kvs:
-                partition = Partition.from_json(part_kvs[0].json()["partition"])
+                try:
+                    partition = Partition.from_json(load_record(part_kvs[0].value).get("partition"))  # type: ignore[arg-type]
+                except (InvalidRecord, PartitionError) as e:
+                    raise invalid_host(host, f"partitions/{host}: {str(e)[:200]}") from None
                 if not partition.allows(agent):
                     raise errors.NotOwner(
                         f"agent: {agent!r} is not in the {partition.mode} partition of host {host!r}", "agent")
@@ -286,7 +298,13 @@ class CoordinatorService:
     async def agent_hosts(self, agent: str) -> set[str]:
         """The hosts on which ``agent`` has a live session (authorization of an agent's reads)."""
         snap = await self.store.get_prefix(self.keys.sessions(agent))
-        return {str(kv.json().get("host", "")) for kv in snap.ranges[0]}
+        hosts = set()
+        for kv in snap.ranges[0]:
+            try:
+                hosts.add(str(load_record(kv.value).get("host", "")))
+            except InvalidRecord:
+                continue   # a malformed session grants no host
+        return hosts
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
         """The session's (cached) identity. Liveness is checked by every transaction, not here."""
@@ -300,9 +318,12 @@ class CoordinatorService:
         if kv is None:
             raise errors.SessionGone(f"session: no live session {session_id} of agent {agent!r} "
                                      "(unknown or expired)", "session")
-        doc = kv.json()
+        doc = load_record(kv.value)
+        host = doc.get("host")
+        if not isinstance(host, str):
+            raise InvalidRecord(f"sessions/{agent}/{session_id}: host: expected a string")
         ttl = doc.get("ttl")
-        info = SessionInfo(agent, session_id, doc["host"], etcd_lease, ttl if isinstance(ttl, int) else 0)
+        info = SessionInfo(agent, session_id, host, etcd_lease, ttl if isinstance(ttl, int) else 0)
         self._sessions[(agent, session_id)] = info
         return info
 
@@ -358,7 +379,9 @@ class CoordinatorService:
 
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
-                      request_id: str, wait_s: float, forwarded: bool = False) -> VramLease:
+                      request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True) -> VramLease:
+        """``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
+        operator's own acquire."""
         validate_acquire(vram_mb, gpu, priority, request_id, wait_s)
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
@@ -371,7 +394,7 @@ class CoordinatorService:
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
                            lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future(),
-                           forwarded=forwarded)
+                           forwarded=forwarded, capped=capped)
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host,
@@ -398,6 +421,9 @@ class CoordinatorService:
     async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
                      fence: Election | None = None) -> bool:
         return await self.leases.revoke(lease_id, host, notice_revision, fence)
+
+    async def revoke_by_operator(self, lease_id: str, asked_by: str = "") -> tuple[bool, bool]:
+        return await self.leases.revoke_by_operator(lease_id, asked_by)
 
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
         """Answered within the etcd timeout: UNAVAILABLE (outcome unknown) when etcd did not settle it by

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from coordinator.etcd.ops import range_req
 from coordinator.etcd.store import KV, Snapshot
-from coordinator.keys import last_segment
+from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
+from coordinator.records import DepartingRecord
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.validate import check_name
 from coordinator.replica.view import host_ranges, host_view
@@ -22,9 +22,9 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
         snap = await ctx.store.snapshot(host_ranges(ctx.keys, host))
         views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)]
     else:
-        # Six whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
+        # Seven whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
         # would pass etcd's limit of operations per transaction).
-        kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue")
+        kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue", "departing")
         snap = await ctx.store.snapshot([range_req(ctx.keys.kind(k), prefix=True)
                                           for k in kinds])
         per_host: dict[str, list[list[KV]]] = {}
@@ -40,6 +40,14 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
     return snap.revision, views, ttls
 
 
+def departing_json(d: DepartingRecord, usage: dict[str, Any] | None, held: bool) -> dict[str, Any]:
+    """An ended lease whose processes the node reported when it ended: which it still reports, and whether
+    its VRAM still counts as held (false once they are gone, or the kill margin has passed: ``forced``)."""
+    return {"lease_id": d.lease_id, "agent": d.agent, "vram_mb": d.vram_mb, "requested_by": d.requested_by,
+            "reason": d.reason, "revoke": d.revoke, "forced": d.forced, "held": held,
+            "pids": list(reported_pids(usage, d.gpu_uuid, d.lease_id, d.pids))}
+
+
 def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> dict[str, Any]:
     """The operator's view, as plain JSON (``gpucoord status --json``)."""
     hosts = []
@@ -49,13 +57,21 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
         reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
         gpus = []
+        described = {x.uuid: x for x in inv.gpus} if inv else {}
         for g in sorted(v.gpus.values(), key=lambda g: g.index):
+            info = described.get(g.uuid)
+            numa = info.numa_node if info is not None else None
             gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
                          "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
                          "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
-                         "name": next((x.name for x in inv.gpus if x.uuid == g.uuid), "") if inv else "",
+                         "name": info.name if info is not None else "",
+                         "numa_node": -1 if numa is None else numa,     # -1: unknown
+                         "nvlink_peers": list(info.nvlink_peers) if info is not None else [],
                          "processes": list(reported.get(g.uuid, {}).get("processes", ())),
-                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ()))})
+                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ())),
+                         "departing_mb": g.departing_mb,
+                         "departing": [departing_json(d, v.usage, held) for d in v.departing
+                                       if d.gpu_uuid == g.uuid for held in [d.lease_id in v.departing_held]]})
         leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}
                   for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
         agents = []
@@ -64,10 +80,10 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                 used = [lease for lease in v.leases.values() if lease.agent == alloc.agent]
                 agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
                                "leased_mb": sum(x.vram_mb for x in used), "leases": len(used)})
-        queue = [json.loads(kv.value) | {"rank": last_segment(v_key)}
-                 for kv in v.queue for v_key in [kv.key]]
+        queue = [{**e.to_json(), "rank": e.rank} for e in v.entries]
         hosts.append({
-            "host": v.host, "alive": v.alive, "address": json.loads(v.host_kv.value).get("address", "") if v.host_kv else "",
+            "host": v.host, "alive": v.alive, "address": inv.address if inv else "",
+            "invalid": v.invalid,   # why a stored value of the host is malformed ("" when none is)
             "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
             "usage_stale": v.usage_stale,
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,

@@ -1,17 +1,25 @@
 """What one snapshot of a host says, as plain records: the input of every admission decision."""
 from __future__ import annotations
 
+import collections
 import functools
-from typing import Any, Callable
+import logging
+from typing import Any, Callable, TypeVar
 
-from coordinator.policy.admission import GpuView
+from coordinator import errors, metrics
+from coordinator.policy.admission import Departing, GpuView
+from coordinator.policy.departing import still_reported
 from coordinator.policy.host import HostView
 from coordinator.keys import Keys
-from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease, loads
+from coordinator.records import (DepartingRecord, GpuLedger, HostInventory, InvalidRecord, QueueEntry, VramLease,
+                                 check_usage, load_record)
 from coordinator.policy.partition import Partition, default_partition
 from coordinator.etcd.store import KV, Snapshot
 from coordinator.etcd.ops import range_req
 
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STALE_INTERVALS = 3
 """Usage is stale once this replica has seen no new report for this many of the node's intervals."""
@@ -22,7 +30,8 @@ def usage_is_stale(usage: dict[str, Any] | None, age_s: float) -> bool:
 
 
 def _usage_used(usage: dict[str, Any] | None, stale: bool, leased: dict[str, int]) -> dict[str, int]:
-    """NVML used VRAM per GPU uuid, as admission must count it.
+    """NVML used VRAM per GPU uuid, as admission must count it (``leased``: what leases, and ended leases whose
+    processes are still reported, account for on each GPU).
 
     Fresh usage counts as reported. Stale usage (the node's scan hangs, or its writes do not arrive) fails
     closed: the untracked VRAM of the last report is kept, never less, whatever happened to the leases
@@ -47,19 +56,67 @@ def host_ranges(keys: Keys, host: str) -> list[Any]:
         range_req(keys.gpus(host), prefix=True),
         range_req(keys.leases(host), prefix=True),
         range_req(keys.queue(host), prefix=True),
+        range_req(keys.departings(host), prefix=True),
     ]
+
+
+HOST_RANGES = 7
+"""How many ranges ``host_ranges`` reads: a snapshot's further ranges are the caller's."""
 
 
 # Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
 # they are cached by their exact bytes.
 @functools.lru_cache(maxsize=4096)
 def _inventory(value: bytes) -> HostInventory:
-    return HostInventory.from_json(loads(value)["inventory"])
+    return HostInventory.from_json(load_record(value).get("inventory"))  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=4096)
 def _partition(value: bytes) -> Partition:
-    return Partition.from_json(loads(value)["partition"])
+    return Partition.from_json(load_record(value).get("partition"))  # type: ignore[arg-type]
+
+
+# -- malformed stored values -----------------------------------------------------------------------------
+# A value that does not parse makes its host INVALID (status shows why) and admission there fails closed;
+# every other host carries on. Each distinct bad value (key and mod_revision) is counted and logged once.
+_REPORTED: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
+_MAX_REPORTED = 4096
+_PARSE_ERRORS = (InvalidRecord, ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError)
+
+
+def _report(keys: Keys, kv: Any, why: str) -> tuple[str, str]:
+    """(key kind, ``kind/...: why`` for status); counted in gpucoord_invalid_records_total and logged once per
+    value."""
+    key = bytes(kv.key)
+    try:
+        kind = keys.parse(key)[0]
+        where = key.decode(errors="replace")[len(keys.prefix):]
+    except ValueError:
+        kind, where = "unknown", key.decode(errors="replace")
+    text = f"{where[:160]}: {why[:200]}"
+    seen = (key, int(getattr(kv, "mod_revision", 0)))
+    if seen not in _REPORTED:
+        _REPORTED[seen] = None
+        while len(_REPORTED) > _MAX_REPORTED:
+            _REPORTED.popitem(last=False)
+        metrics.INVALID_RECORDS.labels(kind).inc()
+        log.warning("invalid stored value %s (mod_revision %d): its host is INVALID and gets no admission until "
+                    "it is rewritten", text, seen[1])
+    return kind, text
+
+
+def _parsed(keys: Keys, kv: Any, parse: Callable[[], T], problems: list[tuple[str, str]]) -> T | None:
+    try:
+        return parse()
+    except _PARSE_ERRORS as e:
+        problems.append(_report(keys, kv, str(e) or type(e).__name__))
+        return None
+
+
+def invalid_host(host: str, why: str) -> errors.FailedPrecondition:
+    """The refusal of anything that needs a host whose stored values are malformed (it fails closed)."""
+    return errors.FailedPrecondition(f"host: host {host!r} is INVALID: a stored value is malformed ({why[:300]}); "
+                                     "no admission there until it is rewritten", "host")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -69,26 +126,54 @@ def _default_partition(host_value: bytes) -> Partition:
 
 def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
               usage_age: Callable[[KV], float] | None = None) -> HostView:
-    """Build a HostView from the first six ranges of a snapshot taken with ``host_ranges``.
+    """Build a HostView from the first ``HOST_RANGES`` ranges of a snapshot taken with ``host_ranges``.
 
     ``usage_age`` says how long ago the caller observed the usage report's revision (its own clock; see
-    ``observed.py``); without it the report counts as fresh."""
-    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs = snap.ranges[:6]
+    ``observed.py``); without it the report counts as fresh. A malformed stored value of the host leaves
+    out what it would have said, and sets ``invalid`` (why, for status): admission there fails closed."""
+    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs, departing_kvs = snap.ranges[:HOST_RANGES]
+    problems: list[tuple[str, str]] = []
     host_kv = host_kvs[0] if host_kvs else None
-    inventory = _inventory(host_kv.value) if host_kv else None
+    inventory = _parsed(keys, host_kv, lambda: _inventory(host_kv.value), problems) if host_kv else None
     part_kv = part_kvs[0] if part_kvs else None
-    partition = _partition(part_kv.value) if part_kv else None
-    usage = usage_kvs[0].json() if usage_kvs else None
+    partition = _parsed(keys, part_kv, lambda: _partition(part_kv.value), problems) if part_kv else None
+    usage = (_parsed(keys, usage_kvs[0], lambda: check_usage(load_record(usage_kvs[0].value)), problems)
+             if usage_kvs else None)
     age = (usage_age(usage_kvs[0]) if usage_age is not None else 0.0) if usage_kvs else -1.0
     stale = usage_is_stale(usage, age)
-    ledgers = {keys.parse(kv.key)[1][-1]: GpuLedger.from_kv(kv) for kv in ledger_kvs}
+    ledgers = {}
+    for kv in ledger_kvs:
+        ledger = _parsed(keys, kv, lambda kv=kv: GpuLedger.from_kv(kv), problems)   # type: ignore[misc]
+        if ledger is not None:
+            ledgers[keys.parse(kv.key)[1][-1]] = ledger
     leases = {}
     by_gpu: dict[str, list[VramLease]] = {}
     for kv in lease_kvs:
-        lease = VramLease.from_kv(kv)
+        lease = _parsed(keys, kv, lambda kv=kv: VramLease.from_kv(kv), problems)   # type: ignore[misc]
+        if lease is None:
+            continue
         leases[lease.id] = lease
         by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
-    used = _usage_used(usage, stale, {u: sum(x.vram_mb for x in ls) for u, ls in by_gpu.items()}) if untracked else {}
+    entries = []
+    for kv in queue_kvs:
+        entry = _parsed(keys, kv, lambda kv=kv: queue_entry(kv), problems)   # type: ignore[misc]
+        if entry is not None:
+            entries.append(entry)
+    departing_list = []
+    for kv in departing_kvs:
+        record = _parsed(keys, kv, lambda kv=kv: DepartingRecord.from_kv(kv), problems)   # type: ignore[misc]
+        if record is not None:
+            departing_list.append(record)
+    departing = tuple(departing_list)
+    held: dict[str, list[Departing]] = {}
+    for d in departing:
+        # Until the node's report lists none of its processes, or the kill margin passed (forced).
+        if not d.forced and still_reported(usage, d.gpu_uuid, d.lease_id, d.pids):
+            held.setdefault(d.gpu_uuid, []).append(Departing(d.lease_id, d.agent, d.vram_mb))
+    counted = {u: sum(x.vram_mb for x in ls) + sum(x.vram_mb for x in held.get(u, ())) for u, ls in by_gpu.items()}
+    for u, ds in held.items():
+        counted.setdefault(u, sum(x.vram_mb for x in ds))
+    used = _usage_used(usage, stale, counted) if untracked else {}
     gpus: dict[str, GpuView] = {}
     if inventory is not None:
         part = partition or _default_partition(host_kv.value)  # type: ignore[union-attr]
@@ -96,9 +181,13 @@ def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
             gpus[g.uuid] = GpuView(
                 uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
                 ledger=ledgers.get(g.uuid, GpuLedger(g.vram_total_mb, 0, 0)),
-                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid))
+                leases=list(by_gpu.get(g.uuid, ())), nvml_used_mb=used.get(g.uuid),
+                departing=list(held.get(g.uuid, ())))
     return HostView(host, snap.revision, inventory, host_kv, partition, part_kv, gpus, leases, usage, queue_kvs,
-                    tuple(queue_entry(kv) for kv in queue_kvs), usage_age_s=age, usage_stale=stale)
+                    tuple(entries), usage_age_s=age, usage_stale=stale, departing=departing,
+                    invalid="; ".join(t for _, t in problems[:3])
+                    + (f"; and {len(problems) - 3} more" if len(problems) > 3 else ""),
+                    invalid_kinds=frozenset(k for k, _ in problems))
 
 
 @functools.lru_cache(maxsize=8192)

@@ -2,28 +2,30 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
 import time
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator import errors, metrics
-from coordinator.records import EvictionRecord, VramLease
+from coordinator.policy.departing import process_state
+from coordinator.records import EvictionRecord, InvalidRecord, VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.config import MAX_STREAM_CALLS, CoordinatorConfig
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.status import status_json
 from coordinator.replica.validate import check_lease_id, validate_acquire, validate_attach
+from coordinator.rpc.answers import AnswerQueue, send_answers
 from coordinator.rpc.forward import Forwarder, forwarded_by
+from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.security.authz import COORDINATOR, SESSION_STREAM_CALLS
-from coordinator.security.interceptor import Refused, SecurityInterceptor, audit_call, current_caller
+from coordinator.security.interceptor import Refused, audit_call, current_caller, refuse
 from coordinator.security.tls import add_port, check_listen, server_options
 
 log = logging.getLogger(__name__)
@@ -38,45 +40,50 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
                     created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
 
 
-def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Awaitable[T]]:
+def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Awaitable[T | None]]:
     """Every error becomes a gRPC status with its message: the one translation point of the server.
-    ``name``: the RPC counted in the metrics, when not the function's own name."""
+    ``name``: the RPC counted in the metrics, when not the function's own name. The status is set and the
+    handler returns (no abort: see ``coordinator.security.interceptor``)."""
     rpc = name or fn.__name__
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+    async def wrapper(self: Any, request: Any, context: Any) -> T | None:
         try:
             self.svc.reach.check()   # cut off from etcd: UNAVAILABLE at once, the caller tries another replica
             return await fn(self, request, context)
         except errors.GpucoordError as e:
             metrics.count_refusal(rpc, e)
-            await context.abort(grpc.StatusCode[e.code], e.message)
+            refuse(context, e)
+        except InvalidRecord as e:   # a malformed stored value that the call needed: it is left as it is
+            error = errors.FailedPrecondition(f"record: a stored value this call needs is malformed ({str(e)[:200]})",
+                                              "record")
+            metrics.count_refusal(rpc, error)
+            refuse(context, error)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("%s failed", rpc)
             metrics.count_refusal(rpc, e)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
-        raise AssertionError("unreachable")
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details(f"internal error: {repr(e)[:200]}")
+        return None
 
     return wrapper
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
 class _CallContext:
     """What a handler sees of its call when the call came as a Session stream message: the stream's peer and
-    metadata, and an ``abort`` that ends this call alone."""
+    metadata, and a status of this call alone."""
 
     def __init__(self, stream: grpc.aio.ServicerContext) -> None:
         self._stream = stream
+        self.status: tuple[grpc.StatusCode, str] | None = None
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise _Aborted(code, details)
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.status = (code, self.status[1] if self.status else "")
+
+    def set_details(self, details: str) -> None:
+        self.status = (self.status[0] if self.status else grpc.StatusCode.UNKNOWN, details)
 
     def invocation_metadata(self) -> Any:
         return self._stream.invocation_metadata()
@@ -87,6 +94,45 @@ class _CallContext:
 
 def _refusal(call_id: int, code: grpc.StatusCode, details: str) -> pb.SessionResponse:
     return pb.SessionResponse(call_id=call_id, code=code.value[0], message=details)
+
+
+def _eviction_or_none(kv: Any) -> EvictionRecord | None:
+    """A stored eviction notice; None for a malformed one (the replica's watch logged it)."""
+    try:
+        return EvictionRecord.from_kv(kv)
+    except InvalidRecord:
+        return None
+
+
+def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
+    """What an agent may see of a host (G9): its own leases in full; of other agents' leases, neither the
+    session id, the request id nor the processes (pids, pgid), nor who asked for an eviction. Of the GPUs'
+    processes only its own leases' appear (of other agents' departing leases, neither their processes nor
+    who asked); the queue shows no other agent's request id."""
+    for hs in status.hosts:
+        own = {lease.id for lease in hs.leases if lease.agent == agent}
+        for lease in hs.leases:
+            if lease.agent == agent:
+                continue
+            lease.session_id = lease.request_id = ""
+            del lease.pids[:]
+            lease.pgid = 0
+            if lease.HasField("eviction"):
+                lease.eviction.requested_by = ""
+        for gpu in hs.gpus:
+            mine = [p for p in gpu.processes if p.lease_id in own]
+            del gpu.processes[:]
+            gpu.processes.extend(mine)
+            for use in gpu.lease_use:
+                if use.lease_id not in own:
+                    del use.pids[:]
+            for gone in gpu.departing:
+                if gone.agent != agent:
+                    del gone.pids[:]
+                    gone.requested_by = ""
+        for entry in hs.queue:
+            if entry.agent != agent:
+                entry.request_id = ""
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
@@ -102,28 +148,27 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                    avoid_s=float(cfg.election_ttl_s))
 
 
-    async def _answers(self, out: asyncio.Queue[Any], context: grpc.aio.ServicerContext, rpc_name: str,
-                       as_notice: Callable[[pb.KeepAliveResponse], Any]) -> AsyncGenerator[Any, None]:
+    def _answers(self) -> AnswerQueue:
+        """A stream's queue of answers, bounded as configured (README "Limits")."""
+        cfg = self.svc.config
+        return AnswerQueue(cfg.stream_answers_max, cfg.stream_answer_bytes_max)
+
+    async def _send(self, out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_name: str,
+                    as_notice: Callable[[pb.KeepAliveResponse], Any]) -> None:
         """What a session's stream (KeepAlive or Session) sends: the items of ``out`` until None. An error
         ends the stream with its status; an eviction notice the service pushes goes out as
-        ``as_notice(KeepAliveResponse)``."""
-        while True:
-            item = await out.get()
-            if item is None:
-                return
-            if isinstance(item, errors.GpucoordError):
-                metrics.count_refusal(rpc_name, item)
-                await context.abort(grpc.StatusCode[item.code], item.message)
+        ``as_notice(KeepAliveResponse)``; an overflow of ``out`` ends it with RESOURCE_EXHAUSTED."""
+        def convert(item: Any) -> Any:
             if isinstance(item, EvictionRecord):
-                yield as_notice(pb.KeepAliveResponse(ttl_seconds=-1, notices=[self._notice(item)]))
-                continue
-            yield item
+                return as_notice(pb.KeepAliveResponse(ttl_seconds=-1, notices=[self._notice(item)]))
+            return item
+        await send_answers(out, context, rpc_name, convert)
 
     def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
         return pb.EvictionNotice(lease_id=record.lease_id, gpu_uuid=record.gpu_uuid, reason=record.reason,
                                  requested_by=record.requested_by, deadline_unix=record.deadline_unix,
-                                 grace_left_seconds=self.svc.grace_left(record))
+                                 grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke)
     async def _session(self, ref: pb.SessionRef) -> Any:
         return await self.svc.session(ref.agent, ref.session_id)
 
@@ -135,9 +180,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl, keepalive_interval_seconds=interval)
 
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.KeepAliveResponse]:
+                        context: grpc.aio.ServicerContext) -> None:
         """Answers each keepalive with the remaining TTL, and pushes eviction notices as they appear."""
-        out: asyncio.Queue[Any] = asyncio.Queue()
+        out = self._answers()
         registered: list[str] = []
 
         async def read() -> None:
@@ -162,22 +207,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         metrics.SESSIONS.inc()
         reader = asyncio.get_running_loop().create_task(read())
         try:
-            async with contextlib.aclosing(self._answers(out, context, "KeepAlive", lambda r: r)) as answers:
-                async for item in answers:
-                    yield item
+            await self._send(out, context, "KeepAlive", lambda r: r)
         finally:
             reader.cancel()
             if registered:
                 self.svc.unregister_stream(registered[0], out)
             metrics.SESSIONS.dec()
 
-    async def Session(self, request_iterator: AsyncIterator[Any],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionResponse]:
+    async def Session(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
         """A session's Acquire, Release and KeepAlive calls as messages, answered on the stream as they
         finish: each one goes to the handler of its unary call (after the interceptor has checked it as that
         call), runs as its own task, and is cancelled when its deadline passes, when the caller cancels it or
         when the stream ends. A session kept alive here also gets its eviction notices here (call_id 0)."""
-        out: asyncio.Queue[Any] = asyncio.Queue()
+        out = self._answers()
         calls: dict[int, asyncio.Task[None]] = {}
         registered: list[str] = []
         handlers: dict[str, Callable[[Any, Any], Awaitable[Any]]] = {
@@ -185,13 +227,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
         async def answer(call_id: int, field: str, request: Any, timeout_s: float) -> None:
             method = COORDINATOR + SESSION_STREAM_CALLS[field]
+            call_context = _CallContext(context)
             try:
                 async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
-                    result = await handlers[field](request, _CallContext(context))
-            except _Aborted as e:
-                out.put_nowait(_refusal(call_id, e.code, e.details))
-                audit_call(method, request, e.code)
-                return
+                    result = await handlers[field](request, call_context)
+                if call_context.status is not None:
+                    code, details = call_context.status
+                    out.put_nowait(_refusal(call_id, code, details))
+                    audit_call(method, request, code)
+                    return
             except TimeoutError:
                 out.put_nowait(_refusal(call_id, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
                 audit_call(method, request, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -245,10 +289,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
-            async with contextlib.aclosing(self._answers(out, context, "Session",
-                                                         lambda r: pb.SessionResponse(keepalive=r))) as answers:
-                async for item in answers:
-                    yield item
+            await self._send(out, context, "Session", lambda r: pb.SessionResponse(keepalive=r))
         finally:
             reader.cancel()
             for task in list(calls.values()):
@@ -287,8 +328,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 wait_s = max(0.0, wait_s - (time.monotonic() - sent))
                 owner = None
             preemptible = request.preemptible if request.HasField("preemptible") else True
+            caller = current_caller()
+            operator = caller is not None and caller.identity is not None and caller.identity.role == "operator"
             lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
-                                           request.request_id, wait_s, forwarded=bool(forwarded_by(context)))
+                                           request.request_id, wait_s, forwarded=bool(forwarded_by(context)),
+                                           capped=not operator)
             return pb.AcquireResponse(lease=lease_pb(lease), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)
@@ -311,18 +355,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         revision, views, ttls = await self.svc.status(request.host)
         doc = status_json(revision, views, ttls)
         # The notices, read just after the snapshot: shown next to the leases they are about.
-        notices = {n.lease_id: n for n in map(EvictionRecord.from_kv,
-                                              (await self.svc.store.get_prefix(self.svc.keys.evictions())).ranges[0])}
+        notices = {n.lease_id: n for n in map(_eviction_or_none,
+                                              (await self.svc.store.get_prefix(self.svc.keys.evictions())).ranges[0])
+                   if n is not None}
         leader = self.svc.leadership.leader_id if self.svc.leadership is not None else ""
         out = pb.GetStatusResponse(revision=revision, leader=leader)
         for h in doc["hosts"]:
             hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
+                               invalid=h["invalid"],
                                usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"], partition_mode=h["partition_mode"],
                                cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
             for g in h["gpus"]:
                 gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
                                  usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
-                                 untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"])
+                                 untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"],
+                                 numa_node=g["numa_node"], nvlink_peers=g["nvlink_peers"])
                 for p in g["processes"]:
                     gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
                                      lease_id=str(p.get("lease_id", "")))
@@ -330,21 +377,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                     gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
                                      used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
                                      pids=[int(x) for x in u["pids"]])
+                gs.departing_mb = int(g["departing_mb"])
+                for d in g["departing"]:
+                    gs.departing.add(**d)
                 metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
                 metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
             for a in h["agents"]:
                 hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
                               leased_mb=a["leased_mb"], leases=a["leases"])
-            for lease in views[[v.host for v in views].index(h["host"])].leases.values():
+            view = views[[v.host for v in views].index(h["host"])]
+            for lease in view.leases.values():
                 msg = lease_pb(lease, ttls.get(lease.etcd_lease, -1))
                 notice = notices.get(lease.id)
                 if notice is not None:
                     msg.eviction.CopyFrom(self._notice(notice))
+                    msg.eviction.processes = process_state(view.usage, lease.gpu_uuid, lease.id, lease.pids,
+                                                           lease.pgid)
                 hs.leases.append(msg)
             for q in h["queue"]:
                 hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
                              priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
             metrics.LEASES.labels(h["host"]).set(len(h["leases"]))
+        caller = current_caller()
+        if caller is not None and caller.identity is not None and caller.identity.role == "agent":
+            redact_for_agent(out, caller.identity.name)
         return out
 
     @_rpc
@@ -371,7 +427,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: Any) -> pb.RevokeLeaseResponse:
-        return pb.RevokeLeaseResponse(revoked=await self.svc.revoke(request.lease_id))
+        revoked, processes = await self.svc.revoke_by_operator(request.lease_id,
+                                                               asked_by=str(current_caller() or "unknown"))
+        return pb.RevokeLeaseResponse(revoked=revoked, processes=processes)
 
     async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
         return pb.PingResponse()
@@ -381,8 +439,10 @@ async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int
     """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service)."""
     tls = config.tls_files()
     check_listen(config.listen, tls, config.insecure)
-    # Identity, authorization, bounds and audit: one interceptor, before any handler (coordinator.security).
-    guard = SecurityInterceptor(tls is not None)
+    # Identity, revocation, limits, authorization, bounds and audit: one interceptor, before any handler
+    # (coordinator.security).
+    guard = make_guard(tls is not None, config.calls_per_s_per_identity, config.call_burst_per_identity,
+                       config.max_streams_per_identity)
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     port = add_port(server, config.listen, tls)
     svc = CoordinatorService(config, advertise=config.advertise or f"{config.listen.rpartition(':')[0]}:{port}")
@@ -397,6 +457,7 @@ async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     await server.start()
+    await follow_revocations(server, guard, svc.store, svc.keys, config.etcd_timeout_s * 3)
     await health_servicer.set(pb.DESCRIPTOR.services_by_name["Coordinator"].full_name,
                               health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

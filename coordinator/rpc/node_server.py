@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+import functools
+from typing import Any, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,28 +15,40 @@ from coordinator import errors, metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
-from coordinator.records import VramLease
+from coordinator.records import InvalidRecord, VramLease
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
-from coordinator.security.interceptor import SecurityInterceptor
+from coordinator.rpc.guard import follow_revocations, make_guard
+from coordinator.security.interceptor import refuse
+from coordinator.security.limits import Limits
 from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
 
 
-async def _refuse(context: grpc.aio.ServicerContext, rpc: str, error: errors.GpucoordError) -> None:
-    """Answer with ``error``'s status, counted in gpucoord_refusals_total like the coordinator's refusals."""
-    metrics.count_refusal(rpc, error)
-    await context.abort(grpc.StatusCode[error.code], error.message)
+REVOCATIONS_READY_S = 10.0   # the node serves only once it has read the deny list of certificates
+
+
+def _answered(rpc: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A GpucoordError becomes the call's status (counted in gpucoord_refusals_total like the coordinator's
+    refusals), set without an abort (see ``coordinator.security.interceptor``)."""
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except errors.GpucoordError as e:
+            metrics.count_refusal(rpc, e)
+            refuse(context, e)
+            return None
+    return wrapper
 
 
 class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     def __init__(self, daemon: NodeDaemon) -> None:
         self.daemon = daemon
 
-    async def GetInventory(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
+    async def _get_inventory(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
         inv = self.daemon.inventory
         if inv is None:
-            await _refuse(context, "GetInventory", errors.Unavailable("the node daemon is starting"))
-        assert inv is not None  # abort() raises
+            raise errors.Unavailable("the node daemon is starting")
         usage = {u.uuid: u for u in self.daemon.last_usage}
         out = pb.GetInventoryResponse(host=inv.host, address=inv.address, cpu_count=inv.cpu_count,
                                       core_ids=list(inv.core_ids), mem_bytes=inv.mem_bytes, disk_path=inv.disk_path,
@@ -48,62 +61,64 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
                 gp.processes.add(pid=p.pid, used_mb=p.used_mb)
         return out
 
-    async def CheckToken(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
+    GetInventory = _answered("GetInventory", _get_inventory)
+
+    async def _check_token(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
         """``gpu_uuid`` names the GPU by uuid or by index (all digits). One that is neither is
         INVALID_ARGUMENT; a well-formed index or uuid that this host does not have is NOT_FOUND."""
         ref = request.gpu_uuid
         if not ref:
-            await _refuse(context, "CheckToken", errors.InvalidArgument("gpu_uuid: is required", "gpu_uuid"))
+            raise errors.InvalidArgument("gpu_uuid: is required", "gpu_uuid")
         if not valid_name(ref):
-            await _refuse(context, "CheckToken", errors.InvalidArgument(
-                f"gpu_uuid: {quote_prefix(ref)} is neither a GPU index nor a GPU uuid", "gpu_uuid"))
+            raise errors.InvalidArgument(f"gpu_uuid: {quote_prefix(ref)} is neither a GPU index nor a GPU uuid",
+                                         "gpu_uuid")
         if request.token <= 0:
-            await _refuse(context, "CheckToken", errors.InvalidArgument("token: must be > 0", "token"))
+            raise errors.InvalidArgument("token: must be > 0", "token")
         inv = self.daemon.inventory
         if inv is None:
-            await _refuse(context, "CheckToken", errors.Unavailable("the node daemon is starting; retry"))
-        assert inv is not None  # abort() raises
+            raise errors.Unavailable("the node daemon is starting; retry")
         gpu = inv.gpu(int(ref)) if ref.isdigit() else inv.gpu(ref)
         if gpu is None:
             what = f"index {int(ref)}" if ref.isdigit() else quote_prefix(ref)
-            await _refuse(context, "CheckToken",
-                          errors.NotFound(f"gpu_uuid: host {inv.host!r} has no GPU {what}", "gpu_uuid"))
-        assert gpu is not None
+            raise errors.NotFound(f"gpu_uuid: host {inv.host!r} has no GPU {what}", "gpu_uuid")
         if not self.daemon.leases_ready:
-            await _refuse(context, "CheckToken",
-                          errors.Unavailable("the node is resynchronising its view of leases; retry"))
+            raise errors.Unavailable("the node is resynchronising its view of leases; retry")
         if not self.daemon.reaches_etcd:
             # Cut off from etcd, its view of the leases may miss a revocation: no answer is better than "live".
-            await _refuse(context, "CheckToken",
-                          errors.Unavailable(f"node {self.daemon.host} cannot reach etcd: it cannot tell whether the "
-                                             "token is live; retry"))
+            raise errors.Unavailable(f"node {self.daemon.host} cannot reach etcd: it cannot tell whether the "
+                                     "token is live; retry")
         live, lease_id = self.daemon.check_token(gpu.uuid, request.token)
         if not live and request.token > self.daemon.highest_token.get(gpu.uuid, 0):
             # Newer than any token this node has seen: a grant its watch may not have delivered yet (an agent
             # checks right after its acquire returned), so etcd answers rather than a "no" that is too early.
-            try:
-                live, lease_id = await self._check_token_in_etcd(gpu.uuid, request.token)
-            except errors.GpucoordError as e:
-                await _refuse(context, "CheckToken", e)
+            live, lease_id = await self._check_token_in_etcd(gpu.uuid, request.token)
         return pb.CheckTokenResponse(live=live, lease_id=lease_id,
                                      highest_token=self.daemon.highest_token.get(gpu.uuid, 0))
 
+    CheckToken = _answered("CheckToken", _check_token)
 
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
         d = self.daemon
         snap = await d.store.get_prefix(d.keys.leases(d.host, gpu_uuid))
-        for lease in map(VramLease.from_kv, snap.ranges[0]):
+        for kv in snap.ranges[0]:
+            try:
+                lease = VramLease.from_kv(kv)
+            except InvalidRecord:
+                continue   # a malformed lease proves nothing
             if lease.token == token:
                 return True, lease.id
         return False, ""
 
 
 async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | None = None,
-                             insecure: bool = False) -> tuple[grpc.aio.Server, int]:
+                             insecure: bool = False, calls_per_s: float = Limits.DEFAULT_CALLS_PER_S,
+                             burst: int = Limits.DEFAULT_BURST,
+                             max_streams: int = Limits.DEFAULT_MAX_STREAMS) -> tuple[grpc.aio.Server, int]:
     check_listen(listen, tls, insecure)
     # The same guard as the coordinator's (coordinator.security): identity, authorization, bounds; no
     # SO_REUSEPORT, so a second daemon on a port in use fails to start instead of sharing it.
-    server = grpc.aio.server(interceptors=[SecurityInterceptor(tls is not None)], options=server_options())
+    guard = make_guard(tls is not None, calls_per_s, burst, max_streams)
+    server = grpc.aio.server(interceptors=[guard], options=server_options())
     pb_grpc.add_NodeServicer_to_server(NodeServicer(daemon), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -111,6 +126,7 @@ async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | No
         (pb.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = add_port(server, listen, tls)
     await server.start()
+    await follow_revocations(server, guard, daemon.store, daemon.keys, REVOCATIONS_READY_S)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port
 

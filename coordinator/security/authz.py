@@ -39,6 +39,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from coordinator import errors
+from coordinator.config import quote
 from coordinator.security.identity import Identity
 
 audit_log = logging.getLogger("gpucoord.audit")
@@ -85,27 +86,28 @@ def unwrap(method: str, request: Any) -> tuple[str, Any]:
 
 
 def target_of(method: str, request: Any) -> str:
-    """What a call acts on, for messages and the audit log."""
+    """What a call acts on, for messages and the audit log. Every field is quoted through ``quote``: at most
+    32 characters of it, so a refusal stays small whatever the caller sent."""
     name = rpc_name(method)
     if request is None:
         return ""
     if name == "OpenSession":
-        return f"agent {request.agent!r} on host {request.host!r}"
+        return f"agent {quote(request.agent)} on host {quote(request.host)}"
     if name in SESSION_RPCS:
-        what = f"session {request.session.session_id!r} of agent {request.session.agent!r}"
-        return what + (f", lease {request.lease_id!r}" if name in ("Release", "AttachProcesses") else "")
+        what = f"session {quote(request.session.session_id)} of agent {quote(request.session.agent)}"
+        return what + (f", lease {quote(request.lease_id)}" if name in ("Release", "AttachProcesses") else "")
     if name in ("EvictLease", "RevokeLease"):
-        return f"lease {request.lease_id!r}"
+        return f"lease {quote(request.lease_id)}"
     if name in HOST_READ_RPCS:
-        return f"host {request.host!r}" if request.host else "every host"
+        return f"host {quote(request.host)}" if request.host else "every host"
     if name == "ApplyPartition":
         try:
             host = json.loads(request.spec_json).get("host", "?")
         except (ValueError, AttributeError, RecursionError):
             host = "?"
-        return f"partition of host {str(host)[:64]!r}"
+        return f"partition of host {quote(str(host))}"
     if name == "CheckToken":
-        return f"token {request.token} on GPU {request.gpu_uuid[:64]!r}"
+        return f"token {request.token} on GPU {quote(request.gpu_uuid)}"
     return ""
 
 
@@ -150,11 +152,11 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
         return   # a stream: each message is authorized as it arrives
     if name == "OpenSession":
         if request.agent != identity.name:
-            raise deny(f"an agent opens sessions only as itself ({identity.name!r})")
+            raise deny(f"an agent opens sessions only as itself ({quote(identity.name)})")
         return
     if name in SESSION_RPCS:
         if request.session.agent != identity.name:
-            raise deny(f"an agent acts only on its own sessions ({identity.name!r})")
+            raise deny(f"an agent acts only on its own sessions ({quote(identity.name)})")
         return
     if name in HOST_READ_RPCS:
         if not request.host:
@@ -162,7 +164,7 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
                        "(every host needs the operator role)")
         hosts = await agent_hosts(identity.name) if agent_hosts is not None else set()
         if request.host not in hosts:
-            raise deny(f"agent {identity.name!r} has no live session on host {request.host!r}")
+            raise deny(f"agent {quote(identity.name)} has no live session on host {quote(request.host)}")
         return
     raise deny("unknown method")
 

@@ -1,20 +1,35 @@
-"""Certificates without pain: a CA and one certificate per identity, ECDSA P-256.
+"""Certificates without pain: two CAs (two trust domains) and certificates per identity, ECDSA P-256.
 
-A directory made by ``gpucoord certs init --dir DIR`` holds ``ca.crt`` and ``ca.key`` (0600). Each
-``gpucoord certs issue --dir DIR --role ROLE --name NAME`` writes ``ROLE-NAME.crt`` and ``ROLE-NAME.key``.
-The identity is the SAN URI ``gpucoord://ROLE/NAME``; servers (coordinator, node, etcd) also get DNS and
-IP SANs for their addresses. The subject's common name is the etcd user the identity acts as (etcd takes
-the CN of a verified client certificate as the user name when it runs with ``--client-cert-auth``).
+A directory made by ``gpucoord certs init --dir DIR`` holds two CAs:
+
+* ``ca.crt``/``ca.key``: gpucoord's gRPC CA. It signs the certificate of every identity
+  (``gpucoord://ROLE/NAME`` as a SAN URI): agents, operators, nodes and coordinators. The coordinator and
+  node servers trust it, and only it.
+* ``etcd-ca.crt``/``etcd-ca.key``: the etcd CA. It signs etcd's server certificate and the etcd client
+  certificates of coordinators, nodes, operators and etcd's root, never an agent's. etcd trusts it, and
+  only it (``--trusted-ca-file``), so an agent's certificate cannot even open a TLS connection to etcd
+  (it could otherwise keep another agent's session alive, or compact etcd's history).
+
+``gpucoord certs issue --dir DIR --role ROLE --name NAME`` writes ``ROLE-NAME.crt``/``.key`` (gRPC CA), and
+for the roles that talk to etcd (coordinator, node, operator) also ``ROLE-NAME.etcd.crt``/``.key`` (etcd
+CA, whose common name is the etcd user that identity acts as: etcd takes the CN of a verified client
+certificate as the user when it runs with ``--client-cert-auth``). ``--role etcd`` (etcd's server) and
+``--role etcd-root`` (etcd's administrator) come from the etcd CA only. Servers (coordinator, node, etcd)
+also get DNS and IP SANs for their addresses.
+
+Every certificate issued is recorded in ``DIR/issued.jsonl`` (serial, role, name, CA, expiry, file), for
+``certs list`` and for ``certs revoke NAME``.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import ipaddress
+import json
 import os
 import pathlib
 import socket
-from typing import Sequence
+from typing import Any, Sequence
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -28,8 +43,13 @@ from coordinator.security.identity import ROLES, Identity
 # (user root): they carry no gpucoord identity that the coordinator would accept.
 CERT_KINDS = (*ROLES, "etcd", "etcd-root")
 SERVER_KINDS = ("coordinator", "node", "etcd")
-DEFAULT_DAYS = {"agent": 30, "operator": 30, "node": 365, "coordinator": 365, "etcd": 365, "etcd-root": 30}
+ETCD_CLIENT_KINDS = ("coordinator", "node", "operator")   # also get an etcd client certificate
+ETCD_ONLY_KINDS = ("etcd", "etcd-root")                    # come from the etcd CA alone
+# Short by default: a certificate is renewed by issuing it again (README "Rotating certificates").
+DEFAULT_DAYS = {"agent": 7, "operator": 7, "node": 90, "coordinator": 90, "etcd": 90, "etcd-root": 7}
 CA_DAYS = 5 * 365
+GRPC_CA, ETCD_CA = "ca", "etcd-ca"     # the file stems of the two CAs
+INDEX = "issued.jsonl"
 
 
 def etcd_user_for(kind: str, name: str) -> str:
@@ -49,6 +69,8 @@ def etcd_user_for(kind: str, name: str) -> str:
 class IssuedFiles:
     cert: pathlib.Path
     key: pathlib.Path
+    etcd_cert: pathlib.Path | None = None   # the etcd client certificate of a coordinator, node or operator
+    etcd_key: pathlib.Path | None = None
 
 
 def _write(path: pathlib.Path, data: bytes, private: bool) -> None:
@@ -71,13 +93,24 @@ def _now() -> datetime.datetime:
 
 def init_ca(directory: str | os.PathLike[str], days: int = CA_DAYS, name: str = "gpucoord CA",
             force: bool = False) -> IssuedFiles:
-    """Make ``ca.crt`` and ``ca.key`` in ``directory``. An existing CA is kept unless ``force``."""
+    """Make both CAs in ``directory``: ``ca.crt``/``ca.key`` (gRPC) and ``etcd-ca.crt``/``etcd-ca.key``
+    (etcd). Existing ones are kept unless ``force``; a directory with only the gRPC CA (made before the etcd
+    CA existed) gets its etcd CA. Returns the gRPC CA's files, with the etcd CA's as ``etcd_*``."""
     d = pathlib.Path(directory)
-    files = IssuedFiles(d / "ca.crt", d / "ca.key")
-    if files.cert.exists() and not force:
-        raise FileExistsError(f"{files.cert} exists (a CA is already there)")
+    grpc_ca = IssuedFiles(d / "ca.crt", d / "ca.key")
+    etcd_ca = IssuedFiles(d / "etcd-ca.crt", d / "etcd-ca.key")
+    if grpc_ca.cert.exists() and etcd_ca.cert.exists() and not force:
+        raise FileExistsError(f"{grpc_ca.cert} exists (a CA is already there)")
     if days < 1:
         raise ValueError("days: must be >= 1")
+    if force or not grpc_ca.cert.exists():
+        _make_ca(grpc_ca, days, name)
+    if force or not etcd_ca.cert.exists():
+        _make_ca(etcd_ca, days, f"{name} for etcd")
+    return IssuedFiles(grpc_ca.cert, grpc_ca.key, etcd_ca.cert, etcd_ca.key)
+
+
+def _make_ca(files: IssuedFiles, days: int, name: str) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = _now()
@@ -94,13 +127,13 @@ def init_ca(directory: str | os.PathLike[str], days: int = CA_DAYS, name: str = 
             .sign(key, hashes.SHA256()))
     _write(files.key, _key_pem(key), private=True)
     _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), private=False)
-    return files
 
 
 def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequence[str] = (),
           days: int | None = None, not_before: datetime.datetime | None = None,
           not_after: datetime.datetime | None = None, out_name: str | None = None) -> IssuedFiles:
-    """Issue a certificate for ``gpucoord://KIND/NAME``, signed by the CA in ``directory``.
+    """Issue the certificates of ``gpucoord://KIND/NAME`` from the CAs in ``directory`` (see the module's
+    docstring for which CA signs what).
 
     ``hosts`` (IP addresses or DNS names) become SANs of a server certificate; servers always get
     127.0.0.1, ::1 and localhost. ``not_before``/``not_after`` override ``days`` (tests make expired ones).
@@ -113,30 +146,60 @@ def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequen
     if days < 1:
         raise ValueError("days: must be >= 1")
     d = pathlib.Path(directory)
-    ca_cert = x509.load_pem_x509_certificate((d / "ca.crt").read_bytes())
-    ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), password=None)
-    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
-    key = ec.generate_private_key(ec.SECP256R1())
+    if kind in ETCD_CLIENT_KINDS or kind in ETCD_ONLY_KINDS:
+        if not (d / "etcd-ca.crt").exists() and (d / "ca.crt").exists():
+            raise ValueError(f"{d / 'etcd-ca.crt'}: no etcd CA in {d} (made before there were two): run "
+                             f"'gpucoord certs init --dir {d}' to add it, then issue again")
     start = not_before or _now() - datetime.timedelta(minutes=5)
     end = not_after or _now() + datetime.timedelta(days=days)
-    sans: list[x509.GeneralName] = []
-    if kind in ROLES:
-        sans.append(x509.UniformResourceIdentifier(Identity(kind, name).uri))
+    stem = out_name or f"{kind}-{name}"
+    if kind in ETCD_ONLY_KINDS:
+        usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if kind == "etcd" else [])
+        cert, key = _sign(d, ETCD_CA, etcd_user_for(kind, name), usages, _server_sans(kind, hosts), start, end)
+        files = _save(d, stem, cert, key)
+        _record(d, cert, kind, name, ETCD_CA, files.cert)
+        return files
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(Identity(kind, name).uri)]
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
     if kind in SERVER_KINDS:
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-        names = ["127.0.0.1", "::1", "localhost", socket.gethostname(), *hosts]
-        seen: set[str] = set()
-        for h in names:
-            if not h or h in seen:
-                continue
-            seen.add(h)
-            try:
-                sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-            except ValueError:
-                sans.append(x509.DNSName(h))
+    cert, key = _sign(d, GRPC_CA, f"gpucoord-{kind}-{name}", usages, sans + _server_sans(kind, hosts), start, end)
+    files = _save(d, stem, cert, key)
+    _record(d, cert, kind, name, GRPC_CA, files.cert)
+    if kind not in ETCD_CLIENT_KINDS:
+        return files
+    etcd_cert, etcd_key = _sign(d, ETCD_CA, etcd_user_for(kind, name), [ExtendedKeyUsageOID.CLIENT_AUTH], [],
+                                start, end)
+    etcd_files = _save(d, f"{stem}.etcd", etcd_cert, etcd_key)
+    _record(d, etcd_cert, kind, name, ETCD_CA, etcd_files.cert)
+    return IssuedFiles(files.cert, files.key, etcd_files.cert, etcd_files.key)
+
+
+def _server_sans(kind: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
+    if kind not in SERVER_KINDS:
+        return []
+    sans: list[x509.GeneralName] = []
+    seen: set[str] = set()
+    for h in ["127.0.0.1", "::1", "localhost", socket.gethostname(), *hosts]:
+        if not h or h in seen:
+            continue
+        seen.add(h)
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    return sans
+
+
+def _sign(d: pathlib.Path, ca: str, common_name: str, usages: list[x509.ObjectIdentifier],
+          sans: list[x509.GeneralName], start: datetime.datetime,
+          end: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    ca_cert = x509.load_pem_x509_certificate((d / f"{ca}.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((d / f"{ca}.key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
     builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, etcd_user_for(kind, name))]))
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
                .issuer_name(ca_cert.subject).public_key(key.public_key())
                .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -149,9 +212,39 @@ def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequen
                               critical=False))
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
-    stem = out_name or f"{kind}-{name}"
+    return builder.sign(ca_key, hashes.SHA256()), key
+
+
+def _save(d: pathlib.Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> IssuedFiles:
     files = IssuedFiles(d / f"{stem}.crt", d / f"{stem}.key")
     _write(files.key, _key_pem(key), private=True)
     _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), private=False)
     return files
+
+
+def serial_of(cert: x509.Certificate) -> str:
+    """A certificate's serial as the deny list names it (lowercase hex)."""
+    return format(cert.serial_number, "x")
+
+
+def _record(d: pathlib.Path, cert: x509.Certificate, kind: str, name: str, ca: str, path: pathlib.Path) -> None:
+    entry = {"serial": serial_of(cert), "role": kind, "name": name, "ca": ca, "file": path.name,
+             "not_after": cert.not_valid_after_utc.isoformat(), "issued_at": _now().isoformat(timespec="seconds")}
+    with open(d / INDEX, "a") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def issued(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every certificate ``issue`` recorded in ``directory`` (oldest first); [] without a record."""
+    path = pathlib.Path(directory) / INDEX
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("serial"), str):
+            out.append(entry)
+    return out

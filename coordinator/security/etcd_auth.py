@@ -12,11 +12,16 @@ etcd user               may
 ======================  ===================================================================
 root                    everything (etcd's administrator; needed to enable auth)
 gpucoord-coordinator    read and write the whole prefix
-gpucoord-operator       read the whole prefix (``gpucoord keys``); operators act through the
-                        coordinator, whose RPCs need the operator certificate
+gpucoord-operator       read the whole prefix (``gpucoord keys``), and write ``revoked/`` (``certs
+                        revoke``); everything else operators do goes through the coordinator,
+                        whose RPCs need the operator certificate
 gpucoord-node-<host>    write ``hosts/<host>`` and ``usage/<host>``; read ``leases/<host>/``
-                        (the watch behind CheckToken)
+                        (the watch behind CheckToken) and ``revoked/`` (the deny list)
 ======================  ===================================================================
+
+Which certificates etcd accepts at all is decided by its ``--trusted-ca-file``: the etcd client CA
+(``etcd-ca.crt``), which signs only the etcd client certificates of coordinators, nodes and operators.
+Agent certificates come from the other CA, so they cannot even open a TLS connection to etcd.
 """
 from __future__ import annotations
 
@@ -205,15 +210,18 @@ def role_permissions(prefix: str, nodes: Sequence[str]) -> dict[str, list[tuple[
     """etcd role -> (permission type, key, range_end) grants. range_end b"" is the one key."""
     keys = Keys(prefix)
     root = keys.root()
+    revoked = keys.revocations()
     perms: dict[str, list[tuple[int, bytes, bytes]]] = {
         "gpucoord-coordinator": [(rpc.Permission.READWRITE, root, prefix_range_end(root))],
-        "gpucoord-operator": [(rpc.Permission.READ, root, prefix_range_end(root))],
+        "gpucoord-operator": [(rpc.Permission.READ, root, prefix_range_end(root)),
+                              (rpc.Permission.READWRITE, revoked, prefix_range_end(revoked))],
     }
     for host in nodes:
         leases = keys.leases(host)
         perms[node_user(host)] = [(rpc.Permission.READWRITE, keys.host(host), b""),
                                   (rpc.Permission.READWRITE, keys.usage(host), b""),
-                                  (rpc.Permission.READ, leases, prefix_range_end(leases))]
+                                  (rpc.Permission.READ, leases, prefix_range_end(leases)),
+                                  (rpc.Permission.READ, revoked, prefix_range_end(revoked))]
     return perms
 
 

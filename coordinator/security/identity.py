@@ -63,6 +63,21 @@ def _identity_of_certificate(pem: bytes) -> Identity | None:
         return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _serial_of_certificate(pem: bytes) -> str:
+    from cryptography import x509
+    try:
+        return format(x509.load_pem_x509_certificate(pem).serial_number, "x")
+    except ValueError:
+        return ""
+
+
+def peer_serial(context: Any) -> str:
+    """The serial number (lowercase hex) of a gRPC call's verified peer certificate; "" without TLS."""
+    pems = context.auth_context().get("x509_pem_cert") or ()
+    return _serial_of_certificate(bytes(pems[0])) if pems else ""
+
+
 def peer_identity(context: Any) -> Identity | None:
     """The verified identity of a gRPC call's peer (``context`` of a servicer); None without TLS or when
     the certificate carries no gpucoord identity."""

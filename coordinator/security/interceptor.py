@@ -1,10 +1,18 @@
-"""The one hook both gRPC servers install: identity, authorization, bounds, malformed bytes, audit.
+"""The one hook both gRPC servers install: identity, revocation, fair-service limits, authorization, bounds,
+malformed bytes, audit.
 
-For every call, before the handler runs: the peer's identity is read from its verified certificate,
-``authz.authorize`` decides, and ``bounds.check_request`` checks the request's size and counts. Bytes that
-are not a valid message of the method's type are answered INVALID_ARGUMENT (one log line at debug level,
-not a traceback per request). Streams are checked message by message. Operator actions and every
-refusal are audited (``authz.audit``). The handler can read the caller through ``current_caller()``.
+For every call, before the handler runs: the peer's identity is read from its verified certificate, a
+revoked certificate is refused (``revocation``), the identity's call budget is taken (``limits``: a token
+bucket, and a cap on its open streams), ``authz.authorize`` decides, and ``bounds.check_request`` checks the
+request's size and counts. Bytes that are not a valid message of the method's type are answered
+INVALID_ARGUMENT (one log line at debug level, not a traceback per request). Streams are checked message
+by message. Operator actions, every refusal of authorization and every revoked certificate's call are
+audited (``authz.audit``; a limit's refusal only counts in the metrics, so that a flood cannot fill the
+log). The handler can read the caller through ``current_caller()``.
+
+A refusal sets the call's status and returns (no exception): an aborted call's exception would hold the
+request in a reference cycle until the garbage collector runs, and a flood of large refused requests
+would grow the process meanwhile.
 
 A message of the ``Session`` stream is checked as the call it carries (``authz.unwrap``). A refused one does
 not end the stream: the handler receives it as ``Refused`` and answers its call with the refusal, and
@@ -12,6 +20,7 @@ not end the stream: the handler receives it as ``Refused`` and answers its call 
 """
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import inspect
@@ -22,7 +31,9 @@ import grpc
 
 from coordinator import errors, metrics
 from coordinator.security import authz, bounds
-from coordinator.security.identity import Identity, peer_identity
+from coordinator.security.identity import Identity, peer_identity, peer_serial
+from coordinator.security.limits import COSTS, TARPIT_S, Limits
+from coordinator.security.revocation import Revocations
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +43,7 @@ class Caller:
     identity: Identity | None
     tls: bool
     peer: str
+    serial: str = ""   # of the verified certificate (lowercase hex); "" without TLS
 
     def __str__(self) -> str:
         """Who asked, as an eviction record names it."""
@@ -40,6 +52,9 @@ class Caller:
         return f"unauthenticated {self.peer}" if not self.tls else f"no identity {self.peer}"
 
 
+# Set once per call and never reset: gRPC runs every call in a task of its own (a context of its own), and
+# the tasks a handler starts copy it. A reset would have to happen in the same context, which a stream's
+# generator finalized after its client went away does not have.
 _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpucoord_caller", default=None)
 
 
@@ -73,10 +88,22 @@ def audit_call(method: str, request: Any, code: grpc.StatusCode) -> None:
     authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request), outcome)
 
 
+STREAMS_CAPPED = frozenset({authz.COORDINATOR + "KeepAlive", authz.SESSION_STREAM})
+
+
+def refuse(context: Any, error: errors.GpucoordError) -> None:
+    """Answer the call with ``error``'s status once the handler returns (see the module's docstring)."""
+    context.set_code(grpc.StatusCode[error.code])
+    context.set_details(error.message)
+
+
 class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, tls: bool, agent_hosts: authz.AgentHosts | None = None) -> None:
+    def __init__(self, tls: bool, agent_hosts: authz.AgentHosts | None = None, limits: Limits | None = None,
+                 revocations: Revocations | None = None) -> None:
         self.tls = tls
         self.agent_hosts = agent_hosts
+        self.limits = limits
+        self.revocations = revocations
         # The wrapped handler of each served method: the same for every call, so built once. Only methods
         # that have a handler are kept (a finite set), whatever names callers send.
         self._wrapped: dict[str, Any] = {}
@@ -118,7 +145,9 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     # -- checks ------------------------------------------------------------------------------------
     def _caller(self, context: Any) -> Caller:
-        return Caller(peer_identity(context) if self.tls else None, self.tls, context.peer())
+        if not self.tls:
+            return Caller(None, False, context.peer())
+        return Caller(peer_identity(context), True, context.peer(), peer_serial(context))
 
     async def _check(self, caller: Caller, method: str, request: Any) -> None:
         """Raise the error that refuses ``request`` (None: the opening of a stream), if any."""
@@ -126,6 +155,17 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise errors.InvalidArgument(f"request: not a valid message for {authz.rpc_name(method)} "
                                          f"({request.error})", "request")
         method, request = authz.unwrap(method, request)
+        if caller.tls:
+            if self.revocations is not None and not self.revocations.ready.is_set():
+                raise errors.Unavailable("this server has not read the list of revoked certificates yet; retry")
+            if self.revocations is not None and caller.serial and self.revocations.is_revoked(caller.serial):
+                who = str(caller.identity) if caller.identity is not None else f"no identity {caller.peer}"
+                why = f"its certificate (serial {caller.serial[:40]}) is revoked"
+                authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request),
+                            f"denied: {why}")
+                raise authz.Denied(who, f"call {authz.rpc_name(method)}", why)
+            if self.limits is not None and not method.startswith(authz.HEALTH):
+                await self._take(caller, method, request)
         try:
             await authz.authorize(caller.identity, caller.tls, method, request, self.agent_hosts)
         except authz.Denied as e:
@@ -135,18 +175,46 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if request is not None:
             bounds.check_request(method, request)
 
+    async def _take(self, caller: Caller, method: str, request: Any) -> None:
+        """The call's tokens of its identity's bucket; a refusal is held for a while first (``limits``)."""
+        assert self.limits is not None
+        who = self._who(caller)
+        try:
+            self.limits.take(who, COSTS.get(authz.rpc_name(method), 1))
+        except errors.CapacityError:
+            size = request.ByteSize() if request is not None and hasattr(request, "ByteSize") else 0
+            if self.limits.hold(who, size):
+                try:
+                    await asyncio.sleep(TARPIT_S)
+                finally:
+                    self.limits.release_held(who)
+            raise
+
+    @staticmethod
+    def _who(caller: Caller) -> str:
+        return str(caller.identity) if caller.identity is not None else f"serial {caller.serial[:40]}"
+
+    async def _refusal(self, caller: Caller, method: str, request: Any) -> errors.GpucoordError | None:
+        """The error that refuses the call (counted in the metrics), or None when it may go on."""
+        try:
+            await self._check(caller, method, request)
+        except errors.GpucoordError as e:
+            metrics.count_refusal(authz.rpc_name(method), e)   # refused before the handler: counted here
+            return e
+        return None
+
     def _audit_outcome(self, caller: Caller, method: str, request: Any, context: Any,
                        exc: BaseException | None) -> None:
         if not authz.needs_audit(caller.identity, method):
             return
-        if exc is None:
+        code = None
+        try:
+            code = context.code()
+        except Exception:   # noqa: BLE001 - not every context can tell
+            pass
+        if exc is None and code in (None, grpc.StatusCode.OK):
             outcome = "ok"
         else:
-            code = None
-            try:
-                code = context.code()
-            except Exception:   # noqa: BLE001 - not every context can tell
-                pass
             outcome = f"failed: {code.name if isinstance(code, grpc.StatusCode) else type(exc).__name__}"
         authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request), outcome)
 
@@ -155,53 +223,57 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         """A unary request (unary-unary, or unary-stream such as health's Watch)."""
         interceptor = self
 
-        async def admit(request: Any, context: Any) -> Caller:
-            caller = interceptor._caller(context)
-            try:
-                await interceptor._check(caller, method, request)
-            except errors.GpucoordError as e:
-                metrics.count_refusal(authz.rpc_name(method), e)   # refused before the handler: counted here
-                await context.abort(grpc.StatusCode[e.code], e.message)
-            return caller
-
         if inspect.isasyncgenfunction(behavior):
             async def gen(request: Any, context: Any) -> AsyncIterator[Any]:
-                caller = await admit(request, context)
-                token = _CALLER.set(caller)
-                try:
-                    async for item in behavior(request, context):
-                        yield item
-                finally:
-                    _CALLER.reset(token)
+                caller = interceptor._caller(context)
+                error = await interceptor._refusal(caller, method, request)
+                if error is not None:
+                    refuse(context, error)
+                    return
+                _CALLER.set(caller)
+                async for item in behavior(request, context):
+                    yield item
             return gen
 
         async def call(request: Any, context: Any) -> Any:
-            caller = await admit(request, context)
-            token = _CALLER.set(caller)
+            caller = interceptor._caller(context)
+            error = await interceptor._refusal(caller, method, request)
+            if error is not None:
+                refuse(context, error)
+                return None
+            _CALLER.set(caller)
             try:
                 response = await behavior(request, context)
             except BaseException as e:
                 self._audit_outcome(caller, method, request, context, e)
                 raise
-            finally:
-                _CALLER.reset(token)
             self._audit_outcome(caller, method, request, context, None)
             return response
         return call
 
     def _stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         """A request stream: the caller is checked at the opening and each message as it arrives. A
-        refused message ends the stream with the refusal (the handler's read raises it)."""
+        refused message ends the stream with the refusal (the handler's read raises it); on the Session
+        stream it is answered on its own and the stream goes on."""
         interceptor = self
+        capped = method in STREAMS_CAPPED
 
-        async def opening(context: Any) -> Caller:
+        async def opening(context: Any) -> tuple[Caller, str | None]:
+            """The caller, and the identity whose open streams it holds (None: not counted)."""
             caller = interceptor._caller(context)
-            try:
-                await interceptor._check(caller, method, None)
-            except errors.GpucoordError as e:
-                metrics.count_refusal(authz.rpc_name(method), e)
-                await context.abort(grpc.StatusCode[e.code], e.message)
-            return caller
+            error = await interceptor._refusal(caller, method, None)
+            if error is None and capped and caller.tls and interceptor.limits is not None:
+                try:
+                    who = interceptor._who(caller)
+                    interceptor.limits.open_stream(who)
+                    return caller, who
+                except errors.GpucoordError as e:
+                    metrics.count_refusal(authz.rpc_name(method), e)
+                    error = e
+            if error is not None:
+                refuse(context, error)
+                raise _Refused()
+            return caller, None
 
         async def checked(caller: Caller, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
             async for request in requests:
@@ -224,22 +296,36 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if method == authz.SESSION_STREAM:
             checked = checked_calls
 
+        def release(who: str | None) -> None:
+            if who is not None and interceptor.limits is not None:
+                interceptor.limits.close_stream(who)
+
         if inspect.isasyncgenfunction(behavior):
             async def gen(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-                caller = await opening(context)
-                token = _CALLER.set(caller)
+                try:
+                    caller, who = await opening(context)
+                except _Refused:
+                    return
+                _CALLER.set(caller)
                 try:
                     async for item in behavior(checked(caller, requests), context):
                         yield item
                 finally:
-                    _CALLER.reset(token)
+                    release(who)
             return gen
 
         async def call(requests: AsyncIterator[Any], context: Any) -> Any:
-            caller = await opening(context)
-            token = _CALLER.set(caller)
+            try:
+                caller, who = await opening(context)
+            except _Refused:
+                return None
+            _CALLER.set(caller)
             try:
                 return await behavior(checked(caller, requests), context)
             finally:
-                _CALLER.reset(token)
+                release(who)
         return call
+
+
+class _Refused(Exception):
+    """The opening of a stream was refused (its status is set)."""

@@ -4,13 +4,20 @@ A smoke test: it asserts that each target P1-P8 is measured and reported, never 
 numbers say nothing; see the README's performance section for a full run)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from tests.harness import child_env
+from coordinator.bench import eventloop
+from coordinator.bench.rig import etcd_metric, proposals
+from coordinator.bench.stats import percentile
+from coordinator.etcd.store import Store
+from tests.harness import EtcdEndpoint, child_env
 
 pytestmark = pytest.mark.integration
 
@@ -21,6 +28,9 @@ def test_quick_bench_reports_every_target() -> None:
     proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "bench", "all", "--quick", "--json"],
                           capture_output=True, text=True, timeout=240, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # Every phase's event loop ends with nothing left running and nothing used after it closed.
+    for noise in ("Task was destroyed but it is pending", "Event loop is closed"):
+        assert noise not in proc.stderr, f"{noise!r} in stderr:\n{proc.stderr[-2000:]}"
     doc = json.loads(proc.stdout)
     counts: dict[str, int] = {}
     for line in doc["lines"]:
@@ -41,3 +51,54 @@ def test_text_output_has_one_line_per_figure() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("P7")]
     assert len(lines) == 2 and all("target <= 50 ms" in x and ("PASS" in x or "FAIL" in x) for x in lines)
+
+
+def test_proposals_read_from_etcd_metrics_count_each_write(etcd: EtcdEndpoint) -> None:
+    """P2 and P8 divide a difference of etcd's committed raft proposals: each put is one proposal."""
+    async def puts(n: int) -> None:
+        async with Store(etcd.endpoints) as s:
+            for i in range(n):
+                await s.put(f"/bench-test/proposals/{i}".encode(), b"x")
+    before = proposals(etcd.metrics_url)
+    asyncio.run(puts(5))
+    assert proposals(etcd.metrics_url) - before >= 5
+    # A sample with labels is found by its name alone; a name etcd does not export is an error, not 0.
+    assert etcd_metric(etcd.metrics_url, "etcd_server_go_version") == 1.0
+    with pytest.raises(RuntimeError, match="etcd_no_such_metric"):
+        etcd_metric(etcd.metrics_url, "etcd_no_such_metric")
+
+
+def test_percentile_takes_the_upper_nearest_rank() -> None:
+    """The figures are observed values: p50 of an even count is the upper middle one, p99 of 20 the largest."""
+    twenty = [float(x) for x in range(20, 0, -1)]
+    assert (percentile(twenty, .5), percentile(twenty, .99), percentile(twenty, 0)) == (11.0, 20.0, 1.0)
+    assert percentile([3.0, 1.0, 2.0], .5) == 2.0
+    assert percentile([5.0], .99) == 5.0
+    assert percentile([], .5) != percentile([], .5)     # NaN
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=300),
+       st.sampled_from([0.0, 0.25, 0.5, 0.9, 0.99, 1.0]))
+def test_percentile_is_the_smallest_value_with_more_than_q_of_them_at_or_below(values: list[float], q: float) -> None:
+    p = percentile(values, q)
+    assert p in values
+    at_or_below = sum(v <= p for v in values)
+    below = sum(v < p for v in values)
+    assert at_or_below > q * len(values) or at_or_below == len(values)
+    assert below <= q * len(values)
+
+
+def test_the_phases_share_one_event_loop_and_each_run_cancels_what_it_left() -> None:
+    """A gRPC call cancelled at the end of one phase's run completes on a loop that is still open (no
+    "Event loop is closed" from the next run), and nothing a run started keeps running into the next."""
+    left: list[asyncio.Task[None]] = []
+
+    async def phase() -> asyncio.AbstractEventLoop:
+        left.append(asyncio.create_task(asyncio.sleep(3600)))
+        return asyncio.get_running_loop()
+
+    with eventloop.one_loop():
+        first, second = eventloop.run(phase()), eventloop.run(phase())
+        assert first is second and not first.is_closed()
+        assert left[0].cancelled() and left[1].cancelled()
+    assert first.is_closed()

@@ -174,7 +174,7 @@ def test_status_json_has_numbers_and_the_table_marks_evictions_and_names_gpus(co
                    "--coordinator", coord).returncode == 0
         table = cli("status", "--coordinator", coord).stdout
         (row,) = [x for x in table.splitlines() if lease.id in x]
-        assert "EVICTING: revoked in" in row and "operator" in row and "maintenance" in row
+        assert "EVICTING: deadline in" in row and "operator" in row and "maintenance" in row
         notice = json.loads(cli("status", "--json", "--coordinator", coord).stdout)["hosts"][0]["leases"][0]["eviction"]
         assert notice["reason"] == "maintenance" and notice["deadline_unix"] > time.time() + 500
 

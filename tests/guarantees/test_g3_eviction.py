@@ -1,6 +1,7 @@
 """G3 eviction: a request of priority P evicts only preemptible leases of priority < P, only when that makes
 it fit, and is admitted only after its victims are gone. Each victim gets a notice and a grace period; the
-leader revokes it at its deadline, unless its notice was withdrawn (the requester gave up) meanwhile.
+leader revokes it the kill margin after its deadline, unless its notice was withdrawn (the requester gave up)
+meanwhile. (Victims bound to processes: tests/run/test_eviction_order.py.)
 
 Every test ends with the history checker (G3 at every revision: every notice names a preemptible lease of
 lower priority, and a request with victims is admitted only once they are all gone).
@@ -45,16 +46,18 @@ def test_priority_request_evicts_the_low_priority_lease_only(cluster: Cluster) -
         assert {x.id for x in cluster.leases()} == {keep.id, lease.id}
 
 
-def test_victim_that_does_not_release_is_revoked_at_its_deadline(cluster: Cluster) -> None:
+def test_victim_that_does_not_release_is_revoked_at_its_deadline_plus_the_kill_margin(cluster: Cluster) -> None:
+    """A cooperative holder (no processes attached) that ignores its notice is revoked the kill margin after
+    its deadline, not before."""
     cluster.start_node("h1", "1x8GiB")
-    addr = cluster.start_coordinator(eviction_grace_s=1.5)
+    addr = cluster.start_coordinator(eviction_grace_s=1.5, eviction_kill_margin_s=1.0)
     with Client(addr, agent="low", host="h1") as low, Client(addr, agent="high", host="h1") as high:
         victim = low.acquire(8000, priority=0)
         t0 = time.monotonic()
         lease = high.acquire(6000, priority=5, wait=15)
         elapsed = time.monotonic() - t0
         assert victim.evicting.is_set() and victim.notice is not None
-        assert elapsed >= 1.4, "admitted before the victim's grace period ended"
+        assert elapsed >= 2.4, "admitted before the victim's grace period and the kill margin ended"
         assert [x.id for x in cluster.leases()] == [lease.id]
         assert victim.release() is False   # revoked already: releasing is a no-op
 
@@ -157,7 +160,8 @@ def test_the_leader_does_not_revoke_a_victim_whose_notice_was_withdrawn_meanwhil
     slowed, as by a slow etcd, and the requester gives up meanwhile) stops the revoke, and the victim keeps
     its lease. (Review finding R11: the revoke compared only the lease.)"""
     cluster.start_node("h1", "1x8GiB")
-    addr = cluster.start_coordinator(eviction_grace_s=1)
+    # No kill margin: the revoke comes at the deadline itself, well within the requester's wait.
+    addr = cluster.start_coordinator(eviction_grace_s=1, eviction_kill_margin_s=0)
     svc = cluster.service(addr)
     wait_for(lambda: svc.leadership.is_leader, 10, "the replica to lead")
     gate, entered, finished = threading.Event(), threading.Event(), threading.Event()

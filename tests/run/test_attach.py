@@ -84,14 +84,16 @@ def test_client_run_binds_a_command_from_python(env: tuple[Cluster, Any, Client]
         assert proc.wait(timeout=30) == 1003 % 256
         assert proc.reason == "exited"
     assert cluster.get_prefix(cluster.keys.leases()) == []
-    # An operator's revoke: the lease is lost, so the command is SIGKILLed at once.
+    # An operator's revoke of a lease bound to processes: a revoke notice, so the command is SIGKILLed at once
+    # (SIGTERM ignored), and the lease ends once it is gone.
     with c.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                       "signal.pause()"], vram_mb=1000, check_interval=0.2) as proc:
         wait_for(lambda: _lease_value(cluster)[0].get("pgid") == proc.pgid, 10, "the lease to record the group")
         stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(c._async.addresses[0]))
-        assert stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=proc.lease.id), timeout=10).revoked
+        resp = stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=proc.lease.id), timeout=10)
+        assert resp.revoked and resp.processes
         assert proc.wait(timeout=30) == 128 + signal.SIGKILL
-        assert proc.reason == "lease lost" and "the lease is gone" in proc.message
+        assert proc.reason == "revoked" and "revoked by operator: SIGKILL at once" in proc.message, proc.message
     # Leaving the block early stops the command (SIGTERM) and releases.
     with c.run(["sleep", "60"], vram_mb=1000) as proc:
         pass

@@ -203,3 +203,69 @@ def test_coordinator_still_serves_after_the_fuzz(target: Target) -> None:
     assert target.coord.Release(pb.ReleaseRequest(session=ref, lease_id=lease.id), timeout=10).released
     status = target.coord.GetStatus(pb.GetStatusRequest(host=HOST), timeout=10)
     assert [h.host for h in status.hosts] == [HOST] and len(status.hosts[0].leases) == 1
+
+
+# -- 200 kB in every string field of every request, unary and as Session stream messages -------------------
+def _with_big_fields(message: Any, size: int = 200_000) -> list[Any]:
+    """One copy of ``message`` per string field (nested ones included), that field set to ``size`` characters."""
+    out = []
+
+    def fields(msg: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+        found = []
+        for f in msg.DESCRIPTOR.fields:
+            if f.type == f.TYPE_STRING and not f.is_repeated:
+                found.append(path + (f.name,))
+            elif f.type == f.TYPE_MESSAGE and not f.is_repeated:
+                found += fields(getattr(msg, f.name), path + (f.name,))
+        return found
+    for path in fields(message):
+        copy = type(message)()
+        copy.CopyFrom(message)
+        target = copy
+        for step in path[:-1]:
+            target = getattr(target, step)
+        setattr(target, path[-1], "x" * size)
+        out.append(copy)
+    return out
+
+
+def test_200kB_in_any_field_of_any_request_is_refused_with_a_short_message_and_writes_nothing(target: Target) -> None:
+    ref = pb.SessionRef(agent=AGENT, session_id=target.session_id)
+    base: list[tuple[str, Any]] = [
+        ("OpenSession", pb.OpenSessionRequest(agent=AGENT, host=HOST, client_version="v")),
+        ("Acquire", pb.AcquireRequest(session=ref, vram_mb=1, gpu="0", request_id="r")),
+        ("Release", pb.ReleaseRequest(session=ref, lease_id="l")),
+        ("AttachProcesses", pb.AttachProcessesRequest(session=ref, lease_id="l")),
+        ("CloseSession", pb.CloseSessionRequest(session=pb.SessionRef(agent=AGENT, session_id="123abc"))),
+        ("GetStatus", pb.GetStatusRequest(host=HOST)), ("GetPartition", pb.GetPartitionRequest(host=HOST)),
+        ("ApplyPartition", pb.ApplyPartitionRequest(spec_json="{}", dry_run=True)),
+        ("EvictLease", pb.EvictLeaseRequest(lease_id="l", reason="r")), ("RevokeLease", pb.RevokeLeaseRequest(lease_id="l")),
+        ("Node.CheckToken", node_pb2.CheckTokenRequest(gpu_uuid="0", token=1)),
+        ("KeepAlive", [pb.KeepAliveRequest(session=ref)])]
+    stream_calls = [("acquire", pb.AcquireRequest(session=ref, vram_mb=1, gpu="0", request_id="r")),
+                    ("release", pb.ReleaseRequest(session=ref, lease_id="l")),
+                    ("keepalive", pb.KeepAliveRequest(session=ref))]
+    codes: collections.Counter[str] = collections.Counter()
+    before = target.revision()
+    for method, request in base:
+        for big in (_with_big_fields(request[0]) if isinstance(request, list) else _with_big_fields(request)):
+            try:
+                _send(target, method, [big] if isinstance(request, list) else big)
+                codes["OK"] += 1
+                continue
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details() or ""
+            codes[code.name] += 1
+            assert code not in (C.UNKNOWN, C.INTERNAL, C.RESOURCE_EXHAUSTED), (method, code, details[:200])
+            assert len(details) < 600 and "x" * 33 not in details, (method, details[:300])
+    messages = [pb.SessionRequest(call_id=i + 1, **{field: big})
+                for i, (field, big) in enumerate((f, b) for f, r in stream_calls for b in _with_big_fields(r))]
+    answers = list(target.coord.Session(iter(messages), timeout=60))
+    assert len(answers) == len(messages)
+    for a in answers:
+        codes[f"stream {next(c for c in C if c.value[0] == a.code).name}"] += 1
+        assert a.code not in (C.UNKNOWN.value[0], C.INTERNAL.value[0], C.OK.value[0]), a
+        assert len(a.message) < 600 and "x" * 33 not in a.message, a.message[:300]
+    assert codes["OK"] == 0, codes
+    assert not writes_since(target.cluster, before)
+    print(f"\n200 kB fields: {dict(codes)}")

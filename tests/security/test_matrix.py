@@ -288,3 +288,36 @@ def test_session_stream_calls_are_audited_as_the_unary_calls(world: World, caplo
     denied = [x for x in lines if x["action"] == "Release" and x["identity"] == "gpucoord://agent/agent-b"]
     assert denied and denied[0]["outcome"].startswith("denied: ") and lease.id in denied[0]["target"], lines
     world.stubs("self").coord.Release(pb.ReleaseRequest(session=world.ref(), lease_id=lease.id), timeout=10)
+
+
+def test_an_agent_sees_other_agents_leases_without_session_request_or_processes(world: World) -> None:
+    """Session ids are no secrets (etcd trusts no agent certificate), but an agent's GetStatus still shows
+    other agents' leases without their session id, request id or processes; its own leases in full. The
+    operator sees everything."""
+    request_id = uuid.uuid4().hex
+    lease = world.stubs("self").coord.Acquire(pb.AcquireRequest(session=world.ref(), vram_mb=64, request_id=request_id),
+                                              timeout=10).lease
+    world.stubs("self").coord.AttachProcesses(pb.AttachProcessesRequest(session=world.ref(), lease_id=lease.id,
+                                                                        pids=[os.getpid()], pgid=os.getpgid(0)),
+                                              timeout=10)
+    b = world.stubs("other").coord
+    b_sid = b.OpenSession(pb.OpenSessionRequest(agent="agent-b", host=HOST, ttl_seconds=30), timeout=10).session_id
+    b_ref = pb.SessionRef(agent="agent-b", session_id=b_sid)
+    b_lease = b.Acquire(pb.AcquireRequest(session=b_ref, vram_mb=64, request_id="b-request"), timeout=10).lease
+    try:
+        def seen(role: str) -> dict[str, Any]:
+            (host,) = world.stubs(role).coord.GetStatus(pb.GetStatusRequest(host=HOST), timeout=10).hosts
+            return {x.id: x for x in host.leases}
+        by_b, by_operator = seen("other"), seen("operator")
+        assert by_operator[lease.id].session_id == world.session_id and by_operator[lease.id].request_id == request_id
+        assert list(by_operator[lease.id].pids) == [os.getpid()]
+        other = by_b[lease.id]
+        assert (other.agent, other.vram_mb, other.session_id, other.request_id, list(other.pids), other.pgid) == \
+            ("agent-a", 64, "", "", [], 0), other
+        own = by_b[b_lease.id]
+        assert (own.session_id, own.request_id) == (b_sid, "b-request"), own
+        assert world.session_id not in str(world.stubs("other").coord.GetStatus(pb.GetStatusRequest(host=HOST),
+                                                                                timeout=10))
+    finally:
+        b.CloseSession(pb.CloseSessionRequest(session=b_ref), timeout=10)
+        world.stubs("self").coord.Release(pb.ReleaseRequest(session=world.ref(), lease_id=lease.id), timeout=10)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pathlib
 import re
 import signal
+import socket
+import ssl
 import subprocess
 import sys
+import time
 from typing import Iterator
 
 import pytest
@@ -87,7 +90,9 @@ def _etcdctl(up: Up, *argv: str, creds: str | None = None) -> subprocess.Complet
     ep = re.search(r"etcd: +(127\.0\.0\.1:\d+)", up.output())
     assert ep is not None, up.output()
     pki = up.data_dir / "pki"
-    flags = [f"--endpoints=https://{ep.group(1)}", f"--cacert={pki / 'ca.crt'}", "--dial-timeout=3s",
+    # etcd's server certificate comes from the etcd CA (from the one CA, before there were two).
+    server_ca = pki / "etcd-ca.crt" if (pki / "etcd-ca.crt").exists() else pki / "ca.crt"
+    flags = [f"--endpoints=https://{ep.group(1)}", f"--cacert={server_ca}", "--dial-timeout=3s",
              "--command-timeout=5s"]
     if creds is not None:
         flags += [f"--cert={pki / (creds + '.crt')}", f"--key={pki / (creds + '.key')}"]
@@ -108,15 +113,79 @@ def test_up_secure_plays_the_demo_over_mtls(up: Up) -> None:
 def test_up_secure_etcd_refuses_without_credentials_and_confines_the_node(up: Up) -> None:
     anonymous = _etcdctl(up, "get", "--prefix", "/gpucoord/")
     assert anonymous.returncode != 0, anonymous.stdout
-    node = "node-sec-host"
+    node = "node-sec-host.etcd"
     wrote_lease = _etcdctl(up, "put", "/gpucoord/leases/sec-host/GPU-x/forged", "{}", creds=node)
     assert wrote_lease.returncode != 0 and "permission denied" in wrote_lease.stderr, wrote_lease
     read_all = _etcdctl(up, "get", "--prefix", "/gpucoord/", creds=node)
     assert read_all.returncode != 0 and "permission denied" in read_all.stderr, read_all
     own = _etcdctl(up, "get", "/gpucoord/hosts/sec-host", creds=node)
     assert own.returncode == 0 and "sec-host" in own.stdout, own
-    coordinator = _etcdctl(up, "get", "--prefix", "/gpucoord/gpus/", "--keys-only", creds="coordinator-coordinator")
+    coordinator = _etcdctl(up, "get", "--prefix", "/gpucoord/gpus/", "--keys-only",
+                           creds="coordinator-coordinator.etcd")
     assert coordinator.returncode == 0 and "/gpucoord/gpus/sec-host/" in coordinator.stdout, coordinator
+
+
+def test_up_secure_etcd_refuses_every_agent_certificate(up: Up) -> None:
+    """Two trust domains: etcd trusts only the etcd CA, which signs no agent certificate. With agent-a's
+    certificate the TLS handshake with etcd fails, so nothing works: keeping an etcd lease alive (another
+    agent's session), compacting etcd's history, granting or listing etcd leases, reading a lease's keys
+    (each of which worked when etcd trusted the CA that signs agents). The operator's etcd certificate still
+    reads, so the refusal is the agent's."""
+    pki = up.data_dir / "pki"
+    root = "etcd-root-root"   # etcd's administrator: from the etcd CA (the one CA, before there were two)
+    granted = _etcdctl(up, "lease", "grant", "30", creds=root)
+    assert granted.returncode == 0, granted
+    lease = granted.stdout.split()[1]        # "lease 694d... granted with TTL(30s)"
+    t0 = time.monotonic()
+    attempts = {name: _etcdctl_start(up, *argv, creds="agent-agent-a") for name, argv in {
+        "keep-alive": ["lease", "keep-alive", "--once", lease], "compact": ["compaction", "1"],
+        "grant": ["lease", "grant", "60"], "list": ["lease", "list"],
+        "timetolive": ["lease", "timetolive", lease, "--keys"],
+        "get": ["get", "--prefix", "/gpucoord/", "--keys-only"]}.items()}
+    outcomes = {name: _finish(proc, 8) for name, proc in attempts.items()}
+    worked = {name: out for name, (code, out) in outcomes.items() if code == 0 and "expired or revoked" not in out}
+    assert not worked, worked
+    # The lease was not kept alive: its TTL kept running down (a keepalive resets it to 30 s).
+    ttl = _etcdctl(up, "lease", "timetolive", lease, creds=root)
+    remaining = int(re.search(r"remaining\((-?\d+)s\)", ttl.stdout).group(1))  # type: ignore[union-attr]
+    assert remaining <= 30 - (time.monotonic() - t0) + 1.5, (remaining, time.monotonic() - t0)
+    # Not even a TLS connection: the handshake (or, with TLS 1.3, the first read after it) fails.
+    server_ca = pki / "etcd-ca.crt" if (pki / "etcd-ca.crt").exists() else pki / "ca.crt"
+    ep = re.search(r"etcd: +127\.0\.0\.1:(\d+)", up.output())
+    assert ep is not None
+    ctx = ssl.create_default_context(cafile=str(server_ca))
+    ctx.load_cert_chain(str(pki / "agent-agent-a.crt"), str(pki / "agent-agent-a.key"))
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", int(ep.group(1))), timeout=10) as raw:
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls_sock:
+                tls_sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                if not tls_sock.recv(1):
+                    raise ConnectionError("etcd closed the connection")
+    operator = _etcdctl(up, "get", "--prefix", "/gpucoord/hosts/", "--keys-only", creds="operator-operator.etcd")
+    assert operator.returncode == 0 and "sec-host" in operator.stdout, operator
+
+
+def _etcdctl_start(up: Up, *argv: str, creds: str) -> subprocess.Popen[str]:
+    ep = re.search(r"etcd: +(127\.0\.0\.1:\d+)", up.output())
+    assert ep is not None
+    pki = up.data_dir / "pki"
+    server_ca = pki / "etcd-ca.crt" if (pki / "etcd-ca.crt").exists() else pki / "ca.crt"
+    return subprocess.Popen([etcd_binary("etcdctl"), f"--endpoints=https://{ep.group(1)}", f"--cacert={server_ca}",
+                             "--dial-timeout=3s", "--command-timeout=5s", f"--cert={pki / (creds + '.crt')}",
+                             f"--key={pki / (creds + '.key')}", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
+    """(exit status, output); a command still retrying after ``timeout`` s is stopped and counts as failed."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return 124, out
 
 
 def test_up_secure_cli_uses_the_environment(up: Up) -> None:

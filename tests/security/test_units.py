@@ -38,9 +38,8 @@ def test_issued_certificates_carry_identity_cn_and_server_sans(tmp_path: pathlib
     assert identity_of_certificate(agent.cert.read_bytes()) == Identity("agent", "agent-a")
     assert identity_of_certificate(node.cert.read_bytes()) == Identity("node", "gpu-1")
     assert a.subject.rfc4514_string() == "CN=gpucoord-agent-agent-a"
-    assert n.subject.rfc4514_string() == "CN=gpucoord-node-gpu-1"     # the etcd user of the node
     days = (a.not_valid_after_utc - a.not_valid_before_utc).days
-    assert 29 <= days <= 30                                               # agents: 30 days by default
+    assert 6 <= days <= 7                                                 # agents: 7 days by default
     san = n.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert ipaddress.ip_address("10.1.2.3") in san.get_values_for_type(x509.IPAddress)
     assert ipaddress.ip_address("127.0.0.1") in san.get_values_for_type(x509.IPAddress)
@@ -53,6 +52,51 @@ def test_issued_certificates_carry_identity_cn_and_server_sans(tmp_path: pathlib
     for kind, name in (("admin", "x"), ("agent", "a/b"), ("agent", "")):
         with pytest.raises(ValueError):
             certs.issue(tmp_path, kind, name)
+    assert 29 <= _days(certs.issue(tmp_path, "agent", "long", days=30).cert) <= 30   # --days
+
+
+def _days(path: pathlib.Path) -> int:
+    c = x509.load_pem_x509_certificate(path.read_bytes())
+    return (c.not_valid_after_utc - c.not_valid_before_utc).days
+
+
+def test_two_trust_domains_agents_never_get_an_etcd_certificate(tmp_path: pathlib.Path) -> None:
+    """gRPC identities come from ca.crt, etcd's clients from etcd-ca.crt: an agent gets nothing etcd trusts."""
+    certs.init_ca(tmp_path)
+    grpc_ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    etcd_ca = x509.load_pem_x509_certificate((tmp_path / "etcd-ca.crt").read_bytes())
+    assert grpc_ca.subject != etcd_ca.subject and grpc_ca.public_key() != etcd_ca.public_key()
+
+    def issuer(path: pathlib.Path | None) -> Any:
+        assert path is not None
+        return x509.load_pem_x509_certificate(path.read_bytes()).issuer
+
+    agent = certs.issue(tmp_path, "agent", "agent-a")
+    assert agent.etcd_cert is None and issuer(agent.cert) == grpc_ca.subject
+    assert sorted(p.name for p in tmp_path.glob("agent-*")) == ["agent-agent-a.crt", "agent-agent-a.key"]
+    for kind, user in (("coordinator", "gpucoord-coordinator"), ("node", "gpucoord-node-gpu-1"),
+                       ("operator", "gpucoord-operator")):
+        f = certs.issue(tmp_path, kind, "gpu-1")
+        assert issuer(f.cert) == grpc_ca.subject and issuer(f.etcd_cert) == etcd_ca.subject
+        assert f.etcd_cert is not None and f.etcd_cert.name == f"{kind}-gpu-1.etcd.crt"
+        etcd_client = x509.load_pem_x509_certificate(f.etcd_cert.read_bytes())
+        assert etcd_client.subject.rfc4514_string() == f"CN={user}"      # the etcd user it acts as
+        assert identity_of_certificate(f.etcd_cert.read_bytes()) is None   # no gRPC identity in it
+    for kind in ("etcd", "etcd-root"):
+        f = certs.issue(tmp_path, kind, "e1")
+        assert issuer(f.cert) == etcd_ca.subject and f.etcd_cert is None
+    listed = certs.issued(tmp_path)
+    assert [(e["role"], e["ca"]) for e in listed][:3] == [("agent", "ca"), ("coordinator", "ca"),
+                                                          ("coordinator", "etcd-ca")]
+    assert all(len(e["serial"]) > 10 for e in listed)
+    # A directory from before the etcd CA: init adds it; issuing an etcd client without it is refused.
+    old = tmp_path / "old"
+    certs.init_ca(old)
+    (old / "etcd-ca.crt").unlink()
+    with pytest.raises(ValueError, match="certs init"):
+        certs.issue(old, "node", "n1")
+    certs.init_ca(old)
+    assert certs.issue(old, "node", "n1").etcd_cert is not None
 
 
 def test_tls_files_flags_then_env_then_config(tmp_path: pathlib.Path) -> None:

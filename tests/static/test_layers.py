@@ -8,7 +8,8 @@ Layers, bottom up (a module may import its own layer's modules and those of the 
     node     the node daemon and its inventory                          (base, etcd, policy)
     replica  service, admitter, leader, mirror, view                    (base, etcd, policy)
     rpc      the gRPC servers and message conversion                    (all of the above, agent_client.api)
-    cli      commands, rendering, up, demo, bench                       (everything)
+    bench    the performance bench: rig, baselines, phases, report      (base, etcd, node, agent_client)
+    cli      commands, rendering, up, demo, the bench command           (everything)
 ``agent_client`` imports nothing of ``coordinator``.
 
 The tests have a rule of their own: a test module (and a conftest) imports, of ``tests``, only the shared
@@ -36,7 +37,10 @@ ALLOWED = {
     "node": {"base", "etcd", "policy", "node", "api"},
     "replica": {"base", "etcd", "policy", "replica"},
     "rpc": {"base", "etcd", "policy", "node", "replica", "rpc", "api"},
-    "cli": {"base", "etcd", "policy", "node", "replica", "rpc", "cli", "api", "client"},
+    # The bench drives gpucoord from outside, as agents and operators do: through processes, agent_client
+    # and etcd itself, never through the replica's or the servers' code.
+    "bench": {"base", "etcd", "node", "bench", "api", "client"},
+    "cli": {"base", "etcd", "policy", "node", "replica", "rpc", "bench", "cli", "api", "client"},
 }
 
 
@@ -75,6 +79,7 @@ def test_dependencies_only_point_down() -> None:
 
 
 @pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.admission",
+                                    "coordinator.policy.placement",
                                     "coordinator.policy.partition"])
 def test_the_pure_policy_loads_neither_aetcd_nor_grpc(module: str) -> None:
     code = (f"import sys, {module}; "

@@ -316,13 +316,21 @@ def test_other_limits() -> None:
     assert load(flags={"eviction_grace_s": 0}).eviction_grace_s == 0.0
 
 
+def test_the_eviction_kill_margin_defaults_to_2s_and_is_bounded() -> None:
+    assert load().eviction_kill_margin_s == 2.0
+    assert load(flags={"eviction_kill_margin_s": "0"}).eviction_kill_margin_s == 0.0
+    assert load(env={"GPUCOORD_EVICTION_KILL_MARGIN_S": "5.5"}).eviction_kill_margin_s == 5.5
+    for bad in (-0.1, 601):
+        assert field_error(eviction_kill_margin_s=bad) == "eviction_kill_margin_s"
+
+
 @pytest.mark.parametrize("field", ["batch_max", "commit_attempts"])
 def test_limit_errors_name_their_own_field(field: str) -> None:
     assert field_error(**{field: 0}) == field
 
 
 @pytest.mark.parametrize("var", ["GPUCOORD_KEEPALIVE_INTERVAL_S", "GPUCOORD_ETCD_TIMEOUT_S",
-                                 "GPUCOORD_EVICTION_GRACE_S"])
+                                 "GPUCOORD_EVICTION_GRACE_S", "GPUCOORD_EVICTION_KILL_MARGIN_S"])
 def test_nan_is_rejected(var: str) -> None:
     with pytest.raises(ConfigError):
         load(env={var: "nan"})

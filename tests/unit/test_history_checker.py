@@ -527,3 +527,92 @@ def test_grant_while_victims_live_is_detected() -> None:
         h2.lease("b", "r9", 4000, priority=10, bump=False)
         h2.ledger(G0, seq=2)
     assert check(h2).violations == []
+
+
+# -- G3 for leases bound to processes: against the node's usage reports ----------------------------
+
+PID = 4242
+
+
+def _bound_victim(h: History, vram_mb: int = 12000) -> str:
+    """A lease of agent a with process PID attached, which the node lists on G0; then b/r9 evicts it."""
+    victim = h.lease("a", "r1", vram_mb, priority=1)
+    kv = h.kvs[K.lease(HOST, G0, victim)]
+    h.put(kv.key, json.loads(kv.value) | {"pids": [PID], "pgid": PID}, etcd_lease=SESSION)
+    _usage(h, [PID], victim)
+    _evict(h, victim, requester_priority=10)
+    return victim
+
+
+def _usage(h: History, pids: list[int], lease_id: str, state: str = "leased") -> None:
+    h.put(K.usage(HOST), {"ts": 1.0, "interval_s": 5.0, "gpus": [
+        {"uuid": G0, "index": 0, "vram_used_mb": 0, "processes_visible": True,
+         "processes": [{"pid": p, "used_mb": 0, "state": state, "lease_id": lease_id} for p in pids]}]})
+
+
+def _end(h: History, victim: str, departing: dict[str, Any] | None = None) -> None:
+    """The victim's release (or revoke): its lease and notice go, maybe leaving a departing record."""
+    with h.txn():
+        h.release(victim)
+        h.delete(K.eviction(victim))
+        if departing is not None:
+            h.put(K.departing(HOST, G0, victim), {"lease_id": victim, "forced": False} | departing)
+
+
+def _grant_requester(h: History, vram_mb: int = 12000) -> None:
+    h.lease("b", "r9", vram_mb, priority=10)
+
+
+def test_a_requester_granted_while_its_victims_processes_are_reported_is_detected() -> None:
+    h = History()
+    h.ledger(G0)
+    victim = _bound_victim(h)
+    _end(h, victim, departing={})
+    _usage(h, [PID], victim, state="orphaned")     # the node still lists it after the lease ended
+    _grant_requester(h)
+    assert_one_violation(check(h), "G3", f"victim {victim}'s processes [{PID}] are still reported")
+
+
+def test_a_requester_granted_once_the_node_no_longer_lists_the_victims_processes_passes() -> None:
+    h = History()
+    h.ledger(G0)
+    victim = _bound_victim(h)
+    _end(h, victim, departing={})
+    _usage(h, [], victim)
+    h.delete(K.departing(HOST, G0, victim))
+    _grant_requester(h)
+    assert check(h).violations == []
+
+
+def test_a_forced_departing_record_lets_the_grant_in_though_the_process_is_listed() -> None:
+    h = History()
+    h.ledger(G0)
+    victim = _bound_victim(h)
+    _end(h, victim, departing={})
+    h.put(K.departing(HOST, G0, victim), {"lease_id": victim, "forced": True})   # the kill margin passed
+    _grant_requester(h)
+    assert check(h).violations == []
+
+
+def test_a_victim_that_went_with_its_session_is_not_held_to_the_order() -> None:
+    h = History()
+    h.ledger(G0)
+    h.put(K.session("a", format(SESSION, "x")), {"agent": "a"}, etcd_lease=SESSION)
+    victim = _bound_victim(h)
+    with h.txn():     # the session expired: etcd deletes everything on it at one revision
+        h.delete(K.session("a", format(SESSION, "x")))
+        h.release(victim)
+        h.delete(K.eviction(victim))
+    _grant_requester(h)
+    assert check(h).violations == []
+
+
+def test_another_grant_that_fits_only_without_the_departing_vram_is_detected() -> None:
+    h = History()
+    h.ledger(G0)
+    victim = _bound_victim(h, vram_mb=12000)
+    _end(h, victim, departing={})
+    h.lease("c", "r1", 4000)                       # 12000 still held + 4000 <= 16384: fine
+    assert check(h).violations == []
+    h.lease("c", "r2", 4000)                       # 12000 + 8000 > 16384
+    assert_one_violation(check(h), "G3", "counting ended leases")

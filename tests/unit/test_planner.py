@@ -6,7 +6,9 @@ is applied to the snapshot, and the result is checked:
 
 * G1: no GPU holds more than its usable VRAM, and no agent more than its partition's cap on a GPU;
 * G2: no request is placed on a GPU that a request ranked before it still waits for;
-* G3: victims are preemptible, of lower priority than the request, make it fit, and none can be spared;
+* G3: victims are preemptible, of lower priority than the request, make it fit, and none can be spared; a
+  request whose victims' leases, or processes (an ended lease still held: ``GpuView.departing``), are
+  still there is not granted, and the VRAM of such ended leases counts against G1;
 * G5: new tokens continue the ledger's sequence, strictly increasing, and the ledger records the last one;
 * etcd's limits: at most 128 compares and 128 operations;
 * the planner changes nothing it is given.
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
-from coordinator.policy.admission import GpuView, room_for
+from coordinator.policy.admission import Departing, GpuView, room_for
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import Partition, compute_partition, parse_spec
 from coordinator.policy.plan import Context, Plan
@@ -102,6 +104,19 @@ def scenarios(draw: Any) -> dict[str, Any]:
                           created_at=float(n), etcd_lease=s.etcd_lease, mod_revision=100 + n)
         leases[lease.id] = lease
     evicting = frozenset(x for x in leases if draw(st.booleans()) and draw(st.booleans()))
+    # Ended leases whose processes the node still reports (they count as held), within G1 too.
+    departing: dict[str, list[Departing]] = {}
+    for n in range(draw(st.integers(0, 3))):
+        agent = draw(st.sampled_from(AGENTS))
+        gpu = draw(st.sampled_from(inventory.gpus))
+        vram = draw(st.sampled_from([512, 2048, 4096]))
+        cap = caps[agent].get(gpu.uuid)
+        if cap is None or used[gpu.uuid] + vram > gpu.vram_total_mb or held.get((agent, gpu.uuid), 0) + vram > cap:
+            continue
+        used[gpu.uuid] += vram
+        held[(agent, gpu.uuid)] = held.get((agent, gpu.uuid), 0) + vram
+        departing.setdefault(gpu.uuid, []).append(Departing(f"gone{n}", agent, vram))
+    victim_pool = [*leases, *(d.lease_id for ds in departing.values() for d in ds), "long-gone"]
     # The queue; some entries are this replica's waiting calls.
     entries: list[QueueEntry] = []
     waiting: dict[str, Call] = {}
@@ -113,9 +128,11 @@ def scenarios(draw: Any) -> dict[str, Any]:
         gpu = draw(st.sampled_from(["", "0", "1"]))
         lease_id = lease_id_for(agent, f"q{n}", HOST)
         rank = Keys.queue_rank(prio, 10 + n, lease_id)
+        victims = tuple(draw(st.lists(st.sampled_from(victim_pool), max_size=2, unique=True)))
         entry = QueueEntry(rank=rank, agent=agent, session_id=s.session_id, etcd_lease=s.etcd_lease,
                            vram_mb=vram, gpu=gpu, priority=prio, preemptible=True, request_id=f"q{n}",
-                           lease_id=lease_id, deadline_unix=WALL + 30, replica="r1", mod_revision=200 + n)
+                           lease_id=lease_id, deadline_unix=WALL + 30, replica="r1", victims=victims,
+                           mod_revision=200 + n)
         entries.append(entry)
         if draw(st.booleans()):
             waiting[lease_id] = Call(s, vram, gpu or None, prio, True, f"q{n}", lease_id, 30.0, 10 + n, NOW + 30,
@@ -131,7 +148,8 @@ def scenarios(draw: Any) -> dict[str, Any]:
                           draw(st.booleans()), rid, lease_id_for(agent, rid, HOST), wait, 1000 + n, NOW + wait))
     gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=part.usable_mb(g),
                             ledger=GpuLedger(g.vram_total_mb, 7 + g.index, 300 + g.index),
-                            leases=[x for x in leases.values() if x.gpu_uuid == g.uuid])
+                            leases=[x for x in leases.values() if x.gpu_uuid == g.uuid],
+                            departing=departing.get(g.uuid, []))
             for g in inventory.gpus}
     part_kv = _KV(KEYS.partition(HOST), b"{}", 50) if partition is not None else None
     view = HostView(HOST, revision, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), partition, part_kv, gpus,
@@ -161,11 +179,18 @@ def check(s: dict[str, Any], plan: Plan[Call]) -> None:
     after.update({lease.id: lease for lease in plan.new_leases})
     for g in view.gpus.values():
         on = [x for x in after.values() if x.gpu_uuid == g.uuid]
-        assert sum(x.vram_mb for x in on) <= g.usable_mb
+        assert sum(x.vram_mb for x in on) + g.departing_mb <= g.usable_mb
         for agent in AGENTS:
-            mine = sum(x.vram_mb for x in on if x.agent == agent)
+            mine = sum(x.vram_mb for x in on if x.agent == agent) + sum(d.vram_mb for d in g.departing
+                                                                         if d.agent == agent)
             if mine:
                 assert mine <= caps[agent].get(g.uuid, 0)
+    # G3: a queued request is not granted while a victim's lease, or its processes, are still there.
+    still = set(view.leases) | view.departing_held
+    granted = {x.id for x in plan.new_leases}
+    for e in view.entries:
+        if e.lease_id in granted:
+            assert not still & set(e.victims), f"{e.lease_id} granted while its victims {e.victims} are there"
     # G5: tokens continue the ledger, strictly increasing, and the ledger records the last
     for g in view.gpus.values():
         new = [x.token for x in plan.new_leases if x.gpu_uuid == g.uuid]

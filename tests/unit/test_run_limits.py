@@ -3,12 +3,14 @@ directory it prepares (in a temporary directory shaped like cgroup v2, not a rea
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from agent_client.process import exit_status, plan_limits, prepare_cgroup
-from coordinator.records import GpuProcess
+from coordinator.node.fake import FakeProcess
 from coordinator.node.inventory import FakeGpuSource, parse_fake_processes
 
 
@@ -57,9 +59,13 @@ def test_exit_status_is_shell_style() -> None:
 
 
 def test_fake_processes_are_validated() -> None:
-    assert parse_fake_processes({"1": {"42": 100}}, 2) == {1: (GpuProcess(42, 100),)}
+    assert parse_fake_processes({"1": {"42": 100}}, 2) == {1: (FakeProcess(42, 100),)}
+    assert parse_fake_processes({"0": {"7": {"mib": 5, "until": 1.5e9}}}, 1) == {0: (FakeProcess(7, 5, 1.5e9),)}
     for bad, match in (([], "JSON object"), ({"2": {}}, "GPU '2'"), ({"0": []}, "GPU 0"),
-                       ({"0": {"x": 1}}, "not a pid"), ({"0": {"5": -1}}, "MiB"), ({"0": {"5": True}}, "MiB")):
+                       ({"0": {"x": 1}}, "not a pid"), ({"0": {"5": -1}}, "MiB"), ({"0": {"5": True}}, "MiB"),
+                       ({"0": {"5": {"until": 1}}}, "expected MiB"), ({"0": {"5": {"mib": 1, "x": 1}}}, "keys"),
+                       ({"0": {"5": {"mib": 1, "until": "soon"}}}, "until"),
+                       ({"0": {"5": {"mib": 1, "until": True}}}, "until")):
         with pytest.raises(ValueError, match=match):
             parse_fake_processes(bad, 2)
 
@@ -72,5 +78,19 @@ def test_fake_processes_file_is_reread_and_dead_pids_are_dropped(tmp_path: Path)
     f.write_text(json.dumps({"0": {str(os.getpid()): 700, "4194304": 5}}))
     u0, u1 = src.usage()
     assert [(p.pid, p.used_mb) for p in u0.processes] == [(os.getpid(), 700)] and u0.vram_used_mb == 700
+    assert [u.processes_visible for u in src.usage()] == [True, True]
     f.write_text("not json")
     assert [u.processes for u in src.usage()] == [(), ()]     # malformed: ignored with a warning
+    assert [u.processes_visible for u in src.usage()] == [False, False]   # and the lists are not known
+
+
+def test_a_fake_process_with_until_is_listed_until_then_whether_it_runs_or_not(tmp_path: Path) -> None:
+    f = tmp_path / "p.json"
+    src = FakeGpuSource("1x16GiB", "h", str(f))
+    now = time.time()
+    dead = 4194304   # above any pid_max here: no such process
+    f.write_text(json.dumps({"0": {str(dead): {"mib": 300, "until": now + 60},
+                                   str(os.getpid()): {"mib": 200, "until": now - 1}}}))
+    (u,) = src.usage()
+    assert [(p.pid, p.used_mb) for p in u.processes] == [(dead, 300)] and u.vram_used_mb == 300
+    assert FakeGpuSource("1x16GiB", "h").usage()[0].processes_visible is False   # no --fake-processes

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from coordinator.keys import valid_name
+from coordinator.policy.partition.caps import PriorityCap, parse_caps
 from coordinator.policy.partition.units import KINDS
 from coordinator.policy.partition.units import MAX_AGENTS
 from coordinator.policy.partition.units import MAX_INT
@@ -96,16 +97,21 @@ class PartitionSpec:
     agents: tuple[str, ...]
     reserved: Reserved
     allocations: tuple[tuple[str, AllocationSpec], ...]
+    # The highest priority each agent (name or pattern) may ask for (partition.caps), sorted by name.
+    priority_caps: tuple[tuple[str, PriorityCap], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able; ``parse_spec(spec.to_json()) == spec``."""
-        return {
+        d: dict[str, Any] = {
             "host": self.host,
             "mode": self.mode,
             "agents": list(self.agents),
             "reserved": self.reserved.to_json(),
             "allocations": {agent: a.to_json() for agent, a in self.allocations},
         }
+        if self.priority_caps:
+            d["priority_caps"] = {name: cap.to_json() for name, cap in self.priority_caps}
+        return d
 
 
 def _fld(*parts: object) -> str:
@@ -310,7 +316,9 @@ def parse_spec(data: Mapping[str, Any]) -> PartitionSpec:
                     f"names {_kinds_str(got)} but allocations.{first_agent} names {_kinds_str(want)}: "
                     "every agent must name the same resource kinds")
 
-    return PartitionSpec(host=host, mode=mode, agents=tuple(agents), reserved=reserved, allocations=allocations)
+    caps = parse_caps(table["priority_caps"]) if "priority_caps" in table else ()
+    return PartitionSpec(host=host, mode=mode, agents=tuple(agents), reserved=reserved, allocations=allocations,
+                         priority_caps=caps)
 
 
 def _kinds_str(kinds: frozenset[str]) -> str:

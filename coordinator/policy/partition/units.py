@@ -15,7 +15,7 @@ MAX_INT = 2**63 - 1
 MAX_SIZE_STR = 64
 MIB = 1 << 20
 
-_SPEC_KEYS = ("host", "mode", "agents", "reserved", "allocations")
+_SPEC_KEYS = ("host", "mode", "agents", "reserved", "allocations", "priority_caps")
 _RESERVED_KEYS = ("cpu", "mem", "disk", "vram_headroom")
 _ALLOC_KEYS = ("cpu", "cores", "mem", "disk", "gpus", "vram")
 

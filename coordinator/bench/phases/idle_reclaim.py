@@ -1,0 +1,98 @@
+"""P8 (idle cost with many open sessions) and then P6 (reclaim after SIGKILL, against raw etcd_lease
+holders killed at the same instant; and many sessions killed at once), on one rig."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import time
+
+from coordinator.bench import eventloop
+from coordinator.bench.report import Figures, Line, line
+from coordinator.bench.rig import cpu_seconds, proposals, rig, rss_mb
+from coordinator.etcd.ops import range_req
+from coordinator.etcd.store import Store
+from coordinator.keys import Keys
+
+
+def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int, out: Figures) -> list[Line]:
+    """P8 (idle cost with many sessions), then P6 (reclaim after SIGKILL) on the same rig."""
+    keys = Keys()
+    with rig() as r:
+        coord, addr = r.coordinator()
+        node = r.node("idle", "8x80GiB", heartbeat=5.0)
+        worker = r.worker(addr, ["idle"], sessions, 1, ttl=ttl)
+        time.sleep(min(2.0, idle_s / 2))    # settle: the worker's last acquires, the first keepalives
+        c0, n0, p0 = cpu_seconds(coord.pid), cpu_seconds(node.pid), proposals(r.metrics_url)
+        t0 = time.perf_counter()
+        time.sleep(idle_s)   # the measurement window itself: nothing to wait for
+        wall = time.perf_counter() - t0
+        coord_cpu = (cpu_seconds(coord.pid) - c0) / wall
+        node_cpu = (cpu_seconds(node.pid) - n0) / wall
+        writes = (proposals(r.metrics_url) - p0) / wall
+        rss = rss_mb(coord.pid)
+
+        # P6: single holders, gpucoord sessions and raw etcd_leases, killed at the same instant.
+        holders = [r.worker(addr, ["idle"], 1, 1, ttl=ttl, agents=1) for _ in range(samples)]
+        interval = min(3.0, ttl / 3)
+        raws = [r.raw_holder(f"/bench/raw-holder/{i}", ttl, interval) for i in range(samples)]
+
+        async def reclaim() -> tuple[list[float], list[float], float, int]:
+            async with Store([r.ep]) as s:
+                async def count(prefix: bytes) -> int:
+                    snap = await s.snapshot([range_req(prefix, prefix=True, keys_only=True)])
+                    return len(snap.ranges[0])
+                leases_prefix = keys.leases("idle")
+                sessions_prefix = keys.sessions()
+                # Which lease keys belong to which process: the sessions' pids.
+                snap = await s.snapshot([range_req(sessions_prefix, prefix=True)])
+                pid_of = {json.loads(kv.value)["pid"]: kv.etcd_lease for kv in snap.ranges[0]}
+                lease_snap = await s.snapshot([range_req(leases_prefix, prefix=True)])
+                by_etcd_lease: dict[int, list[bytes]] = {}
+                for kv in lease_snap.ranges[0]:
+                    by_etcd_lease.setdefault(kv.etcd_lease, []).append(kv.key)
+                single_keys = [by_etcd_lease[pid_of[h.pid]][0] for h in holders]
+                raw_keys = [f"/bench/raw-holder/{i}".encode() for i in range(samples)]
+                t0 = time.perf_counter()
+                for p in [*holders, *raws]:
+                    os.kill(p.pid, signal.SIGKILL)
+                mass_before = await count(leases_prefix) - samples
+                os.kill(worker.pid, signal.SIGKILL)
+                t_mass = time.perf_counter()
+                ours: dict[bytes, float] = {}
+                theirs: dict[bytes, float] = {}
+                mass_done = 0.0
+                deadline = t0 + ttl * 3 + 10
+                while time.perf_counter() < deadline and (len(ours) < samples or len(theirs) < samples
+                                                          or not mass_done):
+                    snap = await s.snapshot([range_req(k) for k in [*single_keys, *raw_keys]]
+                                            + [range_req(leases_prefix, prefix=True, keys_only=True)])
+                    now = time.perf_counter()
+                    for k, kvs in zip([*single_keys, *raw_keys], snap.ranges):
+                        book = ours if k in single_keys else theirs
+                        if not kvs and k not in book:
+                            book[k] = now - t0
+                    if not snap.ranges[-1] and not mass_done:
+                        mass_done = now - t_mass
+                    await asyncio.sleep(0.02)
+                return list(ours.values()), list(theirs.values()), mass_done or float("inf"), mass_before
+        ours, theirs, mass, mass_n = eventloop.run(reclaim())
+    out["p8"] = {"sessions": sessions, "ttl_s": ttl, "window_s": wall, "coordinator_cpu_pct": coord_cpu * 100,
+                 "coordinator_rss_mb": rss, "node_cpu_pct": node_cpu * 100, "etcd_proposals_s": writes}
+    out["p6"] = {"ttl_s": ttl, "gpucoord_reclaim_s": ours, "raw_expiry_s": theirs, "mass_sessions": mass_n,
+                 "mass_reclaim_s": mass}
+    return [
+        line("P6", f"reclaim after SIGKILL, median of {samples}, TTL {ttl} s", statistics.median(ours) if ours else
+             float("inf"), "s", statistics.median(theirs) if theirs else float("nan"),
+             "raw etcd_lease holder killed alike", "<= 1.1", lambda x: x <= 1.1),
+        line("P6", f"{mass_n} sessions killed at once: all reclaimed", mass, "s", None, f"TTL {ttl} s + 2 s",
+             f"<= {ttl + 2} s", lambda x: x <= ttl + 2, use_ratio=False),
+        line("P8", f"coordinator CPU, {sessions} idle sessions", coord_cpu * 100, "%", None,
+             f"of one core, TTL {ttl} s, {wall:.0f} s window", "<= 5 %", lambda x: x <= 5.0),
+        Line("P8", "coordinator RSS", rss, "MiB", None, "", None, "report", None),
+        line("P8", "node daemon CPU", node_cpu * 100, "%", None, "of one core", "<= 1 %", lambda x: x <= 1.0),
+        line("P8", "etcd writes/s while idle", writes, "/s", None, "raft proposals/s, every writer", "<= 1",
+             lambda x: x <= 1.0),
+    ]

@@ -1,0 +1,146 @@
+"""G9: certificates are revoked without restarts. ``gpucoord certs revoke`` writes ``revoked/<serial>``; every
+coordinator replica and node daemon watches it and refuses the certificate within 2 s of the write, on new
+calls and on the messages of streams already open; other certificates are not affected."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Iterator
+
+import grpc
+import pytest
+
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import node_pb2, node_pb2_grpc
+from coordinator.security.tls import channel_credentials
+from tests.harness import REPO, Cluster, Pki, child_env, wait_for
+
+pytestmark = pytest.mark.integration
+C = grpc.StatusCode
+HOST = "h1"
+
+
+@pytest.fixture
+def world(own_etcd: list[str], pki: Pki) -> Iterator[tuple[Cluster, list[str], str]]:
+    cluster = Cluster(own_etcd, f"/gpucoord-revoke-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
+    try:
+        daemon = cluster.start_node(HOST, "1x16GiB", heartbeat_s=3600, tls=pki["node"])
+        c = pki["coordinator"]
+        addrs = [cluster.start_coordinator(tls_ca=c.ca, tls_cert=c.cert, tls_key=c.key) for _ in range(2)]
+        yield cluster, addrs, daemon.address
+    finally:
+        cluster.close()
+
+
+def _gpucoord(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coordinator.cli", *argv], capture_output=True, text=True,
+                          env=child_env(), cwd=REPO, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_a_revoked_certificate_is_refused_by_every_replica_and_node_within_2s(
+        world: tuple[Cluster, list[str], str], pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    cluster, addrs, node_addr = world
+    caplog.set_level(logging.INFO, logger="gpucoord.audit")
+    chans = {(who, a): grpc.secure_channel(a, channel_credentials(pki[who]))
+             for who in ("agent-a", "agent-b") for a in [*addrs, node_addr]}
+    coord = {k: pb_grpc.CoordinatorStub(ch) for k, ch in chans.items() if k[1] != node_addr}
+    node = {who: node_pb2_grpc.NodeStub(chans[(who, node_addr)]) for who in ("agent-a", "agent-b")}
+    try:
+        a0 = coord[("agent-a", addrs[0])]
+        sid = a0.OpenSession(pb.OpenSessionRequest(agent="agent-a", host=HOST, ttl_seconds=30), timeout=10).session_id
+        ref = pb.SessionRef(agent="agent-a", session_id=sid)
+        # A Session stream opened before the revocation: its next message is refused too.
+        requests: list[pb.SessionRequest] = []
+        sent = threading.Event()
+
+        def messages() -> Iterator[pb.SessionRequest]:
+            yield pb.SessionRequest(call_id=1, keepalive=pb.KeepAliveRequest(session=ref))
+            assert sent.wait(30)
+            yield from requests
+        stream = coord[("agent-a", addrs[1])].Session(messages(), timeout=60)
+        assert next(stream).keepalive.ttl_seconds > 0
+
+        done = _gpucoord("certs", "revoke", "--dir", str(pki.dir), "agent/agent-a", "--reason", "leaked",
+                         "--etcd", cluster.endpoints[0], "--prefix", cluster.prefix)
+        written = time.monotonic()
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count("revoked: ") == 1 and "agent agent-a" in done.stdout, done.stdout
+
+        def refused_everywhere() -> bool:
+            for a in addrs:
+                try:
+                    coord[("agent-a", a)].Ping(pb.PingRequest(), timeout=5)
+                    return False
+                except grpc.RpcError as e:
+                    assert e.code() == C.PERMISSION_DENIED, (e.code(), e.details())
+            try:
+                node["agent-a"].GetInventory(node_pb2.GetInventoryRequest(), timeout=5)
+                return False
+            except grpc.RpcError as e:
+                assert e.code() == C.PERMISSION_DENIED, (e.code(), e.details())
+            return True
+        wait_for(refused_everywhere, 2.0, "every replica and the node to refuse the revoked certificate")
+        took = time.monotonic() - written
+        print(f"\nrevoked: refused everywhere {took * 1000:.0f} ms after the write")
+
+        with pytest.raises(grpc.RpcError) as info:
+            a0.Acquire(pb.AcquireRequest(session=ref, vram_mb=64), timeout=10)
+        assert info.value.code() == C.PERMISSION_DENIED and "revoked" in info.value.details()
+        assert "gpucoord://agent/agent-a" in info.value.details()
+        requests.append(pb.SessionRequest(call_id=2, keepalive=pb.KeepAliveRequest(session=ref)))
+        sent.set()
+        answer = next(stream)
+        assert answer.call_id == 2 and answer.code == C.PERMISSION_DENIED.value[0] and "revoked" in answer.message
+        stream.cancel()
+        # agent-b's certificate is not affected, anywhere.
+        for a in addrs:
+            assert coord[("agent-b", a)].Ping(pb.PingRequest(), timeout=5) is not None
+        assert node["agent-b"].GetInventory(node_pb2.GetInventoryRequest(), timeout=5).host == HOST
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gpucoord.audit"]
+        assert any(x["identity"] == "gpucoord://agent/agent-a" and "revoked" in x["outcome"] for x in lines)
+
+        # The record in etcd; certs list shows it; revoking again keeps the first record.
+        (kv,) = cluster.get_prefix(cluster.keys.revocations())
+        record = json.loads(kv.value)
+        assert record["name"] == "agent-a" and record["role"] == "agent" and record["reason"] == "leaked"
+        listed = _gpucoord("certs", "list", "--dir", str(pki.dir), "--etcd", cluster.endpoints[0],
+                           "--prefix", cluster.prefix)
+        assert listed.returncode == 0, listed.stderr
+        state = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
+        assert "REVOKED" in state[record["serial"]] and "agent-a" in state[record["serial"]]
+        assert sum("REVOKED" in line for line in state.values()) == 1, listed.stdout
+        again = _gpucoord("certs", "revoke", record["serial"], "--etcd", cluster.endpoints[0],
+                          "--prefix", cluster.prefix)
+        assert again.returncode == 0 and "already revoked" in again.stdout, (again.stdout, again.stderr)
+        assert cluster.get_prefix(cluster.keys.revocations())[0].mod_revision == kv.mod_revision
+
+        # Deleting the record (the operator's undo) lifts the refusal, again without a restart.
+        cluster.lt.run(cluster.store.delete(kv.key))
+        wait_for(lambda: _pings(coord[("agent-a", addrs[0])]), 2.0, "the certificate to be accepted again")
+    finally:
+        for ch in chans.values():
+            ch.close()
+
+
+def _pings(stub: pb_grpc.CoordinatorStub) -> bool:
+    try:
+        stub.Ping(pb.PingRequest(), timeout=5)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def test_revoke_refuses_a_name_it_did_not_issue_and_names_etcd_when_unreachable(pki: Pki) -> None:
+    missing = _gpucoord("certs", "revoke", "--dir", str(pki.dir), "nobody", "--etcd", "127.0.0.1:1")
+    assert missing.returncode == 1 and "no certificate named 'nobody'" in missing.stderr, missing.stderr
+    no_dir = _gpucoord("certs", "revoke", "agent-a", "--etcd", "127.0.0.1:1")
+    assert no_dir.returncode == 2 and "--dir" in no_dir.stderr, no_dir.stderr
+    unreachable = _gpucoord("certs", "revoke", "abc123", "--etcd", "127.0.0.1:1")
+    assert unreachable.returncode == 3 and "127.0.0.1:1" in unreachable.stderr, unreachable.stderr
