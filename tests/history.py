@@ -39,10 +39,14 @@ class HistoryReport:
     max_used: dict[str, int] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
     over_capacity: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)   # G1: (rev, host, gpu)
+    live_leases: set[bytes] = dataclasses.field(default_factory=set)   # at the end of the replay, by key
 
     def assert_ok(self) -> None:
         assert not self.violations, "\n".join(self.violations[:20])
         assert self.revisions > 0
+
+
+SENTINEL = b"zz-history-sentinel"
 
 
 async def read_history(store: Store, prefix: bytes) -> list[WatchEvent]:
@@ -51,7 +55,7 @@ async def read_history(store: Store, prefix: bytes) -> list[WatchEvent]:
     A sentinel key written under the prefix marks "now": the watch has delivered everything before it
     once the sentinel's own event arrives.
     """
-    sentinel = prefix + b"zz-history-sentinel"
+    sentinel = prefix + SENTINEL
     await store.put(sentinel, b"{}")
     events: list[WatchEvent] = []
     async for batch in store.watch(prefix, start_revision=1, prev_kv=True):
@@ -132,6 +136,9 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     leases[(host, gpu)][lease_id] = lease
                 else:
                     gone = leases[(host, gpu)].pop(lease_id, None)
+                    if gone is None:    # etcd only reports the delete of a key that exists
+                        rep.violations.append(f"rev {rev}: history read missed events: lease {lease_id} on "
+                                              f"{host}/{gpu} deleted, never put")
                     bound = gone is not None and (gone.get("pids") or gone.get("pgid"))
                     if bound and lease_id in notices and gone["session_id"] not in sessions_gone:
                         ended[lease_id] = gone | {"requested_by": notices[lease_id].get("requested_by", "")}
@@ -210,13 +217,37 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                 if k in seen:   # the lease id repeats on every GPU: count live leases, not ids
                     rep.violations.append(f"rev {rev}: G6 two live leases for request {k}")
                 seen.add(k)
+    rep.live_leases = {keys.lease(host, gpu, lease_id) for (host, gpu), live in leases.items() for lease_id in live}
     return rep
 
 
 async def check_store(store: Store, keys: Keys) -> HistoryReport:
     report = check_history(await read_history(store, keys.root()), keys)
     await _confirm_capacity_violations(store, keys, report)
+    await _confirm_replay(store, keys, report)
     return report
+
+
+def replay_differs(report: HistoryReport, etcd_leases: set[bytes], revision: int) -> list[str]:
+    """What the replay's live leases at its end lack or have beyond etcd's own (read at ``revision``, where the
+    history read ended): a history read that missed events (a lost DELETE leaves a phantom lease, which can
+    show as a G1 over-commit that etcd never had)."""
+    phantom, missing = sorted(report.live_leases - etcd_leases), sorted(etcd_leases - report.live_leases)
+    if not phantom and not missing:
+        return []
+    return [f"rev {revision}: history read missed events: the replay holds {len(phantom)} leases etcd does not "
+            f"({[k.decode() for k in phantom[:3]]}), etcd {len(missing)} the replay does not "
+            f"({[k.decode() for k in missing[:3]]})"]
+
+
+async def _confirm_replay(store: Store, keys: Keys, report: HistoryReport) -> None:
+    """etcd's leases where the history read ended (at its sentinel) against the replay's."""
+    from coordinator.etcd.ops import range_req
+    sentinel = await store.get(keys.root() + SENTINEL)
+    if sentinel is None:
+        return
+    kvs, _ = await store._read_range(range_req(keys.kind("leases"), prefix=True), sentinel.mod_revision, False)
+    report.violations += replay_differs(report, {kv.key for kv in kvs}, sentinel.mod_revision)
 
 
 async def _confirm_capacity_violations(store: Store, keys: Keys, report: HistoryReport) -> None:
