@@ -46,22 +46,21 @@ class HistoryReport:
         assert self.revisions > 0
 
 
-SENTINEL = b"zz-history-sentinel"
-
-
-async def read_history(store: Store, prefix: bytes) -> list[WatchEvent]:
+async def read_history(store: Store, prefix: bytes, ended: list[int] | None = None) -> list[WatchEvent]:
     """Every event under ``prefix`` from revision 1 until now.
 
     A sentinel key written under the prefix marks "now": the watch has delivered everything before it
     once the sentinel's own event arrives.
     """
-    sentinel = prefix + SENTINEL
+    sentinel = prefix + b"zz-history-sentinel"
     await store.put(sentinel, b"{}")
     events: list[WatchEvent] = []
     async for batch in store.watch(prefix, start_revision=1, prev_kv=True):
         assert not batch.resync, "history was compacted: the checker needs it whole"
         for ev in batch.events:
             if ev.kv.key == sentinel:
+                if ended is not None:
+                    ended.append(ev.kv.mod_revision)    # where the read ended: every event before it is in
                 return events
             events.append(ev)
     return events
@@ -222,9 +221,10 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
 
 
 async def check_store(store: Store, keys: Keys) -> HistoryReport:
-    report = check_history(await read_history(store, keys.root()), keys)
+    ended: list[int] = []
+    report = check_history(await read_history(store, keys.root(), ended), keys)
     await _confirm_capacity_violations(store, keys, report)
-    await _confirm_replay(store, keys, report)
+    await _confirm_replay(store, keys, report, ended[0])
     return report
 
 
@@ -240,14 +240,11 @@ def replay_differs(report: HistoryReport, etcd_leases: set[bytes], revision: int
             f"({[k.decode() for k in missing[:3]]})"]
 
 
-async def _confirm_replay(store: Store, keys: Keys, report: HistoryReport) -> None:
-    """etcd's leases where the history read ended (at its sentinel) against the replay's."""
+async def _confirm_replay(store: Store, keys: Keys, report: HistoryReport, ended: int) -> None:
+    """etcd's leases at the revision where the history read ended (its sentinel's) against the replay's."""
     from coordinator.etcd.ops import range_req
-    sentinel = await store.get(keys.root() + SENTINEL)
-    if sentinel is None:
-        return
-    kvs, _ = await store._read_range(range_req(keys.kind("leases"), prefix=True), sentinel.mod_revision, False)
-    report.violations += replay_differs(report, {kv.key for kv in kvs}, sentinel.mod_revision)
+    kvs, _ = await store._read_range(range_req(keys.kind("leases"), prefix=True), ended, False)
+    report.violations += replay_differs(report, {kv.key for kv in kvs}, ended)
 
 
 async def _confirm_capacity_violations(store: Store, keys: Keys, report: HistoryReport) -> None:
