@@ -164,8 +164,7 @@ class AsyncClient:
             log.info("%s: coordinator %s failed (%s); trying the next one", method, addr, why)
             if addr == self._owner:
                 self._owner = ""      # back to our own list: any replica forwards to the owner
-            else:
-                self._move_from(addr)
+            self._move_from(addr)     # and not to the same replica again, if our list is at it
             if code == grpc.StatusCode.UNAVAILABLE:
                 # Refused at once (a replica down, or all of them): back off. A timed-out attempt has
                 # waited already.
@@ -290,7 +289,12 @@ class AsyncClient:
                         return
                     yield item
 
-            call = self._stub().KeepAlive(requests())
+            # The stream's own replica: what it moves away from when it fails. The calls share the position in
+            # the list, and may have moved on from that replica already (a failed acquire): then the
+            # keepalive follows them, rather than going on to the next address, which could be the one
+            # they left.
+            addr = self._address()
+            call = pb_grpc.CoordinatorStub(self._channel(addr)).KeepAlive(requests())
             opened = time.monotonic()
 
             async def ticker() -> None:
@@ -322,11 +326,11 @@ class AsyncClient:
                 await asyncio.wait({reader, dog}, return_when=asyncio.FIRST_COMPLETED)
                 if reader.done():
                     reader.result()          # raises what broke the stream
-                    self._next_address()     # the server ended it: try the next replica
+                    self._move_from(addr)    # the server ended it: try the next replica
                 else:
                     log.info("keepalive: no answer from %s for %.1fs; trying the next replica",
-                             self.addresses[self._addr_i], time.monotonic() - self._last_refresh)
-                    self._next_address()
+                             addr, time.monotonic() - self._last_refresh)
+                    self._move_from(addr)
             except grpc.aio.AioRpcError as e:
                 if errors.session_gone(e):
                     log.warning("session %s of %s expired: %s", self.session_id, self.agent, e.details())
@@ -336,7 +340,7 @@ class AsyncClient:
                 if e.code() == grpc.StatusCode.CANCELLED and self.done.is_set():
                     return
                 log.info("keepalive stream broke (%s); reconnecting", e.code().name)
-                self._next_address()
+                self._move_from(addr)
             finally:
                 for t in (tick, reader, dog):
                     t.cancel()

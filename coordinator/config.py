@@ -32,6 +32,9 @@ class CoordinatorConfig:
     etcd: tuple[str, ...] = ("127.0.0.1:2379",)
     prefix: str = DEFAULT_PREFIX
     listen: str = "127.0.0.1:7070"
+    # The address clients and the other replicas reach this replica at, published in coordinators/<id> (a
+    # port mapping or a relay in front of it); empty: the listen host with the port bound.
+    advertise: str = ""
     metrics_listen: str = ""             # "host:port" to serve Prometheus metrics; empty: off
     session_ttl_s: int = 10              # default TTL of an agent's session
     keepalive_interval_s: float = 0.0    # what clients are told to use; x3 must be <= the TTL (0: min(3, TTL/3))
@@ -84,6 +87,10 @@ class CoordinatorConfig:
             host, _, port = ep.removeprefix("http://").rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError("etcd", f"endpoint {ep!r} is not host:port")
+        if self.advertise:
+            host, _, port = self.advertise.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError("advertise", f"must be host:port, got {self.advertise!r}")
         if not (self.prefix.startswith("/") and self.prefix.endswith("/")):
             raise ConfigError("prefix", f"must start and end with '/', got {self.prefix!r}")
         for name in ("keepalive_interval_s", "etcd_timeout_s", "eviction_grace_s", "eviction_kill_margin_s"):

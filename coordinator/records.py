@@ -335,6 +335,7 @@ class SessionInfo:
     session_id: str
     host: str
     etcd_lease: int
+    ttl_s: int = 0      # as opened (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The one home of the tests' shared helpers and fakes; test modules import only this, ``tests.history``
-and ``tests.static.import_graph``, never each other.
+"""The one home of the tests' shared helpers and fakes; test modules import only this, ``tests.history``,
+``tests.faultlink`` and ``tests.static.import_graph``, never each other.
 
 * waiting: ``wait_for`` (poll with a deadline), ``pass_time`` (when the passing of time is itself the
   test), ``Background``, ``LoopThread``;
@@ -12,7 +12,9 @@ and ``tests.static.import_graph``, never each other.
 * child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_agent``, ``child_env``;
 * bound processes: ``gpucoord_run``, ``write_fake_processes``, ``ProcessGone`` (when a process exited);
 * fakes: ``FakeNvml``/``FakeDevice`` (the pynvml module at its function level);
-* the etcd boundary: ``EtcdEndpoint``, ``record_etcd_calls``, ``read_only``, ``TcpProxy``;
+* the etcd boundary: ``EtcdEndpoint``, ``record_etcd_calls``, ``read_only``;
+* network faults: ``Cluster``'s linked coordinators and nodes and ``LinkedReplica`` (a coordinator process)
+  put their connections behind a ``tests.faultlink.FaultLink`` that a test cuts, slows and heals;
 * security: ``make_pki``/``Pki``, ``writes_since``;
 * a 3-member etcd for the fault tier: ``Etcd3``;
 * a load of agents: ``run_load``/``LoadReport``.
@@ -20,14 +22,15 @@ and ``tests.static.import_graph``, never each other.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +57,7 @@ from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
 from coordinator.rpc.coordinator_server import create_server
 from coordinator.etcd.store import Store
+from tests.faultlink import FaultLink
 
 if TYPE_CHECKING:
     from coordinator.security.tls import TlsFiles
@@ -148,16 +152,34 @@ class Cluster:
         self.lt.run(self.store.connect())
         self.coordinators: dict[str, tuple[Any, Any]] = {}
         self.nodes: dict[str, tuple[NodeDaemon, Any, FakeGpuSource]] = {}
+        # Network faults: the link of a linked coordinator's (by its address) or node's (by host) etcd
+        # connection, and of a linked coordinator's clients (its address is that link's endpoint).
+        self.etcd_links: dict[str, FaultLink] = {}
+        self.client_links: dict[str, FaultLink] = {}
 
     def config(self, **overrides: Any) -> CoordinatorConfig:
         base = dict(etcd=tuple(self.endpoints), prefix=self.prefix, listen="127.0.0.1:0")
         base.update(overrides)
         return CoordinatorConfig(**base).validate()
 
-    def start_coordinator(self, **overrides: Any) -> str:
-        server, port, svc = self.lt.run(create_server(self.config(**overrides)))
-        addr = f"127.0.0.1:{port}"
+    def start_coordinator(self, linked: bool = False, **overrides: Any) -> str:
+        """An in-process coordinator; returns the address its clients use. ``linked``: its etcd connection
+        (``etcd_links[addr]``) and its clients' connections to it (``client_links[addr]``; it advertises that
+        link's endpoint, so the other replicas' forwarded calls take it too) each run through a FaultLink."""
+        if not linked:
+            server, port, svc = self.lt.run(create_server(self.config(**overrides)))
+            addr = f"127.0.0.1:{port}"
+            self.coordinators[addr] = (server, svc)
+            return addr
+        from coordinator.etcd.process import free_port
+        port = free_port()
+        clients, etcd = FaultLink(f"127.0.0.1:{port}", "clients"), FaultLink(self.endpoints, "etcd")
+        overrides = {"listen": f"127.0.0.1:{port}", "advertise": clients.endpoint, "etcd": tuple(etcd.endpoints),
+                     **overrides}
+        server, _, svc = self.lt.run(create_server(self.config(**overrides)))
+        addr = clients.endpoint
         self.coordinators[addr] = (server, svc)
+        self.etcd_links[addr], self.client_links[addr] = etcd, clients
         return addr
 
     def service(self, addr: str) -> Any:
@@ -171,15 +193,24 @@ class Cluster:
             await svc.stop()
             await server.stop(grace=0.5)
         self.lt.run(stop())
+        for links in (self.etcd_links, self.client_links):
+            link = links.pop(addr, None)
+            if link is not None:
+                link.close()
 
     def start_node(self, host: str, fake_gpus: str = "1x16GiB", ttl: int = 10, heartbeat_s: float = 5.0,
                    fake_processes: str | None = None, enforce: str = "report", over_use_tolerance_mb: int = 256,
-                   tls: Any = None,
+                   tls: Any = None, linked: bool = False,
                    **overrides: Any) -> NodeDaemon:
+        """An in-process node daemon; ``linked``: its etcd connection runs through ``etcd_links[host]``."""
         source = FakeGpuSource(fake_gpus, host, fake_processes)
+        endpoints = self.endpoints
+        if linked:
+            link = self.etcd_links[host] = FaultLink(self.endpoints, f"node {host}")
+            endpoints = link.endpoints
 
         async def start() -> tuple[NodeDaemon, Any]:
-            store = Store(self.endpoints)
+            store = Store(endpoints)
             await store.connect()
             daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
                                 heartbeat_s=heartbeat_s, overrides=overrides,
@@ -200,8 +231,13 @@ class Cluster:
             await daemon.stop(revoke=revoke)
             await daemon.store.close()
         self.lt.run(stop())
+        link = self.etcd_links.pop(host, None)
+        if link is not None:
+            link.close()
 
     def close(self) -> None:
+        for link in [*self.etcd_links.values(), *self.client_links.values()]:
+            link.heal()      # a quick shutdown: nothing waits on a cut link
         for addr in list(self.coordinators):
             self.stop_coordinator(addr)
         for host in list(self.nodes):
@@ -246,6 +282,17 @@ def queue(cluster: Cluster, host: str = "h1") -> list[QueueEntry]:
 
 def session_alive(cluster: Cluster, agent: str, session_id: str) -> bool:
     return bool(cluster.get_prefix(cluster.keys.session(agent, session_id)))
+
+
+def leaked(cluster: Cluster) -> list[bytes]:
+    """The leases, queue entries, eviction notices and sessions under the cluster's prefix."""
+    return [kv.key for kv in cluster.get_prefix(cluster.keys.root())
+            if cluster.keys.parse(kv.key)[0] in ("leases", "queue", "evictions", "sessions")]
+
+
+def wait_no_leaks(cluster: Cluster, within: float) -> None:
+    """The leak check that ends a fault test once every agent is gone: nothing of theirs is left in etcd."""
+    wait_for(lambda: not leaked(cluster), within, "no leaked lease, queue entry, eviction or session")
 
 
 # -- gRPC --------------------------------------------------------------------------------------------
@@ -425,6 +472,50 @@ def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: 
         proc.kill()
         raise AssertionError(f"coordinator did not start: {line!r}; see {log_path}")
     return proc, int(line.split("port=")[1])
+
+
+class LinkedReplica:
+    """A coordinator as a real child process whose etcd connection runs through ``etcd_link`` and whose clients
+    reach it through ``link``: ``address`` is that link's endpoint, which it advertises, so the other
+    replicas' forwarded calls and the clients it names as owner take the link too. ``restart()`` (after a
+    kill) brings it back on the same port, behind the same links."""
+
+    def __init__(self, endpoints: list[str], prefix: str, log_path: str, extra: Sequence[str] = ()) -> None:
+        from coordinator.etcd.process import free_port
+        self.port = free_port()
+        self.link = FaultLink(f"127.0.0.1:{self.port}", "clients")
+        self.etcd_link = FaultLink(endpoints, "etcd")
+        self.address = self.link.endpoint
+        self.prefix, self.log_path, self.extra = prefix, log_path, list(extra)
+        self.id = ""    # the replica id, once ``registered`` has seen it
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        proc, _ = spawn_coordinator(self.etcd_link.endpoints, self.prefix, f"127.0.0.1:{self.port}", self.log_path,
+                                    extra=[*self.extra, "--advertise", self.address])
+        return proc
+
+    def restart(self) -> None:
+        self.proc = self._spawn()
+        self.id = ""
+
+    def registered(self, cluster: Cluster) -> bool:
+        """Whether it has registered under ``coordinators/`` (and learn its id)."""
+        for replica, address in cluster.replicas().items():
+            if address == self.address:
+                self.id = replica
+        return bool(self.id)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        self.link.heal()
+        self.etcd_link.heal()
+        stop_process(self.proc)
+        self.link.close()
+        self.etcd_link.close()
 
 
 def spawn_node(endpoints: list[str], prefix: str, host: str, fake_gpus: str, log_path: str,
@@ -629,80 +720,6 @@ def read_only(txn: Any) -> bool:
     return all(op.WhichOneof("request") == "request_range" for op in (*txn.success, *txn.failure))
 
 
-class TcpProxy:
-    """A TCP proxy on loopback between gpucoord and etcd, so a test can cut the connections at will (a
-    network blip: every stream through it breaks, and new connections are refused until ``restore``)."""
-
-    def __init__(self, upstream: str) -> None:
-        host, _, port = upstream.rpartition(":")
-        self.upstream = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.1)
-        self.endpoint = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._lock = threading.Lock()
-        self._conns: list[socket.socket] = []
-        self._refusing = False
-        self._stopped = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            with self._lock:
-                if self._refusing:
-                    client.close()
-                    continue
-                try:
-                    server = socket.create_connection(self.upstream, timeout=5)
-                except OSError:
-                    client.close()
-                    continue
-                server.settimeout(None)
-                self._conns += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def cut(self) -> None:
-        """Break every connection through the proxy and refuse new ones."""
-        with self._lock:
-            self._refusing = True
-            conns, self._conns = self._conns, []
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def restore(self) -> None:
-        with self._lock:
-            self._refusing = False
-
-    def close(self) -> None:
-        self._stopped.set()
-        self.cut()
-        self._listener.close()
-
-
 # -- security ----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -826,6 +843,36 @@ class Etcd3:
         self.cluster.stop()
 
 
+class ClientFailovers(logging.Handler):
+    """What the agent clients of this process were answered when they moved to another replica, counted by
+    call and status ("Acquire UNAVAILABLE", "KeepAlive no answer", ...), from agent_client's own log. Use
+    ``with ClientFailovers() as seen:``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._logger = logging.getLogger("agent_client.client")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg, args = str(record.msg), record.args if isinstance(record.args, tuple) else ()
+        if msg.startswith("%s: coordinator %s failed") and len(args) == 3:
+            self.counts[f"{args[0]} {str(args[2]).split(':')[0]}"] += 1
+        elif msg.startswith("keepalive stream broke") and args:
+            self.counts[f"KeepAlive {args[0]}"] += 1
+        elif msg.startswith("keepalive: no answer"):
+            self.counts["KeepAlive no answer"] += 1
+
+    def __enter__(self) -> ClientFailovers:
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+
 # -- a load of agents --------------------------------------------------------------------------------
 # Agents doing random acquire/release cycles, each call's outcome and timing recorded: used by the replica
 # tests (throughput with one and two replicas, waits answered on time) and the nemesis run (every call must
@@ -841,6 +888,9 @@ class LoadCall:
     wait_s: float
     elapsed_s: float
     outcome: str          # "ok" or the agent_client error class name
+    host: str = ""
+    ended_at: float = 0.0     # time.monotonic() when it was answered
+    lease_id: str = ""        # the lease granted ("ok")
 
     @property
     def late_s(self) -> float:
@@ -853,6 +903,7 @@ class LoadReport:
     calls: list[LoadCall] = dataclasses.field(default_factory=list)
     releases: int = 0
     open_failures: list[str] = dataclasses.field(default_factory=list)
+    expired: list[str] = dataclasses.field(default_factory=list)    # agents whose session was lost
 
     @property
     def granted(self) -> int:
@@ -884,13 +935,15 @@ async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng:
         try:
             lease = await client.acquire(vram, wait=wait, priority=-1 if vram in low_priority else 0)
         except errors.GpucoordError as e:
-            report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, type(e).__name__))
+            report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, type(e).__name__, client.host,
+                                         time.monotonic()))
             if isinstance(e, errors.SessionExpired):
                 return
             if not isinstance(e, errors.ResourceExhausted):
                 await asyncio.sleep(0.05)    # a fault: do not spin while it lasts
             continue
-        report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok"))
+        report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok", client.host, time.monotonic(),
+                                     lease.id))
         await asyncio.sleep(rng.uniform(0, hold_s))
         try:
             await lease.release()
@@ -925,6 +978,8 @@ async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str]
                                for c in connected))
     finally:
         for c in connected:
+            if c.expired:
+                report.expired.append(c.agent)
             try:
                 await c.close()
             except errors.GpucoordError:

@@ -39,13 +39,14 @@ class HistoryReport:
     max_used: dict[str, int] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
     over_capacity: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)   # G1: (rev, host, gpu)
+    live_leases: set[bytes] = dataclasses.field(default_factory=set)   # at the end of the replay, by key
 
     def assert_ok(self) -> None:
         assert not self.violations, "\n".join(self.violations[:20])
         assert self.revisions > 0
 
 
-async def read_history(store: Store, prefix: bytes) -> list[WatchEvent]:
+async def read_history(store: Store, prefix: bytes, ended: list[int] | None = None) -> list[WatchEvent]:
     """Every event under ``prefix`` from revision 1 until now.
 
     A sentinel key written under the prefix marks "now": the watch has delivered everything before it
@@ -58,6 +59,8 @@ async def read_history(store: Store, prefix: bytes) -> list[WatchEvent]:
         assert not batch.resync, "history was compacted: the checker needs it whole"
         for ev in batch.events:
             if ev.kv.key == sentinel:
+                if ended is not None:
+                    ended.append(ev.kv.mod_revision)    # where the read ended: every event before it is in
                 return events
             events.append(ev)
     return events
@@ -132,6 +135,9 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     leases[(host, gpu)][lease_id] = lease
                 else:
                     gone = leases[(host, gpu)].pop(lease_id, None)
+                    if gone is None:    # etcd only reports the delete of a key that exists
+                        rep.violations.append(f"rev {rev}: history read missed events: lease {lease_id} on "
+                                              f"{host}/{gpu} deleted, never put")
                     bound = gone is not None and (gone.get("pids") or gone.get("pgid"))
                     if bound and lease_id in notices and gone["session_id"] not in sessions_gone:
                         ended[lease_id] = gone | {"requested_by": notices[lease_id].get("requested_by", "")}
@@ -210,13 +216,35 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                 if k in seen:   # the lease id repeats on every GPU: count live leases, not ids
                     rep.violations.append(f"rev {rev}: G6 two live leases for request {k}")
                 seen.add(k)
+    rep.live_leases = {keys.lease(host, gpu, lease_id) for (host, gpu), live in leases.items() for lease_id in live}
     return rep
 
 
 async def check_store(store: Store, keys: Keys) -> HistoryReport:
-    report = check_history(await read_history(store, keys.root()), keys)
+    ended: list[int] = []
+    report = check_history(await read_history(store, keys.root(), ended), keys)
     await _confirm_capacity_violations(store, keys, report)
+    await _confirm_replay(store, keys, report, ended[0])
     return report
+
+
+def replay_differs(report: HistoryReport, etcd_leases: set[bytes], revision: int) -> list[str]:
+    """What the replay's live leases at its end lack or have beyond etcd's own (read at ``revision``, where the
+    history read ended): a history read that missed events (a lost DELETE leaves a phantom lease, which can
+    show as a G1 over-commit that etcd never had)."""
+    phantom, missing = sorted(report.live_leases - etcd_leases), sorted(etcd_leases - report.live_leases)
+    if not phantom and not missing:
+        return []
+    return [f"rev {revision}: history read missed events: the replay holds {len(phantom)} leases etcd does not "
+            f"({[k.decode() for k in phantom[:3]]}), etcd {len(missing)} the replay does not "
+            f"({[k.decode() for k in missing[:3]]})"]
+
+
+async def _confirm_replay(store: Store, keys: Keys, report: HistoryReport, ended: int) -> None:
+    """etcd's leases at the revision where the history read ended (its sentinel's) against the replay's."""
+    from coordinator.etcd.ops import range_req
+    kvs, _ = await store._read_range(range_req(keys.kind("leases"), prefix=True), ended, False)
+    report.violations += replay_differs(report, {kv.key for kv in kvs}, ended)
 
 
 async def _confirm_capacity_violations(store: Store, keys: Keys, report: HistoryReport) -> None:

@@ -24,7 +24,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.rpc.coordinator_server import serve
     from coordinator.security.tls import TlsError
 
-    flags = {"etcd": args.etcd, "listen": args.listen, "prefix": args.prefix, "metrics_listen": args.metrics_listen,
+    flags = {"etcd": args.etcd, "listen": args.listen, "advertise": args.advertise, "prefix": args.prefix,
+             "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
              "eviction_kill_margin_s": args.eviction_kill_margin,
              "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",

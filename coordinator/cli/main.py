@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     co = _command(sub, "coordinator", ("etcd", "prefix", *_TLS), help="run a coordinator replica")
     co.add_argument("--listen", default=None, help=f"gRPC address (default {DEFAULT_COORDINATOR})")
     co.add_argument("--metrics-listen", default=None, help="host:port for Prometheus /metrics")
+    co.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                    help="the address clients and other replicas reach this one at (default: the listen address "
+                         "with the bound port)")
     co.add_argument("--session-ttl", type=int, default=None)
     co.add_argument("--grace", type=float, default=None, help="eviction grace period, seconds")
     co.add_argument("--eviction-kill-margin", type=float, default=None, metavar="SECONDS",

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
-from coordinator.etcd.ops import cmp_create_revision, cmp_absent, op_put
+from coordinator import errors
+from coordinator.etcd.ops import cmp_create_revision, cmp_absent, op_get, op_put
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import KV
 from coordinator.keys import Keys, last_segment
@@ -34,13 +35,28 @@ class Election:
         return bool(self.leader_id) and self.leader_id == self.candidate_id
 
     async def campaign(self, value: bytes, extra_puts: Sequence[tuple[bytes, bytes]] = ()) -> None:
-        """Stand: put the candidacy (and ``extra_puts``, e.g. the replica's registration) under the session."""
+        """Stand: put the candidacy (and ``extra_puts``, e.g. the replica's registration) under the session.
+
+        A candidacy of ours from an earlier term may still stand, on that term's etcd_lease: the holder gave
+        its session up for lost (no keepalive got through for a TTL) while etcd still held it (a keepalive held
+        up by a partition arrived late, or etcd expired it a moment later than the holder counted). That
+        etcd_lease is ours and dead to us: it is revoked (its keys go with it) and we stand again."""
         ops = [op_put(self.key, value, self.session.etcd_lease)]
         ops += [op_put(k, v, self.session.etcd_lease) for k, v in extra_puts]
-        res = await self.store.commit([cmp_absent(self.key)], ops)
-        if not res.succeeded:
-            raise RuntimeError(f"candidate {self.candidate_id} already stands")
-        self.create_revision = res.revision
+        for _ in range(3):
+            res = await self.store.commit([cmp_absent(self.key)], ops, [op_get(self.key)])
+            if res.succeeded:
+                self.create_revision = res.revision
+                return
+            kvs = res.responses[0].response_range.kvs
+            stale = KV.from_pb(kvs[0]).etcd_lease if kvs else 0
+            if stale == self.session.etcd_lease:
+                break
+            if stale:
+                log.warning("candidate %s: our candidacy of an earlier term still stands on etcd_lease %x; "
+                            "revoking it to stand again", self.candidate_id, stale)
+                await self.store.revoke(stale)
+        raise errors.Unavailable(f"candidate {self.candidate_id} already stands")
 
     def fence(self) -> list[Any]:
         """The compare that keeps a leader's write from landing once this candidacy is gone."""

@@ -24,6 +24,11 @@ class KeepAliveStream:
         self._task: asyncio.Task[None] | None = None
         self._last_response = 0.0
 
+    @property
+    def last_response(self) -> float:
+        """``loop.time()`` of the stream's last answer."""
+        return self._last_response
+
     def _ensure_running(self) -> asyncio.Queue[Any]:
         if self._task is None or self._task.done():
             self._requests = asyncio.Queue()
@@ -56,6 +61,10 @@ class KeepAliveStream:
                     if not fut.done():
                         fut.set_exception(err)
         finally:
+            # The request generator ends too: a call that has already ended ignores cancel(), and its
+            # consumer of the generator would otherwise wait on the queue until collected (asyncio then
+            # reports a task destroyed while pending, and an aclose() of a running generator).
+            requests.put_nowait(None)
             call.cancel()
 
     async def refresh(self, etcd_lease: int, timeout: float | None = None) -> int:

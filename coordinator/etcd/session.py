@@ -10,12 +10,16 @@ act only while it holds the session (the replica's candidacy, the node's registr
   far as anyone can know).
 * ``close()`` stops refreshing and revokes (every key on it goes at once); ``orphan()`` stops refreshing
   and leaves the keys to expire with the TTL.
+* ``in_doubt``: two refreshes in a row have failed (the second on a fresh stream, so most likely through
+  another member): etcd is out of reach, and the etcd_lease may expire at ``expires_by``. A holder that must
+  not act once it may have lost the session (a leader) stops at once, well before the TTL runs out, and
+  ``on_doubt(True)`` tells it; ``on_doubt(False)`` when a refresh succeeds again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from coordinator import errors
 from coordinator.aio import cancel_and_wait
@@ -34,12 +38,42 @@ class EtcdSession:
         self.etcd_lease = 0
         self.done = asyncio.Event()
         self.lost = False            # ended by etcd (expired or revoked), not by close()/orphan()
+        self.in_doubt = False        # the last two refreshes failed: etcd is out of reach
+        self.on_doubt: Callable[[bool], None] | None = None
+        self.on_refresh: Callable[[bool], None] | None = None    # after every refresh: whether it got through
+        self._probe = asyncio.Event()
+        # loop.time() before which etcd cannot have expired the etcd_lease: a TTL after the last refresh
+        # that succeeded was sent (etcd counts from when it received it, which was later).
+        self.expires_by = 0.0
         self._task: asyncio.Task[None] | None = None
 
     async def open(self) -> EtcdSession:
+        sent = asyncio.get_running_loop().time()
         self.etcd_lease = await self.store.grant(self.ttl_s)
+        self.expires_by = sent + self.ttl_s
         self._task = asyncio.get_running_loop().create_task(self._refresh())
         return self
+
+    def probe(self) -> None:
+        """Refresh now rather than at the next tick (its holder suspects that etcd is out of reach)."""
+        self._probe.set()
+
+    async def _pause(self, seconds: float) -> None:
+        self._probe.clear()
+        try:
+            await asyncio.wait_for(self._probe.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    def _refreshed(self, ok: bool) -> None:
+        if self.on_refresh is not None:
+            self.on_refresh(ok)
+
+    def _set_doubt(self, doubt: bool) -> None:
+        if doubt != self.in_doubt:
+            self.in_doubt = doubt
+            if self.on_doubt is not None:
+                self.on_doubt(doubt)
 
     async def __aenter__(self) -> EtcdSession:
         return await self.open()
@@ -54,29 +88,38 @@ class EtcdSession:
         # the TTL and tried again at once, on a fresh stream and most likely another member: waiting the
         # store's whole timeout, then a whole interval, could let the etcd_lease expire on a minority fault.
         attempt = max(0.2, min(self.store.timeout, self.ttl_s / 6))
-        last_ok = loop.time()
+        last_ok = self.expires_by - self.ttl_s
         pause = interval
+        failures = 0
         try:
             while True:
-                await asyncio.sleep(pause)
+                await self._pause(pause)
                 sent = loop.time()
                 try:
                     ttl = await self.store.keepalive(self.etcd_lease, timeout=attempt)
                 except errors.GpucoordError as e:
+                    failures += 1
+                    self._refreshed(False)
                     if loop.time() - last_ok > self.ttl_s:
                         log.warning("%s: no keepalive for %d s (%s): the etcd_lease has expired", self.name,
                                     self.ttl_s, e)
                         self.lost = True
                         return
                     log.warning("%s: keepalive failed, retrying: %s", self.name, e)
+                    if failures >= 2:
+                        self._set_doubt(True)
                     pause = min(interval, 0.1)
                     continue
+                failures = 0
                 pause = interval
                 if ttl <= 0:
                     log.warning("%s: etcd_lease %x is gone", self.name, self.etcd_lease)
                     self.lost = True
                     return
                 last_ok = sent
+                self.expires_by = sent + self.ttl_s
+                self._set_doubt(False)
+                self._refreshed(True)
         finally:
             self.done.set()
 

@@ -163,6 +163,7 @@ class Store:
         self._client = _Client(endpoints, timeout=int(max(1, timeout)), security=security)
         self._keepalive: KeepAliveStream | None = None
         self.closed = False
+        self._answered_at = 0.0
 
     async def connect(self) -> None:
         await self._client.connect()
@@ -185,6 +186,15 @@ class Store:
     def _kv(self) -> Any:
         return self._client.kvstub
 
+    def _answered(self) -> None:
+        self._answered_at = asyncio.get_running_loop().time()
+
+    def answered_at(self) -> float:
+        """``loop.time()`` of etcd's last answer to this store (a read, a write, a lease call, a keepalive, a
+        watch response): a caller whose own call is late tells from it whether etcd answers at all."""
+        keepalive = self._keepalive.last_response if self._keepalive is not None else 0.0
+        return max(self._answered_at, keepalive)
+
     def _retrying(self, *kinds: type[Exception]) -> AsyncRetrying:
         return AsyncRetrying(
             retry=retry_if_exception_type(kinds),
@@ -206,6 +216,7 @@ class Store:
             with attempt:
                 resp = await self._kv.Range(req, timeout=max(0.001, min(self._read_attempt, until - loop.time())),
                                             wait_for_ready=True)
+                self._answered()
         return resp
 
     # -- reads ---------------------------------------------------------------------------------
@@ -289,6 +300,7 @@ class Store:
             resp = await self._kv.Txn(req, timeout=_call_timeout(self.timeout, deadline), wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise translate(e, write=True) from e
+        self._answered()
         return TxnResult(resp.succeeded, resp.header.revision, tuple(resp.responses))
 
     async def compact(self, revision: int) -> None:
@@ -313,6 +325,7 @@ class Store:
                                                            wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise translate(e, write=True) from e
+        self._answered()
         return int(resp.ID)
 
     async def revoke(self, etcd_lease: int) -> None:
@@ -398,6 +411,7 @@ class Store:
             call = rpc.WatchStub(self._client.channel).Watch(_reqs(), wait_for_ready=True)
             try:
                 async for resp in call:
+                    self._answered()
                     backoff = 0.05
                     if resp.compact_revision:
                         log.warning("watch on %r lost history below revision %d: resync", key, resp.compact_revision)

@@ -158,6 +158,12 @@ class NodeDaemon:
     def etcd_lease(self) -> int:
         return self.session.etcd_lease if self.session is not None else 0
 
+    @property
+    def reaches_etcd(self) -> bool:
+        """Whether the daemon's own etcd_lease is being refreshed: when it is not (two keepalives in a row
+        failed, or it was lost and no new one granted yet), its view of the host's leases may be stale."""
+        return self.session is not None and not self.session.in_doubt and not self.session.done.is_set()
+
     async def _new_session(self) -> EtcdSession:
         return await EtcdSession(self.store, self.ttl_s, f"node {self.host}").open()
 

@@ -57,6 +57,12 @@ MIRROR_WAIT_S = 0.02
 ROUND_ETCD_SHARE = 0.9
 # A waiter answered later than this after its deadline is logged (G8 promises 100 ms).
 LATE_WARNING_S = 0.25
+# A waiting acquire not answered this long after its deadline while etcd has not answered this replica for as
+# long either (its queue entry could not be removed, or its round is stuck: etcd slow, or out of reach) is
+# answered UNAVAILABLE meanwhile: its client retries with the same request_id, through another replica if it
+# can, which settles it (finds its lease, takes its queue entry over or removes it). What this replica was doing
+# for it goes on, and a lease it grants is kept for the retry. (A call that does not wait: the etcd timeout.)
+ANSWER_BY_S = 0.4
 EXPIRY_SLACK_S = 0.001
 
 
@@ -126,10 +132,36 @@ class HostAdmitter:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         self._pending.append(call)
         self._wake.set()
+        # Answered by then, whatever happens to etcd: a waiter soon after its wait, a call that does not wait
+        # within the etcd timeout (even behind a round that is stuck on etcd).
+        answer_by = ANSWER_BY_S if call.wait_s > 0 else self.ctx.config.etcd_timeout_s
+        late = asyncio.get_running_loop().call_later(call.deadline + answer_by - time.monotonic(),
+                                                      self._unanswered_in_time, call)
+        call.future.add_done_callback(lambda _: late.cancel())
         # A caller that goes away (cancelled RPC) must leave the queue: at once, or after the grace of a
         # forwarded one (see ``AcquireCall.gone``).
         call.future.add_done_callback(functools.partial(self._on_done, call))
         return await call.future
+
+    def _unanswered_in_time(self, call: AcquireCall) -> None:
+        if call.future.done():
+            return
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self.ctx.store.answered_at()
+        if quiet < ANSWER_BY_S:
+            # etcd answers this replica: the answer is late for another reason (a busy machine, a mass
+            # expiry), and comes by itself. Looked at again once etcd has been quiet for that long.
+            loop.call_later(ANSWER_BY_S - quiet, self._unanswered_in_time, call)
+            return
+        if not call.future.done():
+            log.warning("acquire %s/%s of %s on %s (wait %.1f s) not answered in time (etcd slow or out of reach): "
+                        "answering UNAVAILABLE", call.session.agent, call.request_id, call.vram_mb, self.host,
+                        call.wait_s)
+            call.future.set_exception(errors.Unavailable(
+                f"acquire: coordinator {self.ctx.replica_id} could not settle it in time (etcd slow or out of "
+                "reach); retry with the same request_id"))
+            self.ctx.reach.suspect_now("an acquire could not be answered in time")
+            self._expire_wake.set()
 
     def _on_done(self, call: AcquireCall, future: asyncio.Future[VramLease]) -> None:
         if not future.cancelled():
@@ -148,6 +180,17 @@ class HostAdmitter:
     @property
     def has_waiters(self) -> bool:
         return bool(self._waiting)
+
+    def hand_off(self, err: errors.GpucoordError) -> None:
+        """etcd is out of reach: every caller, pending or waiting, is answered ``err`` (UNAVAILABLE) now, so
+        that it retries through another replica, which takes over a waiter's queue entry with the same
+        request_id. Our waiters stay in ``_waiting``, answered: their entries are removed once etcd is back,
+        unless another replica has taken them over by then."""
+        for c in [*self._pending, *self._waiting.values()]:
+            if not c.future.done():
+                c.future.set_exception(err)
+        self._pending.clear()
+        self._expire_wake.set()
 
     async def stop(self) -> None:
         await cancel_and_wait([self._task, self._expiry])
@@ -228,6 +271,8 @@ class HostAdmitter:
                 if not isinstance(e, errors.GpucoordError):
                     log.exception("admission round on %s failed", self.host)
                 metrics.ETCD_ERRORS.labels(type(err).__name__).inc()
+                if isinstance(err, (errors.Timeout, errors.OutcomeUnknown)):
+                    self.ctx.reach.suspect_now(f"an admission round on {self.host} failed: {err.message}")
                 # Every caller of the failed round and every one still pending is answered: nothing hangs.
                 # (A caller whose entry is already in etcd stays a waiter: its entry keeps its place.)
                 for c in [*batch, *self._pending]:
@@ -271,6 +316,10 @@ class HostAdmitter:
         if later:
             asyncio.get_running_loop().call_later(max(0.0, min(later) - now) + EXPIRY_SLACK_S,
                                                   self._expire_wake.set)
+        if due and not self.ctx.reach.ok:
+            # Answered already (hand_off); the entries are removed once etcd is back.
+            asyncio.get_running_loop().call_later(0.5, self._expire_wake.set)
+            return
         tries = 0
         while due:
             tries += 1
@@ -310,7 +359,7 @@ class HostAdmitter:
 
     def _expired(self, c: AcquireCall, removed: QueueEntry | None) -> None:
         late = time.monotonic() - c.deadline
-        if late > LATE_WARNING_S:
+        if late > LATE_WARNING_S and not c.future.done():
             log.warning("waiter %s/%s of %s on %s answered %.2f s after its deadline (done=%s)", c.session.agent,
                         c.request_id, c.vram_mb, self.host, late, c.future.done())
         self._fail(c, wait_over(c.vram_mb, c.wait_s))
@@ -321,6 +370,7 @@ class HostAdmitter:
     # -- rounds ----------------------------------------------------------------------------------
     async def _round(self, batch: list[AcquireCall]) -> None:
         rep = self.ctx
+        rep.reach.check()    # out of reach: answered at once (the callers go to another replica)
         batch = _merge_duplicates(batch)
         mirror = rep.mirror
         # The round spends at most (nine tenths of) the etcd timeout on etcd in all: without a quorum its
@@ -459,10 +509,13 @@ class HostAdmitter:
             if not c.future.done():
                 c.future.set_result(dataclasses.replace(lease, mod_revision=revision)
                                     if revision and id(lease) in new else lease)
-            elif id(lease) in new and revision:
+            elif id(lease) in new and revision and c.future.cancelled() and not c.forwarded:
                 # Its caller went away while the grant was being committed: nobody knows the lease, so it
                 # is given back rather than held for the rest of the session, unless a retry of the same
-                # request claims it first (a client retries at once after a cancelled call).
+                # request claims it first (a client retries at once after a cancelled call). A caller we
+                # answered UNAVAILABLE (``_unanswered_in_time``, ``hand_off``) retries, maybe through another replica
+                # that finds the lease: it is kept for that retry; so is the lease of a forwarded call, whose
+                # forwarding replica cancelled it to decide the request itself (and may hand this lease out).
                 self._orphans[lease.id] = revision
                 asyncio.get_running_loop().call_later(ORPHAN_GRACE_S, self._schedule_give_back, lease)
         if plan.deferred:

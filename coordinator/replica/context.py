@@ -11,6 +11,7 @@ from coordinator.etcd.types import KV
 from coordinator.records import EvictionRecord
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.observed import Observed
+from coordinator.replica.reach import EtcdReach
 
 
 @dataclasses.dataclass
@@ -28,6 +29,11 @@ class ReplicaContext:
     # ages and deadlines are measured on our own monotonic clock from then, never against another
     # machine's wall clock.
     observed: Observed = dataclasses.field(default_factory=Observed)
+    # Whether this replica can reach etcd (its candidacy's keepalives tell; replica/reach.py).
+    reach: EtcdReach = dataclasses.field(default_factory=lambda: EtcdReach(""))
+
+    def __post_init__(self) -> None:
+        self.reach.replica_id = self.replica_id
 
     def usage_age(self, kv: KV) -> float:
         """Seconds since this replica saw this usage report (``usage/<host>`` at this mod_revision)."""

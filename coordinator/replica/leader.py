@@ -4,7 +4,10 @@ Every replica registers ``coordinators/<id>`` and campaigns with ``election/<id>
 of ``election_ttl_s`` (``etcd/session.py``, ``etcd/election.py``). The leader is the candidate whose key has
 the lowest create_revision (etcd's own election recipe). When the leader dies its keys expire and the next
 candidate leads within the TTL. Every write made as leader compares the leader's own candidacy in the
-same transaction (``Election.fence``), so a leader paused past its TTL cannot act beside its successor.
+same transaction (``Election.fence``), so a leader paused past its TTL cannot act beside its successor. A
+leader cut off from etcd stops its duties as soon as its session is in doubt (two keepalives in a row failed),
+well before its election can lapse, and takes them up again if a keepalive gets through while it still leads.
+The same session tells the replica whether it can reach etcd at all (``replica/reach.py``).
 
 The leader's duties, all restartable from etcd alone:
 
@@ -65,6 +68,16 @@ class Leadership:
         return self.election is not None and self.election.is_leader
 
     @property
+    def acting(self) -> bool:
+        """Whether this replica's leader duties run now."""
+        return self._duties is not None
+
+    @property
+    def session(self) -> EtcdSession | None:
+        """The session of the current candidacy (its ``expires_by``, ``in_doubt``)."""
+        return self._session
+
+    @property
     def leader_id(self) -> str:
         return self.election.leader_id if self.election is not None else ""
 
@@ -76,6 +89,8 @@ class Leadership:
                 raise
             except errors.GpucoordError as e:
                 log.warning("election: %s; campaigning again", e)
+            except Exception:   # noqa: BLE001 - the loop must outlive anything one term meets
+                log.exception("election: a term ended with an unexpected error; campaigning again")
             self._step_down()
             if self._session is not None and not self._resigned:
                 await self._session.orphan()
@@ -86,6 +101,10 @@ class Leadership:
         me = self.ctx.replica_id
         session = self._session = await EtcdSession(self.ctx.store, self.ctx.config.election_ttl_s,
                                                     f"replica {me}").open()
+        self.ctx.reach.set(True)
+        session.on_doubt = self._on_doubt
+        session.on_refresh = self.ctx.reach.refreshed
+        self.ctx.reach.probe = session.probe
         election = self.election = Election(session, self.keys, me)
         info = dumps({"replica": me, "address": self.ctx.advertise, "started_at": clock.wall()})
         await election.campaign(info, extra_puts=[(self.keys.coordinator(me), info)])
@@ -105,9 +124,24 @@ class Leadership:
             ended.cancel()
             await asyncio.gather(ended, return_exceptions=True)
 
+    def _on_doubt(self, doubt: bool) -> None:
+        """Our session's keepalives fail (etcd out of reach), or get through again."""
+        if doubt:
+            left = (self._session.expires_by if self._session else 0.0) - asyncio.get_running_loop().time()
+            self.ctx.reach.set(False, "the keepalives of its own etcd_lease fail")
+            if self._duties is not None:
+                log.warning("replica %s stops its leader duties: its candidacy may lapse in %.1f s",
+                            self.ctx.replica_id, left)
+            self._step_down()
+        else:
+            self.ctx.reach.set(True)
+            if self.election is not None and self.election.is_leader:
+                self._on_leader(self.election.leader_id)
+
     def _on_leader(self, leader_id: str) -> None:
         me = self.ctx.replica_id
-        if leader_id == me and self._duties is None and self.election is not None:
+        in_doubt = self._session is not None and self._session.in_doubt
+        if leader_id == me and self._duties is None and self.election is not None and not in_doubt:
             log.info("replica %s is the leader", me)
             # The duties fence their writes with the candidacy that won, for the whole term: a later
             # candidacy of ours (after this one was lost) must not make an old term's writes pass.

@@ -39,6 +39,9 @@ class ReleaseCommits:
         """Whether ``compares`` held and ``ops`` were committed (the same answer as a transaction of its own)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
+        # A caller that went away (its RPC cancelled) leaves the outcome to nobody: retrieved here, so that
+        # an error (OutcomeUnknown while etcd is out of reach) is not reported as never retrieved.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._pending.append((compares, ops, future))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._flush())

@@ -69,6 +69,8 @@ class CoordinatorService:
         self.on_stop: list[Callable[[], Awaitable[None]]] = []   # e.g. the RPC layer's forwarding channels
         self.observed = self.ctx.observed
         self.usage_age = self.ctx.usage_age
+        self.reach = self.ctx.reach
+        self.reach.listeners.append(self._on_reach)
 
     async def start(self, leader_duties: bool = True) -> None:
         await self.store.connect()
@@ -183,6 +185,19 @@ class CoordinatorService:
             if admitter is not None and admitter.has_waiters:
                 admitter.notify()
 
+    def _on_reach(self, ok: bool) -> None:
+        """etcd went out of reach: hand every caller to another replica (see replica/reach.py). The waiters'
+        queue entries stay ours to remove if no other replica takes them over."""
+        if ok:
+            for a in self._admitters.values():
+                a.notify()
+            return
+        err = self.reach.error()
+        for a in self._admitters.values():
+            a.hand_off(err)
+        for q in [q for qs in self._streams.values() for q in qs]:
+            q.put_nowait(err)
+
     # -- eviction notices to KeepAlive streams ---------------------------------------------------
     def register_stream(self, session_id: str, queue: Outbox) -> None:
         self._streams.setdefault(session_id, set()).add(queue)
@@ -215,6 +230,7 @@ class CoordinatorService:
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, agent: str, host: str, ttl_s: int, pid: int, client_version: str) -> tuple[str, int]:
         """Fields validated by the caller (``coordinator.rpc.validate``); ``ttl_s`` 0: the configured TTL."""
+        self.reach.check()
         ttl = ttl_s or self.config.session_ttl_s
         for _ in range(self.config.commit_attempts):
             snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host)),
@@ -253,7 +269,7 @@ class CoordinatorService:
                     # ever know this etcd_lease: it goes now rather than living out its TTL.
                     await self._revoke_unused(etcd_lease)
             if written:
-                self._sessions[(agent, session_id)] = SessionInfo(agent, session_id, host, etcd_lease)
+                self._sessions[(agent, session_id)] = SessionInfo(agent, session_id, host, etcd_lease, ttl)
                 return session_id, ttl
         raise errors.Unavailable("open session: too much contention on the host's partition; retry")
 
@@ -284,6 +300,7 @@ class CoordinatorService:
         """The session's (cached) identity. Liveness is checked by every transaction, not here. The caller
         has validated both fields (``coordinator.rpc.validate.session_ref``)."""
         etcd_lease = etcd_lease_from_session_id(session_id)
+        self.reach.check()
         info = self._sessions.get((agent, session_id))
         if info is not None:
             return info
@@ -291,15 +308,25 @@ class CoordinatorService:
         if kv is None:
             raise errors.SessionGone(f"session: no live session {session_id} of agent {agent!r} "
                                      "(unknown or expired)", "session")
-        host = load_record(kv.value).get("host")
+        doc = load_record(kv.value)
+        host = doc.get("host")
         if not isinstance(host, str):
             raise InvalidRecord(f"sessions/{agent}/{session_id}: host: expected a string")
-        info = SessionInfo(agent, session_id, host, etcd_lease)
+        ttl = doc.get("ttl")
+        info = SessionInfo(agent, session_id, host, etcd_lease, ttl if isinstance(ttl, int) else 0)
         self._sessions[(agent, session_id)] = info
         return info
 
     async def keepalive(self, info: SessionInfo) -> int:
-        ttl = await self.store.keepalive(info.etcd_lease)
+        """Refresh the session. Given up (UNAVAILABLE) after a quarter of its TTL at most, so that a client
+        whose replica cannot refresh it (etcd slow or out of reach) tries another one in time."""
+        self.reach.check()
+        timeout = min(self.store.timeout, info.ttl_s / 4) if info.ttl_s > 0 else None
+        try:
+            ttl = await self.store.keepalive(info.etcd_lease, timeout=timeout)
+        except errors.Timeout:
+            self.reach.suspect_now("a session's keepalive timed out")
+            raise
         if ttl <= 0:
             self._sessions.pop((info.agent, info.session_id), None)
             raise errors.SessionGone(f"session: session {info.session_id} of agent {info.agent!r} has expired",
@@ -324,6 +351,11 @@ class CoordinatorService:
         operator's own acquire. The fields are validated by the caller (``coordinator.rpc.validate``)."""
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
+        self.reach.check()
+        if forwarded and self.reach.suspect:
+            # The replica that forwarded it decides it itself, rather than wait for us to find out.
+            raise errors.Unavailable(f"coordinator {self.replica_id} may not reach etcd (its calls run late): "
+                                     "decide it yourself")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
@@ -360,7 +392,15 @@ class CoordinatorService:
         return await self.leases.revoke_by_operator(lease_id, asked_by)
 
     async def release(self, info: SessionInfo, lease_id: str) -> bool:
-        return await self.leases.release(info, lease_id)
+        """Answered within the etcd timeout: UNAVAILABLE (outcome unknown) when etcd did not settle it by
+        then; a release is idempotent, so the client retries it, through another replica if it must."""
+        try:
+            async with asyncio.timeout(self.config.etcd_timeout_s):
+                return await self.leases.release(info, lease_id)
+        except TimeoutError:
+            self.reach.suspect_now("a release timed out")
+            raise errors.OutcomeUnknown(f"release: etcd did not settle the release of {lease_id} in time; it may or "
+                                        "may not have happened: retry (a release is idempotent)") from None
 
     async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
         return await self.leases.attach_processes(info, lease_id, pids, pgid)

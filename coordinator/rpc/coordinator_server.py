@@ -41,6 +41,7 @@ def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Await
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Any) -> T | None:
         try:
+            self.svc.reach.check()   # cut off from etcd: UNAVAILABLE at once, the caller tries another replica
             return await fn(self, request, context)
         except asyncio.CancelledError:
             raise
@@ -194,7 +195,7 @@ async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int
                        config.max_streams_per_identity)
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     port = add_port(server, config.listen, tls)
-    svc = CoordinatorService(config, advertise=f"{config.listen.rpartition(':')[0]}:{port}")
+    svc = CoordinatorService(config, advertise=config.advertise or f"{config.listen.rpartition(':')[0]}:{port}")
     await svc.start()
     guard.agent_hosts = svc.agent_hosts
     servicer = CoordinatorServicer(svc, forward=tls is None)

@@ -10,7 +10,9 @@ Ownership is never needed for correctness: when the owner cannot be reached (con
 UNAVAILABLE, shutting down), does not answer within the wait plus a margin, or leaves ``coordinators/``
 while a forwarded call waits, the replica decides the acquire itself, with the time left of the wait, and
 compare-and-set settles any overlap. The request keeps its request_id, so a grant the owner made
-meanwhile is the one found (G6). An owner that failed a forward is avoided for a few seconds.
+meanwhile is the one found (G6). An owner that failed a forward is avoided for a few seconds, and so is one
+that had not answered well past the wait when our caller gave up on the call (its answers may be lost on the
+way back: the client's retry must then be decided here, not sent into the same silence).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 
 FORWARDED_BY = "gpucoord-forwarded-by"
 FALL_BACK = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# An owner that has not answered a forwarded acquire this long past its wait when our caller gives up is avoided.
+SILENT_OWNER_S = 0.5
 
 
 class Relayed(errors.GpucoordError):
@@ -67,6 +71,7 @@ class Forwarder:
         """The owner's answer; raises ``Relayed`` with the owner's refusal; None when the caller must decide
         itself (the owner could not be reached, hung, or went away)."""
         timeout = request.wait_seconds + self.margin_s
+        sent = time.monotonic()
         call = asyncio.ensure_future(self._stub(address).Acquire(
             request, timeout=timeout, metadata=((FORWARDED_BY, self.replica_id),)))
         try:
@@ -96,6 +101,12 @@ class Forwarder:
         finally:
             if not call.done():
                 call.cancel()     # our caller went away: so does the forwarded call (the owner dequeues it)
+                if time.monotonic() - sent > request.wait_seconds + SILENT_OWNER_S:
+                    # It gave up on an owner that had not answered well past the wait (the owner hangs, or its
+                    # answers are lost on the way): its retry, and the next ones, are decided here for a while.
+                    log.info("owner %s did not answer a forwarded acquire before its caller gave up: avoided",
+                             address)
+                    self._avoid[address] = time.monotonic() + self.avoid_s
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

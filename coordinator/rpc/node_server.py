@@ -83,6 +83,10 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
             raise errors.NotFound(f"gpu_uuid: host {inv.host!r} has no GPU {what}", "gpu_uuid")
         if not self.daemon.leases_ready:
             raise errors.Unavailable("the node is resynchronising its view of leases; retry")
+        if not self.daemon.reaches_etcd:
+            # Cut off from etcd, its view of the leases may miss a revocation: no answer is better than "live".
+            raise errors.Unavailable(f"node {self.daemon.host} cannot reach etcd: it cannot tell whether the "
+                                     "token is live; retry")
         live, lease_id = self.daemon.check_token(gpu.uuid, request.token)
         if not live and request.token > self.daemon.highest_token.get(gpu.uuid, 0):
             # Newer than any token this node has seen: a grant its watch may not have delivered yet (an agent

@@ -22,7 +22,8 @@ from coordinator.etcd.process import EtcdCluster
 from coordinator.keys import Keys, session_id_from_etcd_lease
 from coordinator.records import dumps
 from coordinator.etcd.store import Store, op_put
-from tests.harness import REPO, Cluster, TcpProxy, child_env, wait_for
+from tests.faultlink import FaultLink
+from tests.harness import REPO, Cluster, child_env, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,7 @@ def big_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EtcdClu
 def test_a_coordinator_starts_serves_and_resyncs_with_10k_sessions_and_10k_leases(
         big_etcd: tuple[EtcdCluster, int], caplog: pytest.LogCaptureFixture, tmp_path: pathlib.Path) -> None:
     etcd, stored = big_etcd
-    proxy = TcpProxy(etcd.endpoints[0])
+    proxy = FaultLink(etcd.endpoints[0])
     cluster = Cluster([proxy.endpoint], PREFIX)
     try:
         cluster.start_node("live", "1x16GiB")
@@ -91,14 +92,14 @@ def test_a_coordinator_starts_serves_and_resyncs_with_10k_sessions_and_10k_lease
         # The replica's watch loses its history: a cut, two writes and a compaction while it is away.
         caplog.set_level(logging.WARNING, logger="coordinator.etcd.store")
         late = cluster.keys.session("agent-late", "1234")
-        proxy.cut()
+        proxy.cut(loud=True)
 
         async def write_and_compact() -> None:
             async with Store(etcd.endpoints) as s:
                 await s.put(late, _session_value(0, "live"))
                 await s.compact(await s.put(late, _session_value(1, "live")))
         asyncio.run(write_and_compact())
-        proxy.restore()
+        proxy.heal()
         wait_for(lambda: any("lost history" in r.getMessage() for r in caplog.records), 30,
                  "the replica's watch to be told its history was compacted")
         wait_for(lambda: svc.mirror.ready and svc.mirror.get(late) is not None, 60,

@@ -4,6 +4,8 @@ translation."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
 from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
+from tests.faultlink import FaultLink
 from tests.harness import EtcdEndpoint, LoopThread, wait_for
 
 
@@ -49,6 +52,36 @@ def test_one_keepalive_stream_serves_many_etcd_leases(etcd: EtcdEndpoint, lt: Lo
             with pytest.raises(errors.SessionGone):
                 await s.commit([], [op_put(b"/store-test/x", b"1", ids[0])])
     lt.run(go())
+
+
+def test_a_keepalive_stream_that_breaks_leaves_no_task_waiting_behind(etcd: EtcdEndpoint,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The link to etcd is reset under the shared keepalive stream again and again: each broken stream's request
+    generator ends with it. (It waited on its queue until collected, and asyncio logged a task destroyed while
+    pending and an aclose() of a running generator: the "never retrieved" lines of a replica cut from etcd.)"""
+    link = FaultLink(etcd.endpoints)
+
+    async def go() -> None:
+        async with Store(link.endpoints, timeout=1.0) as s:
+            etcd_lease = await s.grant(30)
+            for _ in range(5):
+                assert await s.keepalive(etcd_lease) > 0
+                await asyncio.to_thread(link.cut, True)
+                with pytest.raises(errors.GpucoordError):
+                    await s.keepalive(etcd_lease, timeout=0.5)
+                await asyncio.to_thread(link.heal)
+            assert await s.keepalive(etcd_lease) > 0
+            for _ in range(3):
+                gc.collect()
+                await asyncio.sleep(0.05)
+            await s.revoke(etcd_lease)
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    try:
+        asyncio.run(go())
+    finally:
+        link.close()
+    left = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert not left, left
 
 
 def test_watch_resumes_after_etcd_restarts(tmp_path: Any, lt: LoopThread) -> None:

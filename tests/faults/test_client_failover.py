@@ -131,3 +131,22 @@ def test_the_keepalive_stream_leaves_a_hung_replica(cluster: Cluster, replicas: 
         first.resume()
         assert (alive, held) == (True, [lease.id]), \
             f"session alive={alive}, leases={held}, client.expired={c.expired}"
+
+
+def test_the_keepalive_follows_the_calls_away_from_a_hung_replica(cluster: Cluster, replicas: list[Replica]) -> None:
+    """The keepalive stream and the calls share the client's place in its list of replicas. When a call has
+    already left a hung replica for the next one, the keepalive must go there too when its own stream to the
+    hung replica goes quiet, not step on past it (back to the hung one, with two replicas) and lose a whole
+    watchdog period there: with a short TTL that lost the session (the nemesis lost one so, seed 42)."""
+    from coordinator.replica.service import owner_of
+    first, second = replicas
+    host = next(h for h in (f"h{i}" for i in range(100)) if owner_of(h, [first.id, second.id]) == second.id)
+    cluster.start_node(host, "1x8GiB")
+    with Client([first.addr, second.addr], agent="a", host=host, ttl=4, attempt_timeout=1.0) as c:
+        first.stop()                            # it serves the keepalive stream
+        lease = c.acquire(1000)                 # leaves it for the other replica, after one attempt
+        pass_time(4 + 2, "the session TTL and more")
+        alive = session_alive(cluster, "a", c.session_id)
+        first.resume()
+        assert (alive, c.expired) == (True, False), f"session alive={alive}, client.expired={c.expired}"
+        lease.release()

@@ -1,11 +1,20 @@
 """The nemesis run: 40 agents over two hosts and two coordinator replicas (real processes) on a 3-member
-etcd, while a seeded scheduler injects one fault every few seconds and heals it: kill -9 of the etcd
-leader, SIGSTOP of an etcd member, SIGSTOP of a replica, kill -9 of a replica (restarted on its port).
+etcd, while a seeded scheduler injects one fault every few seconds and heals it.
+
+Process faults: kill -9 of the etcd leader, SIGSTOP of an etcd member, SIGSTOP of a replica, kill -9 of a
+replica (restarted on its port). Network faults, on the fault links (tests/faultlink.py) that every connection
+runs through (each replica's to etcd, each node daemon's to etcd, every client's to each replica, and every
+connection to each etcd member): a replica cut off from etcd silently, for a moment or past the session TTL;
+a replica's etcd connections reset; a replica whose answers to its clients are lost (one way); a node daemon
+cut off from etcd; an etcd member cut off from everyone's clients; a slow (200 ms) etcd member; a slow link
+between a replica and etcd.
 
 At the end: the history checker over etcd's whole history (G1, G2's queue order is the admitter's, G3,
-G5, G6 at every revision), no lease, queue entry, eviction or session left once every agent is gone, and
-every client call ended with a documented status. The seed is printed (``GPUCOORD_NEMESIS_SEED`` replays
-one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s).
+G5, G6 at every revision), no lease, queue entry, eviction or session left once every agent is gone, every
+client call ended with a documented status, and no replica logged a traceback or an error nobody handled. The seed is printed (``GPUCOORD_NEMESIS_SEED`` replays
+one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s); ``GPUCOORD_NEMESIS_FAULTS`` = ``process`` or
+``network`` keeps to one kind of fault (default: both). A last line ``nemesis summary`` gives the seed, the
+faults, the calls, the violations and the leaks in one line.
 """
 from __future__ import annotations
 
@@ -13,13 +22,14 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
-from tests.harness import Cluster, Etcd3, LoadReport, run_load, spawn_coordinator, stop_process, wait_for
+from tests.faultlink import FaultLink
+from tests.harness import Cluster, Etcd3, LinkedReplica, LoadReport, leaked, run_load, wait_no_leaks
 from tests.history import check_store
 
 pytestmark = pytest.mark.nemesis
@@ -27,33 +37,27 @@ pytestmark = pytest.mark.nemesis
 TTL = 6
 FAULT_EVERY_S = 4.0
 FAULT_LASTS_S = 2.5
+LONG_CUT_S = TTL + 2.0    # a replica cut off from etcd for longer than the session TTL
+HOSTS = ("h1", "h2")
 
 
 class Replicas:
+    """Two coordinator processes, each behind its own links (to etcd, and from its clients)."""
+
     def __init__(self, endpoints: list[str], prefix: str, tmp: Path) -> None:
-        self.endpoints, self.prefix, self.tmp = endpoints, prefix, tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.addrs: list[str] = []
-        for i in range(2):
-            proc, port = self._spawn(i, "127.0.0.1:0")
-            self.procs.append(proc)
-            self.addrs.append(f"127.0.0.1:{port}")
-
-    def _spawn(self, i: int, listen: str) -> tuple[subprocess.Popen[bytes], int]:
-        return spawn_coordinator(self.endpoints, self.prefix, listen, str(self.tmp / f"c{i}.log"),
-                                 extra=["--session-ttl", str(TTL)])
-
-    def restart(self, i: int) -> None:
-        self.procs[i], _ = self._spawn(i, self.addrs[i])
+        self.reps = [LinkedReplica(endpoints, prefix, str(tmp / f"c{i}.log"), extra=["--session-ttl", str(TTL)])
+                     for i in range(2)]
+        self.addrs = [r.address for r in self.reps]
 
     def close(self) -> None:
-        for p in self.procs:
-            stop_process(p)
+        for r in self.reps:
+            r.close()
 
 
-def _faults(e: Etcd3, reps: Replicas,
-            rng: random.Random) -> dict[str, tuple[Callable[[], object], Callable[[object], None]]]:
-    """name -> (inject, heal(what inject returned))."""
+Fault = tuple[Callable[[], object], Callable[[object], None], float]   # inject, heal(what inject returned), lasts
+
+
+def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng: random.Random) -> dict[str, Fault]:
     def kill_leader() -> object:
         m = e.leader()
         e.kill(m)
@@ -65,79 +69,149 @@ def _faults(e: Etcd3, reps: Replicas,
         e.stop(m)
         return m
 
-    def stop_replica() -> object:
-        i = rng.randrange(2)
-        os.kill(reps.procs[i].pid, signal.SIGSTOP)
-        return i
+    def replica(act: Callable[[LinkedReplica], None]) -> Callable[[], object]:
+        def inject() -> object:
+            r = reps.reps[rng.randrange(2)]
+            act(r)
+            return r
+        return inject
 
-    def cont_replica(i: object) -> None:
-        os.kill(reps.procs[int(i)].pid, signal.SIGCONT)  # type: ignore[call-overload]
+    def stop(r: LinkedReplica) -> None:
+        os.kill(r.proc.pid, signal.SIGSTOP)
 
-    def kill_replica() -> object:
-        i = rng.randrange(2)
-        reps.procs[i].kill()
-        reps.procs[i].wait()
-        return i
+    def kill(r: LinkedReplica) -> None:
+        r.proc.kill()
+        r.proc.wait()
 
+    def link_of(pick: Callable[[], FaultLink], act: Callable[[FaultLink], None]) -> Callable[[], object]:
+        def inject() -> object:
+            link = pick()
+            act(link)
+            return link
+        return inject
+
+    def heal_link(link: object) -> None:
+        assert isinstance(link, FaultLink)
+        link.heal()
+
+    def cont(r: object) -> None:
+        assert isinstance(r, LinkedReplica)
+        os.kill(r.proc.pid, signal.SIGCONT)
+
+    def restart(r: object) -> None:
+        assert isinstance(r, LinkedReplica)
+        r.restart()
+
+    etcd_of_replica = lambda: reps.reps[rng.randrange(2)].etcd_link    # noqa: E731
+    member = lambda: members[rng.randrange(3)]                         # noqa: E731
     return {
-        "kill -9 etcd leader": (kill_leader, lambda m: e.restart(m)),  # type: ignore[arg-type]
-        "SIGSTOP etcd member": (stop_member, lambda m: e.cont(m)),  # type: ignore[arg-type]
-        "SIGSTOP replica": (stop_replica, cont_replica),
-        "kill -9 replica": (kill_replica, lambda i: reps.restart(int(i))),  # type: ignore[call-overload]
+        # processes
+        "kill -9 etcd leader": (kill_leader, lambda m: e.restart(m), FAULT_LASTS_S),
+        "SIGSTOP etcd member": (stop_member, lambda m: e.cont(m), FAULT_LASTS_S),
+        "SIGSTOP replica": (replica(stop), cont, FAULT_LASTS_S),
+        "kill -9 replica": (replica(kill), restart, FAULT_LASTS_S),
+        # the network
+        "cut replica-etcd": (link_of(etcd_of_replica, lambda link: link.cut()), heal_link, FAULT_LASTS_S),
+        "cut replica-etcd past the TTL": (link_of(etcd_of_replica, lambda link: link.cut()), heal_link, LONG_CUT_S),
+        "reset replica-etcd": (link_of(etcd_of_replica, lambda link: link.cut(loud=True)), heal_link, FAULT_LASTS_S),
+        "lose a replica's answers": (link_of(lambda: reps.reps[rng.randrange(2)].link,
+                                             lambda link: link.cut_one_way("answers")), heal_link, FAULT_LASTS_S),
+        "cut node-etcd": (link_of(lambda: c.etcd_links[rng.choice(HOSTS)], lambda link: link.cut()), heal_link,
+                          FAULT_LASTS_S),
+        "cut etcd member from clients": (link_of(member, lambda link: link.cut()), heal_link, FAULT_LASTS_S),
+        "slow etcd member": (link_of(member, lambda link: link.delay(0.1)), heal_link, FAULT_LASTS_S),
+        "slow replica-etcd": (link_of(etcd_of_replica, lambda link: link.delay(0.1)), heal_link, FAULT_LASTS_S),
     }
 
 
 @pytest.fixture
-def nemesis_cluster(etcd3: Etcd3) -> Iterator[Cluster]:
-    c = Cluster(etcd3.endpoints, "/gpucoord-nemesis/")
+def member_links(etcd3: Etcd3) -> Iterator[list[FaultLink]]:
+    """One link in front of each etcd member's client port, that every connection to it takes."""
+    links = [FaultLink(m.endpoint, f"member {m.name}") for m in etcd3.members]
+    try:
+        yield links
+    finally:
+        for link in links:
+            link.close()
+
+
+@pytest.fixture
+def nemesis_cluster(member_links: list[FaultLink]) -> Iterator[Cluster]:
+    c = Cluster([link.endpoint for link in member_links], "/gpucoord-nemesis/")
     try:
         yield c
     finally:
         c.close()
 
 
-def test_nemesis(etcd3: Etcd3, nemesis_cluster: Cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: Cluster, tmp_path: Path) -> None:
     seed = int(os.environ.get("GPUCOORD_NEMESIS_SEED") or random.randrange(1 << 30))
     duration = float(os.environ.get("GPUCOORD_NEMESIS_S", "60"))
-    print(f"nemesis seed {seed} ({duration:g} s)")
+    print(f"nemesis seed {seed} ({duration:g} s, faults: {os.environ.get('GPUCOORD_NEMESIS_FAULTS', 'all')})")
     rng = random.Random(seed)    # the scheduler's own: other code's use of random must not change its picks
     c = nemesis_cluster
-    c.start_node("h1", "2x16GiB", ttl=10)
-    c.start_node("h2", "2x16GiB", ttl=10)
-    reps = Replicas(etcd3.endpoints, c.prefix, tmp_path)
+    for host in HOSTS:
+        c.start_node(host, "2x16GiB", ttl=10, linked=True)
+    reps = Replicas(c.endpoints, c.prefix, tmp_path)
     injected: list[str] = []
+    spans: list[tuple[float, float, str]] = []    # (injected at, healed at, name), time.monotonic()
     try:
-        faults = _faults(etcd3, reps, rng)
+        faults = _faults(etcd3, reps, member_links, c, rng)
+        kind = os.environ.get("GPUCOORD_NEMESIS_FAULTS", "all")
+        if kind in ("process", "network"):
+            faults = {n: f for n, f in faults.items() if (n in _NETWORK) == (kind == "network")}
         a, b = reps.addrs
 
         async def scenario() -> LoadReport:
             report = LoadReport()
-            load = asyncio.create_task(run_load([[a, b], [b, a]] * 20, ["h1", "h2"], duration, seed=seed,
+            load = asyncio.create_task(run_load([[a, b], [b, a]] * 20, list(HOSTS), duration, seed=seed,
                                                 report=report, ttl=TTL, agent_prefix="n"))
             loop = asyncio.get_running_loop()
             end = loop.time() + duration - FAULT_EVERY_S
             while loop.time() < end:
                 await asyncio.sleep(FAULT_EVERY_S - FAULT_LASTS_S)
                 name = rng.choice(sorted(faults))
-                inject, heal = faults[name]
+                inject, heal, lasts = faults[name]
+                at = time.monotonic()
                 what = await asyncio.to_thread(inject)
                 injected.append(name)
-                await asyncio.sleep(FAULT_LASTS_S)
+                await asyncio.sleep(lasts)
                 await asyncio.to_thread(heal, what)
+                spans.append((at, time.monotonic(), name))
             await load
             return report
 
         report = asyncio.run(scenario())
     finally:
+        for link in [*member_links, *c.etcd_links.values()]:
+            link.heal()
         reps.close()
-    print(f"nemesis seed {seed}: faults {injected}; calls {len(report.calls)}, outcomes {report.outcomes()}")
-    assert not report.undocumented(), report.undocumented()[:5]
+    print(f"nemesis seed {seed}: faults {injected}; calls {len(report.calls)}, outcomes {report.outcomes()}, "
+          f"sessions lost {report.expired}")
+    for call in report.calls:
+        if call.outcome == "SessionExpired":     # the faults of the TTL before: what cost it its session
+            recent = [(round(a - call.ended_at, 1), round(h - call.ended_at, 1), n) for a, h, n in spans
+                      if h > call.ended_at - TTL - 3 and a < call.ended_at]
+            print(f"nemesis seed {seed}: {call.agent} learned its session was gone; faults around then "
+                  f"(from, to, seconds relative): {recent}")
 
-    def left() -> list[bytes]:
-        return [kv.key for kv in c.get_prefix(c.keys.root())
-                if c.keys.parse(kv.key)[0] in ("leases", "queue", "evictions", "sessions")]
-    wait_for(lambda: not left(), 3 * TTL, "no leaked lease, queue entry, eviction or session")
-    history = c.lt.run(check_store(c.store, c.keys), timeout=300)
-    print(f"nemesis seed {seed}: history {history.revisions} revisions, {history.leases_created} leases, "
-          f"violations {len(history.violations)}")
+    try:
+        wait_no_leaks(c, 3 * TTL)
+    finally:
+        leaks = leaked(c)
+        history = c.lt.run(check_store(c.store, c.keys), timeout=300)
+        print(f"nemesis seed {seed}: history {history.revisions} revisions, {history.leases_created} leases, "
+              f"violations {len(history.violations)}")
+        print(f"nemesis summary: seed={seed} faults={len(injected)} network={sum(n in _NETWORK for n in injected)} "
+              f"calls={len(report.calls)} undocumented={len(report.undocumented())} expired={len(report.expired)} "
+              f"violations={len(history.violations)} leaks={len(leaks)}")
+    assert not report.undocumented(), report.undocumented()[:5]
     history.assert_ok()
+    for r in reps.reps:      # no replica died inside, or left an error nobody handled
+        log = r.log()
+        assert not any(bad in log for bad in ("Traceback", "never retrieved", "destroyed but it is pending")), \
+            log[-3000:]
+
+
+_NETWORK = {"cut replica-etcd", "cut replica-etcd past the TTL", "reset replica-etcd", "lose a replica's answers",
+            "cut node-etcd", "cut etcd member from clients", "slow etcd member", "slow replica-etcd"}

@@ -16,7 +16,8 @@ where base is the four layers below etcd (limits, core, security, config).
 ``agent_client`` imports nothing of ``coordinator``.
 
 The tests have a rule of their own: a test module (and a conftest) imports, of ``tests``, only the shared
-helpers (``tests.harness``, ``tests.history``, ``tests.static.import_graph``), never another test module.
+helpers (``tests.harness``, ``tests.history``, ``tests.faultlink``, ``tests.static.import_graph``), never another
+test module.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def test_no_key_is_built_or_parsed_outside_keys_py() -> None:
 
 
 # What a test may import of ``tests``: the shared helpers, never another test module or a conftest.
-TEST_HELPERS = {"tests.harness", "tests.history", "tests.static.import_graph"}
+TEST_HELPERS = {"tests.harness", "tests.history", "tests.faultlink", "tests.static.import_graph"}
 
 
 def _imports_of_tests(path: pathlib.Path) -> set[str]:

@@ -355,3 +355,13 @@ def test_validation_property(ttl: int, ka: float, to: float) -> None:
     else:
         c = load(flags=flags)
         assert (c.session_ttl_s, c.keepalive_interval_s, c.etcd_timeout_s) == (ttl, ka, to)
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5:7070", "gpucoord-0.svc:7070", "[::1]:7070"])
+def test_advertise_is_host_and_port(address: str) -> None:
+    assert load(flags={"advertise": address}).advertise == address
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5", ":7070", "host:port", "host:0", "host:70000"])
+def test_a_bad_advertise_names_the_field(address: str) -> None:
+    assert field_error(advertise=address) == "advertise"

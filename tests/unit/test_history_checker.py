@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.keys import Keys, lease_id_for
 from coordinator.etcd.store import KV, WatchEvent
-from tests.history import HistoryReport, check_history
+from tests.history import HistoryReport, check_history, replay_differs
 
 K = Keys("/t/")
 HOST = "h1"
@@ -616,3 +616,29 @@ def test_another_grant_that_fits_only_without_the_departing_vram_is_detected() -
     assert check(h).violations == []
     h.lease("c", "r2", 4000)                       # 12000 + 8000 > 16384
     assert_one_violation(check(h), "G3", "counting ended leases")
+
+
+# -- a history read that missed events ----------------------------------------------------------
+
+def test_a_lease_deleted_but_never_put_is_a_missed_event() -> None:
+    h = History()
+    h.ledger(G0)
+    lease = h.lease("a", "r1", 100)
+    h.release(lease)
+    lost_put = [ev for ev in h.events if not (ev.kind == "PUT" and ev.kv.key == K.lease(HOST, G0, lease))]
+    assert_one_violation(check_history(lost_put, K), "missed events", lease)
+
+
+def test_a_phantom_lease_left_by_a_lost_delete_differs_from_etcd() -> None:
+    """A lost DELETE leaves the lease live in the replay (it can add up to a G1 over-commit etcd never had);
+    etcd's own leases at the last revision tell."""
+    h = History()
+    h.ledger(G0)
+    kept = h.lease("a", "r1", 100)
+    gone = h.lease("b", "r1", 100)
+    h.release(gone)
+    etcd_has = {K.lease(HOST, G0, kept)}
+    assert replay_differs(check(h), etcd_has, h.rev) == []
+    lost_delete = [ev for ev in h.events if ev.kind == "PUT"]
+    (msg,) = replay_differs(check_history(lost_delete, K), etcd_has, h.rev)
+    assert "missed events" in msg and "holds 1 leases etcd does not" in msg and gone in msg, msg
