@@ -3,8 +3,8 @@ commands bound to a lease (``client.run``, see ``agent_client.run``)."""
 from agent_client import errors
 from agent_client.client import AsyncClient
 from agent_client.lease import AsyncLease, EvictionNotice
-from agent_client.sync import BoundProcess, Client, Lease
 from agent_client.run import AsyncBoundProcess
+from agent_client.sync import BoundProcess, Client, Lease
 
 __all__ = ["AsyncBoundProcess", "AsyncClient", "AsyncLease", "BoundProcess", "Client", "EvictionNotice", "Lease",
            "errors"]

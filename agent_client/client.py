@@ -19,11 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_client import errors
 from agent_client._version import __version__
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.lease import AsyncLease, EvictionNotice
 from agent_client.run import AsyncBoundProcess
 from agent_client.stream import SessionStream, StreamBroken
-from agent_client.api import coordinator_pb2 as pb
-from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.tls import aio_channel, credentials
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ class AsyncClient:
 
             async def requests() -> Any:
                 while True:
-                    item = await queue.get()
+                    item = await queue.get()  # noqa: B023 - the stream's own queue, read within this iteration
                     if item is None:
                         return
                     yield item
@@ -299,11 +299,11 @@ class AsyncClient:
 
             async def ticker() -> None:
                 while True:
-                    queue.put_nowait(pb.KeepAliveRequest(session=self._ref()))
+                    queue.put_nowait(pb.KeepAliveRequest(session=self._ref()))  # noqa: B023 - the stream's own queue, fed within this iteration
                     await asyncio.sleep(self.keepalive_interval)
 
             async def read() -> None:
-                async for resp in call:
+                async for resp in call:  # noqa: B023 - this iteration's call; its reader is cancelled before the next
                     if resp.ttl_seconds > 0:
                         self._last_refresh = time.monotonic()
                     for n in resp.notices:
@@ -316,7 +316,7 @@ class AsyncClient:
                 # A replica that hangs without closing its socket (SIGSTOP, a stuck loop, a partition that
                 # drops packets) never breaks the stream: no answer for two intervals means move on.
                 stale = max(1.0, 2 * self.keepalive_interval)
-                while time.monotonic() - max(self._last_refresh, opened) < stale:
+                while time.monotonic() - max(self._last_refresh, opened) < stale:  # noqa: ASYNC110,B023 - this iteration's watchdog on a timestamp the reader moves; no event to wait on
                     await asyncio.sleep(min(0.5, self.keepalive_interval / 2))
 
             tick = asyncio.get_running_loop().create_task(ticker())

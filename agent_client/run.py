@@ -43,8 +43,15 @@ import time
 from typing import IO, Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from agent_client import errors
-from agent_client.process import (LimitPlan, child_env, core_ranges, describe_exit, exit_status, plan_limits,
-                                  prepare_cgroup)
+from agent_client.process import (
+    LimitPlan,
+    child_env,
+    core_ranges,
+    describe_exit,
+    exit_status,
+    plan_limits,
+    prepare_cgroup,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,7 +179,7 @@ class AsyncBoundProcess:
             self.not_enforced = [*self.limits.notes, *cg_notes]
             read_end, go = os.pipe()
             try:
-                self._proc = subprocess.Popen(
+                self._proc = subprocess.Popen(  # noqa: ASYNC220 - Popen returns once the child is forked; run waits on it asynchronously
                     [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(read_end), *self.cmd],
                     pass_fds=(read_end,), process_group=0, env=child_env(self._env, lease),
                     **self._popen)  # type: ignore[call-overload]

@@ -48,7 +48,7 @@ async def retry_forever(what: str, body: Callable[[], Awaitable[None]], first_ba
             backoff = first_backoff
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a task's failure of any kind is logged with its stack, not lost
             if on_error is not None:
                 on_error()
             log.warning("%s failed (%r); starting over in %.1fs", what, e, backoff)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Protocol
-
 import math
+from typing import Any, Protocol
 
 import orjson
 

@@ -20,11 +20,17 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agent_client import Client  # noqa: E402
-from agent_client.api import coordinator_pb2_grpc as pb_grpc  # noqa: E402
-from coordinator.etcd.process import EtcdCluster, choose_etcd  # noqa: E402
-from tests.harness import DEFAULT_ETCD_IMAGE, Cluster, EtcdEndpoint, LoopThread, wait_for  # noqa: E402
-from tests.history import check_store  # noqa: E402
+from agent_client import Client
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator.etcd.process import EtcdCluster, choose_etcd
+from tests.harness import (
+    DEFAULT_ETCD_IMAGE,
+    Cluster,
+    EtcdEndpoint,
+    LoopThread,
+    wait_for,
+)
+from tests.history import check_store
 
 
 class EtcdProvider(Protocol):

@@ -36,7 +36,15 @@ import sys
 import threading
 import time
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Sequence, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Awaitable,
+    Callable,
+    Collection,
+    Sequence,
+    TypeVar,
+)
 
 import grpc
 import pynvml
@@ -49,14 +57,14 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2_grpc as npb_grpc
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.process import EtcdCluster, EtcdMember, EtcdOptions
-from coordinator.records import QueueEntry
+from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 from coordinator.node.daemon import NodeDaemon
 from coordinator.node.enforce import Enforcer
-from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
+from coordinator.records import QueueEntry
 from coordinator.rpc.coordinator_server import create_server
-from coordinator.etcd.store import Store
+from coordinator.rpc.node_server import create_node_server
 from tests.faultlink import FaultLink
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ import json
 from collections import defaultdict
 from typing import Any
 
-from coordinator.keys import Keys
 from coordinator.etcd.store import Store, WatchEvent
+from coordinator.keys import Keys
 from coordinator.policy.departing import reported_pids, still_reported
 
 
@@ -211,7 +211,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
         # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id)
         seen: set[tuple[str, str, str]] = set()
         for (host, _), live in leases.items():
-            for lease_id, x in live.items():
+            for x in live.values():
                 k = (host, x["agent"], x["request_id"])
                 if k in seen:   # the lease id repeats on every GPU: count live leases, not ids
                     rep.violations.append(f"rev {rev}: G6 two live leases for request {k}")

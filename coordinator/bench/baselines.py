@@ -14,7 +14,14 @@ import time
 from typing import Any, Callable
 
 from coordinator.bench.load import time_async
-from coordinator.etcd.ops import cmp_create_revision, cmp_mod_revision, op_delete, op_get, op_put, range_req
+from coordinator.etcd.ops import (
+    cmp_create_revision,
+    cmp_mod_revision,
+    op_delete,
+    op_get,
+    op_put,
+    range_req,
+)
 from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV
 

@@ -10,9 +10,20 @@ import sys
 import time
 from typing import Any
 
-from coordinator.cli.common import (EXIT_HOST_TAKEN, EXIT_UNREACHABLE, CliError, UsageError, _client_tls,
-                                    _ready_line, _run_until_signal, _setup_logging, _stub, fetch_status,
-                                    host_overrides, rpc_error)
+from coordinator.cli.common import (
+    EXIT_HOST_TAKEN,
+    EXIT_UNREACHABLE,
+    CliError,
+    UsageError,
+    _client_tls,
+    _ready_line,
+    _run_until_signal,
+    _setup_logging,
+    _stub,
+    fetch_status,
+    host_overrides,
+    rpc_error,
+)
 from coordinator.cli.render import render_partition, render_status
 
 _TLS_HINT = "give readable PEM files with --tls-ca, --tls-cert and --tls-key (or GPUCOORD_TLS_CA/CERT/KEY)"
@@ -55,11 +66,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator import errors
+    from coordinator.etcd.store import Store
     from coordinator.keys import Keys, valid_name
     from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.rpc.node_server import run_node
-    from coordinator.etcd.store import Store
     from coordinator.security import etcd_auth, tls
 
     try:

@@ -15,9 +15,25 @@ import sys
 import traceback
 from typing import Any, NoReturn, Sequence
 
-from coordinator.cli.common import DEFAULT_COORDINATOR, DEFAULT_ETCD, DEFAULT_PREFIX, CliError, UsageError, _env
-from coordinator.cli.commands import (_cmd_up, cmd_bench, cmd_coordinator, cmd_keys, cmd_lease, cmd_node, cmd_partition,
-                                      cmd_run, cmd_status)
+from coordinator.cli.commands import (
+    _cmd_up,
+    cmd_bench,
+    cmd_coordinator,
+    cmd_keys,
+    cmd_lease,
+    cmd_node,
+    cmd_partition,
+    cmd_run,
+    cmd_status,
+)
+from coordinator.cli.common import (
+    DEFAULT_COORDINATOR,
+    DEFAULT_ETCD,
+    DEFAULT_PREFIX,
+    CliError,
+    UsageError,
+    _env,
+)
 
 # The options every command accepts before or after its name, and what each one is for.
 GLOBAL_OPTIONS = {

@@ -171,7 +171,7 @@ def cmd_etcd_setup(args: argparse.Namespace) -> int:
                                                   password_dir=args.password_dir, enable=not args.no_enable))
     except (etcd_auth.EtcdSecurityError, OSError) as e:
         raise UsageError(str(e), "see 'gpucoord etcd-setup --help'") from e
-    except Exception as e:   # noqa: BLE001 - etcd's answer, shown as is
+    except Exception as e:
         details = e.details() if hasattr(e, "details") else str(e)
         code = e.code().name if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)) else ""
         if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):

@@ -79,7 +79,13 @@ def _check_free(flag: str, value: str) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.etcd.process import ClientTls, EtcdCluster, EtcdOptions, choose_etcd, port_is_free
+    from coordinator.etcd.process import (
+        ClientTls,
+        EtcdCluster,
+        EtcdOptions,
+        choose_etcd,
+        port_is_free,
+    )
     from coordinator.etcd.versions import MINIMUM_PRODUCTION
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.policy.partition import PartitionError, parse_size
@@ -146,7 +152,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             etcd.start()
         except (RuntimeError, TimeoutError) as e:
             raise CliError(f"etcd did not start: {str(e).splitlines()[0]}",
-                           f"its log is in {data_dir}; with --data-dir, the directory may belong to another etcd")
+                           f"its log is in {data_dir}; with --data-dir, the directory may belong to another etcd") from e
         ep = etcd.endpoints[0]
         etcdctl = f"{binary.etcdctl()} --endpoints={ep}"
         coord_extra: list[str] = []

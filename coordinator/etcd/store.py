@@ -20,15 +20,33 @@ from typing import Any, AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
 import aetcd
 import grpc
 from aetcd import rpc
-from tenacity import (AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_delay, stop_before_delay,
-                      wait_random_exponential)
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_delay,
+    stop_before_delay,
+    wait_random_exponential,
+)
 
 from coordinator import errors
 from coordinator.etcd.keepalive import KeepAliveStream
+from coordinator.etcd.ops import (
+    cmp_absent,
+    cmp_exists,
+    cmp_mod_revision,
+    op_delete,
+    op_put,
+    range_req,
+)
 from coordinator.etcd.translate import translate
-from coordinator.etcd.ops import cmp_absent, cmp_exists, cmp_mod_revision, op_delete, op_put, range_req
 from coordinator.etcd.types import KV, Snapshot, TxnResult, WatchBatch, WatchEvent
-from coordinator.etcd.versions import MINIMUM_PRODUCTION, crash_bugs, format_version, parse_etcd_version
+from coordinator.etcd.versions import (
+    MINIMUM_PRODUCTION,
+    crash_bugs,
+    format_version,
+    parse_etcd_version,
+)
 from coordinator.keys import prefix_range_end
 from coordinator.security.etcd_auth import EtcdSecurity
 
@@ -403,7 +421,7 @@ class Store:
 
             async def _reqs() -> AsyncIterator[Any]:
                 while True:
-                    item = await requests.get()
+                    item = await requests.get()  # noqa: B023 - this attempt's request queue; the stream ends before the next
                     if item is None:
                         return
                     yield item

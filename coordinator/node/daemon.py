@@ -23,16 +23,22 @@ import os
 import time
 from typing import Any
 
-
-from coordinator import __version__, errors, metrics, clock
+from coordinator import __version__, clock, errors, metrics
 from coordinator.aio import cancel_and_wait, retry_forever
-from coordinator.records import GpuUsage, HostInventory, InvalidRecord, VramLease, dumps
+from coordinator.etcd.ops import (
+    cmp_absent,
+    cmp_lease,
+    op_get,
+    op_put,
+    op_txn,
+    range_req,
+)
+from coordinator.etcd.session import EtcdSession
+from coordinator.etcd.store import KV, Store
 from coordinator.keys import Keys, last_segment
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
-from coordinator.etcd.session import EtcdSession
-from coordinator.etcd.store import KV, Store
-from coordinator.etcd.ops import cmp_absent, cmp_lease, op_get, op_put, op_txn, range_req
+from coordinator.records import GpuUsage, HostInventory, InvalidRecord, VramLease, dumps
 
 log = logging.getLogger(__name__)
 

@@ -142,9 +142,9 @@ def attribute(usage: Sequence[GpuUsage], live: Sequence[Covered], gone: Sequence
         group: dict[str, str] = {lid: lid for lid in own}
 
         def root(x: str) -> str:
-            while group[x] != x:
-                group[x] = group[group[x]]
-                x = group[x]
+            while group[x] != x:  # noqa: B023 - find() is used within this iteration only
+                group[x] = group[group[x]]  # noqa: B023 - find() is used within this iteration only
+                x = group[x]  # noqa: B023 - find() is used within this iteration only
             return x
 
         shared_use: list[tuple[set[str], int]] = []

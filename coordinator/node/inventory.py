@@ -20,7 +20,13 @@ import psutil
 
 from coordinator.node.fake import FakeGpuSource, parse_fake_gpus, parse_fake_processes
 from coordinator.node.nvml import NvmlGpuSource
-from coordinator.node.source import MAX_GPU_NAME, MIB, GpuSource, NvmlScanError, NvmlUnavailable
+from coordinator.node.source import (
+    MAX_GPU_NAME,
+    MIB,
+    GpuSource,
+    NvmlScanError,
+    NvmlUnavailable,
+)
 from coordinator.records import HostInventory
 
 

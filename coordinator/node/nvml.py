@@ -26,8 +26,14 @@ import threading
 from typing import Any, Sequence
 
 from coordinator.keys import valid_name
-from coordinator.node.source import (_FAKE_HINT, _NVML_VALUE_NOT_AVAILABLE, MAX_GPU_NAME, MIB, NvmlScanError,
-                                     NvmlUnavailable)
+from coordinator.node.source import (
+    _FAKE_HINT,
+    _NVML_VALUE_NOT_AVAILABLE,
+    MAX_GPU_NAME,
+    MIB,
+    NvmlScanError,
+    NvmlUnavailable,
+)
 from coordinator.records import GpuInfo, GpuProcess, GpuUsage
 
 log = logging.getLogger(__name__)

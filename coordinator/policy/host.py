@@ -6,7 +6,13 @@ from typing import Any
 
 from coordinator.policy.admission import GpuView
 from coordinator.policy.partition import Partition, default_partition
-from coordinator.records import DepartingRecord, HostInventory, QueueEntry, StoredKV, VramLease
+from coordinator.records import (
+    DepartingRecord,
+    HostInventory,
+    QueueEntry,
+    StoredKV,
+    VramLease,
+)
 
 
 @dataclasses.dataclass

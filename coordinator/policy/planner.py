@@ -44,12 +44,38 @@ from typing import Collection, Generic, Mapping, Sequence
 from coordinator import errors
 from coordinator.keys import Keys
 from coordinator.policy.admission import GpuView, plan_eviction
-from coordinator.policy.decide import Grant, Item, Leave, Refuse, Request, Waits, decide, eligible, left_the_queue
-from coordinator.policy.decide import wait_over as wait_over   # the admitter answers a wait that ended with it
+from coordinator.policy.decide import (
+    Grant,
+    Item,
+    Leave,
+    Refuse,
+    Request,
+    Waits,
+    decide,
+    eligible,
+    left_the_queue,
+)
+from coordinator.policy.decide import (
+    wait_over as wait_over,  # the admitter answers a wait that ended with it
+)
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan, Wait
-from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease, dumps
-from coordinator.txn import Absent, Compare, Delete, Exists, ModRevisionIs, NothingWrittenSince, Put
+from coordinator.records import (
+    EvictionRecord,
+    QueueEntry,
+    SessionInfo,
+    VramLease,
+    dumps,
+)
+from coordinator.txn import (
+    Absent,
+    Compare,
+    Delete,
+    Exists,
+    ModRevisionIs,
+    NothingWrittenSince,
+    Put,
+)
 
 # etcd refuses a transaction with more than 128 compares, or 128 operations (--max-txn-ops). A round stops
 # deciding before it would pass these budgets; the rest is decided in the next round.

@@ -29,7 +29,13 @@ from typing import Callable, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, log_failure
-from coordinator.etcd.ops import cmp_mod_revision, compile_compare, compile_op, op_delete, range_req
+from coordinator.etcd.ops import (
+    cmp_mod_revision,
+    compile_compare,
+    compile_op,
+    op_delete,
+    range_req,
+)
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
@@ -38,11 +44,16 @@ from coordinator.policy.partition.caps import TLS_DEFAULT, UNCAPPED
 from coordinator.policy.partition.caps import check as check_cap
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round, wait_over
-from coordinator.records import InvalidRecord, QueueEntry, SessionInfo, VramLease, load_record
+from coordinator.records import (
+    InvalidRecord,
+    QueueEntry,
+    SessionInfo,
+    VramLease,
+    load_record,
+)
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
 from coordinator.replica.view import HOST_RANGES, host_ranges, host_view, invalid_host
-
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import dataclasses
 
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import Store
-from coordinator.keys import Keys
 from coordinator.etcd.types import KV
+from coordinator.keys import Keys
 from coordinator.records import EvictionRecord
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.observed import Observed

@@ -26,16 +26,28 @@ from typing import Any
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import log_failure
+from coordinator.etcd.election import Election
+from coordinator.etcd.ops import (
+    cmp_absent,
+    cmp_mod_revision,
+    op_delete,
+    op_put,
+    range_req,
+)
+from coordinator.etcd.removals import Removal, remove_entries
+from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.types import KV
 from coordinator.policy.departing import reports_none, still_reported
+from coordinator.records import (
+    DepartingRecord,
+    EvictionRecord,
+    InvalidRecord,
+    QueueEntry,
+    VramLease,
+    dumps,
+)
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases, usage_report
-from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, VramLease, dumps
-from coordinator.etcd.election import Election
-from coordinator.etcd.session import EtcdSession
-from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put, range_req
-from coordinator.etcd.removals import Removal, remove_entries
-
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +101,7 @@ class Leadership:
                 raise
             except errors.GpucoordError as e:
                 log.warning("election: %s; campaigning again", e)
-            except Exception:   # noqa: BLE001 - the loop must outlive anything one term meets
+            except Exception:
                 log.exception("election: a term ended with an unexpected error; campaigning again")
             self._step_down()
             if self._session is not None and not self._resigned:

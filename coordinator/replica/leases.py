@@ -8,14 +8,23 @@ import logging
 from typing import Any, Sequence
 
 from coordinator import clock, errors, metrics
-from coordinator.etcd.types import KV
-from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.etcd.election import Election
-from coordinator.etcd.store import Store
 from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put
+from coordinator.etcd.store import Store
+from coordinator.etcd.types import KV
 from coordinator.keys import last_segment
-from coordinator.records import (DepartingRecord, EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease,
-                                 check_usage, dumps, load_record)
+from coordinator.policy.departing import reported_pids, still_reported
+from coordinator.records import (
+    DepartingRecord,
+    EvictionRecord,
+    InvalidRecord,
+    QueueEntry,
+    SessionInfo,
+    VramLease,
+    check_usage,
+    dumps,
+    load_record,
+)
 from coordinator.replica.context import ReplicaContext
 
 log = logging.getLogger(__name__)

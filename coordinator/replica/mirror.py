@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Iterable
 
-from coordinator.keys import Keys, last_segment
 from coordinator.etcd.store import KV, Snapshot, WatchBatch
+from coordinator.keys import Keys, last_segment
 
 _PER_HOST = ("gpus", "leases", "queue", "departing")
 _EMPTY: dict[bytes, KV] = {}

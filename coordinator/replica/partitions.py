@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from coordinator import errors
-from coordinator.limits import MAX_PARTITION_BYTES
 from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
+from coordinator.limits import MAX_PARTITION_BYTES
 from coordinator.policy.host import HostView
-from coordinator.policy.partition import Partition, PartitionError, PartitionSpec, compute_partition, default_partition
-from coordinator.records import HostInventory, InvalidRecord, VramLease, dumps, load_record
+from coordinator.policy.partition import (
+    Partition,
+    PartitionError,
+    PartitionSpec,
+    compute_partition,
+    default_partition,
+)
+from coordinator.records import (
+    HostInventory,
+    InvalidRecord,
+    VramLease,
+    dumps,
+    load_record,
+)
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
 from coordinator.replica.view import host_ranges, host_view, invalid_host

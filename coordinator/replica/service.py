@@ -15,11 +15,30 @@ from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
-from coordinator.etcd.ops import cmp_exists, cmp_mod_revision, cmp_range_unchanged, op_put, range_req
+from coordinator.etcd.ops import (
+    cmp_exists,
+    cmp_mod_revision,
+    cmp_range_unchanged,
+    op_put,
+    range_req,
+)
 from coordinator.etcd.store import Store, WatchBatch
-from coordinator.keys import Keys, etcd_lease_from_session_id, lease_id_for, session_id_from_etcd_lease
+from coordinator.keys import (
+    Keys,
+    etcd_lease_from_session_id,
+    lease_id_for,
+    session_id_from_etcd_lease,
+)
 from coordinator.policy.partition import Partition, PartitionError, PartitionSpec
-from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, SessionInfo, VramLease, dumps, load_record
+from coordinator.records import (
+    EvictionRecord,
+    InvalidRecord,
+    QueueEntry,
+    SessionInfo,
+    VramLease,
+    dumps,
+    load_record,
+)
 from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leader import Leadership

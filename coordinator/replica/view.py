@@ -7,16 +7,23 @@ import logging
 from typing import Any, Callable, TypeVar
 
 from coordinator import errors, metrics
+from coordinator.etcd.ops import range_req
+from coordinator.etcd.store import KV, Snapshot
+from coordinator.keys import Keys
 from coordinator.policy.admission import Departing, GpuView
 from coordinator.policy.departing import still_reported
 from coordinator.policy.host import HostView
-from coordinator.keys import Keys
-from coordinator.records import (DepartingRecord, GpuLedger, HostInventory, InvalidRecord, QueueEntry, VramLease,
-                                 check_usage, load_record)
 from coordinator.policy.partition import Partition, default_partition
-from coordinator.etcd.store import KV, Snapshot
-from coordinator.etcd.ops import range_req
-
+from coordinator.records import (
+    DepartingRecord,
+    GpuLedger,
+    HostInventory,
+    InvalidRecord,
+    QueueEntry,
+    VramLease,
+    check_usage,
+    load_record,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,11 +12,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from coordinator import metrics
-from coordinator.records import EvictionRecord, SessionInfo
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator import metrics
 from coordinator.config import CoordinatorConfig
+from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by

@@ -15,14 +15,13 @@ from coordinator import errors, metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
-from coordinator.records import InvalidRecord, VramLease
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
+from coordinator.records import InvalidRecord, VramLease
 from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.security.limits import Limits
 from coordinator.security.status import refuse
 from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
-
 
 REVOCATIONS_READY_S = 10.0   # the node serves only once it has read the deny list of certificates
 

@@ -114,7 +114,7 @@ class SessionStreams:
                 out.put_nowait(e)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
                 # The caller went away (or the server is stopping): the stream just ends.
                 log.debug("keepalive stream ended: %r", e)
                 out.put_nowait(None)
@@ -198,7 +198,7 @@ class SessionStreams:
                 out.put_nowait(e)   # malformed bytes: the stream ends with INVALID_ARGUMENT
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
                 log.debug("session stream ended: %r", e)   # the caller went away, or the server stops
                 out.put_nowait(None)
 

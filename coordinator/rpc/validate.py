@@ -14,10 +14,23 @@ from typing import Any
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors
-from coordinator.limits import (MAX_ATTACHED_PIDS, MAX_CLIENT_VERSION_BYTES, MAX_GRACE_S, MAX_PID, MAX_PRIORITY,
-                                MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN, MAX_SPEC_BYTES, MAX_TTL_S,
-                                MAX_VRAM_MB, MAX_WAIT_S, MIN_TTL_S, quote)
 from coordinator.keys import etcd_lease_from_session_id, valid_name
+from coordinator.limits import (
+    MAX_ATTACHED_PIDS,
+    MAX_CLIENT_VERSION_BYTES,
+    MAX_GRACE_S,
+    MAX_PID,
+    MAX_PRIORITY,
+    MAX_REASON_BYTES,
+    MAX_REQUEST_ID_LEN,
+    MAX_SESSION_ID_LEN,
+    MAX_SPEC_BYTES,
+    MAX_TTL_S,
+    MAX_VRAM_MB,
+    MAX_WAIT_S,
+    MIN_TTL_S,
+    quote,
+)
 from coordinator.policy.partition import PartitionError, PartitionSpec, parse_spec
 from coordinator.records import dumps
 

@@ -29,8 +29,8 @@ import asyncio
 import dataclasses
 import logging
 import os
-import secrets
 import pathlib
+import secrets
 from typing import Any, Mapping, Sequence
 
 import grpc

@@ -13,7 +13,13 @@ import urllib.request
 import psutil
 import pytest
 
-from coordinator.etcd.process import ENV_BINARY, EtcdCluster, binary_version, choose_etcd, etcd_binary, free_port
+from coordinator.etcd.process import (
+    ENV_BINARY,
+    EtcdCluster,
+    choose_etcd,
+    etcd_binary,
+    free_port,
+)
 from tests.harness import REPO, child_env
 
 pytestmark = pytest.mark.integration

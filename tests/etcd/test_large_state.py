@@ -15,13 +15,12 @@ import grpc
 import pytest
 
 from agent_client import Client
-from coordinator.records import VramLease
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.etcd.process import EtcdCluster
-from coordinator.keys import Keys, session_id_from_etcd_lease
-from coordinator.records import dumps
 from coordinator.etcd.store import Store, op_put
+from coordinator.keys import Keys, session_id_from_etcd_lease
+from coordinator.records import VramLease, dumps
 from tests.faultlink import FaultLink
 from tests.harness import REPO, Cluster, child_env, wait_for
 

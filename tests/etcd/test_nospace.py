@@ -9,9 +9,9 @@ import subprocess
 import grpc
 import pytest
 
-from coordinator import errors, metrics
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator import errors, metrics
 from coordinator.etcd.process import EtcdCluster, EtcdOptions, etcd_binary
 from coordinator.etcd.store import Store
 from tests.harness import Cluster

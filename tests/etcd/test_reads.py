@@ -2,22 +2,27 @@
 read-only transaction), prefix reads come in pages, and ``commit`` refuses a transaction without a write."""
 from __future__ import annotations
 
-import asyncio
 import logging
-import pathlib
 from typing import Any, Iterator
 
 import grpc
 import pytest
 
 import coordinator.etcd.store as store_module
-from agent_client import Client, errors as client_errors
-from coordinator import errors
+from agent_client import Client
+from agent_client import errors as client_errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store, cmp_exists, op_delete, op_put, range_req
-from tests.harness import Cluster, EtcdEndpoint, LoopThread, read_only, record_etcd_calls
+from tests.harness import (
+    Cluster,
+    EtcdEndpoint,
+    LoopThread,
+    read_only,
+    record_etcd_calls,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from coordinator import errors
+from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
-from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from tests.faultlink import FaultLink
 from tests.harness import EtcdEndpoint, LoopThread, wait_for
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -16,12 +17,19 @@ import pytest
 from agent_client import Client
 from coordinator.cli.common import fetch_status
 from coordinator.records import QueueEntry
-from tests.harness import Background, Cluster, pass_time, session_alive, spawn_coordinator, wait_for
+from tests.harness import (
+    Background,
+    Cluster,
+    pass_time,
+    session_alive,
+    spawn_coordinator,
+    wait_for,
+)
 from tests.history import check_store
 
 
 class Replica:
-    def __init__(self, proc: "subprocess.Popen[bytes]", addr: str) -> None:  # noqa: F821
+    def __init__(self, proc: subprocess.Popen[bytes], addr: str) -> None:
         self.proc, self.addr, self.id = proc, addr, ""
         self.stopped = False
 
@@ -88,7 +96,7 @@ def test_waiting_acquire_leaves_a_replica_that_hangs_mid_call(cluster: Cluster, 
     from coordinator.replica.service import owner_of
     owner = owner_of("h1", [r.id for r in replicas])
     first, second = sorted(replicas, key=lambda r: r.id != owner)
-    entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]  # noqa: E731
+    entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]
     with Client(second.addr, agent="holder", host="h1") as holder, \
             Client([first.addr, second.addr], agent="waiter", host="h1") as waiter:
         held = holder.acquire(8000, preemptible=False)

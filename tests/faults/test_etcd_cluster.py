@@ -28,7 +28,15 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, Etcd3, LoadReport, run_load, spawn_coordinator, stop_process, wait_for
+from tests.harness import (
+    Cluster,
+    Etcd3,
+    LoadReport,
+    run_load,
+    spawn_coordinator,
+    stop_process,
+    wait_for,
+)
 from tests.history import check_store
 
 TTL = 6            # session TTL of the coordinators here: etcd timeout and keepalive interval 2 s
@@ -56,7 +64,7 @@ def _no_keys_left(c: Cluster) -> None:
     wait_for(lambda: not left(), 15, "no leaked key")
 
 
-def test_killing_the_etcd_leader_during_a_50_client_race(etcd3: Etcd3, cluster3: Cluster) -> None:  # noqa: F811
+def test_killing_the_etcd_leader_during_a_50_client_race(etcd3: Etcd3, cluster3: Cluster) -> None:
     cluster3.start_node("h1", "2x16GiB")
     a, b = cluster3.start_coordinator(session_ttl_s=TTL), cluster3.start_coordinator(session_ttl_s=TTL)
 
@@ -83,7 +91,7 @@ def test_killing_the_etcd_leader_during_a_50_client_race(etcd3: Etcd3, cluster3:
     _check(cluster3)
 
 
-def test_one_member_stopped_past_the_session_ttl_loses_no_session(etcd3: Etcd3, cluster3: Cluster) -> None:  # noqa: F811
+def test_one_member_stopped_past_the_session_ttl_loses_no_session(etcd3: Etcd3, cluster3: Cluster) -> None:
     cluster3.start_node("h1", "2x16GiB")
     a, b = cluster3.start_coordinator(session_ttl_s=TTL), cluster3.start_coordinator(session_ttl_s=TTL)
 
@@ -112,7 +120,7 @@ def test_one_member_stopped_past_the_session_ttl_loses_no_session(etcd3: Etcd3, 
     _check(cluster3)
 
 
-def test_losing_two_members_fails_calls_fast_and_everything_resumes(etcd3: Etcd3, cluster3: Cluster) -> None:  # noqa: F811
+def test_losing_two_members_fails_calls_fast_and_everything_resumes(etcd3: Etcd3, cluster3: Cluster) -> None:
     cluster3.start_node("h1", "1x16GiB", ttl=TTL)
     addr = cluster3.start_coordinator(session_ttl_s=TTL)
     etcd_timeout = cluster3.config(session_ttl_s=TTL).etcd_timeout_s
@@ -161,7 +169,7 @@ def _try(fn):  # type: ignore[no-untyped-def]
         return None
 
 
-def test_whole_etcd_stopped_past_the_ttl(etcd3: Etcd3, cluster3: Cluster) -> None:  # noqa: F811
+def test_whole_etcd_stopped_past_the_ttl(etcd3: Etcd3, cluster3: Cluster) -> None:
     """SIGSTOP of every member for twice the session TTL, then SIGCONT. The clocks of etcd's lessor keep
     running while it is stopped, but etcd 3.5 promotes (extends) every lease when a member becomes leader,
     and checks expiry only on the leader: what is pinned here is what the clients then see."""
@@ -192,7 +200,7 @@ def test_whole_etcd_stopped_past_the_ttl(etcd3: Etcd3, cluster3: Cluster) -> Non
     _check(cluster3)
 
 
-def test_replicas_killed_and_stopped_in_turn_under_load(etcd3: Etcd3, cluster3: Cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_replicas_killed_and_stopped_in_turn_under_load(etcd3: Etcd3, cluster3: Cluster, tmp_path: Path) -> None:
     cluster3.start_node("h1", "2x16GiB")
     procs = {}
     try:

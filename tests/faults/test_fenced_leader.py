@@ -26,7 +26,14 @@ import grpc
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, patch_method, revision, spawn_coordinator, stop_process, wait_for
+from tests.harness import (
+    Cluster,
+    patch_method,
+    revision,
+    spawn_coordinator,
+    stop_process,
+    wait_for,
+)
 from tests.history import check_history, read_history
 
 GRACE_S = 12.0
@@ -49,7 +56,7 @@ def test_a_deposed_leader_that_has_not_noticed_commits_no_leader_write(cluster: 
     async def counted_revoke(*args: object, **kw: object) -> bool:
         try:
             out = await revoke(*args, **kw)
-        except Exception as e:  # noqa: BLE001 - recorded, then raised as before
+        except Exception as e:
             tries.append((time.monotonic(), e))
             raise
         tries.append((time.monotonic(), out))

@@ -29,7 +29,15 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.faultlink import FaultLink
-from tests.harness import Cluster, Etcd3, LinkedReplica, LoadReport, leaked, run_load, wait_no_leaks
+from tests.harness import (
+    Cluster,
+    Etcd3,
+    LinkedReplica,
+    LoadReport,
+    leaked,
+    run_load,
+    wait_no_leaks,
+)
 from tests.history import check_store
 
 pytestmark = pytest.mark.nemesis
@@ -102,8 +110,8 @@ def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng:
         assert isinstance(r, LinkedReplica)
         r.restart()
 
-    etcd_of_replica = lambda: reps.reps[rng.randrange(2)].etcd_link    # noqa: E731
-    member = lambda: members[rng.randrange(3)]                         # noqa: E731
+    etcd_of_replica = lambda: reps.reps[rng.randrange(2)].etcd_link
+    member = lambda: members[rng.randrange(3)]
     return {
         # processes
         "kill -9 etcd leader": (kill_leader, lambda m: e.restart(m), FAULT_LASTS_S),

@@ -15,7 +15,14 @@ import grpc
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, pass_time, patch_method, revision, wait_for, wait_no_leaks
+from tests.harness import (
+    Cluster,
+    pass_time,
+    patch_method,
+    revision,
+    wait_for,
+    wait_no_leaks,
+)
 from tests.history import check_history, check_store, read_history
 
 GRACE_S = 8.0
@@ -57,7 +64,7 @@ def test_a_leader_cut_from_etcd_commits_nothing_once_its_election_key_is_gone(cl
     async def counted_revoke(*args: object, **kw: object) -> bool:
         try:
             out = await revoke(*args, **kw)
-        except Exception as e:  # noqa: BLE001 - recorded, then raised as before
+        except Exception as e:
             tries.append((time.monotonic(), e))
             raise
         tries.append((time.monotonic(), out))

@@ -25,7 +25,15 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import node_pb2 as npb
-from tests.harness import Background, Cluster, coordinator_stub, node_stub, session_alive, wait_for, wait_no_leaks
+from tests.harness import (
+    Background,
+    Cluster,
+    coordinator_stub,
+    node_stub,
+    session_alive,
+    wait_for,
+    wait_no_leaks,
+)
 from tests.history import check_store
 
 NODE_TTL = 4

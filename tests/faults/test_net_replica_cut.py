@@ -25,8 +25,17 @@ import pytest
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.replica.service import owner_of
-from tests.harness import (ClientFailovers, Cluster, LinkedReplica, LoadReport, acquire_req, coordinator_stub,
-                           run_load, wait_for, wait_no_leaks)
+from tests.harness import (
+    ClientFailovers,
+    Cluster,
+    LinkedReplica,
+    LoadReport,
+    acquire_req,
+    coordinator_stub,
+    run_load,
+    wait_for,
+    wait_no_leaks,
+)
 from tests.history import check_history, read_history
 
 TTL = 6

@@ -15,7 +15,14 @@ import asyncio
 from pathlib import Path
 
 from tests.faultlink import FaultLink
-from tests.harness import Cluster, Etcd3, LinkedReplica, run_load, wait_for, wait_no_leaks
+from tests.harness import (
+    Cluster,
+    Etcd3,
+    LinkedReplica,
+    run_load,
+    wait_for,
+    wait_no_leaks,
+)
 from tests.history import check_store
 
 TTL = 6

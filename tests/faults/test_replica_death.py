@@ -97,7 +97,7 @@ def _waiter_keeps_its_place_when(cluster: Cluster, replicas: dict[str, Any], kil
                 result["lease"] = waiter.acquire(4000, wait=30, request_id="survivor")
             t = threading.Thread(target=take, daemon=True)
             t.start()
-            entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]  # noqa: E731
+            entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]
             queued = wait_for(lambda: entries(), 5, "the waiter to be queued")
             rank, served_by = queued[0].rank, queued[0].replica
             assert served_by == by_addr[owner_addr][0], "the owner serves the forwarded waiter"

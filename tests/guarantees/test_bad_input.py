@@ -59,7 +59,7 @@ def test_open_session_bad_fields(env: tuple[Cluster, Any, Client]) -> None:
         (pb.OpenSessionRequest(agent="agent-x", host="h1", ttl_seconds=1), C.INVALID_ARGUMENT, "ttl_seconds"),
         (pb.OpenSessionRequest(agent="agent-x", host="h1", ttl_seconds=100000), C.INVALID_ARGUMENT, "ttl_seconds"),
     ]:
-        expect_refused(cluster, lambda: stub.OpenSession(req, timeout=10), code, field)
+        expect_refused(cluster, lambda: stub.OpenSession(req, timeout=10), code, field)  # noqa: B023 - called within this iteration
 
 
 def test_expired_session_and_foreign_lease(env: tuple[Cluster, Any, Client]) -> None:

@@ -28,8 +28,14 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2
 from coordinator.config import CoordinatorConfig
-from coordinator.limits import (MAX_CLIENT_VERSION_BYTES, MAX_PID, MAX_REASON_BYTES, MAX_REQUEST_ID_LEN, MAX_SPEC_BYTES,
-                                MAX_TTL_S)
+from coordinator.limits import (
+    MAX_CLIENT_VERSION_BYTES,
+    MAX_PID,
+    MAX_REASON_BYTES,
+    MAX_REQUEST_ID_LEN,
+    MAX_SPEC_BYTES,
+    MAX_TTL_S,
+)
 from tests.harness import Cluster, LoopThread, patch_commit, revision, writes_since
 
 pytestmark = pytest.mark.integration

@@ -105,7 +105,7 @@ def test_a_gone_session_carries_session_gone_and_the_client_recognises_it_by_tha
                 wait_for(lambda: c.expired, 15, "the client's keepalive to see its session gone")
                 # What they read: the same reason on a call and on a stream message.
                 acquire = pb.AcquireRequest(session=ref, vram_mb=10)
-                assert _unary_reason(lambda: stub.Acquire(acquire, timeout=10)) == (C.NOT_FOUND, "SESSION_GONE",
+                assert _unary_reason(lambda: stub.Acquire(acquire, timeout=10)) == (C.NOT_FOUND, "SESSION_GONE",  # noqa: B023 - called within this iteration
                                                                                     {"field": "session"})
                 assert _stream_reason(stub, "acquire", acquire) == (C.NOT_FOUND, "SESSION_GONE",
                                                                     {"field": "session"})

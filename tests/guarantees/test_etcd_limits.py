@@ -16,7 +16,15 @@ import pytest
 
 from agent_client import AsyncClient, Client
 from agent_client.api import coordinator_pb2 as pb
-from tests.harness import Cluster, LoopThread, acquire_req, coordinator_stub, patch_commit, queue, wait_for
+from tests.harness import (
+    Cluster,
+    LoopThread,
+    acquire_req,
+    coordinator_stub,
+    patch_commit,
+    queue,
+    wait_for,
+)
 
 
 @pytest.mark.usefixtures("history_checked")

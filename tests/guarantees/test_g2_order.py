@@ -165,7 +165,7 @@ def test_waiters_are_served_by_priority_then_fifo(cluster: Cluster) -> None:
                     return lease
                 waiters[name] = Background(take)
                 n = len(waiters)
-                wait_for(lambda: len(queue(cluster)) == n, 5, f"{name} to be queued")
+                wait_for(lambda: len(queue(cluster)) == n, 5, f"{name} to be queued")  # noqa: B023 - polled within this iteration
             # Rank order in etcd already says 5, 5, 1.
             assert [e.agent for e in queue(cluster)] == ["p5-first", "p5-second", "p1"]
             blocker.release()

@@ -13,8 +13,17 @@ from typing import Any
 import pytest
 
 from agent_client import Client, errors
-from tests.harness import (Background, Cluster, acquire_req, coordinator_stub, is_put, pass_time, patch_commit, queue,
-                           wait_for)
+from tests.harness import (
+    Background,
+    Cluster,
+    acquire_req,
+    coordinator_stub,
+    is_put,
+    pass_time,
+    patch_commit,
+    queue,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

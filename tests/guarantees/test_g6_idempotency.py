@@ -18,8 +18,17 @@ import pytest
 from agent_client import Client, errors
 from coordinator import errors as cerrors
 from coordinator.replica.admitter import ORPHAN_GRACE_S
-from tests.harness import (Cluster, acquire_req, coordinator_stub, is_delete, is_put, patch_commit, patch_method, queue,
-                           wait_for)
+from tests.harness import (
+    Cluster,
+    acquire_req,
+    coordinator_stub,
+    is_delete,
+    is_put,
+    patch_commit,
+    patch_method,
+    queue,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

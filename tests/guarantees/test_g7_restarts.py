@@ -15,8 +15,16 @@ import pytest
 from agent_client import Client
 from coordinator import errors as cerrors
 from coordinator.etcd.store import WatchBatch
-from tests.harness import (Background, Cluster, acquire_req, coordinator_stub, pass_time, queue, session_alive,
-                           wait_for)
+from tests.harness import (
+    Background,
+    Cluster,
+    acquire_req,
+    coordinator_stub,
+    pass_time,
+    queue,
+    session_alive,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -14,7 +14,16 @@ import pytest
 
 from agent_client import Client
 from coordinator import errors as cerrors
-from tests.harness import Cluster, acquire_req, coordinator_stub, is_delete, is_put, patch_commit, queue, wait_for
+from tests.harness import (
+    Cluster,
+    acquire_req,
+    coordinator_stub,
+    is_delete,
+    is_put,
+    patch_commit,
+    queue,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -19,7 +19,17 @@ from agent_client.api import node_pb2 as npb
 from agent_client.api import node_pb2_grpc as npb_grpc
 from coordinator import errors as cerrors
 from coordinator.records import GpuProcess
-from tests.harness import REPO, Cluster, FakeDevice, FakeNvml, LoopThread, child_env, node_stub, patch_commit, wait_for
+from tests.harness import (
+    REPO,
+    Cluster,
+    FakeDevice,
+    FakeNvml,
+    LoopThread,
+    child_env,
+    node_stub,
+    patch_commit,
+    wait_for,
+)
 
 
 def test_node_publishes_inventory_and_usage_under_its_etcd_lease(cluster: Cluster) -> None:
@@ -78,7 +88,7 @@ def test_get_inventory_and_check_token(cluster: Cluster) -> None:
     assert inv.host == "h1" and inv.simulated and [g.vram_total_mb for g in inv.gpus] == [16384, 16384]
     with Client(addr, agent="agent-a", host="h1") as c:
         lease = c.acquire(1000, gpu=0)
-        check = lambda t: stub.CheckToken(npb.CheckTokenRequest(gpu_uuid=lease.gpu_uuid, token=t), timeout=5)  # noqa: E731
+        check = lambda t: stub.CheckToken(npb.CheckTokenRequest(gpu_uuid=lease.gpu_uuid, token=t), timeout=5)
         wait_for(lambda: check(lease.token).live, 5, "the node to see the lease")
         assert check(lease.token).lease_id == lease.id
         assert not check(lease.token + 1).live
@@ -139,10 +149,10 @@ def test_a_slow_nvml_call_stalls_neither_the_nodes_grpc_nor_its_registration(clu
     daemon scans off its event loop: during a 4.5 s NVML call it answers GetInventory, and its host stays
     registered (its TTL is 3 s). (Review finding R14: the scan ran on the event loop, which stalled the
     keepalive, the lease watch, CheckToken and GetInventory; the host expired although the daemon lived.)"""
+    from coordinator.etcd.store import Store
     from coordinator.node.daemon import NodeDaemon
     from coordinator.node.inventory import MIB, NvmlGpuSource
     from coordinator.rpc.node_server import create_node_server
-    from coordinator.etcd.store import Store
 
     stall = threading.Event()
 

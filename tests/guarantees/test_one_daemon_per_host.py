@@ -19,8 +19,8 @@ import pytest
 
 from coordinator.etcd.store import KV, Store
 from coordinator.node.daemon import HostTaken, NodeDaemon
-from coordinator.rpc.node_server import create_node_server
 from coordinator.node.inventory import FakeGpuSource
+from coordinator.rpc.node_server import create_node_server
 from tests.harness import REPO, Cluster, child_env, patch_method, wait_for
 
 

@@ -18,7 +18,14 @@ import pytest
 from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import REPO, Cluster, LoopThread, child_env, coordinator_stub, wait_for
+from tests.harness import (
+    REPO,
+    Cluster,
+    LoopThread,
+    child_env,
+    coordinator_stub,
+    wait_for,
+)
 from tests.history import check_store
 
 MANUAL = {

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from agent_client import Client
 from coordinator.keys import Keys
-from tests.harness import EtcdEndpoint, LoadReport, run_load, spawn_coordinator, spawn_node, stop_process, wait_for
+from tests.harness import (
+    EtcdEndpoint,
+    LoadReport,
+    run_load,
+    spawn_coordinator,
+    spawn_node,
+    stop_process,
+    wait_for,
+)
 
 SLICES = 3
 SLICE_S = 3.0

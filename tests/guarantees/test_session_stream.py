@@ -16,7 +16,15 @@ from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.limits import MAX_STREAM_CALLS
-from tests.harness import Cluster, StreamCallError, acquire_req, patch_method, queue, session_call, wait_for
+from tests.harness import (
+    Cluster,
+    StreamCallError,
+    acquire_req,
+    patch_method,
+    queue,
+    session_call,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -62,7 +70,7 @@ def test_stream_answers_as_the_unary_calls(env: tuple[Cluster, Any, Client]) -> 
     # A wait that ends without a grant: refused alike, and the queue entry is gone before the answer.
     for field_, call in (("unary", lambda r: stub.Acquire(r, timeout=10)), ("stream", None)):
         request = acquire_req("agent-a", sid, 14000, uuid.uuid4().hex, wait=0.3)
-        got = _outcome(lambda: call(request)) if call else _outcome(lambda: session_call(stub, "acquire", request))
+        got = _outcome(lambda: call(request)) if call else _outcome(lambda: session_call(stub, "acquire", request))  # noqa: B023 - called within this iteration
         assert got[0] == C.RESOURCE_EXHAUSTED, (field_, got)
         assert not queue(cluster), f"{field_}: the waiter's queue entry outlived its answer"
 

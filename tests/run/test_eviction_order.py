@@ -34,8 +34,17 @@ from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import metrics
 from coordinator.cli.common import fetch_status
-from tests.harness import (REPO, Background, Cluster, ProcessGone, child_env, coordinator_stub, gpucoord_run,
-                           wait_for, write_fake_processes)
+from tests.harness import (
+    REPO,
+    Background,
+    Cluster,
+    ProcessGone,
+    child_env,
+    coordinator_stub,
+    gpucoord_run,
+    wait_for,
+    write_fake_processes,
+)
 from tests.history import read_history
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]

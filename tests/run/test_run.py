@@ -23,9 +23,9 @@ import psutil
 import pytest
 
 from agent_client import Client
-from coordinator import metrics
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator import metrics
 from coordinator.cli.common import fetch_status
 from tests.harness import REPO, Background, Cluster, child_env, wait_for
 

@@ -13,9 +13,9 @@ import pytest
 
 from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
+from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 from coordinator.security.etcd_auth import EtcdSecurity, setup_roles
-from coordinator.etcd.store import Store
 from tests.harness import REPO, child_env
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,15 @@ import pytest
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.security.tls import channel_credentials
-from tests.harness import REPO, Cluster, Pki, child_env, spawn_coordinator, stop_process, wait_for
+from tests.harness import (
+    REPO,
+    Cluster,
+    Pki,
+    child_env,
+    spawn_coordinator,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

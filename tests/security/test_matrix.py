@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
-from coordinator.security.tls import TlsFiles, channel_credentials
 from coordinator.etcd.ops import range_req
+from coordinator.security.tls import TlsFiles, channel_credentials
 from tests.harness import Cluster, Pki, session_call, wait_for, writes_since
 
 pytestmark = pytest.mark.integration

@@ -215,7 +215,7 @@ def test_fuzz_stored_values(world: World) -> None:
             try:
                 hosts = world.status()
             except grpc.RpcError as e:
-                raise AssertionError(f"GetStatus failed with {kind}={value[:80]!r}: {e.code()} {e.details()}")
+                raise AssertionError(f"GetStatus failed with {kind}={value[:80]!r}: {e.code()} {e.details()}") from e
             assert hosts["h2"].invalid == ""
             invalid = hosts["h1"].invalid if "h1" in hosts else "(no h1)"
             seen["invalid" if invalid else "valid"] = seen.get("invalid" if invalid else "valid", 0) + 1

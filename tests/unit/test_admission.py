@@ -10,9 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy.admission import GpuView, Placement, best_fit, choose_victims, never_fits, room_for
-from coordinator.records import GpuLedger, VramLease
 from coordinator.etcd.store import KV
+from coordinator.policy.admission import (
+    GpuView,
+    Placement,
+    best_fit,
+    choose_victims,
+    never_fits,
+    room_for,
+)
+from coordinator.records import GpuLedger, VramLease
 
 _ids = itertools.count(1)
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.config import ConfigError, CoordinatorConfig
-from coordinator.limits import MAX_TTL_S, MIN_TTL_S
 from coordinator.keys import DEFAULT_PREFIX
+from coordinator.limits import MAX_TTL_S, MIN_TTL_S
 
 NO_ENV: dict[str, str] = {}
 

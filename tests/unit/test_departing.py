@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from agent_client.api import coordinator_pb2 as pb
-from coordinator.policy.departing import process_state, processes_visible, reported_pids, reports_none, still_reported
+from coordinator.policy.departing import (
+    process_state,
+    processes_visible,
+    reported_pids,
+    reports_none,
+    still_reported,
+)
 from coordinator.rpc.status_message import redact_for_agent
 
 GPU = "GPU-0"

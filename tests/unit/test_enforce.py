@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.records import GpuProcess, GpuUsage
 from coordinator.node.enforce import Covered, Enforcer, ProcInfo, attribute
+from coordinator.records import GpuProcess, GpuUsage
 
 G0, G1 = "GPU-0", "GPU-1"
 

@@ -9,8 +9,8 @@ from google.rpc import error_details_pb2, status_pb2
 from agent_client import errors as client_errors
 from coordinator import errors
 from coordinator.rpc.forward import Relayed
-from coordinator.security.authz import Denied
 from coordinator.security import status
+from coordinator.security.authz import Denied
 
 
 def _subclasses(cls: type) -> list[type]:

@@ -14,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.node import nvml as nvml_module
-from coordinator.node.inventory import MIB, FakeGpuSource, NvmlGpuSource, parse_fake_gpus, read_inventory
+from coordinator.node.inventory import (
+    MIB,
+    FakeGpuSource,
+    NvmlGpuSource,
+    parse_fake_gpus,
+    read_inventory,
+)
 from coordinator.node.nvml import parse_pci_bus_id, sysfs_numa_node
 from coordinator.records import GpuInfo, HostInventory, dumps, loads
 from tests.harness import FakeDevice, FakeNvml

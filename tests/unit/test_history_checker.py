@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from coordinator.keys import Keys, lease_id_for
 from coordinator.etcd.store import KV, WatchEvent
+from coordinator.keys import Keys, lease_id_for
 from tests.history import HistoryReport, check_history, replay_differs
 
 K = Keys("/t/")

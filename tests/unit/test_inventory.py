@@ -18,7 +18,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.records import GpuInfo, GpuProcess, HostInventory
 from coordinator.node.inventory import (
     MIB,
     FakeGpuSource,
@@ -31,7 +30,7 @@ from coordinator.node.inventory import (
     parse_fake_gpus,
     read_inventory,
 )
-
+from coordinator.records import GpuInfo, GpuProcess, HostInventory
 from tests.harness import FakeDevice, FakeNvml, nvml_error
 
 GIB = 1024 * MIB

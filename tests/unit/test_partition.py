@@ -10,7 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.records import GpuInfo, HostInventory, dumps
 from coordinator.policy.partition import (
     KINDS,
     MODES,
@@ -26,6 +25,7 @@ from coordinator.policy.partition import (
     parse_size,
     parse_spec,
 )
+from coordinator.records import GpuInfo, HostInventory, dumps
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -839,7 +839,7 @@ def test_property_valid_specs_are_accepted_and_fit(data: st.DataObject) -> None:
     assert p.spec == s
     check_fits(inv, p)
     if s.mode == "manual":
-        for (agent, want), got in zip(s.allocations, p.allocations):
+        for (_agent, want), got in zip(s.allocations, p.allocations):
             if want.cpu_count() is not None:
                 assert len(got.cores) == want.cpu_count()
             if want.cores is not None:

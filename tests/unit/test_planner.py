@@ -30,7 +30,14 @@ from coordinator.policy.host import HostView
 from coordinator.policy.partition import Partition, compute_partition, parse_spec
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round
-from coordinator.records import GpuInfo, GpuLedger, HostInventory, QueueEntry, SessionInfo, VramLease
+from coordinator.records import (
+    GpuInfo,
+    GpuLedger,
+    HostInventory,
+    QueueEntry,
+    SessionInfo,
+    VramLease,
+)
 from coordinator.txn import Delete, Put
 
 KEYS = Keys("/t/")
@@ -229,8 +236,8 @@ def check(s: dict[str, Any], plan: Plan[Call]) -> None:
 
         def fits(removed: list[VramLease]) -> bool:
             gone = {x.id for x in removed}
-            rest = dataclasses.replace(g, leases=[x for x in on if x.id not in gone])
-            return room_for(rest, agent, caps[agent][g.uuid]) >= vram
+            rest = dataclasses.replace(g, leases=[x for x in on if x.id not in gone])  # noqa: B023 - fits() is called within this iteration
+            return room_for(rest, agent, caps[agent][g.uuid]) >= vram  # noqa: B023 - fits() is called within this iteration
         assert fits(victims), "the victims do not make the request fit"
         for v in victims:
             assert not fits([x for x in victims if x is not v]), "a victim could have been spared"

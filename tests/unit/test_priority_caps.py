@@ -6,7 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.policy.partition import PartitionError, parse_spec
-from coordinator.policy.partition.caps import TLS_DEFAULT, UNCAPPED, PriorityCap, cap_for, check, parse_caps
+from coordinator.policy.partition.caps import (
+    TLS_DEFAULT,
+    UNCAPPED,
+    PriorityCap,
+    cap_for,
+    check,
+    parse_caps,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,18 @@ from hypothesis import strategies as st
 
 from coordinator.etcd.types import KV, Snapshot
 from coordinator.keys import Keys
-from coordinator.records import (DepartingRecord, EvictionRecord, GpuLedger, HostInventory, InvalidRecord, QueueEntry,
-                                 VramLease, check_usage, dumps, load_record)
+from coordinator.records import (
+    DepartingRecord,
+    EvictionRecord,
+    GpuLedger,
+    HostInventory,
+    InvalidRecord,
+    QueueEntry,
+    VramLease,
+    check_usage,
+    dumps,
+    load_record,
+)
 from coordinator.replica.view import host_view
 
 pytestmark = pytest.mark.unit

@@ -18,7 +18,7 @@ def phase_contended(seconds: float, levels: tuple[int, ...], out: Figures, profi
         r.node("one", "1x80GiB")
         for agents in levels:
             async def ours() -> tuple[int, list[float], list[float], float]:
-                clients = await load.clients(addr, agents, ["one"])
+                clients = await load.clients(addr, agents, ["one"])  # noqa: B023 - awaited within this iteration
                 await load.pairs(clients, min(1.0, seconds / 4))    # warm up
                 cpu0 = cpu_seconds(coord.pid)
                 t0 = time.perf_counter()

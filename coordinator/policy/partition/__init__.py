@@ -70,9 +70,26 @@ Every rejection is a ``PartitionError`` whose ``field`` names the offending entr
 ``allocations.agent-b.vram.2``.
 """
 from coordinator.policy.partition.compute import compute_partition
-from coordinator.policy.partition.model import AgentAllocation, Partition, default_partition
-from coordinator.policy.partition.spec import AllocationSpec, PartitionSpec, Reserved, load_spec_file, parse_spec
-from coordinator.policy.partition.units import KINDS, MAX_AGENTS, MAX_ITEMS, MODES, PartitionError, parse_size
+from coordinator.policy.partition.model import (
+    AgentAllocation,
+    Partition,
+    default_partition,
+)
+from coordinator.policy.partition.spec import (
+    AllocationSpec,
+    PartitionSpec,
+    Reserved,
+    load_spec_file,
+    parse_spec,
+)
+from coordinator.policy.partition.units import (
+    KINDS,
+    MAX_AGENTS,
+    MAX_ITEMS,
+    MODES,
+    PartitionError,
+    parse_size,
+)
 
 __all__ = [
     "KINDS",

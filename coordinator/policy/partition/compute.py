@@ -3,20 +3,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from coordinator.policy.partition.model import (
+    AgentAllocation,
+    Partition,
+    _find_gpu,
+    _fmt_cores,
+    _host_cores,
+    _split,
+)
+from coordinator.policy.partition.spec import (
+    AllocationSpec,
+    PartitionSpec,
+    _fld,
+    parse_spec,
+)
+from coordinator.policy.partition.units import PartitionError, _human, _show
 from coordinator.records import GpuInfo, HostInventory
-from coordinator.policy.partition.model import AgentAllocation
-from coordinator.policy.partition.model import Partition
-from coordinator.policy.partition.model import _find_gpu
-from coordinator.policy.partition.model import _fmt_cores
-from coordinator.policy.partition.model import _host_cores
-from coordinator.policy.partition.model import _split
-from coordinator.policy.partition.spec import AllocationSpec
-from coordinator.policy.partition.spec import PartitionSpec
-from coordinator.policy.partition.spec import _fld
-from coordinator.policy.partition.spec import parse_spec
-from coordinator.policy.partition.units import PartitionError
-from coordinator.policy.partition.units import _human
-from coordinator.policy.partition.units import _show
+
 
 def compute_partition(inventory: HostInventory, spec: PartitionSpec) -> Partition:
     """Check ``spec`` against ``inventory`` and compute every agent's allocation.

@@ -2,20 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from coordinator.policy.partition.spec import (
+    GpuRef,
+    PartitionSpec,
+    _parse_int,
+    _parse_list,
+    _parse_table,
+    parse_spec,
+)
+from coordinator.policy.partition.units import MODES, PartitionError, _show
 from coordinator.records import GpuInfo, HostInventory
-from collections.abc import Mapping
-from coordinator.policy.partition.spec import GpuRef
-from coordinator.policy.partition.spec import PartitionSpec
-from coordinator.policy.partition.spec import _parse_int
-from coordinator.policy.partition.spec import _parse_list
-from coordinator.policy.partition.spec import _parse_table
-from coordinator.policy.partition.spec import parse_spec
-from coordinator.policy.partition.units import MODES
-from coordinator.policy.partition.units import PartitionError
-from coordinator.policy.partition.units import _show
 
 # -- the computed partition ------------------------------------------------------------------------
 

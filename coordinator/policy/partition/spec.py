@@ -8,19 +8,21 @@ from typing import Any
 
 from coordinator.keys import valid_name
 from coordinator.policy.partition.caps import PriorityCap, parse_caps
-from coordinator.policy.partition.units import KINDS
-from coordinator.policy.partition.units import MAX_AGENTS
-from coordinator.policy.partition.units import MAX_INT
-from coordinator.policy.partition.units import MAX_ITEMS
-from coordinator.policy.partition.units import MIB
-from coordinator.policy.partition.units import MODES
-from coordinator.policy.partition.units import PartitionError
-from coordinator.policy.partition.units import _ALLOC_KEYS
-from coordinator.policy.partition.units import _RESERVED_KEYS
-from coordinator.policy.partition.units import _SPEC_KEYS
-from coordinator.policy.partition.units import _key
-from coordinator.policy.partition.units import _show
-from coordinator.policy.partition.units import parse_size
+from coordinator.policy.partition.units import (
+    _ALLOC_KEYS,
+    _RESERVED_KEYS,
+    _SPEC_KEYS,
+    KINDS,
+    MAX_AGENTS,
+    MAX_INT,
+    MAX_ITEMS,
+    MIB,
+    MODES,
+    PartitionError,
+    _key,
+    _show,
+    parse_size,
+)
 
 # -- the spec -------------------------------------------------------------------------------------
 

@@ -1,11 +1,10 @@
 """Sizes and the errors of partition specs: parsing "16GiB", readable numbers, ``PartitionError``."""
 from __future__ import annotations
 
-import re
-from typing import Any
-from fractions import Fraction
 import math
-
+import re
+from fractions import Fraction
+from typing import Any
 
 MODES: tuple[str, ...] = ("shared", "auto-split", "manual")
 KINDS: tuple[str, ...] = ("cpu", "mem", "disk", "gpus", "vram")
