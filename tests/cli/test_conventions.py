@@ -179,6 +179,18 @@ def test_status_json_has_numbers_and_the_table_marks_evictions_and_names_gpus(co
         assert notice["reason"] == "maintenance" and notice["deadline_unix"] > time.time() + 500
 
 
+@pytest.fixture
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored across exec,
+    so under ``pytest &`` (or a CI runner that does so) the watch would never see the Ctrl-C these tests send.
+    A handled signal is reset to its default at exec: handle it here while the test starts its children."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _frames(proc: subprocess.Popen[str], n: int) -> list[str]:
     assert proc.stdout is not None
     frames: list[str] = []
@@ -193,6 +205,7 @@ def _frames(proc: subprocess.Popen[str], n: int) -> list[str]:
 
 
 @pytest.mark.parametrize("reachable", [True, False])
+@pytest.mark.usefixtures("ctrl_c_reaches_children")
 def test_status_watch_redraws_until_ctrl_c(coord: str, reachable: bool) -> None:
     addr = coord if reachable else f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "status", "--watch", "0.2", "--coordinator", addr],
@@ -210,6 +223,7 @@ def test_status_watch_redraws_until_ctrl_c(coord: str, reachable: bool) -> None:
             proc.wait()
 
 
+@pytest.mark.usefixtures("ctrl_c_reaches_children")
 def test_status_watch_json_prints_one_document_per_line(coord: str) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "status", "--watch", "0.2", "--json",
                              "--coordinator", coord], stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
