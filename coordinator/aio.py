@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Coroutine, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -14,6 +14,19 @@ def log_failure(task: asyncio.Task[Any], name: str) -> asyncio.Task[Any]:
         if not t.cancelled() and t.exception() is not None:
             log.error("background task %s died: %r", name, t.exception(), exc_info=t.exception())
     task.add_done_callback(done)
+    return task
+
+
+_RUNNING: set[asyncio.Task[Any]] = set()
+
+
+def spawn(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    """Start a background task that nobody awaits: the event loop keeps only a weak reference to a task, so
+    one whose creator drops it may be collected mid-flight. The task is held here until it ends, and its
+    failure is logged when it happens (``log_failure``)."""
+    task = log_failure(asyncio.get_running_loop().create_task(coro, name=name), name)
+    _RUNNING.add(task)
+    task.add_done_callback(_RUNNING.discard)
     return task
 
 

@@ -28,7 +28,7 @@ import time
 from typing import Callable, Sequence
 
 from coordinator import clock, errors, metrics
-from coordinator.aio import cancel_and_wait, log_failure
+from coordinator.aio import cancel_and_wait, spawn
 from coordinator.etcd.ops import (
     cmp_mod_revision,
     compile_compare,
@@ -375,8 +375,7 @@ class HostAdmitter:
                         c.request_id, c.vram_mb, self.host, late, c.future.done())
         self._fail(c, wait_over(c.vram_mb, c.wait_s))
         if removed is not None and removed.victims:
-            task = asyncio.get_running_loop().create_task(self.leases.withdraw_evictions(removed))
-            log_failure(task, "withdrawing eviction notices")
+            spawn(self.leases.withdraw_evictions(removed), "withdrawing eviction notices")
 
     # -- rounds ----------------------------------------------------------------------------------
     async def _round(self, batch: list[AcquireCall]) -> None:
@@ -550,7 +549,7 @@ class HostAdmitter:
         metrics.EVICTIONS.labels("notice").inc(len(plan.evictions))
 
     def _schedule_give_back(self, lease: VramLease) -> None:
-        asyncio.get_running_loop().create_task(self._give_back(lease))
+        spawn(self._give_back(lease), f"giving back the orphaned lease {lease.id}")
 
     async def _give_back(self, lease: VramLease) -> None:
         revision = self._orphans.pop(lease.id, None)

@@ -1,9 +1,15 @@
-"""Shutdown of background tasks (``coordinator.aio.cancel_and_wait``): pure asyncio, no I/O."""
+"""Background tasks (``coordinator.aio``): started with a reference kept and their failure logged, and
+stopped at shutdown. Pure asyncio, no I/O."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import weakref
 
-from coordinator.aio import cancel_and_wait
+import pytest
+
+from coordinator.aio import cancel_and_wait, spawn
 
 
 def test_cancel_and_wait_stops_a_task_that_loses_a_cancellation() -> None:
@@ -46,3 +52,37 @@ def test_cancel_and_wait_retrieves_failures() -> None:
         assert isinstance(task.exception(), RuntimeError)
 
     asyncio.run(main())
+
+
+
+def test_a_spawned_task_nobody_holds_is_not_collected_while_it_waits() -> None:
+    """The event loop holds tasks weakly: a task that waits on a future only it can reach, and whose creator
+    dropped it, is garbage that ``gc`` collects mid-flight ("Task was destroyed but it is pending").
+    ``spawn`` holds it until it ends."""
+    async def waits() -> None:
+        await asyncio.get_running_loop().create_future()     # nothing else refers to this future
+
+    async def main() -> bool:
+        task = weakref.ref(spawn(waits(), "the test's waiting task"))   # the reference is dropped at once
+        await asyncio.sleep(0)
+        gc.collect()
+        held = task() is not None
+        if held:
+            await cancel_and_wait([task()])   # type: ignore[list-item]
+        return held
+
+    assert asyncio.run(main())
+
+
+def test_a_spawned_task_logs_its_failure_when_it_happens(caplog: pytest.LogCaptureFixture) -> None:
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    async def main() -> None:
+        spawn(fails(), "the test's background task")
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    with caplog.at_level(logging.ERROR, logger="coordinator.aio"):
+        asyncio.run(main())
+    assert any("the test's background task died" in r.getMessage() for r in caplog.records), caplog.text
