@@ -1,11 +1,13 @@
-"""A transaction as plain data: the compares and operations that a decision asks etcd to commit.
+"""A transaction as plain data: the reads, compares and operations that a caller asks etcd for.
 
-The pure policy (``policy/planner.py``) states its writes with these, importing nothing of etcd's client;
-``etcd/ops.py`` (``compile_compare``, ``compile_op``) turns them into etcd's messages at the boundary.
+Every module outside ``coordinator/etcd/`` states its reads (``Range``) and its writes (``Compare``, ``Op``)
+with these, importing nothing of etcd's client; ``etcd/_compile.py`` turns them into etcd's messages at the
+boundary, and ``Store`` hands back typed results (``etcd/types.py``).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +19,27 @@ class Put:
 
 @dataclasses.dataclass(frozen=True)
 class Delete:
+    """Delete ``key`` (every key under it when ``prefix``); ``prev_kv`` asks for what was deleted."""
+
     key: bytes
+    prefix: bool = False
+    prev_kv: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Get:
+    """Read ``key`` inside a transaction's branch (one key; a read on its own is a ``Range``)."""
+
+    key: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Txn:
+    """A transaction nested in another one's branch: how one transaction says "A, or else B"."""
+
+    compares: tuple[Compare, ...]
+    success: tuple[Op, ...]
+    failure: tuple[Op, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,5 +68,41 @@ class NothingWrittenSince:
     revision: int
 
 
-Op = Put | Delete
-Compare = ModRevisionIs | Exists | Absent | NothingWrittenSince
+@dataclasses.dataclass(frozen=True)
+class CreateRevisionIs:
+    """``key`` is the very key created at ``create_revision`` (not deleted and written again; 0: it does not
+    exist). A leader's fence."""
+
+    key: bytes
+    create_revision: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseIs:
+    """``key`` exists on ``etcd_lease`` (an absent key compares as etcd_lease 0)."""
+
+    key: bytes
+    etcd_lease: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A read: one key, or every key under ``key`` when ``prefix``; ``keys_only`` leaves the values out."""
+
+    key: bytes
+    prefix: bool = False
+    keys_only: bool = False
+
+
+Op = Put | Delete | Get | Txn
+Compare = ModRevisionIs | Exists | Absent | NothingWrittenSince | CreateRevisionIs | LeaseIs
+
+
+def has_write(ops: Iterable[Op]) -> bool:
+    """Whether these operations put or delete anything (nested transactions included)."""
+    for op in ops:
+        if isinstance(op, (Put, Delete)):
+            return True
+        if isinstance(op, Txn) and (has_write(op.success) or has_write(op.failure)):
+            return True
+    return False

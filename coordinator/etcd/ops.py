@@ -9,8 +9,9 @@ from typing import Any, Sequence
 
 from aetcd import rpc
 
+from coordinator.etcd import _compile
 from coordinator.keys import prefix_range_end
-from coordinator.txn import Absent, Compare, Exists, ModRevisionIs, Op, Put
+from coordinator.txn import Compare, Op
 
 
 def range_req(key: bytes, prefix: bool = False, keys_only: bool = False) -> Any:
@@ -72,17 +73,9 @@ def cmp_create_revision(key: bytes, create_revision: int) -> Any:
 
 def compile_compare(c: Compare) -> Any:
     """etcd's message for a compare of ``coordinator.txn``."""
-    if isinstance(c, ModRevisionIs):
-        return cmp_mod_revision(c.key, c.mod_revision)
-    if isinstance(c, Exists):
-        return cmp_exists(c.key)
-    if isinstance(c, Absent):
-        return cmp_absent(c.key)
-    return cmp_range_unchanged(c.prefix, c.revision)
+    return _compile.compare(c)
 
 
 def compile_op(o: Op) -> Any:
     """etcd's message for an operation of ``coordinator.txn``."""
-    if isinstance(o, Put):
-        return op_put(o.key, o.value, o.etcd_lease)
-    return op_delete(o.key)
+    return _compile.op(o)

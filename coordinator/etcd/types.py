@@ -35,10 +35,53 @@ class Snapshot:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefixRead:
+    """Every key under a prefix, read at one etcd ``revision`` (the read's own revision, not the highest
+    ``mod_revision`` among the keys: a watch resumes at ``revision + 1``)."""
+
+    revision: int
+    kvs: tuple[KV, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PutResult:
+    """What a ``Put`` of a transaction answers (nothing gpucoord reads)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeleteResult:
+    """What a ``Delete`` answers: how many keys went, and which (when it asked for ``prev_kv``)."""
+
+    deleted: int
+    prev: tuple[KV, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GetResult:
+    """What a ``Get`` answers: the key, or nothing when it is absent."""
+
+    kvs: tuple[KV, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class NestedResult:
+    """What a nested ``Txn`` answers: which branch ran, and what its operations answered, in order."""
+
+    succeeded: bool
+    responses: tuple[OpResult, ...]
+
+
+OpResult = PutResult | DeleteResult | GetResult | NestedResult
+
+
+@dataclasses.dataclass(frozen=True)
 class TxnResult:
+    """A committed transaction: which branch ran, at which revision, and what each of its operations
+    answered, in the order they were given."""
+
     succeeded: bool
     revision: int
-    responses: tuple[Any, ...]
+    responses: tuple[Any, ...]   # OpResult once the store compiles results
 
 
 @dataclasses.dataclass(frozen=True)
