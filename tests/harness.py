@@ -65,6 +65,7 @@ from coordinator.node.inventory import FakeGpuSource
 from coordinator.records import QueueEntry
 from coordinator.rpc.coordinator_server import create_server
 from coordinator.rpc.node_server import create_node_server
+from coordinator.txn import Delete, Op, Put, Range
 from tests.faultlink import FaultLink
 
 if TYPE_CHECKING:
@@ -255,7 +256,7 @@ class Cluster:
 
     # -- reads for assertions --------------------------------------------------------------------
     def get_prefix(self, prefix: bytes) -> list[Any]:
-        return list(self.lt.run(self.store.get_prefix(prefix)).ranges[0])
+        return list(self.lt.run(self.store.get_prefix(prefix)).kvs)
 
     def state(self) -> set[tuple[bytes, int]]:
         """(key, mod_revision) of every key a coordinator writes: equal before and after means no write."""
@@ -387,13 +388,13 @@ def patch_commit(cluster: Cluster, svc: Any,
     return patch_method(cluster, store, "commit", commit)
 
 
-def is_put(op: Any, key_part: bytes) -> bool:
-    """``op`` (an etcd RequestOp) puts a key containing ``key_part``."""
-    return bool(op.HasField("request_put") and key_part in op.request_put.key)
+def is_put(op: Op, key_part: bytes) -> bool:
+    """``op`` (an operation of ``coordinator.txn``) puts a key containing ``key_part``."""
+    return isinstance(op, Put) and key_part in op.key
 
 
-def is_delete(op: Any, key_part: bytes) -> bool:
-    return bool(op.HasField("request_delete_range") and key_part in op.request_delete_range.key)
+def is_delete(op: Op, key_part: bytes) -> bool:
+    return isinstance(op, Delete) and key_part in op.key
 
 
 # -- child processes ---------------------------------------------------------------------------------
@@ -768,8 +769,7 @@ def make_pki(base: pathlib.Path, host: str = "h1") -> Pki:
 
 def revision(cluster: Cluster) -> int:
     """etcd's current revision."""
-    from coordinator.etcd.ops import range_req
-    return int(cluster.lt.run(cluster.store.snapshot([range_req(b"/")])).revision)
+    return int(cluster.lt.run(cluster.store.snapshot([Range(b"/")])).revision)
 
 
 def writes_since(cluster: Cluster, before: int) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 from coordinator.etcd.store import Store, WatchEvent
 from coordinator.keys import Keys
 from coordinator.policy.departing import reported_pids, still_reported
+from coordinator.txn import Range
 
 
 @dataclasses.dataclass
@@ -242,18 +243,16 @@ def replay_differs(report: HistoryReport, etcd_leases: set[bytes], revision: int
 
 async def _confirm_replay(store: Store, keys: Keys, report: HistoryReport, ended: int) -> None:
     """etcd's leases at the revision where the history read ended (its sentinel's) against the replay's."""
-    from coordinator.etcd.ops import range_req
-    kvs, _ = await store._read_range(range_req(keys.kind("leases"), prefix=True), ended, False)
+    kvs = await store.read_at(Range(keys.kind("leases"), prefix=True), ended)
     report.violations += replay_differs(report, {kv.key for kv in kvs}, ended)
 
 
 async def _confirm_capacity_violations(store: Store, keys: Keys, report: HistoryReport) -> None:
     """Read the GPU's leases again at the revision of each G1 violation (etcd keeps the whole history in
     the tests), so that a report says which leases overlapped, or that the history read missed events."""
-    from coordinator.etcd.ops import range_req
     checked: list[str] = []
     for rev, host, gpu in report.over_capacity[:3]:
-        kvs, _ = await store._read_range(range_req(keys.leases(host, gpu), prefix=True), rev, False)
+        kvs = await store.read_at(Range(keys.leases(host, gpu), prefix=True), rev)
         live = [json.loads(kv.value) | {"create_revision": kv.create_revision} for kv in kvs]
         total = sum(int(x["vram_mb"]) for x in live)
         checked.append(f"  etcd at rev {rev}: {len(live)} leases, {total} MiB on {host}/{gpu}: " + ", ".join(

@@ -11,19 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from coordinator.bench.load import time_async
-from coordinator.etcd.ops import (
-    cmp_create_revision,
-    cmp_mod_revision,
-    op_delete,
-    op_get,
-    op_put,
-    range_req,
-)
 from coordinator.etcd.store import Store
-from coordinator.etcd.types import KV
+from coordinator.etcd.types import KV, GetResult
+from coordinator.txn import CreateRevisionIs, Delete, Get, ModRevisionIs, Op, Put, Range
 
 
 def unary_times(addr: str, n: int) -> list[float]:
@@ -52,12 +45,12 @@ async def read_and_cas_times(ep: str, n: int) -> tuple[list[float], list[float]]
         key = b"/bench/raw"
         rev = await s.put(key, b"0")
         for _ in range(50):
-            await s.snapshot([range_req(key)])
-        reads = await time_async(n, lambda: s.snapshot([range_req(key)]))
+            await s.snapshot([Range(key)])
+        reads = await time_async(n, lambda: s.snapshot([Range(key)]))
         state = {"rev": rev}
 
         async def cas() -> None:
-            res = await s.commit([cmp_mod_revision(key, state["rev"])], [op_put(key, b"1")])
+            res = await s.commit([ModRevisionIs(key, state["rev"])], [Put(key, b"1")])
             assert res.succeeded
             state["rev"] = res.revision
         return reads, await time_async(n, cas)
@@ -77,7 +70,7 @@ async def cas_rate(ep: str, writers: int, seconds: float) -> float:
         key = f"/bench/cas/{i}".encode()
         rev = await s.put(key, b"0")
         while time.perf_counter() < stop_at:
-            res = await s.commit([cmp_mod_revision(key, rev)], [op_put(key, b"1")])
+            res = await s.commit([ModRevisionIs(key, rev)], [Put(key, b"1")])
             rev = res.revision
             count += 1
     t0 = time.perf_counter()
@@ -124,10 +117,14 @@ class LockAdmission:
 
     async def _lock(self, etcd_lease: int) -> bytes:
         key = f"/lockbench/lock/{self.gpu}/{etcd_lease:x}".encode()
-        res = await self.store.commit([cmp_create_revision(key, 0)], [op_put(key, b"", etcd_lease)], [op_get(key)])
-        my_rev = res.revision if res.succeeded else res.responses[0].response_range.kvs[0].create_revision
+        res = await self.store.commit([CreateRevisionIs(key, 0)], [Put(key, b"", etcd_lease)], [Get(key)])
+        my_rev = res.revision
+        if not res.succeeded:
+            got = res.responses[0]
+            assert isinstance(got, GetResult)
+            my_rev = got.kvs[0].create_revision
         while True:
-            snap = await self.store.snapshot([range_req(self.lock_prefix, prefix=True, keys_only=True)])
+            snap = await self.store.snapshot([Range(self.lock_prefix, prefix=True, keys_only=True)])
             older = [kv for kv in snap.ranges[0] if kv.create_revision < my_rev]
             if not older:
                 return key
@@ -136,27 +133,27 @@ class LockAdmission:
                 if any(ev.kind == "DELETE" for ev in batch.events):
                     break
 
-    async def _locked(self, etcd_lease: int, change: Callable[[int, int, list[KV]], list[Any]]) -> None:
+    async def _locked(self, etcd_lease: int, change: Callable[[int, int, list[KV]], list[Op]]) -> None:
         key = await self._lock(etcd_lease)
         try:
-            snap = await self.store.snapshot([range_req(self.ledger), range_req(self.leases, prefix=True)])
+            snap = await self.store.snapshot([Range(self.ledger), Range(self.leases, prefix=True)])
             seq = int(snap.ranges[0][0].value) if snap.ranges[0] else 0
             used = sum(int(kv.value) for kv in snap.ranges[1])
             await self.store.commit([], change(seq, used, list(snap.ranges[1])))
         finally:
-            await self.store.commit([], [op_delete(key)])
+            await self.store.commit([], [Delete(key)])
 
     async def acquire(self, etcd_lease: int, lease_id: str, vram_mb: int) -> None:
-        def grant(seq: int, used: int, _kvs: list[KV]) -> list[Any]:
+        def grant(seq: int, used: int, _kvs: list[KV]) -> list[Op]:
             if used + vram_mb > self.capacity_mb:
                 raise RuntimeError("lock baseline: no room")
-            return [op_put(self._lease_key(lease_id), str(vram_mb).encode(), etcd_lease),
-                    op_put(self.ledger, str(seq + 1).encode())]
+            return [Put(self._lease_key(lease_id), str(vram_mb).encode(), etcd_lease),
+                    Put(self.ledger, str(seq + 1).encode())]
         await self._locked(etcd_lease, grant)
 
     async def release(self, etcd_lease: int, lease_id: str) -> None:
-        def free(seq: int, _used: int, _kvs: list[KV]) -> list[Any]:
-            return [op_delete(self._lease_key(lease_id)), op_put(self.ledger, str(seq + 1).encode())]
+        def free(seq: int, _used: int, _kvs: list[KV]) -> list[Op]:
+            return [Delete(self._lease_key(lease_id)), Put(self.ledger, str(seq + 1).encode())]
         await self._locked(etcd_lease, free)
 
 

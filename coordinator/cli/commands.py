@@ -213,14 +213,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
                            EXIT_UNREACHABLE) from e
         finally:
             await store.close()
-        for kv in snap.ranges[0]:
+        for kv in snap.kvs:
             try:
                 value = json.dumps(json.loads(kv.value), sort_keys=True)
             except ValueError:
                 value = repr(kv.value)
             lease = f" etcd_lease={kv.etcd_lease:x}" if kv.etcd_lease else ""
             print(f"{kv.key.decode()}  (mod_revision={kv.mod_revision}{lease})\n    {value}")
-        print(f"# {len(snap.ranges[0])} keys at revision {snap.revision}")
+        print(f"# {len(snap.kvs)} keys at revision {snap.revision}")
     asyncio.run(dump())
     return 0
 

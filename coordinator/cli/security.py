@@ -14,11 +14,11 @@ import grpc
 
 from coordinator import errors
 from coordinator.cli.common import EXIT_UNREACHABLE, CliError, UsageError
-from coordinator.etcd.ops import cmp_absent, op_put
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, last_segment
 from coordinator.records import dumps
 from coordinator.security import certs, etcd_auth
+from coordinator.txn import Absent, Put
 
 T = TypeVar("T")
 
@@ -75,7 +75,7 @@ def _etcd_call(args: argparse.Namespace, body: Callable[[Store, Keys], Awaitable
 def _revoked_in_etcd(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     async def read(store: Store, keys: Keys) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
-        for kv in (await store.get_prefix(keys.revocations())).ranges[0]:
+        for kv in (await store.get_prefix(keys.revocations())).kvs:
             try:
                 doc = kv.json()
             except ValueError:
@@ -152,7 +152,7 @@ def _certs_revoke(args: argparse.Namespace) -> int:
                            "not_after": e.get("not_after", ""), "reason": reason,
                            "revoked_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "revoked_by": getpass.getuser()})
-            res = await store.commit([cmp_absent(key)], [op_put(key, value)])
+            res = await store.commit([Absent(key)], [Put(key, value)])
             created.append(res.succeeded)
         return created
     created = _etcd_call(args, write)

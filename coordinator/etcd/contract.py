@@ -6,9 +6,10 @@ etcd. Each method says whether it is one transaction, whether it may be retried,
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
+from typing import AsyncIterator, Iterable, Protocol, Sequence
 
-from coordinator.etcd.types import KV, Snapshot, TxnResult, WatchBatch
+from coordinator.etcd.types import KV, PrefixRead, Snapshot, TxnResult, WatchBatch
+from coordinator.txn import Compare, Op, Range
 
 
 class KVStore(Protocol):
@@ -34,7 +35,7 @@ class KVStore(Protocol):
     Every etcd call has a deadline (``timeout``).
     """
 
-    async def snapshot(self, ranges: Iterable[Any], serializable: bool = False,
+    async def snapshot(self, ranges: Iterable[Range], serializable: bool = False,
                        deadline: float | None = None) -> Snapshot:
         """Several ranges at one revision. May be retried, until ``deadline`` (a ``loop.time()`` instant) if
         given. Raises Unavailable, Timeout."""
@@ -44,12 +45,12 @@ class KVStore(Protocol):
         """One key, linearizable. Raises Unavailable, Timeout."""
         ...
 
-    async def get_prefix(self, prefix: bytes) -> Snapshot:
-        """Every key under ``prefix``, paged, at one revision. Raises Unavailable, Timeout."""
+    async def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> PrefixRead:
+        """Every key under ``prefix``, paged, at one revision (the read's). Raises Unavailable, Timeout."""
         ...
 
-    async def commit(self, compares: Sequence[Any], success: Sequence[Any],
-                     failure: Sequence[Any] = (), deadline: float | None = None) -> TxnResult:
+    async def commit(self, compares: Sequence[Compare], success: Sequence[Op],
+                     failure: Sequence[Op] = (), deadline: float | None = None) -> TxnResult:
         """ONE write transaction; never retried; not sent (Timeout) once ``deadline`` (a ``loop.time()``
         instant) has passed. Raises OutcomeUnknown, SessionGone, EtcdNoSpace, Unavailable, Timeout."""
         ...

@@ -9,13 +9,13 @@ deposed leader that wakes up and writes fails the compare instead of acting besi
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from coordinator import errors
-from coordinator.etcd.ops import cmp_absent, cmp_create_revision, op_get, op_put
 from coordinator.etcd.session import EtcdSession
-from coordinator.etcd.store import KV
+from coordinator.etcd.types import KV, GetResult
 from coordinator.keys import Keys, last_segment
+from coordinator.txn import Absent, Compare, CreateRevisionIs, Get, Op, Put
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,16 @@ class Election:
         its session up for lost (no keepalive got through for a TTL) while etcd still held it (a keepalive held
         up by a partition arrived late, or etcd expired it a moment later than the holder counted). That
         etcd_lease is ours and dead to us: it is revoked (its keys go with it) and we stand again."""
-        ops = [op_put(self.key, value, self.session.etcd_lease)]
-        ops += [op_put(k, v, self.session.etcd_lease) for k, v in extra_puts]
+        ops: list[Op] = [Put(self.key, value, self.session.etcd_lease)]
+        ops += [Put(k, v, self.session.etcd_lease) for k, v in extra_puts]
         for _ in range(3):
-            res = await self.store.commit([cmp_absent(self.key)], ops, [op_get(self.key)])
+            res = await self.store.commit([Absent(self.key)], ops, [Get(self.key)])
             if res.succeeded:
                 self.create_revision = res.revision
                 return
-            kvs = res.responses[0].response_range.kvs
-            stale = KV.from_pb(kvs[0]).etcd_lease if kvs else 0
+            got = res.responses[0]
+            assert isinstance(got, GetResult)
+            stale = got.kvs[0].etcd_lease if got.kvs else 0
             if stale == self.session.etcd_lease:
                 break
             if stale:
@@ -58,16 +59,16 @@ class Election:
                 await self.store.revoke(stale)
         raise errors.Unavailable(f"candidate {self.candidate_id} already stands")
 
-    def fence(self) -> list[Any]:
+    def fence(self) -> list[Compare]:
         """The compare that keeps a leader's write from landing once this candidacy is gone."""
-        return [cmp_create_revision(self.key, self.create_revision)]
+        return [CreateRevisionIs(self.key, self.create_revision)]
 
     async def observe(self, on_change: Callable[[str], None]) -> None:
         """Follow the election; ``on_change(leader_id)`` on every change of leader. Returns when our own
         candidacy is gone (the session ended) or the watch lost history (stand again to be sure)."""
         prefix = self.keys.election()
         snap = await self.store.get_prefix(prefix)
-        candidates = {kv.key: kv for kv in snap.ranges[0]}
+        candidates = {kv.key: kv for kv in snap.kvs}
         self._elect(candidates.values(), on_change)
         async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
             if batch.resync:
@@ -83,7 +84,7 @@ class Election:
                 return
             self._elect(candidates.values(), on_change)
 
-    def _elect(self, kvs: Any, on_change: Callable[[str], None]) -> None:
+    def _elect(self, kvs: Iterable[KV], on_change: Callable[[str], None]) -> None:
         kv_list: list[KV] = list(kvs)
         leader = last_segment(min(kv_list, key=lambda kv: kv.create_revision).key) if kv_list else ""
         if leader != self.leader_id:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Sequence
-
-from aetcd import rpc
+from typing import Sequence
 
 from coordinator.etcd.contract import KVStore
-from coordinator.etcd.ops import cmp_mod_revision, op_delete, range_req
-from coordinator.etcd.types import KV, TxnResult
+from coordinator.etcd.types import KV, DeleteResult, GetResult, TxnResult
+from coordinator.txn import Compare, Delete, Get, ModRevisionIs
 
 # Each removal takes one compare (plus its own extra ones), one delete and one read: etcd's limit of 128 per
 # transaction (--max-txn-ops) bounds how many go into one transaction.
@@ -28,7 +26,7 @@ class Removal:
 
     key: bytes
     mod_revision: int
-    also: tuple[Any, ...] = ()
+    also: tuple[Compare, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +35,7 @@ class RemovalOutcome:
     current: KV | None   # not removed: the entry as it is now (None: it is gone)
 
 
-async def remove_entries(store: KVStore, removals: Sequence[Removal], common: Sequence[Any] = (),
+async def remove_entries(store: KVStore, removals: Sequence[Removal], common: Sequence[Compare] = (),
                          attempts: int = 3) -> list[RemovalOutcome]:
     """Remove many keys in few transactions, each key only if its compares hold.
 
@@ -68,19 +66,19 @@ async def remove_entries(store: KVStore, removals: Sequence[Removal], common: Se
         async def one(chunk: list[int]) -> TxnResult:
             compares = list(common)
             for i in chunk:
-                compares += [cmp_mod_revision(removals[i].key, removals[i].mod_revision), *removals[i].also]
-            return await store.commit(compares, [op_delete(removals[i].key, prev_kv=True) for i in chunk],
-                                      [rpc.RequestOp(request_range=range_req(removals[i].key)) for i in chunk])
+                compares += [ModRevisionIs(removals[i].key, removals[i].mod_revision), *removals[i].also]
+            return await store.commit(compares, [Delete(removals[i].key, prev_kv=True) for i in chunk],
+                                      [Get(removals[i].key) for i in chunk])
         results = await asyncio.gather(*(one(chunk) for chunk in chunks))
         todo = []
         for chunk, res in zip(chunks, results):
             for i, resp in zip(chunk, res.responses):
                 if res.succeeded:
-                    prev = resp.response_delete_range.prev_kvs
-                    out[i] = RemovalOutcome(KV.from_pb(prev[0]) if prev else None, None)
+                    assert isinstance(resp, DeleteResult)
+                    out[i] = RemovalOutcome(resp.prev[0] if resp.prev else None, None)
                     continue
-                kvs = resp.response_range.kvs
-                current[i] = KV.from_pb(kvs[0]) if kvs else None
+                assert isinstance(resp, GetResult)
+                current[i] = resp.kvs[0] if resp.kvs else None
                 now = current[i]
                 if now is not None and now.mod_revision == removals[i].mod_revision:
                     todo.append(i)     # unchanged: another entry (or an extra compare) failed the transaction

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any, AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
 
 import aetcd
 import grpc
@@ -30,17 +30,17 @@ from tenacity import (
 )
 
 from coordinator import errors
+from coordinator.etcd import _compile
 from coordinator.etcd.keepalive import KeepAliveStream
-from coordinator.etcd.ops import (
-    cmp_absent,
-    cmp_exists,
-    cmp_mod_revision,
-    op_delete,
-    op_put,
-    range_req,
-)
 from coordinator.etcd.translate import translate
-from coordinator.etcd.types import KV, Snapshot, TxnResult, WatchBatch, WatchEvent
+from coordinator.etcd.types import (
+    KV,
+    PrefixRead,
+    Snapshot,
+    TxnResult,
+    WatchBatch,
+    WatchEvent,
+)
 from coordinator.etcd.versions import (
     MINIMUM_PRODUCTION,
     crash_bugs,
@@ -49,10 +49,10 @@ from coordinator.etcd.versions import (
 )
 from coordinator.keys import prefix_range_end
 from coordinator.security.etcd_auth import EtcdSecurity
+from coordinator.txn import Compare, Delete, Op, Put, Range, has_write
 
 # Re-exported for callers written against the store module alone.
-__all__ = ["KV", "PAGE_KEYS", "Snapshot", "Store", "TxnResult", "WatchBatch", "WatchEvent", "cmp_absent", "cmp_exists",
-           "cmp_mod_revision", "op_delete", "op_put", "range_req"]
+__all__ = ["KV", "PAGE_KEYS", "PrefixRead", "Snapshot", "Store", "TxnResult", "WatchBatch", "WatchEvent"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,7 +87,7 @@ def _target(endpoints: Sequence[str]) -> str:
 # A member that hangs (SIGSTOP, a stalled VM) keeps its TCP connection open, so only a missed ping takes it
 # out of the rotation: a ping every 5 s (etcd's --grpc-keepalive-min-time; faster pings get GOAWAY) answered
 # within 1 s, also while calls are stuck on it (no limit on pings without data), drops it within ~6 s.
-CHANNEL_OPTIONS: dict[str, Any] = {
+CHANNEL_OPTIONS: dict[str, str | int] = {
     "grpc.lb_policy_name": "round_robin",
     "grpc.keepalive_time_ms": 5_000,
     "grpc.keepalive_timeout_ms": 1_000,
@@ -122,17 +122,6 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         self.leasestub = rpc.LeaseStub(self.channel)
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
         self._connected.set()
-
-
-def _has_write(ops: Iterable[Any]) -> bool:
-    """Whether these RequestOps put or delete anything (nested transactions included)."""
-    for op in ops:
-        kind = op.WhichOneof("request")
-        if kind in ("request_put", "request_delete_range"):
-            return True
-        if kind == "request_txn" and (_has_write(op.request_txn.success) or _has_write(op.request_txn.failure)):
-            return True
-    return False
 
 
 def _response_too_large(e: grpc.aio.AioRpcError) -> bool:
@@ -197,11 +186,11 @@ class Store:
         await self.connect()
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     @property
-    def _kv(self) -> Any:
+    def _kv(self) -> rpc.KVStub:
         return self._client.kvstub
 
     def _answered(self) -> None:
@@ -221,13 +210,13 @@ class Store:
             reraise=True,
         )
 
-    async def _range(self, req: Any, deadline: float | None) -> Any:
+    async def _range(self, req: rpc.RangeRequest, deadline: float | None) -> rpc.RangeResponse:
         """One Range call: attempts of ``_read_attempt``, each on the next member (round robin), retried
         while etcd is unavailable or slow, all within ``_read_budget``. Raises the last gRPC error."""
         loop = asyncio.get_running_loop()
         budget = _call_timeout(self._read_budget, deadline)
         until = loop.time() + budget
-        resp: Any = None
+        resp: rpc.RangeResponse = None
         async for attempt in AsyncRetrying(retry=retry_if_exception(_read_may_be_retried),
                                            wait=wait_random_exponential(multiplier=0.02, max=0.5),
                                            stop=stop_before_delay(budget - 0.01), reraise=True):
@@ -238,31 +227,34 @@ class Store:
         return resp
 
     # -- reads ---------------------------------------------------------------------------------
-    async def snapshot(self, ranges: Iterable[Any], serializable: bool = False,
+    async def snapshot(self, ranges: Iterable[Range], serializable: bool = False,
                        deadline: float | None = None) -> Snapshot:
-        """Read several ranges (``range_req``) at one revision.
+        """Read several ranges at one revision, in the order given.
 
         ``serializable`` reads are served by the member the call lands on, without a round of consensus:
         they may be slightly stale. Use them only where a later compare-and-set validates the decision.
         """
-        reqs = list(ranges)
+        reqs = [_compile.range_request(r) for r in ranges]
         if not reqs:
             raise ValueError("snapshot: at least one range is needed")
-        for r in reqs:
-            if r.sort_order or r.sort_target or r.revision:
-                raise ValueError("snapshot: ranges are read in key order at the snapshot's own revision")
         snap = Snapshot(0, ())
         async for attempt in self._retrying(errors.Compacted):   # each Range retries by itself
             with attempt:
                 snap = await self._snapshot_once(reqs, serializable, deadline)
         return snap
 
-    async def _snapshot_once(self, reqs: list[Any], serializable: bool, deadline: float | None) -> Snapshot:
+    async def _snapshot_once(self, reqs: list[rpc.RangeRequest], serializable: bool, deadline: float | None) -> Snapshot:
         first, revision = await self._read_range(reqs[0], 0, serializable, deadline)
         rest = await _gather(self._read_range(r, revision, True, deadline) for r in reqs[1:])
         return Snapshot(revision, (first, *(kvs for kvs, _ in rest)))
 
-    async def _read_range(self, req: Any, revision: int, serializable: bool,
+    async def read_at(self, rng: Range, revision: int) -> tuple[KV, ...]:
+        """One range as it was at ``revision`` (a past one: history, as tests check it). Raises Compacted
+        once etcd has compacted it away, Unavailable, Timeout."""
+        kvs, _ = await self._read_range(_compile.range_request(rng), revision, False)
+        return kvs
+
+    async def _read_range(self, req: rpc.RangeRequest, revision: int, serializable: bool,
                           deadline: float | None = None) -> tuple[tuple[KV, ...], int]:
         """One range, page by page, at ``revision`` (0: now, linearizable unless ``serializable``).
         Returns its keys and the revision they were read at.
@@ -294,32 +286,33 @@ class Store:
                 raise translate(e, write=False) from e
             if not revision:
                 revision, serializable = resp.header.revision, True
-            out.extend(KV.from_pb(kv) for kv in resp.kvs)
+            out.extend(_compile.kv(kv) for kv in resp.kvs)
             if not (paged and resp.more and resp.kvs) or (wanted and len(out) >= wanted):
                 return tuple(out), revision
             key = resp.kvs[-1].key + b"\0"
 
     async def get(self, key: bytes) -> KV | None:
-        snap = await self.snapshot([range_req(key)])
+        snap = await self.snapshot([Range(key)])
         return snap.ranges[0][0] if snap.ranges[0] else None
 
-    async def get_prefix(self, prefix: bytes) -> Snapshot:
+    async def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> PrefixRead:
         """Every key under ``prefix`` at one revision, read in pages (any number, any size)."""
-        return await self.snapshot([range_req(prefix, prefix=True)])
+        snap = await self.snapshot([Range(prefix, prefix=True, keys_only=keys_only)])
+        return PrefixRead(snap.revision, snap.ranges[0])
 
     # -- writes --------------------------------------------------------------------------------
-    async def commit(self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = (),
+    async def commit(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
                      deadline: float | None = None) -> TxnResult:
-        if not (_has_write(success) or _has_write(failure)):
+        if not (has_write(success) or has_write(failure)):
             raise ValueError("commit: a transaction without a put or delete would be read-only (it can crash "
                              "etcd 3.5.0-3.5.6 when its deadline cancels it); read with snapshot() instead")
-        req = rpc.TxnRequest(compare=list(compares), success=list(success), failure=list(failure))
+        req = _compile.txn_request(compares, success, failure)
         try:
             resp = await self._kv.Txn(req, timeout=_call_timeout(self.timeout, deadline), wait_for_ready=True)
         except grpc.aio.AioRpcError as e:
             raise translate(e, write=True) from e
         self._answered()
-        return TxnResult(resp.succeeded, resp.header.revision, tuple(resp.responses))
+        return TxnResult(resp.succeeded, resp.header.revision, tuple(_compile.result(r) for r in resp.responses))
 
     async def compact(self, revision: int) -> None:
         """Compact etcd's history below ``revision`` (an operator's or a test's act; watches resync)."""
@@ -330,10 +323,10 @@ class Store:
             raise translate(e, write=True) from e
 
     async def put(self, key: bytes, value: bytes, etcd_lease: int = 0) -> int:
-        return (await self.commit([], [op_put(key, value, etcd_lease)])).revision
+        return (await self.commit([], [Put(key, value, etcd_lease)])).revision
 
     async def delete(self, key: bytes, prefix: bool = False) -> int:
-        return (await self.commit([], [op_delete(key, prefix)])).revision
+        return (await self.commit([], [Delete(key, prefix)])).revision
 
     # -- etcd_leases ---------------------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
@@ -372,6 +365,24 @@ class Store:
         return await self._keepalive.refresh(etcd_lease, timeout)
 
     # -- the server --------------------------------------------------------------------------
+    async def db_size(self) -> int:
+        """The size of etcd's database in bytes, as the member the call lands on reports it."""
+        try:
+            resp = await self._client.maintenancestub.Status(rpc.StatusRequest(), timeout=self.timeout,
+                                                             wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, write=False) from e
+        return int(resp.dbSize)
+
+    async def lease_ids(self) -> set[int]:
+        """The id of every etcd_lease etcd holds."""
+        try:
+            resp = await self._client.leasestub.LeaseLeases(rpc.LeaseLeasesRequest(), timeout=self.timeout,
+                                                            wait_for_ready=True)
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, write=False) from e
+        return {int(x.ID) for x in resp.leases}
+
     async def server_versions(self) -> dict[str, str]:
         """Each endpoint's etcd version, from its Maintenance Status ("" where it did not answer)."""
         async def one(endpoint: str) -> str:
@@ -416,10 +427,10 @@ class Store:
                                             progress_notify=True)
             if prefix:
                 create.range_end = prefix_range_end(key)
-            requests: asyncio.Queue[Any] = asyncio.Queue()
+            requests: asyncio.Queue[rpc.WatchRequest | None] = asyncio.Queue()
             requests.put_nowait(rpc.WatchRequest(create_request=create))
 
-            async def _reqs() -> AsyncIterator[Any]:
+            async def _reqs() -> AsyncIterator[rpc.WatchRequest]:
                 while True:
                     item = await requests.get()  # noqa: B023 - this attempt's request queue; the stream ends before the next
                     if item is None:
@@ -439,8 +450,8 @@ class Store:
                     if resp.canceled:
                         raise errors.Unavailable(f"etcd cancelled the watch: {resp.cancel_reason}")
                     evs = tuple(
-                        WatchEvent("DELETE" if ev.type == rpc.Event.DELETE else "PUT", KV.from_pb(ev.kv),
-                                   KV.from_pb(ev.prev_kv) if ev.HasField("prev_kv") else None)
+                        WatchEvent("DELETE" if ev.type == rpc.Event.DELETE else "PUT", _compile.kv(ev.kv),
+                                   _compile.kv(ev.prev_kv) if ev.HasField("prev_kv") else None)
                         for ev in resp.events)
                     # Only events move the resume point. A progress notification's revision is not trusted:
                     # etcd before 3.5.8 can send one to a watcher still catching up (etcd-io/etcd#15220),

@@ -18,10 +18,6 @@ class KV:
     version: int
     etcd_lease: int
 
-    @classmethod
-    def from_pb(cls, kv: Any) -> KV:
-        return cls(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
-
     def json(self) -> Any:
         return loads(self.value)
 
@@ -81,7 +77,7 @@ class TxnResult:
 
     succeeded: bool
     revision: int
-    responses: tuple[Any, ...]   # OpResult once the store compiles results
+    responses: tuple[OpResult, ...]
 
 
 @dataclasses.dataclass(frozen=True)

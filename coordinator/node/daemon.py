@@ -25,20 +25,14 @@ from typing import Any
 
 from coordinator import __version__, clock, errors, metrics
 from coordinator.aio import cancel_and_wait, retry_forever
-from coordinator.etcd.ops import (
-    cmp_absent,
-    cmp_lease,
-    op_get,
-    op_put,
-    op_txn,
-    range_req,
-)
 from coordinator.etcd.session import EtcdSession
-from coordinator.etcd.store import KV, Store
+from coordinator.etcd.store import Store
+from coordinator.etcd.types import KV, GetResult, NestedResult
 from coordinator.keys import Keys, last_segment
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
 from coordinator.records import GpuUsage, HostInventory, InvalidRecord, VramLease, dumps
+from coordinator.txn import Absent, Get, LeaseIs, Put, Range, Txn
 
 log = logging.getLogger(__name__)
 
@@ -196,16 +190,18 @@ class NodeDaemon:
         key = self.keys.host(self.host)
         value = dumps({"address": self.address, "inventory": self.inventory.to_json(), "version": __version__,
                        "pid": self.pid, "started_at": self.started_at})
-        put = op_put(key, value, self.etcd_lease)
-        res = await self.store.commit([cmp_lease(key, self.etcd_lease)], [put],
-                                      [op_txn([cmp_absent(key)], [put], [op_get(key)])])
+        put = Put(key, value, self.etcd_lease)
+        res = await self.store.commit([LeaseIs(key, self.etcd_lease)], [put],
+                                      [Txn((Absent(key),), (put,), (Get(key),))])
         if not res.succeeded:
-            inner = res.responses[0].response_txn
+            inner = res.responses[0]
+            assert isinstance(inner, NestedResult)
             if not inner.succeeded:
-                kvs = inner.responses[0].response_range.kvs
-                if not kvs:   # it went away between the two compares of one revision: impossible, but retry
+                got = inner.responses[0]
+                assert isinstance(got, GetResult)
+                if not got.kvs:   # it went away between the two compares of one revision: impossible, but retry
                     raise errors.Unavailable(f"hosts/{self.host}: registration raced; retry")
-                raise HostTaken(describe_owner(self.host, KV.from_pb(kvs[0])), "host")
+                raise HostTaken(describe_owner(self.host, got.kvs[0]), "host")
         metrics.NODE_WRITES.labels("hosts").inc()
         log.info("published host %s (%d GPUs) at revision %d", self.host, len(self.inventory.gpus), res.revision)
 
@@ -240,8 +236,8 @@ class NodeDaemon:
         if (force or left or (changed and now - self._last_write >= 1.0)
                 or now - self._last_write >= self.heartbeat_s):
             value = dumps({"ts": now, "interval_s": self.heartbeat_s, "gpus": gpus})
-            res = await self.store.commit([cmp_lease(self.keys.host(self.host), self.etcd_lease)],
-                                          [op_put(self.keys.usage(self.host), value, self.etcd_lease)])
+            res = await self.store.commit([LeaseIs(self.keys.host(self.host), self.etcd_lease)],
+                                          [Put(self.keys.usage(self.host), value, self.etcd_lease)])
             if not res.succeeded:
                 # hosts/<host> is not ours (gone, or another daemon's): never write over its usage.
                 self._host_lost(f"a usage write found hosts/{self.host} not on this daemon's etcd_lease")
@@ -293,7 +289,7 @@ class NodeDaemon:
 
     async def _watch_host_once(self) -> None:
         key = self.keys.host(self.host)
-        snap = await self.store.snapshot([range_req(key)])
+        snap = await self.store.snapshot([Range(key)])
         self._check_host(snap.ranges[0][0] if snap.ranges[0] else None)
         async for batch in self.store.watch(key, prefix=False, start_revision=snap.revision + 1):
             if batch.resync:
@@ -334,7 +330,7 @@ class NodeDaemon:
         self.leases_ready = False
         snap = await self.store.get_prefix(prefix)
         before, self.leases = self.leases, {}
-        for kv in snap.ranges[0]:
+        for kv in snap.kvs:
             self._put_kv(kv)
         for lease_id in before.keys() - self.leases.keys():
             self.enforcer.lease_deleted(lease_id, clock.wall())   # deleted while the watch was down

@@ -17,13 +17,13 @@ import time
 from typing import Callable
 
 from coordinator import __version__
-from coordinator.etcd.ops import op_put
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 from coordinator.node.fake import FakeGpuSource
 from coordinator.node.inventory import read_inventory
 from coordinator.records import dumps
+from coordinator.txn import Put
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ async def register_fake_hosts(store: Store, keys: Keys, prefix: str, count: int,
     for name in fake_host_names(prefix, count):
         source = FakeGpuSource(fake_gpus, name)
         inventory = dataclasses.replace(template, host=name, gpus=source.gpus())
-        puts.append(op_put(keys.host(name), dumps({"address": "", "inventory": inventory.to_json(),
+        puts.append(Put(keys.host(name), dumps({"address": "", "inventory": inventory.to_json(),
                                                    "version": __version__, "pid": os.getpid(),
                                                    "started_at": now}), session.etcd_lease))
         gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
                  "untracked_mb": 0, "processes": [], "leases": []} for u in source.usage()]
-        puts.append(op_put(keys.usage(name), dumps({"ts": now, "interval_s": _USAGE_INTERVAL_S, "gpus": gpus}),
+        puts.append(Put(keys.usage(name), dumps({"ts": now, "interval_s": _USAGE_INTERVAL_S, "gpus": gpus}),
                            session.etcd_lease))
     for i in range(0, len(puts), _PUTS_PER_TXN):
         await store.commit([], puts[i:i + _PUTS_PER_TXN])

@@ -29,13 +29,6 @@ from typing import Callable, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, spawn
-from coordinator.etcd.ops import (
-    cmp_mod_revision,
-    compile_compare,
-    compile_op,
-    op_delete,
-    range_req,
-)
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
@@ -53,7 +46,8 @@ from coordinator.records import (
 )
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.replica.view import HOST_RANGES, host_ranges, host_view, invalid_host
+from coordinator.replica.view import host_view, invalid_host, read_host
+from coordinator.txn import Delete, ModRevisionIs
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +353,7 @@ class HostAdmitter:
             if granted:
                 leases = await self.ctx.store.get_prefix(self.keys.leases(self.host))
                 for c in granted:
-                    lease = _lease_in(leases.ranges[0], c.lease_id)
+                    lease = _lease_in(leases.kvs, c.lease_id)
                     if self._waiting.get(c.lease_id) is c:
                         del self._waiting[c.lease_id]
                     if lease is not None and not c.future.done():
@@ -401,8 +395,7 @@ class HostAdmitter:
             else:
                 # Linearizable: a refusal, a wait or "no such session" must reflect every write acknowledged
                 # before this request (read-your-writes), not what a lagging member has applied.
-                snap = await rep.store.snapshot(
-                    host_ranges(self.keys, self.host) + [range_req(k) for k in session_keys], deadline=deadline)
+                snap = await read_host(rep.store, self.keys, self.host, session_keys, deadline=deadline)
             view = host_view(self.keys, self.host, snap, rep.config.untracked_vram, rep.usage_age)
             if view.invalid:
                 if use_mirror:
@@ -421,7 +414,7 @@ class HostAdmitter:
                 for c, err in over_cap:
                     self._fail(c, err)
                 batch = [c for c in batch if not c.future.done()]
-            live = {s.session_id for s, r in zip(sessions, snap.ranges[HOST_RANGES:]) if r}
+            live = {s.session_id for s, kv in zip(sessions, snap.extra) if kv is not None}
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
                           clock.wall(), self._overdue())
             plan = plan_round(view, batch, self._waiting, live, ctx)
@@ -436,8 +429,7 @@ class HostAdmitter:
                 self._settle(plan, revision=0)
                 return
             try:
-                res = await rep.store.commit([compile_compare(x) for x in plan.compares],
-                                             [compile_op(x) for x in plan.ops], deadline=deadline)
+                res = await rep.store.commit(plan.compares, plan.ops, deadline=deadline)
             except (errors.SessionGone, errors.OutcomeUnknown):
                 res = None  # ids are deterministic: reading again settles it
             if res is not None and res.succeeded:
@@ -557,7 +549,7 @@ class HostAdmitter:
             return   # claimed by a retry
         key = self.keys.lease(self.host, lease.gpu_uuid, lease.id)
         try:
-            await self.ctx.store.commit([cmp_mod_revision(key, revision)], [op_delete(key)])
+            await self.ctx.store.commit([ModRevisionIs(key, revision)], [Delete(key)])
         except errors.GpucoordError as e:
             log.warning("could not give back lease %s of a caller that went away: %s", lease.id, e)
 

@@ -27,13 +27,6 @@ from typing import Any
 from coordinator import clock, errors, metrics
 from coordinator.aio import log_failure
 from coordinator.etcd.election import Election
-from coordinator.etcd.ops import (
-    cmp_absent,
-    cmp_mod_revision,
-    op_delete,
-    op_put,
-    range_req,
-)
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.types import KV
@@ -48,6 +41,7 @@ from coordinator.records import (
 )
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases, usage_report
+from coordinator.txn import Absent, Delete, ModRevisionIs, Put, Range
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +242,8 @@ class Leadership:
         if kv is None:
             return None
         if record.requester_priority is not None and not self._still_waiting(record):
-            res = await self.ctx.store.commit([cmp_mod_revision(key, kv.mod_revision), *term.fence()],
-                                              [op_delete(key)])
+            res = await self.ctx.store.commit([ModRevisionIs(key, kv.mod_revision), *term.fence()],
+                                              [Delete(key)])
             if res.succeeded:
                 log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
                          record.requested_by)
@@ -299,17 +293,17 @@ class Leadership:
         when settled, else when to look again."""
         bound = self.ctx.observed.saw(kv.key, kv.create_revision) + max(0.0, record.bound_unix - record.created_at)
         usage_kv = self.ctx.mirror.get(self.keys.usage(record.host))
-        compares = [cmp_mod_revision(kv.key, kv.mod_revision), *term.fence()]
+        compares = [ModRevisionIs(kv.key, kv.mod_revision), *term.fence()]
         usage = usage_report(usage_kv) if usage_kv is not None else None
         # A malformed report counts as listing them (fail closed); no report at all: the host is gone.
         reported = usage_kv is not None and (usage is None or still_reported(usage, record.gpu_uuid,
                                                                              record.lease_id, record.pids))
         if not reported or (record.forced and now >= bound + DEPARTING_KEEP_S):
             if usage_kv is not None:
-                compares.append(cmp_mod_revision(usage_kv.key, usage_kv.mod_revision))
+                compares.append(ModRevisionIs(usage_kv.key, usage_kv.mod_revision))
             else:
-                compares.append(cmp_absent(self.keys.usage(record.host)))
-            res = await self.ctx.store.commit(compares, [op_delete(kv.key)])
+                compares.append(Absent(self.keys.usage(record.host)))
+            res = await self.ctx.store.commit(compares, [Delete(kv.key)])
             if res.succeeded and reported:
                 log.warning("forgot departing lease %s: the node still reports its processes %s on GPU %s %.0f s "
                             "after the kill margin", record.lease_id, list(record.pids), record.gpu_uuid,
@@ -320,7 +314,7 @@ class Leadership:
         if now < bound:
             return bound
         forced = dataclasses.replace(record, forced=True)
-        res = await self.ctx.store.commit(compares, [op_put(kv.key, dumps(forced.to_json()))])
+        res = await self.ctx.store.commit(compares, [Put(kv.key, dumps(forced.to_json()))])
         if res.succeeded:
             metrics.EVICTIONS.labels("margin").inc()
             log.warning("departing lease %s of %s: the kill margin passed while the node still reports its "
@@ -353,9 +347,9 @@ class Leadership:
         stays as it is. The waiter's replica answers from what it then reads (FAILED_PRECONDITION only if
         the host is gone or the partition changed), so a sweep never changes the answer."""
         keys = self.keys
-        snap = await self.ctx.store.snapshot([range_req(keys.hosts(), prefix=True, keys_only=True),
-                                              range_req(keys.queue(), prefix=True),
-                                              range_req(keys.coordinators(), prefix=True, keys_only=True)])
+        snap = await self.ctx.store.snapshot([Range(keys.hosts(), prefix=True, keys_only=True),
+                                              Range(keys.queue(), prefix=True),
+                                              Range(keys.coordinators(), prefix=True, keys_only=True)])
         hosts = {keys.parse(kv.key)[1][0] for kv in snap.ranges[0]}
         replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[2]}
         now = clock.monotonic()
@@ -373,7 +367,7 @@ class Leadership:
             abandoned = waited > SWEEP_GRACE_S and entry.replica not in replicas
             overdue = waited > OVERDUE_S
             if gone_host or abandoned or overdue:
-                removals.append(Removal(kv.key, kv.mod_revision, (cmp_absent(keys.host(host)),) if gone_host else ()))
+                removals.append(Removal(kv.key, kv.mod_revision, (Absent(keys.host(host)),) if gone_host else ()))
                 swept.append((entry, "host gone" if gone_host else "waiter gone" if abandoned else "overdue"))
         if not removals:
             return

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.etcd.election import Election
-from coordinator.etcd.ops import cmp_absent, cmp_mod_revision, op_delete, op_put
 from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV
 from coordinator.keys import last_segment
@@ -26,6 +25,7 @@ from coordinator.records import (
     load_record,
 )
 from coordinator.replica.context import ReplicaContext
+from coordinator.txn import Absent, Compare, Delete, ModRevisionIs, Op, Put
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,10 @@ class ReleaseCommits:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._pending: list[tuple[Sequence[Any], Sequence[Any], asyncio.Future[bool]]] = []
+        self._pending: list[tuple[Sequence[Compare], Sequence[Op], asyncio.Future[bool]]] = []
         self._task: asyncio.Task[None] | None = None
 
-    async def commit(self, compares: Sequence[Any], ops: Sequence[Any]) -> bool:
+    async def commit(self, compares: Sequence[Compare], ops: Sequence[Op]) -> bool:
         """Whether ``compares`` held and ``ops`` were committed (the same answer as a transaction of its own)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
@@ -103,7 +103,7 @@ class Leases:
             kv = self.mirror.get(key)
             if kv is None or EvictionRecord.from_kv(kv).requested_by != requested_by:
                 continue
-            res = await self.store.commit([cmp_mod_revision(key, kv.mod_revision)], [op_delete(key)])
+            res = await self.store.commit([ModRevisionIs(key, kv.mod_revision)], [Delete(key)])
             if res.succeeded:
                 log.info("withdrew the eviction notice of lease %s: its requester left", victim)
 
@@ -126,8 +126,8 @@ class Leases:
                                              reason=reason or "operator", asked_by=asked_by,
                                              deadline_unix=min(record.deadline_unix, now + grace))
                 res = await self.store.commit(
-                    [cmp_mod_revision(existing.key, existing.mod_revision)],
-                    [op_put(existing.key, dumps(record.to_json()), existing.etcd_lease)])
+                    [ModRevisionIs(existing.key, existing.mod_revision)],
+                    [Put(existing.key, dumps(record.to_json()), existing.etcd_lease)])
                 if res.succeeded:
                     return record.deadline_unix
                 continue
@@ -138,8 +138,8 @@ class Leases:
                 asked_by=asked_by)
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             res = await self.store.commit(
-                [cmp_mod_revision(key, lease.mod_revision), cmp_absent(self.keys.eviction(lease_id))],
-                [op_put(self.keys.eviction(lease_id), dumps(record.to_json()), lease.etcd_lease)])
+                [ModRevisionIs(key, lease.mod_revision), Absent(self.keys.eviction(lease_id))],
+                [Put(self.keys.eviction(lease_id), dumps(record.to_json()), lease.etcd_lease)])
             if res.succeeded:
                 metrics.EVICTIONS.labels("notice").inc()
                 return record.deadline_unix
@@ -168,25 +168,25 @@ class Leases:
                 if notice_revision is None:
                     await self.store.delete(notice_key)
                 else:
-                    await self.store.commit([cmp_mod_revision(notice_key, notice_revision), *fenced],
-                                            [op_delete(notice_key)])
+                    await self.store.commit([ModRevisionIs(notice_key, notice_revision), *fenced],
+                                            [Delete(notice_key)])
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            compares = [cmp_mod_revision(key, lease.mod_revision), *fenced]
-            ops = [op_delete(key), op_delete(notice_key)]
+            compares = [ModRevisionIs(key, lease.mod_revision), *fenced]
+            ops: list[Op] = [Delete(key), Delete(notice_key)]
             if notice_revision is not None:
-                compares.append(cmp_mod_revision(notice_key, notice_revision))
+                compares.append(ModRevisionIs(notice_key, notice_revision))
             usage_key = self.keys.usage(lease.host)
             if usage_revision is not None:
-                compares.append(cmp_mod_revision(usage_key, usage_revision))
+                compares.append(ModRevisionIs(usage_key, usage_revision))
             forced = False
             if at_bound and (lease.pids or lease.pgid):
                 usage_kv = await self.store.get(usage_key)
                 notice = _notice(await self.store.get(notice_key))
                 if usage_kv is not None and notice is not None and reported(usage_kv, lease):
                     record = self._departing(lease, notice, bound_in_s=0.0)
-                    compares.append(cmp_mod_revision(usage_key, usage_kv.mod_revision))
-                    ops.append(op_put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
+                    compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision))
+                    ops.append(Put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
                                       dumps(record.to_json())))
                     forced = True
             res = await self.store.commit(compares, ops)
@@ -229,16 +229,16 @@ class Leases:
                 record = dataclasses.replace(record, requested_by="operator", requester_priority=None,
                                              reason="revoked by an operator", asked_by=asked_by, revoke=True,
                                              deadline_unix=min(record.deadline_unix, now))
-                res = await self.store.commit([cmp_mod_revision(notice_key, existing.mod_revision)],
-                                              [op_put(notice_key, dumps(record.to_json()), existing.etcd_lease)])
+                res = await self.store.commit([ModRevisionIs(notice_key, existing.mod_revision)],
+                                              [Put(notice_key, dumps(record.to_json()), existing.etcd_lease)])
             else:
                 record = EvictionRecord(
                     lease_id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, agent=lease.agent,
                     session_id=lease.session_id, victim_priority=lease.priority, requested_by="operator",
                     requester_priority=None, reason="revoked by an operator", deadline_unix=now, created_at=now,
                     asked_by=asked_by, revoke=True)
-                res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision), cmp_absent(notice_key)],
-                                              [op_put(notice_key, dumps(record.to_json()), lease.etcd_lease)])
+                res = await self.store.commit([ModRevisionIs(key, lease.mod_revision), Absent(notice_key)],
+                                              [Put(notice_key, dumps(record.to_json()), lease.etcd_lease)])
             if res.succeeded:
                 metrics.EVICTIONS.labels("notice").inc()
                 return True, True
@@ -277,9 +277,9 @@ class Leases:
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             notice_key = self.keys.eviction(lease.id)
             notice_kv = await self._read(notice_key, from_mirror)
-            compares = [cmp_mod_revision(key, lease.mod_revision),
-                        cmp_mod_revision(notice_key, notice_kv.mod_revision) if notice_kv else cmp_absent(notice_key)]
-            ops = [op_delete(key), op_delete(notice_key)]
+            compares = [ModRevisionIs(key, lease.mod_revision),
+                        ModRevisionIs(notice_key, notice_kv.mod_revision) if notice_kv else Absent(notice_key)]
+            ops = [Delete(key), Delete(notice_key)]
             # (A malformed notice is set aside: it is deleted with the lease, as if there were none.)
             notice = _notice(notice_kv)
             if notice_kv is not None and notice is not None and (lease.pids or lease.pgid):
@@ -289,8 +289,8 @@ class Leases:
                              - clock.monotonic())
                     record = self._departing(lease, notice, bound)
                     res = await self.store.commit(
-                        [*compares, cmp_mod_revision(usage_kv.key, usage_kv.mod_revision)],
-                        [*ops, op_put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
+                        [*compares, ModRevisionIs(usage_kv.key, usage_kv.mod_revision)],
+                        [*ops, Put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
                                       dumps(record.to_json()))])
                     if res.succeeded:
                         metrics.RELEASES.inc()
@@ -302,8 +302,8 @@ class Leases:
                     continue
                 # The report lists none of them: it must still say so when the lease goes.
                 usage_key = self.keys.usage(lease.host)
-                compares.append(cmp_mod_revision(usage_key, usage_kv.mod_revision) if usage_kv is not None
-                                else cmp_absent(usage_key))
+                compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision) if usage_kv is not None
+                                else Absent(usage_key))
             if await self.release_commits.commit(compares, ops):
                 metrics.RELEASES.inc()
                 return True
@@ -327,8 +327,8 @@ class Leases:
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             value = dumps(dataclasses.replace(lease, pids=wanted, pgid=pgid).to_json())
-            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
-                                          [op_put(key, value, lease.etcd_lease)])
+            res = await self.store.commit([ModRevisionIs(key, lease.mod_revision)],
+                                          [Put(key, value, lease.etcd_lease)])
             if res.succeeded:
                 return True
         raise errors.Unavailable("attach processes: too much contention; retry")
@@ -345,7 +345,7 @@ class Leases:
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         prefix = self.keys.leases(host) if host else self.keys.leases()
         snap = await self.store.get_prefix(prefix)
-        return _lease_named(snap.ranges[0], lease_id)
+        return _lease_named(snap.kvs, lease_id)
 
 
 def usage_report(kv: KV) -> dict[str, Any] | None:
@@ -371,13 +371,12 @@ def _notice(kv: KV | None) -> EvictionRecord | None:
         return None
 
 
-def _op_key(op: Any) -> bytes:
+def _op_key(op: Op) -> bytes:
     """The key a put or delete of a transaction writes."""
-    which = op.WhichOneof("request")
-    return bytes(getattr(op, which).key) if which in ("request_put", "request_delete_range") else b""
+    return op.key if isinstance(op, (Put, Delete)) else b""
 
 
-def _lease_named(kvs: Any, lease_id: str) -> VramLease | None:
+def _lease_named(kvs: Iterable[KV], lease_id: str) -> VramLease | None:
     """The lease with this id among ``leases/<host>/<gpu>/<id>`` keys (ids are unique across hosts)."""
     for kv in kvs:
         if last_segment(kv.key) == lease_id:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import Iterable
 
-from coordinator.etcd.store import KV, Snapshot, WatchBatch
+from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import Keys, last_segment
+from coordinator.replica.view import HostSnapshot
 
 _PER_HOST = ("gpus", "leases", "queue", "departing")
 _EMPTY: dict[bytes, KV] = {}
@@ -163,14 +164,13 @@ class Mirror:
         bucket = self._buckets.get((kind, host), {})
         return tuple(bucket[k] for k in sorted(bucket))
 
-    def host_snapshot(self, host: str, extra_keys: Iterable[bytes] = ()) -> Snapshot:
-        """The same ranges as ``view.host_ranges`` (plus single keys), as of ``revision``."""
+    def host_snapshot(self, host: str, extra_keys: Iterable[bytes] = ()) -> HostSnapshot:
+        """What ``view.read_host`` would read (plus the single keys ``extra_keys``), as of ``revision``."""
         k = self.keys
-        single = [k.host(host), k.usage(host), k.partition(host)]
-        ranges = [tuple(x for x in [self._flat.get(key)] if x is not None) for key in single]
-        ranges += [self.host_items(kind, host) for kind in _PER_HOST]
-        ranges += [tuple(x for x in [self._flat.get(key)] if x is not None) for key in extra_keys]
-        return Snapshot(self.revision, tuple(ranges))
+        return HostSnapshot(self.revision, self._flat.get(k.host(host)), self._flat.get(k.usage(host)),
+                            self._flat.get(k.partition(host)), self.host_items("gpus", host),
+                            self.host_items("leases", host), self.host_items("queue", host),
+                            self.host_items("departing", host), tuple(self._flat.get(key) for key in extra_keys))
 
     def all_host_items(self, kind: str) -> list[KV]:
         """Every key of one per-host kind (e.g. ``departing``), over all hosts."""

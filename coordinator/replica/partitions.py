@@ -6,7 +6,6 @@ import asyncio
 import time
 
 from coordinator import errors
-from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from coordinator.limits import MAX_PARTITION_BYTES
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import (
@@ -25,7 +24,8 @@ from coordinator.records import (
 )
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
-from coordinator.replica.view import host_ranges, host_view, invalid_host
+from coordinator.replica.view import host_view, invalid_host, read_host
+from coordinator.txn import Compare, ModRevisionIs, Put, Range
 
 
 class Partitions:
@@ -37,7 +37,7 @@ class Partitions:
         """``spec``: parsed and validated by the caller (``coordinator.rpc.validate.partition_spec``)."""
         deadline = time.monotonic() + self.config.eviction_grace_s + self.config.eviction_kill_margin_s + 5
         for _ in range(self.config.commit_attempts * 4):
-            snap = await self.store.snapshot(host_ranges(self.keys, spec.host))
+            snap = await read_host(self.store, self.keys, spec.host)
             view = host_view(self.keys, spec.host, snap, untracked=False)
             if view.invalid_kinds - {"partitions"}:
                 # (A malformed partition alone is what a new spec repairs.)
@@ -68,15 +68,15 @@ class Partitions:
             if dry_run:
                 return partition, False
             part_key = self.keys.partition(spec.host)
-            compares = [cmp_mod_revision(part_key, view.partition_kv.mod_revision if view.partition_kv else 0)]
+            compares: list[Compare] = [ModRevisionIs(part_key, view.partition_kv.mod_revision if view.partition_kv else 0)]
             # Any admission on the host bumps a ledger: comparing them all orders apply against acquires.
-            compares += [cmp_mod_revision(self.keys.gpu(spec.host, u), g.ledger.mod_revision)
+            compares += [ModRevisionIs(self.keys.gpu(spec.host, u), g.ledger.mod_revision)
                          for u, g in view.gpus.items()]
             value = dumps({"partition": partition.to_json()})
             if len(value) > MAX_PARTITION_BYTES:
                 raise errors.InvalidArgument(f"partition: the computed partition takes {len(value)} bytes, more "
                                              f"than the limit of {MAX_PARTITION_BYTES}", "partition")
-            res = await self.store.commit(compares, [op_put(part_key, value)])
+            res = await self.store.commit(compares, [Put(part_key, value)])
             if res.succeeded:
                 return partition, True
         raise errors.Unavailable("partition apply: too much contention; retry")
@@ -93,7 +93,7 @@ class Partitions:
             pass
 
     async def get_partition(self, host: str) -> tuple[Partition, bool]:
-        snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host))])
+        snap = await self.store.snapshot([Range(self.keys.host(host)), Range(self.keys.partition(host))])
         host_kvs, part_kvs = snap.ranges
         try:
             if part_kvs:

@@ -9,20 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
-from coordinator.etcd.ops import (
-    cmp_exists,
-    cmp_mod_revision,
-    cmp_range_unchanged,
-    op_put,
-    range_req,
-)
-from coordinator.etcd.store import Store, WatchBatch
+from coordinator.etcd.store import Store
+from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import (
     Keys,
     etcd_lease_from_session_id,
@@ -48,6 +42,7 @@ from coordinator.replica.ownership import Ownership, owner_of  # noqa: F401 - ow
 from coordinator.replica.partitions import Partitions
 from coordinator.replica.status import StatusReport, read_report
 from coordinator.replica.view import invalid_host
+from coordinator.txn import Exists, ModRevisionIs, NothingWrittenSince, Put, Range
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +118,8 @@ class CoordinatorService:
 
     async def _watch_once(self) -> None:
         snap = await self.store.get_prefix(self.keys.root())
-        self.mirror.reset(snap.ranges[0], snap.revision)
-        self._observe(snap.ranges[0], reset=True)
+        self.mirror.reset(snap.kvs, snap.revision)
+        self._observe(snap.kvs, reset=True)
         self.evictions.clear()
         for kv in self.mirror.items("evictions"):
             try:
@@ -152,7 +147,7 @@ class CoordinatorService:
     _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing")
     _BY_CREATION = ("evictions", "departing")
 
-    def _observe(self, kvs: Any, reset: bool = False) -> None:
+    def _observe(self, kvs: Iterable[KV], reset: bool = False) -> None:
         """Note when we first saw each usage report and queue entry (by mod_revision), and each eviction
         notice and departing record (by create_revision: a rewrite keeps its grace, or its bound, running)."""
         seen: set[bytes] = set()
@@ -252,8 +247,8 @@ class CoordinatorService:
         self.reach.check()
         ttl = ttl_s or self.config.session_ttl_s
         for _ in range(self.config.commit_attempts):
-            snap = await self.store.snapshot([range_req(self.keys.host(host)), range_req(self.keys.partition(host)),
-                                              range_req(self.keys.sessions(agent), prefix=True, keys_only=True)])
+            snap = await self.store.snapshot([Range(self.keys.host(host)), Range(self.keys.partition(host)),
+                                              Range(self.keys.sessions(agent), prefix=True, keys_only=True)])
             host_kvs, part_kvs, own_sessions = snap.ranges
             if len(own_sessions) >= self.config.max_sessions_per_agent:
                 raise errors.CapacityError(
@@ -278,9 +273,9 @@ class CoordinatorService:
             try:
                 # No session of the agent opened since the count: the cap holds under concurrent opens.
                 res = await self.store.commit(
-                    [cmp_exists(self.keys.host(host)), cmp_mod_revision(self.keys.partition(host), part_rev),
-                     cmp_range_unchanged(self.keys.sessions(agent), snap.revision)],
-                    [op_put(self.keys.session(agent, session_id), value, etcd_lease)])
+                    [Exists(self.keys.host(host)), ModRevisionIs(self.keys.partition(host), part_rev),
+                     NothingWrittenSince(self.keys.sessions(agent), snap.revision)],
+                    [Put(self.keys.session(agent, session_id), value, etcd_lease)])
                 written = res.succeeded
             finally:
                 if not written:
@@ -308,7 +303,7 @@ class CoordinatorService:
         """The hosts on which ``agent`` has a live session (authorization of an agent's reads)."""
         snap = await self.store.get_prefix(self.keys.sessions(agent))
         hosts = set()
-        for kv in snap.ranges[0]:
+        for kv in snap.kvs:
             try:
                 hosts.add(str(load_record(kv.value).get("host", "")))
             except InvalidRecord:

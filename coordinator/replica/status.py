@@ -6,14 +6,14 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from coordinator.etcd.ops import range_req
-from coordinator.etcd.store import KV, Snapshot
+from coordinator.etcd.types import KV
 from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
 from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.view import host_ranges, host_view
+from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view, read_host
+from coordinator.txn import Range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> 
     replica's watch has logged it)."""
     revision, views, ttls = await read_status(ctx, host)
     notices = {}
-    for kv in (await ctx.store.get_prefix(ctx.keys.evictions())).ranges[0]:
+    for kv in (await ctx.store.get_prefix(ctx.keys.evictions())).kvs:
         try:
             notice = EvictionRecord.from_kv(kv)
         except InvalidRecord:
@@ -50,25 +50,25 @@ async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> 
 async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
     """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
     if host:
-        snap = await ctx.store.snapshot(host_ranges(ctx.keys, host))
-        views = [host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)]
+        one = await read_host(ctx.store, ctx.keys, host)
+        revision = one.revision
+        views = [host_view(ctx.keys, host, one, ctx.config.untracked_vram, ctx.usage_age)]
     else:
         # Seven whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
         # would pass etcd's limit of operations per transaction).
-        kinds = ("hosts", "usage", "partitions", "gpus", "leases", "queue", "departing")
-        snap = await ctx.store.snapshot([range_req(ctx.keys.kind(k), prefix=True)
-                                          for k in kinds])
-        per_host: dict[str, list[list[KV]]] = {}
-        for i, kvs in enumerate(snap.ranges):
+        snap = await ctx.store.snapshot([Range(ctx.keys.kind(k), prefix=True) for k in HOST_KINDS])
+        revision = snap.revision
+        per_host: dict[str, dict[str, list[KV]]] = {}
+        for kind, kvs in zip(HOST_KINDS, snap.ranges):
             for kv in kvs:
                 h = ctx.keys.parse(kv.key)[1][0]
-                per_host.setdefault(h, [[] for _ in kinds])[i].append(kv)
-        views = [host_view(ctx.keys, h, Snapshot(snap.revision, tuple(tuple(r) for r in per_host[h])),
+                per_host.setdefault(h, {}).setdefault(kind, []).append(kv)
+        views = [host_view(ctx.keys, h, host_snapshot_of(revision, h, per_host[h]),
                            ctx.config.untracked_vram, ctx.usage_age)
                  for h in sorted(per_host)]
     etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
     ttls = dict(zip(etcd_leases, await asyncio.gather(*(ctx.store.time_to_live(x) for x in etcd_leases))))
-    return snap.revision, views, ttls
+    return revision, views, ttls
 
 
 def departing_json(d: DepartingRecord, usage: dict[str, Any] | None, held: bool) -> dict[str, Any]:

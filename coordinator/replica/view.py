@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from coordinator import errors, metrics
-from coordinator.etcd.ops import range_req
-from coordinator.etcd.store import KV, Snapshot
+from coordinator.etcd.contract import KVStore
+from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.policy.admission import Departing, GpuView
 from coordinator.policy.departing import still_reported
@@ -24,6 +25,7 @@ from coordinator.records import (
     check_usage,
     load_record,
 )
+from coordinator.txn import Range
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,20 +57,56 @@ def _usage_used(usage: dict[str, Any] | None, stale: bool, leased: dict[str, int
     return used
 
 
-def host_ranges(keys: Keys, host: str) -> list[Any]:
-    return [
-        range_req(keys.host(host)),
-        range_req(keys.usage(host)),
-        range_req(keys.partition(host)),
-        range_req(keys.gpus(host), prefix=True),
-        range_req(keys.leases(host), prefix=True),
-        range_req(keys.queue(host), prefix=True),
-        range_req(keys.departings(host), prefix=True),
-    ]
+HOST_KINDS = ("hosts", "usage", "partitions", "gpus", "leases", "queue", "departing")
+"""The key kinds of one host's snapshot, in the order ``read_host`` reads them: three single keys (the
+host, its usage report, its partition) and four prefixes per host."""
 
 
-HOST_RANGES = 7
-"""How many ranges ``host_ranges`` reads: a snapshot's further ranges are the caller's."""
+@dataclasses.dataclass(frozen=True)
+class HostSnapshot:
+    """One host's keys, all at one etcd ``revision``: the input of ``host_view``.
+
+    ``extra`` holds the single keys the caller asked for too (the sessions of its calls), in its order;
+    ``None`` where the key is absent."""
+
+    revision: int
+    host: KV | None
+    usage: KV | None
+    partition: KV | None
+    ledgers: tuple[KV, ...]
+    leases: tuple[KV, ...]
+    queue: tuple[KV, ...]
+    departing: tuple[KV, ...]
+    extra: tuple[KV | None, ...] = ()
+
+
+def _ranges(keys: Keys, host: str, extra_keys: Iterable[bytes]) -> list[Range]:
+    return [Range(keys.host(host)), Range(keys.usage(host)), Range(keys.partition(host)),
+            Range(keys.gpus(host), prefix=True), Range(keys.leases(host), prefix=True),
+            Range(keys.queue(host), prefix=True), Range(keys.departings(host), prefix=True),
+            *(Range(k) for k in extra_keys)]
+
+
+def _one(kvs: tuple[KV, ...]) -> KV | None:
+    return kvs[0] if kvs else None
+
+
+async def read_host(store: KVStore, keys: Keys, host: str, extra_keys: Iterable[bytes] = (),
+                    deadline: float | None = None) -> HostSnapshot:
+    """One host's keys (and ``extra_keys``) in one snapshot: every range at one revision."""
+    snap = await store.snapshot(_ranges(keys, host, extra_keys), deadline=deadline)
+    r = snap.ranges
+    return HostSnapshot(snap.revision, _one(r[0]), _one(r[1]), _one(r[2]), r[3], r[4], r[5], r[6],
+                        tuple(_one(x) for x in r[7:]))
+
+
+def host_snapshot_of(revision: int, host: str, by_kind: Mapping[str, Iterable[KV]],
+                     extra: Iterable[KV | None] = ()) -> HostSnapshot:
+    """A ``HostSnapshot`` from the keys of one host by kind (``HOST_KINDS``; the single keys as at most one)."""
+    def many(kind: str) -> tuple[KV, ...]:
+        return tuple(by_kind.get(kind, ()))
+    return HostSnapshot(revision, _one(many("hosts")), _one(many("usage")), _one(many("partitions")),
+                        many("gpus"), many("leases"), many("queue"), many("departing"), tuple(extra))
 
 
 # Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
@@ -91,7 +129,7 @@ _MAX_REPORTED = 4096
 _PARSE_ERRORS = (InvalidRecord, ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError)
 
 
-def _report(keys: Keys, kv: Any, why: str) -> tuple[str, str]:
+def _report(keys: Keys, kv: KV, why: str) -> tuple[str, str]:
     """(key kind, ``kind/...: why`` for status); counted in gpucoord_invalid_records_total and logged once per
     value."""
     key = bytes(kv.key)
@@ -101,7 +139,7 @@ def _report(keys: Keys, kv: Any, why: str) -> tuple[str, str]:
     except ValueError:
         kind, where = "unknown", key.decode(errors="replace")
     text = f"{where[:160]}: {why[:200]}"
-    seen = (key, int(getattr(kv, "mod_revision", 0)))
+    seen = (key, kv.mod_revision)
     if seen not in _REPORTED:
         _REPORTED[seen] = None
         while len(_REPORTED) > _MAX_REPORTED:
@@ -112,7 +150,7 @@ def _report(keys: Keys, kv: Any, why: str) -> tuple[str, str]:
     return kind, text
 
 
-def _parsed(keys: Keys, kv: Any, parse: Callable[[], T], problems: list[tuple[str, str]]) -> T | None:
+def _parsed(keys: Keys, kv: KV, parse: Callable[[], T], problems: list[tuple[str, str]]) -> T | None:
     try:
         return parse()
     except _PARSE_ERRORS as e:
@@ -131,22 +169,23 @@ def _default_partition(host_value: bytes) -> Partition:
     return default_partition(_inventory(host_value))
 
 
-def host_view(keys: Keys, host: str, snap: Snapshot, untracked: bool,
+def host_view(keys: Keys, host: str, snap: HostSnapshot, untracked: bool,
               usage_age: Callable[[KV], float] | None = None) -> HostView:
-    """Build a HostView from the first ``HOST_RANGES`` ranges of a snapshot taken with ``host_ranges``.
+    """Build a HostView from one host's snapshot (``read_host``, or the mirror's ``host_snapshot``).
 
     ``usage_age`` says how long ago the caller observed the usage report's revision (its own clock; see
     ``observed.py``); without it the report counts as fresh. A malformed stored value of the host leaves
     out what it would have said, and sets ``invalid`` (why, for status): admission there fails closed."""
-    host_kvs, usage_kvs, part_kvs, ledger_kvs, lease_kvs, queue_kvs, departing_kvs = snap.ranges[:HOST_RANGES]
+    ledger_kvs, lease_kvs, queue_kvs, departing_kvs = snap.ledgers, snap.leases, snap.queue, snap.departing
     problems: list[tuple[str, str]] = []
-    host_kv = host_kvs[0] if host_kvs else None
+    host_kv = snap.host
     inventory = _parsed(keys, host_kv, lambda: _inventory(host_kv.value), problems) if host_kv else None
-    part_kv = part_kvs[0] if part_kvs else None
+    part_kv = snap.partition
     partition = _parsed(keys, part_kv, lambda: _partition(part_kv.value), problems) if part_kv else None
-    usage = (_parsed(keys, usage_kvs[0], lambda: check_usage(load_record(usage_kvs[0].value)), problems)
-             if usage_kvs else None)
-    age = (usage_age(usage_kvs[0]) if usage_age is not None else 0.0) if usage_kvs else -1.0
+    usage_kv = snap.usage
+    usage = (_parsed(keys, usage_kv, lambda: check_usage(load_record(usage_kv.value)), problems)
+             if usage_kv else None)
+    age = (usage_age(usage_kv) if usage_age is not None else 0.0) if usage_kv else -1.0
     stale = usage_is_stale(usage, age)
     ledgers = {}
     for kv in ledger_kvs:

@@ -99,7 +99,7 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
         d = self.daemon
         snap = await d.store.get_prefix(d.keys.leases(d.host, gpu_uuid))
-        for kv in snap.ranges[0]:
+        for kv in snap.kvs:
             try:
                 lease = VramLease.from_kv(kv)
             except InvalidRecord:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Iterable, Protocol
+from typing import AsyncIterator, Callable, Iterable, Protocol, Sequence
 
 from coordinator.aio import retry_forever
 from coordinator.keys import Keys, last_segment
@@ -27,13 +27,38 @@ class _KV(Protocol):
     def key(self) -> bytes: ...
 
 
-class _Store(Protocol):
-    """What following the deny list needs of the store (``coordinator.etcd.store.Store`` has it)."""
+class _PrefixRead(Protocol):
+    @property
+    def revision(self) -> int: ...
 
-    async def get_prefix(self, prefix: bytes) -> Any: ...
+    @property
+    def kvs(self) -> Sequence[_KV]: ...
+
+
+class _Event(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def kv(self) -> _KV: ...
+
+
+class _Batch(Protocol):
+    @property
+    def resync(self) -> bool: ...
+
+    @property
+    def events(self) -> Sequence[_Event]: ...
+
+
+class _Store(Protocol):
+    """What following the deny list needs of the store (``coordinator.etcd.store.Store`` has it; this layer
+    does not import etcd/)."""
+
+    async def get_prefix(self, prefix: bytes) -> _PrefixRead: ...
 
     def watch(self, key: bytes, *, prefix: bool = True, start_revision: int = 0,
-              prev_kv: bool = False) -> AsyncIterator[Any]: ...
+              prev_kv: bool = False) -> AsyncIterator[_Batch]: ...
 
 
 def serial_hex(serial: int) -> str:
@@ -66,12 +91,12 @@ class Revocations:
         else:
             self._serials.discard(serial)
 
-    async def follow(self, store: _Store, keys: Keys, stop: Any = lambda: False) -> None:
+    async def follow(self, store: _Store, keys: Keys, stop: Callable[[], bool] = lambda: False) -> None:
         """Keep the list current until cancelled: one read of ``revoked/``, then a watch from there."""
         async def once() -> None:
             prefix = keys.revocations()
             snap = await store.get_prefix(prefix)
-            self.reset(snap.ranges[0])
+            self.reset(snap.kvs)
             self.ready.set()
             async for batch in store.watch(prefix, start_revision=snap.revision + 1):
                 if batch.resync:

@@ -13,7 +13,8 @@ import pytest
 
 from coordinator import errors
 from coordinator.etcd.process import EtcdCluster, binary_version, etcd_binary
-from coordinator.etcd.store import Store, op_put, range_req
+from coordinator.etcd.store import Store
+from coordinator.txn import Put, Range
 from tests.harness import LoopThread
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,7 @@ def test_snapshots_cancelled_by_their_deadline_do_not_crash_etcd_3_5_1(tmp_path:
             async with Store(cluster.endpoints) as s:
                 batches = [range(i, min(i + 128, KEYS)) for i in range(0, KEYS, 128)]
                 for start in range(0, len(batches), 8):
-                    await asyncio.gather(*(s.commit([], [op_put(PREFIX + b"%06d" % j, b"x") for j in batch])
+                    await asyncio.gather(*(s.commit([], [Put(PREFIX + b"%06d" % j, b"x") for j in batch])
                                            for batch in batches[start:start + 8]))
         lt.run(fill(), timeout=120)
 
@@ -45,7 +46,7 @@ def test_snapshots_cancelled_by_their_deadline_do_not_crash_etcd_3_5_1(tmp_path:
             try:
                 for _ in range(SNAPSHOTS):
                     try:
-                        snap = await s.snapshot([range_req(PREFIX, prefix=True, keys_only=True)] * 4)
+                        snap = await s.snapshot([Range(PREFIX, prefix=True, keys_only=True)] * 4)
                         assert [len(r) for r in snap.ranges] == [KEYS] * 4
                         outcomes["ok"] += 1
                     except errors.Timeout:

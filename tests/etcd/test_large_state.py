@@ -18,9 +18,10 @@ from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.etcd.process import EtcdCluster
-from coordinator.etcd.store import Store, op_put
+from coordinator.etcd.store import Store
 from coordinator.keys import Keys, session_id_from_etcd_lease
 from coordinator.records import VramLease, dumps
+from coordinator.txn import Put
 from tests.faultlink import FaultLink
 from tests.harness import REPO, Cluster, child_env, wait_for
 
@@ -44,16 +45,16 @@ async def _fill(store: Store, keys: Keys) -> int:
     for i in range(SESSIONS):
         host = f"big-{i % HOSTS:03d}"
         sid = session_id_from_etcd_lease(0x7000_0000_0000 + i)
-        ops.append(op_put(keys.session(f"agent-{i:05d}", sid), _session_value(i, host), etcd_leases[i % 16]))
+        ops.append(Put(keys.session(f"agent-{i:05d}", sid), _session_value(i, host), etcd_leases[i % 16]))
     for h in range(HOSTS):
-        ops.append(op_put(keys.gpu(f"big-{h:03d}", f"GPU-big-{h:03d}-0"), dumps({"capacity_mb": 10**9, "seq": 200})))
+        ops.append(Put(keys.gpu(f"big-{h:03d}", f"GPU-big-{h:03d}-0"), dumps({"capacity_mb": 10**9, "seq": 200})))
     for i in range(LEASES):
         host, n = f"big-{i % HOSTS:03d}", i // HOSTS
         lease = VramLease(id=f"l{i:08x}", host=host, gpu_uuid=f"GPU-big-{i % HOSTS:03d}-0", gpu_index=0,
                           agent=f"agent-{i:05d}", session_id=session_id_from_etcd_lease(0x7000_0000_0000 + i),
                           vram_mb=1024, priority=0, preemptible=True, request_id=f"req-{i:08d}", token=n + 1,
                           created_at=time.time())
-        ops.append(op_put(keys.lease(host, lease.gpu_uuid, lease.id), dumps(lease.to_json()), etcd_leases[i % 16]))
+        ops.append(Put(keys.lease(host, lease.gpu_uuid, lease.id), dumps(lease.to_json()), etcd_leases[i % 16]))
     batches = [ops[i:i + 128] for i in range(0, len(ops), 128)]
     for start in range(0, len(batches), 8):
         await asyncio.gather(*(store.commit([], batch) for batch in batches[start:start + 8]))

@@ -15,7 +15,8 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
-from coordinator.etcd.store import Store, cmp_exists, op_delete, op_put, range_req
+from coordinator.etcd.store import Store
+from coordinator.txn import Delete, Exists, Get, Put, Range, Txn
 from tests.harness import (
     Cluster,
     EtcdEndpoint,
@@ -25,10 +26,6 @@ from tests.harness import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-def op_get(key: bytes) -> Any:
-    return store_module.rpc.RequestOp(request_range=range_req(key))
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +45,9 @@ def test_a_snapshot_is_ranges_at_one_revision_never_a_transaction(own_etcd: Etcd
             for i in range(3):
                 await s.put(b"/one/b/%d" % i, b"x")
             calls.calls.clear()
-            snap = await s.snapshot([range_req(b"/one/a"), range_req(b"/one/b/", prefix=True), range_req(b"/none")])
+            snap = await s.snapshot([Range(b"/one/a"), Range(b"/one/b/", prefix=True), Range(b"/none")])
             assert [len(r) for r in snap.ranges] == [1, 3, 0]
-            assert await s.get(b"/one/a") is not None and len((await s.get_prefix(b"/one/")).ranges[0]) == 4
+            assert await s.get(b"/one/a") is not None and len((await s.get_prefix(b"/one/")).kvs) == 4
     lt.run(go())
     assert calls.of("Txn") == [], "a read went out as a transaction"
     ranges = calls.of("Range")
@@ -83,7 +80,7 @@ def test_pages_of_a_prefix_read_are_all_at_the_first_pages_revision(own_etcd: Et
             calls.before = write_between_pages
             snap = await s.get_prefix(prefix)
             calls.before = None
-            got = [kv.key for kv in snap.ranges[0]]
+            got = [kv.key for kv in snap.kvs]
             assert got == sorted(k for k, rev in written.items() if rev <= snap.revision)
             assert len(got) == 50 and len(written) > 50, "writes between pages must not show in the read"
     lt.run(go())
@@ -100,7 +97,7 @@ def test_a_page_larger_than_grpcs_message_limit_is_read_in_smaller_pages(own_etc
         async with Store(own_etcd.endpoints) as s:
             for i in range(5):
                 await s.put(b"/big/%d" % i, big)
-            snap = await s.snapshot([range_req(b"/big/", prefix=True), range_req(b"/big/", prefix=True, keys_only=True)])
+            snap = await s.snapshot([Range(b"/big/", prefix=True), Range(b"/big/", prefix=True, keys_only=True)])
             assert [len(r) for r in snap.ranges] == [5, 5]
             assert all(kv.value == big for kv in snap.ranges[0])
             await s.delete(b"/big/", prefix=True)
@@ -122,7 +119,7 @@ def test_a_snapshot_whose_revision_is_compacted_meanwhile_is_read_again(own_etcd
                     await other.compact(rev)
                     compacted.append(rev)
             calls.before = compact_once
-            snap = await s.snapshot([range_req(b"/cmp/a"), range_req(b"/cmp/", prefix=True)])
+            snap = await s.snapshot([Range(b"/cmp/a"), Range(b"/cmp/", prefix=True)])
             calls.before = None
             assert compacted and snap.revision >= compacted[0]
             assert [kv.value for kv in snap.ranges[0]] == [kv.value for kv in snap.ranges[1]] == [b"2"]
@@ -134,16 +131,16 @@ def test_commit_refuses_a_transaction_without_a_write(lt: LoopThread) -> None:
         s = Store(["127.0.0.1:1"], timeout=0.2, retry_for=0)   # nothing listens: a refusal sends nothing
         await s.connect()
         try:
-            nested_read = store_module.rpc.RequestOp(request_txn=store_module.rpc.TxnRequest(success=[op_get(b"k")]))
-            for compares, success, failure in [([cmp_exists(b"k")], [], []), ([], [op_get(b"k")], []),
-                                               ([cmp_exists(b"k")], [op_get(b"k")], [op_get(b"j")]),
+            nested_read = Txn((), (Get(b"k"),))
+            for compares, success, failure in [([Exists(b"k")], [], []), ([], [Get(b"k")], []),
+                                               ([Exists(b"k")], [Get(b"k")], [Get(b"j")]),
                                                ([], [nested_read], [])]:
                 with pytest.raises(ValueError, match="read-only"):
                     await s.commit(compares, success, failure)
             # A write in either branch makes it a write transaction: it is sent (and fails here, no etcd).
-            for success, failure in [([op_put(b"k", b"v")], []), ([op_get(b"k")], [op_delete(b"k")])]:
+            for success, failure in [([Put(b"k", b"v")], []), ([Get(b"k")], [Delete(b"k")])]:
                 with pytest.raises((errors.Unavailable, errors.Timeout)):
-                    await s.commit([cmp_exists(b"k")], success, failure)
+                    await s.commit([Exists(b"k")], success, failure)
         finally:
             await s.close()
     lt.run(go())

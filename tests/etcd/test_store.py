@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from coordinator import errors
-from coordinator.etcd.ops import cmp_mod_revision, op_put, range_req
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
+from coordinator.txn import ModRevisionIs, Put, Range
 from tests.faultlink import FaultLink
 from tests.harness import EtcdEndpoint, LoopThread, wait_for
 
@@ -25,13 +25,13 @@ def test_snapshot_reads_every_range_at_one_revision(etcd: EtcdEndpoint, prefix: 
             await s.put(a, b"1")
             for i in range(3):
                 await s.put(b + str(i).encode(), b"x")
-            snap = await s.snapshot([range_req(a), range_req(b, prefix=True), range_req(b"nope")])
+            snap = await s.snapshot([Range(a), Range(b, prefix=True), Range(b"nope")])
             assert [len(r) for r in snap.ranges] == [1, 3, 0]
             assert snap.revision >= max(kv.mod_revision for r in snap.ranges for kv in r)
             # Compare-and-set: wins once on the revision it read, loses after that.
             rev = snap.ranges[0][0].mod_revision
-            assert (await s.commit([cmp_mod_revision(a, rev)], [op_put(a, b"2")])).succeeded
-            assert not (await s.commit([cmp_mod_revision(a, rev)], [op_put(a, b"3")])).succeeded
+            assert (await s.commit([ModRevisionIs(a, rev)], [Put(a, b"2")])).succeeded
+            assert not (await s.commit([ModRevisionIs(a, rev)], [Put(a, b"3")])).succeeded
             assert (await s.get(a)).value == b"2"  # type: ignore[union-attr]
     lt.run(go())
 
@@ -50,7 +50,7 @@ def test_one_keepalive_stream_serves_many_etcd_leases(etcd: EtcdEndpoint, lt: Lo
             await s.revoke(ids[0])
             assert await s.keepalive(ids[0]) == 0
             with pytest.raises(errors.SessionGone):
-                await s.commit([], [op_put(b"/store-test/x", b"1", ids[0])])
+                await s.commit([], [Put(b"/store-test/x", b"1", ids[0])])
     lt.run(go())
 
 
@@ -142,7 +142,7 @@ def test_unreachable_etcd_is_unavailable(lt: LoopThread) -> None:
         await s.connect()
         try:
             with pytest.raises((errors.Unavailable, errors.Timeout)):
-                await s.snapshot([range_req(b"/x")])
+                await s.snapshot([Range(b"/x")])
         finally:
             await s.close()
     lt.run(go())

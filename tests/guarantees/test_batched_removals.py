@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.etcd.ops import cmp_absent, cmp_exists
 from coordinator.etcd.removals import Removal, remove_entries
+from coordinator.txn import Absent, Exists
 from tests.harness import Cluster
 
 pytestmark = pytest.mark.integration
@@ -32,18 +32,18 @@ def test_many_conditional_removals_report_each_outcome(cluster: Cluster) -> None
                 assert out.removed is None and out.current is None
             else:
                 assert out.removed is not None and out.removed.key == keys[i] and out.removed.value == b"v", i
-        left = (await store.get_prefix(root + b"q/")).ranges[0]
+        left = (await store.get_prefix(root + b"q/")).kvs
         assert [kv.key for kv in left] == [keys[7]]
 
         # A common compare that fails (a fence) removes nothing; one that holds lets them all go.
         more = [root + f"r/{i:04d}".encode() for i in range(200)]
         revisions = [await store.put(k, b"v") for k in more]
-        fence_gone = [cmp_exists(root + b"no-such-candidacy")]
+        fence_gone = [Exists(root + b"no-such-candidacy")]
         outcomes = await remove_entries(store, [Removal(k, r) for k, r in zip(more, revisions)], common=fence_gone)
         assert all(o.removed is None and o.current is not None for o in outcomes)
-        assert len((await store.get_prefix(root + b"r/")).ranges[0]) == 200
-        fence_held = [cmp_absent(root + b"no-such-candidacy")]
+        assert len((await store.get_prefix(root + b"r/")).kvs) == 200
+        fence_held = [Absent(root + b"no-such-candidacy")]
         outcomes = await remove_entries(store, [Removal(k, r) for k, r in zip(more, revisions)], common=fence_held)
         assert all(o.removed is not None for o in outcomes)
-        assert (await store.get_prefix(root + b"r/")).ranges[0] == ()
+        assert (await store.get_prefix(root + b"r/")).kvs == ()
     cluster.lt.run(run())

@@ -22,7 +22,6 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import grpc
 import pytest
-from aetcd import rpc
 
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
@@ -36,7 +35,14 @@ from coordinator.limits import (
     MAX_SPEC_BYTES,
     MAX_TTL_S,
 )
-from tests.harness import Cluster, LoopThread, patch_commit, revision, writes_since
+from tests.harness import (
+    Cluster,
+    LoopThread,
+    is_put,
+    patch_commit,
+    revision,
+    writes_since,
+)
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -63,15 +69,13 @@ def _name(i: int, n: int = 128) -> str:
 
 def _db_size(cluster: Cluster) -> int:
     async def status() -> int:
-        resp = await cluster.store._client.maintenancestub.Status(rpc.StatusRequest(), timeout=5)
-        return int(resp.dbSize)
+        return await cluster.store.db_size()
     return cluster.lt.run(status())
 
 
 def _etcd_leases(cluster: Cluster) -> set[int]:
     async def leases() -> set[int]:
-        resp = await cluster.store._client.leasestub.LeaseLeases(rpc.LeaseLeasesRequest(), timeout=5)
-        return {int(x.ID) for x in resp.leases}
+        return await cluster.store.lease_ids()
     return cluster.lt.run(leases())
 
 
@@ -213,7 +217,7 @@ def test_a_session_whose_write_fails_leaves_no_etcd_lease(env: Any) -> None:
     failures = [cerrors.Unavailable("etcd unavailable: injected"), cerrors.OutcomeUnknown("etcd write: injected")]
 
     async def hook(compares: Any, success: Any, commit: Callable[[], Awaitable[Any]]) -> Any:
-        if failures and any(b"/sessions/" in op.request_put.key for op in success if op.HasField("request_put")):
+        if failures and any(is_put(op, b"/sessions/") for op in success):
             raise failures.pop(0)
         return await commit()
 

@@ -23,7 +23,16 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Background, Cluster, patch_method, queue, wait_for
+from coordinator.txn import Delete
+from tests.harness import (
+    Background,
+    Cluster,
+    is_delete,
+    is_put,
+    patch_method,
+    queue,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 HOLD_S = 0.5
@@ -65,7 +74,7 @@ class CommitGate:
 
 
 def deletes(key: bytes) -> Callable[[list[Any]], bool]:
-    return lambda ops: any(op.HasField("request_delete_range") and op.request_delete_range.key == key for op in ops)
+    return lambda ops: any(isinstance(op, Delete) and op.key == key for op in ops)
 
 
 def answer_then_look(cluster: Cluster, call: Callable[[], Any], rank: Callable[[], str]) -> Background:
@@ -136,7 +145,7 @@ def test_a_wait_that_ends_is_answered_after_its_entry_is_gone(cluster: Cluster) 
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
         gate = CommitGate(cluster, cluster.service(addr), lambda ops: any(
-            op.HasField("request_delete_range") and b"/queue/" in op.request_delete_range.key for op in ops))
+            is_delete(op, b"/queue/") for op in ops))
         try:
             waiter, _ = queued_waiter(cluster, b, wait=1.5)
             outcome = check_follows_commit(gate, waiter)
@@ -186,7 +195,7 @@ def test_a_refusal_that_needs_no_write_is_answered_while_the_rounds_transaction_
         puts_queue = [0]
 
         def queues(ops: list[Any]) -> bool:
-            if any(op.HasField("request_put") and b"/queue/" in op.request_put.key for op in ops):
+            if any(is_put(op, b"/queue/") for op in ops):
                 puts_queue[0] += 1
                 return True
             return False

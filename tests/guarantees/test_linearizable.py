@@ -24,10 +24,7 @@ def _lagging_reads(cluster: Cluster, svc: Any, lag_rev: int) -> Callable[[], Non
         ranges = list(ranges)
         if not serializable:
             return await orig(ranges, deadline=deadline)
-        for r in ranges:
-            r.revision = lag_rev
-        snap = await orig(ranges, deadline=deadline)
-        return Snapshot(lag_rev, snap.ranges)
+        return Snapshot(lag_rev, tuple([await store.read_at(r, lag_rev) for r in ranges]))
     return patch_method(cluster, store, "snapshot", snapshot)
 
 

@@ -19,6 +19,7 @@ from agent_client.api import node_pb2 as npb
 from agent_client.api import node_pb2_grpc as npb_grpc
 from coordinator import errors as cerrors
 from coordinator.records import GpuProcess
+from coordinator.txn import Put
 from tests.harness import (
     REPO,
     Cluster,
@@ -129,8 +130,7 @@ def test_the_node_registers_again_when_its_first_attempt_fails(cluster: Cluster)
     failed: list[int] = []
 
     async def hook(compares: Any, success: Any, commit: Callable[[], Awaitable[Any]]) -> Any:
-        if not failed and any(op.HasField("request_put") and op.request_put.key == cluster.keys.host("h1")
-                              for op in success):
+        if not failed and any(isinstance(op, Put) and op.key == cluster.keys.host("h1") for op in success):
             failed.append(1)
             raise cerrors.Unavailable("etcd unavailable: injected")
         return await commit()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
-from coordinator.etcd.ops import range_req
+from coordinator.txn import Range
 from tests.harness import Cluster, wait_for, writes_since
 
 pytestmark = pytest.mark.integration
@@ -46,7 +46,7 @@ class Target:
     counts: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     def revision(self) -> int:
-        return int(self.cluster.lt.run(self.cluster.store.snapshot([range_req(b"/")])).revision)
+        return int(self.cluster.lt.run(self.cluster.store.snapshot([Range(b"/")])).revision)
 
 
 @pytest.fixture(scope="module")

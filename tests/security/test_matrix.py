@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
-from coordinator.etcd.ops import range_req
 from coordinator.security.tls import TlsFiles, channel_credentials
+from coordinator.txn import Range
 from tests.harness import Cluster, Pki, session_call, wait_for, writes_since
 
 pytestmark = pytest.mark.integration
@@ -76,7 +76,7 @@ class World:
         return pb.SessionRef(agent="agent-a", session_id=session_id or self.session_id)
 
     def revision(self) -> int:
-        return int(self.cluster.lt.run(self.cluster.store.snapshot([range_req(b"/")])).revision)
+        return int(self.cluster.lt.run(self.cluster.store.snapshot([Range(b"/")])).revision)
 
 
 ROLE_FILES: dict[str, Callable[[Pki], TlsFiles]] = {

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
-from coordinator.etcd.ops import range_req
 from coordinator.records import dumps
+from coordinator.txn import Range
 from tests.harness import Cluster, pass_time, wait_for
 
 pytestmark = pytest.mark.integration
@@ -60,7 +60,7 @@ class World:
         return self.cluster.lt.run(self.cluster.store.get(key))
 
     def revision(self) -> int:
-        return int(self.cluster.lt.run(self.cluster.store.snapshot([range_req(b"/")])).revision)
+        return int(self.cluster.lt.run(self.cluster.store.snapshot([Range(b"/")])).revision)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.etcd.types import KV, Snapshot
+from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.records import (
     DepartingRecord,
@@ -26,7 +26,7 @@ from coordinator.records import (
     dumps,
     load_record,
 )
-from coordinator.replica.view import host_view
+from coordinator.replica.view import HostSnapshot, host_snapshot_of, host_view
 
 pytestmark = pytest.mark.unit
 KEYS = Keys("/gpucoord/")
@@ -149,15 +149,11 @@ def test_a_malformed_record_raises_invalid_record_naming_a_field_or_parses_typed
     one()
 
 
-def _snapshot(values: dict[str, bytes]) -> Snapshot:
-    ranges: list[list[KV]] = [[], [], [], [], [], [], []]
-    slots = {"hosts": (0, KEYS.host("h1")), "usage": (1, KEYS.usage("h1")), "gpus": (3, KEYS.gpu("h1", UUID)),
-             "leases": (4, KEYS.lease("h1", UUID, "l1")), "queue": (5, KEYS.queue_entry("h1", "0000001-1-r")),
-             "departing": (6, KEYS.departing("h1", UUID, "l3"))}
-    for name, value in values.items():
-        i, key = slots[name]
-        ranges[i].append(kv(key, value))
-    return Snapshot(7, tuple(tuple(r) for r in ranges))
+def _snapshot(values: dict[str, bytes]) -> HostSnapshot:
+    keys = {"hosts": KEYS.host("h1"), "usage": KEYS.usage("h1"), "gpus": KEYS.gpu("h1", UUID),
+            "leases": KEYS.lease("h1", UUID, "l1"), "queue": KEYS.queue_entry("h1", "0000001-1-r"),
+            "departing": KEYS.departing("h1", UUID, "l3")}
+    return host_snapshot_of(7, "h1", {name: [kv(keys[name], value)] for name, value in values.items()})
 
 
 GOOD = {"hosts": dumps(HOST), "usage": dumps(USAGE), "gpus": dumps(LEDGER), "leases": dumps(LEASE),

@@ -12,9 +12,9 @@ import time
 from coordinator.bench import eventloop
 from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import cpu_seconds, proposals, rig, rss_mb
-from coordinator.etcd.ops import range_req
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
+from coordinator.txn import Range
 
 
 def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int, out: Figures) -> list[Line]:
@@ -42,14 +42,14 @@ def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int,
         async def reclaim() -> tuple[list[float], list[float], float, int]:
             async with Store([r.ep]) as s:
                 async def count(prefix: bytes) -> int:
-                    snap = await s.snapshot([range_req(prefix, prefix=True, keys_only=True)])
+                    snap = await s.snapshot([Range(prefix, prefix=True, keys_only=True)])
                     return len(snap.ranges[0])
                 leases_prefix = keys.leases("idle")
                 sessions_prefix = keys.sessions()
                 # Which lease keys belong to which process: the sessions' pids.
-                snap = await s.snapshot([range_req(sessions_prefix, prefix=True)])
+                snap = await s.snapshot([Range(sessions_prefix, prefix=True)])
                 pid_of = {json.loads(kv.value)["pid"]: kv.etcd_lease for kv in snap.ranges[0]}
-                lease_snap = await s.snapshot([range_req(leases_prefix, prefix=True)])
+                lease_snap = await s.snapshot([Range(leases_prefix, prefix=True)])
                 by_etcd_lease: dict[int, list[bytes]] = {}
                 for kv in lease_snap.ranges[0]:
                     by_etcd_lease.setdefault(kv.etcd_lease, []).append(kv.key)
@@ -67,8 +67,8 @@ def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int,
                 deadline = t0 + ttl * 3 + 10
                 while time.perf_counter() < deadline and (len(ours) < samples or len(theirs) < samples
                                                           or not mass_done):
-                    snap = await s.snapshot([range_req(k) for k in [*single_keys, *raw_keys]]
-                                            + [range_req(leases_prefix, prefix=True, keys_only=True)])
+                    snap = await s.snapshot([Range(k) for k in [*single_keys, *raw_keys]]
+                                            + [Range(leases_prefix, prefix=True, keys_only=True)])
                     now = time.perf_counter()
                     for k, kvs in zip([*single_keys, *raw_keys], snap.ranges):
                         book = ours if k in single_keys else theirs

@@ -25,7 +25,7 @@ def phase_p7(n: int, out: Figures) -> list[Line]:
                 queue_prefix = Keys().queue("bench")
 
                 async def queued() -> None:
-                    while not (await store.get_prefix(queue_prefix)).ranges[0]:  # noqa: ASYNC110 - polls etcd for the queue entry, with the phase's deadline
+                    while not (await store.get_prefix(queue_prefix)).kvs:  # noqa: ASYNC110 - polls etcd for the queue entry, with the phase's deadline
                         await asyncio.sleep(0.001)
                 promote, notice = [], []
                 for _ in range(n):
