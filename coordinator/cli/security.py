@@ -14,6 +14,7 @@ import grpc
 
 from coordinator import errors
 from coordinator.cli.common import EXIT_UNREACHABLE, CliError, UsageError
+from coordinator.etcd.auth import setup_roles
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, last_segment
 from coordinator.records import dumps
@@ -167,7 +168,7 @@ def _certs_revoke(args: argparse.Namespace) -> int:
 def cmd_etcd_setup(args: argparse.Namespace) -> int:
     try:
         security = etcd_auth.from_args(args)
-        files = asyncio.run(etcd_auth.setup_roles(args.etcd.split(",")[0], security, args.prefix, args.node,
+        files = asyncio.run(setup_roles(args.etcd.split(",")[0], security, args.prefix, args.node,
                                                   password_dir=args.password_dir, enable=not args.no_enable))
     except (etcd_auth.EtcdSecurityError, OSError) as e:
         raise UsageError(str(e), "see 'gpucoord etcd-setup --help'") from e

@@ -158,7 +158,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         coord_extra: list[str] = []
         node_extra: list[str] = []
         if secure is not None:
-            from coordinator.security.etcd_auth import setup_roles
+            from coordinator.etcd.auth import setup_roles
             asyncio.run(setup_roles(ep, secure.etcd_security(secure.etcd_root), "/gpucoord/", [args.host]))
             etcdctl = (f"{binary.etcdctl()} --endpoints=https://{ep} --cacert={secure.etcd_ca} "
                        f"--cert={secure.etcd_root.cert} --key={secure.etcd_root.key}")

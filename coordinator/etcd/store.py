@@ -31,6 +31,7 @@ from tenacity import (
 
 from coordinator import errors
 from coordinator.etcd import _compile
+from coordinator.etcd.auth import open_channel
 from coordinator.etcd.keepalive import KeepAliveStream
 from coordinator.etcd.translate import translate
 from coordinator.etcd.types import (
@@ -101,8 +102,8 @@ CHANNEL_OPTIONS: dict[str, str | int] = {
 
 def _open_channel(target: str, security: EtcdSecurity) -> grpc.aio.Channel:
     """The one place a gRPC channel to etcd is built: plaintext or TLS, with etcd's auth token on every
-    call when a user is configured (``EtcdSecurity.channel``)."""
-    return security.channel(target, list(CHANNEL_OPTIONS.items()))
+    call when a user is configured (``etcd.auth.open_channel``)."""
+    return open_channel(target, security, list(CHANNEL_OPTIONS.items()))
 
 
 class _Client(aetcd.Client):  # type: ignore[misc]

@@ -12,10 +12,11 @@ from typing import Any, Awaitable, Iterator, TypeVar
 import pytest
 
 from coordinator import errors
+from coordinator.etcd.auth import setup_roles
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
-from coordinator.security.etcd_auth import EtcdSecurity, setup_roles
+from coordinator.security.etcd_auth import EtcdSecurity
 from tests.harness import REPO, child_env
 
 pytestmark = pytest.mark.integration
