@@ -14,7 +14,7 @@ import pytest
 from coordinator import errors
 from coordinator.etcd.process import EtcdCluster, binary_version, etcd_binary
 from coordinator.etcd.store import Store, op_put, range_req
-from tests.harness import LoopThread
+from tests.support.waiting import LoopThread
 
 pytestmark = pytest.mark.integration
 

@@ -16,13 +16,9 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store, cmp_exists, op_delete, op_put, range_req
-from tests.harness import (
-    Cluster,
-    EtcdEndpoint,
-    LoopThread,
-    read_only,
-    record_etcd_calls,
-)
+from tests.support.cluster import Cluster, EtcdEndpoint
+from tests.support.etcd_calls import read_only, record_etcd_calls
+from tests.support.waiting import LoopThread
 
 pytestmark = pytest.mark.integration
 

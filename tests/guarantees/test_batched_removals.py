@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.etcd.ops import cmp_absent, cmp_exists
 from coordinator.etcd.removals import Removal, remove_entries
-from tests.harness import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 
