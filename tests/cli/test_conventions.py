@@ -19,7 +19,10 @@ from coordinator.cli import commands as cli_commands
 from coordinator.cli import main as cli_main
 from coordinator.cli.common import CliError
 from coordinator.etcd.process import free_port
-from tests.harness import REPO, Cluster, child_env, wait_for
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.processes import child_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

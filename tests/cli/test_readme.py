@@ -27,7 +27,9 @@ from typing import Iterator
 import pytest
 
 from coordinator.etcd.process import etcd_binary, free_port
-from tests.harness import REPO, child_env, wait_for
+from tests.support import REPO
+from tests.support.processes import child_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,8 @@ from coordinator.etcd.process import (
     etcd_binary,
     free_port,
 )
-from tests.harness import REPO, child_env
+from tests.support import REPO
+from tests.support.processes import child_env
 
 pytestmark = pytest.mark.integration
 

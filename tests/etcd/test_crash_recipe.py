@@ -15,7 +15,7 @@ from coordinator import errors
 from coordinator.etcd.process import EtcdCluster, binary_version, etcd_binary
 from coordinator.etcd.store import Store
 from coordinator.txn import Put, Range
-from tests.harness import LoopThread
+from tests.support.waiting import LoopThread
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from coordinator.etcd.process import choose_etcd, etcd_binary
-from tests.harness import DEFAULT_ETCD_IMAGE, EtcdEndpoint
+from tests.support.cluster import DEFAULT_ETCD_IMAGE, EtcdEndpoint
 
 pytestmark = pytest.mark.integration
 

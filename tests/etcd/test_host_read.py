@@ -9,7 +9,8 @@ from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.view import read_host
-from tests.harness import EtcdEndpoint, LoopThread
+from tests.support.cluster import EtcdEndpoint
+from tests.support.waiting import LoopThread
 
 pytestmark = pytest.mark.integration
 

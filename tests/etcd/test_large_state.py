@@ -23,7 +23,10 @@ from coordinator.keys import Keys, session_id_from_etcd_lease
 from coordinator.records import VramLease, dumps
 from coordinator.txn import Put
 from tests.faultlink import FaultLink
-from tests.harness import REPO, Cluster, child_env, wait_for
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.processes import child_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

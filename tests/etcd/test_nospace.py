@@ -14,7 +14,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import errors, metrics
 from coordinator.etcd.process import EtcdCluster, EtcdOptions, etcd_binary
 from coordinator.etcd.store import Store
-from tests.harness import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 

@@ -17,13 +17,9 @@ from coordinator import errors
 from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
 from coordinator.txn import Delete, Exists, Get, Put, Range, Txn
-from tests.harness import (
-    Cluster,
-    EtcdEndpoint,
-    LoopThread,
-    read_only,
-    record_etcd_calls,
-)
+from tests.support.cluster import Cluster, EtcdEndpoint
+from tests.support.etcd_calls import read_only, record_etcd_calls
+from tests.support.waiting import LoopThread
 
 pytestmark = pytest.mark.integration
 

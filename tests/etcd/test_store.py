@@ -15,7 +15,8 @@ from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
 from coordinator.txn import ModRevisionIs, Put, Range
 from tests.faultlink import FaultLink
-from tests.harness import EtcdEndpoint, LoopThread, wait_for
+from tests.support.cluster import EtcdEndpoint
+from tests.support.waiting import LoopThread, wait_for
 
 
 def test_snapshot_reads_every_range_at_one_revision(etcd: EtcdEndpoint, prefix: str, lt: LoopThread) -> None:

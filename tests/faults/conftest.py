@@ -1,11 +1,11 @@
-"""Fixtures of the fault tier: ``etcd3``, a 3-member etcd cluster of the test's own (``tests.harness.Etcd3``)."""
+"""Fixtures of the fault tier: ``etcd3``, a 3-member etcd cluster of the test's own (``tests.support.etcd3.Etcd3``)."""
 from __future__ import annotations
 
 from typing import Iterator
 
 import pytest
 
-from tests.harness import Etcd3
+from tests.support.etcd3 import Etcd3
 
 
 @pytest.fixture

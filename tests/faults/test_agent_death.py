@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from agent_client import Client
-from tests.harness import Cluster, pass_time, queue, spawn_agent, wait_for
+from tests.support.cluster import Cluster, queue
+from tests.support.processes import spawn_agent
+from tests.support.waiting import pass_time, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -17,15 +17,10 @@ import pytest
 from agent_client import Client
 from coordinator.cli.common import fetch_status
 from coordinator.records import QueueEntry
-from tests.harness import (
-    Background,
-    Cluster,
-    pass_time,
-    session_alive,
-    spawn_coordinator,
-    wait_for,
-)
 from tests.history import check_store
+from tests.support.cluster import Cluster, session_alive
+from tests.support.processes import spawn_coordinator
+from tests.support.waiting import Background, pass_time, wait_for
 
 
 class Replica:

@@ -14,8 +14,10 @@ from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.cli.common import fetch_status
-from tests.harness import Cluster, spawn_coordinator, spawn_node, stop_process, wait_for
 from tests.history import check_store
+from tests.support.cluster import Cluster
+from tests.support.processes import spawn_coordinator, spawn_node, stop_process
+from tests.support.waiting import wait_for
 
 GRACE_S = 3.0
 

@@ -28,16 +28,12 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import (
-    Cluster,
-    Etcd3,
-    LoadReport,
-    run_load,
-    spawn_coordinator,
-    stop_process,
-    wait_for,
-)
 from tests.history import check_store
+from tests.support.cluster import Cluster
+from tests.support.etcd3 import Etcd3
+from tests.support.load import LoadReport, run_load
+from tests.support.processes import spawn_coordinator, stop_process
+from tests.support.waiting import wait_for
 
 TTL = 6            # session TTL of the coordinators here: etcd timeout and keepalive interval 2 s
 KEEPER_TTL = 15    # a session that must outlive a loss of quorum

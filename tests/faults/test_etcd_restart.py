@@ -14,7 +14,8 @@ import pytest
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.etcd.process import EtcdCluster
-from tests.harness import Background, Cluster, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import Background, wait_for
 
 pytestmark = pytest.mark.fault
 

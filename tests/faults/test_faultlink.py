@@ -10,7 +10,7 @@ from typing import Iterator
 import pytest
 
 from tests.faultlink import FaultLink
-from tests.harness import wait_for
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture

@@ -26,15 +26,11 @@ import grpc
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import (
-    Cluster,
-    patch_method,
-    revision,
-    spawn_coordinator,
-    stop_process,
-    wait_for,
-)
 from tests.history import check_history, read_history
+from tests.support.cluster import Cluster, revision
+from tests.support.patching import patch_method
+from tests.support.processes import spawn_coordinator, stop_process
+from tests.support.waiting import wait_for
 
 GRACE_S = 12.0
 

@@ -29,16 +29,11 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.faultlink import FaultLink
-from tests.harness import (
-    Cluster,
-    Etcd3,
-    LinkedReplica,
-    LoadReport,
-    leaked,
-    run_load,
-    wait_no_leaks,
-)
 from tests.history import check_store
+from tests.support.cluster import Cluster, leaked, wait_no_leaks
+from tests.support.etcd3 import Etcd3
+from tests.support.load import LoadReport, run_load
+from tests.support.processes import LinkedReplica
 
 pytestmark = pytest.mark.nemesis
 

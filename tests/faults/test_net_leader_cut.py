@@ -15,15 +15,10 @@ import grpc
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import (
-    Cluster,
-    pass_time,
-    patch_method,
-    revision,
-    wait_for,
-    wait_no_leaks,
-)
 from tests.history import check_history, check_store, read_history
+from tests.support.cluster import Cluster, revision, wait_no_leaks
+from tests.support.patching import patch_method
+from tests.support.waiting import pass_time, wait_for
 
 GRACE_S = 8.0
 

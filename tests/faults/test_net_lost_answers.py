@@ -13,8 +13,9 @@ import pytest
 
 from agent_client import Client
 from coordinator.replica.service import owner_of
-from tests.harness import Cluster, session_alive, wait_for, wait_no_leaks
 from tests.history import check_store
+from tests.support.cluster import Cluster, session_alive, wait_no_leaks
+from tests.support.waiting import wait_for
 
 TTL = 6
 

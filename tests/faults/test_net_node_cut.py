@@ -25,16 +25,10 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import node_pb2 as npb
-from tests.harness import (
-    Background,
-    Cluster,
-    coordinator_stub,
-    node_stub,
-    session_alive,
-    wait_for,
-    wait_no_leaks,
-)
 from tests.history import check_store
+from tests.support.cluster import Cluster, session_alive, wait_no_leaks
+from tests.support.rpcs import coordinator_stub, node_stub
+from tests.support.waiting import Background, wait_for
 
 NODE_TTL = 4
 HEARTBEAT_S = 0.5

@@ -25,18 +25,13 @@ import pytest
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.replica.service import owner_of
-from tests.harness import (
-    ClientFailovers,
-    Cluster,
-    LinkedReplica,
-    LoadReport,
-    acquire_req,
-    coordinator_stub,
-    run_load,
-    wait_for,
-    wait_no_leaks,
-)
 from tests.history import check_history, read_history
+from tests.support.cluster import Cluster, wait_no_leaks
+from tests.support.etcd3 import ClientFailovers
+from tests.support.load import LoadReport, run_load
+from tests.support.processes import LinkedReplica
+from tests.support.rpcs import acquire_req, coordinator_stub
+from tests.support.waiting import wait_for
 
 TTL = 6
 CUT_S = 2 * TTL + 1

@@ -15,15 +15,12 @@ import asyncio
 from pathlib import Path
 
 from tests.faultlink import FaultLink
-from tests.harness import (
-    Cluster,
-    Etcd3,
-    LinkedReplica,
-    run_load,
-    wait_for,
-    wait_no_leaks,
-)
 from tests.history import check_store
+from tests.support.cluster import Cluster, wait_no_leaks
+from tests.support.etcd3 import Etcd3
+from tests.support.load import run_load
+from tests.support.processes import LinkedReplica
+from tests.support.waiting import wait_for
 
 TTL = 6
 ETCD_TIMEOUT_S = 2.0     # min(3, TTL / 3)

@@ -16,8 +16,10 @@ import pytest
 from agent_client import Client
 from coordinator.cli.common import fetch_status
 from coordinator.records import QueueEntry
-from tests.harness import Cluster, pass_time, spawn_agent, spawn_coordinator, wait_for
 from tests.history import check_store
+from tests.support.cluster import Cluster
+from tests.support.processes import spawn_agent, spawn_coordinator
+from tests.support.waiting import pass_time, wait_for
 
 
 @pytest.fixture

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
-from tests.harness import Cluster, expect_refused, wait_for
+from tests.support.cluster import Cluster
+from tests.support.rpcs import expect_refused
+from tests.support.waiting import wait_for
 
 C = grpc.StatusCode
 

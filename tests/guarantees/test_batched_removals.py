@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.txn import Absent, Exists
-from tests.harness import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,8 @@ import pytest
 
 from coordinator.node.fake_hosts import fake_host_names, register_fake_hosts
 from coordinator.replica.service import CoordinatorService
-from tests.harness import Cluster, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

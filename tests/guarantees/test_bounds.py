@@ -35,14 +35,9 @@ from coordinator.limits import (
     MAX_SPEC_BYTES,
     MAX_TTL_S,
 )
-from tests.harness import (
-    Cluster,
-    LoopThread,
-    is_put,
-    patch_commit,
-    revision,
-    writes_since,
-)
+from tests.support.cluster import Cluster, revision, writes_since
+from tests.support.patching import is_put, patch_commit
+from tests.support.waiting import LoopThread
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

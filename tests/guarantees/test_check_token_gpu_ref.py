@@ -7,7 +7,8 @@ import pytest
 from agent_client import Client
 from agent_client.api import node_pb2 as npb
 from agent_client.api import node_pb2_grpc as npb_grpc
-from tests.harness import Cluster, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
 
 
 def test_check_token_accepts_a_gpu_index_and_refuses_what_is_neither(cluster: Cluster) -> None:

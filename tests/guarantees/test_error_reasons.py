@@ -14,7 +14,8 @@ from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.metrics import REGISTRY
-from tests.harness import Cluster, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
 
 C = grpc.StatusCode
 DETAILS_KEY = "grpc-status-details-bin"

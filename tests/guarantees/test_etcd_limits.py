@@ -16,15 +16,10 @@ import pytest
 
 from agent_client import AsyncClient, Client
 from agent_client.api import coordinator_pb2 as pb
-from tests.harness import (
-    Cluster,
-    LoopThread,
-    acquire_req,
-    coordinator_stub,
-    patch_commit,
-    queue,
-    wait_for,
-)
+from tests.support.cluster import Cluster, queue
+from tests.support.patching import patch_commit
+from tests.support.rpcs import acquire_req, coordinator_stub
+from tests.support.waiting import LoopThread, wait_for
 
 
 @pytest.mark.usefixtures("history_checked")

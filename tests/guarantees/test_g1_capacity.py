@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from agent_client import AsyncClient, Client, errors
-from tests.harness import Cluster, LoopThread
 from tests.history import check_store
+from tests.support.cluster import Cluster
+from tests.support.waiting import LoopThread
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from agent_client import Client, errors
-from tests.harness import Background, Cluster, queue, wait_for
+from tests.support.cluster import Cluster, queue
+from tests.support.waiting import Background, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -18,7 +18,10 @@ import pytest
 
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
-from tests.harness import Background, Cluster, coordinator_stub, patch_method, wait_for
+from tests.support.cluster import Cluster
+from tests.support.patching import patch_method
+from tests.support.rpcs import coordinator_stub
+from tests.support.waiting import Background, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -13,17 +13,10 @@ from typing import Any
 import pytest
 
 from agent_client import Client, errors
-from tests.harness import (
-    Background,
-    Cluster,
-    acquire_req,
-    coordinator_stub,
-    is_put,
-    pass_time,
-    patch_commit,
-    queue,
-    wait_for,
-)
+from tests.support.cluster import Cluster, queue
+from tests.support.patching import is_put, patch_commit
+from tests.support.rpcs import acquire_req, coordinator_stub
+from tests.support.waiting import Background, pass_time, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

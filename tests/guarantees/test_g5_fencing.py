@@ -15,7 +15,9 @@ from agent_client import Client
 from agent_client.api import node_pb2
 from coordinator import errors as cerrors
 from coordinator.etcd.store import WatchBatch
-from tests.harness import Cluster, node_stub, wait_for
+from tests.support.cluster import Cluster
+from tests.support.rpcs import node_stub
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -15,16 +15,9 @@ import pytest
 from agent_client import Client
 from coordinator import errors as cerrors
 from coordinator.etcd.store import WatchBatch
-from tests.harness import (
-    Background,
-    Cluster,
-    acquire_req,
-    coordinator_stub,
-    pass_time,
-    queue,
-    session_alive,
-    wait_for,
-)
+from tests.support.cluster import Cluster, queue, session_alive
+from tests.support.rpcs import acquire_req, coordinator_stub
+from tests.support.waiting import Background, pass_time, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -24,15 +24,9 @@ from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.txn import Delete
-from tests.harness import (
-    Background,
-    Cluster,
-    is_delete,
-    is_put,
-    patch_method,
-    queue,
-    wait_for,
-)
+from tests.support.cluster import Cluster, queue
+from tests.support.patching import is_delete, is_put, patch_method
+from tests.support.waiting import Background, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 HOLD_S = 0.5

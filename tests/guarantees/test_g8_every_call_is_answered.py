@@ -14,16 +14,10 @@ import pytest
 
 from agent_client import Client
 from coordinator import errors as cerrors
-from tests.harness import (
-    Cluster,
-    acquire_req,
-    coordinator_stub,
-    is_delete,
-    is_put,
-    patch_commit,
-    queue,
-    wait_for,
-)
+from tests.support.cluster import Cluster, queue
+from tests.support.patching import is_delete, is_put, patch_commit
+from tests.support.rpcs import acquire_req, coordinator_stub
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

@@ -21,7 +21,8 @@ import pytest
 
 from agent_client import AsyncClient, Client, errors
 from coordinator.records import QueueEntry
-from tests.harness import Cluster, LoopThread, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import LoopThread, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 

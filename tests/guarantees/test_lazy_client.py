@@ -7,7 +7,7 @@ import pytest
 
 from agent_client import AsyncClient, Client, errors
 from coordinator.etcd.process import free_port
-from tests.harness import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 

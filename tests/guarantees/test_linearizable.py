@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 from agent_client import Client
 from coordinator.etcd.store import Snapshot
-from tests.harness import Background, Cluster, patch_method, queue, wait_for
+from tests.support.cluster import Cluster, queue
+from tests.support.patching import patch_method
+from tests.support.waiting import Background, wait_for
 
 
 def _lagging_reads(cluster: Cluster, svc: Any, lag_rev: int) -> Callable[[], None]:

@@ -13,7 +13,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator import metrics
-from tests.harness import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 

@@ -20,17 +20,13 @@ from agent_client.api import node_pb2_grpc as npb_grpc
 from coordinator import errors as cerrors
 from coordinator.records import GpuProcess
 from coordinator.txn import Put
-from tests.harness import (
-    REPO,
-    Cluster,
-    FakeDevice,
-    FakeNvml,
-    LoopThread,
-    child_env,
-    node_stub,
-    patch_commit,
-    wait_for,
-)
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.fake_nvml import FakeDevice, FakeNvml
+from tests.support.patching import patch_commit
+from tests.support.processes import child_env
+from tests.support.rpcs import node_stub
+from tests.support.waiting import LoopThread, wait_for
 
 
 def test_node_publishes_inventory_and_usage_under_its_etcd_lease(cluster: Cluster) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.harness import REPO, child_env
+from tests.support import REPO
+from tests.support.processes import child_env
 
 
 def node(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,7 +1,7 @@
 """A host has one node daemon: a second one never takes the host over, and the owner repairs its key.
 
 The exit-code case runs real ``gpucoord node`` processes; the others use in-process daemons of the
-harness (real etcd, real gRPC).
+``tests.support.cluster.Cluster`` (real etcd, real gRPC).
 """
 from __future__ import annotations
 
@@ -21,7 +21,11 @@ from coordinator.etcd.store import KV, Store
 from coordinator.node.daemon import HostTaken, NodeDaemon
 from coordinator.node.inventory import FakeGpuSource
 from coordinator.rpc.node_server import create_node_server
-from tests.harness import REPO, Cluster, child_env, patch_method, wait_for
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.patching import patch_method
+from tests.support.processes import child_env
+from tests.support.waiting import wait_for
 
 
 def spawn_node(cluster: Cluster, host: str, fake_gpus: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:

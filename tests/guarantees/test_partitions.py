@@ -18,15 +18,12 @@ import pytest
 from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import (
-    REPO,
-    Cluster,
-    LoopThread,
-    child_env,
-    coordinator_stub,
-    wait_for,
-)
 from tests.history import check_store
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.processes import child_env
+from tests.support.rpcs import coordinator_stub
+from tests.support.waiting import LoopThread, wait_for
 
 MANUAL = {
     "host": "h1", "mode": "manual", "agents": ["agent-a", "agent-b"],

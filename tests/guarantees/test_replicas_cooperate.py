@@ -17,15 +17,10 @@ from pathlib import Path
 
 from agent_client import Client
 from coordinator.keys import Keys
-from tests.harness import (
-    EtcdEndpoint,
-    LoadReport,
-    run_load,
-    spawn_coordinator,
-    spawn_node,
-    stop_process,
-    wait_for,
-)
+from tests.support.cluster import EtcdEndpoint
+from tests.support.load import LoadReport, run_load
+from tests.support.processes import spawn_coordinator, spawn_node, stop_process
+from tests.support.waiting import wait_for
 
 SLICES = 3
 SLICE_S = 3.0

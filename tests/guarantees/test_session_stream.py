@@ -16,15 +16,10 @@ from agent_client import AsyncClient, Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.limits import MAX_STREAM_CALLS
-from tests.harness import (
-    Cluster,
-    StreamCallError,
-    acquire_req,
-    patch_method,
-    queue,
-    session_call,
-    wait_for,
-)
+from tests.support.cluster import Cluster, queue
+from tests.support.patching import patch_method
+from tests.support.rpcs import StreamCallError, acquire_req, session_call
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

@@ -9,7 +9,8 @@ import pytest
 
 from agent_client import Client, errors
 from coordinator.cli.common import fetch_status
-from tests.harness import Cluster, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
 
 
 def _host(addr: str) -> dict:  # type: ignore[type-arg]

@@ -14,7 +14,9 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from tests.harness import Cluster, expect_refused, wait_for
+from tests.support.cluster import Cluster
+from tests.support.rpcs import expect_refused
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

@@ -34,18 +34,17 @@ from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import metrics
 from coordinator.cli.common import fetch_status
-from tests.harness import (
-    REPO,
-    Background,
-    Cluster,
+from tests.history import read_history
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.processes import (
     ProcessGone,
     child_env,
-    coordinator_stub,
     gpucoord_run,
-    wait_for,
     write_fake_processes,
 )
-from tests.history import read_history
+from tests.support.rpcs import coordinator_stub
+from tests.support.waiting import Background, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 

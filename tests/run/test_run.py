@@ -27,7 +27,10 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.cli.common import fetch_status
-from tests.harness import REPO, Background, Cluster, child_env, wait_for
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.processes import child_env
+from tests.support.waiting import Background, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -160,7 +163,7 @@ def test_a_child_that_ignores_sigterm_is_killed_at_its_eviction_deadline_before_
 @pytest.mark.parametrize("enforce", ["kill", "report"])
 def test_a_child_whose_wrapper_is_killed_is_killed_by_the_node_or_reported_orphaned(
         cluster: Cluster, child_py: str, tmp_path: Path, started: list[int], enforce: str) -> None:
-    ttl, scan_s = 3, 0.2   # the harness's node scans every 0.2 s
+    ttl, scan_s = 3, 0.2   # the Cluster's node scans every 0.2 s
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h1", "1x16GiB", fake_processes=str(procs_file), enforce=enforce)
     addr = cluster.start_coordinator()

@@ -1,11 +1,11 @@
-"""Fixtures of the security tests: a PKI (``tests.harness.make_pki``); ``own_etcd`` is in tests/conftest.py."""
+"""Fixtures of the security tests: a PKI (``tests.support.pki.make_pki``); ``own_etcd`` is in tests/conftest.py."""
 from __future__ import annotations
 
 from typing import Iterator
 
 import pytest
 
-from tests.harness import Pki, make_pki
+from tests.support.pki import Pki, make_pki
 
 
 @pytest.fixture(scope="module")

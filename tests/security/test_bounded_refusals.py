@@ -20,7 +20,10 @@ import pytest
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.security.tls import channel_credentials
-from tests.harness import Cluster, Pki, spawn_coordinator, stop_process, wait_for
+from tests.support.cluster import Cluster
+from tests.support.pki import Pki
+from tests.support.processes import spawn_coordinator, stop_process
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

@@ -17,7 +17,8 @@ from coordinator.etcd.process import EtcdCluster
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 from coordinator.security.etcd_auth import EtcdSecurity
-from tests.harness import REPO, child_env
+from tests.support import REPO
+from tests.support.processes import child_env
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")

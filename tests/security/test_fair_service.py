@@ -24,15 +24,11 @@ import pytest
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.security.tls import channel_credentials
-from tests.harness import (
-    REPO,
-    Cluster,
-    Pki,
-    child_env,
-    spawn_coordinator,
-    stop_process,
-    wait_for,
-)
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.pki import Pki
+from tests.support.processes import child_env, spawn_coordinator, stop_process
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -146,7 +142,7 @@ def test_one_agents_flood_leaves_another_agents_acquire_p50_within_bounds(
         ratios, limited = {}, {}
         for kind, count in (("status", 1500), ("acquire", 2000), ("open", 300)):
             quiet, _ = _acquire_p50(stub, ref, 40)
-            code = (f"import json; from tests.harness import flood; print('flooding', flush=True); "
+            code = (f"import json; from tests.support.load import flood; print('flooding', flush=True); "
                     f"print(json.dumps(flood({addr!r}, {b.ca!r}, {b.cert!r}, {b.key!r}, 'agent-b', {HOST!r}, "
                     f"{kind!r}, {count}, seconds=4)))")
             flooder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(),

@@ -22,7 +22,8 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.txn import Range
-from tests.harness import Cluster, wait_for, writes_since
+from tests.support.cluster import Cluster, writes_since
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

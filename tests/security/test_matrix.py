@@ -22,7 +22,10 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import TlsFiles, channel_credentials
 from coordinator.txn import Range
-from tests.harness import Cluster, Pki, session_call, wait_for, writes_since
+from tests.support.cluster import Cluster, writes_since
+from tests.support.pki import Pki
+from tests.support.rpcs import session_call
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

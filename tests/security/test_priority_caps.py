@@ -16,7 +16,9 @@ import pytest
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.security.tls import channel_credentials
-from tests.harness import Cluster, Pki, wait_for, writes_since
+from tests.support.cluster import Cluster, writes_since
+from tests.support.pki import Pki
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

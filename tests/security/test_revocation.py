@@ -20,7 +20,11 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import channel_credentials
-from tests.harness import REPO, Cluster, Pki, child_env, wait_for
+from tests.support import REPO
+from tests.support.cluster import Cluster
+from tests.support.pki import Pki
+from tests.support.processes import child_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

@@ -22,7 +22,8 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.records import dumps
 from coordinator.txn import Range
-from tests.harness import Cluster, pass_time, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import pass_time, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode

@@ -16,8 +16,8 @@ where base is the four layers below etcd (limits, core, security, config).
 ``agent_client`` imports nothing of ``coordinator``.
 
 The tests have a rule of their own: a test module (and a conftest) imports, of ``tests``, only the shared
-helpers (``tests.harness``, ``tests.history``, ``tests.faultlink``, ``tests.static.import_graph``), never another
-test module.
+helpers (the ``tests.support`` package, ``tests.history``, ``tests.faultlink``, ``tests.static.import_graph``), never
+another test module.
 """
 from __future__ import annotations
 
@@ -128,7 +128,12 @@ def test_no_key_is_built_or_parsed_outside_keys_py() -> None:
 
 
 # What a test may import of ``tests``: the shared helpers, never another test module or a conftest.
-TEST_HELPERS = {"tests.harness", "tests.history", "tests.faultlink", "tests.static.import_graph"}
+TEST_HELPERS = {"tests.support", "tests.history", "tests.faultlink", "tests.static.import_graph"}
+
+
+def _is_helper(module: str) -> bool:
+    """``module`` is a shared helper: one of TEST_HELPERS or a module of the ``tests.support`` package."""
+    return module in TEST_HELPERS or module.startswith("tests.support.")
 
 
 def _imports_of_tests(path: pathlib.Path) -> set[str]:
@@ -143,7 +148,7 @@ def _imports_of_tests(path: pathlib.Path) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, base]) if base else ".".join(anchor)
-            # "from tests import harness" names a module; "from tests.harness import X" names X in one
+            # "from tests import history" names a module; "from tests.history import X" names X in one
             found |= {f"{base}.{a.name}" if base in ("tests", "tests.static") else base for a in node.names}
     return {m for m in found if m == "tests" or m.startswith("tests.")}
 
@@ -152,5 +157,5 @@ def test_no_test_module_imports_another() -> None:
     files = sorted([*(REPO / "tests").rglob("test_*.py"), *(REPO / "tests").rglob("conftest.py")])
     assert len(files) > 50, "the test files were not found"
     bad = [f"{path.relative_to(REPO)} imports {mod}" for path in files
-           for mod in sorted(_imports_of_tests(path)) if mod not in TEST_HELPERS]
+           for mod in sorted(_imports_of_tests(path)) if not _is_helper(mod)]
     assert not bad, "\n".join(bad)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO
+from tests.support import REPO
 
 ROOT = Path(REPO)
 

@@ -10,7 +10,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from coordinator import metrics
 from coordinator.deploy import DASHBOARD
-from tests.harness import REPO
+from tests.support import REPO
 
 PROMQL_WORDS = {"sum", "max", "min", "avg", "by", "rate", "increase", "histogram_quantile", "le", "without"}
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.harness import REPO
+from tests.support import REPO
 
 
 def test_mypy_strict() -> None:

@@ -23,7 +23,7 @@ from coordinator.node.inventory import (
 )
 from coordinator.node.nvml import parse_pci_bus_id, sysfs_numa_node
 from coordinator.records import GpuInfo, HostInventory, dumps, loads
-from tests.harness import FakeDevice, FakeNvml
+from tests.support.fake_nvml import FakeDevice, FakeNvml
 
 GIB = 1024 * MIB
 GPU, NPU, SWITCH = (pynvml.NVML_NVLINK_DEVICE_TYPE_GPU, pynvml.NVML_NVLINK_DEVICE_TYPE_IBMNPU,

@@ -31,7 +31,7 @@ from coordinator.node.inventory import (
     read_inventory,
 )
 from coordinator.records import GpuInfo, GpuProcess, HostInventory
-from tests.harness import FakeDevice, FakeNvml, nvml_error
+from tests.support.fake_nvml import FakeDevice, FakeNvml, nvml_error
 
 GIB = 1024 * MIB
 

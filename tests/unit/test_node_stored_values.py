@@ -5,7 +5,7 @@ import json
 
 from coordinator.node.daemon import MAX_LISTED, bounded_usage
 from coordinator.node.inventory import MAX_GPU_NAME, MIB, NvmlGpuSource
-from tests.harness import FakeDevice, FakeNvml
+from tests.support.fake_nvml import FakeDevice, FakeNvml
 
 
 def test_a_long_gpu_name_is_cut_and_a_gpu_without_a_usable_uuid_is_not_offered() -> None:

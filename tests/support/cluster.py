@@ -1,0 +1,216 @@
+"""In-process services: ``Cluster`` runs real coordinators and node daemons (real gRPC on loopback, real etcd)
+in the test's process, so that starting them is cheap; its linked coordinators and nodes put their connections
+behind a ``tests.faultlink.FaultLink`` that a test cuts, slows and heals. Reads for assertions: ``queue``,
+``session_alive``, ``leaked``/``wait_no_leaks``, ``revision``/``writes_since``. ``EtcdEndpoint`` is what the
+``etcd`` fixture hands a test."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from coordinator.etcd.store import Store
+from coordinator.keys import Keys
+from coordinator.node.daemon import NodeDaemon
+from coordinator.node.enforce import Enforcer
+from coordinator.node.inventory import FakeGpuSource
+from coordinator.records import QueueEntry
+from coordinator.rpc.coordinator_server import create_server
+from coordinator.rpc.node_server import create_node_server
+from coordinator.txn import Range
+from tests.faultlink import FaultLink
+from tests.support.waiting import LoopThread, wait_for
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdEndpoint:
+    """What the ``etcd`` fixture hands a test: client endpoints and the metrics URL of the first member."""
+    endpoints: list[str]
+    metrics_url: str
+    provider: str = "process"    # or "docker IMAGE"
+
+
+# The image the docker provider of the ``etcd`` fixture runs unless GPUCOORD_TEST_ETCD_IMAGE names another.
+DEFAULT_ETCD_IMAGE = "gpucoord/etcd:3.5.1"
+
+
+class Cluster:
+    """Coordinators and node daemons of one test, all under the test's own key prefix."""
+
+    def __init__(self, endpoints: list[str], prefix: str) -> None:
+        self.endpoints = endpoints
+        self.prefix = prefix
+        self.keys = Keys(prefix)
+        self.lt = LoopThread()
+        self.store = Store(endpoints)
+        self.lt.run(self.store.connect())
+        self.coordinators: dict[str, tuple[Any, Any]] = {}
+        self.nodes: dict[str, tuple[NodeDaemon, Any, FakeGpuSource]] = {}
+        # Network faults: the link of a linked coordinator's (by its address) or node's (by host) etcd
+        # connection, and of a linked coordinator's clients (its address is that link's endpoint).
+        self.etcd_links: dict[str, FaultLink] = {}
+        self.client_links: dict[str, FaultLink] = {}
+
+    def config(self, **overrides: Any) -> CoordinatorConfig:
+        base = dict(etcd=tuple(self.endpoints), prefix=self.prefix, listen="127.0.0.1:0")
+        base.update(overrides)
+        return CoordinatorConfig(**base).validate()
+
+    def start_coordinator(self, linked: bool = False, **overrides: Any) -> str:
+        """An in-process coordinator; returns the address its clients use. ``linked``: its etcd connection
+        (``etcd_links[addr]``) and its clients' connections to it (``client_links[addr]``; it advertises that
+        link's endpoint, so the other replicas' forwarded calls take it too) each run through a FaultLink."""
+        if not linked:
+            server, port, svc = self.lt.run(create_server(self.config(**overrides)))
+            addr = f"127.0.0.1:{port}"
+            self.coordinators[addr] = (server, svc)
+            return addr
+        from coordinator.etcd.process import free_port
+        port = free_port()
+        clients, etcd = FaultLink(f"127.0.0.1:{port}", "clients"), FaultLink(self.endpoints, "etcd")
+        overrides = {"listen": f"127.0.0.1:{port}", "advertise": clients.endpoint, "etcd": tuple(etcd.endpoints),
+                     **overrides}
+        server, _, svc = self.lt.run(create_server(self.config(**overrides)))
+        addr = clients.endpoint
+        self.coordinators[addr] = (server, svc)
+        self.etcd_links[addr], self.client_links[addr] = etcd, clients
+        return addr
+
+    def service(self, addr: str) -> Any:
+        """The CoordinatorService of the in-process coordinator at ``addr``."""
+        return self.coordinators[addr][1]
+
+    def stop_coordinator(self, addr: str) -> None:
+        server, svc = self.coordinators.pop(addr)
+
+        async def stop() -> None:
+            await svc.stop()
+            await server.stop(grace=0.5)
+        self.lt.run(stop())
+        for links in (self.etcd_links, self.client_links):
+            link = links.pop(addr, None)
+            if link is not None:
+                link.close()
+
+    def start_node(self, host: str, fake_gpus: str = "1x16GiB", ttl: int = 10, heartbeat_s: float = 5.0,
+                   fake_processes: str | None = None, enforce: str = "report", over_use_tolerance_mb: int = 256,
+                   tls: Any = None, linked: bool = False,
+                   **overrides: Any) -> NodeDaemon:
+        """An in-process node daemon; ``linked``: its etcd connection runs through ``etcd_links[host]``."""
+        source = FakeGpuSource(fake_gpus, host, fake_processes)
+        endpoints = self.endpoints
+        if linked:
+            link = self.etcd_links[host] = FaultLink(self.endpoints, f"node {host}")
+            endpoints = link.endpoints
+
+        async def start() -> tuple[NodeDaemon, Any]:
+            store = Store(endpoints)
+            await store.connect()
+            daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
+                                heartbeat_s=heartbeat_s, overrides=overrides,
+                                enforcer=Enforcer(enforce, over_use_tolerance_mb))
+            server, port = await create_node_server(daemon, "127.0.0.1:0", tls)
+            daemon.address = f"127.0.0.1:{port}"
+            await daemon.start()
+            return daemon, server
+        daemon, server = self.lt.run(start())
+        self.nodes[host] = (daemon, server, source)
+        return daemon
+
+    def stop_node(self, host: str, revoke: bool = True) -> None:
+        daemon, server, _ = self.nodes.pop(host)
+
+        async def stop() -> None:
+            await server.stop(grace=0.2)
+            await daemon.stop(revoke=revoke)
+            await daemon.store.close()
+        self.lt.run(stop())
+        link = self.etcd_links.pop(host, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        for link in [*self.etcd_links.values(), *self.client_links.values()]:
+            link.heal()      # a quick shutdown: nothing waits on a cut link
+        for addr in list(self.coordinators):
+            self.stop_coordinator(addr)
+        for host in list(self.nodes):
+            self.stop_node(host)
+        self.lt.run(self.store.close())
+        self.lt.close()
+
+    # -- reads for assertions --------------------------------------------------------------------
+    def get_prefix(self, prefix: bytes) -> list[Any]:
+        return list(self.lt.run(self.store.get_prefix(prefix)).kvs)
+
+    def state(self) -> set[tuple[bytes, int]]:
+        """(key, mod_revision) of every key a coordinator writes: equal before and after means no write."""
+        out = set()
+        for kv in self.get_prefix(self.keys.root()):
+            kind, _ = self.keys.parse(kv.key)
+            if kind not in ("hosts", "usage", "coordinators", "election"):
+                out.add((kv.key, kv.mod_revision))
+        return out
+
+    def replicas(self) -> dict[str, str]:
+        """replica id -> address, of the replicas registered under ``coordinators/``."""
+        return {json.loads(kv.value)["replica"]: json.loads(kv.value)["address"]
+                for kv in self.get_prefix(self.keys.coordinators())}
+
+    def owner(self, host: str, replicas: int) -> str:
+        """The address of the replica that owns ``host`` once ``replicas`` replicas are registered."""
+        from coordinator.replica.service import owner_of
+        reps = wait_for(lambda: (lambda r: r if len(r) == replicas else None)(self.replicas()), 15,
+                        f"{replicas} replicas to register")
+        return str(reps[owner_of(host, reps)])
+
+    def leases(self) -> list[Any]:
+        from coordinator.records import VramLease
+        return [VramLease.from_kv(kv) for kv in self.get_prefix(self.keys.leases())]
+
+
+def queue(cluster: Cluster, host: str = "h1") -> list[QueueEntry]:
+    """The host's queue entries in etcd, in rank order."""
+    return [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue(host))]
+
+
+def session_alive(cluster: Cluster, agent: str, session_id: str) -> bool:
+    return bool(cluster.get_prefix(cluster.keys.session(agent, session_id)))
+
+
+def leaked(cluster: Cluster) -> list[bytes]:
+    """The leases, queue entries, eviction notices and sessions under the cluster's prefix."""
+    return [kv.key for kv in cluster.get_prefix(cluster.keys.root())
+            if cluster.keys.parse(kv.key)[0] in ("leases", "queue", "evictions", "sessions")]
+
+
+def wait_no_leaks(cluster: Cluster, within: float) -> None:
+    """The leak check that ends a fault test once every agent is gone: nothing of theirs is left in etcd."""
+    wait_for(lambda: not leaked(cluster), within, "no leaked lease, queue entry, eviction or session")
+
+
+def revision(cluster: Cluster) -> int:
+    """etcd's current revision."""
+    return int(cluster.lt.run(cluster.store.snapshot([Range(b"/")])).revision)
+
+
+def writes_since(cluster: Cluster, before: int) -> list[str]:
+    """Keys written (put or deleted) after revision ``before``, other than the node daemon's own
+    ``hosts/`` and ``usage/`` (it republishes usage by itself when leases change): on an etcd of the
+    module's own, an empty list means nothing that a request could have caused was written."""
+    now = revision(cluster)
+    if now == before:
+        return []
+
+    async def collect() -> list[tuple[str, bytes, int]]:
+        seen: list[tuple[str, bytes, int]] = []
+        async for batch in cluster.store.watch(b"/", start_revision=before + 1):
+            seen += [(ev.kind, ev.kv.key, ev.kv.mod_revision) for ev in batch.events]
+            if any(rev >= now for *_, rev in seen):
+                return seen
+        return seen
+    events = cluster.lt.run(asyncio.wait_for(collect(), 10))
+    return [f"{kind} {key.decode(errors='replace')}" for kind, key, rev in events
+            if rev <= now and cluster.keys.parse(key)[0] not in ("hosts", "usage")]

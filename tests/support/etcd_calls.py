@@ -1,0 +1,46 @@
+"""The etcd boundary: ``record_etcd_calls`` (every unary etcd call of every Store, through a client
+interceptor: etcd stays real) and ``read_only`` (etcd's own rule for a read-only Txn)."""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+import grpc
+import pytest
+
+import coordinator.etcd.store as store_module
+
+
+class EtcdCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Every unary etcd call of every Store opened while installed: (method name, request). A client
+    interceptor on the Store's own channel: etcd stays real."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        # Awaited before a call goes out, to act between two calls of one operation.
+        self.before: Callable[[str, Any], Awaitable[None]] | None = None
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        name = method.rsplit("/", 1)[-1]
+        self.calls.append((name, request))
+        if self.before is not None:
+            await self.before(name, request)
+        return await continuation(details, request)
+
+    def of(self, name: str) -> list[Any]:
+        return [req for n, req in self.calls if n == name]
+
+
+def record_etcd_calls(monkeypatch: pytest.MonkeyPatch) -> EtcdCalls:
+    calls = EtcdCalls()
+
+    def open_channel(target: str, security: Any = None) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(target, options=list(store_module.CHANNEL_OPTIONS.items()),
+                                         interceptors=[calls])
+    monkeypatch.setattr(store_module, "_open_channel", open_channel)
+    return calls
+
+
+def read_only(txn: Any) -> bool:
+    """etcd's own rule (isTxnReadonly): every op of both branches is a range."""
+    return all(op.WhichOneof("request") == "request_range" for op in (*txn.success, *txn.failure))

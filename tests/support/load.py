@@ -1,0 +1,166 @@
+"""A load of agents (``run_load``/``LoadReport``) and a flood of calls by one identity (``flood``)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from typing import Collection, Sequence
+
+import grpc
+
+from agent_client import AsyncClient, errors
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+
+# Agents doing random acquire/release cycles, each call's outcome and timing recorded: used by the replica
+# tests (throughput with one and two replicas, waits answered on time) and the nemesis run (every call must
+# end with a documented status). Agents are ``AsyncClient``s on one event loop.
+
+# What a call may end with, and stay within the contract: a grant, or one of these documented statuses.
+DOCUMENTED = {"ok", "ResourceExhausted", "Unavailable", "DeadlineExceeded", "SessionExpired", "FailedPrecondition"}
+
+
+@dataclasses.dataclass
+class LoadCall:
+    agent: str
+    wait_s: float
+    elapsed_s: float
+    outcome: str          # "ok" or the agent_client error class name
+    host: str = ""
+    ended_at: float = 0.0     # time.monotonic() when it was answered
+    lease_id: str = ""        # the lease granted ("ok")
+
+    @property
+    def late_s(self) -> float:
+        """How long after its wait the call was answered (calls with a wait only)."""
+        return self.elapsed_s - self.wait_s
+
+
+@dataclasses.dataclass
+class LoadReport:
+    calls: list[LoadCall] = dataclasses.field(default_factory=list)
+    releases: int = 0
+    open_failures: list[str] = dataclasses.field(default_factory=list)
+    expired: list[str] = dataclasses.field(default_factory=list)    # agents whose session was lost
+
+    @property
+    def granted(self) -> int:
+        return sum(1 for c in self.calls if c.outcome == "ok")
+
+    def outcomes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.calls:
+            out[c.outcome] = out.get(c.outcome, 0) + 1
+        return out
+
+    def waits(self) -> list[LoadCall]:
+        """Calls with a wait that ended by the coordinator's answer (a grant or RESOURCE_EXHAUSTED)."""
+        return [c for c in self.calls if c.wait_s > 0 and c.outcome in ("ok", "ResourceExhausted")]
+
+    def max_late_s(self) -> float:
+        return max((c.late_s for c in self.waits()), default=0.0)
+
+    def undocumented(self) -> list[LoadCall]:
+        return [c for c in self.calls if c.outcome not in DOCUMENTED]
+
+
+async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng: random.Random,
+                     sizes: Sequence[int], waits: Sequence[float], hold_s: float,
+                     low_priority: Collection[int] = ()) -> None:
+    while time.monotonic() < until:
+        vram, wait = rng.choice(sizes), rng.choice(waits)
+        t0 = time.monotonic()
+        try:
+            lease = await client.acquire(vram, wait=wait, priority=-1 if vram in low_priority else 0)
+        except errors.GpucoordError as e:
+            report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, type(e).__name__, client.host,
+                                         time.monotonic()))
+            if isinstance(e, errors.SessionExpired):
+                return
+            if not isinstance(e, errors.ResourceExhausted):
+                await asyncio.sleep(0.05)    # a fault: do not spin while it lasts
+            continue
+        report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok", client.host, time.monotonic(),
+                                     lease.id))
+        await asyncio.sleep(rng.uniform(0, hold_s))
+        try:
+            await lease.release()
+            report.releases += 1
+        except errors.GpucoordError:
+            pass   # the lease goes with the session, or was evicted
+
+
+async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str], duration_s: float, seed: int,
+                   sizes: Sequence[int] = (2000, 4000, 6000), waits: Sequence[float] = (0.0, 0.5, 2.0),
+                   hold_s: float = 0.02, agent_prefix: str = "agent", ttl: int = 10,
+                   report: LoadReport | None = None, low_priority: Collection[int] = ()) -> LoadReport:
+    """One agent per entry of ``addresses`` (the replicas that agent talks to), each on ``host`` (or the
+    hosts in turn), for ``duration_s`` seconds. Sessions are closed at the end. Requests of the sizes in
+    ``low_priority`` ask with priority -1 (they wait behind the others instead of blocking them)."""
+    report = report or LoadReport()
+    hosts = [host] if isinstance(host, str) else list(host)
+    rng = random.Random(seed)
+    clients = [AsyncClient(list(addrs), agent=f"{agent_prefix}-{i}", host=hosts[i % len(hosts)], ttl=ttl)
+               for i, addrs in enumerate(addresses)]
+    connected: list[AsyncClient] = []
+    for c in clients:
+        try:
+            await c.connect()
+            connected.append(c)
+        except errors.GpucoordError as e:
+            report.open_failures.append(f"{c.agent}: {e!r}")
+    until = time.monotonic() + duration_s
+    try:
+        await asyncio.gather(*(agent_loop(c, report, until, random.Random(rng.random()), sizes, waits, hold_s,
+                                          low_priority)
+                               for c in connected))
+    finally:
+        for c in connected:
+            if c.expired:
+                report.expired.append(c.agent)
+            try:
+                await c.close()
+            except errors.GpucoordError:
+                pass
+    return report
+
+
+# -- a flood of calls by one identity (fair service) ----------------------------------------------------------
+
+def flood(addr: str, ca: str, cert: str, key: str, agent: str, host: str, kind: str, count: int,
+          concurrency: int = 32, seconds: float = 3600.0) -> dict[str, int]:
+    """``count`` calls of ``kind`` by ``agent`` (its certificate), ``concurrency`` at a time, as fast as the
+    coordinator answers, for at most ``seconds``: ``status`` (GetStatus of ``host``, where it holds a
+    session), ``acquire`` (requests that never fit), ``open`` (OpenSession). Returns how many ended with each
+    status code. Run it in a process of its own (``python -c``), so that its work is not the test's."""
+    from coordinator.security.tls import TlsFiles, channel_credentials
+
+    async def run() -> dict[str, int]:
+        codes: dict[str, int] = {}
+        creds = channel_credentials(TlsFiles(ca, cert, key))
+        async with grpc.aio.secure_channel(addr, creds) as ch:
+            stub = pb_grpc.CoordinatorStub(ch)
+            sid = (await stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=60),
+                                          timeout=30)).session_id
+            ref = pb.SessionRef(agent=agent, session_id=sid)
+            calls = {"status": lambda: stub.GetStatus(pb.GetStatusRequest(host=host), timeout=30),
+                     "acquire": lambda: stub.Acquire(pb.AcquireRequest(session=ref, vram_mb=1 << 29), timeout=30),
+                     "open": lambda: stub.OpenSession(pb.OpenSessionRequest(agent=agent, host=host, ttl_seconds=5),
+                                                      timeout=30)}
+            left = count
+            until = time.monotonic() + seconds
+
+            async def worker() -> None:
+                nonlocal left
+                while left > 0 and time.monotonic() < until:
+                    left -= 1
+                    try:
+                        await calls[kind]()
+                        code = "OK"
+                    except grpc.aio.AioRpcError as e:
+                        code = e.code().name
+                    codes[code] = codes.get(code, 0) + 1
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return codes
+    return asyncio.run(run())
