@@ -3,7 +3,8 @@
 The contract of each operation lives here, on the ``Store`` methods (as Patroni's ``AbstractDCS`` does):
 whether it is one transaction, whether it may be retried, and which ``coordinator.errors`` it raises.
 It is built on ``aetcd`` (asyncio, native gRPC): its generated etcd stubs are used directly, on one channel
-that ``_open_channel`` builds (round robin over the members, a reconnect backoff capped at about a second).
+that ``default_channel`` builds (round robin over the members, a reconnect backoff capped at about a
+second), or the factory given to ``Store(channel=)``.
 
 It never sends a read-only transaction. etcd 3.5.0-3.5.6 crash when one is cancelled by its client deadline
 (etcd-io/etcd#14110, #14891), so a read of several ranges at one revision is a linearizable Range that fixes
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import aetcd
 import grpc
@@ -100,24 +101,29 @@ CHANNEL_OPTIONS: dict[str, str | int] = {
 }
 
 
-def _open_channel(target: str, security: EtcdSecurity) -> grpc.aio.Channel:
+ChannelFactory = Callable[[str], grpc.aio.Channel]
+"""Builds the gRPC channel to etcd for a target (``host:port``, or ``ipv4:`` and a list of them)."""
+
+
+def default_channel(security: EtcdSecurity) -> ChannelFactory:
     """The one place a gRPC channel to etcd is built: plaintext or TLS, with etcd's auth token on every
-    call when a user is configured (``etcd.auth.open_channel``)."""
-    return open_channel(target, security, list(CHANNEL_OPTIONS.items()))
+    call when a user is configured (``etcd.auth.open_channel``), and ``CHANNEL_OPTIONS``."""
+    return lambda target: open_channel(target, security, list(CHANNEL_OPTIONS.items()))
 
 
 class _Client(aetcd.Client):  # type: ignore[misc]
-    """aetcd's client, on a channel from ``_open_channel`` to a list of endpoints rather than one host:port."""
+    """aetcd's client, on a channel from the store's channel factory to a list of endpoints rather than one
+    host:port."""
 
-    def __init__(self, endpoints: Sequence[str], timeout: float, security: EtcdSecurity | None = None) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout: float, channel: ChannelFactory) -> None:
         super().__init__(host="unused", port=0, timeout=timeout)
         self._gpucoord_target = _target(endpoints)
-        self._gpucoord_security = security or EtcdSecurity()
+        self._gpucoord_channel = channel
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        self.channel = _open_channel(self._gpucoord_target, self._gpucoord_security)
+        self.channel = self._gpucoord_channel(self._gpucoord_target)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
@@ -156,7 +162,9 @@ class Store:
     """etcd as gpucoord uses it: the implementation of ``coordinator.etcd.contract.KVStore``."""
 
     def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, retry_for: float = 10.0,
-                 security: EtcdSecurity | None = None) -> None:
+                 security: EtcdSecurity | None = None, channel: ChannelFactory | None = None) -> None:
+        """``channel`` builds the channel to etcd (default: ``default_channel(security)``); a test passes one
+        that records or intercepts every call, etcd staying real."""
         if not endpoints:
             raise ValueError("etcd endpoints: at least one is needed")
         self.endpoints = list(endpoints)
@@ -168,7 +176,8 @@ class Store:
         # time, and without a quorum the read ends when ``timeout`` does, not a retry later.
         self._read_budget = max(timeout, retry_for)
         self._read_attempt = timeout / 2 if retry_for >= timeout else timeout
-        self._client = _Client(endpoints, timeout=int(max(1, timeout)), security=security)
+        self._channel = channel or default_channel(security or EtcdSecurity())
+        self._client = _Client(endpoints, timeout=int(max(1, timeout)), channel=self._channel)
         self._keepalive: KeepAliveStream | None = None
         self.closed = False
         self._answered_at = 0.0
@@ -387,7 +396,7 @@ class Store:
     async def server_versions(self) -> dict[str, str]:
         """Each endpoint's etcd version, from its Maintenance Status ("" where it did not answer)."""
         async def one(endpoint: str) -> str:
-            channel = _open_channel(_target([endpoint]), self._client._gpucoord_security)
+            channel = self._channel(_target([endpoint]))
             try:
                 resp = await rpc.MaintenanceStub(channel).Status(rpc.StatusRequest(), timeout=min(self.timeout, 5.0))
                 return str(resp.version)

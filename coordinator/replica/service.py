@@ -15,7 +15,7 @@ from coordinator import clock, errors
 from coordinator.aio import cancel_and_wait, log_failure, retry_forever
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
-from coordinator.etcd.store import Store
+from coordinator.etcd.store import ChannelFactory, Store
 from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import (
     Keys,
@@ -56,13 +56,14 @@ class Outbox(Protocol):
 class CoordinatorService:
     """The domain side of the Coordinator gRPC service (the servicer translates messages and errors)."""
 
-    def __init__(self, config: CoordinatorConfig, store: Store | None = None, advertise: str = "") -> None:
+    def __init__(self, config: CoordinatorConfig, store: Store | None = None, advertise: str = "",
+                 channel: ChannelFactory | None = None) -> None:
         keys = Keys(config.prefix)
         self.ctx = ReplicaContext(
             # A read is retried (e.g. across an etcd leader election) for at most one more etcd timeout,
             # so that a call fails within about twice the timeout when etcd has no quorum.
             store=store or Store(config.etcd, timeout=config.etcd_timeout_s, retry_for=config.etcd_timeout_s,
-                                 security=config.etcd_security()),
+                                 security=config.etcd_security(), channel=channel),
             keys=keys, config=config, replica_id=uuid.uuid4().hex[:12], advertise=advertise, mirror=Mirror(keys))
         self.config, self.keys, self.store = config, keys, self.ctx.store
         self.replica_id, self.advertise, self.mirror = self.ctx.replica_id, advertise, self.ctx.mirror

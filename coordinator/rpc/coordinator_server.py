@@ -16,6 +16,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.config import CoordinatorConfig
+from coordinator.etcd.store import ChannelFactory
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
 from coordinator.rpc import validate
@@ -185,8 +186,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.PingResponse()
 
 
-async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int, CoordinatorService]:
-    """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service)."""
+async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory | None = None,
+                        ) -> tuple[grpc.aio.Server, int, CoordinatorService]:
+    """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service).
+    ``etcd_channel``: how its store builds the channel to etcd (``Store(channel=)``; tests record calls)."""
     tls = config.tls_files()
     check_listen(config.listen, tls, config.insecure)
     # Identity, revocation, limits, authorization, bounds and audit: one interceptor, before any handler
@@ -195,7 +198,8 @@ async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int
                        config.max_streams_per_identity)
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     port = add_port(server, config.listen, tls)
-    svc = CoordinatorService(config, advertise=config.advertise or f"{config.listen.rpartition(':')[0]}:{port}")
+    svc = CoordinatorService(config, advertise=config.advertise or f"{config.listen.rpartition(':')[0]}:{port}",
+                             channel=etcd_channel)
     await svc.start()
     guard.agent_hosts = svc.agent_hosts
     servicer = CoordinatorServicer(svc, forward=tls is None)

@@ -31,12 +31,11 @@ def own_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
         yield cluster
 
 
-def test_a_snapshot_is_ranges_at_one_revision_never_a_transaction(own_etcd: EtcdCluster, lt: LoopThread,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = record_etcd_calls(monkeypatch)
+def test_a_snapshot_is_ranges_at_one_revision_never_a_transaction(own_etcd: EtcdCluster, lt: LoopThread) -> None:
+    calls = record_etcd_calls()
 
     async def go() -> None:
-        async with Store(own_etcd.endpoints) as s:
+        async with Store(own_etcd.endpoints, channel=calls.channel) as s:
             await s.put(b"/one/a", b"1")
             for i in range(3):
                 await s.put(b"/one/b/%d" % i, b"x")
@@ -56,12 +55,12 @@ def test_a_snapshot_is_ranges_at_one_revision_never_a_transaction(own_etcd: Etcd
 def test_pages_of_a_prefix_read_are_all_at_the_first_pages_revision(own_etcd: EtcdCluster, lt: LoopThread,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store_module, "PAGE_KEYS", 7)
-    calls = record_etcd_calls(monkeypatch)
+    calls = record_etcd_calls()
     prefix = b"/paged/"
     written: dict[bytes, int] = {}
 
     async def go() -> None:
-        async with Store(own_etcd.endpoints) as s, Store(own_etcd.endpoints) as writer:
+        async with Store(own_etcd.endpoints, channel=calls.channel) as s, Store(own_etcd.endpoints) as writer:
             for i in range(50):
                 written[prefix + b"%03d" % i] = await s.put(prefix + b"%03d" % i, b"v")
             n = 50
@@ -100,12 +99,12 @@ def test_a_page_larger_than_grpcs_message_limit_is_read_in_smaller_pages(own_etc
     lt.run(go())
 
 
-def test_a_snapshot_whose_revision_is_compacted_meanwhile_is_read_again(own_etcd: EtcdCluster, lt: LoopThread,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = record_etcd_calls(monkeypatch)
+def test_a_snapshot_whose_revision_is_compacted_meanwhile_is_read_again(own_etcd: EtcdCluster,
+                                                                          lt: LoopThread) -> None:
+    calls = record_etcd_calls()
 
     async def go() -> None:
-        async with Store(own_etcd.endpoints) as s, Store(own_etcd.endpoints) as other:
+        async with Store(own_etcd.endpoints, channel=calls.channel) as s, Store(own_etcd.endpoints) as other:
             await s.put(b"/cmp/a", b"1")
             compacted: list[int] = []
 
@@ -142,12 +141,11 @@ def test_commit_refuses_a_transaction_without_a_write(lt: LoopThread) -> None:
     lt.run(go())
 
 
-def test_no_read_only_transaction_leaves_a_working_coordinator(etcd: EtcdEndpoint, prefix: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_read_only_transaction_leaves_a_working_coordinator(etcd: EtcdEndpoint, prefix: str) -> None:
     """The audit of every etcd call: a coordinator, a node daemon and an agent at work send Ranges for every
     read, and only transactions that write."""
-    calls = record_etcd_calls(monkeypatch)
-    cluster = Cluster(etcd.endpoints, prefix)
+    calls = record_etcd_calls()
+    cluster = Cluster(etcd.endpoints, prefix, etcd_channel=calls.channel)
     try:
         cluster.start_node("h1", "1x8GiB")
         addr = cluster.start_coordinator()

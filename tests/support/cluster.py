@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.etcd.store import Store
+from coordinator.etcd.store import ChannelFactory, Store
 from coordinator.keys import Keys
 from coordinator.node.daemon import NodeDaemon
 from coordinator.node.enforce import Enforcer
@@ -39,12 +39,15 @@ DEFAULT_ETCD_IMAGE = "gpucoord/etcd:3.5.1"
 class Cluster:
     """Coordinators and node daemons of one test, all under the test's own key prefix."""
 
-    def __init__(self, endpoints: list[str], prefix: str) -> None:
+    def __init__(self, endpoints: list[str], prefix: str, etcd_channel: ChannelFactory | None = None) -> None:
+        """``etcd_channel``: the channel factory of every Store of the cluster (its own, its coordinators',
+        its nodes'), e.g. ``record_etcd_calls().channel``."""
         self.endpoints = endpoints
         self.prefix = prefix
         self.keys = Keys(prefix)
         self.lt = LoopThread()
-        self.store = Store(endpoints)
+        self.etcd_channel = etcd_channel
+        self.store = Store(endpoints, channel=etcd_channel)
         self.lt.run(self.store.connect())
         self.coordinators: dict[str, tuple[Any, Any]] = {}
         self.nodes: dict[str, tuple[NodeDaemon, Any, FakeGpuSource]] = {}
@@ -63,7 +66,7 @@ class Cluster:
         (``etcd_links[addr]``) and its clients' connections to it (``client_links[addr]``; it advertises that
         link's endpoint, so the other replicas' forwarded calls take it too) each run through a FaultLink."""
         if not linked:
-            server, port, svc = self.lt.run(create_server(self.config(**overrides)))
+            server, port, svc = self.lt.run(create_server(self.config(**overrides), self.etcd_channel))
             addr = f"127.0.0.1:{port}"
             self.coordinators[addr] = (server, svc)
             return addr
@@ -72,7 +75,7 @@ class Cluster:
         clients, etcd = FaultLink(f"127.0.0.1:{port}", "clients"), FaultLink(self.endpoints, "etcd")
         overrides = {"listen": f"127.0.0.1:{port}", "advertise": clients.endpoint, "etcd": tuple(etcd.endpoints),
                      **overrides}
-        server, _, svc = self.lt.run(create_server(self.config(**overrides)))
+        server, _, svc = self.lt.run(create_server(self.config(**overrides), self.etcd_channel))
         addr = clients.endpoint
         self.coordinators[addr] = (server, svc)
         self.etcd_links[addr], self.client_links[addr] = etcd, clients
@@ -106,7 +109,7 @@ class Cluster:
             endpoints = link.endpoints
 
         async def start() -> tuple[NodeDaemon, Any]:
-            store = Store(endpoints)
+            store = Store(endpoints, channel=self.etcd_channel)
             await store.connect()
             daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
                                 heartbeat_s=heartbeat_s, overrides=overrides,

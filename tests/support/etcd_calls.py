@@ -1,18 +1,18 @@
-"""The etcd boundary: ``record_etcd_calls`` (every unary etcd call of every Store, through a client
-interceptor: etcd stays real) and ``read_only`` (etcd's own rule for a read-only Txn)."""
+"""The etcd boundary: ``record_etcd_calls`` (every unary etcd call of the Stores given its channel factory,
+through a client interceptor: etcd stays real) and ``read_only`` (etcd's own rule for a read-only Txn)."""
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
 import grpc
-import pytest
 
-import coordinator.etcd.store as store_module
+from coordinator.etcd.store import CHANNEL_OPTIONS
 
 
 class EtcdCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """Every unary etcd call of every Store opened while installed: (method name, request). A client
-    interceptor on the Store's own channel: etcd stays real."""
+    """Every unary etcd call of every Store built with ``channel`` as its channel factory
+    (``Store(endpoints, channel=calls.channel)``, ``Cluster(..., etcd_channel=calls.channel)``): (method
+    name, request). A client interceptor on the Store's own channel: etcd stays real."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
@@ -30,15 +30,13 @@ class EtcdCalls(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def of(self, name: str) -> list[Any]:
         return [req for n, req in self.calls if n == name]
 
+    def channel(self, target: str) -> grpc.aio.Channel:
+        """A ``Store`` channel factory: the store's own options, with this recorder on every call."""
+        return grpc.aio.insecure_channel(target, options=list(CHANNEL_OPTIONS.items()), interceptors=[self])
 
-def record_etcd_calls(monkeypatch: pytest.MonkeyPatch) -> EtcdCalls:
-    calls = EtcdCalls()
 
-    def open_channel(target: str, security: Any = None) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(target, options=list(store_module.CHANNEL_OPTIONS.items()),
-                                         interceptors=[calls])
-    monkeypatch.setattr(store_module, "_open_channel", open_channel)
-    return calls
+def record_etcd_calls() -> EtcdCalls:
+    return EtcdCalls()
 
 
 def read_only(txn: Any) -> bool:
