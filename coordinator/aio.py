@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable, Coroutine, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +67,33 @@ async def retry_forever(what: str, body: Callable[[], Awaitable[None]], first_ba
             log.warning("%s failed (%r); starting over in %.1fs", what, e, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, max_backoff)
+
+
+T = TypeVar("T")
+
+
+async def first_of(*aws: Awaitable[T], timeout: float | None = None) -> asyncio.Future[T] | None:
+    """Run ``aws`` concurrently until the first of them ends (or ``timeout`` passes: None), then cancel the
+    others and wait until they have finished (``cancel_and_wait``). Returns the one that ended first (the
+    first given, when several ended together); its result or exception is the caller's to read. A task
+    passed in is that very task. Cancelling the caller cancels them all."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(t for t in tasks if not t.done())
+    first = next((t for t in tasks if t in done), None)
+    for t in done:
+        if t is not first and not t.cancelled():
+            t.exception()   # retrieved: only the first one's outcome is the caller's
+    return first
+
+
+async def drain(queue: asyncio.Queue[T | None]) -> AsyncIterator[T]:
+    """The items of ``queue`` as they come, until a None: a request stream's iterator (gRPC reads it while
+    the caller puts requests, and a None ends the stream)."""
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        yield item

@@ -3,23 +3,23 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict, deque
-from typing import Any, AsyncIterator, Callable
+from typing import Callable
 
 import grpc
 from aetcd import rpc
 
 from coordinator import errors
-from coordinator.aio import cancel_and_wait
+from coordinator.aio import cancel_and_wait, drain, spawn
 from coordinator.etcd.translate import translate
 
 
 class KeepAliveStream:
     """One LeaseKeepAlive stream for every etcd_lease of the process (etcd's Go client does the same)."""
 
-    def __init__(self, lease_stub: Callable[[], Any], timeout: float) -> None:
+    def __init__(self, lease_stub: Callable[[], rpc.LeaseStub], timeout: float) -> None:
         self._lease_stub = lease_stub   # etcd's Lease stub of the store's current channel
         self._timeout = timeout
-        self._requests: asyncio.Queue[Any] | None = None
+        self._requests: asyncio.Queue[rpc.LeaseKeepAliveRequest | None] | None = None
         self._waiters: dict[int, deque[asyncio.Future[int]]] = defaultdict(deque)
         self._task: asyncio.Task[None] | None = None
         self._last_response = 0.0
@@ -29,22 +29,15 @@ class KeepAliveStream:
         """``loop.time()`` of the stream's last answer."""
         return self._last_response
 
-    def _ensure_running(self) -> asyncio.Queue[Any]:
+    def _ensure_running(self) -> asyncio.Queue[rpc.LeaseKeepAliveRequest | None]:
         if self._task is None or self._task.done():
             self._requests = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._requests))
+            self._task = spawn(self._run(self._requests), "the etcd LeaseKeepAlive stream")
         assert self._requests is not None
         return self._requests
 
-    async def _run(self, requests: asyncio.Queue[Any]) -> None:
-        async def _reqs() -> AsyncIterator[Any]:
-            while True:
-                item = await requests.get()
-                if item is None:
-                    return
-                yield item
-
-        call = self._lease_stub().LeaseKeepAlive(_reqs(), wait_for_ready=True)
+    async def _run(self, requests: asyncio.Queue[rpc.LeaseKeepAliveRequest | None]) -> None:
+        call = self._lease_stub().LeaseKeepAlive(drain(requests), wait_for_ready=True)
         try:
             async for resp in call:
                 self._last_response = asyncio.get_running_loop().time()

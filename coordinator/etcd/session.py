@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from coordinator import errors
-from coordinator.aio import cancel_and_wait
+from coordinator.aio import cancel_and_wait, spawn
 from coordinator.etcd.store import Store
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class EtcdSession:
         sent = asyncio.get_running_loop().time()
         self.etcd_lease = await self.store.grant(self.ttl_s)
         self.expires_by = sent + self.ttl_s
-        self._task = asyncio.get_running_loop().create_task(self._refresh())
+        self._task = spawn(self._refresh(), f"the keepalive of {self.name}")
         return self
 
     def probe(self) -> None:
@@ -78,7 +78,7 @@ class EtcdSession:
     async def __aenter__(self) -> EtcdSession:
         return await self.open()
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def _refresh(self) -> None:

@@ -31,6 +31,7 @@ from tenacity import (
 )
 
 from coordinator import errors
+from coordinator.aio import drain
 from coordinator.etcd import _compile
 from coordinator.etcd.auth import open_channel
 from coordinator.etcd.keepalive import KeepAliveStream
@@ -439,15 +440,7 @@ class Store:
                 create.range_end = prefix_range_end(key)
             requests: asyncio.Queue[rpc.WatchRequest | None] = asyncio.Queue()
             requests.put_nowait(rpc.WatchRequest(create_request=create))
-
-            async def _reqs() -> AsyncIterator[rpc.WatchRequest]:
-                while True:
-                    item = await requests.get()  # noqa: B023 - this attempt's request queue; the stream ends before the next
-                    if item is None:
-                        return
-                    yield item
-
-            call = rpc.WatchStub(self._client.channel).Watch(_reqs(), wait_for_ready=True)
+            call = rpc.WatchStub(self._client.channel).Watch(drain(requests), wait_for_ready=True)
             try:
                 async for resp in call:
                     self._answered()

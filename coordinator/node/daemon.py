@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from coordinator import __version__, clock, errors, metrics
-from coordinator.aio import cancel_and_wait, retry_forever
+from coordinator.aio import cancel_and_wait, first_of, retry_forever, spawn
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV, GetResult, NestedResult
@@ -118,8 +118,9 @@ class NodeDaemon:
         except BaseException:
             await self.session.close()   # a daemon that may not run leaves no etcd_lease behind
             raise
-        self._tasks = [asyncio.create_task(self._registration_loop()), asyncio.create_task(self._scan_loop()),
-                       asyncio.create_task(self._watch_leases()), asyncio.create_task(self._watch_host())]
+        self._tasks = [spawn(self._registration_loop(), "the node's registration"),
+                       spawn(self._scan_loop(), "the node's scan"), spawn(self._watch_leases(), "the node's lease watch"),
+                       spawn(self._watch_host(), "the node's watch of its host key")]
         self.ready.set()
 
     async def ensure_host_free(self) -> None:
@@ -258,14 +259,7 @@ class NodeDaemon:
         new registration whenever the host key is not ours. The session refreshes itself."""
         while True:
             assert self.session is not None
-            ended = asyncio.create_task(self.session.done.wait())
-            woken = asyncio.create_task(self._wake.wait())
-            try:
-                await asyncio.wait({ended, woken}, timeout=self.ttl_s / 3, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (ended, woken):
-                    t.cancel()
-                await asyncio.gather(ended, woken, return_exceptions=True)
+            await first_of(self.session.done.wait(), self._wake.wait(), timeout=self.ttl_s / 3)
             self._wake.clear()
             try:
                 if self.session.done.is_set():

@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from coordinator import __version__
+from coordinator.aio import first_of
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
@@ -70,8 +71,6 @@ async def run_fake_hosts(store: Store, keys: Keys, prefix: str, count: int, fake
         try:
             if ready is not None:
                 ready(0)
-            stop_wait = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([stop_wait, asyncio.ensure_future(session.done.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)
+            await first_of(stop.wait(), session.done.wait())
         finally:
             await session.close()

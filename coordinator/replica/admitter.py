@@ -127,9 +127,8 @@ class HostAdmitter:
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
         # Queued requests held back only by their victims' processes: lease id -> when first (the metric).
         self._held_since: dict[str, float] = {}
-        loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self._run())
-        self._expiry = loop.create_task(self._expire_loop())
+        self._task = spawn(self._run(), f"admission rounds on {host}")
+        self._expiry = spawn(self._expire_loop(), f"queue expiry on {host}")
 
     # -- the outside -----------------------------------------------------------------------------
     async def submit(self, call: AcquireCall) -> VramLease:

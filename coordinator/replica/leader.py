@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 from coordinator import clock, errors, metrics
-from coordinator.aio import log_failure
+from coordinator.aio import first_of, spawn
 from coordinator.etcd.election import Election
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.session import EtcdSession
@@ -114,21 +114,12 @@ class Leadership:
         election = self.election = Election(session, self.keys, me)
         info = dumps({"replica": me, "address": self.ctx.advertise, "started_at": clock.wall()})
         await election.campaign(info, extra_puts=[(self.keys.coordinator(me), info)])
-        ended = asyncio.create_task(session.done.wait())
-        try:
-            while not session.done.is_set():
-                observer = asyncio.create_task(election.observe(self._on_leader))
-                await asyncio.wait({observer, ended}, return_when=asyncio.FIRST_COMPLETED)
-                if observer.done():
-                    observer.result()      # an error of the watch ends the term
-                else:
-                    observer.cancel()
-                    await asyncio.gather(observer, return_exceptions=True)
-                if not await election.holds():
-                    return    # our candidacy is gone: stand again
-        finally:
-            ended.cancel()
-            await asyncio.gather(ended, return_exceptions=True)
+        while not session.done.is_set():
+            observer = asyncio.ensure_future(election.observe(self._on_leader))
+            if await first_of(observer, session.done.wait()) is observer:
+                observer.result()      # an error of the watch ends the term
+            if not await election.holds():
+                return    # our candidacy is gone: stand again
 
     def _on_doubt(self, doubt: bool) -> None:
         """Our session's keepalives fail (etcd out of reach), or get through again."""
@@ -151,8 +142,7 @@ class Leadership:
             log.info("replica %s is the leader", me)
             # The duties fence their writes with the candidacy that won, for the whole term: a later
             # candidacy of ours (after this one was lost) must not make an old term's writes pass.
-            self._duties = asyncio.create_task(self._lead(self.election))
-            log_failure(self._duties, "leader duties")
+            self._duties = spawn(self._lead(self.election), "leader duties")
         elif leader_id != me:
             self._step_down()
 

@@ -8,6 +8,7 @@ import logging
 from typing import Any, Iterable, Sequence
 
 from coordinator import clock, errors, metrics
+from coordinator.aio import spawn
 from coordinator.etcd.election import Election
 from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV
@@ -53,7 +54,7 @@ class ReleaseCommits:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._pending.append((compares, ops, future))
         if self._task is None or self._task.done():
-            self._task = loop.create_task(self._flush())
+            self._task = spawn(self._flush(), "batched releases")
         return await asyncio.shield(future)
 
     async def _flush(self) -> None:

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from coordinator import clock, errors
-from coordinator.aio import cancel_and_wait, log_failure, retry_forever
+from coordinator.aio import cancel_and_wait, retry_forever, spawn
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
 from coordinator.etcd.store import ChannelFactory, Store
@@ -89,11 +89,11 @@ class CoordinatorService:
 
     async def start(self, leader_duties: bool = True) -> None:
         await self.store.connect()
-        self._tasks.append(log_failure(asyncio.create_task(self._watch()), "watch"))
+        self._tasks.append(spawn(self._watch(), "watch"))
         await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
         if leader_duties:
             self.leadership = Leadership(self.ctx, self.leases)
-            self._tasks.append(log_failure(asyncio.create_task(self.leadership.run()), "leadership"))
+            self._tasks.append(spawn(self.leadership.run(), "leadership"))
 
     async def stop(self) -> None:
         self._closed = True
@@ -295,7 +295,7 @@ class CoordinatorService:
                 await self.store.revoke(etcd_lease)
             except errors.GpucoordError as e:
                 log.warning("could not revoke the unused etcd_lease %x (it expires with its TTL): %s", etcd_lease, e)
-        task = asyncio.get_running_loop().create_task(revoke())
+        task = spawn(revoke(), f"revoking the unused etcd_lease {etcd_lease:x}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         await asyncio.shield(task)

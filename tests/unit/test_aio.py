@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from coordinator.aio import cancel_and_wait, spawn
+from coordinator.aio import cancel_and_wait, drain, first_of, spawn
 
 
 def test_cancel_and_wait_stops_a_task_that_loses_a_cancellation() -> None:
@@ -86,3 +86,72 @@ def test_a_spawned_task_logs_its_failure_when_it_happens(caplog: pytest.LogCaptu
     with caplog.at_level(logging.ERROR, logger="coordinator.aio"):
         asyncio.run(main())
     assert any("the test's background task died" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_first_of_returns_the_first_to_end_once_the_others_have_finished() -> None:
+    """The losers are cancelled AND finished when ``first_of`` returns: their clean-up has run."""
+    cleaned: list[str] = []
+
+    async def slow(name: str) -> str:
+        try:
+            await asyncio.sleep(10)
+            return name
+        finally:
+            await asyncio.sleep(0)      # a clean-up that itself awaits
+            cleaned.append(name)
+
+    async def quick() -> str:
+        await asyncio.sleep(0)
+        return "quick"
+
+    async def main() -> None:
+        loser = asyncio.ensure_future(slow("loser"))
+        first = await first_of(loser, quick(), slow("other"))
+        assert first is not None and first is not loser and first.result() == "quick"
+        assert sorted(cleaned) == ["loser", "other"] and loser.cancelled()
+    asyncio.run(main())
+
+
+def test_first_of_reports_which_one_ended_even_when_it_failed() -> None:
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    async def main() -> None:
+        never = asyncio.Event()
+        failing = asyncio.ensure_future(fails())
+        assert await first_of(never.wait(), failing) is failing
+        with pytest.raises(RuntimeError):
+            failing.result()
+    asyncio.run(main())
+
+
+def test_first_of_after_its_timeout_is_none_and_leaves_nothing_running() -> None:
+    async def main() -> None:
+        a, b = asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+        assert await first_of(*tasks, timeout=0.01) is None
+        assert all(t.cancelled() for t in tasks)
+    asyncio.run(main())
+
+
+def test_a_cancelled_first_of_cancels_what_it_waits_on() -> None:
+    async def main() -> None:
+        inner = asyncio.ensure_future(asyncio.Event().wait())
+        outer = asyncio.ensure_future(first_of(inner))
+        await asyncio.sleep(0)
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        assert inner.cancelled()
+    asyncio.run(main())
+
+
+def test_drain_yields_the_queue_in_order_until_none() -> None:
+    async def main() -> list[int]:
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+        for x in (1, 2, 0, 3):
+            q.put_nowait(x)        # 0 is an item like any other: only None ends the stream
+        q.put_nowait(None)
+        q.put_nowait(4)            # after the end: never read
+        return [x async for x in drain(q)]
+    assert asyncio.run(main()) == [1, 2, 0, 3]
