@@ -1,5 +1,5 @@
-"""etcd's TLS and RBAC on the wire: the channel to etcd (with the auth token on every call) and the roles
-and users of ``gpucoord etcd-setup``.
+"""The channel to etcd, and etcd's TLS and RBAC on the wire: its options, TLS, the auth token on every call,
+and the roles and users of ``gpucoord etcd-setup``.
 
 What a process presents to etcd, and which roles grant what, is configuration: it lives in
 ``coordinator.security.etcd_auth`` (``EtcdSecurity``, ``role_permissions``). This module puts it on etcd's
@@ -23,6 +23,34 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PERMISSION = {"read": rpc.Permission.READ, "readwrite": rpc.Permission.READWRITE}
+
+# Round robin over the members: a dead member leaves the rotation, so an etcd minority loss costs at most one
+# failed (and retried) call. gRPC's default reconnect backoff grows to 120 s, which once left a replica
+# unable to reach a restarted etcd for 90 s; capped at 1 s, every replica is back within about a second.
+# min_reconnect_backoff_ms is also the shortest connect timeout: plenty on the networks etcd runs on.
+# A member that hangs (SIGSTOP, a stalled VM) keeps its TCP connection open, so only a missed ping takes it
+# out of the rotation: a ping every 5 s (etcd's --grpc-keepalive-min-time; faster pings get GOAWAY) answered
+# within 1 s, also while calls are stuck on it (no limit on pings without data), drops it within ~6 s.
+CHANNEL_OPTIONS: dict[str, str | int] = {
+    "grpc.lb_policy_name": "round_robin",
+    "grpc.keepalive_time_ms": 5_000,
+    "grpc.keepalive_timeout_ms": 1_000,
+    "grpc.http2.max_pings_without_data": 0,
+    "grpc.enable_retries": 1,
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 1_000,
+    "grpc.max_reconnect_backoff_ms": 1_000,
+}
+
+
+ChannelFactory = Callable[[str], grpc.aio.Channel]
+"""Builds the gRPC channel to etcd for a target (``host:port``, or ``ipv4:`` and a list of them)."""
+
+
+def default_channel(security: EtcdSecurity) -> ChannelFactory:
+    """The one place a gRPC channel to etcd is built: plaintext or TLS, with etcd's auth token on every
+    call when a user is configured (``etcd.auth.open_channel``), and ``CHANNEL_OPTIONS``."""
+    return lambda target: open_channel(target, security, list(CHANNEL_OPTIONS.items()))
 
 
 def open_channel(target: str, security: EtcdSecurity, options: Sequence[tuple[str, str | int]]) -> grpc.aio.Channel:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
-from typing import AsyncIterator, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
 
 import aetcd
 import grpc
@@ -31,11 +30,15 @@ from tenacity import (
 )
 
 from coordinator import errors
-from coordinator.aio import drain
 from coordinator.etcd import _compile
-from coordinator.etcd.auth import open_channel
+from coordinator.etcd.auth import CHANNEL_OPTIONS, ChannelFactory, default_channel
 from coordinator.etcd.keepalive import KeepAliveStream
-from coordinator.etcd.translate import translate
+from coordinator.etcd.translate import (
+    future_revision,
+    read_may_be_retried,
+    response_too_large,
+    translate,
+)
 from coordinator.etcd.types import (
     KV,
     PrefixRead,
@@ -44,18 +47,14 @@ from coordinator.etcd.types import (
     WatchBatch,
     WatchEvent,
 )
-from coordinator.etcd.versions import (
-    MINIMUM_PRODUCTION,
-    crash_bugs,
-    format_version,
-    parse_etcd_version,
-)
-from coordinator.keys import prefix_range_end
+from coordinator.etcd.versions import log_versions
+from coordinator.etcd.watch import watch_batches
 from coordinator.security.etcd_auth import EtcdSecurity
 from coordinator.txn import Compare, Delete, Op, Put, Range, has_write
 
 # Re-exported for callers written against the store module alone.
-__all__ = ["KV", "PAGE_KEYS", "PrefixRead", "Snapshot", "Store", "TxnResult", "WatchBatch", "WatchEvent"]
+__all__ = ["CHANNEL_OPTIONS", "KV", "PAGE_KEYS", "ChannelFactory", "PrefixRead", "Snapshot", "Store", "TxnResult", "WatchBatch", "WatchEvent",
+           "default_channel"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,35 +82,6 @@ def _target(endpoints: Sequence[str]) -> str:
     return "ipv4:" + ",".join(eps)
 
 
-# Round robin over the members: a dead member leaves the rotation, so an etcd minority loss costs at most one
-# failed (and retried) call. gRPC's default reconnect backoff grows to 120 s, which once left a replica
-# unable to reach a restarted etcd for 90 s; capped at 1 s, every replica is back within about a second.
-# min_reconnect_backoff_ms is also the shortest connect timeout: plenty on the networks etcd runs on.
-# A member that hangs (SIGSTOP, a stalled VM) keeps its TCP connection open, so only a missed ping takes it
-# out of the rotation: a ping every 5 s (etcd's --grpc-keepalive-min-time; faster pings get GOAWAY) answered
-# within 1 s, also while calls are stuck on it (no limit on pings without data), drops it within ~6 s.
-CHANNEL_OPTIONS: dict[str, str | int] = {
-    "grpc.lb_policy_name": "round_robin",
-    "grpc.keepalive_time_ms": 5_000,
-    "grpc.keepalive_timeout_ms": 1_000,
-    "grpc.http2.max_pings_without_data": 0,
-    "grpc.enable_retries": 1,
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 1_000,
-    "grpc.max_reconnect_backoff_ms": 1_000,
-}
-
-
-ChannelFactory = Callable[[str], grpc.aio.Channel]
-"""Builds the gRPC channel to etcd for a target (``host:port``, or ``ipv4:`` and a list of them)."""
-
-
-def default_channel(security: EtcdSecurity) -> ChannelFactory:
-    """The one place a gRPC channel to etcd is built: plaintext or TLS, with etcd's auth token on every
-    call when a user is configured (``etcd.auth.open_channel``), and ``CHANNEL_OPTIONS``."""
-    return lambda target: open_channel(target, security, list(CHANNEL_OPTIONS.items()))
-
-
 class _Client(aetcd.Client):  # type: ignore[misc]
     """aetcd's client, on a channel from the store's channel factory to a list of endpoints rather than one
     host:port."""
@@ -130,21 +100,6 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         self.leasestub = rpc.LeaseStub(self.channel)
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
         self._connected.set()
-
-
-def _response_too_large(e: grpc.aio.AioRpcError) -> bool:
-    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")
-
-
-def _future_revision(e: grpc.aio.AioRpcError) -> bool:
-    return "future revision" in (e.details() or "")
-
-
-def _read_may_be_retried(e: BaseException) -> bool:
-    """A Range that etcd could not serve now (unavailable, or slow: a hung member) is tried again; one it
-    refused, or that its caller handles (too large, a future revision), is not."""
-    return (isinstance(e, grpc.aio.AioRpcError) and not _response_too_large(e) and not _future_revision(e)
-            and isinstance(translate(e, write=False), errors.Unavailable))
 
 
 async def _gather(coros: Iterable[Awaitable[T]]) -> list[T]:
@@ -228,7 +183,7 @@ class Store:
         budget = _call_timeout(self._read_budget, deadline)
         until = loop.time() + budget
         resp: rpc.RangeResponse = None
-        async for attempt in AsyncRetrying(retry=retry_if_exception(_read_may_be_retried),
+        async for attempt in AsyncRetrying(retry=retry_if_exception(read_may_be_retried),
                                            wait=wait_random_exponential(multiplier=0.02, max=0.5),
                                            stop=stop_before_delay(budget - 0.01), reraise=True):
             with attempt:
@@ -288,10 +243,10 @@ class Store:
             try:
                 resp = await self._range(r, deadline)
             except grpc.aio.AioRpcError as e:
-                if paged and page > 1 and _response_too_large(e):
+                if paged and page > 1 and response_too_large(e):
                     page //= 2
                     continue
-                if serializable and revision and _future_revision(e):
+                if serializable and revision and future_revision(e):
                     serializable = False
                     continue
                 raise translate(e, write=False) from e
@@ -415,62 +370,12 @@ class Store:
         except Exception as e:  # noqa: BLE001 - a check at start must not stop the start
             log.warning("could not read the etcd server version: %r", e)
             return {}
-        for endpoint, text in versions.items():
-            version = parse_etcd_version(text) if text else None
-            if version is None:
-                continue
-            bugs = crash_bugs(version)
-            if bugs:
-                log.warning("etcd %s runs %s, which has known crash bugs: %s. Run etcd %s or newer in "
-                            "production.", endpoint, format_version(version), "; ".join(bugs), MINIMUM_PRODUCTION)
-            else:
-                log.info("etcd %s runs %s", endpoint, format_version(version))
+        log_versions(versions, log)
         return versions
 
     # -- watches -------------------------------------------------------------------------------
-    async def watch(self, key: bytes, *, prefix: bool = True, start_revision: int = 0,
-                    prev_kv: bool = False) -> AsyncIterator[WatchBatch]:
-        """Watch ``key`` (a prefix by default) from ``start_revision`` (0: from now)."""
-        next_rev = start_revision
-        backoff = 0.05
-        while not self.closed:
-            create = rpc.WatchCreateRequest(key=key, start_revision=next_rev, prev_kv=prev_kv,
-                                            progress_notify=True)
-            if prefix:
-                create.range_end = prefix_range_end(key)
-            requests: asyncio.Queue[rpc.WatchRequest | None] = asyncio.Queue()
-            requests.put_nowait(rpc.WatchRequest(create_request=create))
-            call = rpc.WatchStub(self._client.channel).Watch(drain(requests), wait_for_ready=True)
-            try:
-                async for resp in call:
-                    self._answered()
-                    backoff = 0.05
-                    if resp.compact_revision:
-                        log.warning("watch on %r lost history below revision %d: resync", key, resp.compact_revision)
-                        next_rev = 0
-                        yield WatchBatch(resp.header.revision, (), resync=True)
-                        break
-                    if resp.canceled:
-                        raise errors.Unavailable(f"etcd cancelled the watch: {resp.cancel_reason}")
-                    evs = tuple(
-                        WatchEvent("DELETE" if ev.type == rpc.Event.DELETE else "PUT", _compile.kv(ev.kv),
-                                   _compile.kv(ev.prev_kv) if ev.HasField("prev_kv") else None)
-                        for ev in resp.events)
-                    # Only events move the resume point. A progress notification's revision is not trusted:
-                    # etcd before 3.5.8 can send one to a watcher still catching up (etcd-io/etcd#15220),
-                    # and resuming after it would skip the events in between.
-                    if evs:
-                        next_rev = evs[-1].kv.mod_revision + 1
-                    if evs or resp.created:
-                        if resp.created and next_rev == 0:
-                            next_rev = resp.header.revision + 1
-                        yield WatchBatch(resp.header.revision, evs)
-            except grpc.aio.AioRpcError as e:
-                if self.closed:
-                    return
-                log.info("watch on %r broke (%s); resuming from revision %d", key, e.code().name, next_rev)
-                await asyncio.sleep(backoff * (1 + random.random()))
-                backoff = min(backoff * 2, 2.0)
-            finally:
-                requests.put_nowait(None)
-                call.cancel()
+    def watch(self, key: bytes, *, prefix: bool = True, start_revision: int = 0,
+              prev_kv: bool = False) -> AsyncIterator[WatchBatch]:
+        """Watch ``key`` (a prefix by default) from ``start_revision`` (0: from now); see ``etcd.watch``."""
+        return watch_batches(lambda: self._client.channel, self._answered, lambda: self.closed, key,
+                             prefix=prefix, start_revision=start_revision, prev_kv=prev_kv)

@@ -31,3 +31,20 @@ def translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.InvalidArgument(f"etcd rejected the request: {details}")
     return errors.Unavailable(f"etcd error {code.name}: {details}")
+
+
+def response_too_large(e: grpc.aio.AioRpcError) -> bool:
+    """A response over gRPC's message limit: the read is made again in smaller pages."""
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")
+
+
+def future_revision(e: grpc.aio.AioRpcError) -> bool:
+    """A read at a revision the member has not applied yet: read again linearizably."""
+    return "future revision" in (e.details() or "")
+
+
+def read_may_be_retried(e: BaseException) -> bool:
+    """A Range that etcd could not serve now (unavailable, or slow: a hung member) is tried again; one it
+    refused, or that its caller handles (too large, a future revision), is not."""
+    return (isinstance(e, grpc.aio.AioRpcError) and not response_too_large(e) and not future_revision(e)
+            and isinstance(translate(e, write=False), errors.Unavailable))

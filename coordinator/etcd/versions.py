@@ -1,11 +1,13 @@
-"""Which etcd server versions are safe to run gpucoord against. Pure logic, no I/O.
+"""Which etcd server versions are safe to run gpucoord against. Pure logic, no I/O (``log_versions`` logs).
 
 ``up``, the test fixtures and the version check at start of the coordinator and the node daemon all
 use these two functions, so the rule lives in one place.
 """
 from __future__ import annotations
 
+import logging
 import re
+from typing import Mapping
 
 Version = tuple[int, int, int]
 
@@ -44,3 +46,18 @@ def crash_bugs(version: Version) -> list[str]:
 
 def format_version(version: Version | None) -> str:
     return "unknown" if version is None else ".".join(map(str, version))
+
+
+def log_versions(versions: Mapping[str, str], log: logging.Logger) -> None:
+    """Log each member's version (endpoint -> version text, "" when unknown) to ``log``, with a WARNING for
+    versions with known crash bugs."""
+    for endpoint, text in versions.items():
+        version = parse_etcd_version(text) if text else None
+        if version is None:
+            continue
+        bugs = crash_bugs(version)
+        if bugs:
+            log.warning("etcd %s runs %s, which has known crash bugs: %s. Run etcd %s or newer in "
+                        "production.", endpoint, format_version(version), "; ".join(bugs), MINIMUM_PRODUCTION)
+        else:
+            log.info("etcd %s runs %s", endpoint, format_version(version))
