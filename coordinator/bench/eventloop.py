@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Coroutine, Iterator, TypeVar
+from typing import Coroutine, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -29,7 +29,7 @@ def one_loop() -> Iterator[None]:
             _runner = previous
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
+def run(coro: Coroutine[object, None, T]) -> T:
     """Runs ``coro`` to completion, then cancels what it left running, as ``asyncio.run`` does, but on the
     loop of the enclosing ``one_loop`` (outside one, it is ``asyncio.run``)."""
     if _runner is None:

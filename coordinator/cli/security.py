@@ -8,7 +8,7 @@ import datetime
 import getpass
 import re
 import sys
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Mapping, TypeVar
 
 import grpc
 
@@ -21,6 +21,7 @@ from coordinator.records import dumps
 from coordinator.security import certs, etcd_auth
 from coordinator.txn import Absent, Put
 
+P = TypeVar("P", bound=argparse.ArgumentParser)
 T = TypeVar("T")
 
 
@@ -73,9 +74,9 @@ def _etcd_call(args: argparse.Namespace, body: Callable[[Store, Keys], Awaitable
     return asyncio.run(run())
 
 
-def _revoked_in_etcd(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    async def read(store: Store, keys: Keys) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
+def _revoked_in_etcd(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    async def read(store: Store, keys: Keys) -> dict[str, dict[str, object]]:
+        out: dict[str, dict[str, object]] = {}
         for kv in (await store.get_prefix(keys.revocations())).kvs:
             try:
                 doc = kv.json()
@@ -124,7 +125,7 @@ def _certs_revoke(args: argparse.Namespace) -> int:
     role, _, name = target.rpartition("/")
     now = datetime.datetime.now(datetime.timezone.utc)
 
-    def live(e: dict[str, Any]) -> bool:
+    def live(e: Mapping[str, object]) -> bool:
         try:
             return datetime.datetime.fromisoformat(str(e.get("not_after"))) > now
         except ValueError:
@@ -188,7 +189,8 @@ def cmd_etcd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
+def add_parsers(sub: argparse._SubParsersAction[P],
+                command: Callable[..., argparse.ArgumentParser]) -> None:
     """``certs`` and ``etcd-setup`` on ``sub``; ``command(sub, name, uses, **kw)`` makes a subcommand that
     takes the global options ``uses`` (coordinator.cli.main)."""
     ce = command(sub, "certs", ("etcd", "prefix"),

@@ -101,7 +101,7 @@ class NodeDaemon:
         self.last_usage: tuple[GpuUsage, ...] = ()
         # GPU processes against leases (see coordinator/node/enforce.py); report-only unless told.
         self.enforcer = enforcer or Enforcer()
-        self._published: Any = None
+        self._published: list[dict[str, object]] | None = None   # the gpus of the last usage written
         self._last_write = 0.0
         self._scan_wake = asyncio.Event()    # a lease that covered processes ended: scan now
         self._fast_until = 0.0               # scan often until then (monotonic): a lease with processes ended
