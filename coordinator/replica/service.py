@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, Awaitable, Callable, Iterable, Protocol
+from typing import Awaitable, Callable
 
 from coordinator import clock, errors
-from coordinator.aio import cancel_and_wait, retry_forever, spawn
+from coordinator.aio import cancel_and_wait, spawn
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.election import Election
 from coordinator.etcd.store import ChannelFactory, Store
-from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import (
     Keys,
     etcd_lease_from_session_id,
@@ -35,6 +34,7 @@ from coordinator.records import (
 )
 from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.follow import Follower, Outbox
 from coordinator.replica.leader import Leadership
 from coordinator.replica.leases import Leases
 from coordinator.replica.mirror import Mirror
@@ -47,13 +47,7 @@ from coordinator.txn import Exists, ModRevisionIs, NothingWrittenSince, Put, Ran
 log = logging.getLogger(__name__)
 
 
-class Outbox(Protocol):
-    """Where a session's stream takes what the service pushes to it (eviction notices, a last error)."""
-
-    def put_nowait(self, item: Any) -> None: ...
-
-
-class CoordinatorService:
+class CoordinatorService(Follower):
     """The domain side of the Coordinator gRPC service (the servicer translates messages and errors)."""
 
     def __init__(self, config: CoordinatorConfig, store: Store | None = None, advertise: str = "",
@@ -107,111 +101,6 @@ class CoordinatorService:
         for hook in self.on_stop:
             await hook()
         await self.store.close()
-
-    # -- the replica's watch ---------------------------------------------------------------------
-    async def _watch(self) -> None:
-        """One watch over the whole prefix: keeps the mirror, wakes the hosts' admitters and delivers
-        eviction notices. It never gives up: an error starts it over from a fresh read."""
-        def not_ready() -> None:
-            self.mirror.ready = False
-        await retry_forever("the replica's watch", self._watch_once, on_error=not_ready,
-                            stop=lambda: self._closed)
-
-    async def _watch_once(self) -> None:
-        snap = await self.store.get_prefix(self.keys.root())
-        self.mirror.reset(snap.kvs, snap.revision)
-        self._observe(snap.kvs, reset=True)
-        self.evictions.clear()
-        for kv in self.mirror.items("evictions"):
-            try:
-                record = EvictionRecord.from_kv(kv)
-            except InvalidRecord as e:
-                log.warning("ignoring a malformed eviction notice %r: %s", kv.key[:200], e)
-                continue
-            self.evictions[record.lease_id] = record
-        self.watch_ready.set()
-        for a in self._admitters.values():
-            a.notify()
-        for session_id in list(self._streams):
-            self._push_pending(session_id)
-        async for batch in self.store.watch(self.keys.root(), start_revision=snap.revision + 1):
-            if batch.resync:
-                self.mirror.ready = False
-                return
-            self.mirror.apply(batch)
-            self._observe([ev.kv for ev in batch.events if ev.kind == "PUT"])
-            for ev in batch.events:
-                if ev.kind != "PUT":
-                    self.observed.forget(ev.kv.key)
-            self._on_events(batch)
-
-    _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing")
-    _BY_CREATION = ("evictions", "departing")
-
-    def _observe(self, kvs: Iterable[KV], reset: bool = False) -> None:
-        """Note when we first saw each usage report and queue entry (by mod_revision), and each eviction
-        notice and departing record (by create_revision: a rewrite keeps its grace, or its bound, running)."""
-        seen: set[bytes] = set()
-        for kv in kvs:
-            try:
-                kind, _ = self.keys.parse(kv.key)
-            except ValueError:
-                continue
-            if kind in self._OBSERVED_KINDS:
-                self.observed.saw(kv.key, kv.create_revision if kind in self._BY_CREATION else kv.mod_revision)
-                seen.add(kv.key)
-        if reset:
-            self.observed.keep_only(seen)
-
-    def _on_events(self, batch: WatchBatch) -> None:
-        woken: set[str] = set()
-        for ev in batch.events:
-            try:
-                kind, parts = self.keys.parse(ev.kv.key)
-            except ValueError:
-                continue
-            if kind == "evictions" and parts:
-                if ev.kind == "PUT":
-                    try:
-                        record = EvictionRecord.from_kv(ev.kv)
-                    except (ValueError, TypeError, KeyError) as e:
-                        log.warning("ignoring a malformed eviction notice %r: %r", ev.kv.key, e)
-                        continue
-                    self.evictions[record.lease_id] = record
-                    self._deliver(record)
-                    if self.leadership is not None:
-                        self.leadership.deadline_wake.set()
-                    woken.add(record.host)
-                else:
-                    gone = self.evictions.pop(parts[0], None)
-                    if gone is not None:
-                        woken.add(gone.host)
-            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing") and parts:
-                woken.add(parts[0])
-                if kind in ("usage", "departing") and self.leadership is not None:
-                    # A report without an evicted lease's processes, or a departing record: the leader's
-                    # deadline duty may act now (G3).
-                    self.leadership.deadline_wake.set()
-            elif kind == "sessions" and ev.kind == "DELETE" and len(parts) == 2:
-                # Closed or expired (its holder died): its cached identity goes with it.
-                self._sessions.pop((parts[0], parts[1]), None)
-        for host in woken:
-            admitter = self._admitters.get(host)
-            if admitter is not None and admitter.has_waiters:
-                admitter.notify()
-
-    def _on_reach(self, ok: bool) -> None:
-        """etcd went out of reach: hand every caller to another replica (see replica/reach.py). The waiters'
-        queue entries stay ours to remove if no other replica takes them over."""
-        if ok:
-            for a in self._admitters.values():
-                a.notify()
-            return
-        err = self.reach.error()
-        for a in self._admitters.values():
-            a.hand_off(err)
-        for q in [q for qs in self._streams.values() for q in qs]:
-            q.put_nowait(err)
 
     # -- eviction notices to KeepAlive streams ---------------------------------------------------
     def register_stream(self, session_id: str, queue: Outbox) -> None:

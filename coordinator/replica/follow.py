@@ -1,0 +1,156 @@
+"""The replica's one watch over the whole prefix (``Follower``, a part of ``CoordinatorService``): it keeps
+the mirror, notes when each usage report, queue entry, notice and departing record was first seen, wakes
+the hosts' admitters, delivers eviction notices to the sessions' streams, and forgets closed sessions.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Iterable, Protocol
+
+from coordinator.aio import retry_forever
+from coordinator.etcd.store import Store
+from coordinator.etcd.types import KV, WatchBatch
+from coordinator.keys import Keys
+from coordinator.records import EvictionRecord, InvalidRecord, SessionInfo
+from coordinator.replica.admitter import HostAdmitter
+from coordinator.replica.leader import Leadership
+from coordinator.replica.mirror import Mirror
+from coordinator.replica.observed import Observed
+from coordinator.replica.reach import EtcdReach
+
+log = logging.getLogger(__name__)
+
+
+class Outbox(Protocol):
+    """Where a session's stream takes what the service pushes to it (eviction notices, a last error)."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+
+class Follower:
+    """The watch side of ``CoordinatorService``: what it reads and changes of the service is declared here."""
+
+    store: Store
+    keys: Keys
+    mirror: Mirror
+    observed: Observed
+    reach: EtcdReach
+    evictions: dict[str, EvictionRecord]
+    leadership: Leadership | None
+    watch_ready: asyncio.Event
+    _closed: bool
+    _admitters: dict[str, HostAdmitter]
+    _streams: dict[str, set[Outbox]]
+    _sessions: dict[tuple[str, str], SessionInfo]
+
+    def _deliver(self, record: EvictionRecord, only: Outbox | None = None) -> None:
+        raise NotImplementedError
+
+    def _push_pending(self, session_id: str, only: Outbox | None = None) -> None:
+        raise NotImplementedError
+
+    # -- the replica's watch ---------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """One watch over the whole prefix: keeps the mirror, wakes the hosts' admitters and delivers
+        eviction notices. It never gives up: an error starts it over from a fresh read."""
+        def not_ready() -> None:
+            self.mirror.ready = False
+        await retry_forever("the replica's watch", self._watch_once, on_error=not_ready,
+                            stop=lambda: self._closed)
+
+    async def _watch_once(self) -> None:
+        snap = await self.store.get_prefix(self.keys.root())
+        self.mirror.reset(snap.kvs, snap.revision)
+        self._observe(snap.kvs, reset=True)
+        self.evictions.clear()
+        for kv in self.mirror.items("evictions"):
+            try:
+                record = EvictionRecord.from_kv(kv)
+            except InvalidRecord as e:
+                log.warning("ignoring a malformed eviction notice %r: %s", kv.key[:200], e)
+                continue
+            self.evictions[record.lease_id] = record
+        self.watch_ready.set()
+        for a in self._admitters.values():
+            a.notify()
+        for session_id in list(self._streams):
+            self._push_pending(session_id)
+        async for batch in self.store.watch(self.keys.root(), start_revision=snap.revision + 1):
+            if batch.resync:
+                self.mirror.ready = False
+                return
+            self.mirror.apply(batch)
+            self._observe([ev.kv for ev in batch.events if ev.kind == "PUT"])
+            for ev in batch.events:
+                if ev.kind != "PUT":
+                    self.observed.forget(ev.kv.key)
+            self._on_events(batch)
+
+    _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing")
+    _BY_CREATION = ("evictions", "departing")
+
+    def _observe(self, kvs: Iterable[KV], reset: bool = False) -> None:
+        """Note when we first saw each usage report and queue entry (by mod_revision), and each eviction
+        notice and departing record (by create_revision: a rewrite keeps its grace, or its bound, running)."""
+        seen: set[bytes] = set()
+        for kv in kvs:
+            try:
+                kind, _ = self.keys.parse(kv.key)
+            except ValueError:
+                continue
+            if kind in self._OBSERVED_KINDS:
+                self.observed.saw(kv.key, kv.create_revision if kind in self._BY_CREATION else kv.mod_revision)
+                seen.add(kv.key)
+        if reset:
+            self.observed.keep_only(seen)
+
+    def _on_events(self, batch: WatchBatch) -> None:
+        woken: set[str] = set()
+        for ev in batch.events:
+            try:
+                kind, parts = self.keys.parse(ev.kv.key)
+            except ValueError:
+                continue
+            if kind == "evictions" and parts:
+                if ev.kind == "PUT":
+                    try:
+                        record = EvictionRecord.from_kv(ev.kv)
+                    except (ValueError, TypeError, KeyError) as e:
+                        log.warning("ignoring a malformed eviction notice %r: %r", ev.kv.key, e)
+                        continue
+                    self.evictions[record.lease_id] = record
+                    self._deliver(record)
+                    if self.leadership is not None:
+                        self.leadership.deadline_wake.set()
+                    woken.add(record.host)
+                else:
+                    gone = self.evictions.pop(parts[0], None)
+                    if gone is not None:
+                        woken.add(gone.host)
+            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing") and parts:
+                woken.add(parts[0])
+                if kind in ("usage", "departing") and self.leadership is not None:
+                    # A report without an evicted lease's processes, or a departing record: the leader's
+                    # deadline duty may act now (G3).
+                    self.leadership.deadline_wake.set()
+            elif kind == "sessions" and ev.kind == "DELETE" and len(parts) == 2:
+                # Closed or expired (its holder died): its cached identity goes with it.
+                self._sessions.pop((parts[0], parts[1]), None)
+        for host in woken:
+            admitter = self._admitters.get(host)
+            if admitter is not None and admitter.has_waiters:
+                admitter.notify()
+
+    def _on_reach(self, ok: bool) -> None:
+        """etcd went out of reach: hand every caller to another replica (see replica/reach.py). The waiters'
+        queue entries stay ours to remove if no other replica takes them over."""
+        if ok:
+            for a in self._admitters.values():
+                a.notify()
+            return
+        err = self.reach.error()
+        for a in self._admitters.values():
+            a.hand_off(err)
+        for q in [q for qs in self._streams.values() for q in qs]:
+            q.put_nowait(err)
