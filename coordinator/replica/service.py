@@ -32,7 +32,8 @@ from coordinator.records import (
     dumps,
     load_record,
 )
-from coordinator.replica.admitter import ADMITTER_IDLE_S, AcquireCall, HostAdmitter
+from coordinator.replica.admitter import ADMITTER_IDLE_S, HostAdmitter
+from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.follow import Follower, Outbox
 from coordinator.replica.leader import Leadership

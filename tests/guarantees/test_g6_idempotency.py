@@ -17,7 +17,7 @@ import pytest
 
 from agent_client import Client, errors
 from coordinator import errors as cerrors
-from coordinator.replica.admitter import ORPHAN_GRACE_S
+from coordinator.replica.call import ORPHAN_GRACE_S
 from tests.support.cluster import Cluster, queue
 from tests.support.patching import is_delete, is_put, patch_commit, patch_method
 from tests.support.rpcs import acquire_req, coordinator_stub

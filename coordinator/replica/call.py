@@ -1,0 +1,45 @@
+"""One acquire as the admitter of its host holds it, from its arrival to its answer."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from coordinator.records import SessionInfo, VramLease
+
+# A forwarded call whose caller went away keeps its place this long: its client retries at once.
+ORPHAN_GRACE_S = 2.0
+
+
+@dataclasses.dataclass(eq=False)
+class AcquireCall:
+    session: SessionInfo
+    vram_mb: int
+    gpu_ref: str | None
+    priority: int
+    preemptible: bool
+    request_id: str
+    lease_id: str
+    wait_s: float
+    future: asyncio.Future[VramLease]
+    arrival_ns: int = dataclasses.field(default_factory=time.time_ns)
+    deadline: float = 0.0         # monotonic
+    rank: str | None = None       # set once it is queued in etcd
+    entry_revision: int = 0       # its queue entry's mod_revision, as this replica last wrote or read it
+    forwarded: bool = False       # sent by another replica on its caller's behalf (host ownership)
+    capped: bool = True           # held to its agent's priority cap (an operator's own acquire is not)
+    cancelled_at: float | None = None   # monotonic, when its caller went away
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.wait_s
+
+    @property
+    def gone(self) -> bool:
+        """Answered already, or its caller went away. A forwarded caller that went away (the replica that
+        forwarded it died) is given ``ORPHAN_GRACE_S`` first: the client retries at once through another
+        replica with the same request_id, and its queue entry must still be there to keep its place."""
+        if not self.future.done():
+            return False
+        if self.forwarded and self.cancelled_at is not None:
+            return time.monotonic() >= self.cancelled_at + ORPHAN_GRACE_S
+        return True
