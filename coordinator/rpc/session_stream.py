@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import Message
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors, metrics
@@ -25,7 +26,7 @@ from coordinator.security.status import WireStatus, deadline_exceeded, wire_stat
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any, Any], Awaitable[Any]]
+Handler = Callable[[Message, "_CallContext"], Awaitable[Message | None]]
 
 
 class _CallContext:
@@ -47,7 +48,7 @@ class _CallContext:
     def set_trailing_metadata(self, metadata: tuple[tuple[str, bytes], ...]) -> None:
         self.trailing = metadata
 
-    def invocation_metadata(self) -> Any:
+    def invocation_metadata(self) -> grpc.aio.Metadata | None:
         return self._stream.invocation_metadata()
 
     def peer(self) -> str:
@@ -84,11 +85,11 @@ class SessionStreams:
         return AnswerQueue(cfg.stream_answers_max, cfg.stream_answer_bytes_max)
 
     async def _send(self, out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_name: str,
-                    as_notice: Callable[[pb.KeepAliveResponse], Any]) -> None:
+                    as_notice: Callable[[pb.KeepAliveResponse], Message]) -> None:
         """What a session's stream sends: the items of ``out`` until None. An error ends the stream with its
         status; an eviction notice the service pushes goes out as ``as_notice(KeepAliveResponse)``; an
         overflow of ``out`` ends it with RESOURCE_EXHAUSTED."""
-        def convert(item: Any) -> Any:
+        def convert(item: object) -> object:
             if isinstance(item, EvictionRecord):
                 return as_notice(pb.KeepAliveResponse(ttl_seconds=-1, notices=[self.notice(item)]))
             return item
@@ -129,7 +130,8 @@ class SessionStreams:
                 self.svc.unregister_stream(registered[0], out)
             metrics.SESSIONS.dec()
 
-    async def session(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    async def session(self, request_iterator: AsyncIterator[pb.SessionRequest | Refused],
+                      context: grpc.aio.ServicerContext) -> None:
         """A session's Acquire, Release and KeepAlive calls as messages, answered on the stream as they
         finish: each one goes to the handler of its unary call, runs as its own task, and is cancelled when
         its deadline passes, when the caller cancels it or when the stream ends. A session kept alive here
@@ -138,7 +140,7 @@ class SessionStreams:
         calls: dict[int, asyncio.Task[None]] = {}
         registered: list[str] = []
 
-        async def answer(call_id: int, field: str, request: Any, timeout_s: float) -> None:
+        async def answer(call_id: int, field: str, request: Message, timeout_s: float) -> None:
             method = COORDINATOR + SESSION_STREAM_CALLS[field]
             call_context = _CallContext(context)
             try:
