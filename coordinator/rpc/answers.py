@@ -27,6 +27,15 @@ log = logging.getLogger(__name__)
 _OTHER_BYTES = 256
 
 
+def reader_ended(stream: str, e: Exception) -> None:
+    """Log what ended a stream's reader of requests: at debug level when the caller left (CANCELLED), at
+    warning with the stack for anything else, which is not expected."""
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.CANCELLED:
+        log.debug("%s stream ended: the caller left (%r)", stream, e)
+    else:
+        log.warning("%s stream ended by an unexpected error: %r", stream, e, exc_info=e)
+
+
 def _size(item: object) -> int:
     byte_size = getattr(item, "ByteSize", None)
     return int(byte_size()) if callable(byte_size) else _OTHER_BYTES

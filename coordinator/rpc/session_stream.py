@@ -16,10 +16,11 @@ from google.protobuf.message import Message
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors, metrics
+from coordinator.aio import spawn
 from coordinator.limits import MAX_STREAM_CALLS
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
-from coordinator.rpc.answers import AnswerQueue, send_answers
+from coordinator.rpc.answers import AnswerQueue, reader_ended, send_answers
 from coordinator.security.authz import COORDINATOR, SESSION_STREAM_CALLS
 from coordinator.security.interceptor import Refused, audit_call
 from coordinator.security.status import WireStatus, deadline_exceeded, wire_status
@@ -116,12 +117,11 @@ class SessionStreams:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                # The caller went away (or the server is stopping): the stream just ends.
-                log.debug("keepalive stream ended: %r", e)
+                reader_ended("keepalive", e)   # the stream just ends
                 out.put_nowait(None)
 
         metrics.SESSIONS.inc()
-        reader = asyncio.get_running_loop().create_task(read())
+        reader = spawn(read(), "keepalive stream reader")
         try:
             await self._send(out, context, "KeepAlive", lambda r: r)
         finally:
@@ -168,7 +168,6 @@ class SessionStreams:
             out.put_nowait(_refusal(call_id, wire_status(error)))
 
         async def read() -> None:
-            loop = asyncio.get_running_loop()
             try:
                 async for request in request_iterator:
                     if isinstance(request, Refused):   # by the interceptor, as the unary call would be
@@ -190,8 +189,8 @@ class SessionStreams:
                             f"call_id: {MAX_STREAM_CALLS} calls already in flight on this stream; wait for "
                             "answers or open another stream", "call_id"))
                     else:
-                        calls[call_id] = loop.create_task(answer(call_id, field, getattr(request, field),
-                                                                 request.timeout_seconds))
+                        calls[call_id] = spawn(answer(call_id, field, getattr(request, field),
+                                                      request.timeout_seconds), f"session stream call {call_id}")
                 # The client has sent its last call: answer what is in flight, then end the stream.
                 while calls:
                     await asyncio.gather(*calls.values(), return_exceptions=True)
@@ -201,10 +200,10 @@ class SessionStreams:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                log.debug("session stream ended: %r", e)   # the caller went away, or the server stops
+                reader_ended("session", e)   # the stream just ends
                 out.put_nowait(None)
 
-        reader = asyncio.get_running_loop().create_task(read())
+        reader = spawn(read(), "session stream reader")
         try:
             await self._send(out, context, "Session", lambda r: pb.SessionResponse(keepalive=r))
         finally:
