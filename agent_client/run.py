@@ -288,5 +288,5 @@ class AsyncBoundProcess(Supervised):
             await self._task
 
 
-__all__ = ["DEFAULT_STOP_GRACE_S", "GROUP_EXIT_WAIT_S", "AsyncBoundProcess", "CommandOptions", "LimitPlan", "LoopRunner", "RunOptions",
-           "SessionClient", "child_env", "exit_status", "plan_limits", "prepare_cgroup"]
+__all__ = ["DEFAULT_STOP_GRACE_S", "GROUP_EXIT_WAIT_S", "AsyncBoundProcess", "CommandOptions", "LimitPlan",
+           "LoopRunner", "RunOptions", "SessionClient", "child_env", "exit_status", "plan_limits", "prepare_cgroup"]

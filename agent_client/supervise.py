@@ -14,7 +14,7 @@ import time
 from typing import Awaitable, Protocol, Sequence
 
 from agent_client import errors
-from agent_client._aio import first_of
+from agent_client._aio import first_of, spawn
 from agent_client.lease import AsyncLease, EvictionNotice
 from agent_client.process import describe_exit, exit_status
 
@@ -154,7 +154,7 @@ class Supervised:
         assert self._proc is not None and self.lease is not None
         loop = asyncio.get_running_loop()
         exited = loop.create_task(self._wait_exit())      # awaited below; never cancelled here
-        watcher = loop.create_task(self._watch_lease())   # cancelled below
+        watcher = spawn(self._watch_lease(), f"lease check of {self.cmd[0]}")   # cancelled below; a failure is logged
         killer: asyncio.TimerHandle | None = None
         lost_handled = stop_handled = False
         try:
