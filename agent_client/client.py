@@ -89,13 +89,12 @@ class AsyncClient:
         self.session_id = ""
         self.done = asyncio.Event()        # set when the session is over (closed, expired, orphaned)
         self.expired = False
-        self.session_stream = session_stream
         self._leases: dict[str, AsyncLease] = {}
         self._early_notices: dict[str, EvictionNotice] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
 
-    # -- for the keepalive and the tests: the transport's state, read through ---------------------------
+    # -- the transport's state, read through (the tests read _owner, _streams, _unary_only) --------------
     @property
     def _owner(self) -> str:
         return self._transport.owner
@@ -116,6 +115,15 @@ class AsyncClient:
     @retry_for.setter
     def retry_for(self, value: float) -> None:
         self._transport.retry_for = value
+
+    @property
+    def session_stream(self) -> bool:
+        """Whether acquires and releases go as Session stream messages (else unary calls)."""
+        return self._transport.session_stream
+
+    @session_stream.setter
+    def session_stream(self, value: bool) -> None:
+        self._transport.session_stream = value
 
     @property
     def rpc_timeout(self) -> float:
