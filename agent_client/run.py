@@ -50,6 +50,7 @@ from typing import (
     TypeVar,
 )
 
+from agent_client._aio import spawn
 from agent_client.lease import AsyncLease
 from agent_client.process import (
     LimitPlan,
@@ -238,7 +239,8 @@ class AsyncBoundProcess(Supervised):
                 os.close(go)
         self._say(f"lease {lease.id}: GPU {lease.gpu_index} ({lease.gpu_uuid}), {lease.vram_mb} MiB, token "
                   f"{lease.token}; started {self.cmd[0]} as pid {self.pid}")
-        self._task = asyncio.get_running_loop().create_task(self._supervise())
+        # Held until it ends even if the caller drops this object: the command must stay supervised.
+        self._task = spawn(self._supervise(), f"supervision of {self.cmd[0]} (pid {self.pid})")
         return self
 
     def _apply_limits(self) -> None:
