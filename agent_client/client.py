@@ -9,45 +9,35 @@ import asyncio
 import json
 import logging
 import os
-import random
 import time
 import uuid
-from typing import Any, Callable, Sequence
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typing import Mapping, Sequence, TypedDict, Unpack
 
 from agent_client import errors
+from agent_client._aio import spawn
 from agent_client._version import __version__
 from agent_client.api import coordinator_pb2 as pb
-from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.keepalive import KeepAlive
 from agent_client.lease import AsyncLease, EvictionNotice
-from agent_client.run import AsyncBoundProcess
-from agent_client.stream import SessionStream, StreamBroken
-from agent_client.tls import aio_channel, credentials
+from agent_client.run import AsyncBoundProcess, RunOptions
+from agent_client.stream import SessionStream
+from agent_client.tls import credentials
+from agent_client.transport import Transport
 
 log = logging.getLogger(__name__)
 
-# gRPC's default reconnect backoff grows to minutes: a replica back after a restart must be found again
-# well within a session TTL, so the client retries connecting at least every second.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
+class ClientOptions(TypedDict, total=False):
+    """The keyword options of ``AsyncClient`` (and of the sync ``Client``, which passes them on)."""
 
-class _ReplicaHung(Exception):
-    """A replica stopped answering health checks while an attempt waited on it."""
-
-
-_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_TO_OWNER = ("Acquire", "Release")    # calls sent to the host's owning replica first, when known
-# The calls that travel on a replica's Session stream when it serves one (the unary call otherwise).
-_STREAMED = {"Acquire": "acquire", "Release": "release"}
-# Calls in flight on a stream past which a call goes unary: a stream's answers are written one after the
-# other, where unary calls are answered side by side (a burst of waits that end together, say).
-_STREAM_IN_FLIGHT = 8
+    keepalive_interval: float | None
+    rpc_timeout: float
+    retry_for: float | None
+    attempt_timeout: float
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    session_stream: bool
 
 
 class AsyncClient:
@@ -92,156 +82,56 @@ class AsyncClient:
         self.ttl = ttl or 0                 # 0 until connected: the coordinator's default
         self._keepalive_arg = keepalive_interval
         self.keepalive_interval = keepalive_interval or max(0.5, (ttl or 10) / 4)
-        self.rpc_timeout = rpc_timeout
-        self.attempt_timeout = attempt_timeout
         self._retry_for_arg = retry_for
-        self.retry_for = retry_for if retry_for is not None else float(ttl or 10)
+        self._transport = Transport(self.addresses, self._tls, rpc_timeout, attempt_timeout,
+                                    retry_for if retry_for is not None else float(ttl or 10), session_stream)
+        self._call = self._transport.call
         self.session_id = ""
         self.done = asyncio.Event()        # set when the session is over (closed, expired, orphaned)
         self.expired = False
-        self._addr_i = 0
-        self._owner = ""        # the replica that owns our host (host ownership), as the last acquire said
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._streams: dict[str, SessionStream] = {}
-        self._unary_only: set[str] = set()    # replicas that answered the stream UNIMPLEMENTED
-        self.session_stream = session_stream
         self._leases: dict[str, AsyncLease] = {}
         self._early_notices: dict[str, EvictionNotice] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
-        self._last_refresh = 0.0
         self._connecting = asyncio.Lock()
 
-    # -- plumbing ------------------------------------------------------------------------------
-    def _channel(self, addr: str) -> grpc.aio.Channel:
-        ch = self._channels.get(addr)
-        if ch is None:
-            ch = self._channels[addr] = aio_channel(addr, self._tls, _CHANNEL_OPTIONS)
-        return ch
+    # -- the transport's state, read through (the tests read _owner, _streams, _unary_only) --------------
+    @property
+    def _owner(self) -> str:
+        return self._transport.owner
 
-    def _address(self) -> str:
-        return self.addresses[self._addr_i % len(self.addresses)]
+    @property
+    def _streams(self) -> dict[str, SessionStream]:
+        return self._transport.streams
 
-    def _stub(self) -> pb_grpc.CoordinatorStub:
-        return pb_grpc.CoordinatorStub(self._channel(self._address()))
+    @property
+    def _unary_only(self) -> set[str]:
+        return self._transport.unary_only
 
-    def _next_address(self) -> None:
-        self._addr_i = (self._addr_i + 1) % len(self.addresses)
+    @property
+    def retry_for(self) -> float:
+        """How long a call tries the replicas (default: the session TTL)."""
+        return self._transport.retry_for
 
-    def _move_from(self, addr: str) -> None:
-        """Leave ``addr`` for the next address, unless another call has moved on from it already."""
-        if self._address() == addr:
-            self._next_address()
+    @retry_for.setter
+    def retry_for(self, value: float) -> None:
+        self._transport.retry_for = value
 
-    async def _call(self, method: str, request: Any, retry_for: float | None = None,
-                    wait_left: Callable[[], float] | None = None) -> Any:
-        """A unary call with failover (see the class docstring). Only for calls that are safe to repeat.
+    @property
+    def session_stream(self) -> bool:
+        """Whether acquires and releases go as Session stream messages (else unary calls)."""
+        return self._transport.session_stream
 
-        ``request`` may be a callable that builds the request for each attempt, and ``wait_left`` says how
-        long the server may hold an attempt by design (an acquire sends the wait that is left).
-        """
-        started = time.monotonic()
-        retry_until = started + (self.retry_for if retry_for is None else retry_for)
-        give_up_at = started + self.rpc_timeout + (wait_left() if wait_left else 0.0)
-        delay = 0.05
-        while True:
-            # An acquire goes first to the replica that owns the host, when one told us (see acquire), and
-            # so does a release: the owner's admitter then hears of the room at once, not through its watch.
-            addr = self._owner if method in _TO_OWNER and self._owner else self._address()
-            req = request() if callable(request) else request
-            waiting = wait_left() if wait_left else 0.0
-            timeout = max(0.05, min(self.attempt_timeout + waiting, give_up_at - time.monotonic()))
-            try:
-                return await self._attempt(addr, method, req, timeout, probe=waiting > 0)
-            except grpc.aio.AioRpcError as e:
-                code, why = e.code(), f"{e.code().name}: {e.details()}"
-                last: errors.GpucoordError = errors.from_rpc_error(e)
-            except _ReplicaHung as e:
-                code, why = grpc.StatusCode.DEADLINE_EXCEEDED, str(e)
-                last = errors.DeadlineExceeded(f"{method}: coordinator {addr} stopped answering")
-            now = time.monotonic()
-            if code not in _FAILOVER_CODES or now + delay > min(retry_until, give_up_at - 0.1):
-                raise last from None
-            log.info("%s: coordinator %s failed (%s); trying the next one", method, addr, why)
-            if addr == self._owner:
-                self._owner = ""      # back to our own list: any replica forwards to the owner
-            self._move_from(addr)     # and not to the same replica again, if our list is at it
-            if code == grpc.StatusCode.UNAVAILABLE:
-                # Refused at once (a replica down, or all of them): back off. A timed-out attempt has
-                # waited already.
-                await asyncio.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 1.0)
+    @session_stream.setter
+    def session_stream(self, value: bool) -> None:
+        self._transport.session_stream = value
 
-    async def _attempt(self, addr: str, method: str, request: Any, timeout: float, probe: bool) -> Any:
-        """One attempt on one replica. With ``probe``, the replica's health is checked while it holds
-        the call, so that a replica that hangs (SIGSTOP, a stuck loop, packets dropped) is left within
-        two ``attempt_timeout`` rather than at the end of the wait."""
-        stream = self._streams.get(addr)
-        if method in _STREAMED and self.session_stream and addr not in self._unary_only and \
-                (stream is None or stream.in_flight < _STREAM_IN_FLIGHT):
-            try:
-                return await self._attempt_on_stream(addr, method, request, timeout, probe)
-            except StreamBroken as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                log.info("coordinator %s serves no Session stream: unary calls from now on", addr)
-                self._unary_only.add(addr)
-        call = getattr(pb_grpc.CoordinatorStub(self._channel(addr)), method)(request, timeout=timeout)
-        return await self._probed(addr, call, probe)
+    @property
+    def rpc_timeout(self) -> float:
+        return self._transport.rpc_timeout
 
-    async def _attempt_on_stream(self, addr: str, method: str, request: Any, timeout: float, probe: bool) -> Any:
-        """The attempt as a message of the Session stream to ``addr``; a stream that broke before the message
-        was sent is replaced first. A broken stream is dropped, so that the next attempt opens a new one."""
-        stream = self._streams.get(addr)
-        if stream is not None and stream.broken is not None:
-            stream.close()
-            stream = None
-        if stream is None:
-            stream = self._streams[addr] = SessionStream(self._channel(addr), addr)
-        try:
-            if not probe:
-                return await stream.call(_STREAMED[method], request, timeout)
-            return await self._probed(addr, asyncio.ensure_future(stream.call(_STREAMED[method], request, timeout)),
-                                      probe)
-        except (StreamBroken, _ReplicaHung):
-            if self._streams.get(addr) is stream:
-                del self._streams[addr]
-            stream.close()
-            raise
-
-    async def _probed(self, addr: str, call: Any, probe: bool) -> Any:
-        """Await ``call`` (a unary call, or a stream message's task), probing the replica when asked."""
-        if not probe:
-            return await call
-        hung = asyncio.get_running_loop().create_task(self._hung(addr))
-
-        def said_hung(t: asyncio.Task[bool]) -> bool:
-            return t.done() and not t.cancelled() and t.exception() is None and t.result()
-        hung.add_done_callback(lambda t: call.cancel() if said_hung(t) else None)
-        try:
-            return await call
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if said_hung(hung) and (task is None or not task.cancelling()):
-                raise _ReplicaHung(f"no answer to a health check within {self.attempt_timeout:.1f}s") from None
-            raise
-        finally:
-            hung.cancel()
-
-    async def _hung(self, addr: str) -> bool:
-        """True once the replica at ``addr`` leaves a health check unanswered for ``attempt_timeout``."""
-        stub = health_pb2_grpc.HealthStub(self._channel(addr))
-        while True:
-            await asyncio.sleep(self.attempt_timeout)
-            try:
-                await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.attempt_timeout)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return True
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    return False   # no health service there: nothing to tell from
-                # UNAVAILABLE: the connection broke, and the call fails with it by itself.
-            except Exception:   # noqa: BLE001 - e.g. the channel was closed: the call ends by itself
-                return False
+    @property
+    def attempt_timeout(self) -> float:
+        return self._transport.attempt_timeout
 
     def _ref(self) -> pb.SessionRef:
         return pb.SessionRef(agent=self.agent, session_id=self.session_id)
@@ -274,84 +164,7 @@ class AsyncClient:
             self.keepalive_interval = resp.keepalive_interval_seconds
         if self._retry_for_arg is None:
             self.retry_for = float(self.ttl)
-        self._last_refresh = time.monotonic()
-        self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
-
-    async def _keepalive(self) -> None:
-        """One KeepAlive stream; on UNAVAILABLE, the next replica, for as long as the TTL allows."""
-        while not self.done.is_set():
-            queue: asyncio.Queue[pb.KeepAliveRequest | None] = asyncio.Queue()
-
-            async def requests() -> Any:
-                while True:
-                    item = await queue.get()  # noqa: B023 - the stream's own queue, read within this iteration
-                    if item is None:
-                        return
-                    yield item
-
-            # The stream's own replica: what it moves away from when it fails. The calls share the position in
-            # the list, and may have moved on from that replica already (a failed acquire): then the
-            # keepalive follows them, rather than going on to the next address, which could be the one
-            # they left.
-            addr = self._address()
-            call = pb_grpc.CoordinatorStub(self._channel(addr)).KeepAlive(requests())
-            opened = time.monotonic()
-
-            async def ticker() -> None:
-                while True:
-                    queue.put_nowait(pb.KeepAliveRequest(session=self._ref()))  # noqa: B023 - the stream's own queue, fed within this iteration
-                    await asyncio.sleep(self.keepalive_interval)
-
-            async def read() -> None:
-                async for resp in call:  # noqa: B023 - this iteration's call; its reader is cancelled before the next
-                    if resp.ttl_seconds > 0:
-                        self._last_refresh = time.monotonic()
-                    for n in resp.notices:
-                        left = (n.grace_left_seconds if n.HasField("grace_left_seconds")
-                                else n.deadline_unix - time.time())   # an older coordinator: wall clocks
-                        self._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
-                                                     n.deadline_unix, time.monotonic() + left, n.revoke))
-
-            async def watchdog() -> None:
-                # A replica that hangs without closing its socket (SIGSTOP, a stuck loop, a partition that
-                # drops packets) never breaks the stream: no answer for two intervals means move on.
-                stale = max(1.0, 2 * self.keepalive_interval)
-                while time.monotonic() - max(self._last_refresh, opened) < stale:  # noqa: ASYNC110,B023 - this iteration's watchdog on a timestamp the reader moves; no event to wait on
-                    await asyncio.sleep(min(0.5, self.keepalive_interval / 2))
-
-            tick = asyncio.get_running_loop().create_task(ticker())
-            reader = asyncio.get_running_loop().create_task(read())
-            dog = asyncio.get_running_loop().create_task(watchdog())
-            try:
-                await asyncio.wait({reader, dog}, return_when=asyncio.FIRST_COMPLETED)
-                if reader.done():
-                    reader.result()          # raises what broke the stream
-                    self._move_from(addr)    # the server ended it: try the next replica
-                else:
-                    log.info("keepalive: no answer from %s for %.1fs; trying the next replica",
-                             addr, time.monotonic() - self._last_refresh)
-                    self._move_from(addr)
-            except grpc.aio.AioRpcError as e:
-                if errors.session_gone(e):
-                    log.warning("session %s of %s expired: %s", self.session_id, self.agent, e.details())
-                    self.expired = True
-                    self.done.set()
-                    return
-                if e.code() == grpc.StatusCode.CANCELLED and self.done.is_set():
-                    return
-                log.info("keepalive stream broke (%s); reconnecting", e.code().name)
-                self._move_from(addr)
-            finally:
-                for t in (tick, reader, dog):
-                    t.cancel()
-                queue.put_nowait(None)
-                call.cancel()
-            if time.monotonic() - self._last_refresh > self.ttl:
-                log.warning("session %s: no keepalive for longer than its TTL; it is gone", self.session_id)
-                self.expired = True
-                self.done.set()
-                return
-            await asyncio.sleep(min(0.2, self.keepalive_interval))
+        self._keepalive_task = spawn(KeepAlive(self._transport, self).run(), f"keepalive of session {self.session_id}")
 
     def _deliver(self, notice: EvictionNotice) -> None:
         lease = self._leases.get(notice.lease_id)
@@ -387,17 +200,12 @@ class AsyncClient:
         await self._close_channels()
 
     async def _close_channels(self) -> None:
-        for stream in self._streams.values():
-            stream.close()
-        self._streams.clear()
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._transport.close()
 
     async def __aenter__(self) -> AsyncClient:
         return await self.connect()
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # -- leases --------------------------------------------------------------------------------
@@ -420,7 +228,7 @@ class AsyncClient:
                                 wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
         # Host ownership: the next acquires go straight to the replica that admits on our host, saving
         # the hop through a replica that would forward them (any replica still would).
-        self._owner = resp.owner
+        self._transport.owner = resp.owner
         lease = AsyncLease(self, resp.lease)
         self._leases[lease.id] = lease
         early = self._early_notices.pop(lease.id, None)
@@ -439,7 +247,7 @@ class AsyncClient:
             session=await self._session_ref(), lease_id=lease_id, pids=list(pids), pgid=pgid))
         return bool(resp.changed)
 
-    def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> AsyncBoundProcess:
+    def run(self, cmd: Sequence[str], vram_mb: int, **options: Unpack[RunOptions]) -> AsyncBoundProcess:
         """A command bound to a new VRAM lease of this session: ``async with client.run([...], vram_mb=...)
         as proc``. See :mod:`agent_client.run` for the options and what happens on eviction."""
         return AsyncBoundProcess(self, cmd, vram_mb, **options)
@@ -448,12 +256,14 @@ class AsyncClient:
         resp: pb.GetStatusResponse = await self._call("GetStatus", pb.GetStatusRequest(host=host or ""))
         return resp
 
-    async def partition(self) -> dict[str, Any]:
+    async def partition(self) -> dict[str, object]:
         """This host's partition (spec and allocation per agent), and this agent's share of it."""
         resp = await self._call("GetPartition", pb.GetPartitionRequest(host=self.host))
-        doc: dict[str, Any] = json.loads(resp.partition_json)
+        doc: dict[str, object] = json.loads(resp.partition_json)
         doc["explicit"] = resp.explicit
-        doc["mine"] = next((a for a in doc.get("allocations", ()) if a.get("agent") == self.agent), None)
+        allocations = doc.get("allocations", ())
+        doc["mine"] = next((a for a in allocations if isinstance(a, Mapping) and a.get("agent") == self.agent),
+                           None) if isinstance(allocations, (list, tuple)) else None
         return doc
 
 

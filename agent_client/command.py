@@ -6,16 +6,16 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Any, Sequence
+from typing import Sequence, Unpack
 
 from agent_client import errors
 from agent_client.client import AsyncClient
-from agent_client.run import AsyncBoundProcess
+from agent_client.run import AsyncBoundProcess, CommandOptions
 
 
 async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd: Sequence[str], vram_mb: int,
                       *, ttl: int | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                      tls_key: str | None = None, **options: Any) -> int:
+                      tls_key: str | None = None, **options: Unpack[CommandOptions]) -> int:
     """``gpucoord run``: a session of its own, the command under a lease, SIGINT/SIGTERM/SIGHUP forwarded.
     ``tls_*`` (else ``GPUCOORD_TLS_CA/CERT/KEY``) turn on mTLS.
 

@@ -6,7 +6,7 @@ Each carries the coordinator's machine-readable ``reason`` (``SESSION_GONE``, ``
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Iterable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -76,7 +76,8 @@ _BY_CODE: dict[grpc.StatusCode, type[GpucoordError]] = {
 def error_info(e: grpc.RpcError) -> tuple[str, str]:
     """The coordinator's reason and the field at fault, from the error's rich status details; ("", "") when
     it sent none (e.g. the error came from gRPC itself)."""
-    trailing: Any = e.trailing_metadata() if callable(getattr(e, "trailing_metadata", None)) else ()
+    trailing: Iterable[tuple[str, str | bytes]] | None = \
+        e.trailing_metadata() if callable(getattr(e, "trailing_metadata", None)) else ()
     for key, value in trailing or ():
         if key != DETAILS_KEY or not isinstance(value, bytes):
             continue

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from agent_client.api import coordinator_pb2 as pb
 
@@ -61,9 +61,9 @@ class _LeaseBase:
         self.evicting = threading.Event()
         self.notice: EvictionNotice | None = None
         self.released = False
-        self._callbacks: list[Callable[[EvictionNotice], Any]] = []
+        self._callbacks: list[Callable[[EvictionNotice], object]] = []
 
-    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
+    def on_evict(self, callback: Callable[[EvictionNotice], object]) -> None:
         """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has),
         and again if a later notice supersedes it (a revoke, or an earlier deadline)."""
         self._callbacks.append(callback)
@@ -106,5 +106,5 @@ class AsyncLease(_LeaseBase):
     async def __aenter__(self) -> AsyncLease:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.release()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import signal
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 CPU_PERIOD_US = 100_000
 
@@ -107,7 +107,16 @@ def prepare_cgroup(root: str | None, name: str, mem_bytes: int, cpu_max: str) ->
     return path, notes
 
 
-def child_env(base: Mapping[str, str], lease: Any) -> dict[str, str]:
+class GrantedLease(Protocol):
+    """What the command's environment names of its lease (``AsyncLease`` has it)."""
+
+    id: str
+    gpu_uuid: str
+    token: int
+    vram_mb: int
+
+
+def child_env(base: Mapping[str, str], lease: GrantedLease) -> dict[str, str]:
     """The command's environment: ``base`` plus the lease's GPU and identity."""
     env = dict(base)
     env.update({

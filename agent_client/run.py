@@ -39,19 +39,28 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from typing import IO, Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import (
+    IO,
+    Awaitable,
+    Callable,
+    Mapping,
+    Protocol,
+    Sequence,
+    TypedDict,
+    TypeVar,
+)
 
-from agent_client import errors
+from agent_client._aio import spawn
+from agent_client.lease import AsyncLease
 from agent_client.process import (
     LimitPlan,
     child_env,
     core_ranges,
-    describe_exit,
     exit_status,
     plan_limits,
     prepare_cgroup,
 )
+from agent_client.supervise import DEFAULT_STOP_GRACE_S, GROUP_EXIT_WAIT_S, Supervised
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,9 +76,9 @@ class SessionClient(Protocol):
     expired: bool
 
     async def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
-                      wait: float = 0.0, request_id: str | None = None) -> Any: ...
+                      wait: float = 0.0, request_id: str | None = None) -> AsyncLease: ...
 
-    async def partition(self) -> dict[str, Any]: ...
+    async def partition(self) -> dict[str, object]: ...
 
     async def attach_processes(self, lease_id: str, pids: Sequence[int], pgid: int = 0) -> bool: ...
 
@@ -79,11 +88,34 @@ class LoopRunner(Protocol):
 
     def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T: ...
 
-GROUP_EXIT_WAIT_S = 10.0
-"""How long the release waits for the rest of the command's process group to exit after its SIGKILL."""
 
-DEFAULT_STOP_GRACE_S = 10.0
-"""``stop()`` (and leaving the ``with`` block early): SIGTERM, then SIGKILL after this long."""
+# A command's standard stream, as subprocess.Popen takes it: a file descriptor, a file, or None.
+Stdio = int | IO[bytes] | IO[str] | None
+
+
+class CommandOptions(TypedDict, total=False):
+    """The options of ``gpucoord run``'s command (``agent_client.command``; see ``AsyncBoundProcess``)."""
+
+    gpu: int | str | None
+    priority: int
+    preemptible: bool
+    wait: float
+    request_id: str | None
+    kill_after: float | None
+    cgroup_root: str | None
+    env: Mapping[str, str] | None
+    cwd: str | None
+    stdin: Stdio
+    stdout: Stdio
+    stderr: Stdio
+    check_interval: float | None
+
+
+class RunOptions(CommandOptions, total=False):
+    """The options of ``client.run`` (see ``AsyncBoundProcess``)."""
+
+    say: Callable[[str], None] | None
+    foreground: bool
 
 
 # Runs between fork and the command's exec: waits for the supervisor's go (the lease has recorded the
@@ -101,7 +133,7 @@ _TRAMPOLINE = (
 )
 
 
-class AsyncBoundProcess:
+class AsyncBoundProcess(Supervised):
     """A command bound to a VRAM lease of ``client``'s session. ``async with client.run(cmd, vram_mb=...)
     as proc: await proc.wait()``; see the module's docstring for what binds it.
 
@@ -113,12 +145,13 @@ class AsyncBoundProcess:
     the log).
     """
 
+    client: SessionClient
+
     def __init__(self, client: SessionClient, cmd: Sequence[str], vram_mb: int, *, gpu: int | str | None = None,
                  priority: int = 0, preemptible: bool = True, wait: float = 0.0, request_id: str | None = None,
                  kill_after: float | None = None, cgroup_root: str | None = None,
                  env: Mapping[str, str] | None = None, cwd: str | None = None,
-                 stdin: int | IO[Any] | None = None, stdout: int | IO[Any] | None = None,
-                 stderr: int | IO[Any] | None = None, check_interval: float | None = None,
+                 stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None, check_interval: float | None = None,
                  say: Callable[[str], None] | None = None, foreground: bool = False) -> None:
         if not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError("cmd: a non-empty list of strings is needed")
@@ -133,7 +166,7 @@ class AsyncBoundProcess:
         self.foreground = foreground
         self._tty = -1   # the terminal whose foreground process group we handed to the command
         self._say = say or (lambda msg: log.warning("%s", msg))
-        self.lease: Any = None   # the AsyncLease, once acquired
+        self.lease: AsyncLease | None = None   # once acquired
         self.pid = 0
         self.pgid = 0
         self.limits: LimitPlan | None = None
@@ -142,7 +175,7 @@ class AsyncBoundProcess:
         self.returncode: int | None = None   # shell style: 128+N for signal N
         self.reason = ""                     # exited | evicted | lease lost | stopped
         self.message = ""
-        self.notice: Any = None   # the EvictionNotice, once one came (the latest, if one superseded it)
+        self.notice = None   # the EvictionNotice, once one came (the latest, if one superseded it)
         self.killed_by = ""                  # "the deadline", "--kill-after" or "the revoke", when SIGKILL ended it
         self._term_at: float | None = None   # when the eviction's SIGTERM went (monotonic)
         self._forwarded: list[int] = []      # signals forwarded to the command (send_signal)
@@ -173,7 +206,7 @@ class AsyncBoundProcess:
         try:
             lease.on_evict(self._on_notice)
             mine = (await self.client.partition()).get("mine")
-            self.limits = plan_limits(mine, os.sched_getaffinity(0))
+            self.limits = plan_limits(mine if isinstance(mine, Mapping) else None, os.sched_getaffinity(0))
             name = f"gpucoord-{self.client.agent}-{lease.id}"
             self.cgroup, cg_notes = prepare_cgroup(self.cgroup_root, name, self.limits.mem_bytes, self.limits.cpu_max)
             self.not_enforced = [*self.limits.notes, *cg_notes]
@@ -188,7 +221,7 @@ class AsyncBoundProcess:
             assert self._proc is not None
             self.pid = self.pgid = self._proc.pid
             self._apply_limits()
-            self._take_terminal()
+            self._take_terminal(self.foreground, self._popen.get("stdin") is not None)
             for note in self.not_enforced:
                 self._say(f"not enforced: {note}")
             # The lease names the group before the command runs: the node never sees it unattributed.
@@ -206,7 +239,8 @@ class AsyncBoundProcess:
                 os.close(go)
         self._say(f"lease {lease.id}: GPU {lease.gpu_index} ({lease.gpu_uuid}), {lease.vram_mb} MiB, token "
                   f"{lease.token}; started {self.cmd[0]} as pid {self.pid}")
-        self._task = asyncio.get_running_loop().create_task(self._supervise())
+        # Held until it ends even if the caller drops this object: the command must stay supervised.
+        self._task = spawn(self._supervise(), f"supervision of {self.cmd[0]} (pid {self.pid})")
         return self
 
     def _apply_limits(self) -> None:
@@ -224,50 +258,6 @@ class AsyncBoundProcess:
                 self.not_enforced.append(f"the cgroup limits in {self.cgroup} are not enforced: cannot move the "
                                          f"process into it ({e.strerror or e})")
 
-    def _take_terminal(self) -> None:
-        """``foreground``: when stdin is our terminal and we are its foreground, the command becomes the
-        foreground (so it may read the terminal, and Ctrl-C reaches it directly)."""
-        if not self.foreground or self._popen.get("stdin") is not None:
-            return
-        try:
-            if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp():
-                os.tcsetpgrp(0, self.pgid)
-                self._tty = 0
-        except OSError as e:
-            log.debug("the terminal stays ours: %s", e)
-
-    def _give_terminal_back(self) -> None:
-        if self._tty < 0:
-            return
-        # We are a background process now: tcsetpgrp would stop us with SIGTTOU unless it is blocked.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
-        try:
-            os.tcsetpgrp(self._tty, os.getpgrp())
-        except OSError as e:
-            log.debug("could not take the terminal back: %s", e)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-            self._tty = -1
-
-    # -- events --------------------------------------------------------------------------------
-    def _on_notice(self, notice: Any) -> None:
-        if self.notice is None or notice.supersedes(self.notice):
-            self.notice = notice
-            self._evicted.set()
-
-    def _lose(self, why: str) -> None:
-        if not self._lost.is_set():
-            self._lost_why = why
-            self._lost.set()
-
-    def _kill(self, sig: int) -> None:
-        """Signal the whole process group (what is left of it once the leader is gone)."""
-        if self.pgid:
-            try:
-                os.killpg(self.pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
     def send_signal(self, sig: int) -> None:
         """Forward a signal to the command's process group (``gpucoord run`` does this for SIGINT, SIGTERM
         and SIGHUP)."""
@@ -275,172 +265,6 @@ class AsyncBoundProcess:
             if sig not in self._forwarded:
                 self._forwarded.append(sig)
             self._kill(sig)
-
-    async def _wait_exit(self) -> int:
-        proc = self._proc
-        assert proc is not None
-        try:
-            fd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):
-            return await asyncio.to_thread(proc.wait)
-        loop = asyncio.get_running_loop()
-        readable: asyncio.Future[None] = loop.create_future()
-        def on_readable() -> None:
-            if not readable.done():
-                readable.set_result(None)
-        loop.add_reader(fd, on_readable)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
-        return proc.wait()
-
-    async def _watch_lease(self) -> None:
-        """The lease can end without a notice (an operator's revoke, the session's expiry): check it."""
-        assert self.lease is not None
-        interval = self.check_interval or self.client.keepalive_interval
-        while True:
-            try:
-                await asyncio.wait_for(self.client.done.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
-            if self.client.done.is_set():
-                self._lose("the session expired or was revoked: the coordinator no longer keeps it alive"
-                           if self.client.expired else "the session was closed")
-                return
-            try:
-                await self.client.attach_processes(self.lease.id, [self.pid], self.pgid)
-            except errors.NotFound as e:
-                self._lose(f"the lease is gone: {e.message}")
-                return
-            except errors.GpucoordError as e:
-                log.info("lease %s: cannot check it now (%s); the session's TTL decides", self.lease.id, e)
-
-    async def _supervise(self) -> int:
-        assert self._proc is not None and self.lease is not None
-        loop = asyncio.get_running_loop()
-        exited = loop.create_task(self._wait_exit())
-        watcher = loop.create_task(self._watch_lease())
-        waits: dict[str, asyncio.Future[Any]] = {
-            n: loop.create_task(e.wait()) for n, e in (("evicted", self._evicted), ("lost", self._lost),
-                                                       ("stop", self._stop))}
-        killer: asyncio.TimerHandle | None = None
-        try:
-            while not exited.done():
-                await asyncio.wait({exited, *waits.values()}, return_when=asyncio.FIRST_COMPLETED)
-                if waits["lost"].done() and not exited.done():
-                    self._kill(signal.SIGKILL)
-                    waits["lost"] = loop.create_future()   # handled
-                if waits["evicted"].done() and not exited.done():
-                    # Handled now; a notice that supersedes this one (a revoke, an earlier deadline) sets
-                    # the event again.
-                    self._evicted.clear()
-                    waits["evicted"] = loop.create_task(self._evicted.wait())
-                    assert self.notice is not None
-                    if killer is not None:
-                        killer.cancel()
-                        killer = None
-                    killer = self._on_eviction(loop)
-                if waits["stop"].done() and not exited.done():
-                    waits["stop"] = loop.create_future()
-                    self._kill(signal.SIGTERM)
-                    grace = DEFAULT_STOP_GRACE_S if self.kill_after is None else self.kill_after
-                    if killer is None:
-                        killer = loop.call_later(grace, self._kill, signal.SIGKILL)
-            returncode = exited.result()
-        except asyncio.CancelledError:
-            # The client is shutting down under us: its session (and so the lease) is going away.
-            self._kill(signal.SIGKILL)
-            self._give_terminal_back()
-            raise
-        finally:
-            if killer is not None:
-                killer.cancel()
-            for t in (watcher, *waits.values()):
-                t.cancel()
-        self._kill(signal.SIGKILL)   # leftovers of the group: the lease is about to go
-        self._give_terminal_back()
-        # The release tells the coordinator that the processes are gone (G3): only once the whole group is.
-        await self._wait_group_gone(GROUP_EXIT_WAIT_S)
-        self.returncode = exit_status(returncode)
-        self.reason, self.message = self._outcome(returncode)
-        await self._release_and_clean()
-        return self.returncode
-
-    def _outcome(self, returncode: int) -> tuple[str, str]:
-        """Why the command ended, and one line that says what happened, by whom, and the exit status."""
-        what = f"{self.cmd[0]} (pid {self.pid}) {describe_exit(returncode)}"
-        lost = f"lease lost ({self._lost_why})" if self._lost.is_set() else ""
-        n = self.notice
-        if n is not None and n.revoke:
-            how = "SIGKILL at once" if self.killed_by == "the revoke" else "it had ended already"
-            return "revoked", f"revoked by {n.requested_by or 'an operator'}: {how}; {what}"
-        if n is not None:
-            how = f"SIGKILL at {self.killed_by}" if self.killed_by else "it ended after SIGTERM"
-            late = f"; {lost} before it exited" if lost else ""
-            return "evicted", (f"evicted by {n.requested_by or 'unknown'} ({n.reason or 'no reason given'}): "
-                               f"SIGTERM at the notice, {how}{late}; {what}")
-        if lost:
-            return "lease lost", f"{lost}: SIGKILL at once; {what}"
-        if self._stop.is_set():
-            return "stopped", f"stopped: {what}"
-        if self._forwarded:
-            sigs = ", ".join(signal.Signals(x).name for x in self._forwarded)
-            return "interrupted", f"interrupted: {sigs} forwarded to the command; {what}"
-        return "exited", what
-
-    def _on_eviction(self, loop: asyncio.AbstractEventLoop) -> asyncio.TimerHandle | None:
-        """SIGTERM now and SIGKILL at the notice's deadline (or ``kill_after`` after the SIGTERM), or, for an
-        operator's revoke, SIGKILL now. Returns the SIGKILL's timer."""
-        n = self.notice
-        if n.revoke:
-            self._kill_after_notice("the revoke")
-            return None
-        if self._term_at is None:
-            self._term_at = time.monotonic()
-            self._kill(signal.SIGTERM)
-        delay, by = n.seconds_left, "the eviction deadline"
-        if self.kill_after is not None:
-            after = self._term_at + self.kill_after - time.monotonic()
-            if after < delay:
-                delay, by = after, "--kill-after"
-        return loop.call_later(max(0.0, delay), self._kill_after_notice, by)
-
-    async def _wait_group_gone(self, timeout: float) -> None:
-        """Wait (polling, at most ``timeout``) until no process of the command's group is left."""
-        until = time.monotonic() + timeout
-        delay = 0.005
-        while self.pgid:
-            try:
-                os.killpg(self.pgid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
-                pass    # a member we may not signal (it changed its uid): still there
-            if time.monotonic() >= until:
-                log.warning("process group %d of %s is still there %.0f s after SIGKILL; releasing the lease "
-                            "anyway", self.pgid, self.cmd[0], timeout)
-                return
-            await asyncio.sleep(delay)
-            delay = min(0.05, delay * 2)
-
-    def _kill_after_notice(self, by: str) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self.killed_by = by
-        self._kill(signal.SIGKILL)
-
-    async def _release_and_clean(self) -> None:
-        if self.lease is not None and not self._lost.is_set() and not self.client.done.is_set():
-            try:
-                await self.lease.release()
-            except errors.GpucoordError as e:
-                log.warning("could not release lease %s: %s (it goes with the session)", self.lease.id, e)
-        if self.cgroup is not None:
-            try:
-                self.cgroup.rmdir()
-            except OSError as e:
-                log.debug("cgroup %s left in place: %s", self.cgroup, e)
 
     # -- waiting and stopping ------------------------------------------------------------------
     async def wait(self) -> int:
@@ -459,12 +283,12 @@ class AsyncBoundProcess:
     async def __aenter__(self) -> AsyncBoundProcess:
         return await self.start()
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         if self._task is not None and not self._task.done():
             await self.stop()
         elif self._task is not None:
             await self._task
 
 
-__all__ = ["AsyncBoundProcess", "LimitPlan", "LoopRunner", "SessionClient", "child_env", "exit_status",
-           "plan_limits", "prepare_cgroup"]
+__all__ = ["DEFAULT_STOP_GRACE_S", "GROUP_EXIT_WAIT_S", "AsyncBoundProcess", "CommandOptions", "LimitPlan",
+           "LoopRunner", "RunOptions", "SessionClient", "child_env", "exit_status", "plan_limits", "prepare_cgroup"]

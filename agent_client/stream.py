@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
+from agent_client._aio import spawn
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.errors import DETAILS_KEY
@@ -46,14 +47,13 @@ class SessionStream:
         self._ids = itertools.count(1)
         self._writing = asyncio.Lock()   # gRPC takes one write at a time
         self.broken: StreamBroken | None = None
-        self._cancels: set[asyncio.Task[None]] = set()
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._reader = spawn(self._read(), f"session stream reader of {address}")
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
 
-    async def call(self, field: str, request: Any, timeout: float) -> Any:
+    async def call(self, field: str, request: Message, timeout: float) -> Message:
         """``field``: acquire or release. The answer, or the error the unary call would have raised."""
         if self.broken is not None:
             raise self.broken
@@ -88,14 +88,12 @@ class SessionStream:
         except Exception as e:   # noqa: BLE001 - e.g. the call is already over
             raise self._fail(e) from None
 
-    def _drop(self, call_id: int, sent: bool, future: asyncio.Future[Any]) -> None:
+    def _drop(self, call_id: int, sent: bool, future: asyncio.Future[pb.SessionResponse]) -> None:
         """The caller gave up on a call (its deadline, or a cancel): the server is told to drop it, as it
         drops a unary call whose client cancels it or whose deadline passes."""
         answered = future.done() and not future.cancelled()   # (a cancelled await cancels the future)
         if sent and self.broken is None and not answered:
-            task = asyncio.get_running_loop().create_task(self._cancel(call_id))
-            self._cancels.add(task)
-            task.add_done_callback(self._cancels.discard)
+            spawn(self._cancel(call_id), f"cancel of call {call_id} on the session stream to {self.address}")
 
     async def _cancel(self, call_id: int) -> None:
         try:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar, Unpack
 
 from agent_client import errors
 from agent_client.api import coordinator_pb2 as pb
-from agent_client.client import AsyncClient
+from agent_client.client import AsyncClient, ClientOptions
 from agent_client.lease import AsyncLease, EvictionNotice
-from agent_client.run import AsyncBoundProcess, LoopRunner
+from agent_client.run import AsyncBoundProcess, LoopRunner, RunOptions
 
 T = TypeVar("T")
 
@@ -30,7 +30,7 @@ class Lease:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def on_evict(self, callback: Callable[[EvictionNotice], Any]) -> None:
+    def on_evict(self, callback: Callable[[EvictionNotice], object]) -> None:
         """``callback(notice)`` runs in its own thread, so it may call ``release()`` (which waits on the
         client's event loop) without blocking the loop that delivers notices."""
         def in_thread(notice: EvictionNotice) -> None:
@@ -50,7 +50,7 @@ class Lease:
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -60,13 +60,14 @@ class Client:
     ``with`` is optional: the first call that needs a session opens it, and ``close()`` ends it."""
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
-                 **kw: Any) -> None:
+                 **kw: Unpack[ClientOptions]) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"gpucoord-{agent}", daemon=True)
         self._thread.start()
         self._async: AsyncClient = self._run(self._make(addresses, agent, host, ttl, kw))
 
-    async def _make(self, addresses: Any, agent: str, host: str, ttl: int | None, kw: dict[str, Any]) -> AsyncClient:
+    async def _make(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None,
+                    kw: ClientOptions) -> AsyncClient:
         return AsyncClient(addresses, agent, host, ttl, **kw)
 
     def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
@@ -107,12 +108,12 @@ class Client:
     def status(self, host: str | None = None) -> pb.GetStatusResponse:
         return self._run(self._async.status(host))
 
-    def run(self, cmd: Sequence[str], vram_mb: int, **options: Any) -> BoundProcess:
+    def run(self, cmd: Sequence[str], vram_mb: int, **options: Unpack[RunOptions]) -> BoundProcess:
         """``with client.run(["python", "train.py"], vram_mb=4096) as proc: proc.wait()``: the command runs
         under a new VRAM lease of this session (see :mod:`agent_client.run`)."""
         return BoundProcess(self, self._async.run(cmd, vram_mb, **options))
 
-    def partition(self) -> dict[str, Any]:
+    def partition(self) -> dict[str, object]:
         return self._run(self._async.partition())
 
     def close(self) -> None:
@@ -140,7 +141,7 @@ class Client:
     def __enter__(self) -> Client:
         return self.connect()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -170,5 +171,5 @@ class BoundProcess:
     def __enter__(self) -> BoundProcess:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._client._run(self.inner.__aexit__(*exc))

@@ -7,7 +7,7 @@ All three or none; none means plaintext (a coordinator on loopback in dev mode).
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import grpc
 
@@ -35,7 +35,7 @@ def credentials(ca: str | None = None, cert: str | None = None, key: str | None 
 
 
 def aio_channel(address: str, creds: grpc.ChannelCredentials | None,
-                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+                options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Channel:
     if creds is None:
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, creds, options=list(options))

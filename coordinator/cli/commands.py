@@ -8,7 +8,7 @@ import json
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.cli.common import (
     EXIT_HOST_TAKEN,
@@ -25,6 +25,9 @@ from coordinator.cli.common import (
     rpc_error,
 )
 from coordinator.cli.render import render_partition, render_status
+
+if TYPE_CHECKING:
+    from coordinator.etcd.store import Store
 
 _TLS_HINT = "give readable PEM files with --tls-ca, --tls-cert and --tls-key (or GPUCOORD_TLS_CA/CERT/KEY)"
 
@@ -132,7 +135,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fake_hosts(args: argparse.Namespace, store: Any, prefix: str) -> int:
+def _fake_hosts(args: argparse.Namespace, store: Store, prefix: str) -> int:
     from coordinator.keys import Keys
     from coordinator.node.fake_hosts import run_fake_hosts
     if args.fake_gpus is None:

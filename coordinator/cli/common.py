@@ -6,7 +6,17 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+if TYPE_CHECKING:
+    import argparse
+
+    import grpc
+    from google.protobuf.descriptor import Descriptor
+    from google.protobuf.message import Message
+
+    from agent_client.api import coordinator_pb2_grpc as pb_grpc
+    from coordinator.security.tls import TlsFiles
 
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
 DEFAULT_ETCD = "127.0.0.1:2379"
@@ -47,7 +57,7 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def _run_until_signal(main: Any) -> None:
+def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Run ``main(stop_event)`` until SIGINT/SIGTERM sets the event."""
     async def runner() -> None:
         stop = asyncio.Event()
@@ -59,7 +69,7 @@ def _run_until_signal(main: Any) -> None:
         runner_.run(runner())
 
 
-def _loop_factory() -> Any:
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop where it is installed: a gRPC call costs the coordinator about a sixth less CPU
     on it (measured with an empty unary RPC). asyncio's own loop otherwise."""
     try:
@@ -73,7 +83,7 @@ def _ready_line(kind: str, port: int) -> None:
     print(f"READY {kind} port={port}", flush=True)
 
 
-def _stub(address: str, tls: Any = None) -> Any:
+def _stub(address: str, tls: TlsFiles | None = None) -> pb_grpc.CoordinatorStub:
     from agent_client.api import coordinator_pb2_grpc as pb_grpc
     from coordinator.security.tls import TlsError, sync_channel
     try:
@@ -83,7 +93,7 @@ def _stub(address: str, tls: Any = None) -> Any:
         raise CliError(str(e), "give readable PEM files with --tls-ca, --tls-cert and --tls-key") from e
 
 
-def _client_tls(args: Any) -> Any:
+def _client_tls(args: argparse.Namespace) -> TlsFiles | None:
     """The operator's TLS files: --tls-* flags, else GPUCOORD_TLS_CA/CERT/KEY; None for plaintext."""
     from coordinator.security.tls import TlsError, from_args
     try:
@@ -101,7 +111,7 @@ _HINTS = {
 }
 
 
-def rpc_error(e: Any, address: str) -> CliError:
+def rpc_error(e: grpc.RpcError, address: str) -> CliError:
     """A gRPC error of a call to the coordinator at ``address`` as a ``CliError``: exit 3 when it could not
     be reached, 1 when it answered with a refusal."""
     code = e.code().name
@@ -113,11 +123,11 @@ def rpc_error(e: Any, address: str) -> CliError:
     return CliError(f"{code}: {details}", _HINTS.get(code, ""), EXIT_REFUSED)
 
 
-def host_overrides(cpus: int | None, mem: str | None, disk: str | None) -> dict[str, Any]:
+def host_overrides(cpus: int | None, mem: str | None, disk: str | None) -> dict[str, object]:
     """``--fake-cpus/--fake-mem/--fake-disk`` as inventory overrides; ValueError naming the flag."""
     from coordinator.policy.partition import PartitionError, parse_size
 
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, object] = {}
     try:
         if cpus is not None:
             if cpus < 1:
@@ -132,13 +142,13 @@ def host_overrides(cpus: int | None, mem: str | None, disk: str | None) -> dict[
     return overrides
 
 
-def fetch_status(address: str, host: str = "", tls: Any = None) -> dict[str, Any]:
+def fetch_status(address: str, host: str = "", tls: TlsFiles | None = None) -> dict[str, Any]:
     from agent_client.api import coordinator_pb2 as pb
     resp = _stub(address, tls).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
     return message_to_json(resp)
 
 
-def message_to_json(message: Any) -> dict[str, Any]:
+def message_to_json(message: Message) -> dict[str, Any]:
     """A protobuf message as JSON with numbers as numbers (protobuf's JSON mapping writes 64-bit integers as
     strings), field names as in the .proto and every field present."""
     from google.protobuf import json_format
@@ -149,7 +159,7 @@ def message_to_json(message: Any) -> dict[str, Any]:
     return doc
 
 
-def _int64_as_numbers(descriptor: Any, doc: dict[str, Any]) -> None:
+def _int64_as_numbers(descriptor: Descriptor, doc: dict[str, Any]) -> None:
     from google.protobuf.descriptor import FieldDescriptor as F
 
     wide = (F.CPPTYPE_INT64, F.CPPTYPE_UINT64)

@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import traceback
-from typing import Any, NoReturn, Sequence
+from typing import NoReturn, Sequence, TypeVar
 
 from coordinator.cli.commands import (
     _cmd_up,
@@ -59,18 +59,23 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, f"see '{self.prog} --help'")
 
 
+P = TypeVar("P", bound=argparse.ArgumentParser)
+
+
 def _add_globals(p: argparse.ArgumentParser, uses: Sequence[str], top: bool = False) -> None:
     """The global options on ``p``. Under a subcommand their default is SUPPRESS, so a value given before the
     subcommand is kept unless it is given again after it."""
-    default: Any = None if top else argparse.SUPPRESS
+    default: str | None = None if top else argparse.SUPPRESS
     for name in uses:
         p.add_argument(f"--{name}", default=default, metavar=_METAVARS[name], help=GLOBAL_OPTIONS[name])
     p.add_argument("-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
                    help="log more, and print the traceback of an unexpected error")
 
 
-def _command(sub: Any, name: str, uses: Sequence[str] = (), **kw: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(name, **kw)
+def _command(sub: argparse._SubParsersAction[P], name: str, uses: Sequence[str] = (),
+             help: str | None = None, usage: str | None = None) -> P:
+    # Only what is given: a subcommand without help is left out of the list of commands.
+    p = sub.add_parser(name, help=help, usage=usage) if help is not None else sub.add_parser(name, usage=usage)
     _add_globals(p, uses)
     p.set_defaults(uses=tuple(uses))
     return p

@@ -9,10 +9,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from coordinator.cli.common import CliError, UsageError, fetch_status, host_overrides
 from coordinator.cli.render import render_status
+
+if TYPE_CHECKING:
+    from coordinator.security.tls import TlsFiles
 
 
 class Child:
@@ -229,7 +232,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"stopped; etcd data kept in {data_dir}", flush=True)
 
 
-def _wait_host(caddr: str, host: str, timeout: float, tls: Any = None) -> None:
+def _wait_host(caddr: str, host: str, timeout: float, tls: TlsFiles | None = None) -> None:
     import grpc
     deadline = time.monotonic() + timeout
     while True:

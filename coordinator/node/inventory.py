@@ -14,12 +14,11 @@ Units follow :mod:`coordinator.records`: VRAM in MiB (floor of NVML's bytes), ho
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import psutil
 
 from coordinator.node.fake import FakeGpuSource, parse_fake_gpus, parse_fake_processes
-from coordinator.node.nvml import NvmlGpuSource
+from coordinator.node.nvml import Nvml, NvmlGpuSource
 from coordinator.node.source import (
     MAX_GPU_NAME,
     MIB,
@@ -65,7 +64,7 @@ def read_inventory(host: str, address: str, source: GpuSource, disk_path: str, v
     )
 
 
-def open_gpu_source(fake_gpus: str | None, host: str, nvml: Any = None,
+def open_gpu_source(fake_gpus: str | None, host: str, nvml: Nvml | None = None,
                     fake_processes: str | None = None) -> GpuSource:
     """Simulated GPUs when ``--fake-gpus`` is given, else real NVML.
 

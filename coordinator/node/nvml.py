@@ -23,7 +23,7 @@ import logging
 import os
 import re
 import threading
-from typing import Any, Sequence
+from typing import Callable, NewType, Protocol, Sequence, SupportsInt
 
 from coordinator.keys import valid_name
 from coordinator.node.source import (
@@ -37,6 +37,35 @@ from coordinator.node.source import (
 from coordinator.records import GpuInfo, GpuProcess, GpuUsage
 
 log = logging.getLogger(__name__)
+
+Handle = NewType("Handle", object)   # an NVML device handle: opaque, only ever handed back to NVML
+
+
+class MemoryInfo(Protocol):
+    """``nvmlDeviceGetMemoryInfo``'s answer, in bytes."""
+
+    total: SupportsInt
+    used: SupportsInt
+    free: SupportsInt
+
+
+class Nvml(Protocol):
+    """The NVML functions every source uses (the ``pynvml`` module, or a test's stand-in); the optional ones
+    (topology, process lists) are looked up by name, as older pynvml builds may lack them."""
+
+    def nvmlInit(self) -> None: ...
+
+    def nvmlShutdown(self) -> None: ...
+
+    def nvmlDeviceGetCount(self) -> SupportsInt: ...
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Handle: ...
+
+    def nvmlDeviceGetUUID(self, handle: Handle) -> str | bytes: ...
+
+    def nvmlDeviceGetName(self, handle: Handle) -> str | bytes: ...
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Handle) -> MemoryInfo: ...
 
 # NVML's return codes and NVLink remote device types (stable numbers of nvml.h; a test checks them against
 # pynvml's): the code reads them here rather than from the module, so a fake module needs none of them.
@@ -90,7 +119,7 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _mib(value: Any) -> int:
+def _mib(value: SupportsInt | None) -> int:
     """Bytes (possibly None or NVML's "not available" marker) to whole MiB, never negative."""
     if value is None:
         return 0
@@ -100,14 +129,14 @@ def _mib(value: Any) -> int:
     return b // MIB
 
 
-def _nvml_error_types(nvml: Any) -> tuple[type[BaseException], ...]:
+def _nvml_error_types(nvml: object) -> tuple[type[BaseException], ...]:
     """The NVMLError base class(es) to catch: the given module's, and the real pynvml's if importable.
 
     Looking them up on the module object (rather than importing pynvml here) lets tests inject a
     fake module that reuses pynvml's exception classes.
     """
     found: list[type[BaseException]] = []
-    candidates: list[Any] = [nvml]
+    candidates: list[object] = [nvml]
     try:
         candidates.append(importlib.import_module("pynvml"))
     except Exception:  # noqa: BLE001 - pynvml missing or broken: nothing more to catch
@@ -136,7 +165,7 @@ class NvmlGpuSource:
 
     simulated: bool = False
 
-    def __init__(self, nvml: Any = None, sysfs_root: str = "/sys") -> None:
+    def __init__(self, nvml: Nvml | None = None, sysfs_root: str = "/sys") -> None:
         if nvml is None:
             try:
                 nvml = importlib.import_module("pynvml")
@@ -145,7 +174,7 @@ class NvmlGpuSource:
                     f"NVML is not available: the pynvml module (nvidia-ml-py) cannot be imported ({e}); "
                     f"{_FAKE_HINT}"
                 ) from e
-        self._nvml: Any = nvml
+        self._nvml: Nvml = nvml
         self._sysfs_root = sysfs_root
         self._errors = _nvml_error_types(nvml)
         self._topology_errors: tuple[type[BaseException], ...] = (*self._errors, TypeError, ValueError)
@@ -189,7 +218,7 @@ class NvmlGpuSource:
         if was is not None:
             log.info("GPU %d is readable again (it failed with %s)", index, was)
 
-    def _read_one(self, index: int) -> tuple[Any, GpuInfo, Any] | None:
+    def _read_one(self, index: int) -> tuple[Handle, GpuInfo, MemoryInfo] | None:
         """Handle, static info and memory info of one GPU, or None (logged) when any call fails."""
         nvml = self._nvml
         call = "nvmlDeviceGetHandleByIndex"
@@ -213,7 +242,7 @@ class NvmlGpuSource:
         self._gpu_ok(index)
         return handle, GpuInfo(index=index, uuid=uuid, name=name, vram_total_mb=total_mb), mem
 
-    def _processes(self, index: int, handle: Any) -> tuple[tuple[GpuProcess, ...], bool]:
+    def _processes(self, index: int, handle: Handle) -> tuple[tuple[GpuProcess, ...], bool]:
         """Compute and graphics processes on one GPU (one row per pid), and whether that is the whole list:
         not when NVML cannot list them (NotSupported, no permission...)."""
         rows: dict[int, int] = {}
@@ -255,7 +284,7 @@ class NvmlGpuSource:
         if cached is not None:
             return cached
         count = self._count()
-        found: list[tuple[Any, GpuInfo]] = []
+        found: list[tuple[Handle, GpuInfo]] = []
         for index in range(count):
             one = self._read_one(index)
             if one is not None:
@@ -267,7 +296,7 @@ class NvmlGpuSource:
 
     # -- topology ---------------------------------------------------------------------------------------
 
-    def _with_topology(self, found: Sequence[tuple[Any, GpuInfo]]) -> tuple[GpuInfo, ...]:
+    def _with_topology(self, found: Sequence[tuple[Handle, GpuInfo]]) -> tuple[GpuInfo, ...]:
         """The GPUs with their NUMA node and NVLink peers (among the GPUs offered here)."""
         bus_of = {info.index: bus for handle, info in found if (bus := self._pci_bus_id(handle)) is not None}
         index_of_bus = {bus: index for index, bus in bus_of.items()}
@@ -295,12 +324,17 @@ class NvmlGpuSource:
             log.info("GPU topology: %s", text or "no GPUs")
         return out
 
-    def _optional(self, name: str) -> Any:
+    def _optional(self, name: str) -> Callable[..., object] | None:
         """An NVML function that older pynvml builds may lack: None then."""
         fn = getattr(self._nvml, name, None)
         return fn if callable(fn) else None
 
-    def _pci_bus_id(self, handle: Any) -> PciBusId | None:
+    def _optional_int(self, name: str) -> Callable[..., SupportsInt] | None:
+        """An optional NVML function that answers a number (a state, a type, a node)."""
+        fn = getattr(self._nvml, name, None)
+        return fn if callable(fn) else None
+
+    def _pci_bus_id(self, handle: Handle) -> PciBusId | None:
         fn = self._optional("nvmlDeviceGetPciInfo")
         if fn is None:
             return None
@@ -311,8 +345,8 @@ class NvmlGpuSource:
             return None
         return parse_pci_bus_id(getattr(info, "busId", None) or getattr(info, "busIdLegacy", ""))
 
-    def _numa_node(self, handle: Any, bus: PciBusId | None) -> int | None:
-        fn = self._optional("nvmlDeviceGetNumaNodeId")
+    def _numa_node(self, handle: Handle, bus: PciBusId | None) -> int | None:
+        fn = self._optional_int("nvmlDeviceGetNumaNodeId")
         if fn is not None:
             try:
                 node = int(fn(handle))
@@ -323,11 +357,11 @@ class NvmlGpuSource:
                     return node
         return sysfs_numa_node(self._sysfs_root, bus) if bus is not None else None
 
-    def _nvlinks(self, index: int, handle: Any) -> list[tuple[int | None, PciBusId]]:
+    def _nvlinks(self, index: int, handle: Handle) -> list[tuple[int | None, PciBusId]]:
         """(remote device type or None when unknown, remote PCI bus id) of each active NVLink of a GPU."""
-        state = self._optional("nvmlDeviceGetNvLinkState")
+        state = self._optional_int("nvmlDeviceGetNvLinkState")
         remote_pci = self._optional("nvmlDeviceGetNvLinkRemotePciInfo")
-        remote_type = self._optional("nvmlDeviceGetNvLinkRemoteDeviceType")
+        remote_type = self._optional_int("nvmlDeviceGetNvLinkRemoteDeviceType")
         if state is None or remote_pci is None:
             return []
         try:

@@ -9,10 +9,10 @@ the lease's: it counts as still listing them.
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping
+from typing import Collection, Mapping
 
 
-def gpu_report(usage: Mapping[str, Any] | None, gpu_uuid: str) -> Mapping[str, Any] | None:
+def gpu_report(usage: Mapping[str, object] | None, gpu_uuid: str) -> Mapping[str, object] | None:
     """The report's entry for one GPU, or None."""
     if not isinstance(usage, Mapping):
         return None
@@ -25,14 +25,14 @@ def gpu_report(usage: Mapping[str, Any] | None, gpu_uuid: str) -> Mapping[str, A
     return None
 
 
-def processes_visible(usage: Mapping[str, Any] | None, gpu_uuid: str) -> bool:
+def processes_visible(usage: Mapping[str, object] | None, gpu_uuid: str) -> bool:
     """Whether the report's process list of this GPU is NVML's whole list (it may be empty): false for a GPU
     whose processes NVML cannot list, simulated GPUs without ``--fake-processes``, and older nodes."""
     g = gpu_report(usage, gpu_uuid)
     return g is not None and g.get("processes_visible") is True
 
 
-def reported_pids(usage: Mapping[str, Any] | None, gpu_uuid: str, lease_id: str,
+def reported_pids(usage: Mapping[str, object] | None, gpu_uuid: str, lease_id: str,
                   pids: Collection[int] = ()) -> tuple[int, ...]:
     """The PIDs on this GPU that the report attributes to the lease, or that the lease recorded."""
     g = gpu_report(usage, gpu_uuid)
@@ -49,7 +49,7 @@ def reported_pids(usage: Mapping[str, Any] | None, gpu_uuid: str, lease_id: str,
     return tuple(sorted(set(out)))
 
 
-def still_reported(usage: Mapping[str, Any] | None, gpu_uuid: str, lease_id: str, pids: Collection[int] = ()) -> bool:
+def still_reported(usage: Mapping[str, object] | None, gpu_uuid: str, lease_id: str, pids: Collection[int] = ()) -> bool:
     """Whether the report may still show some of the lease's processes on this GPU: it lists one, or it
     left some processes out."""
     if reported_pids(usage, gpu_uuid, lease_id, pids):
@@ -59,13 +59,13 @@ def still_reported(usage: Mapping[str, Any] | None, gpu_uuid: str, lease_id: str
     return isinstance(omitted, int) and omitted > 0
 
 
-def reports_none(usage: Mapping[str, Any] | None, gpu_uuid: str, lease_id: str, pids: Collection[int] = ()) -> bool:
+def reports_none(usage: Mapping[str, object] | None, gpu_uuid: str, lease_id: str, pids: Collection[int] = ()) -> bool:
     """Whether the report shows that none of the lease's processes is on this GPU: the GPU's process list
     is visible, whole, and lists none of them."""
     return processes_visible(usage, gpu_uuid) and not still_reported(usage, gpu_uuid, lease_id, pids)
 
 
-def process_state(usage: Mapping[str, Any] | None, gpu_uuid: str, lease_id: str, pids: Collection[int],
+def process_state(usage: Mapping[str, object] | None, gpu_uuid: str, lease_id: str, pids: Collection[int],
                   pgid: int = 0) -> str:
     """How an evicted lease's processes stand, for ``status``: ``stopping`` (the node still reports some on
     the GPU), ``gone`` (it reports none), ``unknown`` (the GPU's processes are not visible to the node), or

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Callable
 
 import grpc
 
@@ -27,7 +27,16 @@ log = logging.getLogger(__name__)
 _OTHER_BYTES = 256
 
 
-def _size(item: Any) -> int:
+def reader_ended(stream: str, e: Exception) -> None:
+    """Log what ended a stream's reader of requests: at debug level when the caller left (CANCELLED), at
+    warning with the stack for anything else, which is not expected."""
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.CANCELLED:
+        log.debug("%s stream ended: the caller left (%r)", stream, e)
+    else:
+        log.warning("%s stream ended by an unexpected error: %r", stream, e, exc_info=e)
+
+
+def _size(item: object) -> int:
     byte_size = getattr(item, "ByteSize", None)
     return int(byte_size()) if callable(byte_size) else _OTHER_BYTES
 
@@ -38,13 +47,13 @@ class AnswerQueue:
 
     def __init__(self, max_items: int, max_bytes: int) -> None:
         self.max_items, self.max_bytes = max_items, max_bytes
-        self._items: collections.deque[tuple[Any, int]] = collections.deque()
+        self._items: collections.deque[tuple[object, int]] = collections.deque()
         self._bytes = 0
         self._ready = asyncio.Event()
         self.overflowed = asyncio.Event()
         self.overflow = ""
 
-    def put_nowait(self, item: Any) -> None:
+    def put_nowait(self, item: object) -> None:
         if self.overflow:
             return
         size = _size(item)
@@ -60,7 +69,7 @@ class AnswerQueue:
         self._bytes += size
         self._ready.set()
 
-    async def get(self) -> Any:
+    async def get(self) -> object:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
@@ -73,7 +82,7 @@ class AnswerQueue:
 
 
 async def send_answers(out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_name: str,
-                       convert: Callable[[Any], Awaitable[Any] | Any]) -> None:
+                       convert: Callable[[object], object]) -> None:
     """Write the items of ``out`` until None. An error item ends the stream with its status; every other item
     goes out as ``convert(item)``. An overflow of ``out`` ends the stream with RESOURCE_EXHAUSTED."""
     writer = asyncio.get_running_loop().create_task(_write_loop(out, context, rpc_name, convert))
@@ -96,7 +105,7 @@ async def send_answers(out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_
 
 
 async def _write_loop(out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_name: str,
-                      convert: Callable[[Any], Any]) -> None:
+                      convert: Callable[[object], object]) -> None:
     while True:
         item = await out.get()
         if item is None:

@@ -6,9 +6,10 @@ import functools
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
+from grpc.aio import ServicerContext
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -31,16 +32,19 @@ from coordinator.security.tls import add_port, check_listen, server_options
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Req = TypeVar("Req")
+Servicer = TypeVar("Servicer", bound="CoordinatorServicer")
 
 
-def _rpc(fn: Callable[..., Awaitable[T]], name: str = "") -> Callable[..., Awaitable[T | None]]:
+def _rpc(fn: Callable[[Servicer, Req, ServicerContext], Awaitable[T]],
+         name: str = "") -> Callable[[Servicer, Req, ServicerContext], Awaitable[T | None]]:
     """Every error becomes a gRPC status with its message: the one translation point of the server.
     ``name``: the RPC counted in the metrics, when not the function's own name. The status is set and the
     handler returns (no abort: see ``coordinator.security.interceptor``)."""
     rpc = name or fn.__name__
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: Any) -> T | None:
+    async def wrapper(self: Servicer, request: Req, context: ServicerContext) -> T | None:
         try:
             self.svc.reach.check()   # cut off from etcd: UNAVAILABLE at once, the caller tries another replica
             return await fn(self, request, context)
@@ -81,7 +85,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return await self.svc.session(ref.agent, ref.session_id)
 
     @_rpc
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionResponse:
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: ServicerContext) -> pb.OpenSessionResponse:
         validate.open_session(request)
         sid, ttl = await self.svc.open_session(request.agent, request.host, request.ttl_seconds, request.pid,
                                                request.client_version)
@@ -89,24 +93,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl, keepalive_interval_seconds=interval)
 
     async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
-                        context: grpc.aio.ServicerContext) -> None:
+                        context: ServicerContext) -> None:
         await self.streams.keepalive(request_iterator, context)
 
-    async def Session(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context: ServicerContext) -> None:
         await self.streams.session(request_iterator, context)
 
-    async def _keepalive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+    async def _keepalive(self, request: pb.KeepAliveRequest, context: ServicerContext) -> pb.KeepAliveResponse:
         return pb.KeepAliveResponse(ttl_seconds=await self.svc.keepalive(await self._session(request.session)))
 
     _keepalive_call = _rpc(_keepalive, "KeepAlive")   # a KeepAlive message of a Session stream
 
     @_rpc
-    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionResponse:
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: ServicerContext) -> pb.CloseSessionResponse:
         await self.svc.close_session(await self._session(request.session))
         return pb.CloseSessionResponse()
 
     @_rpc
-    async def Acquire(self, request: pb.AcquireRequest, context: Any) -> pb.AcquireResponse:
+    async def Acquire(self, request: pb.AcquireRequest, context: ServicerContext) -> pb.AcquireResponse:
         t0 = time.perf_counter()
         try:
             # Fields first, then the session: a bad request costs no etcd read.
@@ -135,20 +139,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)
 
     @_rpc
-    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, context: ServicerContext) -> pb.ReleaseResponse:
         validate.release(request)
         info = await self._session(request.session)
         return pb.ReleaseResponse(released=await self.svc.release(info, request.lease_id))
 
     @_rpc
-    async def AttachProcesses(self, request: pb.AttachProcessesRequest, context: Any) -> pb.AttachProcessesResponse:
+    async def AttachProcesses(self, request: pb.AttachProcessesRequest,
+                              context: ServicerContext) -> pb.AttachProcessesResponse:
         validate.attach(request)
         info = await self._session(request.session)
         changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid)
         return pb.AttachProcessesResponse(changed=changed)
 
     @_rpc
-    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
+    async def GetStatus(self, request: pb.GetStatusRequest, context: ServicerContext) -> pb.GetStatusResponse:
         validate.status_host(request.host)
         out = status_response(await self.svc.status(request.host), self._notice)
         caller = current_caller()
@@ -157,32 +162,33 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return out
 
     @_rpc
-    async def ApplyPartition(self, request: pb.ApplyPartitionRequest, context: Any) -> pb.ApplyPartitionResponse:
+    async def ApplyPartition(self, request: pb.ApplyPartitionRequest,
+                             context: ServicerContext) -> pb.ApplyPartitionResponse:
         spec = validate.partition_spec(request.spec_json)
         partition, applied = await self.svc.apply_partition(spec, request.dry_run, request.evict)
         return pb.ApplyPartitionResponse(partition_json=json.dumps(partition.to_json()), applied=applied)
 
     @_rpc
-    async def GetPartition(self, request: pb.GetPartitionRequest, context: Any) -> pb.GetPartitionResponse:
+    async def GetPartition(self, request: pb.GetPartitionRequest, context: ServicerContext) -> pb.GetPartitionResponse:
         validate.check_name("host", request.host)
         partition, explicit = await self.svc.get_partition(request.host)
         return pb.GetPartitionResponse(partition_json=json.dumps(partition.to_json()), explicit=explicit)
 
     @_rpc
-    async def EvictLease(self, request: pb.EvictLeaseRequest, context: Any) -> pb.EvictLeaseResponse:
+    async def EvictLease(self, request: pb.EvictLeaseRequest, context: ServicerContext) -> pb.EvictLeaseResponse:
         validate.evict(request)
         deadline = await self.svc.evict(request.lease_id, request.grace_seconds, request.reason,
                                         asked_by=str(current_caller() or "unknown"))
         return pb.EvictLeaseResponse(deadline_unix=deadline)
 
     @_rpc
-    async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: Any) -> pb.RevokeLeaseResponse:
+    async def RevokeLease(self, request: pb.RevokeLeaseRequest, context: ServicerContext) -> pb.RevokeLeaseResponse:
         validate.check_lease_id(request.lease_id)
         revoked, processes = await self.svc.revoke_by_operator(request.lease_id,
                                                                asked_by=str(current_caller() or "unknown"))
         return pb.RevokeLeaseResponse(revoked=revoked, processes=processes)
 
-    async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
+    async def Ping(self, request: pb.PingRequest, context: ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import grpc
 
@@ -119,7 +119,7 @@ def relayed_status(e: grpc.aio.AioRpcError) -> errors.Status:
     return errors.Status(e.code().name, reason or e.code().name, field)
 
 
-def forwarded_by(context: Any) -> str:
+def forwarded_by(context: grpc.aio.ServicerContext) -> str:
     """The replica that forwarded this call to us, or ''."""
     for key, value in context.invocation_metadata() or ():
         if key == FORWARDED_BY:

@@ -7,15 +7,12 @@ import asyncio
 import grpc
 
 from coordinator import errors, metrics
-from coordinator.aio import cancel_and_wait, log_failure
+from coordinator.aio import cancel_and_wait, spawn
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
 from coordinator.security.interceptor import SecurityInterceptor
 from coordinator.security.limits import Limits
 from coordinator.security.revocation import Revocations
-
-# Tasks that follow the deny list, each until its server has stopped (kept referenced here).
-_FOLLOWERS: set[asyncio.Task[None]] = set()
 
 
 def make_guard(tls: bool, calls_per_s: float, burst: int, max_streams: int) -> SecurityInterceptor:
@@ -35,15 +32,13 @@ async def follow_revocations(server: grpc.aio.Server, guard: SecurityInterceptor
         return
 
     async def follow() -> None:
-        task = asyncio.get_running_loop().create_task(revocations.follow(store, keys))
+        task = spawn(revocations.follow(store, keys), "the revoked certificates' watch")
         try:
             await server.wait_for_termination()
         finally:
             await cancel_and_wait([task])
 
-    task = log_failure(asyncio.get_running_loop().create_task(follow()), "following revoked certificates")
-    _FOLLOWERS.add(task)
-    task.add_done_callback(_FOLLOWERS.discard)
+    spawn(follow(), "following revoked certificates")
     try:
         await asyncio.wait_for(revocations.ready.wait(), ready_within_s)
     except asyncio.TimeoutError:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,12 +25,17 @@ from coordinator.security.tls import TlsFiles, add_port, check_listen, server_op
 
 REVOCATIONS_READY_S = 10.0   # the node serves only once it has read the deny list of certificates
 
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Servicer = TypeVar("Servicer", bound="NodeServicer")
+Method = Callable[[Servicer, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
-def _answered(rpc: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+
+def _answered(rpc: str, fn: Method[Servicer, Req, Resp]) -> Method[Servicer, Req, Resp | None]:
     """A GpucoordError becomes the call's status (counted in gpucoord_refusals_total like the coordinator's
     refusals), set without an abort (see ``coordinator.security.interceptor``)."""
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: Servicer, request: Req, context: grpc.aio.ServicerContext) -> Resp | None:
         try:
             return await fn(self, request, context)
         except errors.GpucoordError as e:
@@ -44,7 +49,8 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     def __init__(self, daemon: NodeDaemon) -> None:
         self.daemon = daemon
 
-    async def _get_inventory(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
+    async def _get_inventory(self, request: pb.GetInventoryRequest,
+                             context: grpc.aio.ServicerContext) -> pb.GetInventoryResponse:
         inv = self.daemon.inventory
         if inv is None:
             raise errors.Unavailable("the node daemon is starting")
@@ -62,7 +68,8 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
 
     GetInventory = _answered("GetInventory", _get_inventory)
 
-    async def _check_token(self, request: Any, context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
+    async def _check_token(self, request: pb.CheckTokenRequest,
+                           context: grpc.aio.ServicerContext) -> pb.CheckTokenResponse:
         """``gpu_uuid`` names the GPU by uuid or by index (all digits). One that is neither is
         INVALID_ARGUMENT; a well-formed index or uuid that this host does not have is NOT_FOUND."""
         ref = request.gpu_uuid
@@ -132,7 +139,7 @@ async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | No
 
 async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
-                   metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, Any] | None = None,
+                   metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, object] | None = None,
                    enforcer: Enforcer | None = None, tls: TlsFiles | None = None, insecure: bool = False,
                    advertise: str | None = None) -> None:
     """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon.

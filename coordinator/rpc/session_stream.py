@@ -9,23 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import Message
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors, metrics
+from coordinator.aio import spawn
 from coordinator.limits import MAX_STREAM_CALLS
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
-from coordinator.rpc.answers import AnswerQueue, send_answers
+from coordinator.rpc.answers import AnswerQueue, reader_ended, send_answers
 from coordinator.security.authz import COORDINATOR, SESSION_STREAM_CALLS
 from coordinator.security.interceptor import Refused, audit_call
 from coordinator.security.status import WireStatus, deadline_exceeded, wire_status
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any, Any], Awaitable[Any]]
+Handler = Callable[[Message, "_CallContext"], Awaitable[Message | None]]
 
 
 class _CallContext:
@@ -47,7 +49,7 @@ class _CallContext:
     def set_trailing_metadata(self, metadata: tuple[tuple[str, bytes], ...]) -> None:
         self.trailing = metadata
 
-    def invocation_metadata(self) -> Any:
+    def invocation_metadata(self) -> grpc.aio.Metadata | None:
         return self._stream.invocation_metadata()
 
     def peer(self) -> str:
@@ -84,11 +86,11 @@ class SessionStreams:
         return AnswerQueue(cfg.stream_answers_max, cfg.stream_answer_bytes_max)
 
     async def _send(self, out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_name: str,
-                    as_notice: Callable[[pb.KeepAliveResponse], Any]) -> None:
+                    as_notice: Callable[[pb.KeepAliveResponse], Message]) -> None:
         """What a session's stream sends: the items of ``out`` until None. An error ends the stream with its
         status; an eviction notice the service pushes goes out as ``as_notice(KeepAliveResponse)``; an
         overflow of ``out`` ends it with RESOURCE_EXHAUSTED."""
-        def convert(item: Any) -> Any:
+        def convert(item: object) -> object:
             if isinstance(item, EvictionRecord):
                 return as_notice(pb.KeepAliveResponse(ttl_seconds=-1, notices=[self.notice(item)]))
             return item
@@ -115,12 +117,11 @@ class SessionStreams:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                # The caller went away (or the server is stopping): the stream just ends.
-                log.debug("keepalive stream ended: %r", e)
+                reader_ended("keepalive", e)   # the stream just ends
                 out.put_nowait(None)
 
         metrics.SESSIONS.inc()
-        reader = asyncio.get_running_loop().create_task(read())
+        reader = spawn(read(), "keepalive stream reader")
         try:
             await self._send(out, context, "KeepAlive", lambda r: r)
         finally:
@@ -129,7 +130,8 @@ class SessionStreams:
                 self.svc.unregister_stream(registered[0], out)
             metrics.SESSIONS.dec()
 
-    async def session(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    async def session(self, request_iterator: AsyncIterator[pb.SessionRequest | Refused],
+                      context: grpc.aio.ServicerContext) -> None:
         """A session's Acquire, Release and KeepAlive calls as messages, answered on the stream as they
         finish: each one goes to the handler of its unary call, runs as its own task, and is cancelled when
         its deadline passes, when the caller cancels it or when the stream ends. A session kept alive here
@@ -138,7 +140,7 @@ class SessionStreams:
         calls: dict[int, asyncio.Task[None]] = {}
         registered: list[str] = []
 
-        async def answer(call_id: int, field: str, request: Any, timeout_s: float) -> None:
+        async def answer(call_id: int, field: str, request: Message, timeout_s: float) -> None:
             method = COORDINATOR + SESSION_STREAM_CALLS[field]
             call_context = _CallContext(context)
             try:
@@ -166,7 +168,6 @@ class SessionStreams:
             out.put_nowait(_refusal(call_id, wire_status(error)))
 
         async def read() -> None:
-            loop = asyncio.get_running_loop()
             try:
                 async for request in request_iterator:
                     if isinstance(request, Refused):   # by the interceptor, as the unary call would be
@@ -188,8 +189,8 @@ class SessionStreams:
                             f"call_id: {MAX_STREAM_CALLS} calls already in flight on this stream; wait for "
                             "answers or open another stream", "call_id"))
                     else:
-                        calls[call_id] = loop.create_task(answer(call_id, field, getattr(request, field),
-                                                                 request.timeout_seconds))
+                        calls[call_id] = spawn(answer(call_id, field, getattr(request, field),
+                                                      request.timeout_seconds), f"session stream call {call_id}")
                 # The client has sent its last call: answer what is in flight, then end the stream.
                 while calls:
                     await asyncio.gather(*calls.values(), return_exceptions=True)
@@ -199,10 +200,10 @@ class SessionStreams:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                log.debug("session stream ended: %r", e)   # the caller went away, or the server stops
+                reader_ended("session", e)   # the stream just ends
                 out.put_nowait(None)
 
-        reader = asyncio.get_running_loop().create_task(read())
+        reader = spawn(read(), "session stream reader")
         try:
             await self._send(out, context, "Session", lambda r: pb.SessionResponse(keepalive=r))
         finally:

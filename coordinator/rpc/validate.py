@@ -10,7 +10,6 @@ below them are shared.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors
@@ -84,7 +83,7 @@ def status_host(name: str) -> None:
 def partition_spec(spec_json: str) -> PartitionSpec:
     """ApplyPartition's spec: JSON, an object, within the size limit, structurally valid (``parse_spec``)."""
     try:
-        data: Any = json.loads(spec_json)
+        data: object = json.loads(spec_json)
     except (ValueError, RecursionError) as e:
         raise errors.InvalidArgument(f"spec_json: not valid JSON: {e}", "spec_json") from e
     if not isinstance(data, dict):

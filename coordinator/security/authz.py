@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from coordinator import errors
 from coordinator.limits import quote
 from coordinator.security.identity import Identity
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 audit_log = logging.getLogger("gpucoord.audit")
 
@@ -74,7 +77,7 @@ def rpc_name(method: str) -> str:
     return method.rpartition("/")[2]
 
 
-def unwrap(method: str, request: Any) -> tuple[str, Any]:
+def unwrap(method: str, request: Message | None) -> tuple[str, Message | None]:
     """The call a request stands for: a Session stream message is its Acquire, Release or KeepAlive request,
     under that RPC's method name; anything else (a message with no call set included) is itself."""
     if method != SESSION_STREAM or request is None:
@@ -85,7 +88,7 @@ def unwrap(method: str, request: Any) -> tuple[str, Any]:
     return COORDINATOR + name, getattr(request, request.WhichOneof("call"))
 
 
-def target_of(method: str, request: Any) -> str:
+def target_of(method: str, request: Message | None) -> str:
     """What a call acts on, for messages and the audit log. Every field is quoted through ``quote``: at most
     32 characters of it, so a refusal stays small whatever the caller sent."""
     name = rpc_name(method)
@@ -111,7 +114,7 @@ def target_of(method: str, request: Any) -> str:
     return ""
 
 
-async def authorize(identity: Identity | None, tls: bool, method: str, request: Any,
+async def authorize(identity: Identity | None, tls: bool, method: str, request: Message | None,
                     agent_hosts: AgentHosts | None = None) -> None:
     """Raise ``Denied`` unless ``identity`` may call ``method`` with ``request``. Writes nothing."""
     if not tls:

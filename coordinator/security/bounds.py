@@ -10,7 +10,7 @@ the limits on size and count that protect the servers themselves (README "Limits
 """
 from __future__ import annotations
 
-from typing import Any
+from google.protobuf.message import Message
 
 from coordinator import errors
 from coordinator.limits import MAX_SPEC_BYTES
@@ -18,7 +18,7 @@ from coordinator.limits import MAX_SPEC_BYTES
 MAX_GPU_UUID_LEN = 128
 
 
-def check_request(method: str, request: Any) -> None:
+def check_request(method: str, request: Message) -> None:
     """INVALID_ARGUMENT naming the field when a request is out of bounds. Pure: no I/O."""
     name = method.rpartition("/")[2]
     if name == "ApplyPartition" and len(request.spec_json) > MAX_SPEC_BYTES:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 from coordinator.keys import valid_name
+
+if TYPE_CHECKING:
+    import grpc
 
 ROLES = ("agent", "operator", "node", "coordinator")
 SCHEME = "gpucoord://"
@@ -72,13 +75,13 @@ def _serial_of_certificate(pem: bytes) -> str:
         return ""
 
 
-def peer_serial(context: Any) -> str:
+def peer_serial(context: grpc.aio.ServicerContext) -> str:
     """The serial number (lowercase hex) of a gRPC call's verified peer certificate; "" without TLS."""
     pems = context.auth_context().get("x509_pem_cert") or ()
     return _serial_of_certificate(bytes(pems[0])) if pems else ""
 
 
-def peer_identity(context: Any) -> Identity | None:
+def peer_identity(context: grpc.aio.ServicerContext) -> Identity | None:
     """The verified identity of a gRPC call's peer (``context`` of a servicer); None without TLS or when
     the certificate carries no gpucoord identity."""
     auth = context.auth_context()

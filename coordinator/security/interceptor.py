@@ -25,9 +25,10 @@ import contextvars
 import dataclasses
 import inspect
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Protocol, cast
 
 import grpc
+from google.protobuf.message import Message
 
 from coordinator import errors
 from coordinator.security import authz, bounds
@@ -75,11 +76,11 @@ class _Malformed:
 class Refused:
     """A Session stream message that the checks refused: answered with ``error``, never handled."""
 
-    request: Any
+    request: Message
     error: errors.GpucoordError
 
 
-def audit_call(method: str, request: Any, code: grpc.StatusCode) -> None:
+def audit_call(method: str, request: Message | None, code: grpc.StatusCode) -> None:
     """Audit the outcome of a call carried by a Session stream message (``method`` and ``request`` unwrapped),
     as the interceptor audits a unary call's."""
     caller = _CALLER.get()
@@ -90,6 +91,15 @@ def audit_call(method: str, request: Any, code: grpc.StatusCode) -> None:
 
 
 STREAMS_CAPPED = frozenset({authz.COORDINATOR + "KeepAlive", authz.SESSION_STREAM})
+
+# What a handler returns: the response of a unary call, or the responses of a streaming one.
+Answer = Awaitable[object] | AsyncIterator[object]
+
+
+class _Behavior(Protocol):
+    """A method handler's behavior: (request or request iterator, context) -> its answer."""
+
+    def __call__(self, request: object, context: grpc.aio.ServicerContext, /) -> Answer: ...
 
 
 class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -105,10 +115,11 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self.revocations = revocations
         # The wrapped handler of each served method: the same for every call, so built once. Only methods
         # that have a handler are kept (a finite set), whatever names callers send.
-        self._wrapped: dict[str, Any] = {}
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method: str = details.method
         wrapped = self._wrapped.get(method)
         if wrapped is not None:
@@ -120,10 +131,10 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._wrapped[method] = wrapped
         return wrapped
 
-    def _wrap(self, method: str, handler: Any) -> Any:
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         deserialize = handler.request_deserializer
 
-        def safe_deserialize(data: bytes) -> Any:
+        def safe_deserialize(data: bytes) -> object:
             try:
                 return deserialize(data) if deserialize is not None else data
             except Exception as e:   # noqa: BLE001 - any decoding failure is the caller's bad bytes
@@ -143,12 +154,12 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                                 stream_stream=self._stream(method, handler.stream_stream))
 
     # -- checks ------------------------------------------------------------------------------------
-    def _caller(self, context: Any) -> Caller:
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         if not self.tls:
             return Caller(None, False, context.peer())
         return Caller(peer_identity(context), True, context.peer(), peer_serial(context))
 
-    async def _check(self, caller: Caller, method: str, request: Any) -> None:
+    async def _check(self, caller: Caller, method: str, request: object) -> None:
         """Raise the error that refuses ``request`` (None: the opening of a stream), if any."""
         if isinstance(request, _Malformed):
             raise errors.InvalidArgument(f"request: not a valid message for {authz.rpc_name(method)} "
@@ -174,7 +185,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if request is not None:
             bounds.check_request(method, request)
 
-    async def _take(self, caller: Caller, method: str, request: Any) -> None:
+    async def _take(self, caller: Caller, method: str, request: Message | None) -> None:
         """The call's tokens of its identity's bucket; a refusal is held for a while first (``limits``)."""
         assert self.limits is not None
         who = self._who(caller)
@@ -193,7 +204,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _who(caller: Caller) -> str:
         return str(caller.identity) if caller.identity is not None else f"serial {caller.serial[:40]}"
 
-    async def _refusal(self, caller: Caller, method: str, request: Any) -> errors.GpucoordError | None:
+    async def _refusal(self, caller: Caller, method: str, request: object) -> errors.GpucoordError | None:
         """The error that refuses the call (counted in the metrics), or None when it may go on."""
         try:
             await self._check(caller, method, request)
@@ -202,7 +213,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return e
         return None
 
-    def _audit_outcome(self, caller: Caller, method: str, request: Any, context: Any,
+    def _audit_outcome(self, caller: Caller, method: str, request: Message, context: grpc.aio.ServicerContext,
                        exc: BaseException | None) -> None:
         if not authz.needs_audit(caller.identity, method):
             return
@@ -218,23 +229,23 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request), outcome)
 
     # -- wrappers --------------------------------------------------------------------------------
-    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _unary(self, method: str, behavior: _Behavior) -> _Behavior:
         """A unary request (unary-unary, or unary-stream such as health's Watch)."""
         interceptor = self
 
         if inspect.isasyncgenfunction(behavior):
-            async def gen(request: Any, context: Any) -> AsyncIterator[Any]:
+            async def gen(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
                 caller = interceptor._caller(context)
                 error = await interceptor._refusal(caller, method, request)
                 if error is not None:
                     refuse(context, error)
                     return
                 _CALLER.set(caller)
-                async for item in behavior(request, context):
+                async for item in cast(AsyncIterator[object], behavior(request, context)):
                     yield item
             return gen
 
-        async def call(request: Any, context: Any) -> Any:
+        async def call(request: object, context: grpc.aio.ServicerContext) -> object:
             caller = interceptor._caller(context)
             error = await interceptor._refusal(caller, method, request)
             if error is not None:
@@ -242,7 +253,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 return None
             _CALLER.set(caller)
             try:
-                response = await behavior(request, context)
+                response = await cast(Awaitable[object], behavior(request, context))
             except BaseException as e:
                 self._audit_outcome(caller, method, request, context, e)
                 raise
@@ -250,14 +261,14 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return response
         return call
 
-    def _stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _stream(self, method: str, behavior: _Behavior) -> _Behavior:
         """A request stream: the caller is checked at the opening and each message as it arrives. A
         refused message ends the stream with the refusal (the handler's read raises it); on the Session
         stream it is answered on its own and the stream goes on."""
         interceptor = self
         capped = method in STREAMS_CAPPED
 
-        async def opening(context: Any) -> tuple[Caller, str | None]:
+        async def opening(context: grpc.aio.ServicerContext) -> tuple[Caller, str | None]:
             """The caller, and the identity whose open streams it holds (None: not counted)."""
             caller = interceptor._caller(context)
             error = await interceptor._refusal(caller, method, None)
@@ -274,12 +285,12 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise _Refused()
             return caller, None
 
-        async def checked(caller: Caller, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async def checked(caller: Caller, requests: AsyncIterator[object]) -> AsyncIterator[object]:
             async for request in requests:
                 await interceptor._check(caller, method, request)
                 yield request
 
-        async def checked_calls(caller: Caller, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async def checked_calls(caller: Caller, requests: AsyncIterator[object]) -> AsyncIterator[object]:
             # Session: a refused message is answered on its own; the stream goes on.
             async for request in requests:
                 if isinstance(request, _Malformed):
@@ -300,27 +311,29 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 interceptor.limits.close_stream(who)
 
         if inspect.isasyncgenfunction(behavior):
-            async def gen(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            async def gen(requests: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
                 try:
                     caller, who = await opening(context)
                 except _Refused:
                     return
                 _CALLER.set(caller)
                 try:
-                    async for item in behavior(checked(caller, requests), context):
+                    calls = checked(caller, cast(AsyncIterator[object], requests))
+                    async for item in cast(AsyncIterator[object], behavior(calls, context)):
                         yield item
                 finally:
                     release(who)
             return gen
 
-        async def call(requests: AsyncIterator[Any], context: Any) -> Any:
+        async def call(requests: object, context: grpc.aio.ServicerContext) -> object:
             try:
                 caller, who = await opening(context)
             except _Refused:
                 return None
             _CALLER.set(caller)
             try:
-                return await behavior(checked(caller, requests), context)
+                calls = checked(caller, cast(AsyncIterator[object], requests))
+                return await cast(Awaitable[object], behavior(calls, context))
             finally:
                 release(who)
         return call

@@ -11,7 +11,7 @@ same bytes in ``SessionResponse.details``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Iterable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -69,19 +69,19 @@ def _build(code: grpc.StatusCode, message: str, reason: str, field: str) -> Wire
     return WireStatus(code, message, status.SerializeToString())
 
 
-def refuse(context: Any, error: errors.GpucoordError) -> None:
+def refuse(context: grpc.aio.ServicerContext, error: errors.GpucoordError) -> None:
     """Answer the call with ``error``'s status once the handler returns (no abort: see
     ``coordinator.security.interceptor``)."""
     set_status(context, wire_status(error))
 
 
-def set_status(context: Any, status: WireStatus) -> None:
+def set_status(context: grpc.aio.ServicerContext, status: WireStatus) -> None:
     context.set_code(status.code)
     context.set_details(status.message)
     context.set_trailing_metadata(status.trailing_metadata)
 
 
-def error_info(trailing_metadata: Any) -> tuple[str, str]:
+def error_info(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[str, str]:
     """The reason and field of a status's details, from its trailing metadata; ("", "") without them."""
     for key, value in trailing_metadata or ():
         if key == DETAILS_KEY and isinstance(value, bytes):

@@ -13,9 +13,12 @@ import ipaddress
 import logging
 import os
 import tomllib
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import grpc
+
+if TYPE_CHECKING:
+    import argparse
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ def resolve(ca: str | None = None, cert: str | None = None, key: str | None = No
             env: Mapping[str, str] | None = None, config_file: str | None = None) -> TlsFiles | None:
     """Flags win over the environment, which wins over the config file's ``[tls]`` table."""
     env = os.environ if env is None else env
-    table: dict[str, Any] = {}
+    table: dict[str, object] = {}
     if config_file:
         with open(config_file, "rb") as f:
             table = tomllib.load(f).get("tls", {})
@@ -114,7 +117,7 @@ def check_listen(address: str, tls: TlsFiles | None, insecure: bool, what: str =
                 "agent or operator", what, address)
 
 
-def add_port(server: Any, address: str, tls: TlsFiles | None) -> int:
+def add_port(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
     """Bind ``address`` (TLS when configured); OSError naming it when it cannot be bound."""
     try:
         port = (server.add_secure_port(address, server_credentials(tls)) if tls is not None
@@ -126,23 +129,24 @@ def add_port(server: Any, address: str, tls: TlsFiles | None) -> int:
     return int(port)
 
 
-def server_options() -> list[tuple[str, Any]]:
+def server_options() -> list[tuple[str, int]]:
     """No SO_REUSEPORT (a second server on a used port fails instead of sharing it), bounded messages."""
     return [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
 
 
-def sync_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+def sync_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, int | str]] = ()) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
     return grpc.secure_channel(address, channel_credentials(tls), options=list(options))
 
 
-def aio_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: TlsFiles | None,
+                options: Sequence[tuple[str, int | str]] = ()) -> grpc.aio.Channel:
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=list(options))
 
 
-def from_args(args: Any) -> TlsFiles | None:
+def from_args(args: argparse.Namespace) -> TlsFiles | None:
     """TLS files from the flags, else the environment."""
     return resolve(getattr(args, "tls_ca", None), getattr(args, "tls_cert", None), getattr(args, "tls_key", None))

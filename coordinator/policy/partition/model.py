@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from coordinator.policy.partition.spec import (
     GpuRef,
@@ -30,7 +29,7 @@ class AgentAllocation:
     whole_gpus: tuple[str, ...]  # uuids given whole to this agent
     vram_caps_mb: tuple[tuple[str, int], ...]  # (gpu uuid, cap MiB) for every GPU the agent may lease on
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "agent": self.agent,
             "cores": list(self.cores),
@@ -42,7 +41,7 @@ class AgentAllocation:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> AgentAllocation:
+    def from_json(cls, d: object) -> AgentAllocation:
         t = _parse_table(d, "allocation")
         agent = t.get("agent")
         if not isinstance(agent, str):
@@ -55,8 +54,9 @@ class AgentAllocation:
             if len(p) != 2 or not isinstance(p[0], str):
                 raise PartitionError(f, "expected [uuid, MiB]")
             caps.append((p[0], _parse_int(p[1], f)))
-        whole = _parse_list(t.get("whole_gpus", []), f"{base}.whole_gpus", "uuids")
-        if not all(isinstance(u, str) for u in whole):
+        listed = _parse_list(t.get("whole_gpus", []), f"{base}.whole_gpus", "uuids")
+        whole = [u for u in listed if isinstance(u, str)]
+        if len(whole) != len(listed):
             raise PartitionError(f"{base}.whole_gpus", "expected a list of uuids")
         return cls(
             agent=agent,
@@ -111,7 +111,7 @@ class Partition:
         return {uuid: min(cap, self.usable_mb(present[uuid]))
                 for uuid, cap in alloc.vram_caps_mb if uuid in present}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "host": self.host,
             "mode": self.mode,
@@ -122,7 +122,7 @@ class Partition:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Partition:
+    def from_json(cls, d: Mapping[str, object]) -> Partition:
         """The inverse of ``to_json``. Malformed input raises ``PartitionError``."""
         t = _parse_table(d, "partition")
         host = t.get("host")
@@ -131,8 +131,9 @@ class Partition:
         mode = t.get("mode")
         if not isinstance(mode, str) or mode not in MODES:
             raise PartitionError("partition.mode", f"must be one of {', '.join(MODES)}; got {_show(mode)}")
-        agents = _parse_list(t.get("agents", []), "partition.agents", "agent names")
-        if not all(isinstance(a, str) for a in agents):
+        listed = _parse_list(t.get("agents", []), "partition.agents", "agent names")
+        agents = [a for a in listed if isinstance(a, str)]
+        if len(agents) != len(listed):
             raise PartitionError("partition.agents", "expected a list of agent names")
         allocs = _parse_list(t.get("allocations", []), "partition.allocations", "allocations")
         raw_spec = t.get("spec")

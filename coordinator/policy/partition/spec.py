@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from coordinator.keys import valid_name
 from coordinator.policy.partition.caps import PriorityCap, parse_caps
@@ -36,7 +35,7 @@ class Reserved:
     disk: int = 0
     vram_headroom_mb: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"cpu": self.cpu, "mem": self.mem, "disk": self.disk,
                 "vram_headroom": f"{self.vram_headroom_mb}MiB"}
 
@@ -73,8 +72,8 @@ class AllocationSpec:
             return len(self.cores)
         return None
 
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {}
+    def to_json(self) -> dict[str, object]:
+        d: dict[str, object] = {}
         if self.cpu is not None:
             d["cpu"] = self.cpu
         if self.cores is not None:
@@ -102,9 +101,9 @@ class PartitionSpec:
     # The highest priority each agent (name or pattern) may ask for (partition.caps), sorted by name.
     priority_caps: tuple[tuple[str, PriorityCap], ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """JSON-able; ``parse_spec(spec.to_json()) == spec``."""
-        d: dict[str, Any] = {
+        d: dict[str, object] = {
             "host": self.host,
             "mode": self.mode,
             "agents": list(self.agents),
@@ -137,7 +136,7 @@ def _parse_int(v: object, field: str, *, minimum: int = 0, what: str = "an integ
     return v
 
 
-def _parse_list(v: object, field: str, what: str) -> Sequence[Any]:
+def _parse_list(v: object, field: str, what: str) -> Sequence[object]:
     if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
         raise PartitionError(field, f"expected a list of {what}, got {_type_name(v)}")
     if len(v) > MAX_ITEMS:
@@ -145,13 +144,13 @@ def _parse_list(v: object, field: str, what: str) -> Sequence[Any]:
     return v
 
 
-def _parse_table(v: object, field: str) -> Mapping[Any, Any]:
+def _parse_table(v: object, field: str) -> Mapping[object, object]:
     if not isinstance(v, Mapping):
         raise PartitionError(field, f"expected a table, got {_type_name(v)}")
     return v
 
 
-def _check_keys(table: Mapping[Any, Any], allowed: Sequence[str], prefix: str | None) -> None:
+def _check_keys(table: Mapping[object, object], allowed: Sequence[str], prefix: str | None) -> None:
     for k in table:
         if k not in allowed:
             name = _key(k)
@@ -255,7 +254,7 @@ def _parse_allocation(v: object, agent: str) -> AllocationSpec:
     return AllocationSpec(cpu=cpu, cores=cores, mem=mem, disk=disk, gpus=gpus, vram=vram)
 
 
-def parse_spec(data: Mapping[str, Any]) -> PartitionSpec:
+def parse_spec(data: object) -> PartitionSpec:
     """A ``PartitionSpec`` from a TOML-loaded dict or the same structure as JSON.
 
     Structural validation only (types, unknown keys, negative values, names, duplicate agents, mode,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import re
 from fractions import Fraction
-from typing import Any
 
 MODES: tuple[str, ...] = ("shared", "auto-split", "manual")
 KINDS: tuple[str, ...] = ("cpu", "mem", "disk", "gpus", "vram")
@@ -27,7 +26,7 @@ class PartitionError(ValueError):
         self.message = message or "invalid"
         super().__init__(f"{self.field}: {self.message}")
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.field, self.message))
 
 
