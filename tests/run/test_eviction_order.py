@@ -36,6 +36,7 @@ from coordinator.cli.common import fetch_status
 from tests.history import read_history
 from tests.support import REPO
 from tests.support.cluster import Cluster
+from tests.support.noise import assert_no_asyncio_noise
 from tests.support.processes import ProcessGone, child_env, write_fake_processes
 from tests.support.rpcs import coordinator_stub
 from tests.support.run_victim import GRACE_S, start_victim
@@ -83,6 +84,7 @@ def evict_once(cluster: Cluster, addr: str, host: str, victim_py: str, mode: str
         lease.release()
     gone_at = gone.wait(10)
     _, err = run.communicate(timeout=30)
+    assert_no_asyncio_noise(err, "gpucoord run")
     return {"pid": pid, "gone": gone_at, "granted": created, "deadline": deadline, "gone_when_answered":
             gone_when_answered, "returncode": run.returncode, "stderr": err}
 

@@ -12,6 +12,7 @@ import pytest
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from tests.support.cluster import Cluster
+from tests.support.noise import assert_no_asyncio_noise
 from tests.support.rpcs import coordinator_stub
 from tests.support.run_victim import GRACE_S, start_victim
 from tests.support.waiting import wait_for
@@ -25,7 +26,8 @@ LEASE_LINE = re.compile(r"gpucoord run: lease [0-9a-f]{20}: GPU 0 \(GPU-sim-h1-0
 
 
 def _stderr_lines(err: str) -> list[str]:
-    assert "Traceback" not in err and "Task was destroyed" not in err and "Exception ignored" not in err, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert_no_asyncio_noise(err, "gpucoord run")
     return err.splitlines()
 
 
