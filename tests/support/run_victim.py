@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.support.processes import gpucoord_run
+from tests.support.processes import command_pid, gpucoord_run
 
 # The command put under the lease. It prints its pid once ready, then waits for signals. "slow" and "ignore"
 # ignore SIGTERM; "slow" also takes a while to exit after SIGKILL, like a process with a large CUDA context
@@ -48,11 +48,4 @@ def start_victim(addr: str, host: str, child_py: str, mode: str, started: list[i
     run = gpucoord_run(addr, "--host", host, "--agent", "low", "--vram", "16GiB", *extra, "--",
                        sys.executable, child_py, mode)
     started.append(run.pid)
-    assert run.stdout is not None
-    line = run.stdout.readline()
-    if not line.strip():
-        run.kill()
-        raise AssertionError(f"the command did not start: {run.communicate(timeout=10)[1]}")
-    pid = int(line)
-    started.append(pid)
-    return run, pid
+    return run, command_pid(run, started)
