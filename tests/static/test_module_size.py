@@ -18,6 +18,7 @@ BEING_SPLIT = (
     "agent_client/run.py",
     "coordinator/etcd/store.py",
     "coordinator/node/daemon.py",
+    "coordinator/node/nvml.py",       # new on main with the NVML Protocol (i20-types), 426 lines: not in the plan
     "coordinator/policy/placement.py",
     "coordinator/policy/planner.py",
     "coordinator/records.py",
