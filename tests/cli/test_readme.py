@@ -28,6 +28,7 @@ import pytest
 
 from coordinator.etcd.process import etcd_binary, free_port
 from tests.support import REPO
+from tests.support.noise import assert_no_asyncio_noise
 from tests.support.processes import child_env
 from tests.support.waiting import wait_for
 
@@ -267,6 +268,11 @@ def _run_demo(block: Block, env: Env) -> None:
                           cwd=env.workdir, timeout=240)
     out = proc.stdout
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # up, and the coordinator, node and agents it ran (their stderr is in the data dir's logs), leave no task
+    # pending and use nothing after their loop closed.
+    logs = "".join(p.read_text(errors="replace") for p in sorted((env.workdir / "demo").glob("*.log")))
+    assert logs, "up --demo wrote no log to its data dir"
+    assert_no_asyncio_noise(proc.stdout + proc.stderr + logs, "gpucoord up --demo and its children")
     assert out.count("GRANTED") == 4 and "REFUSED (RESOURCE_EXHAUSTED)" in out
     assert "released by etcd itself" in out and "demo finished" in out
     assert "=== every agent released and closed its session" in out

@@ -28,7 +28,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from tests.history import check_history, read_history
 from tests.support.cluster import Cluster, revision
-from tests.support.patching import patch_method
+from tests.support.patching import deafen
 from tests.support.processes import spawn_coordinator, stop_process
 from tests.support.waiting import wait_for
 
@@ -46,20 +46,8 @@ def test_a_deposed_leader_that_has_not_noticed_commits_no_leader_write(cluster: 
     wait_for(lambda: svc.leadership.is_leader, 15, "the replica to lead")
     leadership = svc.leadership
     term = leadership.election
-    tries: list[tuple[float, object]] = []
-    revoke = leadership.leases.revoke
-
-    async def counted_revoke(*args: object, **kw: object) -> bool:
-        try:
-            out = await revoke(*args, **kw)
-        except Exception as e:
-            tries.append((time.monotonic(), e))
-            raise
-        tries.append((time.monotonic(), out))
-        return out
-
-    undo = [patch_method(cluster, leadership, "_step_down", lambda: None),
-            patch_method(cluster, leadership.leases, "revoke", counted_revoke)]
+    deaf = deafen(cluster, leadership)
+    tries = deaf.tries
     try:
         with Client(addr, agent="victim", host="h1", ttl=60) as victim:
             lease = victim.acquire(4000)
@@ -74,8 +62,7 @@ def test_a_deposed_leader_that_has_not_noticed_commits_no_leader_write(cluster: 
             assert cluster.get_prefix(cluster.keys.eviction(lease.id)), "a deposed leader deleted a notice"
             checked = revision(cluster)    # later, the victim's session ends and takes its keys with it
     finally:
-        for u in undo:
-            u()
+        deaf.undo()
     events = cluster.lt.run(read_history(cluster.store, cluster.keys.root()))
     gone = [ev.kv.mod_revision for ev in events
             if ev.kind == "DELETE" and ev.kv.key == cluster.keys.candidate(term.candidate_id)]

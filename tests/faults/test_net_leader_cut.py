@@ -17,7 +17,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from tests.history import check_history, check_store, read_history
 from tests.support.cluster import Cluster, revision, wait_no_leaks
-from tests.support.patching import patch_method
+from tests.support.patching import deafen
 from tests.support.waiting import pass_time, wait_for
 
 GRACE_S = 8.0
@@ -53,20 +53,8 @@ def test_a_leader_cut_from_etcd_commits_nothing_once_its_election_key_is_gone(cl
     wait_for(lambda: old.acting, 15, "the first replica to lead")
     assert old.election is not None
     term = old.election
-    tries: list[tuple[float, object]] = []
-    revoke = old.leases.revoke
-
-    async def counted_revoke(*args: object, **kw: object) -> bool:
-        try:
-            out = await revoke(*args, **kw)
-        except Exception as e:
-            tries.append((time.monotonic(), e))
-            raise
-        tries.append((time.monotonic(), out))
-        return out
-
-    undo = [patch_method(cluster, old, "_step_down", lambda: None),
-            patch_method(cluster, old.leases, "revoke", counted_revoke)]
+    deaf = deafen(cluster, old)
+    tries = deaf.tries
     try:
         with Client(a, agent="victim", host="h1", ttl=60) as victim:
             lease = victim.acquire(4000)
@@ -90,8 +78,7 @@ def test_a_leader_cut_from_etcd_commits_nothing_once_its_election_key_is_gone(cl
                   f"the successor revoked {time.monotonic() - healed:.1f}s after it")
             checked = revision(cluster)
     finally:
-        for u in undo:
-            u()
+        deaf.undo()
     events = cluster.lt.run(read_history(cluster.store, cluster.keys.root()))
     gone = [ev.kv.mod_revision for ev in events
             if ev.kind == "DELETE" and ev.kv.key == cluster.keys.candidate(term.candidate_id)]

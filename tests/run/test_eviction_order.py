@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -37,84 +36,15 @@ from coordinator.cli.common import fetch_status
 from tests.history import read_history
 from tests.support import REPO
 from tests.support.cluster import Cluster
-from tests.support.processes import (
-    ProcessGone,
-    child_env,
-    gpucoord_run,
-    write_fake_processes,
-)
+from tests.support.noise import assert_no_asyncio_noise
+from tests.support.processes import ProcessGone, child_env, write_fake_processes
 from tests.support.rpcs import coordinator_stub
+from tests.support.run_victim import GRACE_S, start_victim
 from tests.support.waiting import Background, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 
-# The command put under the lease. It prints its pid once ready, then waits for signals. "slow" and "ignore"
-# ignore SIGTERM; "slow" also takes a while to exit after SIGKILL, like a process with a large CUDA context
-# whose driver unmaps its memory as it exits: 2 GiB of small pages and many epoll registrations, which the
-# kernel tears down before the process is gone. "term" exits at SIGTERM; every mode dies of SIGINT silently.
-CHILD = r"""
-import mmap, os, resource, select, signal, sys
-mode = sys.argv[1]
-signal.signal(signal.SIGINT, signal.SIG_DFL)
-if mode in ("slow", "ignore"):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-keep = []
-if mode == "slow":
-    m = mmap.mmap(-1, 2 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_NOHUGEPAGE)
-    try:
-        m.madvise(23)    # MADV_POPULATE_WRITE
-    except OSError:
-        for i in range(0, len(m), 4096):
-            m[i] = 1
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    eps = [select.epoll() for _ in range(80)]
-    for _ in range(min(hard, 20000) - 200):
-        fd = os.eventfd(0)
-        for ep in eps:
-            ep.register(fd)
-    keep = [m, eps]
-print(os.getpid(), flush=True)
-while True:
-    signal.pause()
-"""
-
-GRACE_S = 1.0
 RUNS = int(os.environ.get("GPUCOORD_EVICTION_RUNS", "4"))
-
-
-@pytest.fixture
-def child_py(tmp_path: Path) -> str:
-    path = tmp_path / "child.py"
-    path.write_text(CHILD)
-    return str(path)
-
-
-@pytest.fixture
-def started() -> Iterator[list[int]]:
-    """PIDs a test started; whatever still runs at the end is SIGKILLed by PID."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        if not ProcessGone.now_gone(pid):
-            os.kill(pid, signal.SIGKILL)
-
-
-def start_victim(addr: str, host: str, child_py: str, mode: str, started: list[int],
-                 *extra: str) -> tuple[subprocess.Popen[str], int]:
-    """``gpucoord run`` of the child, holding the whole 16 GiB GPU at priority 0; returns it and the child's pid."""
-    run = gpucoord_run(addr, "--host", host, "--agent", "low", "--vram", "16GiB", *extra, "--",
-                       sys.executable, child_py, mode)
-    started.append(run.pid)
-    assert run.stdout is not None
-    line = run.stdout.readline()
-    if not line.strip():
-        run.kill()
-        raise AssertionError(f"the command did not start: {run.communicate(timeout=10)[1]}")
-    pid = int(line)
-    started.append(pid)
-    return run, pid
 
 
 def reported(addr: str, host: str, pid: int, state: str) -> bool:
@@ -132,11 +62,11 @@ def notice_deadline(cluster: Cluster) -> float:
     return float(json.loads(kvs[0].value)["deadline_unix"])
 
 
-def evict_once(cluster: Cluster, addr: str, host: str, child_py: str, mode: str, started: list[int],
+def evict_once(cluster: Cluster, addr: str, host: str, victim_py: str, mode: str, started: list[int],
                procs_file: Path | None = None, grace: float = GRACE_S) -> dict[str, Any]:
     """One eviction of a ``gpucoord run`` child by a priority-9 request for the whole GPU: when the child was
     gone, when the grant was decided, and what ``run`` said."""
-    run, pid = start_victim(addr, host, child_py, mode, started)
+    run, pid = start_victim(addr, host, victim_py, mode, started)
     if procs_file is not None:
         # 0 MiB, as NVML lists a process whose memory it cannot tell: the listing alone, not the untracked
         # VRAM it would add up to, is what orders the grant.
@@ -154,12 +84,13 @@ def evict_once(cluster: Cluster, addr: str, host: str, child_py: str, mode: str,
         lease.release()
     gone_at = gone.wait(10)
     _, err = run.communicate(timeout=30)
+    assert_no_asyncio_noise(err, "gpucoord run")
     return {"pid": pid, "gone": gone_at, "granted": created, "deadline": deadline, "gone_when_answered":
             gone_when_answered, "returncode": run.returncode, "stderr": err}
 
 
 def test_an_evicted_child_slow_to_exit_is_gone_before_the_requester_is_granted(
-        cluster: Cluster, child_py: str, tmp_path: Path, started: list[int]) -> None:
+        cluster: Cluster, victim_py: str, tmp_path: Path, started: list[int]) -> None:
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h1", "1x16GiB")
     cluster.start_node("h2", "1x16GiB", fake_processes=str(procs_file))
@@ -167,7 +98,7 @@ def test_an_evicted_child_slow_to_exit_is_gone_before_the_requester_is_granted(
     runs = []
     for i in range(RUNS):
         host = ("h1", "h2")[i % 2]
-        runs.append(evict_once(cluster, addr, host, child_py, "slow", started,
+        runs.append(evict_once(cluster, addr, host, victim_py, "slow", started,
                                procs_file if host == "h2" else None) | {"host": host})
     lines = [f"{r['host']}: exit after its deadline {r['gone'] - r['deadline']:.3f} s, grant "
              f"{(r['granted'] - r['gone']) * 1000:.1f} ms after it was gone" for r in runs]
@@ -181,13 +112,13 @@ def test_an_evicted_child_slow_to_exit_is_gone_before_the_requester_is_granted(
 
 
 def test_an_evicted_child_that_exits_at_sigterm_is_gone_before_the_requester_is_granted(
-        cluster: Cluster, child_py: str, tmp_path: Path, started: list[int]) -> None:
+        cluster: Cluster, victim_py: str, tmp_path: Path, started: list[int]) -> None:
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h1", "1x16GiB")
     cluster.start_node("h2", "1x16GiB", fake_processes=str(procs_file))
     addr = cluster.start_coordinator(eviction_grace_s=10)
     for host in ("h1", "h2"):
-        r = evict_once(cluster, addr, host, child_py, "term", started, procs_file if host == "h2" else None,
+        r = evict_once(cluster, addr, host, victim_py, "term", started, procs_file if host == "h2" else None,
                        grace=10)
         assert r["granted"] > r["gone"], f"granted before the evicted child was gone: {r}"
         assert r["granted"] < r["deadline"], "it exited at once: its release, not the deadline, let the grant in"
@@ -206,14 +137,14 @@ def _lists(report: Any, pid: int) -> bool:
 
 
 def test_the_grant_waits_until_the_nodes_report_no_longer_lists_the_evicted_child(
-        cluster: Cluster, child_py: str, tmp_path: Path, started: list[int]) -> None:
+        cluster: Cluster, victim_py: str, tmp_path: Path, started: list[int]) -> None:
     """The child exits at its SIGTERM and ``run`` releases at once, but the node (as a driver still freeing the
     child's memory) lists its pid until a given time: the VRAM stays held until the report no longer lists
     it (``departing/``), well before the kill margin."""
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h1", "1x16GiB", fake_processes=str(procs_file))
     addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=10)
-    run, pid = start_victim(addr, "h1", child_py, "term", started)
+    run, pid = start_victim(addr, "h1", victim_py, "term", started)
     until = time.time() + 2.0
     # 0 MiB: as NVML lists a process whose memory it cannot tell (containers), so that only the listing
     # itself, not the untracked VRAM it would add up to, holds the GPU.
@@ -248,14 +179,14 @@ def test_the_grant_waits_until_the_nodes_report_no_longer_lists_the_evicted_chil
 
 
 def test_at_the_kill_margin_the_vram_counts_as_free_though_the_node_still_lists_the_child(
-        cluster: Cluster, child_py: str, tmp_path: Path, started: list[int]) -> None:
+        cluster: Cluster, victim_py: str, tmp_path: Path, started: list[int]) -> None:
     """The bound: a process the node reports past the deadline plus the kill margin no longer holds the
     GPU (its departing record is forced); once the node stops listing it the record goes."""
     margin = 1.5
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h1", "1x16GiB", fake_processes=str(procs_file))
     addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=margin)
-    run, pid = start_victim(addr, "h1", child_py, "term", started)
+    run, pid = start_victim(addr, "h1", victim_py, "term", started)
     # 0 MiB: listed, but adding no untracked VRAM (which admission would count whatever the bound).
     write_fake_processes(procs_file, {0: {pid: {"mib": 0, "until": time.time() + 600}}})
     wait_for(lambda: reported(addr, "h1", pid, "leased"), 10, "the node to list the child on its GPU")
@@ -374,12 +305,12 @@ def test_at_the_kill_margin_a_node_with_enforce_kill_kills_what_is_left(
 
 
 def test_an_operators_revoke_kills_the_child_at_once_and_frees_its_vram_only_once_it_is_gone(
-        cluster: Cluster, child_py: str, tmp_path: Path, started: list[int]) -> None:
+        cluster: Cluster, victim_py: str, tmp_path: Path, started: list[int]) -> None:
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h2", "1x16GiB", fake_processes=str(procs_file))
     addr = cluster.start_coordinator()
     # A long TTL: the run's own check of its lease (every TTL/4 = 15 s) is not what kills the child.
-    run, pid = start_victim(addr, "h2", child_py, "slow", started, "--ttl", "60")
+    run, pid = start_victim(addr, "h2", victim_py, "slow", started, "--ttl", "60")
     # Listed with 0 MiB (NVML cannot always tell a process's memory): only the listing holds the GPU.
     write_fake_processes(procs_file, {0: {pid: 0}})
     wait_for(lambda: reported(addr, "h2", pid, "leased"), 10, "the node to list the child on its GPU")
@@ -399,57 +330,3 @@ def test_an_operators_revoke_kills_the_child_at_once_and_frees_its_vram_only_onc
     assert gone_at - t0 < 2.5, f"SIGKILL came {gone_at - t0:.1f} s after the revoke, not at once"
     _, err = run.communicate(timeout=30)
     assert run.returncode == 137 and "revoked by operator: SIGKILL at once" in err, err
-
-
-# -- gpucoord run's stderr: one line saying what happened, by whom, and the status it passes on ---------------
-
-LEASE_LINE = re.compile(r"gpucoord run: lease [0-9a-f]{20}: GPU 0 \(GPU-sim-h1-0\), 16384 MiB, token \d+; "
-                        r"started \S+ as pid (\d+)$")
-
-
-def _stderr_lines(err: str) -> list[str]:
-    assert "Traceback" not in err and "Task was destroyed" not in err and "Exception ignored" not in err, err
-    return err.splitlines()
-
-
-@pytest.mark.parametrize("event", ["eviction", "revoke", "ctrl-c", "session loss"])
-def test_run_says_in_one_line_what_ended_the_command_by_whom_and_its_status(
-        cluster: Cluster, child_py: str, started: list[int], event: str) -> None:
-    cluster.start_node("h1", "1x16GiB")
-    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S)
-    run, pid = start_victim(addr, "h1", child_py, "ignore", started)
-    (victim,) = wait_for(lambda: cluster.leases(), 10, "the lease")
-    wait_for(lambda: victim.pgid or [x for x in cluster.leases() if x.pgid], 10, "the lease to record the group")
-    python = re.escape(sys.executable)
-    if event == "eviction":
-        with Client(addr, agent="high", host="h1") as c:
-            lease = c.acquire(16384, priority=9, wait=30)
-            rid = lease.request_id
-            lease.release()
-        final = (rf"gpucoord run: evicted by high/{rid} \(priority 9 request for 16384 MiB needs the room\): "
-                 rf"SIGTERM at the notice, SIGKILL at the eviction deadline; {python} \(pid {pid}\) was killed by "
-                 rf"SIGKILL \(status 137\)$")
-        status = 137
-    elif event == "revoke":
-        coordinator_stub(addr).RevokeLease(pb.RevokeLeaseRequest(lease_id=victim.id), timeout=10)
-        final = (rf"gpucoord run: revoked by operator: SIGKILL at once; {python} \(pid {pid}\) was killed by "
-                 rf"SIGKILL \(status 137\)$")
-        status = 137
-    elif event == "ctrl-c":
-        run.send_signal(signal.SIGINT)
-        final = (rf"gpucoord run: interrupted: SIGINT forwarded to the command; {python} \(pid {pid}\) was killed "
-                 rf"by SIGINT \(status 130\)$")
-        status = 130
-    else:
-        cluster.lt.run(cluster.store.revoke(victim.etcd_lease))   # the session is gone from etcd
-        final = (rf"gpucoord run: lease lost \(the session expired or was revoked: the coordinator no longer keeps "
-                 rf"it alive\): "
-                 rf"SIGKILL at once; {python} \(pid {pid}\) was killed by SIGKILL \(status 137\)$")
-        status = 137
-    _, err = run.communicate(timeout=60)
-    lines = _stderr_lines(err)
-    assert len(lines) == 2, err
-    started_line = LEASE_LINE.match(lines[0])
-    assert started_line is not None and started_line.group(1) == str(pid), lines[0]
-    assert re.match(final, lines[1]), f"{lines[1]!r} does not match {final!r}"
-    assert run.returncode == status

@@ -29,7 +29,12 @@ from coordinator import metrics
 from coordinator.cli.common import fetch_status
 from tests.support import REPO
 from tests.support.cluster import Cluster
-from tests.support.processes import child_env
+from tests.support.processes import (
+    child_env,
+    command_pid,
+    gpucoord_run,
+    write_fake_processes,
+)
 from tests.support.waiting import Background, wait_for
 
 pytestmark = pytest.mark.integration
@@ -60,46 +65,12 @@ def child_py(tmp_path: Path) -> str:
     return str(path)
 
 
-@pytest.fixture
-def started() -> Iterator[list[int]]:
-    """PIDs a test started (wrappers and commands); whatever still runs at the end is SIGKILLed by PID."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-
-
 def alive(pid: int) -> bool:
     """Running, not a zombie (a killed process whose wrapper died may wait for a reaper as a zombie)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def gpucoord_run(addr: str, *args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "run", "--coordinator", addr, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True,
-                            env=child_env(), cwd=REPO)
-
-
-def child_pid(run: subprocess.Popen[str], started: list[int]) -> int:
-    """The command's pid, from the first line it prints."""
-    assert run.stdout is not None
-    line = run.stdout.readline()
-    if not line.strip():
-        run.kill()
-        raise AssertionError(f"the command did not start: {run.communicate(timeout=10)[1]}")
-    pid = int(line)
-    started.append(pid)
-    return pid
-
-
-def write_fake_processes(path: Path, doc: dict[int, dict[int, int]]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({str(g): {str(p): mb for p, mb in procs.items()} for g, procs in doc.items()}))
-    tmp.replace(path)   # atomic: the node never reads half a file
 
 
 def gpu_status(addr: str, host: str = "h1", index: int = 0) -> dict[str, Any]:
@@ -135,7 +106,7 @@ def test_a_child_that_ignores_sigterm_is_killed_at_its_eviction_deadline_before_
     run = gpucoord_run(addr, "--host", "h1", "--agent", "low", "--vram", "16GiB", "--",
                        sys.executable, child_py, "trap", str(term_file))
     started.append(run.pid)
-    pid = child_pid(run, started)
+    pid = command_pid(run, started)
     died: list[float] = []
 
     def watch() -> None:
@@ -172,7 +143,7 @@ def test_a_child_whose_wrapper_is_killed_is_killed_by_the_node_or_reported_orpha
     run = gpucoord_run(addr, "--host", "h1", "--agent", "a", "--vram", "2GiB", "--ttl", str(ttl), "--",
                        sys.executable, child_py, "pause")
     started.append(run.pid)
-    pid = child_pid(run, started)
+    pid = command_pid(run, started)
     write_fake_processes(procs_file, {0: {pid: 1500}})
     wait_for(lambda: [p["state"] for p in gpu_status(addr)["processes"]] == ["leased"], 10,
              "the node to attribute the child to its lease")
@@ -244,7 +215,7 @@ def test_the_child_runs_on_its_partition_cores_with_its_memory_share(
     run = gpucoord_run(addr, "--host", "h1", "--agent", "agent-b", "--vram", "1GiB", "--cgroup-root", str(root),
                        "--", sys.executable, child_py, "stdin", stdin=subprocess.PIPE)
     started.append(run.pid)
-    pid = child_pid(run, started)
+    pid = command_pid(run, started)
     assert _cores_allowed(pid) == _ranges(mine["cores"])
     assert _cores_allowed(pid) != _cores_allowed(os.getpid())
     (cg,) = [d for d in root.iterdir() if d.is_dir()]
@@ -291,7 +262,7 @@ def test_memory_max_in_a_real_cgroup(split_host: tuple[str, dict[str, Any]], chi
     run = gpucoord_run(addr, "--host", "h1", "--agent", "agent-b", "--vram", "1GiB", "--cgroup-root", root,
                        "--", sys.executable, child_py, "stdin", stdin=subprocess.PIPE)
     started.append(run.pid)
-    pid = child_pid(run, started)
+    pid = command_pid(run, started)
     cg = Path(root, Path(f"/proc/{pid}/cgroup").read_text().strip().split("::", 1)[1].lstrip("/"))
     assert cg.name.startswith("gpucoord-agent-b-")
     assert (cg / "memory.max").read_text().strip() == str(mine["mem_bytes"] // 4096 * 4096)
@@ -308,7 +279,7 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
     run = gpucoord_run(addr, "--host", "h1", "--agent", "a", "--vram", "1000MiB", "--",
                        sys.executable, child_py, "stdin", stdin=subprocess.PIPE)
     started.append(run.pid)
-    pid = child_pid(run, started)
+    pid = command_pid(run, started)
 
     def lease_use() -> list[dict[str, Any]]:
         return list(gpu_status(addr)["lease_use"])

@@ -7,10 +7,8 @@ others run in-process against the module's own etcd.
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -21,7 +19,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.security.tls import channel_credentials
 from tests.support.cluster import Cluster
-from tests.support.pki import Pki
+from tests.support.pki import Pki, coordinator_tls, secure_cluster
 from tests.support.processes import spawn_coordinator, stop_process
 from tests.support.waiting import wait_for
 
@@ -34,17 +32,8 @@ QUOTED = 32              # README "Limits": a message quotes at most 32 characte
 
 @pytest.fixture(scope="module")
 def cluster(own_etcd: list[str], pki: Pki) -> Iterator[Cluster]:
-    c = Cluster(own_etcd, f"/gpucoord-bounded-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
-    try:
-        c.start_node(HOST, "2x16GiB", heartbeat_s=3600, tls=pki["node"])
+    with secure_cluster(own_etcd, pki, "bounded", HOST) as c:
         yield c
-    finally:
-        c.close()
-
-
-def _tls(pki: Pki) -> dict[str, str]:
-    c = pki["coordinator"]
-    return {"tls_ca": c.ca, "tls_cert": c.cert, "tls_key": c.key}
 
 
 def _stub(addr: str, pki: Pki, who: str, **options: Any) -> tuple[grpc.Channel, Any]:
@@ -80,7 +69,7 @@ def _rss_kib(pid: int) -> int:
 
 def test_every_refusal_of_a_200kB_field_is_permission_denied_and_quotes_32_characters(
         cluster: Cluster, pki: Pki) -> None:
-    addr = cluster.start_coordinator(**_tls(pki))
+    addr = cluster.start_coordinator(**coordinator_tls(pki))
     try:
         ch, stub = _stub(addr, pki, "agent-b")
         with ch:
@@ -139,7 +128,7 @@ def test_a_thousand_refused_200kB_calls_leave_memory_and_log_flat(
 def test_a_stream_whose_client_does_not_read_is_closed_resource_exhausted(cluster: Cluster, pki: Pki) -> None:
     """The answers waiting for a client that does not read are bounded: past the bound the stream stops
     reading and ends with RESOURCE_EXHAUSTED naming ``stream``, once the client reads what was already sent."""
-    addr = cluster.start_coordinator(stream_answers_max=16, calls_per_s_per_identity=0, **_tls(pki))
+    addr = cluster.start_coordinator(stream_answers_max=16, calls_per_s_per_identity=0, **coordinator_tls(pki))
     try:
         # Without BDP probing the client's window stays at its 64 KiB default: the server's writes then
         # wait after a few hundred answers, and the queue behind them fills.
@@ -179,7 +168,7 @@ def test_cancelling_a_stream_mid_write_leaves_no_traceback(cluster: Cluster, pki
     """Many answers pending (the client does not read), then the client cancels: the coordinator logs no
     traceback, no 'Task exception was never retrieved', nothing about a context."""
     caplog.set_level(logging.DEBUG)
-    addr = cluster.start_coordinator(calls_per_s_per_identity=0, **_tls(pki))
+    addr = cluster.start_coordinator(calls_per_s_per_identity=0, **coordinator_tls(pki))
     try:
         ch_a, a = _stub(addr, pki, "agent-a")
         ch, b = _stub(addr, pki, "agent-a" if rpc == "KeepAlive" else "agent-b", **{"grpc.http2.bdp_probe": 0})

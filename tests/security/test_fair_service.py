@@ -26,7 +26,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.security.tls import channel_credentials
 from tests.support import REPO
 from tests.support.cluster import Cluster
-from tests.support.pki import Pki
+from tests.support.pki import Pki, coordinator_tls, secure_cluster
 from tests.support.processes import child_env, spawn_coordinator, stop_process
 from tests.support.waiting import wait_for
 
@@ -40,24 +40,15 @@ MAX_RATIO = float(os.environ.get("GPUCOORD_FLOOD_MAX_RATIO", "3.0"))
 
 @pytest.fixture
 def cluster(own_etcd: list[str], pki: Pki) -> Iterator[Cluster]:
-    c = Cluster(own_etcd, f"/gpucoord-fair-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
-    try:
-        c.start_node(HOST, "2x16GiB", heartbeat_s=3600, tls=pki["node"])
+    with secure_cluster(own_etcd, pki, "fair", HOST) as c:
         yield c
-    finally:
-        c.close()
-
-
-def _tls(pki: Pki) -> dict[str, str]:
-    c = pki["coordinator"]
-    return {"tls_ca": c.ca, "tls_cert": c.cert, "tls_key": c.key}
 
 
 def test_an_identity_holds_at_most_max_streams_open(cluster: Cluster, pki: Pki) -> None:
     """The finding: 1,000 Session streams of one agent were all kept (+19 MiB). Past the cap, the opening of a
     stream is RESOURCE_EXHAUSTED naming ``streams``; another agent is not affected; a closed stream frees its
     place."""
-    addr = cluster.start_coordinator(max_streams_per_identity=8, **_tls(pki))
+    addr = cluster.start_coordinator(max_streams_per_identity=8, **coordinator_tls(pki))
     chans = [grpc.secure_channel(addr, channel_credentials(pki[who])) for who in ("agent-a", "agent-b")]
     try:
         a, b = (pb_grpc.CoordinatorStub(ch) for ch in chans)

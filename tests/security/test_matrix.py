@@ -23,7 +23,7 @@ from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import TlsFiles, channel_credentials
 from coordinator.txn import Range
 from tests.support.cluster import Cluster, writes_since
-from tests.support.pki import Pki
+from tests.support.pki import Pki, coordinator_tls
 from tests.support.rpcs import session_call
 from tests.support.waiting import wait_for
 
@@ -99,8 +99,7 @@ def world(own_etcd: list[str], pki: Pki) -> Iterator[World]:
         daemon = cluster.start_node(HOST, "2x16GiB", heartbeat_s=3600, tls=pki["node"])
         assert daemon.inventory is not None
         node_addr = daemon.address
-        c = pki["coordinator"]
-        addr = cluster.start_coordinator(tls_ca=c.ca, tls_cert=c.cert, tls_key=c.key)
+        addr = cluster.start_coordinator(**coordinator_tls(pki))
         wait_for(lambda: cluster.get_prefix(cluster.keys.election()), 10, "the coordinator's election key")
         w = World(cluster, addr, node_addr, pki, daemon.inventory.gpus[0].uuid)
         w.session_id = w.open_session()

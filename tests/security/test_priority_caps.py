@@ -17,7 +17,7 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.security.tls import channel_credentials
 from tests.support.cluster import Cluster, writes_since
-from tests.support.pki import Pki
+from tests.support.pki import Pki, coordinator_tls
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -67,8 +67,7 @@ def world(own_etcd: list[str], pki: Pki) -> Iterator[World]:
     cluster = Cluster(own_etcd, f"/gpucoord-caps-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
     try:
         cluster.start_node(HOST, "1x16GiB", heartbeat_s=3600, tls=pki["node"])
-        c = pki["coordinator"]
-        w = World(cluster, cluster.start_coordinator(tls_ca=c.ca, tls_cert=c.cert, tls_key=c.key), pki)
+        w = World(cluster, cluster.start_coordinator(**coordinator_tls(pki)), pki)
         w.ref("agent-a"), w.ref("agent-b")   # opened up front: "refused writes nothing" compares revisions
         yield w
         w.close()

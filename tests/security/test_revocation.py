@@ -22,7 +22,7 @@ from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import channel_credentials
 from tests.support import REPO
 from tests.support.cluster import Cluster
-from tests.support.pki import Pki
+from tests.support.pki import Pki, coordinator_tls
 from tests.support.processes import child_env
 from tests.support.waiting import wait_for
 
@@ -36,8 +36,7 @@ def world(own_etcd: list[str], pki: Pki) -> Iterator[tuple[Cluster, list[str], s
     cluster = Cluster(own_etcd, f"/gpucoord-revoke-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
     try:
         daemon = cluster.start_node(HOST, "1x16GiB", heartbeat_s=3600, tls=pki["node"])
-        c = pki["coordinator"]
-        addrs = [cluster.start_coordinator(tls_ca=c.ca, tls_cert=c.cert, tls_key=c.key) for _ in range(2)]
+        addrs = [cluster.start_coordinator(**coordinator_tls(pki)) for _ in range(2)]
         yield cluster, addrs, daemon.address
     finally:
         cluster.close()

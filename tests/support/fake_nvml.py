@@ -6,6 +6,8 @@ from typing import Any
 
 import pynvml
 
+from coordinator.node.inventory import MIB
+
 
 def nvml_error(code: int) -> pynvml.NVMLError:
     """A real pynvml error; NVMLError.__new__ maps the code to its subclass (e.g. NVMLError_GpuIsLost)."""
@@ -123,3 +125,18 @@ class FakeNvml:
 
     def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
         return self._link(handle, link, "nvmlDeviceGetNvLinkRemoteDeviceType")[2]
+
+
+def four_gpus() -> FakeNvml:
+    """Four GPUs of mixed models: bytes and str names and uuids, processes with and without a known size, and
+    an odd byte count that floors."""
+    gib = 1024 * MIB
+    return FakeNvml([
+        FakeDevice(b"GPU-aaaa-0000", b"NVIDIA A100-SXM4-80GB", 80 * gib, used=1 * gib,
+                   procs=[SimpleNamespace(pid=111, usedGpuMemory=512 * MIB)]),
+        FakeDevice("GPU-bbbb-1111", "NVIDIA GeForce RTX 4090", 24 * gib + 123),  # odd byte count floors
+        FakeDevice(b"GPU-cccc-2222", "NVIDIA H100 80GB HBM3", 80 * gib, used=3 * gib + MIB - 1),
+        FakeDevice("GPU-dddd-3333", b"Tesla T4", 15360 * MIB,
+                   procs=[SimpleNamespace(pid=7, usedGpuMemory=None),
+                          SimpleNamespace(pid=8, usedGpuMemory=2 * gib)]),
+    ])

@@ -1,7 +1,10 @@
 """Fault injection by wrapping one component's own objects, never by editing the code under test:
-``patch_method``, ``patch_commit``, and ``is_put``/``is_delete`` to recognise a transaction's ops."""
+``patch_method``, ``patch_commit``, ``deafen`` (a leader deaf to its loss, its revokes counted), and
+``is_put``/``is_delete`` to recognise a transaction's ops."""
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any, Awaitable, Callable
 
 from coordinator.txn import Delete, Op, Put
@@ -43,3 +46,34 @@ def is_put(op: Op, key_part: bytes) -> bool:
 
 def is_delete(op: Op, key_part: bytes) -> bool:
     return isinstance(op, Delete) and key_part in op.key
+
+
+@dataclasses.dataclass
+class DeafLeader:
+    """A leader kept from noticing the loss of its election (its step-down is a no-op), so its duties run on,
+    with every try of its lease revoke recorded: (time.monotonic() when it ended, its result or its error)."""
+    tries: list[tuple[float, object]]
+    undo: Callable[[], None]
+
+
+def deafen(cluster: Cluster, leadership: Any) -> DeafLeader:
+    """Make ``leadership`` (a replica's Leadership) deaf to its loss and count its revokes; ``undo()`` after."""
+    tries: list[tuple[float, object]] = []
+    revoke = leadership.leases.revoke
+
+    async def counted_revoke(*args: object, **kw: object) -> bool:
+        try:
+            out = await revoke(*args, **kw)
+        except Exception as e:
+            tries.append((time.monotonic(), e))
+            raise
+        tries.append((time.monotonic(), out))
+        return out
+
+    undos = [patch_method(cluster, leadership, "_step_down", lambda: None),
+             patch_method(cluster, leadership.leases, "revoke", counted_revoke)]
+
+    def undo() -> None:
+        for u in undos:
+            u()
+    return DeafLeader(tries, undo)

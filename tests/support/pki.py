@@ -1,13 +1,20 @@
-"""Certificates for the security tests: ``make_pki``/``Pki``."""
+"""Certificates for the security tests: ``make_pki``/``Pki``; ``coordinator_tls`` (a coordinator's TLS settings)
+and ``secure_cluster`` (a Cluster whose node serves TLS)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import os
 import pathlib
-from typing import TYPE_CHECKING
+import uuid
+from typing import TYPE_CHECKING, Iterator
+
+from tests.support.cluster import Cluster
 
 if TYPE_CHECKING:
     from coordinator.security.tls import TlsFiles
+
 
 @dataclasses.dataclass(frozen=True)
 class Pki:
@@ -43,3 +50,23 @@ def make_pki(base: pathlib.Path, host: str = "h1") -> Pki:
     # Presented to our servers, verified against OUR CA: its client cert is from the other CA.
     files["other-ca"] = TlsFiles(ca, theirs.cert, theirs.key)
     return Pki(d, ca, files)
+
+
+def coordinator_tls(pki: Pki) -> dict[str, str]:
+    """The coordinator's certificate as ``Cluster.start_coordinator`` settings."""
+    c = pki["coordinator"]
+    return {"tls_ca": c.ca, "tls_cert": c.cert, "tls_key": c.key}
+
+
+@contextlib.contextmanager
+def secure_cluster(endpoints: list[str], pki: Pki, name: str, host: str = "h1",
+                   fake_gpus: str = "2x16GiB") -> Iterator[Cluster]:
+    """A Cluster under a prefix of its own (``/gpucoord-NAME-PID-RANDOM/``) with a node daemon on ``host`` that
+    serves TLS with the node's certificate and sends no usage heartbeats meanwhile (the revision moves only when
+    a call writes); closed at the end."""
+    c = Cluster(endpoints, f"/gpucoord-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
+    try:
+        c.start_node(host, fake_gpus, heartbeat_s=3600, tls=pki["node"])
+        yield c
+    finally:
+        c.close()

@@ -1,6 +1,6 @@
 """Child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_node``, ``spawn_agent``,
 ``LinkedReplica`` (a coordinator process behind FaultLinks), ``stop_process``, ``child_env``; bound processes:
-``gpucoord_run``, ``write_fake_processes``, ``ProcessGone`` (when a process exited)."""
+``gpucoord_run`` and ``command_pid``, ``write_fake_processes``, ``ProcessGone`` (when a process exited)."""
 from __future__ import annotations
 
 import json
@@ -28,6 +28,19 @@ def gpucoord_run(addr: str, *args: str, stdin: Any = subprocess.DEVNULL) -> subp
     return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "run", "--coordinator", addr, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True,
                             env=child_env(), cwd=REPO)
+
+
+def command_pid(run: subprocess.Popen[str], started: list[int]) -> int:
+    """The pid of the command that a ``gpucoord run`` child (``run``) started, from the first line the command
+    prints; added to ``started`` (the PIDs the test kills at its end)."""
+    assert run.stdout is not None
+    line = run.stdout.readline()
+    if not line.strip():
+        run.kill()
+        raise AssertionError(f"the command did not start: {run.communicate(timeout=10)[1]}")
+    pid = int(line)
+    started.append(pid)
+    return pid
 
 
 def write_fake_processes(path: pathlib.Path, doc: dict[int, dict[int, Any]]) -> None:

@@ -1,0 +1,56 @@
+"""Victim choice over GPU sets (coordinator.policy.placement): a gang evicted whole, the set with fewest and
+lowest victims, and victims that can be spared dropped."""
+from __future__ import annotations
+
+import dataclasses
+
+from coordinator.policy.placement import VictimChoice, choose_gang_victims
+from tests.support.placement_cases import QUADS, gang, holder, host
+
+# -- victims ---------------------------------------------------------------------------------------------
+
+def test_evicting_a_gang_frees_all_its_gpus() -> None:
+    slots = host(QUADS, free={0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0, 6: 0, 7: 0})
+    holders = [holder("gang01", 0, {0: 80, 1: 80}), holder("g23", 0, {2: 80, 3: 80}, created_at=1)] + [
+        holder(f"s{i}", 0, {i: 80}) for i in range(4, 8)]
+    got = choose_gang_victims(slots, gang(slots, 2, exclusive=True, topology="nvlink"), 5, "a", holders)
+    # One victim frees a whole pair: gang01 frees (0, 1), g23 frees (2, 3); any pair of 4-7 takes two
+    # victims. Between sets of equal cost the lowest indexes win (as plan_eviction's first GPU does).
+    assert got == VictimChoice((0, 1), (holders[0],))
+    got = choose_gang_victims(slots, gang(slots, 2, exclusive=True, topology="nvlink"), 5, "a",
+                              [dataclasses.replace(holders[0], priority=1), *holders[1:]])
+    assert got == VictimChoice((2, 3), (holders[1],))        # then the lower priority: g23
+
+
+def test_the_set_with_fewest_victims_wins_then_the_lowest_priorities() -> None:
+    slots = host("4x80GiB", free={i: 0 for i in range(4)})
+    holders = [holder("a", 0, {0: 40}), holder("b", 0, {0: 40}), holder("c", 2, {1: 80}), holder("d", 1, {2: 80}),
+               holder("e", 3, {3: 80}, preemptible=False)]
+    got = choose_gang_victims(slots, gang(slots, 1, 60), 5, "x", holders)
+    assert got == VictimChoice((2,), (holders[3],))
+
+
+def test_within_a_set_the_order_rule_wins_over_the_count() -> None:
+    slots = host("1x80GiB", free={0: 0})
+    small = [holder("p0a", 0, {0: 20}), holder("p0b", 0, {0: 20}, created_at=1)]
+    big = holder("p1", 1, {0: 40})
+    got = choose_gang_victims(slots, gang(slots, 1, 40), 5, "x", [*small, big])
+    assert got is not None and {v.id for v in got.victims} == {"p0a", "p0b"}
+
+
+def test_non_preemptible_or_higher_priority_holders_make_a_set_impossible_for_exclusive() -> None:
+    slots = host("2x80GiB", free={0: 70, 1: 70})
+    holders = [holder("x", 0, {0: 10}, preemptible=False), holder("y", 9, {1: 10})]
+    assert choose_gang_victims(slots, gang(slots, 1, exclusive=True), 5, "a", holders) is None
+
+
+def test_fits_now_or_once_pending_evictions_end_needs_no_victim() -> None:
+    slots = host("2x80GiB", free={0: 50})
+    assert choose_gang_victims(slots, gang(slots, 1, 40), 5, "a", [holder("x", 0, {0: 30})]) == VictimChoice((0,), ())
+
+
+def test_a_victim_that_can_be_spared_is_dropped() -> None:
+    slots = host("1x80GiB", free={0: 0})
+    holders = [holder("small", 0, {0: 10}), holder("big", 1, {0: 70})]
+    got = choose_gang_victims(slots, gang(slots, 1, 60), 5, "a", holders)
+    assert got is not None and [v.id for v in got.victims] == ["big"]
