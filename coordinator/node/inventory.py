@@ -18,7 +18,8 @@ import os
 import psutil
 
 from coordinator.node.fake import FakeGpuSource, parse_fake_gpus, parse_fake_processes
-from coordinator.node.nvml import Nvml, NvmlGpuSource
+from coordinator.node.nvml import NvmlGpuSource
+from coordinator.node.nvml_api import Nvml
 from coordinator.node.source import (
     MAX_GPU_NAME,
     MIB,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.node import nvml as nvml_module
+from coordinator.node import nvml_api as nvml_module
 from coordinator.node.inventory import (
     MIB,
     FakeGpuSource,
@@ -21,7 +21,7 @@ from coordinator.node.inventory import (
     parse_fake_gpus,
     read_inventory,
 )
-from coordinator.node.nvml import parse_pci_bus_id, sysfs_numa_node
+from coordinator.node.nvml_api import parse_pci_bus_id, sysfs_numa_node
 from coordinator.records import GpuInfo, HostInventory, dumps, loads
 from tests.support.fake_nvml import FakeDevice, FakeNvml
 
