@@ -104,6 +104,7 @@ def test_dependencies_only_point_down() -> None:
 
 @pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.decide",
                                     "coordinator.policy.admission", "coordinator.policy.placement",
+                                    "coordinator.policy.victims", "coordinator.policy.gang",
                                     "coordinator.policy.partition"])
 def test_the_pure_policy_loads_neither_aetcd_nor_grpc(module: str) -> None:
     code = (f"import sys, {module}; "

@@ -18,20 +18,17 @@ from hypothesis import strategies as st
 
 from coordinator.node.fake import parse_fake_gpus
 from coordinator.policy.admission import GpuView, best_fit, plan_eviction
+from coordinator.policy.gang import holders_from_views, slots_from_views
 from coordinator.policy.placement import (
     MAX_CLIQUE_STEPS,
     Chosen,
     GangRequest,
     GpuSlot,
-    Holder,
     Refused,
-    VictimChoice,
     Wait,
-    choose_gang_victims,
-    holders_from_views,
     place,
-    slots_from_views,
 )
+from coordinator.policy.victims import Holder, VictimChoice, choose_gang_victims
 from coordinator.records import GpuInfo, GpuLedger, HostInventory, VramLease
 
 GIB = 1024
