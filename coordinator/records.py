@@ -37,6 +37,17 @@ __all__ = ["FORMAT", "MAX_STORED_INT", "TOPOLOGIES", "GpuInfo", "GpuProcess", "G
 TOPOLOGIES = ("any", "numa", "nvlink")
 
 
+@dataclasses.dataclass(frozen=True)
+class Gang:
+    """What an acquire asks beyond one GPU (issue 21): ``gpu_count`` GPUs, whole ones (``exclusive``), joined
+    by ``topology``, or exactly ``gpus`` (indexes or uuids). ``Gang()`` is a plain single-GPU request."""
+
+    gpu_count: int = 1
+    exclusive: bool = False
+    topology: str = "any"
+    gpus: tuple[str, ...] = ()
+
+
 class StoredKV(Protocol):
     """What a record needs of a stored key: the store's ``KV`` has it."""
 

@@ -99,6 +99,7 @@ class AcquireCall:
     exclusive: bool = False
     topology: str = "any"
     gpus: tuple[str, ...] = ()
+    parts: tuple[VramLease, ...] = ()   # once granted: each GPU's record (a gang's), set before the future
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.wait_s
@@ -367,7 +368,8 @@ class HostAdmitter:
                     if self._waiting.get(c.lease_id) is c:
                         del self._waiting[c.lease_id]
                     if lease is not None and not c.future.done():
-                        c.future.set_result(lease)
+                        c.parts = _parts_in(leases.ranges[0], c.lease_id)
+                        c.future.set_result(c.parts[0])
                     else:
                         self._expired(c, None)
             due = retry
@@ -521,8 +523,10 @@ class HostAdmitter:
             if self._waiting.get(c.lease_id) is c:
                 del self._waiting[c.lease_id]
             if not c.future.done():
-                c.future.set_result(dataclasses.replace(lease, mod_revision=revision)
-                                    if revision and id(lease) in new else lease)
+                parts = plan.gangs.get(lease.id, (lease,))
+                c.parts = tuple(dataclasses.replace(x, mod_revision=revision) if revision and id(x) in new else x
+                                for x in parts)
+                c.future.set_result(c.parts[0])
             elif id(lease) in new and revision and c.future.cancelled() and not c.forwarded:
                 # Its caller went away while the grant was being committed: nobody knows the lease, so it
                 # is given back rather than held for the rest of the session, unless a retry of the same
@@ -584,6 +588,18 @@ def _lease_in(kvs: Sequence[KV], lease_id: str) -> VramLease | None:
     return None
 
 
+def _parts_in(kvs: Sequence[KV], lease_id: str) -> tuple[VramLease, ...]:
+    """Every GPU's record of the lease among ``leases/<host>/...`` keys, in index order."""
+    parts = []
+    for kv in kvs:
+        if last_segment(kv.key) == lease_id:
+            try:
+                parts.append(VramLease.from_kv(kv))
+            except InvalidRecord:
+                continue
+    return tuple(sorted(parts, key=lambda x: x.gpu_index))
+
+
 def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:
     """Calls of one round that name the same request (agent, request_id) are one request: the first one is
     decided, and the others get its answer."""
@@ -591,11 +607,13 @@ def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:
     for c in batch:
         primary = first.setdefault(c.lease_id, c)
         if primary is not c:
-            primary.future.add_done_callback(functools.partial(_copy_outcome, c.future))
+            primary.future.add_done_callback(functools.partial(_copy_outcome, c, primary))
     return list(first.values())
 
 
-def _copy_outcome(target: asyncio.Future[VramLease], source: asyncio.Future[VramLease]) -> None:
+def _copy_outcome(call: AcquireCall, primary: AcquireCall, _: object) -> None:
+    target, source = call.future, primary.future
+    call.parts = primary.parts
     if target.done():
         return
     if source.cancelled():

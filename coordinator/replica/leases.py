@@ -172,8 +172,10 @@ class Leases:
                                             [op_delete(notice_key)])
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            compares = [cmp_mod_revision(key, lease.mod_revision), *fenced]
-            ops = [op_delete(key), op_delete(notice_key)]
+            others = await self._other_parts(lease, False)
+            compares = [cmp_mod_revision(key, lease.mod_revision), *fenced,
+                        *(cmp_mod_revision(kv.key, kv.mod_revision) for kv in others)]
+            ops = [op_delete(key), op_delete(notice_key), *(op_delete(kv.key) for kv in others)]
             if notice_revision is not None:
                 compares.append(cmp_mod_revision(notice_key, notice_revision))
             usage_key = self.keys.usage(lease.host)
@@ -184,10 +186,11 @@ class Leases:
                 usage_kv = await self.store.get(usage_key)
                 notice = _notice(await self.store.get(notice_key))
                 if usage_kv is not None and notice is not None and reported(usage_kv, lease):
-                    record = self._departing(lease, notice, bound_in_s=0.0)
                     compares.append(cmp_mod_revision(usage_key, usage_kv.mod_revision))
-                    ops.append(op_put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
-                                      dumps(record.to_json())))
+                    for part in [lease, *(VramLease.from_kv(kv) for kv in others)]:   # a gang: every GPU
+                        record = self._departing(part, notice, bound_in_s=0.0)
+                        ops.append(op_put(self.keys.departing(part.host, part.gpu_uuid, part.id),
+                                          dumps(record.to_json())))
                     forced = True
             res = await self.store.commit(compares, ops)
             if res.succeeded:
@@ -277,9 +280,11 @@ class Leases:
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             notice_key = self.keys.eviction(lease.id)
             notice_kv = await self._read(notice_key, from_mirror)
+            others = await self._other_parts(lease, from_mirror)   # a gang goes whole, in this transaction
             compares = [cmp_mod_revision(key, lease.mod_revision),
-                        cmp_mod_revision(notice_key, notice_kv.mod_revision) if notice_kv else cmp_absent(notice_key)]
-            ops = [op_delete(key), op_delete(notice_key)]
+                        cmp_mod_revision(notice_key, notice_kv.mod_revision) if notice_kv else cmp_absent(notice_key),
+                        *(cmp_mod_revision(kv.key, kv.mod_revision) for kv in others)]
+            ops = [op_delete(key), op_delete(notice_key), *(op_delete(kv.key) for kv in others)]
             # (A malformed notice is set aside: it is deleted with the lease, as if there were none.)
             notice = _notice(notice_kv)
             if notice_kv is not None and notice is not None and (lease.pids or lease.pgid):
@@ -287,11 +292,11 @@ class Leases:
                 if usage_kv is not None and reported(usage_kv, lease):
                     bound = (self.ctx.notice_deadline(notice_kv, notice) + self.config.eviction_kill_margin_s
                              - clock.monotonic())
-                    record = self._departing(lease, notice, bound)
                     res = await self.store.commit(
                         [*compares, cmp_mod_revision(usage_kv.key, usage_kv.mod_revision)],
-                        [*ops, op_put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
-                                      dumps(record.to_json()))])
+                        [*ops, *(op_put(self.keys.departing(part.host, part.gpu_uuid, part.id),
+                                        dumps(self._departing(part, notice, bound).to_json()))
+                                 for part in [lease, *(VramLease.from_kv(kv) for kv in others)])])
                     if res.succeeded:
                         metrics.RELEASES.inc()
                         log.info("lease %s released under its eviction notice while the node still reports its "
@@ -308,6 +313,17 @@ class Leases:
                 metrics.RELEASES.inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")
+
+    async def _other_parts(self, lease: VramLease, from_mirror: bool) -> list[KV]:
+        """The records of a gang's other GPUs (none for a single-GPU lease): release, revoke and expiry take
+        the whole gang in one transaction, comparing each."""
+        out = []
+        for uuid_ in lease.gang:
+            if uuid_ != lease.gpu_uuid:
+                kv = await self._read(self.keys.lease(lease.host, uuid_, lease.id), from_mirror)
+                if kv is not None:
+                    out.append(kv)
+        return out
 
     async def _read(self, key: bytes, from_mirror: bool) -> KV | None:
         """A key from the mirror (``from_mirror``: the caller's compares validate it) or from etcd."""
