@@ -25,6 +25,17 @@ plan made from a stale snapshot fails as a whole and is made again.
 Guarantees, checked by the property tests in ``tests/unit/test_planner.py``:
 * G1: no GPU and no partition cap is over-committed by the grants.
 * G2: a request is only placed on GPUs that no request ranked before it is still waiting for.
+* Gangs (issue 21; ``policy/placement.py``, ``policy/gang.py``, ``policy/victims.py``): a request for several
+  GPUs, whole GPUs, a topology or exact GPUs is placed over GPU sets (best fit, topology, exclusive) and
+  granted all or nothing: one record per GPU with that GPU's next token, all in the round's transaction,
+  which compares every ledger of the host. **G2 with gangs**: a waiting request, gang or not, blocks every
+  GPU it could ever use (``gang.could_use``: every GPU of some set that could hold it once leases go and
+  meets its topology); no request ranked after it is granted on any of them. The rule's cost: the free room
+  of those GPUs idles for later requests until the gang is granted (a waiting ``any`` gang of 4 on an
+  8-GPU host holds back all 8 GPUs), and a round may grant less than it could; its gain: a big request is
+  never starved by a stream of small ones. A gang's victims are chosen over GPU sets
+  (``victims.choose_gang_victims``: fewest, then lowest, minimal); a gang victim frees all its GPUs, and its
+  notice compares each of its records. ``_fits_budget`` counts a gang's k lease puts and k ledger puts.
 * G3: victims are preemptible, of lower priority, chosen by ``admission.choose_victims`` (lowest priority
   first, then newest; no victim can be spared); a request with victims is admitted only once they are gone:
   their leases, and the processes of those bound to processes while the node still reports them and the

@@ -341,10 +341,12 @@ class Leases:
                 raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
             if (lease.pids, lease.pgid) == (wanted, pgid):
                 return False
-            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            value = dumps(dataclasses.replace(lease, pids=wanted, pgid=pgid).to_json())
-            res = await self.store.commit([cmp_mod_revision(key, lease.mod_revision)],
-                                          [op_put(key, value, lease.etcd_lease)])
+            # A gang: every GPU's record names the processes, in one transaction.
+            parts = [lease, *(VramLease.from_kv(kv) for kv in await self._other_parts(lease, False))]
+            res = await self.store.commit(
+                [cmp_mod_revision(self.keys.lease(x.host, x.gpu_uuid, x.id), x.mod_revision) for x in parts],
+                [op_put(self.keys.lease(x.host, x.gpu_uuid, x.id),
+                        dumps(dataclasses.replace(x, pids=wanted, pgid=pgid).to_json()), x.etcd_lease) for x in parts])
             if res.succeeded:
                 return True
         raise errors.Unavailable("attach processes: too much contention; retry")
