@@ -563,9 +563,10 @@ class HostAdmitter:
         revision = self._orphans.pop(lease.id, None)
         if revision is None:
             return   # claimed by a retry
-        key = self.keys.lease(self.host, lease.gpu_uuid, lease.id)
+        # A gang: every GPU's record, all written by the one grant's transaction (at ``revision``).
+        keys = [self.keys.lease(self.host, uuid_, lease.id) for uuid_ in lease.gpus]
         try:
-            await self.ctx.store.commit([cmp_mod_revision(key, revision)], [op_delete(key)])
+            await self.ctx.store.commit([cmp_mod_revision(k, revision) for k in keys], [op_delete(k) for k in keys])
         except errors.GpucoordError as e:
             log.warning("could not give back lease %s of a caller that went away: %s", lease.id, e)
 
