@@ -6,6 +6,8 @@ revision, exclusive GPUs never shared, G1/G3/G5/G6)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import grpc
@@ -13,7 +15,14 @@ import pytest
 
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
-from tests.harness import Cluster, coordinator_stub, expect_refused, wait_for
+from tests.harness import (
+    REPO,
+    Cluster,
+    child_env,
+    coordinator_stub,
+    expect_refused,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 QUADS = ({0, 1, 2, 3}, {4, 5, 6, 7})
@@ -139,3 +148,21 @@ def test_a_gang_revoked_by_the_leader_at_its_deadline_goes_whole(cluster: Cluste
         got = b.acquire(vram_mb=12_000, gpu_count=2, priority=5, wait=20)   # the holder ignores its notice
         assert sorted(g.index for g in got.gpus) == [0, 1]
         wait_for(lambda: len(lease_keys(cluster)) == 2, 5, "only the new gang's records")
+
+
+def test_status_shows_a_gang_as_one_lease_over_its_gpus(cluster: Cluster) -> None:
+    cluster.start_node("h1", "4x16GiB:nvlink=0-1,2-3")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as c:
+        lease = c.acquire(vram_mb=4000, gpu_count=2, topology="nvlink")
+        doc = json.loads(subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--json", "--coordinator",
+                                         addr], capture_output=True, text=True, env=child_env(), cwd=REPO,
+                                        timeout=60, check=True).stdout)
+        (shown,) = doc["hosts"][0]["leases"]
+        assert shown["id"] == lease.id and [g["index"] for g in shown["gpus"]] == [0, 1]
+        assert shown["topology"] == "nvlink"
+        table = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--coordinator", addr],
+                               capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60,
+                               check=True).stdout
+        rows = [line for line in table.splitlines() if lease.id in line]
+        assert len(rows) == 1 and " 0,1 " in rows[0], table
