@@ -166,3 +166,15 @@ def test_status_shows_a_gang_as_one_lease_over_its_gpus(cluster: Cluster) -> Non
                                check=True).stdout
         rows = [line for line in table.splitlines() if lease.id in line]
         assert len(rows) == 1 and " 0,1 " in rows[0], table
+
+
+def test_an_operators_lease_revoke_takes_the_whole_gang(cluster: Cluster) -> None:
+    cluster.start_node("h1", "4x16GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as c:
+        lease = c.acquire(vram_mb=4000, gpu_count=3)
+        assert len(lease_keys(cluster)) == 3
+        out = subprocess.run([sys.executable, "-m", "coordinator.cli", "lease", "revoke", lease.id, "--coordinator",
+                              addr], capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert lease_keys(cluster) == []
