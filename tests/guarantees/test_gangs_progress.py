@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agent_client import Client, errors
-from tests.harness import Cluster
+from tests.harness import Cluster, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 LOOP_S = float(os.environ.get("GPUCOORD_GANG_LOOP_S", "30"))   # the issue's 30 s; lower it for a quick run
@@ -31,6 +31,7 @@ def loop(addr: str, agent: str, until: float, take: str, counts: dict[str, int],
                     order = (0, 1) if take == "forward" else (1, 0)
                     first = c.acquire(vram_mb=12_000, gpu=order[0], wait=2)
                     try:
+                        time.sleep(HOLD_S)   # loading the first half before asking for the second
                         second = c.acquire(vram_mb=12_000, gpu=order[1], wait=2)
                     finally:
                         first.release()
@@ -68,7 +69,8 @@ def test_two_agents_needing_both_gpus_loop_on_gangs_without_deadlock_and_both_pr
                           "(the problem gangs solve); it passes when they happen not to collide", strict=False)
 def test_two_single_acquires_in_opposite_orders_deadlock_until_a_wait_times_out(cluster: Cluster) -> None:
     counts, failures = run_pair(cluster, ("forward", "backward"), min(LOOP_S, 10.0))
-    assert not any("WaitTimeout" in f or "DeadlineExceeded" in f for f in failures), (counts, failures[:3])
+    print(f"two single acquires in opposite orders: {counts} pairs, {len(failures)} failed: {failures[:2]}")
+    assert not failures, (counts, failures[:3])
 
 
 def test_an_exclusive_four_gpu_request_is_not_starved_by_a_stream_of_one_gpu_requests(cluster: Cluster) -> None:
@@ -80,15 +82,19 @@ def test_an_exclusive_four_gpu_request_is_not_starved_by_a_stream_of_one_gpu_req
 
     def stream() -> None:
         """A 1-GPU shared request (60 GiB of 80) every 50 ms, each held 400 ms."""
+        timers = []
         with Client(addr, agent="agent-s", host="h1") as s:
             while not stop.is_set():
                 try:
                     lease = s.acquire(vram_mb=60_000)   # one per GPU: the stream spreads over the host
                     held.append(time.monotonic())
-                    threading.Timer(hold_s, lease.release).start()
+                    timers.append(threading.Timer(hold_s, lease.release))
+                    timers[-1].start()
                 except errors.ResourceExhausted:
                     pass                 # held back behind the waiting gang (G2): the stream goes on
                 stop.wait(0.05)
+            for timer in timers:
+                timer.join()
     t = threading.Thread(target=stream, daemon=True)
     t.start()
     try:
@@ -97,13 +103,15 @@ def test_an_exclusive_four_gpu_request_is_not_starved_by_a_stream_of_one_gpu_req
                 time.sleep(0.05)
             asked = time.monotonic()
             lease = trainer.acquire(exclusive=True, gpu_count=4, wait=30)
-            waited = time.monotonic() - asked
+            granted = time.monotonic()
+            waited = granted - asked
+            print(f"exclusive gang of 4 granted {waited:.3f} s after asking, behind {len(held)} stream grants")
             # Granted once the stream's leases on 4 GPUs drained (each is held 0.4 s), within 2 s of that.
             assert waited <= hold_s + 2.0, f"the exclusive gang waited {waited:.2f} s"
             assert len(lease.gpus) == 4 and lease.exclusive
-            granted_during = [x for x in held if asked < x]
+            # Once the gang holds its 4 GPUs, the stream runs on the other 4 beside it.
+            wait_for(lambda: any(x > granted for x in held), 5, "the stream to run beside the gang")
             lease.release()
     finally:
         stop.set()
         t.join(10)
-    assert granted_during, "the stream never ran while the gang waited or held"
