@@ -60,6 +60,7 @@ def run_pair(cluster: Cluster, takes: tuple[str, str], seconds: float) -> tuple[
 
 def test_two_agents_needing_both_gpus_loop_on_gangs_without_deadlock_and_both_progress(cluster: Cluster) -> None:
     counts, failures = run_pair(cluster, ("gang", "gang"), LOOP_S)
+    print(f"two agents on 2-GPU gangs for {LOOP_S:g} s: {counts} pairs, {len(failures)} failed")
     assert not failures, failures[:3]
     # Each pair is a 50 ms hold plus two round trips: both agents get many turns, neither is starved.
     assert min(counts.get("agent-a", 0), counts.get("agent-b", 0)) >= LOOP_S, counts
