@@ -428,6 +428,12 @@ class AsyncClient:
         # Host ownership: the next acquires go straight to the replica that admits on our host, saving
         # the hop through a replica that would forward them (any replica still would).
         self._owner = resp.owner
+        if (gpu_count != 1 or exclusive or topology != "any" or gpus) and not resp.lease.gpus:
+            # A replica of a release before gangs ignores their fields: it granted one plain GPU. Give it back.
+            await self.release(resp.lease.id)
+            raise errors.FailedPrecondition(
+                "gpu_count: the coordinator does not support gangs (a replica of an older release answered); "
+                "upgrade every replica first", "NOT_SUPPORTED", "gpu_count")
         lease = AsyncLease(self, resp.lease)
         self._leases[lease.id] = lease
         early = self._early_notices.pop(lease.id, None)

@@ -178,3 +178,24 @@ def test_an_operators_lease_revoke_takes_the_whole_gang(cluster: Cluster) -> Non
                               addr], capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60)
         assert out.returncode == 0, out.stderr
         assert lease_keys(cluster) == []
+
+
+def test_a_gang_answered_by_a_replica_that_ignores_gangs_is_given_back_and_refused(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica of the release before gangs ignores their fields (proto3 unknown fields) and answers a plain
+    lease without ``gpus``: the client gives it back and raises rather than hand out one GPU for a gang."""
+    import coordinator.rpc.coordinator_server as server
+    plain = server.lease_pb
+
+    def old_release_answer(lease: object, ttl_remaining: int = 0, parts: object = ()) -> pb.Lease:
+        msg = plain(lease)  # type: ignore[arg-type]
+        del msg.gpus[:]
+        return msg
+    monkeypatch.setattr(server, "lease_pb", old_release_answer)
+    cluster.start_node("h1", "2x16GiB")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as c:
+        with pytest.raises(errors.FailedPrecondition, match="gpu_count") as e:
+            c.acquire(vram_mb=1000, gpu_count=2)
+        assert e.value.field == "gpu_count"
+        assert lease_keys(cluster) == []
