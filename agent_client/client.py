@@ -209,9 +209,14 @@ class AsyncClient:
         await self.close()
 
     # -- leases --------------------------------------------------------------------------------
-    async def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
-                      wait: float = 0.0, request_id: str | None = None) -> AsyncLease:
-        """Acquire ``vram_mb`` MiB on one GPU. Raises ResourceExhausted when it does not fit (after ``wait``)."""
+    async def acquire(self, vram_mb: int = 0, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
+                      wait: float = 0.0, request_id: str | None = None, *, gpu_count: int = 1,
+                      exclusive: bool = False, topology: str = "any",
+                      gpus: Sequence[int | str] = ()) -> AsyncLease:
+        """Acquire ``vram_mb`` MiB on one GPU, or a gang: ``vram_mb`` on each of ``gpu_count`` GPUs (whole
+        GPUs with ``exclusive``, ``vram_mb`` 0), joined by ``topology`` (``any``, ``numa``, ``nvlink``), or the
+        exact ``gpus``; all granted together or not at all, as one lease (``lease.gpus``). Raises
+        ResourceExhausted when it does not fit (after ``wait``)."""
         if self.done.is_set():
             raise errors.SessionExpired(f"session {self.session_id} of {self.agent} is over")
         session = await self._session_ref()
@@ -223,12 +228,20 @@ class AsyncClient:
             # queue, and waits only for what is left of ``wait``.
             return pb.AcquireRequest(session=session, vram_mb=vram_mb, gpu="" if gpu is None else str(gpu),
                                      priority=priority, preemptible=preemptible, request_id=request_id,
-                                     wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0)
+                                     wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0,
+                                     gpu_count=gpu_count, exclusive=exclusive, topology=topology,
+                                     gpus=[str(g) for g in gpus])
         resp = await self._call("Acquire", request, retry_for=max(self.retry_for, wait),
                                 wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
         # Host ownership: the next acquires go straight to the replica that admits on our host, saving
         # the hop through a replica that would forward them (any replica still would).
         self._transport.owner = resp.owner
+        if (gpu_count != 1 or exclusive or topology != "any" or gpus) and not resp.lease.gpus:
+            # A replica of a release before gangs ignores their fields: it granted one plain GPU. Give it back.
+            await self.release(resp.lease.id)
+            raise errors.FailedPrecondition(
+                "gpu_count: the coordinator does not support gangs (a replica of an older release answered); "
+                "upgrade every replica first", "NOT_SUPPORTED", "gpu_count")
         lease = AsyncLease(self, resp.lease)
         self._leases[lease.id] = lease
         early = self._early_notices.pop(lease.id, None)

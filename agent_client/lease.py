@@ -22,6 +22,15 @@ class LeaseHolder(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class LeaseGpu:
+    """One GPU of a lease, with the fencing token its ledger gave the lease there."""
+    index: int
+    uuid: str
+    token: int
+    vram_mb: int
+
+
+@dataclasses.dataclass(frozen=True)
 class EvictionNotice:
     """``deadline`` is on this process's ``time.monotonic()`` clock: the time left that the coordinator
     sent, added to ours when the notice came (``deadline_unix`` is the coordinator's wall clock, for
@@ -58,6 +67,11 @@ class _LeaseBase:
         self.preemptible: bool = msg.preemptible
         self.token: int = msg.token
         self.request_id: str = msg.request_id
+        # Every GPU of the lease in index order (a gang's all; the fields above name the first).
+        self.gpus: tuple[LeaseGpu, ...] = tuple(LeaseGpu(g.index, g.uuid, g.token, g.vram_mb) for g in msg.gpus) or (
+            LeaseGpu(msg.gpu_index, msg.gpu_uuid, msg.token, msg.vram_mb),)
+        self.exclusive: bool = msg.exclusive
+        self.topology: str = msg.topology or "any"
         self.evicting = threading.Event()
         self.notice: EvictionNotice | None = None
         self.released = False

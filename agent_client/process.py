@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import signal
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 CPU_PERIOD_US = 100_000
 
@@ -107,6 +107,16 @@ def prepare_cgroup(root: str | None, name: str, mem_bytes: int, cpu_max: str) ->
     return path, notes
 
 
+class GrantedGpu(Protocol):
+    """One GPU of a gang lease (``agent_client.lease.LeaseGpu`` has it)."""
+
+    @property
+    def uuid(self) -> str: ...
+
+    @property
+    def vram_mb(self) -> int: ...
+
+
 class GrantedLease(Protocol):
     """What the command's environment names of its lease (``AsyncLease`` has it)."""
 
@@ -115,18 +125,27 @@ class GrantedLease(Protocol):
     token: int
     vram_mb: int
 
+    @property
+    def gpus(self) -> Sequence[GrantedGpu]: ...
+
 
 def child_env(base: Mapping[str, str], lease: GrantedLease) -> dict[str, str]:
-    """The command's environment: ``base`` plus the lease's GPU and identity."""
+    """The command's environment: ``base`` plus the lease's GPUs and identity. A gang's GPUs go into
+    ``CUDA_VISIBLE_DEVICES`` by uuid in index order (stable: the command's device 0 is the gang's lowest
+    index), with one MPS memory limit per device."""
     env = dict(base)
+    gpus = list(lease.gpus)
+    uuids = ",".join(g.uuid for g in gpus) if gpus else lease.gpu_uuid
+    # MPS names devices by ordinal as the client sees them: 0.. in CUDA_VISIBLE_DEVICES order.
+    limits = ",".join(f"{n}={g.vram_mb}M" for n, g in enumerate(gpus)) if gpus else f"0={lease.vram_mb}M"
     env.update({
-        "CUDA_VISIBLE_DEVICES": lease.gpu_uuid,
+        "CUDA_VISIBLE_DEVICES": uuids,
         "GPUCOORD_LEASE_ID": lease.id,
         "GPUCOORD_TOKEN": str(lease.token),
         "GPUCOORD_GPU_UUID": lease.gpu_uuid,
+        "GPUCOORD_GPU_UUIDS": uuids,
         "GPUCOORD_VRAM_MB": str(lease.vram_mb),
-        # MPS names devices by ordinal as the client sees them: with one visible device, that is 0.
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.vram_mb}M",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": limits,
     })
     return env
 

@@ -75,8 +75,10 @@ class SessionClient(Protocol):
     done: asyncio.Event
     expired: bool
 
-    async def acquire(self, vram_mb: int, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
-                      wait: float = 0.0, request_id: str | None = None) -> AsyncLease: ...
+    async def acquire(self, vram_mb: int = 0, gpu: int | str | None = None, priority: int = 0,
+                      preemptible: bool = True, wait: float = 0.0, request_id: str | None = None, *,
+                      gpu_count: int = 1, exclusive: bool = False, topology: str = "any",
+                      gpus: Sequence[int | str] = ()) -> AsyncLease: ...
 
     async def partition(self) -> dict[str, object]: ...
 
@@ -101,6 +103,9 @@ class CommandOptions(TypedDict, total=False):
     preemptible: bool
     wait: float
     request_id: str | None
+    gpu_count: int
+    exclusive: bool
+    topology: str
     kill_after: float | None
     cgroup_root: str | None
     env: Mapping[str, str] | None
@@ -137,7 +142,8 @@ class AsyncBoundProcess(Supervised):
     """A command bound to a VRAM lease of ``client``'s session. ``async with client.run(cmd, vram_mb=...)
     as proc: await proc.wait()``; see the module's docstring for what binds it.
 
-    Options: ``gpu``, ``priority``, ``preemptible``, ``wait``, ``request_id`` (as ``acquire``);
+    Options: ``gpu``, ``priority``, ``preemptible``, ``wait``, ``request_id``, ``gpu_count``, ``exclusive``,
+    ``topology`` (as ``acquire``; a gang's GPUs all go into ``CUDA_VISIBLE_DEVICES``);
     ``kill_after`` (seconds from SIGTERM to SIGKILL on eviction, never past the deadline; and on
     ``stop()``); ``cgroup_root``; ``env`` (default: this process's), ``cwd``, ``stdin``, ``stdout``,
     ``stderr`` (as ``subprocess.Popen``); ``check_interval`` (how often the lease's existence is
@@ -152,13 +158,15 @@ class AsyncBoundProcess(Supervised):
                  kill_after: float | None = None, cgroup_root: str | None = None,
                  env: Mapping[str, str] | None = None, cwd: str | None = None,
                  stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None, check_interval: float | None = None,
-                 say: Callable[[str], None] | None = None, foreground: bool = False) -> None:
+                 say: Callable[[str], None] | None = None, foreground: bool = False,
+                 gpu_count: int = 1, exclusive: bool = False, topology: str = "any") -> None:
         if not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError("cmd: a non-empty list of strings is needed")
         if kill_after is not None and not 0 <= kill_after <= 3600:
             raise ValueError("kill_after: must be within [0, 3600] seconds")
         self.client, self.cmd, self.vram_mb = client, list(cmd), vram_mb
-        self._acquire = dict(gpu=gpu, priority=priority, preemptible=preemptible, wait=wait, request_id=request_id)
+        self._acquire = dict(gpu=gpu, priority=priority, preemptible=preemptible, wait=wait, request_id=request_id,
+                             gpu_count=gpu_count, exclusive=exclusive, topology=topology)
         self.kill_after, self.cgroup_root = kill_after, cgroup_root
         self._env = dict(os.environ if env is None else env)
         self._popen = dict(cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
@@ -237,8 +245,10 @@ class AsyncBoundProcess(Supervised):
         finally:
             if go >= 0:
                 os.close(go)
-        self._say(f"lease {lease.id}: GPU {lease.gpu_index} ({lease.gpu_uuid}), {lease.vram_mb} MiB, token "
-                  f"{lease.token}; started {self.cmd[0]} as pid {self.pid}")
+        where = (f"GPUs {','.join(str(g.index) for g in lease.gpus)}" if len(lease.gpus) > 1
+                 else f"GPU {lease.gpu_index} ({lease.gpu_uuid})")
+        self._say(f"lease {lease.id}: {where}, {lease.vram_mb} MiB{' each' if len(lease.gpus) > 1 else ''}, "
+                  f"token {lease.token}; started {self.cmd[0]} as pid {self.pid}")
         # Held until it ends even if the caller drops this object: the command must stay supervised.
         self._task = spawn(self._supervise(), f"supervision of {self.cmd[0]} (pid {self.pid})")
         return self

@@ -20,6 +20,8 @@ key                                    value                                    
 ``leases/<host>/<gpu_uuid>/<lease_id>`` agent, session, vram_mb, priority, preemptible,             agent's session       coordinator                        created comparing every ledger of the host, so no   release (compares mod_revision), session
                                        request_id, token, created_at; pids, pgid once                                                                   other admission raced it (G6: one id per request);  expiry, forced eviction
                                        AttachProcesses recorded them                                                                                    AttachProcesses compares its mod_revision
+                                       a gang: one record per GPU under one id, each listing
+                                       all its GPUs (format 2: gang, exclusive, topology)
 ``queue/<host>/<rank>``                a waiting request; rank sorts by priority (highest first),  waiter's session      coordinator                        created with version == 0; every admission compares the grant's transaction, a timed-out or
                                        then arrival                                                                                                             that no entry changed since its snapshot            cancelled waiter, session expiry, leader sweep,
                                                                                                                                                                                                                     an arrival that displaces it (full queue)

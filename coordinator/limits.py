@@ -15,6 +15,7 @@ MAX_VRAM_MB = 1 << 30  # 1 PiB in MiB: anything above is a typo
 MAX_REQUEST_ID_LEN = 128          # characters (so at most 512 bytes of UTF-8); no '/' or NUL
 MAX_WAIT_S = 3600.0
 MAX_ATTACHED_PIDS = 64    # processes one lease may name (AttachProcesses)
+MAX_GANG_GPUS = 64        # GPUs one lease may hold (gpu_count; also at most the host's GPU count)
 MAX_PID = 1 << 22         # Linux's highest pid_max
 MAX_CLIENT_VERSION_BYTES = 256    # OpenSession.client_version, UTF-8
 MAX_REASON_BYTES = 256            # EvictLease.reason, UTF-8

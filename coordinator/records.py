@@ -6,244 +6,46 @@ satisfies it), and carries the etcd metadata that later compare-and-sets need. U
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from typing import Any, Protocol
+from typing import Protocol
 
-import orjson
+from coordinator.host_records import GpuInfo, GpuProcess, GpuUsage, HostInventory
+from coordinator.keys import last_segment
+from coordinator.record_fields import (
+    FORMAT,
+    MAX_STORED_INT,
+    InvalidRecord,
+    NewerFormat,
+    bool_of,
+    check_usage,
+    dumps,
+    fail,
+    format_of,
+    int_of,
+    ints_of,
+    list_of,
+    load_record,
+    loads,
+    num_of,
+    str_of,
+    unknown_fields,
+)
 
-from coordinator.keys import last_segment, valid_name
+__all__ = ["FORMAT", "MAX_STORED_INT", "TOPOLOGIES", "GpuInfo", "GpuProcess", "GpuUsage", "HostInventory",
+           "InvalidRecord", "NewerFormat", "check_usage", "dumps", "load_record", "loads"]
 
-# The largest number a stored record may hold where an amount is expected (VRAM in MiB, bytes, tokens): above
-# it a value is no amount but a corruption, and the record is refused rather than trusted.
-MAX_STORED_INT = 2**62
-
-
-class InvalidRecord(ValueError):
-    """A stored value that is not what its key's schema says (``keys.py``): the message says why, naming the
-    field. Every ``from_kv``/``from_json`` below raises it (and only it) for a malformed value, so that a
-    reader can set one record (or one host) aside and carry on with the rest."""
-
-
-def _fail(field: str, why: str) -> InvalidRecord:
-    return InvalidRecord(f"{field}: {why}")
-
-
-def _int(d: Any, field: str, lo: int = 0, hi: int = MAX_STORED_INT, default: int | None = None) -> int:
-    v = d.get(field, default) if isinstance(d, dict) else None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _fail(field, f"expected an integer, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise _fail(field, f"{str(v)[:24]} is outside [{lo}, {hi}]")
-    return v
-
-
-def _num(d: Any, field: str, default: float | None = None) -> float:
-    v = d.get(field, default) if isinstance(d, dict) else None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _fail(field, f"expected a finite number, got {type(v).__name__}")
-    return float(v)
-
-
-def _str(d: Any, field: str, default: str | None = None, name: bool = False) -> str:
-    v = d.get(field, default) if isinstance(d, dict) else None
-    if not isinstance(v, str):
-        raise _fail(field, f"expected a string, got {type(v).__name__}")
-    if name and not valid_name(v):
-        raise _fail(field, "not a valid name")
-    return v
-
-
-def _bool(d: Any, field: str, default: bool | None = None) -> bool:
-    v = d.get(field, default) if isinstance(d, dict) else None
-    if not isinstance(v, bool):
-        raise _fail(field, f"expected true or false, got {type(v).__name__}")
-    return v
-
-
-def _list(d: Any, field: str, default: Any = None) -> list[Any]:
-    v = d.get(field, default) if isinstance(d, dict) else None
-    if not isinstance(v, (list, tuple)):   # a tuple: a record's own to_json before it is stored
-        raise _fail(field, f"expected a list, got {type(v).__name__}")
-    return list(v)
-
-
-def _dict(v: Any, field: str) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise _fail(field, f"expected an object, got {type(v).__name__}")
-    return v
-
-
-def load_record(value: bytes, field: str = "value") -> dict[str, Any]:
-    """A stored JSON object; InvalidRecord for anything else (bad JSON, another type, nesting too deep)."""
-    try:
-        doc = loads(value)
-    except (ValueError, RecursionError) as e:
-        raise _fail(field, f"not valid JSON ({str(e)[:60]})") from None
-    return _dict(doc, field)
+# How the GPUs of a gang must be joined: ``any``; ``numa``: all on one NUMA node; ``nvlink``: every pair joined.
+TOPOLOGIES = ("any", "numa", "nvlink")
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuInfo:
-    """One GPU as NVML (or ``--fake-gpus``) describes it.
+class Gang:
+    """What an acquire asks beyond one GPU (issue 21): ``gpu_count`` GPUs, whole ones (``exclusive``), joined
+    by ``topology``, or exactly ``gpus`` (indexes or uuids). ``Gang()`` is a plain single-GPU request."""
 
-    Topology: ``numa_node`` is the NUMA node the GPU sits on, None when unknown; ``nvlink_peers`` are the
-    indexes of the GPUs it reaches over an active NVLink (directly or through an NVSwitch), sorted, () when
-    it has none or they are unknown. Records written before these fields existed read as unknown.
-    """
-
-    index: int
-    uuid: str
-    name: str
-    vram_total_mb: int
-    numa_node: int | None = None
-    nvlink_peers: tuple[int, ...] = ()
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> GpuInfo:
-        """Parse a stored GPU (InvalidRecord naming the field when malformed); fields this release does not
-        know are ignored, missing topology is unknown."""
-        index = _int(d, "index", hi=1 << 16)
-        numa = d.get("numa_node")
-        if numa is not None and (isinstance(numa, bool) or not isinstance(numa, int) or not 0 <= numa < 1 << 16):
-            raise _fail("numa_node", "expected a whole number >= 0 or null")
-        peers = _list(d, "nvlink_peers", [])
-        if len(peers) > 1 << 16 or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 1 << 16
-                                           for p in peers):
-            raise _fail("nvlink_peers", "expected a list of GPU indexes")
-        return cls(index=index, uuid=_str(d, "uuid", name=True), name=_str(d, "name", ""),
-                   vram_total_mb=_int(d, "vram_total_mb", hi=1 << 30), numa_node=numa,
-                   nvlink_peers=tuple(sorted(set(peers) - {index})))
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuProcess:
-    pid: int
-    used_mb: int
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuUsage:
-    """Live VRAM use of one GPU, as NVML reports it. ``processes_visible``: ``processes`` is the GPU's whole
-    process list (NVML listed them; false when it cannot, and for simulated GPUs without processes)."""
-
-    index: int
-    uuid: str
-    vram_used_mb: int
-    vram_free_mb: int
-    processes: tuple[GpuProcess, ...] = ()
-    processes_visible: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class HostInventory:
-    """What a node daemon publishes under ``hosts/<host>``."""
-
-    host: str
-    address: str
-    cpu_count: int
-    core_ids: tuple[int, ...]
-    mem_bytes: int
-    disk_path: str
-    disk_bytes: int
-    gpus: tuple[GpuInfo, ...]
-    version: str = ""
-    simulated: bool = False
-
-    def gpu(self, ref: int | str) -> GpuInfo | None:
-        """Find a GPU by index or uuid (an all-digit string counts as an index)."""
-        if isinstance(ref, str) and ref.isdigit():
-            ref = int(ref)
-        for g in self.gpus:
-            if (isinstance(ref, int) and g.index == ref) or g.uuid == ref:
-                return g
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> HostInventory:
-        """The inventory as stored; InvalidRecord (naming the field) when it is malformed."""
-        d = _dict(d, "inventory")
-        cpu_count = _int(d, "cpu_count", hi=1 << 20)
-        cores = _list(d, "core_ids", list(range(cpu_count)))
-        if len(cores) > 1 << 20 or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20
-                                           for c in cores):
-            raise _fail("core_ids", "expected a list of core ids")
-        gpus = []
-        for i, g in enumerate(_list(d, "gpus", [])[:1024]):
-            try:
-                g = _dict(g, "gpu")
-                gpus.append(GpuInfo.from_json(g))
-            except InvalidRecord as e:
-                raise _fail(f"gpus[{i}]", str(e)) from None
-        return cls(
-            host=_str(d, "host"),
-            address=_str(d, "address", ""),
-            cpu_count=cpu_count,
-            core_ids=tuple(cores),
-            mem_bytes=_int(d, "mem_bytes"),
-            disk_path=_str(d, "disk_path", "/"),
-            disk_bytes=_int(d, "disk_bytes"),
-            gpus=tuple(gpus),
-            version=_str(d, "version", ""),
-            simulated=_bool(d, "simulated", False),
-        )
-
-
-def loads(value: bytes) -> Any:
-    """A stored JSON value. orjson decodes gpucoord's small documents several times faster than json; what it
-    refuses (the NaN and Infinity that json.dumps may write) is decoded by json, with json's errors."""
-    try:
-        return orjson.loads(value)
-    except orjson.JSONDecodeError:
-        return json.loads(value)
-
-
-def dumps(obj: Any) -> bytes:
-    """JSON as stored in etcd: compact, sorted, so `etcdctl get` reads well and diffs are stable."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def check_usage(doc: Any) -> dict[str, Any]:
-    """``usage/<host>`` as readers use it, checked: per GPU a uuid and vram_used_mb (and untracked_mb,
-    processes_visible, processes_omitted), and the processes and leases lists status shows. Fields it does not
-    read may be anything. InvalidRecord else."""
-    checked = _dict(doc, "usage")
-    if "interval_s" in checked and not 0 < _num(checked, "interval_s") < 1e6:
-        raise _fail("interval_s", "must be > 0")
-    for i, g in enumerate(_list(checked, "gpus", [])):
-        f = f"gpus[{i}]"
-        try:
-            g = _dict(g, "gpu")
-            _str(g, "uuid")
-            _int(g, "vram_used_mb", hi=1 << 30)
-            if "untracked_mb" in g:
-                _int(g, "untracked_mb", hi=1 << 30)
-            if "processes_visible" in g:
-                _bool(g, "processes_visible")
-            if "processes_omitted" in g:
-                _int(g, "processes_omitted", hi=1 << 32)
-            for j, p in enumerate(_list(g, "processes", [])):
-                p = _dict(p, f"processes[{j}]")
-                _int(p, "pid", hi=1 << 32)
-                _int(p, "used_mb", hi=1 << 30)
-                _str(p, "state", "")
-                _str(p, "lease_id", "")
-            for j, u in enumerate(_list(g, "leases", [])):
-                u = _dict(u, f"leases[{j}]")
-                _str(u, "lease_id")
-                _str(u, "agent", "")
-                _int(u, "vram_mb", hi=1 << 30, default=0)
-                _int(u, "used_mb", hi=1 << 30, default=0)
-                _bool(u, "over_use", False)
-                pids = _list(u, "pids", [])
-                if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 32 for x in pids):
-                    raise _fail("pids", "expected a list of process ids")
-        except InvalidRecord as e:
-            raise _fail(f, str(e)) from None
-    return checked
+    gpu_count: int = 1
+    exclusive: bool = False
+    topology: str = "any"
+    gpus: tuple[str, ...] = ()
 
 
 class StoredKV(Protocol):
@@ -261,7 +63,14 @@ class StoredKV(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class VramLease:
-    """A VRAM lease as stored under ``leases/<host>/<gpu_uuid>/<lease_id>``, with its etcd metadata."""
+    """A VRAM lease on one GPU as stored under ``leases/<host>/<gpu_uuid>/<lease_id>``, with its etcd metadata.
+
+    A gang lease (several GPUs, granted in one transaction) is one record per GPU, all with the lease's id:
+    each holds that GPU's VRAM (``vram_mb``; with ``exclusive``, the GPU's whole usable VRAM) and that GPU's
+    fencing token, so capacity (G1) and fencing (G5) stay per GPU; ``gang`` lists the uuids of all its GPUs
+    (in index order) on every one of them. Such a record is stored in format 2; a single-GPU lease that is
+    neither exclusive nor placed by topology is stored in format 1, as the releases before gangs wrote it.
+    """
 
     id: str
     host: str
@@ -277,39 +86,66 @@ class VramLease:
     created_at: float
     pids: tuple[int, ...] = ()   # processes the lease covers (AttachProcesses); stored only once set
     pgid: int = 0                # a process group it covers, 0 for none
+    gang: tuple[str, ...] = ()   # the uuids of all the lease's GPUs, in index order; () for a single GPU
+    exclusive: bool = False      # whole GPUs: no other lease on them
+    topology: str = "any"        # as asked: any | numa | nvlink
     etcd_lease: int = 0
     mod_revision: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """The uuids of every GPU the lease holds (this one alone for a single-GPU lease)."""
+        return self.gang or (self.gpu_uuid,)
+
+    @property
+    def format(self) -> int:
+        return 2 if self.gang or self.exclusive or self.topology != "any" else 1
+
+    def to_json(self) -> dict[str, object]:
         # Not dataclasses.asdict: it deep-copies, and this runs on every admission.
-        d = {f: getattr(self, f) for f in _LEASE_FIELDS}
+        d: dict[str, object] = {f: getattr(self, f) for f in _LEASE_FIELDS}
         if self.pids or self.pgid:
             d["pids"], d["pgid"] = list(self.pids), self.pgid
+        if self.format > 1:
+            d.update(format=self.format, gang=list(self.gang), exclusive=self.exclusive, topology=self.topology)
         return d
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> VramLease:
-        """InvalidRecord (naming the field) for a malformed value."""
+        """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
-        pids = _list(d, "pids", [])
-        if len(pids) > 1 << 16 or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 1 << 32
-                                          for p in pids):
-            raise _fail("pids", "expected a list of process ids")
-        unknown = set(d) - _LEASE_KEYS
-        if unknown:
-            raise _fail(sorted(unknown)[0][:32], "unknown field")
-        return cls(id=_str(d, "id", name=True), host=_str(d, "host"), gpu_uuid=_str(d, "gpu_uuid"),
-                   gpu_index=_int(d, "gpu_index", hi=1 << 16), agent=_str(d, "agent"),
-                   session_id=_str(d, "session_id"), vram_mb=_int(d, "vram_mb", 1, 1 << 30),
-                   priority=_int(d, "priority", -(1 << 31), 1 << 31), preemptible=_bool(d, "preemptible"),
-                   request_id=_str(d, "request_id"), token=_int(d, "token"), created_at=_num(d, "created_at"),
-                   pids=tuple(pids), pgid=_int(d, "pgid", hi=1 << 32, default=0),
+        version = format_of(d, "lease")
+        unknown_fields(d, _LEASE_KEYS if version > 1 else _LEASE_KEYS_V1)
+        gpu_uuid = str_of(d, "gpu_uuid")
+        gang, exclusive, topology = gang_of(d, gpu_uuid)
+        return cls(id=str_of(d, "id", name=True), host=str_of(d, "host"), gpu_uuid=gpu_uuid,
+                   gpu_index=int_of(d, "gpu_index", hi=1 << 16), agent=str_of(d, "agent"),
+                   session_id=str_of(d, "session_id"), vram_mb=int_of(d, "vram_mb", 1, 1 << 30),
+                   priority=int_of(d, "priority", -(1 << 31), 1 << 31), preemptible=bool_of(d, "preemptible"),
+                   request_id=str_of(d, "request_id"), token=int_of(d, "token"), created_at=num_of(d, "created_at"),
+                   pids=ints_of(d, "pids", 1 << 32, "process ids"), pgid=int_of(d, "pgid", hi=1 << 32, default=0),
+                   gang=gang, exclusive=exclusive, topology=topology,
                    etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
 
 
+def gang_of(d: dict[str, object], gpu_uuid: str) -> tuple[tuple[str, ...], bool, str]:
+    """A lease record's ``gang``, ``exclusive`` and ``topology`` (absent in format 1: a single shared GPU)."""
+    gang = list_of(d, "gang", [])
+    if len(gang) > 1024 or not all(isinstance(u, str) for u in gang) or len(set(gang)) != len(gang):
+        raise fail("gang", "expected a list of distinct GPU uuids")
+    if gang and (len(gang) < 2 or gpu_uuid not in gang):
+        raise fail("gang", "a gang lists two GPUs or more, this record's among them")
+    topology = str_of(d, "topology", "any")
+    if topology not in TOPOLOGIES:
+        raise fail("topology", f"expected one of {', '.join(TOPOLOGIES)}")
+    return tuple(str(u) for u in gang), bool_of(d, "exclusive", False), topology
+
+
 _LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease)
-                      if f.name not in ("etcd_lease", "mod_revision", "pids", "pgid"))
-_LEASE_KEYS = frozenset(_LEASE_FIELDS) | {"pids", "pgid"}
+                      if f.name not in ("etcd_lease", "mod_revision", "pids", "pgid", "gang", "exclusive",
+                                        "topology"))
+_LEASE_KEYS_V1 = frozenset(_LEASE_FIELDS) | {"pids", "pgid"}
+_LEASE_KEYS = _LEASE_KEYS_V1 | {"format", "gang", "exclusive", "topology"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +161,7 @@ class GpuLedger:
         if kv is None:
             return cls(0, 0, 0)
         d = load_record(kv.value)
-        return cls(_int(d, "capacity_mb", hi=1 << 30), _int(d, "seq"), kv.mod_revision)
+        return cls(int_of(d, "capacity_mb", hi=1 << 30), int_of(d, "seq"), kv.mod_revision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,13 +175,14 @@ class SessionInfo:
 
 @dataclasses.dataclass(frozen=True)
 class QueueEntry:
-    """``queue/<host>/<rank>``: a waiting request, complete enough for any replica to grant it."""
+    """``queue/<host>/<rank>``: a waiting request, complete enough for any replica to grant it. A gang waits
+    as one entry (format 2 when it asks for more than format 1 can say)."""
 
     rank: str
     agent: str
     session_id: str
     etcd_lease: int
-    vram_mb: int
+    vram_mb: int           # per GPU; 0 for an exclusive request
     gpu: str               # the GPU asked for (index or uuid), "" for any
     priority: int
     preemptible: bool
@@ -357,34 +194,58 @@ class QueueEntry:
     # How long the waiter waits from when the entry was written: the leader measures the wait from when it
     # observed the entry (its own clock), not from deadline_unix (another machine's wall clock).
     wait_s: float = 0.0
+    gpu_count: int = 1
+    exclusive: bool = False
+    topology: str = "any"
+    gpus: tuple[str, ...] = ()      # the exact GPUs asked for (indexes or uuids), () for any
     mod_revision: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def format(self) -> int:
+        return 2 if self.gpu_count != 1 or self.exclusive or self.topology != "any" or self.gpus else 1
+
+    def to_json(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         d.pop("rank")
         d.pop("mod_revision")
         d["victims"] = list(self.victims)
+        if self.format > 1:
+            d.update(format=self.format, gpus=list(self.gpus))
+        else:
+            for f in _QUEUE_V2:
+                d.pop(f)
         return d
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> QueueEntry:
-        """InvalidRecord (naming the field) for a malformed value."""
+        """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
-        victims = _list(d, "victims", [])
+        version = format_of(d, "queue")
+        unknown_fields(d, _QUEUE_KEYS if version > 1 else _QUEUE_KEYS - _QUEUE_V2 - {"format"})
+        victims = list_of(d, "victims", [])
+        gpus = list_of(d, "gpus", [])
         if not all(isinstance(v, str) for v in victims):
-            raise _fail("victims", "expected a list of lease ids")
-        unknown = set(d) - _QUEUE_KEYS
-        if unknown:
-            raise _fail(sorted(unknown)[0][:32], "unknown field")
-        return cls(rank=last_segment(kv.key), agent=_str(d, "agent"), session_id=_str(d, "session_id"),
-                   etcd_lease=_int(d, "etcd_lease", hi=2**64 - 1), vram_mb=_int(d, "vram_mb", 1, 1 << 30),
-                   gpu=_str(d, "gpu"), priority=_int(d, "priority", -(1 << 31), 1 << 31),
-                   preemptible=_bool(d, "preemptible"), request_id=_str(d, "request_id"),
-                   lease_id=_str(d, "lease_id"), deadline_unix=_num(d, "deadline_unix"), replica=_str(d, "replica"),
-                   victims=tuple(victims), wait_s=_num(d, "wait_s", 0.0), mod_revision=kv.mod_revision)
+            raise fail("victims", "expected a list of lease ids")
+        if len(gpus) > 1024 or not all(isinstance(v, str) for v in gpus):
+            raise fail("gpus", "expected a list of GPU indexes or uuids")
+        exclusive = bool_of(d, "exclusive", False)
+        topology = str_of(d, "topology", "any")
+        if topology not in TOPOLOGIES:
+            raise fail("topology", f"expected one of {', '.join(TOPOLOGIES)}")
+        return cls(rank=last_segment(kv.key), agent=str_of(d, "agent"), session_id=str_of(d, "session_id"),
+                   etcd_lease=int_of(d, "etcd_lease", hi=2**64 - 1),
+                   vram_mb=int_of(d, "vram_mb", 0 if exclusive else 1, 1 << 30),
+                   gpu=str_of(d, "gpu"), priority=int_of(d, "priority", -(1 << 31), 1 << 31),
+                   preemptible=bool_of(d, "preemptible"), request_id=str_of(d, "request_id"),
+                   lease_id=str_of(d, "lease_id"), deadline_unix=num_of(d, "deadline_unix"),
+                   replica=str_of(d, "replica"), victims=tuple(str(v) for v in victims),
+                   wait_s=num_of(d, "wait_s", 0.0), gpu_count=int_of(d, "gpu_count", 1, 1024, default=1),
+                   exclusive=exclusive, topology=topology, gpus=tuple(str(g) for g in gpus),
+                   mod_revision=kv.mod_revision)
 
 
-_QUEUE_KEYS = frozenset(f.name for f in dataclasses.fields(QueueEntry)) - {"rank", "mod_revision"}
+_QUEUE_V2 = frozenset({"gpu_count", "exclusive", "topology", "gpus"})
+_QUEUE_KEYS = frozenset(f.name for f in dataclasses.fields(QueueEntry)) - {"rank", "mod_revision"} | {"format"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,7 +268,7 @@ class EvictionRecord:
     # the deadline is the revoke's time, and the kill margin after it bounds the wait for them.
     revoke: bool = False
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         if not self.revoke:
             del d["revoke"]
@@ -417,19 +278,21 @@ class EvictionRecord:
     def from_kv(cls, kv: StoredKV) -> EvictionRecord:
         """InvalidRecord (naming the field) for a malformed value."""
         d = load_record(kv.value)
-        try:
-            record = cls(**d)
-        except TypeError as e:
-            raise _fail("value", str(e)[:80]) from None
-        for f in ("lease_id", "host", "gpu_uuid", "agent", "session_id", "requested_by", "reason", "asked_by"):
-            _str(d, f, "")
-        _int(d, "victim_priority", -(1 << 31), 1 << 31)
-        if d.get("requester_priority") is not None:
-            _int(d, "requester_priority", -(1 << 31), 1 << 31)
-        _num(d, "deadline_unix")
-        _num(d, "created_at")
-        _bool(d, "revoke", False)
-        return record
+        unknown_fields(d, _EVICTION_KEYS)
+        if "requester_priority" not in d:
+            raise fail("requester_priority", "missing")
+        asker = d["requester_priority"]
+        return cls(lease_id=str_of(d, "lease_id"), host=str_of(d, "host"), gpu_uuid=str_of(d, "gpu_uuid"),
+                   agent=str_of(d, "agent"), session_id=str_of(d, "session_id"),
+                   victim_priority=int_of(d, "victim_priority", -(1 << 31), 1 << 31),
+                   requested_by=str_of(d, "requested_by"),
+                   requester_priority=None if asker is None else int_of(d, "requester_priority", -(1 << 31), 1 << 31),
+                   reason=str_of(d, "reason"), deadline_unix=num_of(d, "deadline_unix"),
+                   created_at=num_of(d, "created_at"), asked_by=str_of(d, "asked_by", ""),
+                   revoke=bool_of(d, "revoke", False))
+
+
+_EVICTION_KEYS = frozenset(f.name for f in dataclasses.fields(EvictionRecord))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,7 +321,7 @@ class DepartingRecord:
     mod_revision: int = 0
     create_revision: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("mod_revision", "create_revision")}
         d["pids"] = list(self.pids)
@@ -470,16 +333,13 @@ class DepartingRecord:
         d = load_record(kv.value)
         unknown = set(d) - _DEPARTING_KEYS
         if unknown:
-            raise _fail(sorted(unknown)[0][:32], "unknown field")
-        pids = _list(d, "pids", [])
-        if len(pids) > 1 << 16 or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 1 << 32
-                                          for p in pids):
-            raise _fail("pids", "expected a list of process ids")
-        return cls(lease_id=_str(d, "lease_id", name=True), host=_str(d, "host"), gpu_uuid=_str(d, "gpu_uuid"),
-                   agent=_str(d, "agent"), vram_mb=_int(d, "vram_mb", 1, 1 << 30), pids=tuple(pids),
-                   pgid=_int(d, "pgid", hi=1 << 32, default=0), requested_by=_str(d, "requested_by", ""),
-                   reason=_str(d, "reason", ""), created_at=_num(d, "created_at"), bound_unix=_num(d, "bound_unix"),
-                   forced=_bool(d, "forced", False), revoke=_bool(d, "revoke", False),
+            raise fail(sorted(unknown)[0][:32], "unknown field")
+        pids = ints_of(d, "pids", 1 << 32, "process ids")
+        return cls(lease_id=str_of(d, "lease_id", name=True), host=str_of(d, "host"), gpu_uuid=str_of(d, "gpu_uuid"),
+                   agent=str_of(d, "agent"), vram_mb=int_of(d, "vram_mb", 1, 1 << 30), pids=tuple(pids),
+                   pgid=int_of(d, "pgid", hi=1 << 32, default=0), requested_by=str_of(d, "requested_by", ""),
+                   reason=str_of(d, "reason", ""), created_at=num_of(d, "created_at"), bound_unix=num_of(d, "bound_unix"),
+                   forced=bool_of(d, "forced", False), revoke=bool_of(d, "revoke", False),
                    mod_revision=kv.mod_revision, create_revision=getattr(kv, "create_revision", 0))
 
 

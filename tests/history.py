@@ -9,6 +9,8 @@ revision checks:
   ledger's sequence number is the highest token;
 * G6 idempotency: never two live leases with the same (host, agent, request_id) (a request is of one
   host: agent a's request_id on h2 is another request than on h1);
+* gangs (issue 21): a gang lease (one record per GPU, each listing the gang) is wholly present or wholly
+  absent at every revision; a GPU held exclusively holds no other lease;
 * G3 eviction: every eviction notice made for a request of priority P names a preemptible lease of
   priority < P, and a request that had victims is admitted only once all of them are gone;
 * G3 order for leases bound to processes, against the node's ``usage/`` reports in the history: a lease
@@ -84,6 +86,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     for rev in sorted(by_rev):
         rep.revisions += 1
         touched: set[tuple[str, str]] = set()
+        touched_ids: set[tuple[str, str]] = set()     # (host, lease id) of the lease records this revision changes
         granted_from_queue: list[tuple[str, list[str]]] = []
         created: list[tuple[str, str, dict[str, Any]]] = []
         # Sessions that end in this revision (expiry, or closed): their leases go with them.
@@ -123,6 +126,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             if kind == "leases":
                 host, gpu, lease_id = parts
                 touched.add((host, gpu))
+                touched_ids.add((host, lease_id))
                 if ev.kind == "PUT":
                     lease = json.loads(ev.kv.value)
                     if ev.kv.version == 1:
@@ -179,6 +183,18 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     if mb > cap:
                         rep.violations.append(f"rev {rev}: G1 agent {agent} holds {mb} MiB on {host}/{gpu}, "
                                               f"above its cap {cap} MiB")
+        # Gangs: wholly present or absent; exclusive GPUs not shared.
+        for host, lease_id in touched_ids:
+            on = {gpu: live[lease_id] for (h, gpu), live in leases.items() if h == host and lease_id in live}
+            gangs = {tuple(x.get("gang") or ()) for x in on.values()}
+            gang = next(iter(gangs)) if len(gangs) == 1 else None
+            if on and (gang is None or (gang and set(on) != set(gang)) or (not gang and len(on) > 1)):
+                rep.violations.append(f"rev {rev}: gang lease {lease_id} partly held: on {sorted(on)}, gang "
+                                      f"{sorted(gangs)}")
+        for hg in touched:
+            live = leases[hg]
+            if any(x.get("exclusive") for x in live.values()) and len(live) > 1:
+                rep.violations.append(f"rev {rev}: exclusive GPU {hg[0]}/{hg[1]} shared by {sorted(live)}")
         # G3 for leases bound to processes: an ended victim is gone once the node lists none of its processes.
         for host, gpu, lease in created:
             held = []
@@ -209,14 +225,16 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                 still = [v for v in victims if v in live_ids]
                 if still:
                     rep.violations.append(f"rev {rev}: G3 lease {lease_id} admitted while its victims {still} live")
-        # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id)
-        seen: set[tuple[str, str, str]] = set()
-        for (host, _), live in leases.items():
+        # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id); it repeats
+        # only on the GPUs of one gang, each record listing them all.
+        seen: dict[tuple[str, str, str], tuple[str, ...]] = {}
+        for (host, gpu), live in leases.items():
             for x in live.values():
                 k = (host, x["agent"], x["request_id"])
-                if k in seen:   # the lease id repeats on every GPU: count live leases, not ids
+                gang = tuple(x.get("gang") or ())
+                if k in seen and (not gang or seen[k] != gang or gpu not in gang):
                     rep.violations.append(f"rev {rev}: G6 two live leases for request {k}")
-                seen.add(k)
+                seen[k] = gang
     rep.live_leases = {keys.lease(host, gpu, lease_id) for (host, gpu), live in leases.items() for lease_id in live}
     return rep
 

@@ -83,7 +83,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,9 @@ class Lease(_message.Message):
     PIDS_FIELD_NUMBER: _ClassVar[int]
     PGID_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -116,10 +119,25 @@ class Lease(_message.Message):
     pids: _containers.RepeatedScalarFieldContainer[int]
     pgid: int
     eviction: EvictionNotice
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ...) -> None: ...
+    gpus: _containers.RepeatedCompositeFieldContainer[LeaseGpu]
+    exclusive: bool
+    topology: str
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ...) -> None: ...
+
+class LeaseGpu(_message.Message):
+    __slots__ = ("index", "uuid", "token", "vram_mb")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    token: int
+    vram_mb: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., token: _Optional[int] = ..., vram_mb: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds")
+    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds", "gpu_count", "exclusive", "topology", "gpus")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +145,10 @@ class AcquireRequest(_message.Message):
     PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     vram_mb: int
     gpu: str
@@ -134,7 +156,11 @@ class AcquireRequest(_message.Message):
     preemptible: bool
     request_id: str
     wait_seconds: float
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    gpu_count: int
+    exclusive: bool
+    topology: str
+    gpus: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease", "owner")

@@ -310,7 +310,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if not cmd:
             raise ValueError("a command is needed after --, e.g. gpucoord run --agent a --vram 1GiB -- python x.py")
-        vram_mb = _vram_mb(args.vram)
+        if args.exclusive and args.vram is not None:
+            raise ValueError("--vram: not with --exclusive (the lease takes each GPU's whole usable VRAM)")
+        if not args.exclusive and args.vram is None:
+            raise ValueError("--vram: required (or --exclusive for whole GPUs)")
+        if not 1 <= args.gpus <= 64:
+            raise ValueError("--gpus: must be within [1, 64]")
+        vram_mb = 0 if args.exclusive else _vram_mb(args.vram)
         host = args.host or socket.gethostname()
         for field, value in (("--agent", args.agent), ("--host", host)):
             if not valid_name(value):
@@ -326,6 +332,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _setup_logging(True)
     return asyncio.run(run_command(
         args.coordinator, args.agent, host, cmd, vram_mb, ttl=args.ttl, gpu=args.gpu, priority=args.priority,
+        gpu_count=args.gpus, exclusive=args.exclusive, topology=args.topology,
         preemptible=not args.no_preemptible, wait=args.wait, kill_after=args.kill_after,
         cgroup_root=args.cgroup_root, tls_ca=tls.ca if tls else None, tls_cert=tls.cert if tls else None,
         tls_key=tls.key if tls else None))

@@ -236,11 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     ru = _command(sub, "run", ("coordinator", *_TLS),
                   help="run a command under a VRAM lease: GPU by uuid, partition limits, SIGTERM on eviction notice, "
                        "SIGKILL at the deadline or when the lease is lost",
-                  usage="gpucoord run --agent NAME [--host H] --vram SIZE [options] -- CMD [ARGS...]")
+                  usage="gpucoord run --agent NAME [--host H] (--vram SIZE | --exclusive) [--gpus N] [options] -- "
+                        "CMD [ARGS...]")
     ru.add_argument("--agent", required=True)
     ru.add_argument("--host", default=None, help="this host's name in gpucoord (default: the hostname)")
-    ru.add_argument("--vram", required=True, help="VRAM to lease, with a unit: 4096MiB, 24GiB")
+    ru.add_argument("--vram", default=None, help="VRAM to lease (per GPU), with a unit: 4096MiB, 24GiB")
     ru.add_argument("--gpu", default=None, help="GPU index or uuid (default: best fit)")
+    ru.add_argument("--gpus", type=int, default=1, metavar="N",
+                    help="lease N GPUs at once, all or nothing (CUDA_VISIBLE_DEVICES lists their uuids)")
+    ru.add_argument("--exclusive", action="store_true", help="whole GPUs, shared with no other lease (no --vram)")
+    ru.add_argument("--topology", default="any", choices=("any", "numa", "nvlink"),
+                    help="how the GPUs must be joined: any, numa (one NUMA node), nvlink (every pair)")
     ru.add_argument("--priority", type=int, default=0)
     ru.add_argument("--no-preemptible", action="store_true", help="never evict this lease for another request")
     ru.add_argument("--wait", type=float, default=0.0, help="queue up to this many seconds for the VRAM")

@@ -98,7 +98,9 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
             lines.append(f"  {'lease':<20} {'agent':<14} {'GPU':>3} {'vram':>8} {'prio':>5} {'pre':>3} "
                          f"{'token':>6} {'ttl':>4}")
             for lease in sorted(h["leases"], key=lambda x: (x["gpu_index"], int(x["token"]))):
-                lines.append(f"  {lease['id']:<20} {lease['agent']:<14} {lease['gpu_index']:>3} "
+                gpus = [str(g.get("index", 0)) for g in lease.get("gpus", [])]   # a gang: all its GPUs
+                where = ",".join(gpus) if len(gpus) > 1 else str(lease["gpu_index"])
+                lines.append(f"  {lease['id']:<20} {lease['agent']:<14} {where:>3} "
                              f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
                              f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
                              f"{lease.get('ttl_remaining', '?'):>4}{_eviction(lease.get('eviction'), now)}")

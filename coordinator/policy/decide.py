@@ -12,7 +12,9 @@ from typing import Collection, Generic, Union
 from coordinator import errors
 from coordinator.config import CoordinatorConfig
 from coordinator.policy.admission import GpuView, best_fit, never_fits
+from coordinator.policy.gang import could_use, slots_from_views
 from coordinator.policy.host import HostView
+from coordinator.policy.placement import Chosen, GangRequest, Refused, place
 from coordinator.policy.plan import C, Caller, Context
 from coordinator.records import QueueEntry, VramLease
 
@@ -28,15 +30,30 @@ class Request:
     priority: int
     preemptible: bool
     gpu: str          # the GPU asked for (index or uuid), "" for any
+    gpu_count: int = 1
+    exclusive: bool = False
+    topology: str = "any"
+    gpus: tuple[str, ...] = ()   # the exact GPUs (indexes or uuids), () for any
+
+    @property
+    def is_gang(self) -> bool:
+        """Placed as a gang (``policy/placement.py``): several GPUs, whole GPUs, a topology or exact GPUs.
+        Any other request takes the single-GPU path (``admission.best_fit``), as before gangs."""
+        return self.gpu_count != 1 or self.exclusive or self.topology != "any" or bool(self.gpus)
+
+    def gang(self, caps: dict[str, int]) -> GangRequest:
+        return GangRequest(self.gpu_count, self.vram_mb, caps, self.exclusive, self.topology,
+                           self.gpus or ((self.gpu,) if self.gpu else None))
 
     @classmethod
     def of_entry(cls, e: QueueEntry) -> Request:
-        return cls(e.agent, e.lease_id, e.request_id, int(e.vram_mb), int(e.priority), bool(e.preemptible), e.gpu)
+        return cls(e.agent, e.lease_id, e.request_id, int(e.vram_mb), int(e.priority), bool(e.preemptible), e.gpu,
+                   e.gpu_count, e.exclusive, e.topology, e.gpus)
 
     @classmethod
     def of_call(cls, c: Caller) -> Request:
         return cls(c.session.agent, c.lease_id, c.request_id, int(c.vram_mb), int(c.priority),
-                   bool(c.preemptible), c.gpu_ref or "")
+                   bool(c.preemptible), c.gpu_ref or "", c.gpu_count, c.exclusive, c.topology, tuple(c.gpus))
 
 
 @dataclasses.dataclass
@@ -63,10 +80,12 @@ class Item(Generic[C]):
 # -- what ``decide`` answers ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Grant:
-    """Granted: the lease it already holds (a retry), or a new one on ``gpu``."""
+    """Granted: the lease it already holds (a retry), or a new one on ``gpu`` (or, for a gang, on each GPU
+    of ``gang``, in index order)."""
 
     existing: VramLease | None = None
     gpu: GpuView | None = None
+    gang: tuple[GpuView, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +111,7 @@ class Waits:
     caps: dict[str, int]
     victims_pending: bool      # a queued request whose victims are not gone yet
     held_by_processes: bool    # ... and only their processes hold it back
+    gang: GangRequest | None = None   # a gang request (its victims are chosen over GPU sets)
 
 
 Decision = Union[Grant, Refuse, Leave, Waits]
@@ -125,15 +145,25 @@ def decide(it: Item[C], view: HostView, ctx: Context, departing_held: Collection
         v in departing_held or v not in view.leases
         or (v in ctx.overdue and bool(view.leases[v].pids or view.leases[v].pgid))
         for v in victims)
-    placement = best_fit(req.vram_mb, req.agent, free_of_queue, caps) if not pending else None
-    if placement is not None and placement.gpu is not None:
-        return Grant(gpu=placement.gpu)
+    gang = req.gang(caps) if req.is_gang else None
+    if gang is not None:
+        # G2 with gangs: only GPUs no earlier-ranked waiter could use (``blocked``) may be chosen.
+        unavailable = {g.index for g in candidates if g.uuid in blocked}
+        placed = place(slots_from_views(view.gpus.values(), req.agent, view.inventory), gang, unavailable)
+        if isinstance(placed, Chosen) and not pending:
+            by_index = {g.index: g for g in view.gpus.values()}
+            return Grant(gang=tuple(by_index[i] for i in placed.gpus))
+        placement = None
+    else:
+        placement = best_fit(req.vram_mb, req.agent, free_of_queue, caps) if not pending else None
+        if placement is not None and placement.gpu is not None:
+            return Grant(gpu=placement.gpu)
     if it.call is not None and it.entry is None:
         refusal = _may_not_wait(it.call, view.host, ctx, req.vram_mb, bool(set(blocked) & {g.uuid for g in candidates}),
                                 agent_waiting, placement.reason if placement else "")
         if refusal is not None:
             return Refuse(refusal)
-    return Waits(candidates, free_of_queue, caps, pending, held_by_processes)
+    return Waits(candidates, free_of_queue, caps, pending, held_by_processes, gang)
 
 
 def _may_not_wait(c: Caller, host: str, ctx: Context, vram: int, behind_waiters: bool, agent_waiting: int,
@@ -171,6 +201,11 @@ def eligible(view: HostView, cfg: CoordinatorConfig, req: Request,
                 f"agent: {agent!r} already holds {mine} leases on {host!r} (limit "
                 f"{cfg.max_leases_per_agent})", "agent")
     caps = partition.gpu_caps(agent, view.inventory)
+    if req.is_gang:
+        usable = could_use(slots_from_views(view.gpus.values(), agent, view.inventory), req.gang(caps))
+        if isinstance(usable, Refused):
+            raise usable.error
+        return [g for g in view.gpus.values() if g.index in usable], caps
     candidates = list(view.gpus.values())
     ref = req.gpu
     if ref:

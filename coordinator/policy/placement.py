@@ -57,20 +57,7 @@ size and whose topology is unknown (every host before topology was reported) the
 ``best_fit``'s, ties included. Elsewhere only ties of criterion 1 may go another way than the lowest index
 (to keep an idle block whole, or not to fragment an idle GPU).
 
-Victims (G3 over GPU sets)
-==========================
-``choose_gang_victims`` picks what to evict for a request that does not fit now. A ``Holder`` is one lease,
-possibly a gang over several GPUs: evicting it frees its VRAM on every one of them. For one candidate set
-it is exactly ``admission.choose_victims`` over the set: the preemptible holders of lower priority that touch
-the set, taken lowest priority first, then newest first (``created_at``, then ``token``), until the request
-would fit on every GPU of the set (its VRAM and the agent's cap there; exclusive: every holder on the set
-goes and the GPU comes free whole); then every victim that can be spared is dropped, in that same order.
-The order rule wins over the smallest count within a set; the result is minimal (no victim can be spared).
-Over the candidate sets (every set of allowed, available GPUs that could ever hold the request and
-satisfies the topology), as ``admission.plan_eviction`` does over GPUs, the set with the fewest victims
-wins, then the lowest highest victim priority, then the lowest indexes. A request that fits now, or will
-once the leases already being evicted are gone, needs no victims (the caller passes the slots and
-holders with those leases removed); None when no set can be freed.
+Victims: ``policy/victims.py`` (G3 over GPU sets).
 
 Bounds
 ======
@@ -87,13 +74,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Collection, Iterator, Mapping, Sequence
 
 from coordinator import errors
-from coordinator.policy.admission import GpuView
-from coordinator.records import HostInventory
+from coordinator.records import TOPOLOGIES
 
-TOPOLOGIES = ("any", "numa", "nvlink")
 MAX_SETS = 20_000
 MAX_CLIQUE_STEPS = 100_000
 
@@ -127,22 +112,6 @@ class GangRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Holder:
-    """A lease that holds VRAM on one or more GPUs of the host (a gang holds several)."""
-
-    id: str
-    agent: str
-    priority: int
-    preemptible: bool
-    created_at: float
-    token: int                         # the highest fencing token among its GPUs: newer is larger
-    vram: tuple[tuple[int, int], ...]  # (GPU index, MiB) per GPU it holds
-
-    def on(self, index: int) -> int:
-        return sum(mb for i, mb in self.vram if i == index)
-
-
-@dataclasses.dataclass(frozen=True)
 class Chosen:
     gpus: tuple[int, ...]              # indexes, ascending
 
@@ -168,15 +137,9 @@ class Refused:
 Placement = Chosen | Wait | Refused
 
 
-@dataclasses.dataclass(frozen=True)
-class VictimChoice:
-    gpus: tuple[int, ...]              # the set the request gets once the victims are gone
-    victims: tuple[Holder, ...]        # in G3 order; () when it fits now or once pending evictions end
-
-
 # -- the host's shape ----------------------------------------------------------------------------------
 
-class _Host:
+class HostShape:
     """The slots of a host with their topology as bit masks (bit i: the i-th slot in index order)."""
 
     def __init__(self, slots: Sequence[GpuSlot]) -> None:
@@ -205,8 +168,8 @@ class _Host:
             if not p and not x:
                 found.append(r)
                 return True
-            pivot = max(_bits(p | x), key=lambda u: (self.adj[u] & p).bit_count())
-            for v in _bits(p & ~self.adj[pivot]):
+            pivot = max(bits(p | x), key=lambda u: (self.adj[u] & p).bit_count())
+            for v in bits(p & ~self.adj[pivot]):
                 if not expand(r | 1 << v, p & self.adj[v], x & self.adj[v]):
                     return False
                 p &= ~(1 << v)
@@ -221,7 +184,7 @@ class _Host:
         if topology == "numa":
             return any(members & block == members for block in self.numa_blocks)
         if topology == "nvlink":
-            return all(members & ~(1 << i) & ~self.adj[i] == 0 for i in _bits(members))
+            return all(members & ~(1 << i) & ~self.adj[i] == 0 for i in bits(members))
         return True
 
     def blocks(self, eligible: int, topology: str) -> tuple[list[int], bool]:
@@ -233,7 +196,7 @@ class _Host:
         return ([eligible] if eligible else []), True
 
 
-def _bits(mask: int) -> list[int]:
+def bits(mask: int) -> list[int]:
     out = []
     while mask:
         low = mask & -mask
@@ -242,10 +205,10 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
-def _sets(host: _Host, blocks: list[int], k: int, order: Mapping[int, tuple[int, ...]]) -> Iterator[int]:
+def gpu_sets(host: HostShape, blocks: list[int], k: int, order: Mapping[int, tuple[int, ...]]) -> Iterator[int]:
     """Every k-subset of the blocks, each once, at most ``MAX_SETS``. Within a block, slots go in ``order``
     (a preference key per slot position), so each block's first set is its k most preferred slots."""
-    ranked = [sorted(_bits(b), key=lambda n: order[n]) for b in blocks]
+    ranked = [sorted(bits(b), key=lambda n: order[n]) for b in blocks]
     seen: set[int] = set()
     firsts = [r[:k] for r in ranked if len(r) >= k]
     combos = itertools.chain(firsts, *(itertools.combinations(r, k) for r in ranked))
@@ -263,22 +226,22 @@ def _sets(host: _Host, blocks: list[int], k: int, order: Mapping[int, tuple[int,
 
 def place(slots: Sequence[GpuSlot], request: GangRequest, unavailable: Collection[int] = ()) -> Placement:
     """The best set of GPUs for ``request`` under the module's rule, or why none (see the module's docstring)."""
-    host = _Host(slots)
-    checked = _check(host, request, unavailable)
+    host = HostShape(slots)
+    checked = check_request(host, request, unavailable)
     if isinstance(checked, Refused):
         return checked
     candidates = checked
     k = request.gpu_count
-    now = sum(1 << n for n in _bits(candidates) if _holds_now(host.slots[n], request))
+    now = sum(1 << n for n in bits(candidates) if _holds_now(host.slots[n], request))
     blocks, _ = host.blocks(now, request.topology)
     order = {n: (host.slots[n].free_mb, host.slots[n].index) for n in range(len(host.slots))}
     best: tuple[tuple[object, ...], int] | None = None
-    for mask in _sets(host, blocks, k, order):
+    for mask in gpu_sets(host, blocks, k, order):
         key = _key(host, mask, request)
         if best is None or key < best[0]:
             best = (key, mask)
     if best is not None:
-        return Chosen(tuple(host.slots[n].index for n in _bits(best[1])))
+        return Chosen(tuple(host.slots[n].index for n in bits(best[1])))
     return Wait(f"no {_gang(request)} fits now on the GPUs free for it; one will once leases go")
 
 
@@ -300,7 +263,7 @@ def _could_ever_hold(s: GpuSlot, r: GangRequest) -> bool:
     return cap >= s.usable_mb if r.exclusive else r.vram_mb <= min(s.usable_mb, cap)
 
 
-def _key(host: _Host, mask: int, r: GangRequest) -> tuple[object, ...]:
+def _key(host: HostShape, mask: int, r: GangRequest) -> tuple[object, ...]:
     """The best-fit key of placing ``r`` on the slots of ``mask`` (smaller is better)."""
     left = 0
     partly = 0
@@ -318,10 +281,10 @@ def _key(host: _Host, mask: int, r: GangRequest) -> tuple[object, ...]:
     cliques, _ = host.cliques((1 << len(host.slots)) - 1)
     nvlink_block = max(((c & idle).bit_count() for c in cliques), default=0)
     numa_block = max(((b & idle).bit_count() for b in host.numa_blocks), default=0)
-    return (left, partly, -nvlink_block, -numa_block, tuple(host.slots[n].index for n in _bits(mask)))
+    return (left, partly, -nvlink_block, -numa_block, tuple(host.slots[n].index for n in bits(mask)))
 
 
-def _check(host: _Host, r: GangRequest, unavailable: Collection[int]) -> Refused | int:
+def check_request(host: HostShape, r: GangRequest, unavailable: Collection[int]) -> Refused | int:
     """The slots (a mask) the request may take: allowed, available and able to hold it once leases go, when
     some set of the allowed slots could ever satisfy it; else why none ever can."""
     k = r.gpu_count
@@ -380,13 +343,13 @@ def _check(host: _Host, r: GangRequest, unavailable: Collection[int]) -> Refused
         return Refused(errors.FailedPrecondition(_no_topology(host, r, ever, complete), "topology"))
     if r.gpus is not None and not host.satisfies(ever, r.topology):
         return Refused(errors.FailedPrecondition(
-            f"topology: GPUs {', '.join(str(host.slots[n].index) for n in _bits(ever))} are not "
+            f"topology: GPUs {', '.join(str(host.slots[n].index) for n in bits(ever))} are not "
             f"{'on one NUMA node' if r.topology == 'numa' else 'all joined by NVLink'}", "topology"))
     blocked = {host.pos[i] for i in unavailable if i in host.pos}
-    return sum(1 << n for n in _bits(ever) if n not in blocked)
+    return sum(1 << n for n in bits(ever) if n not in blocked)
 
 
-def _resolve(host: _Host, ref: int | str) -> int | None:
+def _resolve(host: HostShape, ref: int | str) -> int | None:
     if isinstance(ref, str) and ref.isdigit():
         ref = int(ref)
     for n, s in enumerate(host.slots):
@@ -395,130 +358,15 @@ def _resolve(host: _Host, ref: int | str) -> int | None:
     return None
 
 
-def _no_topology(host: _Host, r: GangRequest, ever: int, complete: bool) -> str:
+def _no_topology(host: HostShape, r: GangRequest, ever: int, complete: bool) -> str:
     k = r.gpu_count
     if r.topology == "numa":
-        if not any(host.slots[n].numa_node is not None for n in _bits(ever)):
+        if not any(host.slots[n].numa_node is not None for n in bits(ever)):
             return "topology: numa asked, but the NUMA nodes of this host's GPUs are unknown"
         return f"topology: no {k} GPUs the agent may use are on one NUMA node"
     if not complete:
         return (f"topology: no {k} GPUs joined by NVLink were found within the search bound "
                 f"({MAX_CLIQUE_STEPS} steps)")
-    if not any(host.adj[n] for n in _bits(ever)):
+    if not any(host.adj[n] for n in bits(ever)):
         return "topology: nvlink asked, but no NVLink peers are known on this host's GPUs"
     return f"topology: no {k} GPUs the agent may use are all joined by NVLink"
-
-
-# -- victims -----------------------------------------------------------------------------------------------
-
-def g3_order(h: Holder) -> tuple[int, float, int]:
-    """G3's order: lowest priority first, then newest first."""
-    return (h.priority, -h.created_at, -h.token)
-
-
-def choose_gang_victims(slots: Sequence[GpuSlot], request: GangRequest, priority: int, agent: str,
-                        holders: Sequence[Holder], unavailable: Collection[int] = ()) -> VictimChoice | None:
-    """What to evict so that ``request`` (of ``priority``, by ``agent``) fits (see the module's docstring).
-
-    ``slots`` and ``holders`` leave out the leases already being evicted (they count as gone)."""
-    placed = place(slots, request, unavailable)
-    if isinstance(placed, Chosen):
-        return VictimChoice(placed.gpus, ())
-    if isinstance(placed, Refused):
-        return None
-    host = _Host(slots)
-    checked = _check(host, request, unavailable)
-    assert not isinstance(checked, Refused)
-    blocks, _ = host.blocks(checked, request.topology)
-    order = {n: (host.slots[n].index,) for n in range(len(host.slots))}
-    best: tuple[tuple[int, int, tuple[int, ...]], VictimChoice] | None = None
-    for mask in _sets(host, blocks, request.gpu_count, order):
-        members = [host.slots[n] for n in _bits(mask)]
-        victims = set_victims(members, request, priority, agent, holders)
-        if victims is None:
-            continue
-        indexes = tuple(s.index for s in members)
-        cost = (len(victims), max((v.priority for v in victims), default=priority), indexes)
-        if best is None or cost < best[0]:
-            best = (cost, VictimChoice(indexes, tuple(victims)))
-    return best[1] if best is not None else None
-
-
-def set_victims(members: Sequence[GpuSlot], request: GangRequest, priority: int, agent: str,
-                holders: Iterable[Holder]) -> list[Holder] | None:
-    """``admission.choose_victims`` over a set of GPUs: the victims that make ``request`` fit on every GPU of
-    ``members``, taken in G3 order, then pruned in that order until none can be spared; [] when it fits
-    already, None when evicting every candidate would not make it fit."""
-    on_set = {s.index for s in members}
-    touching = [h for h in holders if any(i in on_set for i, mb in h.vram)]
-    evictable = [h for h in touching if h.preemptible and h.priority < priority]
-    if request.exclusive:
-        if len(evictable) != len(touching) or any(request.caps[s.uuid] < s.usable_mb for s in members):
-            return None
-        need_gpu = {s.index: s.usable_mb - s.free_mb for s in members}
-        need_own = {s.index: 0 for s in members}
-    else:
-        need_gpu = {s.index: request.vram_mb - s.free_mb for s in members}
-        need_own = {s.index: request.vram_mb - (request.caps[s.uuid] - s.agent_mb) for s in members}
-    must_go = {h.id for h in touching} if request.exclusive else set()
-
-    def enough(victims: Sequence[Holder]) -> bool:
-        if not must_go <= {v.id for v in victims}:
-            return False
-        for i in on_set:
-            freed = sum(v.on(i) for v in victims)
-            own = sum(v.on(i) for v in victims if v.agent == agent)
-            if freed < need_gpu[i] or own < need_own[i]:
-                return False
-        return True
-
-    if enough([]):
-        return []
-    victims: list[Holder] = []
-    for h in sorted(evictable, key=g3_order):
-        if enough(victims):
-            break
-        victims.append(h)
-    if not enough(victims):
-        return None
-    for h in list(victims):       # drop the victims that turned out unnecessary, in the same order
-        rest = [v for v in victims if v is not h]
-        if enough(rest):
-            victims = rest
-    return victims
-
-
-# -- from a snapshot ---------------------------------------------------------------------------------------
-
-def slots_from_views(gpus: Iterable[GpuView], agent: str, inventory: HostInventory | None = None,
-                     evicting: Collection[str] = ()) -> tuple[GpuSlot, ...]:
-    """Slots from the GPUs of a host snapshot, with the leases in ``evicting`` counted as gone (as
-    ``admission.plan_eviction`` counts them) and the topology of the node's inventory (unknown without)."""
-    topology = {g.uuid: g for g in inventory.gpus} if inventory is not None else {}
-    out = []
-    for g in gpus:
-        if evicting:
-            g = dataclasses.replace(g, leases=[x for x in g.leases if x.id not in evicting])
-        info = topology.get(g.uuid)
-        out.append(GpuSlot(index=g.index, uuid=g.uuid, usable_mb=g.usable_mb, free_mb=g.free_mb,
-                           leased=bool(g.leases), agent_mb=g.agent_mb(agent),
-                           numa_node=info.numa_node if info is not None else None,
-                           nvlink_peers=info.nvlink_peers if info is not None else ()))
-    return tuple(out)
-
-
-def holders_from_views(gpus: Iterable[GpuView], evicting: Collection[str] = ()) -> tuple[Holder, ...]:
-    """The leases of a host snapshot as holders: the records of one lease id on several GPUs are one gang."""
-    parts: dict[str, list[tuple[GpuView, int]]] = {}
-    for g in gpus:
-        for n, lease in enumerate(g.leases):
-            if lease.id not in evicting:
-                parts.setdefault(lease.id, []).append((g, n))
-    out = []
-    for lease_id, where in parts.items():
-        leases = [g.leases[n] for g, n in where]
-        first = leases[0]
-        out.append(Holder(id=lease_id, agent=first.agent, priority=first.priority, preemptible=first.preemptible,
-                          created_at=first.created_at, token=max(x.token for x in leases),
-                          vram=tuple((g.index, g.leases[n].vram_mb) for g, n in where)))
-    return tuple(out)

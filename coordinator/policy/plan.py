@@ -39,6 +39,14 @@ class Caller(Protocol):
     def rank(self) -> str | None: ...      # its queue entry's rank, once queued
     @property
     def gone(self) -> bool: ...            # answered already, or its caller went away
+    @property
+    def gpu_count(self) -> int: ...
+    @property
+    def exclusive(self) -> bool: ...
+    @property
+    def topology(self) -> str: ...
+    @property
+    def gpus(self) -> tuple[str, ...]: ...   # the exact GPUs asked for, () for any
 
 
 C = TypeVar("C", bound=Caller)
@@ -70,7 +78,10 @@ class Plan(Generic[C]):
     failures: list[tuple[C, errors.GpucoordError]] = dataclasses.field(default_factory=list)
     left: list[QueueEntry] = dataclasses.field(default_factory=list)   # entries removed without a grant
     superseded: list[C] = dataclasses.field(default_factory=list)      # replaced by a retry
-    new_leases: list[VramLease] = dataclasses.field(default_factory=list)
+    new_leases: list[VramLease] = dataclasses.field(default_factory=list)   # a gang: one per GPU
+    # Every part of each gang lease the plan answers (granted now or already held), by lease id, in index
+    # order; ``grants`` name a gang by its first part.
+    gangs: dict[str, tuple[VramLease, ...]] = dataclasses.field(default_factory=dict)
     new_entries: int = 0
     deferred: list[C] = dataclasses.field(default_factory=list)  # past the budget: next round
     more: bool = False          # something was left for the next round (evictions past the budget)

@@ -25,6 +25,17 @@ plan made from a stale snapshot fails as a whole and is made again.
 Guarantees, checked by the property tests in ``tests/unit/test_planner.py``:
 * G1: no GPU and no partition cap is over-committed by the grants.
 * G2: a request is only placed on GPUs that no request ranked before it is still waiting for.
+* Gangs (issue 21; ``policy/placement.py``, ``policy/gang.py``, ``policy/victims.py``): a request for several
+  GPUs, whole GPUs, a topology or exact GPUs is placed over GPU sets (best fit, topology, exclusive) and
+  granted all or nothing: one record per GPU with that GPU's next token, all in the round's transaction,
+  which compares every ledger of the host. **G2 with gangs**: a waiting request, gang or not, blocks every
+  GPU it could ever use (``gang.could_use``: every GPU of some set that could hold it once leases go and
+  meets its topology); no request ranked after it is granted on any of them. The rule's cost: the free room
+  of those GPUs idles for later requests until the gang is granted (a waiting ``any`` gang of 4 on an
+  8-GPU host holds back all 8 GPUs), and a round may grant less than it could; its gain: a big request is
+  never starved by a stream of small ones. A gang's victims are chosen over GPU sets
+  (``victims.choose_gang_victims``: fewest, then lowest, minimal); a gang victim frees all its GPUs, and its
+  notice compares each of its records. ``_fits_budget`` counts a gang's k lease puts and k ledger puts.
 * G3: victims are preemptible, of lower priority, chosen by ``admission.choose_victims`` (lowest priority
   first, then newest; no victim can be spared); a request with victims is admitted only once they are gone:
   their leases, and the processes of those bound to processes while the node still reports them and the
@@ -37,13 +48,11 @@ the callers' deadlines use, ``wall``: seconds since the epoch, for what is store
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
-from typing import Collection, Generic, Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.keys import Keys
-from coordinator.policy.admission import GpuView, plan_eviction
+from coordinator.policy.admission import plan_eviction
 from coordinator.policy.decide import (
     Grant,
     Item,
@@ -58,24 +67,13 @@ from coordinator.policy.decide import (
 from coordinator.policy.decide import (
     wait_over as wait_over,  # the admitter answers a wait that ended with it
 )
+from coordinator.policy.gang import holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
-from coordinator.policy.plan import C, Context, Plan, Wait
-from coordinator.records import (
-    EvictionRecord,
-    QueueEntry,
-    SessionInfo,
-    VramLease,
-    dumps,
-)
-from coordinator.txn import (
-    Absent,
-    Compare,
-    Delete,
-    Exists,
-    ModRevisionIs,
-    NothingWrittenSince,
-    Put,
-)
+from coordinator.policy.plan import C, Context, Plan
+from coordinator.policy.victims import choose_gang_victims
+from coordinator.policy.writes import Round
+from coordinator.records import VramLease, dumps
+from coordinator.txn import Absent, ModRevisionIs, Put
 
 # etcd refuses a transaction with more than 128 compares, or 128 operations (--max-txn-ops). A round stops
 # deciding before it would pass these budgets; the rest is decided in the next round.
@@ -94,31 +92,8 @@ def plan_round(view: HostView, batch: Sequence[C], waiting: Mapping[str, C], liv
     return planner.plan(batch, waiting, live)
 
 
-class _Planner(Generic[C]):
-    """One round. Made for one ``plan`` call: it holds the round's state as it decides."""
-
-    def __init__(self, view: HostView, ctx: Context) -> None:
-        # Copies of what a round changes as it decides (tokens, leases): the snapshot stays as it was given.
-        gpus = {}
-        for uuid_, g in view.gpus.items():
-            copy = dataclasses.replace(g, leases=list(g.leases))
-            copy.seq = g.seq
-            gpus[uuid_] = copy
-        self.view = dataclasses.replace(view, gpus=gpus, leases=dict(view.leases))
-        self.ctx = ctx
-        self.cfg = ctx.config
-        self.keys = ctx.keys
-        self.host = view.host
-        self.now = ctx.now
-        self.out: Plan[C] = Plan()
-        self.departing_held = self.view.departing_held
-        self.evicting = set(ctx.evicting)
-        self.items: list[Item[C]] = []
-        self.attached_calls: set[int] = set()   # ids of the calls that retry a request already waiting
-        self.blocked: set[str] = set()          # GPUs that a request ranked earlier is still waiting for
-        self.displaced: set[str] = set()        # ranks of entries this round displaces
-        self.queued = 0                         # entries in the queue after what is decided so far
-        self.per_agent: collections.Counter[str] = collections.Counter()
+class _Planner(Round[C]):
+    """One round. Made for one ``plan`` call: it holds the round's state (``Round``) as it decides."""
 
     def plan(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> Plan[C]:
         plan = self.out
@@ -129,7 +104,8 @@ class _Planner(Generic[C]):
         for n, it in enumerate(self.items):
             if it.rank in self.displaced or self._leaving(it):
                 continue
-            if not self._fits_budget(3, 2):
+            # k lease puts, k ledger puts (counted for every GPU of the host in _fits_budget), the entry's delete.
+            if not self._fits_budget(2 + it.req.gpu_count, 2):
                 # The rest waits for the next round: new callers go back to the front of the line.
                 plan.deferred = [x.call for x in self.items[n:] if x.call is not None and x.entry is None]
                 plan.more = True
@@ -171,6 +147,10 @@ class _Planner(Generic[C]):
             if lease_id not in by_lease:
                 lease = view.leases.get(lease_id)
                 if lease is not None:
+                    parts = self.parts(lease_id)
+                    if len(parts) > 1 or parts[0].format > 1:
+                        plan.gangs[lease_id] = parts
+                        lease = parts[0]
                     plan.grants.append((c, lease))
                 else:
                     plan.refusals.append((c, self._why_removed(c)))
@@ -263,140 +243,39 @@ class _Planner(Generic[C]):
     def _plan_evictions(self, it: Item[C], w: Waits) -> tuple[str, ...]:
         """The victims this waiter waits for: those it already chose, or new ones if evicting makes it fit on
         a GPU nobody ahead waits for (their notices go into this transaction)."""
-        plan, req = self.out, it.req
+        plan = self.out
         victims = it.entry.victims if it.entry is not None else ()
         if w.victims_pending:
             return victims
-        new = plan_eviction(w.free_of_queue, w.caps, req.vram_mb, req.priority, req.agent, self.evicting)
-        if new and not self._fits_budget(len(new) + 2, 2 * len(new) + 2):
+        new = self._victims(it, w)
+        parts = [x for v in new for x in self.parts(v.id)]
+        if new and not self._fits_budget(len(new) + 2, len(new) + len(parts) + 2):
             new = []              # too many for this transaction: evict in the next round
             plan.more = True
         for victim in new:
             record = self._eviction(victim, it)
             plan.ops.append(Put(self.keys.eviction(victim.id), dumps(record.to_json()), victim.etcd_lease))
-            plan.compares.append(ModRevisionIs(
-                self.keys.lease(self.host, victim.gpu_uuid, victim.id), victim.mod_revision))
+            for part in self.parts(victim.id):    # a gang victim: each of its GPUs' records
+                plan.compares.append(ModRevisionIs(
+                    self.keys.lease(self.host, part.gpu_uuid, part.id), part.mod_revision))
             plan.compares.append(Absent(self.keys.eviction(victim.id)))
             self.evicting.add(victim.id)
             plan.evictions.append(record)
         return tuple(v.id for v in new) if new else victims
 
-    def _eviction(self, victim: VramLease, it: Item[C]) -> EvictionRecord:
-        wall, req = self.ctx.wall, it.req
-        return EvictionRecord(
-            lease_id=victim.id, host=self.host, gpu_uuid=victim.gpu_uuid, agent=victim.agent,
-            session_id=victim.session_id, victim_priority=victim.priority,
-            requested_by=f"{req.agent}/{req.request_id}", requester_priority=req.priority,
-            reason=f"priority {req.priority} request for {req.vram_mb} MiB needs the room",
-            deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall)
-
-    # -- write the ops ---------------------------------------------------------------------------------
-    def _write_grant(self, it: Item[C], g: Grant) -> None:
-        plan = self.out
-        if g.existing is not None:
-            lease = g.existing
-        else:
-            assert g.gpu is not None
-            if it.call is not None and it.entry is None:
-                plan.sessions[it.call.session.session_id] = it.call.session
-            lease = self._grant(it, g.gpu)
-            plan.new_leases.append(lease)
-        plan.grants.append((it.call, lease))
-        if it.entry is not None:
-            self._leaves(it.entry, None, None)
-
-    def _grant(self, it: Item[C], gpu: GpuView) -> VramLease:
-        """The lease on ``gpu``, with the GPU's next fencing token (in this round's copies)."""
-        gpu.seq += 1
-        if it.entry is not None:
-            session_id, etcd_lease = it.entry.session_id, it.entry.etcd_lease
-        else:
-            assert it.call is not None
-            session_id, etcd_lease = it.call.session.session_id, it.call.session.etcd_lease
+    def _victims(self, it: Item[C], w: Waits) -> list[VramLease]:
+        """New victims (G3): for a single-GPU request over single GPUs (``admission.plan_eviction``); for a
+        gang over the GPU sets free of earlier waiters (``victims.choose_gang_victims``: fewest, then lowest,
+        minimal; a gang victim frees all its GPUs). Each as its first GPU's record."""
         req = it.req
-        lease = VramLease(
-            id=req.lease_id, host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=req.agent,
-            session_id=session_id, vram_mb=req.vram_mb, priority=req.priority, preemptible=req.preemptible,
-            request_id=req.request_id, token=gpu.seq, created_at=self.ctx.wall, etcd_lease=etcd_lease)
-        gpu.leases.append(lease)
-        self.view.leases[lease.id] = lease
-        return lease
+        if w.gang is None:
+            return plan_eviction(w.free_of_queue, w.caps, req.vram_mb, req.priority, req.agent, self.evicting)
+        gpus = self.view.gpus.values()
+        blocked = {g.index for g in gpus if g.uuid in self.blocked}
+        choice = choose_gang_victims(slots_from_views(gpus, req.agent, self.view.inventory, self.evicting), w.gang,
+                                     req.priority, req.agent, holders_from_views(gpus, self.evicting), blocked)
+        if choice is None:
+            return []
+        return [self.parts(h.id)[0] for h in choice.victims]
 
-    def _write_wait(self, it: Item[C], victims: tuple[str, ...]) -> None:
-        """A new entry for a new waiter; for a queued one, its entry rewritten if its victims or its serving
-        replica changed."""
-        plan, ctx = self.out, self.ctx
-        if it.entry is None:
-            assert it.call is not None
-            plan.sessions[it.call.session.session_id] = it.call.session
-            entry = self._entry(it.call, it.rank, victims)
-            key = self.keys.queue_entry(self.host, it.rank)
-            plan.compares.append(Absent(key))
-            plan.ops.append(Put(key, dumps(entry.to_json()), it.call.session.etcd_lease))
-            plan.waits.append(Wait(it.call, it.rank, 0))
-            plan.new_entries += 1
-            self.queued += 1
-            self.per_agent[it.agent] += 1
-            return
-        updated = it.entry
-        if victims != it.entry.victims:
-            updated = dataclasses.replace(updated, victims=victims)
-        if it.call is not None and (it.entry.replica != ctx.replica_id):
-            # Served by this replica now (a retry through it): the entry says so, and keeps the later of the
-            # two deadlines.
-            updated = dataclasses.replace(
-                updated, replica=ctx.replica_id,
-                deadline_unix=max(updated.deadline_unix, ctx.wall + max(0.0, it.call.deadline - self.now)))
-        if updated is not it.entry:
-            key = self.keys.queue_entry(self.host, it.entry.rank)
-            plan.compares.append(ModRevisionIs(key, it.entry.mod_revision))
-            plan.ops.append(Put(key, dumps(updated.to_json()), updated.etcd_lease))
-        if it.call is not None:
-            plan.waits.append(Wait(it.call, it.entry.rank, 0 if updated is not it.entry else it.entry.mod_revision))
-
-    def _entry(self, c: C, rank: str, victims: tuple[str, ...]) -> QueueEntry:
-        return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
-                          etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
-                          priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
-                          lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.now),
-                          replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.now))
-
-    def _leaves(self, entry: QueueEntry, call: C | None, err: errors.GpucoordError | None) -> None:
-        """The entry leaves the queue in this transaction (if nobody changed it since the snapshot); its
-        caller (if ours) is told after the commit."""
-        plan = self.out
-        key = self.keys.queue_entry(self.host, entry.rank)
-        plan.compares.append(ModRevisionIs(key, entry.mod_revision))
-        plan.ops.append(Delete(key))
-        self.queued -= 1
-        self.per_agent[entry.agent] -= 1
-        if err is not None:
-            plan.left.append(entry)
-            if call is not None:
-                plan.failures.append((call, err))
-
-    def _write_transaction(self) -> None:
-        """The new leases, the bumped ledgers, and the guards of the whole transaction."""
-        plan, view = self.out, self.view
-        for lease in plan.new_leases:
-            plan.ops.append(Put(self.keys.lease(self.host, lease.gpu_uuid, lease.id), dumps(lease.to_json()),
-                                lease.etcd_lease))
-        for uuid_ in sorted({lease.gpu_uuid for lease in plan.new_leases}):
-            gpu = view.gpus[uuid_]
-            plan.ops.append(Put(self.keys.gpu(self.host, uuid_), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq})))
-        if plan.ops:
-            # Admitting or queueing needs a live host; removing entries of a host that is gone does not.
-            adds = bool(plan.new_leases) or plan.new_entries > 0
-            plan.compares += self._guards(list(plan.sessions.values()), host_must_live=adds)
-
-    def _guards(self, sessions: list[SessionInfo], host_must_live: bool) -> list[Compare]:
-        """What must still hold at commit: nothing admitted or queued on the host since the snapshot, and
-        the sessions of the new grants and entries still live."""
-        keys, view, host = self.keys, self.view, self.host
-        out: list[Compare] = [Exists(keys.host(host))] if host_must_live else []
-        out.append(ModRevisionIs(keys.partition(host), view.partition_kv.mod_revision if view.partition_kv else 0))
-        out += [ModRevisionIs(keys.gpu(host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
-        # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
-        out.append(NothingWrittenSince(keys.queue(host), view.revision))
-        out += [Exists(keys.session(x.agent, x.session_id)) for x in sessions]
-        return out
+    # -- write the ops: ``policy/writes.py`` -----------------------------------------------------------

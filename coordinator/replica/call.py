@@ -29,6 +29,11 @@ class AcquireCall:
     forwarded: bool = False       # sent by another replica on its caller's behalf (host ownership)
     capped: bool = True           # held to its agent's priority cap (an operator's own acquire is not)
     cancelled_at: float | None = None   # monotonic, when its caller went away
+    gpu_count: int = 1            # a gang (issue 21): several GPUs, whole ones, a topology, exact GPUs
+    exclusive: bool = False
+    topology: str = "any"
+    gpus: tuple[str, ...] = ()
+    parts: tuple[VramLease, ...] = ()   # once granted: each GPU's record (a gang's), set before the future
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.wait_s

@@ -116,7 +116,8 @@ class QueueExpiry:
                     if self._waiting.get(c.lease_id) is c:
                         del self._waiting[c.lease_id]
                     if lease is not None and not c.future.done():
-                        c.future.set_result(lease)
+                        c.parts = _parts_in(leases.kvs, c.lease_id)
+                        c.future.set_result(c.parts[0])
                     else:
                         self._expired(c, None)
             due = retry
@@ -147,3 +148,15 @@ def _lease_in(kvs: Sequence[KV], lease_id: str) -> VramLease | None:
             except InvalidRecord:
                 return None
     return None
+
+
+def _parts_in(kvs: Sequence[KV], lease_id: str) -> tuple[VramLease, ...]:
+    """Every GPU's record of the lease among ``leases/<host>/...`` keys, in index order."""
+    parts = []
+    for kv in kvs:
+        if last_segment(kv.key) == lease_id:
+            try:
+                parts.append(VramLease.from_kv(kv))
+            except InvalidRecord:
+                continue
+    return tuple(sorted(parts, key=lambda x: x.gpu_index))

@@ -173,8 +173,10 @@ class Leases:
                                             [Delete(notice_key)])
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            compares = [ModRevisionIs(key, lease.mod_revision), *fenced]
-            ops: list[Op] = [Delete(key), Delete(notice_key)]
+            others = await self._other_parts(lease, False)
+            compares = [ModRevisionIs(key, lease.mod_revision), *fenced,
+                        *(ModRevisionIs(kv.key, kv.mod_revision) for kv in others)]
+            ops: list[Op] = [Delete(key), Delete(notice_key), *(Delete(kv.key) for kv in others)]
             if notice_revision is not None:
                 compares.append(ModRevisionIs(notice_key, notice_revision))
             usage_key = self.keys.usage(lease.host)
@@ -185,10 +187,11 @@ class Leases:
                 usage_kv = await self.store.get(usage_key)
                 notice = _notice(await self.store.get(notice_key))
                 if usage_kv is not None and notice is not None and reported(usage_kv, lease):
-                    record = self._departing(lease, notice, bound_in_s=0.0)
                     compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision))
-                    ops.append(Put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
-                                      dumps(record.to_json())))
+                    for part in [lease, *(VramLease.from_kv(kv) for kv in others)]:   # a gang: every GPU
+                        record = self._departing(part, notice, bound_in_s=0.0)
+                        ops.append(Put(self.keys.departing(part.host, part.gpu_uuid, part.id),
+                                       dumps(record.to_json())))
                     forced = True
             res = await self.store.commit(compares, ops)
             if res.succeeded:
@@ -278,9 +281,12 @@ class Leases:
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             notice_key = self.keys.eviction(lease.id)
             notice_kv = await self._read(notice_key, from_mirror)
-            compares = [ModRevisionIs(key, lease.mod_revision),
-                        ModRevisionIs(notice_key, notice_kv.mod_revision) if notice_kv else Absent(notice_key)]
-            ops = [Delete(key), Delete(notice_key)]
+            others = await self._other_parts(lease, from_mirror)   # a gang goes whole, in this transaction
+            compares: list[Compare] = [
+                ModRevisionIs(key, lease.mod_revision),
+                ModRevisionIs(notice_key, notice_kv.mod_revision) if notice_kv else Absent(notice_key),
+                *(ModRevisionIs(kv.key, kv.mod_revision) for kv in others)]
+            ops: list[Op] = [Delete(key), Delete(notice_key), *(Delete(kv.key) for kv in others)]
             # (A malformed notice is set aside: it is deleted with the lease, as if there were none.)
             notice = _notice(notice_kv)
             if notice_kv is not None and notice is not None and (lease.pids or lease.pgid):
@@ -288,11 +294,11 @@ class Leases:
                 if usage_kv is not None and reported(usage_kv, lease):
                     bound = (self.ctx.notice_deadline(notice_kv, notice) + self.config.eviction_kill_margin_s
                              - clock.monotonic())
-                    record = self._departing(lease, notice, bound)
                     res = await self.store.commit(
                         [*compares, ModRevisionIs(usage_kv.key, usage_kv.mod_revision)],
-                        [*ops, Put(self.keys.departing(lease.host, lease.gpu_uuid, lease.id),
-                                      dumps(record.to_json()))])
+                        [*ops, *(Put(self.keys.departing(part.host, part.gpu_uuid, part.id),
+                                     dumps(self._departing(part, notice, bound).to_json()))
+                                 for part in [lease, *(VramLease.from_kv(kv) for kv in others)])])
                     if res.succeeded:
                         metrics.RELEASES.inc()
                         log.info("lease %s released under its eviction notice while the node still reports its "
@@ -310,6 +316,17 @@ class Leases:
                 return True
         raise errors.Unavailable("release: too much contention; retry")
 
+    async def _other_parts(self, lease: VramLease, from_mirror: bool) -> list[KV]:
+        """The records of a gang's other GPUs (none for a single-GPU lease): release, revoke and expiry take
+        the whole gang in one transaction, comparing each."""
+        out = []
+        for uuid_ in lease.gang:
+            if uuid_ != lease.gpu_uuid:
+                kv = await self._read(self.keys.lease(lease.host, uuid_, lease.id), from_mirror)
+                if kv is not None:
+                    out.append(kv)
+        return out
+
     async def _read(self, key: bytes, from_mirror: bool) -> KV | None:
         """A key from the mirror (``from_mirror``: the caller's compares validate it) or from etcd."""
         return self.mirror.get(key) if from_mirror else await self.store.get(key)
@@ -326,10 +343,12 @@ class Leases:
                 raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
             if (lease.pids, lease.pgid) == (wanted, pgid):
                 return False
-            key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
-            value = dumps(dataclasses.replace(lease, pids=wanted, pgid=pgid).to_json())
-            res = await self.store.commit([ModRevisionIs(key, lease.mod_revision)],
-                                          [Put(key, value, lease.etcd_lease)])
+            # A gang: every GPU's record names the processes, in one transaction.
+            parts = [lease, *(VramLease.from_kv(kv) for kv in await self._other_parts(lease, False))]
+            res = await self.store.commit(
+                [ModRevisionIs(self.keys.lease(x.host, x.gpu_uuid, x.id), x.mod_revision) for x in parts],
+                [Put(self.keys.lease(x.host, x.gpu_uuid, x.id),
+                     dumps(dataclasses.replace(x, pids=wanted, pgid=pgid).to_json()), x.etcd_lease) for x in parts])
             if res.succeeded:
                 return True
         raise errors.Unavailable("attach processes: too much contention; retry")

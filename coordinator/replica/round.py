@@ -192,8 +192,10 @@ class AdmissionRound:
             if self._waiting.get(c.lease_id) is c:
                 del self._waiting[c.lease_id]
             if not c.future.done():
-                c.future.set_result(dataclasses.replace(lease, mod_revision=revision)
-                                    if revision and id(lease) in new else lease)
+                parts = plan.gangs.get(lease.id, (lease,))
+                c.parts = tuple(dataclasses.replace(x, mod_revision=revision) if revision and id(x) in new else x
+                                for x in parts)
+                c.future.set_result(c.parts[0])
             elif id(lease) in new and revision and c.future.cancelled() and not c.forwarded:
                 # Its caller went away while the grant was being committed: nobody knows the lease, so it
                 # is given back rather than held for the rest of the session, unless a retry of the same
@@ -230,9 +232,10 @@ class AdmissionRound:
         revision = self._orphans.pop(lease.id, None)
         if revision is None:
             return   # claimed by a retry
-        key = self.keys.lease(self.host, lease.gpu_uuid, lease.id)
+        # A gang: every GPU's record, all written by the one grant's transaction (at ``revision``).
+        keys = [self.keys.lease(self.host, uuid_, lease.id) for uuid_ in lease.gpus]
         try:
-            await self.ctx.store.commit([ModRevisionIs(key, revision)], [Delete(key)])
+            await self.ctx.store.commit([ModRevisionIs(k, revision) for k in keys], [Delete(k) for k in keys])
         except errors.GpucoordError as e:
             log.warning("could not give back lease %s of a caller that went away: %s", lease.id, e)
 
@@ -244,11 +247,13 @@ def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:
     for c in batch:
         primary = first.setdefault(c.lease_id, c)
         if primary is not c:
-            primary.future.add_done_callback(functools.partial(_copy_outcome, c.future))
+            primary.future.add_done_callback(functools.partial(_copy_outcome, c, primary))
     return list(first.values())
 
 
-def _copy_outcome(target: asyncio.Future[VramLease], source: asyncio.Future[VramLease]) -> None:
+def _copy_outcome(call: AcquireCall, primary: AcquireCall, _: object) -> None:
+    target, source = call.future, primary.future
+    call.parts = primary.parts
     if target.done():
         return
     if source.cancelled():

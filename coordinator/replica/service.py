@@ -25,6 +25,7 @@ from coordinator.keys import (
 from coordinator.policy.partition import Partition, PartitionError, PartitionSpec
 from coordinator.records import (
     EvictionRecord,
+    Gang,
     InvalidRecord,
     QueueEntry,
     SessionInfo,
@@ -46,6 +47,9 @@ from coordinator.replica.view import invalid_host
 from coordinator.txn import Exists, ModRevisionIs, NothingWrittenSince, Put, Range
 
 log = logging.getLogger(__name__)
+
+
+SINGLE = Gang()   # a plain single-GPU request
 
 
 class CoordinatorService(Follower):
@@ -251,8 +255,10 @@ class CoordinatorService(Follower):
 
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
-                      request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True) -> VramLease:
-        """``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
+                      request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True,
+                      gang: Gang = SINGLE) -> tuple[VramLease, ...]:
+        """The lease granted: each GPU's record, in index order (one for a single GPU; a gang's all).
+        ``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
         operator's own acquire. The fields are validated by the caller (``coordinator.rpc.validate``)."""
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
@@ -265,12 +271,14 @@ class CoordinatorService(Follower):
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
                            lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future(),
-                           forwarded=forwarded, capped=capped)
+                           forwarded=forwarded, capped=capped, gpu_count=gang.gpu_count,
+                           exclusive=gang.exclusive, topology=gang.topology, gpus=gang.gpus)
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host,
                                                                  self.admitter_idle_s, self._admitter_idle)
-        return await admitter.submit(call)
+        lease = await admitter.submit(call)
+        return call.parts or (lease,)
 
     def _admitter_idle(self, admitter: HostAdmitter) -> None:
         if self._admitters.get(admitter.host) is admitter:

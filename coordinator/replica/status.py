@@ -108,9 +108,10 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         agents = []
         if part is not None and inv is not None:
             for alloc in part.allocations:
-                used = [lease for lease in v.leases.values() if lease.agent == alloc.agent]
+                # Every GPU's record (a gang holds VRAM on each), counted as one lease per id.
+                used = [x for g in v.gpus.values() for x in g.leases if x.agent == alloc.agent]
                 agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
-                               "leased_mb": sum(x.vram_mb for x in used), "leases": len(used)})
+                               "leased_mb": sum(x.vram_mb for x in used), "leases": len({x.id for x in used})})
         queue = [{**e.to_json(), "rank": e.rank} for e in v.entries]
         hosts.append({
             "host": v.host, "alive": v.alive, "address": inv.address if inv else "",

@@ -18,7 +18,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
-from coordinator.records import EvictionRecord, SessionInfo
+from coordinator.records import EvictionRecord, Gang, SessionInfo
 from coordinator.replica.service import CoordinatorService
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
@@ -131,10 +131,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             preemptible = request.preemptible if request.HasField("preemptible") else True
             caller = current_caller()
             operator = caller is not None and caller.identity is not None and caller.identity.role == "operator"
-            lease = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
+            parts = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
                                            request.request_id, wait_s, forwarded=bool(forwarded_by(context)),
-                                           capped=not operator)
-            return pb.AcquireResponse(lease=lease_pb(lease), owner=owner[1] if owner is not None else "")
+                                           capped=not operator,
+                                           gang=Gang(max(request.gpu_count, 1), request.exclusive,
+                                                     request.topology or "any", tuple(request.gpus)))
+            return pb.AcquireResponse(lease=lease_pb(parts[0], parts=parts), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)
 

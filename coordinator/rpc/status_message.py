@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import Callable, Sequence
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import metrics
@@ -12,11 +12,18 @@ from coordinator.records import EvictionRecord, VramLease
 from coordinator.replica.status import StatusReport
 
 
-def lease_pb(lease: VramLease, ttl_remaining: int = 0) -> pb.Lease:
-    return pb.Lease(id=lease.id, host=lease.host, gpu_uuid=lease.gpu_uuid, gpu_index=lease.gpu_index,
-                    vram_mb=lease.vram_mb, priority=lease.priority, preemptible=lease.preemptible, token=lease.token,
-                    agent=lease.agent, session_id=lease.session_id, request_id=lease.request_id,
-                    created_at=lease.created_at, ttl_remaining=ttl_remaining, pids=list(lease.pids), pgid=lease.pgid)
+def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease] = ()) -> pb.Lease:
+    """The lease as a message: a gang (``parts``: every GPU's record) as one lease over its GPUs, whose
+    single-GPU fields name the first GPU."""
+    parts = sorted(parts or (lease,), key=lambda x: x.gpu_index)
+    first = parts[0]
+    return pb.Lease(id=first.id, host=first.host, gpu_uuid=first.gpu_uuid, gpu_index=first.gpu_index,
+                    vram_mb=first.vram_mb, priority=first.priority, preemptible=first.preemptible, token=first.token,
+                    agent=first.agent, session_id=first.session_id, request_id=first.request_id,
+                    created_at=first.created_at, ttl_remaining=ttl_remaining, pids=list(first.pids), pgid=first.pgid,
+                    gpus=[pb.LeaseGpu(index=x.gpu_index, uuid=x.gpu_uuid, token=x.token, vram_mb=x.vram_mb)
+                          for x in parts],
+                    exclusive=first.exclusive, topology=first.topology)
 
 
 def status_response(report: StatusReport,
@@ -52,8 +59,12 @@ def status_response(report: StatusReport,
             hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
                           leased_mb=a["leased_mb"], leases=a["leases"])
         view = views[h["host"]]
+        parts: dict[str, list[VramLease]] = {}
+        for g in view.gpus.values():
+            for x in g.leases:
+                parts.setdefault(x.id, []).append(x)
         for lease in view.leases.values():
-            msg = lease_pb(lease, report.ttls.get(lease.etcd_lease, -1))
+            msg = lease_pb(lease, report.ttls.get(lease.etcd_lease, -1), parts.get(lease.id, ()))
             notice = report.notices.get(lease.id)
             if notice is not None:
                 msg.eviction.CopyFrom(as_notice(notice))

@@ -17,6 +17,7 @@ from coordinator.keys import etcd_lease_from_session_id, valid_name
 from coordinator.limits import (
     MAX_ATTACHED_PIDS,
     MAX_CLIENT_VERSION_BYTES,
+    MAX_GANG_GPUS,
     MAX_GRACE_S,
     MAX_PID,
     MAX_PRIORITY,
@@ -31,7 +32,7 @@ from coordinator.limits import (
     quote,
 )
 from coordinator.policy.partition import PartitionError, PartitionSpec, parse_spec
-from coordinator.records import dumps
+from coordinator.records import TOPOLOGIES, dumps
 
 
 # -- requests -------------------------------------------------------------------------------------------
@@ -55,7 +56,10 @@ def session_ref(ref: pb.SessionRef) -> None:
 
 # A call on a session: its own fields here, then its session's (``session_ref``, by the servicer's lookup).
 def acquire(request: pb.AcquireRequest) -> None:
-    validate_acquire(request.vram_mb, request.gpu, request.priority, request.request_id, request.wait_seconds)
+    validate_gang(request.gpu_count, request.exclusive, request.topology, list(request.gpus), request.gpu,
+                  request.vram_mb)
+    validate_acquire(request.vram_mb if not request.exclusive else 1, request.gpu, request.priority,
+                     request.request_id, request.wait_seconds)
 
 
 def release(request: pb.ReleaseRequest) -> None:
@@ -144,6 +148,33 @@ def validate_acquire(vram_mb: int, gpu: str, priority: int, request_id: str, wai
         raise errors.InvalidArgument(f"wait_seconds: must be within [0, {MAX_WAIT_S:g}]", "wait_seconds")
     if gpu and not valid_name(gpu):
         raise errors.InvalidArgument(f"gpu: {quote(gpu)} is neither a GPU index nor a uuid", "gpu")
+
+
+def validate_gang(gpu_count: int, exclusive: bool, topology: str, gpus: list[str], gpu: str, vram_mb: int) -> None:
+    """The gang fields of an acquire (issue 21): what the request alone shows wrong. What needs the host (at
+    most its GPU count, its topology known, a set that could ever fit) is checked at admission."""
+    if not 0 <= gpu_count <= MAX_GANG_GPUS:
+        raise errors.InvalidArgument(f"gpu_count: must be within [1, {MAX_GANG_GPUS}] (0: 1), got {gpu_count}",
+                                     "gpu_count")
+    if topology not in ("", *TOPOLOGIES):
+        raise errors.InvalidArgument(f"topology: {quote(topology)} is not one of {', '.join(TOPOLOGIES)}",
+                                     "topology")
+    if exclusive and vram_mb != 0:
+        raise errors.InvalidArgument(
+            f"vram_mb: must be 0 with exclusive (the lease takes each GPU's whole usable VRAM), got {vram_mb}",
+            "vram_mb")
+    if not gpus:
+        return
+    if gpu:
+        raise errors.InvalidArgument("gpus: name the GPUs either in gpu (one) or in gpus, not both", "gpus")
+    if len(gpus) > MAX_GANG_GPUS:
+        raise errors.InvalidArgument(f"gpus: at most {MAX_GANG_GPUS}, got {len(gpus)}", "gpus")
+    bad = [g for g in gpus if not valid_name(g)]
+    if bad:
+        raise errors.InvalidArgument(f"gpus: {quote(bad[0])} is neither a GPU index nor a uuid", "gpus")
+    if len(set(gpus)) != len(gpus) or len(gpus) != max(gpu_count, 1):
+        raise errors.InvalidArgument(
+            f"gpus: must name gpu_count ({max(gpu_count, 1)}) distinct GPUs, got {len(gpus)}", "gpus")
 
 
 def validate_attach(lease_id: str, pids: list[int], pgid: int) -> None:

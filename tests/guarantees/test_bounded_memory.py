@@ -30,7 +30,7 @@ async def _churn(svc: CoordinatorService, hosts: list[str], count: int, acquire_
             session_id, _ = await svc.open_session(agent, host, 10, 0, "test")
             info = await svc.session(agent, session_id)
             if i % acquire_every == 0:
-                lease = await svc.acquire(info, 16, "", 0, True, "", 0.0)
+                lease = (await svc.acquire(info, 16, "", 0, True, "", 0.0))[0]
                 assert await svc.release(info, lease.id)
             if i % 2:
                 await svc.close_session(info)

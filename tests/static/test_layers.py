@@ -35,6 +35,7 @@ from tests.static.import_graph import REPO, cycles, graph
 BASE_LAYERS = {
     "limits": {"coordinator.limits"},
     "core": {"coordinator", "coordinator.keys", "coordinator.errors", "coordinator.clock", "coordinator.records",
+             "coordinator.record_fields", "coordinator.host_records",
              "coordinator.aio", "coordinator.txn"},
     "security": set(),      # coordinator.security and its modules
     "config": {"coordinator.config", "coordinator.metrics"},
@@ -103,6 +104,7 @@ def test_dependencies_only_point_down() -> None:
 
 @pytest.mark.parametrize("module", ["coordinator.policy.planner", "coordinator.policy.decide",
                                     "coordinator.policy.admission", "coordinator.policy.placement",
+                                    "coordinator.policy.victims", "coordinator.policy.gang",
                                     "coordinator.policy.partition"])
 def test_the_pure_policy_loads_neither_aetcd_nor_grpc(module: str) -> None:
     code = (f"import sys, {module}; "

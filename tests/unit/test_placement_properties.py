@@ -8,15 +8,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.policy.admission import best_fit, plan_eviction
+from coordinator.policy.gang import holders_from_views, slots_from_views
 from coordinator.policy.placement import (
     Chosen,
     Refused,
     Wait,
-    choose_gang_victims,
-    holders_from_views,
     place,
-    slots_from_views,
 )
+from coordinator.policy.victims import choose_gang_victims
 from tests.support.placement_cases import Case, any_case, cases
 
 PROPS = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

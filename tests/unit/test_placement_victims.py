@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator.policy.placement import VictimChoice, choose_gang_victims
+from coordinator.policy.victims import VictimChoice, choose_gang_victims
 from tests.support.placement_cases import QUADS, gang, holder, host
 
 # -- victims ---------------------------------------------------------------------------------------------

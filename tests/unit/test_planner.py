@@ -71,6 +71,10 @@ class Call:
     deadline: float
     rank: str | None = None
     gone: bool = False
+    gpu_count: int = 1
+    exclusive: bool = False
+    topology: str = "any"
+    gpus: tuple[str, ...] = ()
 
 
 def session(agent: str) -> SessionInfo:

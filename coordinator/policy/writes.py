@@ -1,0 +1,201 @@
+"""The write steps of an admission round (``planner.py`` decides): the round's state, and what each decision
+writes into the round's one transaction: grants (a gang: one record per GPU, each with its GPU's next
+fencing token, all in this transaction), queue entries, eviction notices, the bumped ledgers and the guards.
+Pure: it builds the plan (``plan.Plan``) and changes nothing it is given.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Generic
+
+from coordinator import errors
+from coordinator.policy.admission import GpuView
+from coordinator.policy.decide import Grant, Item
+from coordinator.policy.host import HostView
+from coordinator.policy.plan import C, Context, Plan, Wait
+from coordinator.records import (
+    EvictionRecord,
+    QueueEntry,
+    SessionInfo,
+    VramLease,
+    dumps,
+)
+from coordinator.txn import (
+    Absent,
+    Compare,
+    Delete,
+    Exists,
+    ModRevisionIs,
+    NothingWrittenSince,
+    Put,
+)
+
+
+class Round(Generic[C]):
+    """The state of one round as it decides, and its write steps."""
+
+    def __init__(self, view: HostView, ctx: Context) -> None:
+        # Copies of what a round changes as it decides (tokens, leases): the snapshot stays as it was given.
+        gpus = {}
+        for uuid_, g in view.gpus.items():
+            copy = dataclasses.replace(g, leases=list(g.leases))
+            copy.seq = g.seq
+            gpus[uuid_] = copy
+        self.view = dataclasses.replace(view, gpus=gpus, leases=dict(view.leases))
+        self.ctx = ctx
+        self.cfg = ctx.config
+        self.keys = ctx.keys
+        self.host = view.host
+        self.now = ctx.now
+        self.out: Plan[C] = Plan()
+        self.departing_held = self.view.departing_held
+        self.evicting = set(ctx.evicting)
+        self.items: list[Item[C]] = []
+        self.attached_calls: set[int] = set()   # ids of the calls that retry a request already waiting
+        self.blocked: set[str] = set()          # GPUs that a request ranked earlier is still waiting for
+        self.displaced: set[str] = set()        # ranks of entries this round displaces
+        self.queued = 0                         # entries in the queue after what is decided so far
+        self.per_agent: collections.Counter[str] = collections.Counter()
+
+    def parts(self, lease_id: str) -> tuple[VramLease, ...]:
+        """Every GPU's record of a lease (one, or a gang's), in index order, in the round's copy."""
+        return tuple(x for g in sorted(self.view.gpus.values(), key=lambda g: g.index) for x in g.leases
+                     if x.id == lease_id)
+
+    def _eviction(self, victim: VramLease, it: Item[C]) -> EvictionRecord:
+        wall, req = self.ctx.wall, it.req
+        what = (f"{req.gpu_count} {'whole GPUs' if req.exclusive else f'GPUs with {req.vram_mb} MiB each'}"
+                if req.is_gang else f"{req.vram_mb} MiB")
+        return EvictionRecord(
+            lease_id=victim.id, host=self.host, gpu_uuid=victim.gpu_uuid, agent=victim.agent,
+            session_id=victim.session_id, victim_priority=victim.priority,
+            requested_by=f"{req.agent}/{req.request_id}", requester_priority=req.priority,
+            reason=f"priority {req.priority} request for {what} needs the room",
+            deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall)
+
+    # -- write the ops ---------------------------------------------------------------------------------
+    def _write_grant(self, it: Item[C], g: Grant) -> None:
+        plan = self.out
+        if g.existing is not None:
+            lease = g.existing
+            parts = self.parts(lease.id)
+            if len(parts) > 1 or parts and parts[0].format > 1:
+                plan.gangs[lease.id] = parts
+                lease = parts[0]
+        else:
+            if it.call is not None and it.entry is None:
+                plan.sessions[it.call.session.session_id] = it.call.session
+            if g.gang:
+                # All or nothing: every GPU's record in this one transaction, each with its GPU's next token.
+                gang = tuple(x.uuid for x in g.gang) if len(g.gang) > 1 else ()
+                parts = tuple(self._grant(it, gpu, gang) for gpu in g.gang)
+                plan.new_leases += parts
+                plan.gangs[parts[0].id] = parts
+                lease = parts[0]
+            else:
+                assert g.gpu is not None
+                lease = self._grant(it, g.gpu)
+                plan.new_leases.append(lease)
+        plan.grants.append((it.call, lease))
+        if it.entry is not None:
+            self._leaves(it.entry, None, None)
+
+    def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = ()) -> VramLease:
+        """The lease on ``gpu`` (one GPU's record of a gang, with ``gang``), with the GPU's next fencing token
+        (in this round's copies). An exclusive lease holds the GPU's whole usable VRAM."""
+        gpu.seq += 1
+        if it.entry is not None:
+            session_id, etcd_lease = it.entry.session_id, it.entry.etcd_lease
+        else:
+            assert it.call is not None
+            session_id, etcd_lease = it.call.session.session_id, it.call.session.etcd_lease
+        req = it.req
+        lease = VramLease(
+            id=req.lease_id, host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=req.agent,
+            session_id=session_id, vram_mb=gpu.usable_mb if req.exclusive else req.vram_mb, priority=req.priority,
+            preemptible=req.preemptible, request_id=req.request_id, token=gpu.seq, created_at=self.ctx.wall,
+            gang=gang, exclusive=req.exclusive, topology=req.topology, etcd_lease=etcd_lease)
+        gpu.leases.append(lease)
+        self.view.leases[lease.id] = lease
+        return lease
+
+    def _write_wait(self, it: Item[C], victims: tuple[str, ...]) -> None:
+        """A new entry for a new waiter; for a queued one, its entry rewritten if its victims or its serving
+        replica changed."""
+        plan, ctx = self.out, self.ctx
+        if it.entry is None:
+            assert it.call is not None
+            plan.sessions[it.call.session.session_id] = it.call.session
+            entry = self._entry(it.call, it.rank, victims)
+            key = self.keys.queue_entry(self.host, it.rank)
+            plan.compares.append(Absent(key))
+            plan.ops.append(Put(key, dumps(entry.to_json()), it.call.session.etcd_lease))
+            plan.waits.append(Wait(it.call, it.rank, 0))
+            plan.new_entries += 1
+            self.queued += 1
+            self.per_agent[it.agent] += 1
+            return
+        updated = it.entry
+        if victims != it.entry.victims:
+            updated = dataclasses.replace(updated, victims=victims)
+        if it.call is not None and (it.entry.replica != ctx.replica_id):
+            # Served by this replica now (a retry through it): the entry says so, and keeps the later of the
+            # two deadlines.
+            updated = dataclasses.replace(
+                updated, replica=ctx.replica_id,
+                deadline_unix=max(updated.deadline_unix, ctx.wall + max(0.0, it.call.deadline - self.now)))
+        if updated is not it.entry:
+            key = self.keys.queue_entry(self.host, it.entry.rank)
+            plan.compares.append(ModRevisionIs(key, it.entry.mod_revision))
+            plan.ops.append(Put(key, dumps(updated.to_json()), updated.etcd_lease))
+        if it.call is not None:
+            plan.waits.append(Wait(it.call, it.entry.rank, 0 if updated is not it.entry else it.entry.mod_revision))
+
+    def _entry(self, c: C, rank: str, victims: tuple[str, ...]) -> QueueEntry:
+        return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
+                          etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu=c.gpu_ref or "",
+                          priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
+                          lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.now),
+                          replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.now),
+                          gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology, gpus=tuple(c.gpus))
+
+    def _leaves(self, entry: QueueEntry, call: C | None, err: errors.GpucoordError | None) -> None:
+        """The entry leaves the queue in this transaction (if nobody changed it since the snapshot); its
+        caller (if ours) is told after the commit."""
+        plan = self.out
+        key = self.keys.queue_entry(self.host, entry.rank)
+        plan.compares.append(ModRevisionIs(key, entry.mod_revision))
+        plan.ops.append(Delete(key))
+        self.queued -= 1
+        self.per_agent[entry.agent] -= 1
+        if err is not None:
+            plan.left.append(entry)
+            if call is not None:
+                plan.failures.append((call, err))
+
+    def _write_transaction(self) -> None:
+        """The new leases, the bumped ledgers, and the guards of the whole transaction."""
+        plan, view = self.out, self.view
+        for lease in plan.new_leases:
+            plan.ops.append(Put(self.keys.lease(self.host, lease.gpu_uuid, lease.id), dumps(lease.to_json()),
+                                lease.etcd_lease))
+        for uuid_ in sorted({lease.gpu_uuid for lease in plan.new_leases}):
+            gpu = view.gpus[uuid_]
+            plan.ops.append(Put(self.keys.gpu(self.host, uuid_), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq})))
+        if plan.ops:
+            # Admitting or queueing needs a live host; removing entries of a host that is gone does not.
+            adds = bool(plan.new_leases) or plan.new_entries > 0
+            plan.compares += self._guards(list(plan.sessions.values()), host_must_live=adds)
+
+    def _guards(self, sessions: list[SessionInfo], host_must_live: bool) -> list[Compare]:
+        """What must still hold at commit: nothing admitted or queued on the host since the snapshot, and
+        the sessions of the new grants and entries still live."""
+        keys, view, host = self.keys, self.view, self.host
+        out: list[Compare] = [Exists(keys.host(host))] if host_must_live else []
+        out.append(ModRevisionIs(keys.partition(host), view.partition_kv.mod_revision if view.partition_kv else 0))
+        out += [ModRevisionIs(keys.gpu(host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
+        # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
+        out.append(NothingWrittenSince(keys.queue(host), view.revision))
+        out += [Exists(keys.session(x.agent, x.session_id)) for x in sessions]
+        return out
