@@ -2,15 +2,12 @@
 the processes a lease covers, and finding a lease. Each is a compare-and-set on what it read."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from coordinator import clock, errors, metrics
-from coordinator.aio import spawn
 from coordinator.etcd.election import Election
-from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV
 from coordinator.keys import last_segment
 from coordinator.policy.departing import reported_pids, still_reported
@@ -26,68 +23,10 @@ from coordinator.records import (
     load_record,
 )
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.release_batch import ReleaseCommits
 from coordinator.txn import Absent, Compare, Delete, ModRevisionIs, Op, Put
 
 log = logging.getLogger(__name__)
-
-# Releases per group commit: each is two compares and two deletes, under etcd's default --max-txn-ops (128).
-RELEASES_PER_TXN = 48
-
-
-class ReleaseCommits:
-    """Group commit of releases: the releases that arrive while one transaction is in flight are committed
-    together in the next one, which compares every lease's mod_revision. When any compare fails (rare: a
-    lease changed since it was read), each release of that batch is committed alone, so that one lost
-    compare costs the others nothing but a second round trip."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._pending: list[tuple[Sequence[Compare], Sequence[Op], asyncio.Future[bool]]] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def commit(self, compares: Sequence[Compare], ops: Sequence[Op]) -> bool:
-        """Whether ``compares`` held and ``ops`` were committed (the same answer as a transaction of its own)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[bool] = loop.create_future()
-        # A caller that went away (its RPC cancelled) leaves the outcome to nobody: retrieved here, so that
-        # an error (OutcomeUnknown while etcd is out of reach) is not reported as never retrieved.
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._pending.append((compares, ops, future))
-        if self._task is None or self._task.done():
-            self._task = spawn(self._flush(), "batched releases")
-        return await asyncio.shield(future)
-
-    async def _flush(self) -> None:
-        while self._pending:
-            batch = self._pending[:RELEASES_PER_TXN]
-            del self._pending[:RELEASES_PER_TXN]
-            try:
-                # etcd refuses a transaction that writes a key twice (the same release retried while the
-                # first is pending): such a batch is committed one release at a time. (Compares may repeat a
-                # key: releases on one host all compare its usage report.)
-                keys = [_op_key(op) for _, ops, _ in batch for op in ops]
-                if len(batch) > 1 and len(set(keys)) == len(keys):
-                    res = await self.store.commit([c for cs, _, _ in batch for c in cs],
-                                                  [op for _, ops, _ in batch for op in ops])
-                    if res.succeeded:
-                        for _, _, future in batch:
-                            if not future.done():
-                                future.set_result(True)
-                        continue
-                outcomes = await asyncio.gather(*(self.store.commit(list(cs), ops) for cs, ops, _ in batch),
-                                                return_exceptions=True)
-                for (_, _, future), out in zip(batch, outcomes):
-                    if future.done():
-                        continue
-                    if isinstance(out, BaseException):
-                        future.set_exception(out)
-                    else:
-                        future.set_result(out.succeeded)
-            except Exception as e:   # noqa: BLE001 - every waiter gets the error, nothing hangs
-                for _, _, future in batch:
-                    if not future.done():
-                        future.set_exception(e)
-
 
 class Leases:
     def __init__(self, ctx: ReplicaContext) -> None:
@@ -389,11 +328,6 @@ def _notice(kv: KV | None) -> EvictionRecord | None:
         return EvictionRecord.from_kv(kv) if kv is not None else None
     except InvalidRecord:
         return None
-
-
-def _op_key(op: Op) -> bytes:
-    """The key a put or delete of a transaction writes."""
-    return op.key if isinstance(op, (Put, Delete)) else b""
 
 
 def _lease_named(kvs: Iterable[KV], lease_id: str) -> VramLease | None:

@@ -13,13 +13,9 @@ from hypothesis import strategies as st
 
 from coordinator.node.fake import parse_fake_gpus
 from coordinator.policy.admission import GpuView
-from coordinator.policy.placement import (
-    GangRequest,
-    GpuSlot,
-    Holder,
-    holders_from_views,
-    slots_from_views,
-)
+from coordinator.policy.gang import holders_from_views, slots_from_views
+from coordinator.policy.placement import GangRequest, GpuSlot
+from coordinator.policy.victims import Holder
 from coordinator.records import GpuInfo, GpuLedger, HostInventory, VramLease
 
 GIB = 1024
