@@ -41,7 +41,7 @@ the smallest key, compared left to right:
 5. the chosen indexes, ascending, compared as tuples: the lowest indexes.
 
 The key is total, so the choice is deterministic. Examples (each one is a test in
-``tests/unit/test_placement.py``), on ``8x80GiB:nvlink=0-3,4-7`` unless said otherwise:
+``tests/unit/test_placement_*.py``), on ``8x80GiB:nvlink=0-3,4-7`` unless said otherwise:
 
 * all idle, 2 × 40 GiB ``nvlink``: GPUs (0, 1); a pair inside a quad leaves the other quad whole.
 * GPU 4 holds a lease, 2 GPUs ``exclusive``: (5, 6) rather than (0, 1): it leaves the quad 0-3 whole.
