@@ -216,8 +216,9 @@ def lt() -> Iterator[LoopThread]:
     loop.close()
 
 
-# Tiers by folder: tests/unit is pure logic (``-m unit`` runs it without starting etcd), tests/static reads
-# the source, tests/faults kill and stop processes; everything else runs against a real etcd.
+# Tiers by folder: tests/unit is pure logic (``-m unit`` runs its examples without starting etcd, in seconds;
+# ``-m property`` its Hypothesis properties, hundreds of examples each), tests/static reads the source,
+# tests/faults kill and stop processes; everything else runs against a real etcd.
 _TIERS = {"unit": "unit", "static": "static", "faults": "fault"}
 
 
@@ -228,4 +229,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             tier = pathlib.Path(str(item.path)).resolve().relative_to(root).parts[0]
         except ValueError:
             continue
-        item.add_marker(getattr(pytest.mark, _TIERS.get(tier, "integration")))
+        marker = _TIERS.get(tier, "integration")
+        if marker == "unit" and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            marker = "property"   # a Hypothesis property: hundreds of examples, its own tier
+        item.add_marker(getattr(pytest.mark, marker))
