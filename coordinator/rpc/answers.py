@@ -88,6 +88,8 @@ async def send_answers(out: AnswerQueue, context: grpc.aio.ServicerContext, rpc_
     writer = asyncio.get_running_loop().create_task(_write_loop(out, context, rpc_name, convert))
     overflowed = asyncio.get_running_loop().create_task(out.overflowed.wait())
     try:
+        # Not ``aio.first_of``: that would cancel the writer at once, and on an overflow the writer must stay
+        # where it is until the status has gone out (it is cancelled in ``finally``, after ``_end``).
         await asyncio.wait({writer, overflowed}, return_when=asyncio.FIRST_COMPLETED)
         if writer.done():
             writer.result()   # its status (an abort) or the client going away, raised here
