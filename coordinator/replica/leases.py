@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.etcd.election import Election
@@ -125,9 +125,10 @@ class Leases:
             if at_bound and (lease.pids or lease.pgid):
                 usage_kv = await self.store.get(usage_key)
                 notice = _notice(await self.store.get(notice_key))
-                if usage_kv is not None and notice is not None and reported(usage_kv, lease):
+                listed = _listed(usage_kv, [lease, *(VramLease.from_kv(kv) for kv in others)])
+                if usage_kv is not None and notice is not None and listed:
                     compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision))
-                    for part in [lease, *(VramLease.from_kv(kv) for kv in others)]:   # a gang: every GPU
+                    for part in listed:   # a gang: every GPU whose report still lists its processes
                         record = self._departing(part, notice, bound_in_s=0.0)
                         ops.append(Put(self.keys.departing(part.host, part.gpu_uuid, part.id),
                                        dumps(record.to_json())))
@@ -230,19 +231,21 @@ class Leases:
             notice = _notice(notice_kv)
             if notice_kv is not None and notice is not None and (lease.pids or lease.pgid):
                 usage_kv = await self._read(self.keys.usage(lease.host), from_mirror)
-                if usage_kv is not None and reported(usage_kv, lease):
+                listed = _listed(usage_kv, [lease, *(VramLease.from_kv(kv) for kv in others)])
+                if usage_kv is not None and listed:
                     bound = (self.ctx.notice_deadline(notice_kv, notice) + self.config.eviction_kill_margin_s
                              - clock.monotonic())
                     res = await self.store.commit(
                         [*compares, ModRevisionIs(usage_kv.key, usage_kv.mod_revision)],
                         [*ops, *(Put(self.keys.departing(part.host, part.gpu_uuid, part.id),
                                      dumps(self._departing(part, notice, bound).to_json()))
-                                 for part in [lease, *(VramLease.from_kv(kv) for kv in others)])])
+                                 for part in listed)])
                     if res.succeeded:
                         metrics.RELEASES.inc()
                         log.info("lease %s released under its eviction notice while the node still reports its "
                                  "processes %s: its VRAM stays held until they are gone (at most %.1f s)", lease.id,
-                                 list(reported_pids(usage_report(usage_kv), lease.gpu_uuid, lease.id, lease.pids)),
+                                 sorted({pid for part in listed for pid in reported_pids(
+                                     usage_report(usage_kv), part.gpu_uuid, part.id, part.pids)}),
                                  max(0.0, bound))
                         return True
                     continue
@@ -320,6 +323,13 @@ def reported(usage_kv: KV, lease: VramLease) -> bool:
     counts as listing them (fail closed: the VRAM stays held until a report says otherwise, or the bound)."""
     doc = usage_report(usage_kv)
     return doc is None or still_reported(doc, lease.gpu_uuid, lease.id, lease.pids)
+
+
+def _listed(usage_kv: KV | None, parts: Sequence[VramLease]) -> list[VramLease]:
+    """The records of a lease (a gang: one per GPU) whose GPU the report may still list the lease's processes
+    on. Each GPU counts on its own: a gang's processes often run one per GPU (a tensor-parallel rank on each),
+    so a process listed on the gang's second GPU only holds that GPU."""
+    return [] if usage_kv is None else [p for p in parts if reported(usage_kv, p)]
 
 
 def _notice(kv: KV | None) -> EvictionRecord | None:
