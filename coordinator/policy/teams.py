@@ -1,0 +1,212 @@
+"""Teams (G11): the team record, membership, usage accounting, quota classification, the limit check and
+the choice of reclaim victims. Pure: plain functions over plain data, no I/O.
+
+A team is stored under ``teams/<team>`` (``coordinator.keys``) and managed by operators (``gpucoord team
+set|show|list|delete``). Its fields:
+
+- ``quota_mb``: VRAM guaranteed to the team over the whole fleet, in MiB (0: none). ``quota_by_model``
+  optionally narrows the guarantee per GPU model (``GpuInfo.name``): a lease on a GPU of a listed model is
+  in quota only while the team's use of that model also stays within it.
+- ``limit_mb``: the hard cap on the team's use over the fleet; ``None``: no cap. Never below the quota.
+- ``weight``: the team's share of what is idle beyond the quotas (> 0; default 1).
+- ``members``: agent names (``alice``) or name prefixes (``research-*``).
+- ``max_min_runtime_s``: the longest minimum runtime a lease of the team may declare before it can be
+  reclaimed (default 0: a borrowed lease can be reclaimed at once).
+
+**Membership.** An agent belongs to exactly one team: the team that names it exactly; else the team whose
+prefix pattern is the longest prefix of its name; else ``default``. No two teams may claim the same pattern
+(``team set`` refuses it, in a transaction that compares every team), so the rule is a function; a store
+written by hand that breaks this resolves a tie to the smallest team name. ``default`` has no members of its
+own; its record (quota, limit, weight) applies to every agent no other team names, and without a record it has
+no quota, no limit and weight 1.
+
+**Usage** is VRAM x GPUs: every lease is charged its ``vram_mb`` on each GPU it holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping
+
+from coordinator.keys import last_segment, valid_name
+from coordinator.limits import quote
+from coordinator.records import InvalidRecord, StoredKV, load_record
+
+DEFAULT_TEAM = "default"
+MAX_TEAM_MEMBERS = 256          # member patterns of one team
+MAX_TEAM_MODELS = 64            # per-model quotas of one team
+MAX_TEAM_MB = 1 << 50           # a quota or limit: 1 ZiB in MiB; anything above is a typo
+MAX_WEIGHT = 1_000_000.0
+MAX_MIN_RUNTIME_S = 7 * 86400.0
+MAX_MODEL_NAME_LEN = 128
+
+_FIELDS = ("quota_mb", "quota_by_model", "limit_mb", "weight", "members", "max_min_runtime_s")
+
+
+class TeamError(ValueError):
+    """A team that cannot be stored. ``field`` names the entry, ``message`` says why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}")
+
+
+def _amount(value: Any, field: str, hi: int = MAX_TEAM_MB) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TeamError(field, f"expected a whole number of MiB, got {type(value).__name__}")
+    if not 0 <= value <= hi:
+        raise TeamError(field, f"{str(value)[:24]} is outside [0, {hi}] MiB")
+    return value
+
+
+def _number(value: Any, field: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TeamError(field, f"expected a finite number, got {quote(value)}")
+    if value < lo or (lo_open and value == lo) or value > hi:
+        raise TeamError(field, f"{quote(value)} is outside {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+    return float(value)
+
+
+def check_pattern(pattern: Any, field: str = "members") -> str:
+    """An agent name, or a name prefix followed by one ``*`` (``research-*``)."""
+    if not isinstance(pattern, str):
+        raise TeamError(field, f"expected agent names or prefixes, got {type(pattern).__name__}")
+    stem = pattern[:-1] if pattern.endswith("*") else pattern
+    if not stem or not valid_name(stem):
+        raise TeamError(field, f"{quote(pattern)} is neither an agent name nor a prefix such as 'research-*' "
+                               "(letters, digits, '.', '_', ':', '@', '-'; one '*' at the end)")
+    return pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class Team:
+    """A team as stored under ``teams/<name>``, with its etcd metadata (0: not stored)."""
+
+    name: str
+    quota_mb: int = 0
+    limit_mb: int | None = None
+    weight: float = 1.0
+    members: tuple[str, ...] = ()
+    quota_by_model: tuple[tuple[str, int], ...] = ()   # (GPU model, MiB), sorted by model
+    max_min_runtime_s: float = 0.0
+    mod_revision: int = 0
+
+    def model_quota(self, model: str) -> int | None:
+        return dict(self.quota_by_model).get(model)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "quota_mb": self.quota_mb, "limit_mb": self.limit_mb, "weight": self.weight,
+                "members": list(self.members), "quota_by_model": dict(self.quota_by_model),
+                "max_min_runtime_s": self.max_min_runtime_s}
+
+    @classmethod
+    def from_json(cls, doc: Any, name: str, mod_revision: int = 0) -> Team:
+        """A team from its JSON document; ``TeamError`` naming the first bad field, checked in a fixed order
+        (name, quota_mb, quota_by_model, limit_mb, weight, members, max_min_runtime_s). Fields missing take
+        their defaults; a field this release does not know is refused (it might mean something)."""
+        if not isinstance(name, str) or not valid_name(name):
+            raise TeamError("name", f"{quote(name)} is not a valid team name (letters, digits, '.', '_', ':', "
+                                    "'@', '-'; at most 128)")
+        if not isinstance(doc, dict):
+            raise TeamError("team", f"expected an object, got {type(doc).__name__}")
+        unknown = sorted(set(doc) - set(_FIELDS) - {"name"})
+        if unknown:
+            raise TeamError(unknown[0][:32], "unknown field")
+        if "name" in doc and doc["name"] != name:
+            raise TeamError("name", f"the record names {quote(doc['name'])}, its key {quote(name)}")
+        quota = _amount(doc.get("quota_mb", 0), "quota_mb")
+        models = doc.get("quota_by_model", {})
+        if not isinstance(models, dict):
+            raise TeamError("quota_by_model", f"expected an object of GPU model: MiB, got {type(models).__name__}")
+        if len(models) > MAX_TEAM_MODELS:
+            raise TeamError("quota_by_model", f"at most {MAX_TEAM_MODELS} GPU models, got {len(models)}")
+        by_model = []
+        for model, mb in sorted(models.items()):
+            field = f"quota_by_model[{quote(model)}]"
+            if not isinstance(model, str) or not model.strip() or len(model) > MAX_MODEL_NAME_LEN \
+                    or not model.isprintable():
+                raise TeamError(field, f"a GPU model is a printable name of 1 to {MAX_MODEL_NAME_LEN} characters")
+            by_model.append((model, _amount(mb, field)))
+            if mb > quota:
+                raise TeamError(field, f"{mb} MiB is above the team's quota_mb ({quota}): a model's guarantee "
+                                       "is part of the team's")
+        limit = doc.get("limit_mb")
+        if limit is not None:
+            limit = _amount(limit, "limit_mb")
+            if limit < quota:
+                raise TeamError("limit_mb", f"{limit} MiB is below the team's quota_mb ({quota})")
+        weight = _number(doc.get("weight", 1.0), "weight", 0.0, MAX_WEIGHT, lo_open=True)
+        members = doc.get("members", [])
+        if not isinstance(members, (list, tuple)):
+            raise TeamError("members", f"expected a list of agent names or prefixes, got {type(members).__name__}")
+        if len(members) > MAX_TEAM_MEMBERS:
+            raise TeamError("members", f"at most {MAX_TEAM_MEMBERS} patterns, got {len(members)}")
+        patterns = [check_pattern(m) for m in members]
+        if len(set(patterns)) != len(patterns):
+            twice = next(p for p in patterns if patterns.count(p) > 1)
+            raise TeamError("members", f"{quote(twice)} is given twice")
+        if name == DEFAULT_TEAM and patterns:
+            raise TeamError("members", f"the {DEFAULT_TEAM!r} team holds every agent no other team names: it "
+                                       "takes no members")
+        min_runtime = _number(doc.get("max_min_runtime_s", 0.0), "max_min_runtime_s", 0.0, MAX_MIN_RUNTIME_S)
+        return cls(name=name, quota_mb=quota, limit_mb=limit, weight=weight, members=tuple(sorted(patterns)),
+                   quota_by_model=tuple(by_model), max_min_runtime_s=min_runtime, mod_revision=mod_revision)
+
+    @classmethod
+    def from_kv(cls, kv: StoredKV) -> Team:
+        """A stored team; InvalidRecord (naming the field) when it is malformed."""
+        try:
+            return cls.from_json(load_record(kv.value), last_segment(kv.key), kv.mod_revision)
+        except TeamError as e:
+            raise InvalidRecord(str(e)) from None
+
+    def changed(self, changes: Mapping[str, Any]) -> Team:
+        """This team with ``changes`` (fields of the JSON document) applied, validated as a whole: TeamError
+        naming the field. Fields not in ``changes`` keep their values."""
+        unknown = sorted(set(changes) - set(_FIELDS))
+        if unknown:
+            raise TeamError(unknown[0][:32], "unknown field")
+        return Team.from_json(self.to_json() | dict(changes), self.name, self.mod_revision)
+
+
+def default_team(name: str = DEFAULT_TEAM) -> Team:
+    """A team with no record: no quota, no limit, weight 1."""
+    return Team(name=name)
+
+
+def member_conflicts(team: Team, others: Iterable[Team]) -> list[str]:
+    """Why ``team`` cannot be stored beside ``others``: each pattern another team already claims."""
+    mine = set(team.members)
+    return [f"{quote(p)} already belongs to team {quote(o.name)}" for o in sorted(others, key=lambda t: t.name)
+            if o.name != team.name for p in sorted(mine & set(o.members))]
+
+
+class Membership:
+    """Which team an agent is in (the module's rule): exact name, else longest prefix, else ``default``."""
+
+    def __init__(self, teams: Iterable[Team]) -> None:
+        self.teams: dict[str, Team] = {t.name: t for t in teams}
+        self._exact: dict[str, str] = {}
+        self._prefixes: dict[str, str] = {}
+        for t in sorted(self.teams.values(), key=lambda t: t.name, reverse=True):   # the smallest name wins a tie
+            for p in t.members:
+                if p.endswith("*"):
+                    self._prefixes[p[:-1]] = t.name
+                else:
+                    self._exact[p] = t.name
+        self._lengths = sorted({len(p) for p in self._prefixes}, reverse=True)
+
+    def team_of(self, agent: str) -> str:
+        exact = self._exact.get(agent)
+        if exact is not None:
+            return exact
+        for n in self._lengths:
+            if n <= len(agent):
+                hit = self._prefixes.get(agent[:n])
+                if hit is not None:
+                    return hit
+        return DEFAULT_TEAM
+
+    def team(self, name: str) -> Team:
+        """The record of a team, or the defaults of one without a record."""
+        return self.teams.get(name) or default_team(name)
