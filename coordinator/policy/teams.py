@@ -210,3 +210,89 @@ class Membership:
     def team(self, name: str) -> Team:
         """The record of a team, or the defaults of one without a record."""
         return self.teams.get(name) or default_team(name)
+
+
+# -- usage and quota -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+    """One live lease as the teams see it: ``vram_mb`` on each of ``gpus`` (uuids), charged to ``team``."""
+
+    id: str
+    team: str
+    vram_mb: int
+    gpus: tuple[str, ...]
+    created_at: float
+    token: int = 0
+    model: str = ""              # the GPU model ("" unknown)
+    preemptible: bool = True
+    min_runtime_s: float = 0.0   # as the lease declared it (capped by its team's max_min_runtime_s)
+
+    @property
+    def charge_mb(self) -> int:
+        return self.vram_mb * len(self.gpus)
+
+    def age_order(self) -> tuple[float, int, str]:
+        """Oldest first: the order in which a team's leases fill its quota."""
+        return (self.created_at, self.token, self.id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """A team's usage: what ``status`` shows."""
+
+    used_mb: int = 0
+    borrowed_mb: int = 0          # used above the quota
+    leases: int = 0
+    over_quota_leases: int = 0
+    waiting_mb: int = 0
+    waiting: int = 0
+
+
+def used_by_team(charges: Iterable[Charge]) -> dict[str, int]:
+    used: dict[str, int] = {}
+    for c in charges:
+        used[c.team] = used.get(c.team, 0) + c.charge_mb
+    return used
+
+
+def in_quota(charges: Iterable[Charge], membership: Membership) -> dict[str, bool]:
+    """Lease id -> whether it is in quota. A team's leases fill its quota oldest first: a lease is in quota
+    while the team's usage, counting it and every older lease of the team, stays within ``quota_mb``, and,
+    on a GPU model the team has a quota for, its usage of that model too. Every other lease is over quota
+    (borrowed). The classification follows the live leases: when older ones end, newer ones move into quota."""
+    by_team: dict[str, list[Charge]] = {}
+    for c in charges:
+        by_team.setdefault(c.team, []).append(c)
+    out: dict[str, bool] = {}
+    for name, held in by_team.items():
+        team = membership.team(name)
+        fleet = 0
+        per_model: dict[str, int] = {}
+        for c in sorted(held, key=Charge.age_order):
+            fleet += c.charge_mb
+            per_model[c.model] = per_model.get(c.model, 0) + c.charge_mb
+            model_quota = team.model_quota(c.model)
+            out[c.id] = fleet <= team.quota_mb and (model_quota is None or per_model[c.model] <= model_quota)
+    return out
+
+
+def usage_by_team(charges: Iterable[Charge], membership: Membership,
+                  waiting: Iterable[tuple[str, int]] = ()) -> dict[str, Usage]:
+    """Every team's usage (``waiting``: (team, VRAM x GPUs) of each queue entry); every stored team and
+    ``default`` appear, used or not."""
+    charges = list(charges)
+    marks = in_quota(charges, membership)
+    acc: dict[str, dict[str, int]] = {n: {} for n in [*membership.teams, DEFAULT_TEAM]}
+    for c in charges:
+        a = acc.setdefault(c.team, {})
+        a["used_mb"] = a.get("used_mb", 0) + c.charge_mb
+        a["leases"] = a.get("leases", 0) + 1
+        if not marks[c.id]:
+            a["over_quota_leases"] = a.get("over_quota_leases", 0) + 1
+    for team, mb in waiting:
+        a = acc.setdefault(team, {})
+        a["waiting_mb"] = a.get("waiting_mb", 0) + mb
+        a["waiting"] = a.get("waiting", 0) + 1
+    return {n: Usage(borrowed_mb=max(0, a.get("used_mb", 0) - membership.team(n).quota_mb), **a)
+            for n, a in acc.items()}

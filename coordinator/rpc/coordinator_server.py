@@ -18,6 +18,8 @@ from coordinator import metrics
 from coordinator.config import CoordinatorConfig
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
+from coordinator.replica.teams import Teams
+from coordinator.rpc import teams as team_rpcs
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.rpc.guard import follow_revocations, make_guard
@@ -68,6 +70,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                    avoid_s=float(cfg.election_ttl_s))
         self.streams = SessionStreams(svc, {"acquire": self.Acquire, "release": self.Release,
                                             "keepalive": self._keepalive_call}, self._notice, self._session)
+        self.teams = Teams(svc.ctx)
 
     def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
@@ -183,6 +186,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def Ping(self, request: pb.PingRequest, context: Any) -> pb.PingResponse:
         return pb.PingResponse()
+
+    # -- teams (operator only: coordinator.security.authz) -------------------------------------------
+    @_rpc
+    async def SetTeam(self, request: pb.SetTeamRequest, context: Any) -> pb.SetTeamResponse:
+        return await team_rpcs.set_team(self.teams, request)
+
+    @_rpc
+    async def GetTeam(self, request: pb.GetTeamRequest, context: Any) -> pb.GetTeamResponse:
+        return await team_rpcs.get_team(self.teams, request)
+
+    @_rpc
+    async def ListTeams(self, request: pb.ListTeamsRequest, context: Any) -> pb.ListTeamsResponse:
+        return await team_rpcs.list_teams(self.teams)
+
+    @_rpc
+    async def DeleteTeam(self, request: pb.DeleteTeamRequest, context: Any) -> pb.DeleteTeamResponse:
+        return await team_rpcs.delete_team(self.teams, request)
 
 
 async def create_server(config: CoordinatorConfig) -> tuple[grpc.aio.Server, int, CoordinatorService]:

@@ -1,0 +1,146 @@
+"""Teams as operators manage them (``gpucoord team set|show|list|delete``): each write is one transaction that
+compares the team's own key and that no team changed since the read, so no two teams ever claim the same
+member pattern at any revision; and the teams' usage, read from etcd at one revision."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+from coordinator import errors
+from coordinator.etcd.ops import (
+    cmp_mod_revision,
+    cmp_range_unchanged,
+    op_delete,
+    op_put,
+    range_req,
+)
+from coordinator.etcd.store import KV
+from coordinator.keys import last_segment
+from coordinator.policy.host import HostView
+from coordinator.policy.teams import (
+    DEFAULT_TEAM,
+    Charge,
+    Membership,
+    Team,
+    TeamError,
+    Usage,
+    default_team,
+    member_conflicts,
+    usage_by_team,
+)
+from coordinator.records import (
+    HostInventory,
+    InvalidRecord,
+    QueueEntry,
+    VramLease,
+    dumps,
+    load_record,
+)
+from coordinator.replica.context import ReplicaContext
+
+log = logging.getLogger(__name__)
+
+
+def read_teams(kvs: Iterable[KV]) -> tuple[dict[str, Team], dict[str, KV]]:
+    """The stored teams, and the malformed ones (left out of membership: their agents are in ``default``)."""
+    teams: dict[str, Team] = {}
+    bad: dict[str, KV] = {}
+    for kv in kvs:
+        try:
+            team = Team.from_kv(kv)
+        except InvalidRecord as e:
+            log.warning("ignoring a malformed team %r: %s", kv.key[:200], e)
+            bad[last_segment(kv.key)] = kv
+            continue
+        teams[team.name] = team
+    return teams, bad
+
+
+def charge_of(lease: VramLease, membership: Membership, model: str = "") -> Charge:
+    return Charge(id=lease.id, team=membership.team_of(lease.agent), vram_mb=lease.vram_mb, gpus=(lease.gpu_uuid,),
+                  created_at=lease.created_at, token=lease.token, model=model, preemptible=lease.preemptible)
+
+
+def charges_from_views(views: Iterable[HostView], membership: Membership) -> tuple[list[Charge],
+                                                                                    list[tuple[str, int]]]:
+    """Every lease of the views as a charge (with its GPU's model), and every queue entry as (team, VRAM)."""
+    charges: list[Charge] = []
+    waiting: list[tuple[str, int]] = []
+    for view in views:
+        models = {g.uuid: g.name for g in view.inventory.gpus} if view.inventory is not None else {}
+        charges += [charge_of(x, membership, models.get(x.gpu_uuid, "")) for x in view.leases.values()]
+        waiting += [(membership.team_of(e.agent), e.vram_mb) for e in view.entries]
+    return charges, waiting
+
+
+class Teams:
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.store, self.keys, self.config = ctx.store, ctx.keys, ctx.config
+
+    async def set_team(self, name: str, changes: Mapping[str, Any]) -> tuple[Team, bool]:
+        """Create or change a team: ``changes`` (fields of its JSON document) over its stored values (or the
+        defaults). INVALID_ARGUMENT naming the field; FAILED_PRECONDITION naming ``members`` when another team
+        claims one of its patterns. Nothing is written unless the whole team is valid."""
+        for _ in range(self.config.commit_attempts * 4):
+            snap = await self.store.snapshot([range_req(self.keys.teams(), prefix=True)])
+            teams, bad = read_teams(snap.ranges[0])
+            current = teams.get(name)
+            try:
+                # A malformed record of this team is what a set repairs: it starts over from the defaults.
+                team = (current or default_team(name)).changed(changes)
+            except TeamError as e:
+                raise errors.InvalidArgument(str(e), e.field.split("[")[0]) from None
+            conflicts = member_conflicts(team, teams.values())
+            if conflicts:
+                raise errors.FailedPrecondition("members: " + "; ".join(conflicts[:4]), "members")
+            key = self.keys.team(name)
+            own = current.mod_revision if current is not None else (bad[name].mod_revision if name in bad else 0)
+            res = await self.store.commit([cmp_mod_revision(key, own),
+                                           cmp_range_unchanged(self.keys.teams(), snap.revision)],
+                                          [op_put(key, dumps(team.to_json()))])
+            if res.succeeded:
+                return Team.from_json(team.to_json(), name, res.revision), current is None and name not in bad
+        raise errors.Unavailable("team set: too much contention on teams/; retry")
+
+    async def delete_team(self, name: str) -> bool:
+        """Delete a team's record (its agents fall to the next matching team, else ``default``); False when
+        there was none. Leases are not touched."""
+        key = self.keys.team(name)
+        snap = await self.store.snapshot([range_req(key)])
+        if not snap.ranges[0]:
+            return False
+        res = await self.store.commit([cmp_mod_revision(key, snap.ranges[0][0].mod_revision)], [op_delete(key)])
+        return res.succeeded or await self.delete_team(name)
+
+    async def team_status(self, name: str = "") -> tuple[int, list[tuple[Team, Usage, bool]]]:
+        """Teams (one, or every stored team and ``default``) with their usage, all read at one revision:
+        (revision, [(team, usage, stored)]). A malformed team reads as absent (its agents are in ``default``)."""
+        kinds = ("teams", "leases", "queue", "hosts")
+        snap = await self.store.snapshot([range_req(self.keys.kind(k), prefix=True) for k in kinds])
+        team_kvs, lease_kvs, queue_kvs, host_kvs = snap.ranges
+        teams, _ = read_teams(team_kvs)
+        membership = Membership(teams.values())
+        models: dict[str, str] = {}
+        for kv in host_kvs:
+            try:
+                inventory = HostInventory.from_json(load_record(kv.value).get("inventory"))  # type: ignore[arg-type]
+            except (InvalidRecord, AttributeError):
+                continue
+            models.update((g.uuid, g.name) for g in inventory.gpus)
+        charges = []
+        for kv in lease_kvs:
+            try:
+                lease = VramLease.from_kv(kv)
+            except InvalidRecord:
+                continue
+            charges.append(charge_of(lease, membership, models.get(lease.gpu_uuid, "")))
+        waiting = []
+        for kv in queue_kvs:
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue
+            waiting.append((membership.team_of(entry.agent), entry.vram_mb))
+        usage = usage_by_team(charges, membership, waiting)
+        names = [name] if name else sorted(set(usage) | set(teams) | {DEFAULT_TEAM})
+        return snap.revision, [(membership.team(n), usage.get(n, Usage()), n in teams) for n in names]
