@@ -296,3 +296,107 @@ def usage_by_team(charges: Iterable[Charge], membership: Membership,
         a["waiting"] = a.get("waiting", 0) + 1
     return {n: Usage(borrowed_mb=max(0, a.get("used_mb", 0) - membership.team(n).quota_mb), **a)
             for n, a in acc.items()}
+
+
+# -- the limit and reclaim ------------------------------------------------------------------------------------
+
+def limit_refusal(team: Team, used_mb: int, charge_mb: int) -> str | None:
+    """Why a request charging ``charge_mb`` to ``team`` (now using ``used_mb``) is refused, None when its
+    limit allows it. The message names ``team`` and the limit (RESOURCE_EXHAUSTED, or the request waits)."""
+    if team.limit_mb is None or used_mb + charge_mb <= team.limit_mb:
+        return None
+    return (f"team: team {quote(team.name)} uses {used_mb} MiB; {charge_mb} MiB more would pass its limit of "
+            f"{team.limit_mb} MiB")
+
+
+def stays_in_quota(team: Team, charges: Iterable[Charge], charge_mb: int, model: str = "") -> bool:
+    """Whether a request of ``team`` charging ``charge_mb`` (on GPUs of ``model``) would be in quota: the
+    team's usage, counting it, within its quota (and its quota of that model, when it has one)."""
+    held = [c for c in charges if c.team == team.name]
+    if sum(c.charge_mb for c in held) + charge_mb > team.quota_mb:
+        return False
+    model_quota = team.model_quota(model)
+    return model_quota is None or sum(c.charge_mb for c in held if c.model == model) + charge_mb <= model_quota
+
+
+def over_share(team: Team, used_mb: int) -> float:
+    """How far a team is over its weighted share: the VRAM it borrows (used above its quota) per unit of
+    weight. Reclaim takes from the team with the largest first."""
+    return max(0, used_mb - team.quota_mb) / team.weight
+
+
+def protected(charge: Charge, team: Team, now: float) -> bool:
+    """A lease younger than its minimum runtime (as declared, capped by its team's ``max_min_runtime_s``) is
+    not reclaimed yet, so that a borrowed GPU is not thrashed."""
+    return now - charge.created_at < min(charge.min_runtime_s, team.max_min_runtime_s)
+
+
+def reclaimable(requester: str, charges: Iterable[Charge], membership: Membership, now: float) -> list[Charge]:
+    """The leases a request of team ``requester`` may reclaim: other teams' over-quota, preemptible leases
+    past their minimum runtime. In-quota leases never are."""
+    charges = list(charges)
+    marks = in_quota(charges, membership)
+    return [c for c in charges if c.team != requester and not marks[c.id] and c.preemptible
+            and not protected(c, membership.team(c.team), now)]
+
+
+def reclaim_order(requester: str, candidates: Iterable[Charge], charges: Iterable[Charge],
+                  membership: Membership) -> list[Charge]:
+    """``candidates`` (from ``reclaimable``) in the order reclaim takes them: each time from the team
+    furthest over its weighted share as it stands once the leases before are gone (ties: the team's name),
+    and of that team its newest lease."""
+    used = used_by_team(charges)
+    left: dict[str, list[Charge]] = {}
+    for c in candidates:
+        if c.team != requester:
+            left.setdefault(c.team, []).append(c)
+    for held in left.values():
+        held.sort(key=Charge.age_order)   # the newest last: popped first
+    order: list[Charge] = []
+    while left:
+        name = min(left, key=lambda n: (-over_share(membership.team(n), used.get(n, 0)), n))
+        c = left[name].pop()
+        if not left[name]:
+            del left[name]
+        used[name] = used.get(name, 0) - c.charge_mb
+        order.append(c)
+    return order
+
+
+def _short(shortfall: Mapping[str, int], victims: Iterable[Charge]) -> bool:
+    freed: dict[str, int] = {}
+    for v in victims:
+        for g in v.gpus:
+            freed[g] = freed.get(g, 0) + v.vram_mb
+    return any(freed.get(g, 0) < need for g, need in shortfall.items())
+
+
+def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int], charges: Iterable[Charge],
+                   membership: Membership, now: float, model: str = "") -> list[Charge] | None:
+    """The leases to reclaim for a request of team ``requester`` charging ``charge_mb`` that lacks
+    ``shortfall[gpu]`` MiB on each GPU it is placed on: [] when nothing is short; None when the team would not
+    stay within its quota with the request (it may not reclaim), or when even every reclaimable lease would not
+    make it fit.
+
+    Victims are taken in ``reclaim_order`` (weighted share, then newest first), skipping leases on no GPU
+    still short, until the request fits; then every victim that can be spared is dropped, in that same order:
+    the set is minimal (no victim can be spared), the order rule winning over the smallest count."""
+    if not _short(shortfall, ()):
+        return []
+    charges = list(charges)
+    if not stays_in_quota(membership.team(requester), charges, charge_mb, model):
+        return None
+    useful = [c for c in reclaimable(requester, charges, membership, now) if set(c.gpus) & set(shortfall)]
+    victims: list[Charge] = []
+    for c in reclaim_order(requester, useful, charges, membership):
+        if not _short(shortfall, victims):
+            break
+        if _short({g: n for g, n in shortfall.items() if g in c.gpus}, victims):
+            victims.append(c)
+    if _short(shortfall, victims):
+        return None
+    for v in list(victims):
+        rest = [x for x in victims if x is not v]
+        if not _short(shortfall, rest):
+            victims = rest
+    return victims
