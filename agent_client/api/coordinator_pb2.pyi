@@ -339,14 +339,16 @@ class HostStatus(_message.Message):
     def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ..., invalid: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("hosts", "revision", "leader")
+    __slots__ = ("hosts", "revision", "leader", "teams")
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    TEAMS_FIELD_NUMBER: _ClassVar[int]
     hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
     revision: int
     leader: str
-    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+    teams: _containers.RepeatedCompositeFieldContainer[TeamStatus]
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ..., teams: _Optional[_Iterable[_Union[TeamStatus, _Mapping]]] = ...) -> None: ...
 
 class ApplyPartitionRequest(_message.Message):
     __slots__ = ("spec_json", "dry_run", "evict")

@@ -112,6 +112,18 @@ class Teams:
         res = await self.store.commit([cmp_mod_revision(key, snap.ranges[0][0].mod_revision)], [op_delete(key)])
         return res.succeeded or await self.delete_team(name)
 
+    async def status_rows(self, views: Iterable[HostView]) -> list[tuple[Team, Usage, bool]]:
+        """The teams table of ``gpucoord status``: every stored team and ``default`` with their usage in
+        ``views`` (every host, from one snapshot); [] when no team is stored."""
+        teams, _ = read_teams((await self.store.get_prefix(self.keys.teams())).ranges[0])
+        if not teams:
+            return []
+        membership = Membership(teams.values())
+        charges, waiting = charges_from_views(views, membership)
+        usage = usage_by_team(charges, membership, waiting)
+        return [(membership.team(n), usage.get(n, Usage()), n in teams)
+                for n in sorted(set(usage) | set(teams) | {DEFAULT_TEAM})]
+
     async def team_status(self, name: str = "") -> tuple[int, list[tuple[Team, Usage, bool]]]:
         """Teams (one, or every stored team and ``default``) with their usage, all read at one revision:
         (revision, [(team, usage, stored)]). A malformed team reads as absent (its agents are in ``default``)."""

@@ -152,7 +152,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
         validate.status_host(request.host)
-        out = status_response(await self.svc.status(request.host), self._notice)
+        report = await self.svc.status(request.host)
+        out = status_response(report, self._notice)
+        if not request.host:   # team usage is over the fleet: only with every host
+            out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
         caller = current_caller()
         if caller is not None and caller.identity is not None and caller.identity.role == "agent":
             redact_for_agent(out, caller.identity.name)

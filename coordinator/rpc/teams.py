@@ -2,11 +2,12 @@
 as messages. The servicer (``coordinator_server``) calls these around ``coordinator.replica.teams.Teams``."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors
 from coordinator.limits import quote
+from coordinator.policy.host import HostView
 from coordinator.policy.teams import DEFAULT_TEAM, Team, Usage
 from coordinator.replica.teams import Teams
 from coordinator.rpc.validate import check_name
@@ -65,6 +66,11 @@ async def get_team(teams: Teams, request: pb.GetTeamRequest) -> pb.GetTeamRespon
 async def list_teams(teams: Teams) -> pb.ListTeamsResponse:
     revision, rows = await teams.team_status()
     return pb.ListTeamsResponse(teams=[team_status_pb(*row) for row in rows], revision=revision)
+
+
+async def status_teams(teams: Teams, views: Iterable[HostView]) -> list[pb.TeamStatus]:
+    """GetStatus's teams: every stored team and ``default`` with their usage in ``views``."""
+    return [team_status_pb(*row) for row in await teams.status_rows(views)]
 
 
 async def delete_team(teams: Teams, request: pb.DeleteTeamRequest) -> pb.DeleteTeamResponse:

@@ -14,7 +14,14 @@ from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.cli.main import main as cli
 from coordinator.policy.teams import Team
-from tests.harness import Cluster, coordinator_stub, expect_refused
+from tests.harness import (
+    Background,
+    Cluster,
+    coordinator_stub,
+    expect_refused,
+    queue,
+    wait_for,
+)
 from tests.history import read_history
 
 pytestmark = pytest.mark.integration
@@ -82,6 +89,35 @@ def test_a_team_over_its_quota_shows_what_it_borrows(cluster: Cluster, capsys: p
         row = coordinator_stub(addr).GetTeam(pb.GetTeamRequest(name="a"), timeout=10).team
         assert (row.usage.used_mb, row.usage.borrowed_mb, row.usage.leases, row.usage.over_quota_leases) == \
             (12288, 6144, 3, 2)
+
+
+def test_status_shows_each_teams_quota_limit_use_borrowing_and_waiting(cluster: Cluster,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator()
+    rc, out, _ = _cli(capsys, "status", "--coordinator", addr)
+    assert rc == 0 and "teams:" not in out          # no team configured: status as before
+    assert _cli(capsys, "team", "set", "a", "--quota", "6GiB", "--limit", "14GiB", "--members", "a-*",
+                "--coordinator", addr)[0] == 0
+    with Client(addr, agent="a-1", host="h1") as a, Client(addr, agent="bob", host="h1") as b:
+        held = [a.acquire(4096) for _ in range(3)]
+        waiter = Background(b.acquire, 8192, wait=30)
+        wait_for(lambda: queue(cluster), 10, "bob's request to wait")
+        rc, out, _ = _cli(capsys, "status", "--json", "--coordinator", addr)
+        rows = {r["team"]["name"]: r for r in json.loads(out)["teams"]}
+        assert rows["a"]["usage"] == {"used_mb": 12288, "borrowed_mb": 6144, "waiting_mb": 0, "leases": 3,
+                                      "over_quota_leases": 2, "waiting": 0}
+        assert rows["default"]["usage"]["waiting_mb"] == 8192 and rows["default"]["usage"]["waiting"] == 1
+        rc, out, _ = _cli(capsys, "status", "--coordinator", addr)
+        table = out.split("teams:\n")[1].splitlines()
+        assert table[1].split() == ["a", "6GiB", "14GiB", "12GiB", "(3)", "6GiB", "(2)", "0MiB", "(0)", "1", "a-*"]
+        assert table[2].split()[:2] == ["default", "(no"] and table[2].split()[9:11] == ["8GiB", "(1)"]
+        # A host's status alone has no team table: a team's use is over the fleet.
+        rc, out, _ = _cli(capsys, "status", "--json", "--host", "h1", "--coordinator", addr)
+        assert json.loads(out)["teams"] == []
+        for lease in held:
+            lease.release()
+        waiter.result().release()
 
 
 BAD = [
