@@ -12,6 +12,7 @@ import pytest
 
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
+from coordinator import metrics
 from coordinator.cli.main import main as cli
 from coordinator.policy.teams import Team
 from tests.harness import (
@@ -112,6 +113,11 @@ def test_status_shows_each_teams_quota_limit_use_borrowing_and_waiting(cluster: 
         table = out.split("teams:\n")[1].splitlines()
         assert table[1].split() == ["a", "6GiB", "14GiB", "12GiB", "(3)", "6GiB", "(2)", "0MiB", "(0)", "1", "a-*"]
         assert table[2].split()[:2] == ["default", "(no"] and table[2].split()[9:11] == ["8GiB", "(1)"]
+        sample = metrics.REGISTRY.get_sample_value
+        assert [sample("gpucoord_team_vram_mb", {"team": "a", "kind": k}) for k in
+                ("quota", "limit", "used", "borrowed", "waiting")] == [6144, 14336, 12288, 6144, 0]
+        assert sample("gpucoord_team_vram_mb", {"team": "default", "kind": "waiting"}) == 8192
+        assert sample("gpucoord_team_vram_mb", {"team": "default", "kind": "limit"}) is None
         # A host's status alone has no team table: a team's use is over the fleet.
         rc, out, _ = _cli(capsys, "status", "--json", "--host", "h1", "--coordinator", addr)
         assert json.loads(out)["teams"] == []
