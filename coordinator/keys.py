@@ -41,6 +41,10 @@ key                                    value                                    
                                        null: none), weight, members (agent names or prefixes                                                                teams ever claim the same member pattern
                                        ``name-*``), max_min_runtime_s; agents no team names are
                                        in ``default``
+``teamledgers/<team>``                 a team's admission ledger: seq (bumped by every grant       nothing (durable)     every admission that grants a      the grant compares its mod_revision (0 to create),  never (like a GPU's ledger)
+                                       charged to a team that has a limit); its mod_revision is                          lease to a team with a limit       and that no team changed since the usage it counted:
+                                       the compare-and-set point that keeps the team's use exact                                                            no two grants count the same room under a limit
+                                       across hosts and replicas
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
@@ -193,6 +197,10 @@ class Keys:
 
     def teams(self) -> bytes:
         return self._dir("teams")
+
+    def team_ledger(self, team: str) -> bytes:
+        """``teamledgers/<team>``: the compare-and-set point of grants charged to a team with a limit."""
+        return self._k("teamledgers", team)
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

@@ -60,6 +60,7 @@ from coordinator.policy.decide import (
 )
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan, Wait
+from coordinator.policy.teams import limit_refusal
 from coordinator.records import (
     EvictionRecord,
     QueueEntry,
@@ -119,6 +120,7 @@ class _Planner(Generic[C]):
         self.displaced: set[str] = set()        # ranks of entries this round displaces
         self.queued = 0                         # entries in the queue after what is decided so far
         self.per_agent: collections.Counter[str] = collections.Counter()
+        self.team_charged: collections.Counter[str] = collections.Counter()   # by this round's grants (G11)
 
     def plan(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> Plan[C]:
         plan = self.out
@@ -135,6 +137,15 @@ class _Planner(Generic[C]):
                 plan.more = True
                 break
             decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent])
+            if isinstance(decision, Grant) and decision.existing is None and self.ctx.teams is not None:
+                over = self._team_limit(it)
+                if over is not None:
+                    # G11: not granted. A new call is refused naming the team; a queued request keeps its place
+                    # (without holding its GPUs back from others) until its team has room or its wait ends.
+                    if it.entry is None:
+                        assert it.call is not None
+                        plan.refusals.append((it.call, errors.CapacityError(over, "team")))
+                    continue
             if isinstance(decision, Grant):
                 self._write_grant(it, decision)
             elif isinstance(decision, Refuse):
@@ -214,6 +225,9 @@ class _Planner(Generic[C]):
         used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
         # Guards: host, partition, queue, every ledger, and one per caller's session (+1 for this one).
         guards = 3 + len(view.gpus) + len(plan.sessions) + 1
+        if self.ctx.teams is not None:   # teams/ unchanged, and a ledger (compare and put) per charged team
+            guards += 1 + len(self.team_charged) + 1
+            used_ops += len(self.team_charged) + 1
         return (used_ops + ops <= TXN_OPS_BUDGET
                 and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 
@@ -290,6 +304,20 @@ class _Planner(Generic[C]):
             reason=f"priority {req.priority} request for {req.vram_mb} MiB needs the room",
             deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall)
 
+    # -- teams (G11) -----------------------------------------------------------------------------------
+    def _team_limit(self, it: Item[C]) -> str | None:
+        """Why granting ``it`` would take its team above its limit, or None: the team's use over the fleet
+        (the teams' copy, and this host's leases that copy has not counted: newer ones, this round's grants)."""
+        state = self.ctx.teams
+        assert state is not None
+        team = state.membership.team_of(it.req.agent)
+        if not state.limited(team):
+            return None
+        used = state.used.get(team, 0) + sum(
+            x.vram_mb for x in self.view.leases.values()
+            if x.id not in state.counted and state.membership.team_of(x.agent) == team)
+        return limit_refusal(state.membership.team(team), used, it.req.vram_mb)
+
     # -- write the ops ---------------------------------------------------------------------------------
     def _write_grant(self, it: Item[C], g: Grant) -> None:
         plan = self.out
@@ -301,6 +329,8 @@ class _Planner(Generic[C]):
                 plan.sessions[it.call.session.session_id] = it.call.session
             lease = self._grant(it, g.gpu)
             plan.new_leases.append(lease)
+            if self.ctx.teams is not None:
+                self.team_charged[self.ctx.teams.membership.team_of(lease.agent)] += lease.vram_mb
         plan.grants.append((it.call, lease))
         if it.entry is not None:
             self._leaves(it.entry, None, None)
@@ -384,6 +414,15 @@ class _Planner(Generic[C]):
         for uuid_ in sorted({lease.gpu_uuid for lease in plan.new_leases}):
             gpu = view.gpus[uuid_]
             plan.ops.append(Put(self.keys.gpu(self.host, uuid_), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq})))
+        state = self.ctx.teams
+        if state is not None and plan.new_leases:
+            # G11: the teams this round counted are still the teams, and every limited team it charges takes
+            # its ledger's next number (grants for one limited team are serialized across hosts and replicas).
+            plan.compares.append(NothingWrittenSince(self.keys.teams(), state.revision))
+            for team in sorted(t for t in self.team_charged if state.limited(t)):
+                revision, seq = state.ledger(team)
+                plan.compares.append(ModRevisionIs(self.keys.team_ledger(team), revision))
+                plan.ops.append(Put(self.keys.team_ledger(team), dumps({"seq": seq + 1})))
         if plan.ops:
             # Admitting or queueing needs a live host; removing entries of a host that is gone does not.
             adds = bool(plan.new_leases) or plan.new_entries > 0

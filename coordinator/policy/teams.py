@@ -400,3 +400,29 @@ def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int],
         if not _short(shortfall, rest):
             victims = rest
     return victims
+
+
+# -- admission -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TeamState:
+    """What admission needs of the teams, from one consistent copy of etcd at ``revision`` (the replica's
+    mirror, or a snapshot): membership, every team's use over the fleet (``used``, counting the leases
+    ``counted``) and the ledgers (mod_revision, seq) of ``teamledgers/`` by team.
+
+    A grant charged to a team with a limit compares that team's ledger and bumps it, and every grant compares
+    that no team changed since ``revision``: grants for one limited team are thus serialized across hosts and
+    replicas, and each counted every lease of the team that a grant created before it. Leases that end only
+    lower the use, so no grant takes a team above its limit."""
+
+    membership: Membership
+    used: Mapping[str, int]
+    counted: frozenset[str]
+    ledgers: Mapping[str, tuple[int, int]]
+    revision: int
+
+    def limited(self, team: str) -> bool:
+        return self.membership.team(team).limit_mb is not None
+
+    def ledger(self, team: str) -> tuple[int, int]:
+        return self.ledgers.get(team, (0, 0))

@@ -53,6 +53,7 @@ from coordinator.records import (
 )
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
+from coordinator.replica.teams import team_state
 from coordinator.replica.view import HOST_RANGES, host_ranges, host_view, invalid_host
 
 log = logging.getLogger(__name__)
@@ -422,8 +423,9 @@ class HostAdmitter:
                     self._fail(c, err)
                 batch = [c for c in batch if not c.future.done()]
             live = {s.session_id for s, r in zip(sessions, snap.ranges[HOST_RANGES:]) if r}
+            teams = await team_state(rep, snap.revision, min(0.5, max(0.0, deadline - asyncio.get_running_loop().time())))
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          clock.wall(), self._overdue())
+                          clock.wall(), self._overdue(), teams)
             plan = plan_round(view, batch, self._waiting, live, ctx)
             if use_mirror:
                 use_mirror = False

@@ -4,6 +4,7 @@ member pattern at any revision; and the teams' usage, read from etcd at one revi
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Iterable, Mapping
 
 from coordinator import errors
@@ -23,6 +24,7 @@ from coordinator.policy.teams import (
     Membership,
     Team,
     TeamError,
+    TeamState,
     Usage,
     default_team,
     member_conflicts,
@@ -37,6 +39,7 @@ from coordinator.records import (
     load_record,
 )
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.mirror import Mirror
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +159,82 @@ class Teams:
         usage = usage_by_team(charges, membership, waiting)
         names = [name] if name else sorted(set(usage) | set(teams) | {DEFAULT_TEAM})
         return snap.revision, [(membership.team(n), usage.get(n, Usage()), n in teams) for n in names]
+
+
+# -- admission (G11): the teams' state a round is decided against ------------------------------------------------
+
+# Per mirror: lease key -> (mod_revision, lease id, agent, vram_mb), so that a round parses only the leases that
+# changed since the last one.
+_parsed: weakref.WeakKeyDictionary[Mirror, dict[bytes, tuple[int, str, str, int]]] = weakref.WeakKeyDictionary()
+
+
+def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: Iterable[tuple[str, str, int]],
+                     revision: int) -> TeamState | None:
+    """The teams' state from one copy at ``revision``: ``leases`` as (id, agent, vram_mb); None when no team is
+    stored (nothing is charged)."""
+    teams, _ = read_teams(team_kvs)
+    if not teams:
+        return None
+    membership = Membership(teams.values())
+    used: dict[str, int] = {}
+    counted = set()
+    for lease_id, agent, vram_mb in leases:
+        team = membership.team_of(agent)
+        used[team] = used.get(team, 0) + vram_mb
+        counted.add(lease_id)
+    ledgers = {}
+    for kv in ledger_kvs:
+        try:
+            seq = load_record(kv.value).get("seq", 0)
+        except InvalidRecord:
+            seq = 0
+        ledgers[last_segment(kv.key)] = (kv.mod_revision, seq if isinstance(seq, int) and seq >= 0 else 0)
+    return TeamState(membership, used, frozenset(counted), ledgers, revision)
+
+
+def mirror_team_state(mirror: Mirror) -> TeamState | None:
+    """The teams' state as the mirror shows it (at ``mirror.revision``)."""
+    team_kvs = mirror.items("teams")
+    if not team_kvs:
+        return None
+    cache = _parsed.setdefault(mirror, {})
+    leases, seen = [], set()
+    for kv in mirror.all_host_items("leases"):
+        hit = cache.get(kv.key)
+        if hit is None or hit[0] != kv.mod_revision:
+            try:
+                lease = VramLease.from_kv(kv)
+            except InvalidRecord:
+                continue   # its host is INVALID: nothing is granted there
+            hit = cache[kv.key] = (kv.mod_revision, lease.id, lease.agent, lease.vram_mb)
+        seen.add(kv.key)
+        leases.append(hit[1:])
+    if len(cache) > len(seen):
+        for key in set(cache) - seen:
+            del cache[key]
+    return build_team_state(team_kvs, mirror.items("teamledgers"), leases, mirror.revision)
+
+
+async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamState | None:
+    """The teams' state at ``revision`` or later: from the mirror once it has caught up (within ``wait_s``),
+    else read from etcd (every team, ledger and lease of the fleet). None, at once, while the mirror shows no
+    team: a fleet without teams pays nothing (a team being created takes effect for the grants decided after
+    the replica has seen it)."""
+    if ctx.mirror.ready:
+        if not ctx.mirror.items("teams"):
+            return None
+        if await ctx.mirror.caught_up(revision, wait_s):
+            return mirror_team_state(ctx.mirror)
+    keys = ctx.keys
+    snap = await ctx.store.snapshot([range_req(keys.teams(), prefix=True)])
+    if not snap.ranges[0]:
+        return None
+    snap = await ctx.store.snapshot([range_req(keys.kind(k), prefix=True) for k in ("teams", "teamledgers", "leases")])
+    leases = []
+    for kv in snap.ranges[2]:
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord:
+            continue
+        leases.append((lease.id, lease.agent, lease.vram_mb))
+    return build_team_state(snap.ranges[0], snap.ranges[1], leases, snap.revision)

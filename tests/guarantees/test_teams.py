@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from agent_client import Client
+from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import metrics
 from coordinator.cli.main import main as cli
@@ -199,3 +199,70 @@ def test_replicas_racing_to_claim_one_pattern_never_share_it_at_any_revision(clu
         claimed = [p for t in live.values() for p in t.members]
         assert len(claimed) == len(set(claimed)), f"revision {ev.kv.mod_revision}: {claimed}"
     assert len(live) == 1
+
+
+# -- admission charges the team (G11) ---------------------------------------------------------------------------
+
+def test_a_team_at_its_limit_is_refused_naming_team_and_limit(cluster: Cluster) -> None:
+    cluster.start_node("h1", "2x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator()
+    coordinator_stub(addr).SetTeam(pb.SetTeamRequest(name="a", quota_mb=4096, limit_mb=8192,
+                                                     members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
+    with Client(addr, agent="a-1", host="h1") as a, Client(addr, agent="bob", host="h1") as b:
+        first = a.acquire(4096)
+        a.acquire(4096, gpu=1)
+        before = cluster.state()
+        with pytest.raises(errors.ResourceExhausted) as info:
+            a.acquire(1024)
+        assert "team: team 'a' uses 8192 MiB; 1024 MiB more would pass its limit of 8192 MiB" in str(info.value)
+        assert cluster.state() == before
+        b.acquire(8192)                        # another team (default, no limit) is not held back
+        first.release()
+        a.acquire(4096)                        # room under the limit again
+    ledger = cluster.get_prefix(cluster.keys.team_ledger("a"))
+    assert json.loads(ledger[0].value) == {"seq": 3}   # every grant charged to the limited team bumped it
+
+
+def test_replicas_racing_on_four_hosts_never_take_a_team_above_its_limit(cluster: Cluster) -> None:
+    """Twelve agents of one team (limit 3 x 4 GiB) acquire at once through two replicas on four hosts, in four
+    rounds: each round three are granted and the rest refused naming the team, and at no revision of etcd's
+    history does the team hold more than its limit."""
+    hosts = ("h1", "h2", "h3", "h4")
+    for host in hosts:
+        cluster.start_node(host, "2x16GiB", heartbeat_s=3600)
+    addrs = [cluster.start_coordinator() for _ in range(2)]
+    coordinator_stub(addrs[0]).SetTeam(pb.SetTeamRequest(name="a", limit_mb=3 * 4096,
+                                                         members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
+    clients = [Client(addrs[i % 2], agent=f"a-{i}", host=hosts[i % 4]) for i in range(12)]
+
+    def acquire(c: Client, start: threading.Barrier, outcomes: list[Any]) -> None:
+        start.wait()
+        try:
+            outcomes.append(c.acquire(4096))
+        except errors.ResourceExhausted as e:
+            assert "team 'a'" in str(e) and "limit of 12288 MiB" in str(e), str(e)
+            outcomes.append("refused")
+
+    try:
+        for _ in range(4):
+            start, outcomes = threading.Barrier(len(clients)), []
+            threads = [threading.Thread(target=acquire, args=(c, start, outcomes)) for c in clients]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            granted = [x for x in outcomes if x != "refused"]
+            assert len(granted) == 3 and len(outcomes) == len(clients), outcomes
+            for lease in granted:
+                lease.release()
+        events = cluster.lt.run(read_history(cluster.store, cluster.keys.leases()))
+        live: dict[bytes, int] = {}
+        for ev in events:
+            if ev.kind == "DELETE":
+                live.pop(ev.kv.key, None)
+            else:
+                live[ev.kv.key] = json.loads(ev.kv.value)["vram_mb"]
+            assert sum(live.values()) <= 3 * 4096, f"revision {ev.kv.mod_revision}: team a holds {live}"
+    finally:
+        for c in clients:
+            c.close()
