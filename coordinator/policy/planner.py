@@ -140,11 +140,13 @@ class _Planner(Generic[C]):
             if isinstance(decision, Grant) and decision.existing is None and self.ctx.teams is not None:
                 over = self._team_limit(it)
                 if over is not None:
-                    # G11: not granted. A new call is refused naming the team; a queued request keeps its place
-                    # (without holding its GPUs back from others) until its team has room or its wait ends.
+                    # G11: not granted, and refused naming the team: a new call at once, a queued request by
+                    # leaving the queue (waiting on there, it would hold its GPUs back from everyone behind it).
                     if it.entry is None:
                         assert it.call is not None
                         plan.refusals.append((it.call, errors.CapacityError(over, "team")))
+                    else:
+                        self._leaves(it.entry, it.call, errors.CapacityError(over, "team"))
                     continue
             if isinstance(decision, Grant):
                 self._write_grant(it, decision)
