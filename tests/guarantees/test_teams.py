@@ -266,3 +266,25 @@ def test_replicas_racing_on_four_hosts_never_take_a_team_above_its_limit(cluster
     finally:
         for c in clients:
             c.close()
+
+
+def test_changing_a_team_while_its_leases_run_revokes_nothing_and_holds_for_new_grants(cluster: Cluster) -> None:
+    """Lowering a team's limit (and quota) below what it holds touches none of its leases; new grants follow
+    the new values."""
+    cluster.start_node("h1", "2x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator()
+    stub = coordinator_stub(addr)
+    stub.SetTeam(pb.SetTeamRequest(name="a", quota_mb=8192, limit_mb=16384,
+                                   members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
+    with Client(addr, agent="a-1", host="h1") as a:
+        held = [a.acquire(4096) for _ in range(3)]
+        leases_before = cluster.state()
+        stub.SetTeam(pb.SetTeamRequest(name="a", quota_mb=2048, limit_mb=4096), timeout=10)
+        assert {k for k, _ in cluster.state() if b"/leases/" in k} == {k for k, _ in leases_before if b"/leases/" in k}
+        row = stub.GetTeam(pb.GetTeamRequest(name="a"), timeout=10).team
+        assert (row.usage.used_mb, row.usage.borrowed_mb, row.usage.over_quota_leases) == (12288, 10240, 3)
+        with pytest.raises(errors.ResourceExhausted, match="limit of 4096 MiB"):
+            a.acquire(1024)
+        stub.SetTeam(pb.SetTeamRequest(name="a", limit_mb=-1), timeout=10)
+        held.append(a.acquire(1024))           # no limit any more
+        assert len(cluster.leases()) == 4
