@@ -38,6 +38,15 @@ key                                    value                                    
 ``revoked/<serial>``                   a revoked certificate: serial (lowercase hex), role, name,  nothing (durable)     operator (``certs revoke``, its    created with version == 0 (revoking twice keeps     never by gpucoord (an operator may delete it
                                        not_after, revoked_at, revoked_by, reason; the key alone                          etcd user may write only here)     the first record)                                   once the certificate has expired)
                                        revokes, whatever the value
+``teams/<team>``                       a team: quota_mb (guaranteed VRAM over the fleet),          nothing (durable)     coordinator (``team set`` /        set compares its mod_revision (0 to create)         operator (``team delete``)
+                                       quota_by_model ({GPU model: MiB}), limit_mb (hard cap,                            ``team delete``, operator only)    and that no team changed since its read, so no two
+                                       null: none), weight, members (agent names or prefixes                                                                teams ever claim the same member pattern
+                                       ``name-*``), max_min_runtime_s; agents no team names are
+                                       in ``default``
+``teamledgers/<team>``                 a team's admission ledger: seq (bumped by every grant       nothing (durable)     every admission that grants a      the grant compares its mod_revision (0 to create),  never (like a GPU's ledger)
+                                       charged to a team that has a limit); its mod_revision is                          lease to a team with a limit       and that no team changed since the usage it counted:
+                                       the compare-and-set point that keeps the team's use exact                                                            no two grants count the same room under a limit
+                                       across hosts and replicas
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
@@ -183,6 +192,17 @@ class Keys:
 
     def revocations(self) -> bytes:
         return self._dir("revoked")
+
+    def team(self, team: str) -> bytes:
+        """``teams/<team>``: a team's quota, limit, weight and members (operator-managed)."""
+        return self._k("teams", team)
+
+    def teams(self) -> bytes:
+        return self._dir("teams")
+
+    def team_ledger(self, team: str) -> bytes:
+        """``teamledgers/<team>``: the compare-and-set point of grants charged to a team with a limit."""
+        return self._k("teamledgers", team)
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

@@ -46,6 +46,8 @@ SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this r
 QUEUE_DEPTH = Gauge("gpucoord_queue_depth", "Waiting requests served by this replica", ["host"], registry=REGISTRY)
 LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (last status read)", ["host"], registry=REGISTRY)
 VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU (last status read)", ["host", "gpu", "kind"], registry=REGISTRY)
+TEAM_VRAM = Gauge("gpucoord_team_vram_mb", "VRAM per team over the fleet (last status read of every host)",
+                  ["team", "kind"], registry=REGISTRY)
 INVALID_RECORDS = Counter("gpucoord_invalid_records_total", "Malformed values read from etcd, by key kind (each "
                           "value once): their host is INVALID and gets no admission", ["kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=REGISTRY)

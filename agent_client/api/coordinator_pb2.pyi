@@ -365,14 +365,16 @@ class HostStatus(_message.Message):
     def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ..., invalid: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("hosts", "revision", "leader")
+    __slots__ = ("hosts", "revision", "leader", "teams")
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    TEAMS_FIELD_NUMBER: _ClassVar[int]
     hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
     revision: int
     leader: str
-    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+    teams: _containers.RepeatedCompositeFieldContainer[TeamStatus]
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ..., teams: _Optional[_Iterable[_Union[TeamStatus, _Mapping]]] = ...) -> None: ...
 
 class ApplyPartitionRequest(_message.Message):
     __slots__ = ("spec_json", "dry_run", "evict")
@@ -477,3 +479,137 @@ class SessionResponse(_message.Message):
     keepalive: KeepAliveResponse
     details: bytes
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., details: _Optional[bytes] = ...) -> None: ...
+
+class Team(_message.Message):
+    __slots__ = ("name", "quota_mb", "has_limit", "limit_mb", "weight", "members", "quota_by_model_mb", "max_min_runtime_seconds")
+    class QuotaByModelMbEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_MB_FIELD_NUMBER: _ClassVar[int]
+    HAS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_MB_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BY_MODEL_MB_FIELD_NUMBER: _ClassVar[int]
+    MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    quota_mb: int
+    has_limit: bool
+    limit_mb: int
+    weight: float
+    members: _containers.RepeatedScalarFieldContainer[str]
+    quota_by_model_mb: _containers.ScalarMap[str, int]
+    max_min_runtime_seconds: float
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ...) -> None: ...
+
+class TeamUsage(_message.Message):
+    __slots__ = ("used_mb", "borrowed_mb", "waiting_mb", "leases", "over_quota_leases", "waiting")
+    USED_MB_FIELD_NUMBER: _ClassVar[int]
+    BORROWED_MB_FIELD_NUMBER: _ClassVar[int]
+    WAITING_MB_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    OVER_QUOTA_LEASES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    used_mb: int
+    borrowed_mb: int
+    waiting_mb: int
+    leases: int
+    over_quota_leases: int
+    waiting: int
+    def __init__(self, used_mb: _Optional[int] = ..., borrowed_mb: _Optional[int] = ..., waiting_mb: _Optional[int] = ..., leases: _Optional[int] = ..., over_quota_leases: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class TeamStatus(_message.Message):
+    __slots__ = ("team", "usage", "stored")
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    team: Team
+    usage: TeamUsage
+    stored: bool
+    def __init__(self, team: _Optional[_Union[Team, _Mapping]] = ..., usage: _Optional[_Union[TeamUsage, _Mapping]] = ..., stored: _Optional[bool] = ...) -> None: ...
+
+class TeamMembers(_message.Message):
+    __slots__ = ("patterns",)
+    PATTERNS_FIELD_NUMBER: _ClassVar[int]
+    patterns: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, patterns: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TeamModelQuotas(_message.Message):
+    __slots__ = ("mb",)
+    class MbEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MB_FIELD_NUMBER: _ClassVar[int]
+    mb: _containers.ScalarMap[str, int]
+    def __init__(self, mb: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class SetTeamRequest(_message.Message):
+    __slots__ = ("name", "quota_mb", "limit_mb", "weight", "members", "quota_by_model", "max_min_runtime_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_MB_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_MB_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BY_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    quota_mb: int
+    limit_mb: int
+    weight: float
+    members: TeamMembers
+    quota_by_model: TeamModelQuotas
+    max_min_runtime_seconds: float
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Union[TeamMembers, _Mapping]] = ..., quota_by_model: _Optional[_Union[TeamModelQuotas, _Mapping]] = ..., max_min_runtime_seconds: _Optional[float] = ...) -> None: ...
+
+class SetTeamResponse(_message.Message):
+    __slots__ = ("team", "created")
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    team: Team
+    created: bool
+    def __init__(self, team: _Optional[_Union[Team, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class GetTeamRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetTeamResponse(_message.Message):
+    __slots__ = ("team",)
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    team: TeamStatus
+    def __init__(self, team: _Optional[_Union[TeamStatus, _Mapping]] = ...) -> None: ...
+
+class ListTeamsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTeamsResponse(_message.Message):
+    __slots__ = ("teams", "revision")
+    TEAMS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    teams: _containers.RepeatedCompositeFieldContainer[TeamStatus]
+    revision: int
+    def __init__(self, teams: _Optional[_Iterable[_Union[TeamStatus, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class DeleteTeamRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteTeamResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...

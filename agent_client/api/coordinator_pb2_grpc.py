@@ -99,6 +99,26 @@ class CoordinatorStub:
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.SessionRequest.SerializeToString,
                 response_deserializer=agent__client_dot_api_dot_coordinator__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.SetTeam = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/SetTeam',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.SetTeamRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.SetTeamResponse.FromString,
+                _registered_method=True)
+        self.GetTeam = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/GetTeam',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.GetTeamRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.GetTeamResponse.FromString,
+                _registered_method=True)
+        self.ListTeams = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/ListTeams',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.ListTeamsRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.ListTeamsResponse.FromString,
+                _registered_method=True)
+        self.DeleteTeam = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/DeleteTeam',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -200,6 +220,36 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTeam(self, request, context):
+        """-- Teams (operator only; README "Teams"): the teams that share the fleet, stored under teams/<team>.
+        Creates or changes a team in one transaction; fields not given keep their values (a new team's: their
+        defaults). Refused with FAILED_PRECONDITION naming `members` when another team claims one of its patterns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTeam(self, request, context):
+        """One team with its usage; a team without a record (such as `default`) answers its defaults, stored=false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTeams(self, request, context):
+        """Every stored team, and `default`, with their usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTeam(self, request, context):
+        """Deletes a team's record: its agents fall to the next matching team, else `default`. No lease is touched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +317,26 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=agent__client_dot_api_dot_coordinator__pb2.SessionRequest.FromString,
                     response_serializer=agent__client_dot_api_dot_coordinator__pb2.SessionResponse.SerializeToString,
+            ),
+            'SetTeam': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTeam,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.SetTeamRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.SetTeamResponse.SerializeToString,
+            ),
+            'GetTeam': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTeam,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.GetTeamRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.GetTeamResponse.SerializeToString,
+            ),
+            'ListTeams': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTeams,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.ListTeamsRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.ListTeamsResponse.SerializeToString,
+            ),
+            'DeleteTeam': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTeam,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -620,6 +690,114 @@ class Coordinator:
             '/gpucoord.v1.Coordinator/Session',
             agent__client_dot_api_dot_coordinator__pb2.SessionRequest.SerializeToString,
             agent__client_dot_api_dot_coordinator__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTeam(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/SetTeam',
+            agent__client_dot_api_dot_coordinator__pb2.SetTeamRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.SetTeamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTeam(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/GetTeam',
+            agent__client_dot_api_dot_coordinator__pb2.GetTeamRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.GetTeamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTeams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/ListTeams',
+            agent__client_dot_api_dot_coordinator__pb2.ListTeamsRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.ListTeamsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTeam(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/DeleteTeam',
+            agent__client_dot_api_dot_coordinator__pb2.DeleteTeamRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.DeleteTeamResponse.FromString,
             options,
             channel_credentials,
             insecure,

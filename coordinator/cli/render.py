@@ -111,6 +111,9 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                          f" gpu={q.get('gpu') or 'any'}")
     if not doc.get("hosts"):
         lines.append("no hosts registered")
+    if doc.get("teams"):
+        from coordinator.cli.teams import render_teams
+        lines += ["teams:"] + ["  " + line for line in render_teams(doc["teams"]).splitlines()]
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from typing import Collection, Generic, Protocol, TypeVar
 from coordinator import errors
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import Keys
+from coordinator.policy.team_admission import TeamState
 from coordinator.records import EvictionRecord, QueueEntry, SessionInfo, VramLease
 from coordinator.txn import Compare, Op
 
@@ -103,3 +104,6 @@ class Context:
     now: float                  # the monotonic clock of the callers' deadlines
     wall: float                 # seconds since the epoch, for what is stored
     overdue: Collection[str] = frozenset()   # lease ids under a notice whose deadline has passed
+    # The teams (G11), when any team is stored: grants are charged to them, and a grant that would take a team
+    # above its limit is not made. None: no team is configured, nothing is charged.
+    teams: TeamState | None = None

@@ -70,6 +70,12 @@ from coordinator.policy.decide import (
 from coordinator.policy.gang import holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan
+from coordinator.policy.team_admission import (
+    charged_teams,
+    grant_charge_mb,
+    team_limit,
+    team_writes,
+)
 from coordinator.policy.victims import choose_gang_victims
 from coordinator.policy.writes import Round
 from coordinator.records import VramLease, dumps
@@ -111,6 +117,15 @@ class _Planner(Round[C]):
                 plan.more = True
                 break
             decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent])
+            over = self._over_team_limit(it, decision)
+            if over is not None:
+                # G11: not granted, and refused naming the team: a new call at once, a queued request by
+                # leaving the queue (waiting on there, it would hold its GPUs back from everyone behind it).
+                if it.call is not None and it.entry is None:
+                    plan.refusals.append((it.call, errors.CapacityError(over, "team")))
+                elif it.entry is not None:
+                    self._leaves(it.entry, it.call, errors.CapacityError(over, "team"))
+                continue
             if isinstance(decision, Grant):
                 self._write_grant(it, decision)
             elif isinstance(decision, Refuse):
@@ -133,7 +148,19 @@ class _Planner(Round[C]):
                 self.blocked |= {g.uuid for g in decision.candidates}
                 self._write_wait(it, victims)
         self._write_transaction()
+        if self.ctx.teams is not None:
+            compares, ops = team_writes(self.ctx.teams, self.keys, plan.new_leases)
+            plan.compares += compares
+            plan.ops += ops
         return plan
+
+    def _over_team_limit(self, it: Item[C], decision: object) -> str | None:
+        """Why a new grant would take its team above its limit (G11; charged VRAM x GPUs), or None."""
+        state = self.ctx.teams
+        if state is None or not isinstance(decision, Grant) or decision.existing is not None:
+            return None
+        gpus = decision.gang or ((decision.gpu,) if decision.gpu is not None else ())
+        return team_limit(state, self.view, it.req.agent, grant_charge_mb(gpus, it.req.vram_mb, it.req.exclusive))
 
     # -- order the calls -------------------------------------------------------------------------------
     def _order(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> list[Item[C]]:
@@ -194,6 +221,10 @@ class _Planner(Round[C]):
         used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
         # Guards: host, partition, queue, every ledger, and one per caller's session (+1 for this one).
         guards = 3 + len(view.gpus) + len(plan.sessions) + 1
+        if self.ctx.teams is not None:   # teams/ unchanged, and a ledger (compare and put) per charged team
+            charged = len(charged_teams(self.ctx.teams, plan.new_leases)) + 1
+            guards += 1 + charged
+            used_ops += charged
         return (used_ops + ops <= TXN_OPS_BUDGET
                 and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 

@@ -21,6 +21,7 @@ from coordinator.records import VramLease
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
+from coordinator.replica.teams import team_state
 from coordinator.replica.view import host_view, invalid_host, read_host
 from coordinator.txn import Delete, ModRevisionIs
 
@@ -98,8 +99,9 @@ class AdmissionRound:
                     self._fail(c, err)
                 batch = [c for c in batch if not c.future.done()]
             live = {s.session_id for s, kv in zip(sessions, snap.extra) if kv is not None}
+            teams = await team_state(rep, snap.revision, min(0.5, max(0.0, deadline - asyncio.get_running_loop().time())))
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          clock.wall(), self._overdue())
+                          clock.wall(), self._overdue(), teams)
             plan = plan_round(view, batch, self._waiting, live, ctx)
             if use_mirror:
                 use_mirror = False

@@ -20,6 +20,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
 from coordinator.records import EvictionRecord, Gang, SessionInfo
 from coordinator.replica.service import CoordinatorService
+from coordinator.replica.teams import Teams
+from coordinator.rpc import teams as team_rpcs
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.rpc.guard import follow_revocations, make_guard
@@ -73,6 +75,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                    avoid_s=float(cfg.election_ttl_s))
         self.streams = SessionStreams(svc, {"acquire": self.Acquire, "release": self.Release,
                                             "keepalive": self._keepalive_call}, self._notice, self._session)
+        self.teams = Teams(svc.ctx)
 
     def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
@@ -157,7 +160,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: ServicerContext) -> pb.GetStatusResponse:
         validate.status_host(request.host)
-        out = status_response(await self.svc.status(request.host), self._notice)
+        report = await self.svc.status(request.host)
+        out = status_response(report, self._notice)
+        if not request.host:   # team usage is over the fleet: only with every host
+            out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
         caller = current_caller()
         if caller is not None and caller.identity is not None and caller.identity.role == "agent":
             redact_for_agent(out, caller.identity.name)
@@ -192,6 +198,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def Ping(self, request: pb.PingRequest, context: ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()
+
+    # -- teams (operator only: coordinator.security.authz) -------------------------------------------
+    @_rpc
+    async def SetTeam(self, request: pb.SetTeamRequest, context: ServicerContext) -> pb.SetTeamResponse:
+        return await team_rpcs.set_team(self.teams, request)
+
+    @_rpc
+    async def GetTeam(self, request: pb.GetTeamRequest, context: ServicerContext) -> pb.GetTeamResponse:
+        return await team_rpcs.get_team(self.teams, request)
+
+    @_rpc
+    async def ListTeams(self, request: pb.ListTeamsRequest, context: ServicerContext) -> pb.ListTeamsResponse:
+        return await team_rpcs.list_teams(self.teams)
+
+    @_rpc
+    async def DeleteTeam(self, request: pb.DeleteTeamRequest, context: ServicerContext) -> pb.DeleteTeamResponse:
+        return await team_rpcs.delete_team(self.teams, request)
 
 
 async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory | None = None,

@@ -13,7 +13,9 @@ Coordinator.KeepAlive, Acquire,    on its own sessions            yes         no
 Coordinator.GetStatus,             one host it has a live         yes         no     no
   GetPartition                     session on (``host``)
 Coordinator.ApplyPartition,        no                             yes         no     no
-  EvictLease, RevokeLease
+  EvictLease, RevokeLease,
+  SetTeam, GetTeam, ListTeams,
+  DeleteTeam
 Coordinator.Ping                   yes                            yes         no     no
 Coordinator.Session (the stream)   yes; each message as its call  yes         no     no
 Node.GetInventory, CheckToken      yes                            yes         no     yes
@@ -54,7 +56,8 @@ REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1
 
 SESSION_RPCS = frozenset({"KeepAlive", "Acquire", "Release", "CloseSession", "AttachProcesses"})
 HOST_READ_RPCS = frozenset({"GetStatus", "GetPartition"})
-OPERATOR_RPCS = frozenset({"ApplyPartition", "EvictLease", "RevokeLease"})
+OPERATOR_RPCS = frozenset({"ApplyPartition", "EvictLease", "RevokeLease",
+                           "SetTeam", "GetTeam", "ListTeams", "DeleteTeam"})   # teams: README "Teams"
 
 # The hosts on which an agent has a live session (read from etcd by the coordinator).
 AgentHosts = Callable[[str], Awaitable[set[str]]]
@@ -109,6 +112,8 @@ def target_of(method: str, request: Message | None) -> str:
         except (ValueError, AttributeError, RecursionError):
             host = "?"
         return f"partition of host {quote(str(host))}"
+    if name in ("SetTeam", "GetTeam", "DeleteTeam"):
+        return f"team {quote(request.name)}"
     if name == "CheckToken":
         return f"token {request.token} on GPU {quote(request.gpu_uuid)}"
     return ""

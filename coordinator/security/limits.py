@@ -35,7 +35,8 @@ MAX_HELD_ALL = 1024    # all identities together fewer than this,
 MAX_HELD_BYTES = 64 * 1024   # and the request is smaller than this (held requests: at most 64 MiB)
 # Tokens a call takes: the calls that cost the server a whole read of a host (or an etcd lease and a write)
 # take more, so that a flood of them is held to fewer per second than one of cheap calls.
-COSTS = {"GetStatus": 10, "OpenSession": 10, "ApplyPartition": 10, "GetPartition": 2}
+COSTS = {"GetStatus": 10, "OpenSession": 10, "ApplyPartition": 10, "GetPartition": 2,
+         "ListTeams": 10, "GetTeam": 10, "SetTeam": 2}   # the team reads take every lease of the fleet
 
 
 @dataclasses.dataclass

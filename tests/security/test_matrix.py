@@ -155,6 +155,16 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     if rpc == "RevokeLease":
         lease = w.acquire()
         return lambda: s.coord.RevokeLease(pb.RevokeLeaseRequest(lease_id=lease.id), timeout=10)
+    if rpc == "SetTeam":
+        return lambda: s.coord.SetTeam(pb.SetTeamRequest(name=f"t-{uuid.uuid4().hex[:8]}", quota_mb=64), timeout=10)
+    if rpc == "GetTeam":
+        return lambda: s.coord.GetTeam(pb.GetTeamRequest(name="default"), timeout=10)
+    if rpc == "ListTeams":
+        return lambda: s.coord.ListTeams(pb.ListTeamsRequest(), timeout=10)
+    if rpc == "DeleteTeam":
+        name = f"t-{uuid.uuid4().hex[:8]}"
+        w.stubs("operator").coord.SetTeam(pb.SetTeamRequest(name=name), timeout=10)
+        return lambda: s.coord.DeleteTeam(pb.DeleteTeamRequest(name=name), timeout=10)
     if rpc == "Ping":
         return lambda: s.coord.Ping(pb.PingRequest(), timeout=10)
     if rpc == "Health":
@@ -172,9 +182,10 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
 RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "Session(Acquire)",
         "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
-        "Node.CheckToken", "Node.Health")
+        "Node.CheckToken", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam")
+TEAM_RPCS = {"SetTeam", "GetTeam", "ListTeams", "DeleteTeam"}
 ALLOWED = {
-    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease"},
+    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease"} - TEAM_RPCS,
     "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health"},
     "operator": set(RPCS),
     "node": {"Health", "Node.Health"},
@@ -195,6 +206,14 @@ def _check_success(rpc: str, resp: Any) -> None:
         assert resp.changed
     elif rpc == "GetStatus(host)":
         assert [h.host for h in resp.hosts] == [HOST]
+    elif rpc == "SetTeam":
+        assert resp.created and resp.team.quota_mb == 64
+    elif rpc == "DeleteTeam":
+        assert resp.deleted
+    elif rpc == "GetTeam":
+        assert resp.team.team.name == "default"
+    elif rpc == "ListTeams":
+        assert "default" in [t.team.name for t in resp.teams]
     elif rpc == "Node.CheckToken":
         assert resp.live
     elif rpc in ("Health", "Node.Health"):

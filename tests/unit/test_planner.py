@@ -275,3 +275,36 @@ def test_a_crowded_round_stays_within_etcds_limits(s: dict[str, Any], n: int) ->
     decided = {id(c) for c, _ in plan.grants if c is not None} | {id(c) for c, _ in plan.refusals} | {
         id(w.call) for w in plan.waits} | {id(c) for c in plan.deferred}
     assert all(id(c) in decided for c in batch), "a caller was neither answered nor deferred"
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 40000), st.integers(0, 20000))
+def test_a_round_takes_no_team_above_its_limit(s: dict[str, Any], limit: int, elsewhere: int) -> None:
+    """G11: agents a and b form team t with a limit, and t also holds ``elsewhere`` MiB on other hosts. The
+    round grants t no more than its limit leaves (nothing when it is at or above it), keeps every other
+    guarantee, and compares and bumps t's ledger and the teams' revision when it charges t."""
+    from coordinator.policy.team_admission import TeamState
+    from coordinator.policy.teams import Membership, Team
+    from coordinator.txn import ModRevisionIs, NothingWrittenSince
+
+    view: HostView = s["view"]
+    membership = Membership([Team("t", limit_mb=limit, members=("a", "b"))])
+    here = sum(x.vram_mb for g in view.gpus.values() for x in g.leases if x.agent in ("a", "b"))
+    state = TeamState(membership, {"t": here + elsewhere}, frozenset(view.leases), {"t": (77, 5)}, 600)
+    ctx = dataclasses.replace(s["ctx"], teams=state)
+    plan = plan_round(view, s["batch"], s["waiting"], {c.session.session_id for c in s["batch"]}, ctx)
+    check(s, plan)
+    charged = sum(x.vram_mb for x in plan.new_leases if x.agent in ("a", "b"))
+    assert charged == 0 or here + elsewhere + charged <= limit, "a round took team t above its limit"
+    ledger = KEYS.team_ledger("t")
+    puts = {op.key: op for op in plan.ops if isinstance(op, Put)}
+    if charged:
+        assert json.loads(puts[ledger].value) == {"seq": 6}
+        assert ModRevisionIs(ledger, 77) in plan.compares
+    else:
+        assert ledger not in puts
+    if plan.new_leases:
+        assert NothingWrittenSince(KEYS.teams(), 600) in plan.compares
+    for _, err in plan.refusals:
+        if err.field == "team":
+            assert f"its limit of {limit} MiB" in err.message

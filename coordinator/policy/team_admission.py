@@ -1,0 +1,97 @@
+"""Teams in an admission round (G11): the teams' state a round is decided against (``TeamState``), the limit
+check of a grant, and what the round's transaction compares and writes for the teams it charges. Pure: plain
+functions over the round's copies (``writes.Round``), no I/O.
+
+A team is charged VRAM x GPUs: a grant is charged the ``vram_mb`` of every GPU record it writes (a gang: each
+of its GPUs; an exclusive lease: each GPU's whole usable VRAM, as its records say).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+
+from coordinator.keys import Keys
+from coordinator.limits import quote
+from coordinator.policy.teams import Membership, Team
+from coordinator.records import VramLease, dumps
+from coordinator.txn import Compare, ModRevisionIs, NothingWrittenSince, Op, Put
+
+if TYPE_CHECKING:
+    from coordinator.policy.admission import GpuView
+    from coordinator.policy.host import HostView
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamState:
+    """What admission needs of the teams, from one consistent copy of etcd at ``revision`` (the replica's
+    mirror, or a snapshot): membership, every team's use over the fleet (``used``, counting the leases
+    ``counted``: every GPU record of each) and the ledgers (mod_revision, seq) of ``teamledgers/`` by team.
+
+    A grant charged to a team with a limit compares that team's ledger and bumps it, and every grant compares
+    that no team changed since ``revision``: grants for one limited team are thus serialized across hosts and
+    replicas, and each counted every lease of the team that a grant created before it. Leases that end only
+    lower the use, so no grant takes a team above its limit."""
+
+    membership: Membership
+    used: Mapping[str, int]
+    counted: frozenset[str]
+    ledgers: Mapping[str, tuple[int, int]]
+    revision: int
+
+    def limited(self, team: str) -> bool:
+        return self.membership.team(team).limit_mb is not None
+
+    def ledger(self, team: str) -> tuple[int, int]:
+        return self.ledgers.get(team, (0, 0))
+
+
+def limit_refusal(team: Team, used_mb: int, charge_mb: int) -> str | None:
+    """Why a request charging ``charge_mb`` to ``team`` (now using ``used_mb``) is refused, None when its
+    limit allows it. The message names ``team`` and the limit (RESOURCE_EXHAUSTED, or the request waits)."""
+    if team.limit_mb is None or used_mb + charge_mb <= team.limit_mb:
+        return None
+    return (f"team: team {quote(team.name)} uses {used_mb} MiB; {charge_mb} MiB more would pass its limit of "
+            f"{team.limit_mb} MiB")
+
+
+def grant_charge_mb(gpus: Sequence[GpuView], vram_mb: int, exclusive: bool) -> int:
+    """What a new grant on ``gpus`` (one, or a gang's) is charged: ``vram_mb`` on each, or each GPU's usable
+    VRAM if exclusive (what its records will say)."""
+    return sum(g.usable_mb if exclusive else vram_mb for g in gpus)
+
+
+def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int) -> str | None:
+    """Why granting ``charge_mb`` to ``agent`` would take its team above its limit, or None: the team's use
+    over the fleet (the teams' copy, and every GPU record of this host's leases that copy has not counted:
+    newer ones, this round's grants)."""
+    team = state.membership.team_of(agent)
+    if not state.limited(team):
+        return None
+    used = state.used.get(team, 0) + sum(
+        x.vram_mb for g in view.gpus.values() for x in g.leases
+        if x.id not in state.counted and state.membership.team_of(x.agent) == team)
+    return limit_refusal(state.membership.team(team), used, charge_mb)
+
+
+def charged_teams(state: TeamState, new_leases: Iterable[VramLease]) -> dict[str, int]:
+    """The teams this round's new lease records charge, with what each is charged (every GPU record)."""
+    out: dict[str, int] = {}
+    for lease in new_leases:
+        team = state.membership.team_of(lease.agent)
+        out[team] = out.get(team, 0) + lease.vram_mb
+    return out
+
+
+def team_writes(state: TeamState, keys: Keys, new_leases: list[VramLease]) -> tuple[list[Compare], list[Op]]:
+    """What a round that writes ``new_leases`` adds to its transaction: the teams it counted are still the
+    teams, and every limited team it charges takes its ledger's next number (so grants for one limited team
+    are serialized across hosts and replicas)."""
+    if not new_leases:
+        return [], []
+    compares: list[Compare] = [NothingWrittenSince(keys.teams(), state.revision)]
+    ops: list[Op] = []
+    for team in sorted(t for t in charged_teams(state, new_leases) if state.limited(t)):
+        revision, seq = state.ledger(team)
+        compares.append(ModRevisionIs(keys.team_ledger(team), revision))
+        ops.append(Put(keys.team_ledger(team), dumps({"seq": seq + 1})))
+    return compares, ops

@@ -1,0 +1,394 @@
+"""Teams (G11): the team record, membership, usage accounting, quota classification, the limit check and
+the choice of reclaim victims. Pure: plain functions over plain data, no I/O.
+
+A team is stored under ``teams/<team>`` (``coordinator.keys``) and managed by operators (``gpucoord team
+set|show|list|delete``). Its fields:
+
+- ``quota_mb``: VRAM guaranteed to the team over the whole fleet, in MiB (0: none). ``quota_by_model``
+  optionally narrows the guarantee per GPU model (``GpuInfo.name``): a lease on a GPU of a listed model is
+  in quota only while the team's use of that model also stays within it.
+- ``limit_mb``: the hard cap on the team's use over the fleet; ``None``: no cap. Never below the quota.
+- ``weight``: the team's share of what is idle beyond the quotas (> 0; default 1).
+- ``members``: agent names (``alice``) or name prefixes (``research-*``).
+- ``max_min_runtime_s``: the longest minimum runtime a lease of the team may declare before it can be
+  reclaimed (default 0: a borrowed lease can be reclaimed at once).
+
+**Membership.** An agent belongs to exactly one team: the team that names it exactly; else the team whose
+prefix pattern is the longest prefix of its name; else ``default``. No two teams may claim the same pattern
+(``team set`` refuses it, in a transaction that compares every team), so the rule is a function; a store
+written by hand that breaks this resolves a tie to the smallest team name. ``default`` has no members of its
+own; its record (quota, limit, weight) applies to every agent no other team names, and without a record it has
+no quota, no limit and weight 1.
+
+**Usage** is VRAM x GPUs: every lease is charged its ``vram_mb`` on each GPU it holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping
+
+from coordinator.keys import last_segment, valid_name
+from coordinator.limits import quote
+from coordinator.records import InvalidRecord, StoredKV, load_record
+
+DEFAULT_TEAM = "default"
+MAX_TEAM_MEMBERS = 256          # member patterns of one team
+MAX_TEAM_MODELS = 64            # per-model quotas of one team
+MAX_TEAM_MB = 1 << 50           # a quota or limit: 1 ZiB in MiB; anything above is a typo
+MAX_WEIGHT = 1_000_000.0
+MAX_MIN_RUNTIME_S = 7 * 86400.0
+MAX_MODEL_NAME_LEN = 128
+
+_FIELDS = ("quota_mb", "quota_by_model", "limit_mb", "weight", "members", "max_min_runtime_s")
+
+
+class TeamError(ValueError):
+    """A team that cannot be stored. ``field`` names the entry, ``message`` says why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}")
+
+
+def _amount(value: Any, field: str, hi: int = MAX_TEAM_MB) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TeamError(field, f"expected a whole number of MiB, got {type(value).__name__}")
+    if not 0 <= value <= hi:
+        raise TeamError(field, f"{str(value)[:24]} is outside [0, {hi}] MiB")
+    return value
+
+
+def _number(value: Any, field: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TeamError(field, f"expected a finite number, got {quote(value)}")
+    if value < lo or (lo_open and value == lo) or value > hi:
+        raise TeamError(field, f"{quote(value)} is outside {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+    return float(value)
+
+
+def check_pattern(pattern: Any, field: str = "members") -> str:
+    """An agent name, or a name prefix followed by one ``*`` (``research-*``)."""
+    if not isinstance(pattern, str):
+        raise TeamError(field, f"expected agent names or prefixes, got {type(pattern).__name__}")
+    stem = pattern[:-1] if pattern.endswith("*") else pattern
+    if not stem or not valid_name(stem):
+        raise TeamError(field, f"{quote(pattern)} is neither an agent name nor a prefix such as 'research-*' "
+                               "(letters, digits, '.', '_', ':', '@', '-'; one '*' at the end)")
+    return pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class Team:
+    """A team as stored under ``teams/<name>``, with its etcd metadata (0: not stored)."""
+
+    name: str
+    quota_mb: int = 0
+    limit_mb: int | None = None
+    weight: float = 1.0
+    members: tuple[str, ...] = ()
+    quota_by_model: tuple[tuple[str, int], ...] = ()   # (GPU model, MiB), sorted by model
+    max_min_runtime_s: float = 0.0
+    mod_revision: int = 0
+
+    def model_quota(self, model: str) -> int | None:
+        return dict(self.quota_by_model).get(model)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "quota_mb": self.quota_mb, "limit_mb": self.limit_mb, "weight": self.weight,
+                "members": list(self.members), "quota_by_model": dict(self.quota_by_model),
+                "max_min_runtime_s": self.max_min_runtime_s}
+
+    @classmethod
+    def from_json(cls, doc: Any, name: str, mod_revision: int = 0) -> Team:
+        """A team from its JSON document; ``TeamError`` naming the first bad field, checked in a fixed order
+        (name, quota_mb, quota_by_model, limit_mb, weight, members, max_min_runtime_s). Fields missing take
+        their defaults; a field this release does not know is refused (it might mean something)."""
+        if not isinstance(name, str) or not valid_name(name):
+            raise TeamError("name", f"{quote(name)} is not a valid team name (letters, digits, '.', '_', ':', "
+                                    "'@', '-'; at most 128)")
+        if not isinstance(doc, dict):
+            raise TeamError("team", f"expected an object, got {type(doc).__name__}")
+        unknown = sorted(set(doc) - set(_FIELDS) - {"name"})
+        if unknown:
+            raise TeamError(unknown[0][:32], "unknown field")
+        if "name" in doc and doc["name"] != name:
+            raise TeamError("name", f"the record names {quote(doc['name'])}, its key {quote(name)}")
+        quota = _amount(doc.get("quota_mb", 0), "quota_mb")
+        models = doc.get("quota_by_model", {})
+        if not isinstance(models, dict):
+            raise TeamError("quota_by_model", f"expected an object of GPU model: MiB, got {type(models).__name__}")
+        if len(models) > MAX_TEAM_MODELS:
+            raise TeamError("quota_by_model", f"at most {MAX_TEAM_MODELS} GPU models, got {len(models)}")
+        by_model = []
+        for model, mb in sorted(models.items()):
+            field = f"quota_by_model[{quote(model)}]"
+            if not isinstance(model, str) or not model.strip() or len(model) > MAX_MODEL_NAME_LEN \
+                    or not model.isprintable():
+                raise TeamError(field, f"a GPU model is a printable name of 1 to {MAX_MODEL_NAME_LEN} characters")
+            by_model.append((model, _amount(mb, field)))
+            if mb > quota:
+                raise TeamError(field, f"{mb} MiB is above the team's quota_mb ({quota}): a model's guarantee "
+                                       "is part of the team's")
+        limit = doc.get("limit_mb")
+        if limit is not None:
+            limit = _amount(limit, "limit_mb")
+            if limit < quota:
+                raise TeamError("limit_mb", f"{limit} MiB is below the team's quota_mb ({quota})")
+        weight = _number(doc.get("weight", 1.0), "weight", 0.0, MAX_WEIGHT, lo_open=True)
+        members = doc.get("members", [])
+        if not isinstance(members, (list, tuple)):
+            raise TeamError("members", f"expected a list of agent names or prefixes, got {type(members).__name__}")
+        if len(members) > MAX_TEAM_MEMBERS:
+            raise TeamError("members", f"at most {MAX_TEAM_MEMBERS} patterns, got {len(members)}")
+        patterns = [check_pattern(m) for m in members]
+        if len(set(patterns)) != len(patterns):
+            twice = next(p for p in patterns if patterns.count(p) > 1)
+            raise TeamError("members", f"{quote(twice)} is given twice")
+        if name == DEFAULT_TEAM and patterns:
+            raise TeamError("members", f"the {DEFAULT_TEAM!r} team holds every agent no other team names: it "
+                                       "takes no members")
+        min_runtime = _number(doc.get("max_min_runtime_s", 0.0), "max_min_runtime_s", 0.0, MAX_MIN_RUNTIME_S)
+        return cls(name=name, quota_mb=quota, limit_mb=limit, weight=weight, members=tuple(sorted(patterns)),
+                   quota_by_model=tuple(by_model), max_min_runtime_s=min_runtime, mod_revision=mod_revision)
+
+    @classmethod
+    def from_kv(cls, kv: StoredKV) -> Team:
+        """A stored team; InvalidRecord (naming the field) when it is malformed."""
+        try:
+            return cls.from_json(load_record(kv.value), last_segment(kv.key), kv.mod_revision)
+        except TeamError as e:
+            raise InvalidRecord(str(e)) from None
+
+    def changed(self, changes: Mapping[str, Any]) -> Team:
+        """This team with ``changes`` (fields of the JSON document) applied, validated as a whole: TeamError
+        naming the field. Fields not in ``changes`` keep their values."""
+        unknown = sorted(set(changes) - set(_FIELDS))
+        if unknown:
+            raise TeamError(unknown[0][:32], "unknown field")
+        return Team.from_json(self.to_json() | dict(changes), self.name, self.mod_revision)
+
+
+def default_team(name: str = DEFAULT_TEAM) -> Team:
+    """A team with no record: no quota, no limit, weight 1."""
+    return Team(name=name)
+
+
+def member_conflicts(team: Team, others: Iterable[Team]) -> list[str]:
+    """Why ``team`` cannot be stored beside ``others``: each pattern another team already claims."""
+    mine = set(team.members)
+    return [f"{quote(p)} already belongs to team {quote(o.name)}" for o in sorted(others, key=lambda t: t.name)
+            if o.name != team.name for p in sorted(mine & set(o.members))]
+
+
+class Membership:
+    """Which team an agent is in (the module's rule): exact name, else longest prefix, else ``default``."""
+
+    def __init__(self, teams: Iterable[Team]) -> None:
+        self.teams: dict[str, Team] = {t.name: t for t in teams}
+        self._exact: dict[str, str] = {}
+        self._prefixes: dict[str, str] = {}
+        for t in sorted(self.teams.values(), key=lambda t: t.name, reverse=True):   # the smallest name wins a tie
+            for p in t.members:
+                if p.endswith("*"):
+                    self._prefixes[p[:-1]] = t.name
+                else:
+                    self._exact[p] = t.name
+        self._lengths = sorted({len(p) for p in self._prefixes}, reverse=True)
+
+    def team_of(self, agent: str) -> str:
+        exact = self._exact.get(agent)
+        if exact is not None:
+            return exact
+        for n in self._lengths:
+            if n <= len(agent):
+                hit = self._prefixes.get(agent[:n])
+                if hit is not None:
+                    return hit
+        return DEFAULT_TEAM
+
+    def team(self, name: str) -> Team:
+        """The record of a team, or the defaults of one without a record."""
+        return self.teams.get(name) or default_team(name)
+
+
+# -- usage and quota -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+    """One live lease as the teams see it: ``vram_mb`` on each of ``gpus`` (uuids), charged to ``team``."""
+
+    id: str
+    team: str
+    vram_mb: int
+    gpus: tuple[str, ...]
+    created_at: float
+    token: int = 0
+    model: str = ""              # the GPU model ("" unknown)
+    preemptible: bool = True
+    min_runtime_s: float = 0.0   # as the lease declared it (capped by its team's max_min_runtime_s)
+    total_mb: int | None = None  # the records' vram_mb summed when they differ (an exclusive gang's GPUs)
+
+    @property
+    def charge_mb(self) -> int:
+        return self.total_mb if self.total_mb is not None else self.vram_mb * len(self.gpus)
+
+    def age_order(self) -> tuple[float, int, str]:
+        """Oldest first: the order in which a team's leases fill its quota."""
+        return (self.created_at, self.token, self.id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """A team's usage: what ``status`` shows."""
+
+    used_mb: int = 0
+    borrowed_mb: int = 0          # used above the quota
+    leases: int = 0
+    over_quota_leases: int = 0
+    waiting_mb: int = 0
+    waiting: int = 0
+
+
+def used_by_team(charges: Iterable[Charge]) -> dict[str, int]:
+    used: dict[str, int] = {}
+    for c in charges:
+        used[c.team] = used.get(c.team, 0) + c.charge_mb
+    return used
+
+
+def in_quota(charges: Iterable[Charge], membership: Membership) -> dict[str, bool]:
+    """Lease id -> whether it is in quota. A team's leases fill its quota oldest first: a lease is in quota
+    while the team's usage, counting it and every older lease of the team, stays within ``quota_mb``, and,
+    on a GPU model the team has a quota for, its usage of that model too. Every other lease is over quota
+    (borrowed). The classification follows the live leases: when older ones end, newer ones move into quota."""
+    by_team: dict[str, list[Charge]] = {}
+    for c in charges:
+        by_team.setdefault(c.team, []).append(c)
+    out: dict[str, bool] = {}
+    for name, held in by_team.items():
+        team = membership.team(name)
+        fleet = 0
+        per_model: dict[str, int] = {}
+        for c in sorted(held, key=Charge.age_order):
+            fleet += c.charge_mb
+            per_model[c.model] = per_model.get(c.model, 0) + c.charge_mb
+            model_quota = team.model_quota(c.model)
+            out[c.id] = fleet <= team.quota_mb and (model_quota is None or per_model[c.model] <= model_quota)
+    return out
+
+
+def usage_by_team(charges: Iterable[Charge], membership: Membership,
+                  waiting: Iterable[tuple[str, int]] = ()) -> dict[str, Usage]:
+    """Every team's usage (``waiting``: (team, VRAM x GPUs) of each queue entry); every stored team and
+    ``default`` appear, used or not."""
+    charges = list(charges)
+    marks = in_quota(charges, membership)
+    acc: dict[str, dict[str, int]] = {n: {} for n in [*membership.teams, DEFAULT_TEAM]}
+    for c in charges:
+        a = acc.setdefault(c.team, {})
+        a["used_mb"] = a.get("used_mb", 0) + c.charge_mb
+        a["leases"] = a.get("leases", 0) + 1
+        if not marks[c.id]:
+            a["over_quota_leases"] = a.get("over_quota_leases", 0) + 1
+    for team, mb in waiting:
+        a = acc.setdefault(team, {})
+        a["waiting_mb"] = a.get("waiting_mb", 0) + mb
+        a["waiting"] = a.get("waiting", 0) + 1
+    return {n: Usage(borrowed_mb=max(0, a.get("used_mb", 0) - membership.team(n).quota_mb), **a)
+            for n, a in acc.items()}
+
+
+# -- quota and reclaim (the limit: team_admission.py) ---------------------------------------------------------
+
+def stays_in_quota(team: Team, charges: Iterable[Charge], charge_mb: int, model: str = "") -> bool:
+    """Whether a request of ``team`` charging ``charge_mb`` (on GPUs of ``model``) would be in quota: the
+    team's usage, counting it, within its quota (and its quota of that model, when it has one)."""
+    held = [c for c in charges if c.team == team.name]
+    if sum(c.charge_mb for c in held) + charge_mb > team.quota_mb:
+        return False
+    model_quota = team.model_quota(model)
+    return model_quota is None or sum(c.charge_mb for c in held if c.model == model) + charge_mb <= model_quota
+
+
+def over_share(team: Team, used_mb: int) -> float:
+    """How far a team is over its weighted share: the VRAM it borrows (used above its quota) per unit of
+    weight. Reclaim takes from the team with the largest first."""
+    return max(0, used_mb - team.quota_mb) / team.weight
+
+
+def protected(charge: Charge, team: Team, now: float) -> bool:
+    """A lease younger than its minimum runtime (as declared, capped by its team's ``max_min_runtime_s``) is
+    not reclaimed yet, so that a borrowed GPU is not thrashed."""
+    return now - charge.created_at < min(charge.min_runtime_s, team.max_min_runtime_s)
+
+
+def reclaimable(requester: str, charges: Iterable[Charge], membership: Membership, now: float) -> list[Charge]:
+    """The leases a request of team ``requester`` may reclaim: other teams' over-quota, preemptible leases
+    past their minimum runtime. In-quota leases never are."""
+    charges = list(charges)
+    marks = in_quota(charges, membership)
+    return [c for c in charges if c.team != requester and not marks[c.id] and c.preemptible
+            and not protected(c, membership.team(c.team), now)]
+
+
+def reclaim_order(requester: str, candidates: Iterable[Charge], charges: Iterable[Charge],
+                  membership: Membership) -> list[Charge]:
+    """``candidates`` (from ``reclaimable``) in the order reclaim takes them: each time from the team
+    furthest over its weighted share as it stands once the leases before are gone (ties: the team's name),
+    and of that team its newest lease."""
+    used = used_by_team(charges)
+    left: dict[str, list[Charge]] = {}
+    for c in candidates:
+        if c.team != requester:
+            left.setdefault(c.team, []).append(c)
+    for held in left.values():
+        held.sort(key=Charge.age_order)   # the newest last: popped first
+    order: list[Charge] = []
+    while left:
+        name = min(left, key=lambda n: (-over_share(membership.team(n), used.get(n, 0)), n))
+        c = left[name].pop()
+        if not left[name]:
+            del left[name]
+        used[name] = used.get(name, 0) - c.charge_mb
+        order.append(c)
+    return order
+
+
+def _short(shortfall: Mapping[str, int], victims: Iterable[Charge]) -> bool:
+    freed: dict[str, int] = {}
+    for v in victims:
+        for g in v.gpus:
+            freed[g] = freed.get(g, 0) + v.vram_mb
+    return any(freed.get(g, 0) < need for g, need in shortfall.items())
+
+
+def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int], charges: Iterable[Charge],
+                   membership: Membership, now: float, model: str = "") -> list[Charge] | None:
+    """The leases to reclaim for a request of team ``requester`` charging ``charge_mb`` that lacks
+    ``shortfall[gpu]`` MiB on each GPU it is placed on: [] when nothing is short; None when the team would not
+    stay within its quota with the request (it may not reclaim), or when even every reclaimable lease would not
+    make it fit.
+
+    Victims are taken in ``reclaim_order`` (weighted share, then newest first), skipping leases on no GPU
+    still short, until the request fits; then every victim that can be spared is dropped, in that same order:
+    the set is minimal (no victim can be spared), the order rule winning over the smallest count."""
+    if not _short(shortfall, ()):
+        return []
+    charges = list(charges)
+    if not stays_in_quota(membership.team(requester), charges, charge_mb, model):
+        return None
+    useful = [c for c in reclaimable(requester, charges, membership, now) if set(c.gpus) & set(shortfall)]
+    victims: list[Charge] = []
+    for c in reclaim_order(requester, useful, charges, membership):
+        if not _short(shortfall, victims):
+            break
+        if _short({g: n for g, n in shortfall.items() if g in c.gpus}, victims):
+            victims.append(c)
+    if _short(shortfall, victims):
+        return None
+    for v in list(victims):
+        rest = [x for x in victims if x is not v]
+        if not _short(shortfall, rest):
+            victims = rest
+    return victims

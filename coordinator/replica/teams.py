@@ -1,0 +1,247 @@
+"""Teams as operators manage them (``gpucoord team set|show|list|delete``): each write is one transaction that
+compares the team's own key and that no team changed since the read, so no two teams ever claim the same
+member pattern at any revision; and the teams' usage, read from etcd at one revision."""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Iterable, Mapping, Sequence
+
+from coordinator import errors
+from coordinator.etcd.types import KV
+from coordinator.keys import last_segment
+from coordinator.policy.host import HostView
+from coordinator.policy.team_admission import TeamState
+from coordinator.policy.teams import (
+    DEFAULT_TEAM,
+    Charge,
+    Membership,
+    Team,
+    TeamError,
+    Usage,
+    default_team,
+    member_conflicts,
+    usage_by_team,
+)
+from coordinator.records import (
+    HostInventory,
+    InvalidRecord,
+    QueueEntry,
+    VramLease,
+    dumps,
+    load_record,
+)
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.mirror import Mirror
+from coordinator.txn import Delete, ModRevisionIs, NothingWrittenSince, Put, Range
+
+log = logging.getLogger(__name__)
+
+
+def read_teams(kvs: Iterable[KV]) -> tuple[dict[str, Team], dict[str, KV]]:
+    """The stored teams, and the malformed ones (left out of membership: their agents are in ``default``)."""
+    teams: dict[str, Team] = {}
+    bad: dict[str, KV] = {}
+    for kv in kvs:
+        try:
+            team = Team.from_kv(kv)
+        except InvalidRecord as e:
+            log.warning("ignoring a malformed team %r: %s", kv.key[:200], e)
+            bad[last_segment(kv.key)] = kv
+            continue
+        teams[team.name] = team
+    return teams, bad
+
+
+def charge_of(parts: Sequence[VramLease], membership: Membership, model: str = "") -> Charge:
+    """A lease as the teams see it, from every GPU record of it (one, or a gang's): VRAM x GPUs, each GPU
+    charged its record's ``vram_mb`` (an exclusive gang's: each GPU's whole usable VRAM)."""
+    lease = parts[0]
+    return Charge(id=lease.id, team=membership.team_of(lease.agent), vram_mb=lease.vram_mb,
+                  gpus=tuple(x.gpu_uuid for x in parts), created_at=lease.created_at, token=lease.token,
+                  model=model, preemptible=lease.preemptible, total_mb=sum(x.vram_mb for x in parts))
+
+
+def by_lease(records: Iterable[VramLease]) -> list[list[VramLease]]:
+    """Lease records grouped by lease id (a gang: one record per GPU), in first-seen order."""
+    out: dict[str, list[VramLease]] = {}
+    for x in records:
+        out.setdefault(x.id, []).append(x)
+    return list(out.values())
+
+
+def charges_from_views(views: Iterable[HostView], membership: Membership) -> tuple[list[Charge],
+                                                                                    list[tuple[str, int]]]:
+    """Every lease of the views as a charge (with its GPU's model), and every queue entry as (team, VRAM)."""
+    charges: list[Charge] = []
+    waiting: list[tuple[str, int]] = []
+    for view in views:
+        models = {g.uuid: g.name for g in view.inventory.gpus} if view.inventory is not None else {}
+        records = [x for g in sorted(view.gpus.values(), key=lambda g: g.index) for x in g.leases]
+        charges += [charge_of(parts, membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
+        waiting += [(membership.team_of(e.agent), e.vram_mb * e.gpu_count) for e in view.entries]
+    return charges, waiting
+
+
+class Teams:
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.store, self.keys, self.config = ctx.store, ctx.keys, ctx.config
+
+    async def set_team(self, name: str, changes: Mapping[str, Any]) -> tuple[Team, bool]:
+        """Create or change a team: ``changes`` (fields of its JSON document) over its stored values (or the
+        defaults). INVALID_ARGUMENT naming the field; FAILED_PRECONDITION naming ``members`` when another team
+        claims one of its patterns. Nothing is written unless the whole team is valid."""
+        for _ in range(self.config.commit_attempts * 4):
+            snap = await self.store.snapshot([Range(self.keys.teams(), prefix=True)])
+            teams, bad = read_teams(snap.ranges[0])
+            current = teams.get(name)
+            try:
+                # A malformed record of this team is what a set repairs: it starts over from the defaults.
+                team = (current or default_team(name)).changed(changes)
+            except TeamError as e:
+                raise errors.InvalidArgument(str(e), e.field.split("[")[0]) from None
+            conflicts = member_conflicts(team, teams.values())
+            if conflicts:
+                raise errors.FailedPrecondition("members: " + "; ".join(conflicts[:4]), "members")
+            key = self.keys.team(name)
+            own = current.mod_revision if current is not None else (bad[name].mod_revision if name in bad else 0)
+            res = await self.store.commit([ModRevisionIs(key, own),
+                                           NothingWrittenSince(self.keys.teams(), snap.revision)],
+                                          [Put(key, dumps(team.to_json()))])
+            if res.succeeded:
+                return Team.from_json(team.to_json(), name, res.revision), current is None and name not in bad
+        raise errors.Unavailable("team set: too much contention on teams/; retry")
+
+    async def delete_team(self, name: str) -> bool:
+        """Delete a team's record (its agents fall to the next matching team, else ``default``); False when
+        there was none. Leases are not touched."""
+        key = self.keys.team(name)
+        snap = await self.store.snapshot([Range(key)])
+        if not snap.ranges[0]:
+            return False
+        res = await self.store.commit([ModRevisionIs(key, snap.ranges[0][0].mod_revision)], [Delete(key)])
+        return res.succeeded or await self.delete_team(name)
+
+    async def status_rows(self, views: Iterable[HostView]) -> list[tuple[Team, Usage, bool]]:
+        """The teams table of ``gpucoord status``: every stored team and ``default`` with their usage in
+        ``views`` (every host, from one snapshot); [] when no team is stored."""
+        teams, _ = read_teams((await self.store.get_prefix(self.keys.teams())).kvs)
+        if not teams:
+            return []
+        membership = Membership(teams.values())
+        charges, waiting = charges_from_views(views, membership)
+        usage = usage_by_team(charges, membership, waiting)
+        return [(membership.team(n), usage.get(n, Usage()), n in teams)
+                for n in sorted(set(usage) | set(teams) | {DEFAULT_TEAM})]
+
+    async def team_status(self, name: str = "") -> tuple[int, list[tuple[Team, Usage, bool]]]:
+        """Teams (one, or every stored team and ``default``) with their usage, all read at one revision:
+        (revision, [(team, usage, stored)]). A malformed team reads as absent (its agents are in ``default``)."""
+        kinds = ("teams", "leases", "queue", "hosts")
+        snap = await self.store.snapshot([Range(self.keys.kind(k), prefix=True) for k in kinds])
+        team_kvs, lease_kvs, queue_kvs, host_kvs = snap.ranges
+        teams, _ = read_teams(team_kvs)
+        membership = Membership(teams.values())
+        models: dict[str, str] = {}
+        for kv in host_kvs:
+            try:
+                inventory = HostInventory.from_json(load_record(kv.value).get("inventory"))  # type: ignore[arg-type]
+            except (InvalidRecord, AttributeError):
+                continue
+            models.update((g.uuid, g.name) for g in inventory.gpus)
+        records = []
+        for kv in lease_kvs:
+            try:
+                records.append(VramLease.from_kv(kv))
+            except InvalidRecord:
+                continue
+        charges = [charge_of(parts, membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
+        waiting = []
+        for kv in queue_kvs:
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue
+            waiting.append((membership.team_of(entry.agent), entry.vram_mb * entry.gpu_count))
+        usage = usage_by_team(charges, membership, waiting)
+        names = [name] if name else sorted(set(usage) | set(teams) | {DEFAULT_TEAM})
+        return snap.revision, [(membership.team(n), usage.get(n, Usage()), n in teams) for n in names]
+
+
+# -- admission (G11): the teams' state a round is decided against ------------------------------------------------
+
+# Per mirror: lease key -> (mod_revision, lease id, agent, vram_mb), so that a round parses only the leases that
+# changed since the last one.
+_parsed: weakref.WeakKeyDictionary[Mirror, dict[bytes, tuple[int, str, str, int]]] = weakref.WeakKeyDictionary()
+
+
+def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: Iterable[tuple[str, str, int]],
+                     revision: int) -> TeamState | None:
+    """The teams' state from one copy at ``revision``: ``leases`` as (id, agent, vram_mb); None when no team is
+    stored (nothing is charged)."""
+    teams, _ = read_teams(team_kvs)
+    if not teams:
+        return None
+    membership = Membership(teams.values())
+    used: dict[str, int] = {}
+    counted = set()
+    for lease_id, agent, vram_mb in leases:
+        team = membership.team_of(agent)
+        used[team] = used.get(team, 0) + vram_mb
+        counted.add(lease_id)
+    ledgers = {}
+    for kv in ledger_kvs:
+        try:
+            seq = load_record(kv.value).get("seq", 0)
+        except InvalidRecord:
+            seq = 0
+        ledgers[last_segment(kv.key)] = (kv.mod_revision, seq if isinstance(seq, int) and seq >= 0 else 0)
+    return TeamState(membership, used, frozenset(counted), ledgers, revision)
+
+
+def mirror_team_state(mirror: Mirror) -> TeamState | None:
+    """The teams' state as the mirror shows it (at ``mirror.revision``)."""
+    team_kvs = mirror.items("teams")
+    if not team_kvs:
+        return None
+    cache = _parsed.setdefault(mirror, {})
+    leases, seen = [], set()
+    for kv in mirror.all_host_items("leases"):
+        hit = cache.get(kv.key)
+        if hit is None or hit[0] != kv.mod_revision:
+            try:
+                lease = VramLease.from_kv(kv)
+            except InvalidRecord:
+                continue   # its host is INVALID: nothing is granted there
+            hit = cache[kv.key] = (kv.mod_revision, lease.id, lease.agent, lease.vram_mb)
+        seen.add(kv.key)
+        leases.append(hit[1:])
+    if len(cache) > len(seen):
+        for key in set(cache) - seen:
+            del cache[key]
+    return build_team_state(team_kvs, mirror.items("teamledgers"), leases, mirror.revision)
+
+
+async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamState | None:
+    """The teams' state at ``revision`` or later: from the mirror once it has caught up (within ``wait_s``),
+    else read from etcd (every team, ledger and lease of the fleet). None, at once, while the mirror shows no
+    team: a fleet without teams pays nothing (a team being created takes effect for the grants decided after
+    the replica has seen it)."""
+    if ctx.mirror.ready:
+        if not ctx.mirror.items("teams"):
+            return None
+        if await ctx.mirror.caught_up(revision, wait_s):
+            return mirror_team_state(ctx.mirror)
+    keys = ctx.keys
+    snap = await ctx.store.snapshot([Range(keys.teams(), prefix=True)])
+    if not snap.ranges[0]:
+        return None
+    snap = await ctx.store.snapshot([Range(keys.kind(k), prefix=True) for k in ("teams", "teamledgers", "leases")])
+    leases = []
+    for kv in snap.ranges[2]:
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord:
+            continue
+        leases.append((lease.id, lease.agent, lease.vram_mb))
+    return build_team_state(snap.ranges[0], snap.ranges[1], leases, snap.revision)
