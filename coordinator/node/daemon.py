@@ -28,7 +28,7 @@ from coordinator.aio import cancel_and_wait, first_of, retry_forever, spawn
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV, GetResult, NestedResult
-from coordinator.keys import Keys, last_segment
+from coordinator.keys import Keys
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
 from coordinator.records import GpuUsage, HostInventory, InvalidRecord, VramLease, dumps
@@ -95,7 +95,8 @@ class NodeDaemon:
         self._need_register = True              # set by the host watch, or when a usage write is refused
         self._wake = asyncio.Event()            # wakes the keepalive loop to register at once
         self.inventory: HostInventory | None = None
-        self.leases: dict[str, VramLease] = {}          # lease id -> lease, from the watch
+        # (lease id, GPU uuid) -> its record, from the watch: a gang has one record on each of its GPUs.
+        self.leases: dict[tuple[str, str], VramLease] = {}
         self.highest_token: dict[str, int] = {}         # gpu uuid -> highest token seen
         self.leases_ready = False                       # the watch-fed view is current
         self.last_usage: tuple[GpuUsage, ...] = ()
@@ -326,19 +327,19 @@ class NodeDaemon:
         before, self.leases = self.leases, {}
         for kv in snap.kvs:
             self._put_kv(kv)
-        for lease_id in before.keys() - self.leases.keys():
-            self.enforcer.lease_deleted(lease_id, clock.wall())   # deleted while the watch was down
+        for lease_id, gpu_uuid in before.keys() - self.leases.keys():
+            self.enforcer.lease_deleted(lease_id, clock.wall(), gpu_uuid)   # deleted while the watch was down
         self.leases_ready = True
         async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
             if batch.resync:
                 return
             for ev in batch.events:
-                lease_id = last_segment(ev.kv.key)
                 if ev.kind == "PUT":
                     self._put_kv(ev.kv)
                 else:
-                    gone = self.leases.pop(lease_id, None)
-                    self.enforcer.lease_deleted(lease_id, clock.wall())
+                    _, (_, gpu_uuid, lease_id) = self.keys.parse(ev.kv.key)
+                    gone = self.leases.pop((lease_id, gpu_uuid), None)
+                    self.enforcer.lease_deleted(lease_id, clock.wall(), gpu_uuid)
                     if gone is not None and (gone.pids or gone.pgid):
                         # Its processes may still be on the GPU: report at once whether they are (G3).
                         self._fast_until = time.monotonic() + FAST_SCAN_FOR_S
@@ -354,7 +355,7 @@ class NodeDaemon:
         self._on_put(lease)
 
     def _on_put(self, lease: VramLease) -> None:
-        self.leases[lease.id] = lease
+        self.leases[(lease.id, lease.gpu_uuid)] = lease
         self.enforcer.lease_put(lease)
         self.highest_token[lease.gpu_uuid] = max(self.highest_token.get(lease.gpu_uuid, 0), lease.token)
 

@@ -221,8 +221,9 @@ class Enforcer:
         self.remember_s, self.max_remembered = remember_s, max_remembered
         self._proc_info, self._kill = proc_info, kill
         self._lock = threading.Lock()
-        self.live: dict[str, Covered] = {}
-        self.gone: dict[str, Covered] = {}
+        # Keyed by (lease id, GPU uuid): a gang has one record, with the same id, on each of its GPUs.
+        self.live: dict[tuple[str, str], Covered] = {}
+        self.gone: dict[tuple[str, str], Covered] = {}
         self._untracked_since: dict[int, float] = {}
         self._reported: set[tuple[int, str, str]] = set()   # (pid, state, lease) already logged
         self._metric_labels: set[tuple[str, str]] = set()
@@ -230,12 +231,13 @@ class Enforcer:
 
     # -- from the lease watch -------------------------------------------------------------------
     def lease_put(self, lease: VramLease) -> None:
+        key = (lease.id, lease.gpu_uuid)
         if not lease.pids and not lease.pgid:
             with self._lock:
-                self.live.pop(lease.id, None)
+                self.live.pop(key, None)
             return
         with self._lock:
-            old = self.live.get(lease.id)
+            old = self.live.get(key)
         if old is not None and tuple(p for p, _ in old.pids) == lease.pids and old.pgid == lease.pgid:
             return
         pids = tuple((pid, (info.started if (info := self._proc_info(pid)) else None)) for pid in lease.pids)
@@ -243,13 +245,14 @@ class Enforcer:
         covered = Covered(lease.id, lease.gpu_uuid, lease.agent, lease.vram_mb, pids, lease.pgid,
                           leader.started if leader is not None and leader.pgid == lease.pgid else None)
         with self._lock:
-            self.live[lease.id] = covered
+            self.live[key] = covered
 
-    def lease_deleted(self, lease_id: str, now: float) -> None:
+    def lease_deleted(self, lease_id: str, now: float, gpu_uuid: str | None = None) -> None:
+        """The lease's record on ``gpu_uuid`` is gone (None: its records on every GPU)."""
         with self._lock:
-            c = self.live.pop(lease_id, None)
-            if c is not None:
-                self.gone[lease_id] = dataclasses.replace(c, gone_at=now)
+            for key in [k for k in self.live if k[0] == lease_id and gpu_uuid in (None, k[1])]:
+                c = self.live.pop(key)
+                self.gone[key] = dataclasses.replace(c, gone_at=now)
                 while len(self.gone) > self.max_remembered:
                     del self.gone[min(self.gone, key=lambda k: self.gone[k].gone_at)]
 

@@ -58,3 +58,28 @@ def test_an_evicted_gangs_gpus_are_granted_only_once_the_node_no_longer_lists_it
     assert created >= until, f"granted {until - created:.2f} s before the node's report stopped listing the child"
     assert [f"GPU-sim-h1-{g}" for g in listed_on] == held[-len(listed_on):], held
     assert run.wait(30) == 143
+
+
+def test_the_node_attributes_a_gangs_processes_to_its_lease_on_every_gpu(
+        cluster: Cluster, victim_py: str, tmp_path: Path, started: list[int]) -> None:
+    """The node keeps each GPU's record of a gang: a rank on the gang's second GPU is ``leased`` there (not
+    ``leased_elsewhere``), and that GPU's VRAM in use counts against the gang's lease, not as untracked."""
+    procs_file = tmp_path / "procs.json"
+    cluster.start_node("h1", "2x16GiB", fake_processes=str(procs_file))
+    addr = cluster.start_coordinator()
+    run, pid = start_victim(addr, "h1", victim_py, "term", started, "--gpus", "2")
+    write_fake_processes(procs_file, {0: {pid: 1000}, 1: {pid: 1000}})
+    wait_for(lambda: listed(cluster, pid, (0, 1)), 10, "the node to list the child on its GPUs")
+
+    def report() -> dict[int, dict[str, object]]:
+        (kv,) = cluster.get_prefix(cluster.keys.usage("h1"))
+        return {g["index"]: g for g in json.loads(kv.value)["gpus"]}
+
+    gpus = wait_for(lambda: (r := report()) and all(r[g]["processes"][0]["state"] == "leased" for g in (0, 1))
+                    and r, 10, "the child leased on both GPUs")
+    (lease_id,) = {x.id for x in cluster.leases()}
+    for g in (0, 1):
+        assert [x["lease_id"] for x in gpus[g]["leases"]] == [lease_id], gpus[g]
+        assert gpus[g]["untracked_mb"] == 0, gpus[g]
+    run.send_signal(15)
+    assert run.wait(30) == 143
