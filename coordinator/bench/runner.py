@@ -6,6 +6,7 @@ from typing import Callable
 
 from coordinator.bench import eventloop
 from coordinator.bench.phases.contended import phase_contended
+from coordinator.bench.phases.gang import phase_gang
 from coordinator.bench.phases.idle_reclaim import phase_idle_and_reclaim
 from coordinator.bench.phases.latency import phase_latency
 from coordinator.bench.phases.notice import phase_p7
@@ -29,13 +30,14 @@ class Sizes:
     ttl: int = 10
     samples: int = 5
     p7_n: int = 100
+    gang_agents: int = 8
 
 
 QUICK = Sizes(n=20, seconds=1.0, levels=(1, 16), p3_agents=16, p3_hosts=4, p5_hosts=20, p5_leases=40,
               idle_sessions=20, idle_s=1.0, ttl=2, samples=1, p7_n=5)
 
 
-PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7")
+PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7", "gang")
 
 
 def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
@@ -50,6 +52,7 @@ def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
         "p5": lambda: phase_p5(sizes.n, sizes.p5_hosts, sizes.p5_leases, out),
         "reclaim": lambda: phase_idle_and_reclaim(sizes.idle_sessions, sizes.idle_s, sizes.ttl, sizes.samples, out),
         "p7": lambda: phase_p7(sizes.p7_n, out),
+        "gang": lambda: phase_gang(sizes.seconds, sizes.gang_agents, out),
     }
     wanted = {"all": PHASES, "acquire": ("latency",), "p7": ("p7",), "p4": ("contended",)}.get(what, (what,))
     with eventloop.one_loop():

@@ -23,7 +23,7 @@ from tests.support.processes import child_env
 
 pytestmark = pytest.mark.integration
 
-EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4}
+EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4, "GANG": 2}
 
 
 def test_quick_bench_reports_every_target() -> None:
@@ -44,6 +44,9 @@ def test_quick_bench_reports_every_target() -> None:
     assert set(doc["side_by_side"]) == {"1", "16"}
     for level in doc["side_by_side"].values():
         assert level["gpucoord_pairs_s"] > 0 and level["lock_pairs_s"] > 0
+    # The gang line's two sides both ran: 2-GPU gangs and the same agents' two single leases.
+    assert doc["gang"]["agents"] == 8
+    assert doc["gang"]["gang"]["pairs_s"] > 0 and doc["gang"]["singles"]["pairs_s"] > 0
 
 
 def test_text_output_has_one_line_per_figure() -> None:

@@ -1,5 +1,6 @@
-"""The nemesis run: 40 agents over two hosts and two coordinator replicas (real processes) on a 3-member
-etcd, while a seeded scheduler injects one fault every few seconds and heals it.
+"""The nemesis run: 40 agents (one in four asking for 2-GPU gangs, a quarter of those for two whole GPUs) over
+two hosts of 2 GPUs and two coordinator replicas (real processes) on a 3-member etcd, while a seeded
+scheduler injects one fault every few seconds and heals it.
 
 Process faults: kill -9 of the etcd leader, SIGSTOP of an etcd member, SIGSTOP of a replica, kill -9 of a
 replica (restarted on its port). Network faults, on the fault links (tests/faultlink.py) that every connection
@@ -168,7 +169,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         async def scenario() -> LoadReport:
             report = LoadReport()
             load = asyncio.create_task(run_load([[a, b], [b, a]] * 20, list(HOSTS), duration, seed=seed,
-                                                report=report, ttl=TTL, agent_prefix="n"))
+                                                report=report, ttl=TTL, agent_prefix="n", gang_every=4))
             loop = asyncio.get_running_loop()
             end = loop.time() + duration - FAULT_EVERY_S
             while loop.time() < end:
@@ -205,10 +206,13 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         history = c.lt.run(check_store(c.store, c.keys), timeout=300)
         print(f"nemesis seed {seed}: history {history.revisions} revisions, {history.leases_created} leases, "
               f"violations {len(history.violations)}")
+        gangs = [x for x in report.calls if x.gpu_count > 1]
         print(f"nemesis summary: seed={seed} faults={len(injected)} network={sum(n in _NETWORK for n in injected)} "
-              f"calls={len(report.calls)} undocumented={len(report.undocumented())} expired={len(report.expired)} "
+              f"calls={len(report.calls)} gang_calls={len(gangs)} gangs_granted={sum(x.outcome == 'ok' for x in gangs)} "
+              f"exclusive_granted={sum(x.outcome == 'ok' and x.exclusive for x in gangs)} undocumented={len(report.undocumented())} expired={len(report.expired)} "
               f"violations={len(history.violations)} leaks={len(leaks)}")
     assert not report.undocumented(), report.undocumented()[:5]
+    assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
     history.assert_ok()
     for r in reps.reps:      # no replica died inside, or left an error nobody handled
         log = r.log()

@@ -15,7 +15,8 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 
 # Agents doing random acquire/release cycles, each call's outcome and timing recorded: used by the replica
 # tests (throughput with one and two replicas, waits answered on time) and the nemesis run (every call must
-# end with a documented status). Agents are ``AsyncClient``s on one event loop.
+# end with a documented status; part of its agents ask for 2-GPU gangs). Agents are ``AsyncClient``s on one
+# event loop.
 
 # What a call may end with, and stay within the contract: a grant, or one of these documented statuses.
 DOCUMENTED = {"ok", "ResourceExhausted", "Unavailable", "DeadlineExceeded", "SessionExpired", "FailedPrecondition"}
@@ -30,6 +31,8 @@ class LoadCall:
     host: str = ""
     ended_at: float = 0.0     # time.monotonic() when it was answered
     lease_id: str = ""        # the lease granted ("ok")
+    gpu_count: int = 1        # a gang's GPUs
+    exclusive: bool = False   # whole GPUs
 
     @property
     def late_s(self) -> float:
@@ -67,22 +70,28 @@ class LoadReport:
 
 async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng: random.Random,
                      sizes: Sequence[int], waits: Sequence[float], hold_s: float,
-                     low_priority: Collection[int] = ()) -> None:
+                     low_priority: Collection[int] = (), gang: bool = False) -> None:
+    """Acquire/release cycles until ``until``; with ``gang``, each acquire is a 2-GPU gang: ``vram`` on each
+    GPU, or one time in four two whole GPUs (``exclusive``, at priority -1, so that it waits behind the
+    others instead of holding the queue's head)."""
     while time.monotonic() < until:
         vram, wait = rng.choice(sizes), rng.choice(waits)
+        gpu_count, exclusive = (2, rng.random() < 0.25) if gang else (1, False)
+        priority = -1 if vram in low_priority or exclusive else 0
         t0 = time.monotonic()
         try:
-            lease = await client.acquire(vram, wait=wait, priority=-1 if vram in low_priority else 0)
+            lease = await client.acquire(0 if exclusive else vram, wait=wait, priority=priority,
+                                         gpu_count=gpu_count, exclusive=exclusive)
         except errors.GpucoordError as e:
             report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, type(e).__name__, client.host,
-                                         time.monotonic()))
+                                         time.monotonic(), gpu_count=gpu_count, exclusive=exclusive))
             if isinstance(e, errors.SessionExpired):
                 return
             if not isinstance(e, errors.ResourceExhausted):
                 await asyncio.sleep(0.05)    # a fault: do not spin while it lasts
             continue
         report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok", client.host, time.monotonic(),
-                                     lease.id))
+                                     lease.id, gpu_count, exclusive))
         await asyncio.sleep(rng.uniform(0, hold_s))
         try:
             await lease.release()
@@ -94,10 +103,12 @@ async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng:
 async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str], duration_s: float, seed: int,
                    sizes: Sequence[int] = (2000, 4000, 6000), waits: Sequence[float] = (0.0, 0.5, 2.0),
                    hold_s: float = 0.02, agent_prefix: str = "agent", ttl: int = 10,
-                   report: LoadReport | None = None, low_priority: Collection[int] = ()) -> LoadReport:
+                   report: LoadReport | None = None, low_priority: Collection[int] = (),
+                   gang_every: int = 0) -> LoadReport:
     """One agent per entry of ``addresses`` (the replicas that agent talks to), each on ``host`` (or the
     hosts in turn), for ``duration_s`` seconds. Sessions are closed at the end. Requests of the sizes in
-    ``low_priority`` ask with priority -1 (they wait behind the others instead of blocking them)."""
+    ``low_priority`` ask with priority -1 (they wait behind the others instead of blocking them). With
+    ``gang_every`` N, every Nth agent (``0``, ``N``...) asks for 2-GPU gangs (its hosts need 2 GPUs)."""
     report = report or LoadReport()
     hosts = [host] if isinstance(host, str) else list(host)
     rng = random.Random(seed)
@@ -113,7 +124,7 @@ async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str]
     until = time.monotonic() + duration_s
     try:
         await asyncio.gather(*(agent_loop(c, report, until, random.Random(rng.random()), sizes, waits, hold_s,
-                                          low_priority)
+                                          low_priority, gang=bool(gang_every) and clients.index(c) % gang_every == 0)
                                for c in connected))
     finally:
         for c in connected:
