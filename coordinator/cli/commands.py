@@ -216,13 +216,22 @@ def cmd_keys(args: argparse.Namespace) -> int:
                            EXIT_UNREACHABLE) from e
         finally:
             await store.close()
+        gangs: dict[str, list[tuple[int, str]]] = {}   # lease id -> (GPU index, uuid) of a gang's records
         for kv in snap.kvs:
             try:
-                value = json.dumps(json.loads(kv.value), sort_keys=True)
+                doc = json.loads(kv.value)
+                value = json.dumps(doc, sort_keys=True)
             except ValueError:
-                value = repr(kv.value)
+                doc, value = None, repr(kv.value)
             lease = f" etcd_lease={kv.etcd_lease:x}" if kv.etcd_lease else ""
             print(f"{kv.key.decode()}  (mod_revision={kv.mod_revision}{lease})\n    {value}")
+            if isinstance(doc, dict) and isinstance(doc.get("gang"), list) and len(doc["gang"]) > 1:
+                gangs.setdefault(str(doc.get("id")), []).append((int(doc.get("gpu_index", -1)),
+                                                                 str(doc.get("gpu_uuid"))))
+        for lease_id, parts in sorted(gangs.items()):
+            parts.sort()
+            print(f"# gang lease {lease_id}: one lease over GPUs {','.join(str(i) for i, _ in parts)} "
+                  f"({', '.join(u for _, u in parts)}), one record per GPU above")
         print(f"# {len(snap.kvs)} keys at revision {snap.revision}")
     asyncio.run(dump())
     return 0

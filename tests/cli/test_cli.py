@@ -43,6 +43,19 @@ def test_status_and_keys(cluster: Cluster) -> None:
         assert f"{cluster.prefix}sessions/agent-a/{c.session_id}" in keys.stdout
 
 
+def test_keys_shows_a_gang_as_one_lease_over_its_gpus(cluster: Cluster) -> None:
+    cluster.start_node("h1", "4x16GiB:nvlink=0-1,2-3")
+    addr = cluster.start_coordinator()
+    with Client(addr, agent="agent-a", host="h1") as c:
+        gang = c.acquire(2000, gpu_count=2, topology="nvlink")
+        keys = _cli("keys", "--etcd", cluster.endpoints[0], "--prefix", cluster.prefix)
+        assert keys.returncode == 0, keys.stderr
+        indexes = ",".join(str(g.index) for g in gang.gpus)
+        uuids = ", ".join(g.uuid for g in gang.gpus)
+        assert f"# gang lease {gang.id}: one lease over GPUs {indexes} ({uuids})" in keys.stdout, keys.stdout
+        assert keys.stdout.count(f"/{gang.id}  (mod_revision=") == 2
+
+
 def test_lease_evict_and_revoke_commands(cluster: Cluster) -> None:
     cluster.start_node("h1", "1x16GiB")
     addr = cluster.start_coordinator()
