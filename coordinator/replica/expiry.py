@@ -12,12 +12,11 @@ from coordinator import errors
 from coordinator.aio import spawn
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.types import KV
-from coordinator.keys import Keys, last_segment
+from coordinator.keys import last_segment
 from coordinator.policy.planner import wait_over
 from coordinator.records import InvalidRecord, QueueEntry, VramLease, load_record
+from coordinator.replica.admitter_state import AdmitterState
 from coordinator.replica.call import AcquireCall
-from coordinator.replica.context import ReplicaContext
-from coordinator.replica.leases import Leases
 
 log = logging.getLogger(__name__)
 
@@ -26,25 +25,8 @@ LATE_WARNING_S = 0.25
 EXPIRY_SLACK_S = 0.001
 
 
-class QueueExpiry:
-    """What the expiry uses of its ``HostAdmitter`` is declared here."""
-
-    ctx: ReplicaContext
-    leases: Leases
-    host: str
-    keys: Keys
-    _pending: list[AcquireCall]
-    _waiting: dict[str, AcquireCall]
-    _expire_wake: asyncio.Event
-    _last_commit: int
-    _orphans: dict[str, int]
-    _held_since: dict[str, float]
-
-    def _fail(self, c: AcquireCall, err: errors.GpucoordError) -> None:
-        raise NotImplementedError
-
-    def notify(self) -> None:
-        raise NotImplementedError
+class QueueExpiry(AdmitterState):
+    """The expiry of a ``HostAdmitter``'s waiters."""
 
     # -- expiry ----------------------------------------------------------------------------------
     async def _expire_loop(self) -> None:

@@ -11,16 +11,14 @@ import time
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import spawn
-from coordinator.keys import Keys
 from coordinator.policy.host import HostView
 from coordinator.policy.partition.caps import TLS_DEFAULT, UNCAPPED
 from coordinator.policy.partition.caps import check as check_cap
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round
 from coordinator.records import VramLease
+from coordinator.replica.admitter_state import AdmitterState
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
-from coordinator.replica.context import ReplicaContext
-from coordinator.replica.leases import Leases
 from coordinator.replica.teams import team_state
 from coordinator.replica.view import host_view, invalid_host, read_host
 from coordinator.txn import Delete, ModRevisionIs
@@ -35,25 +33,8 @@ MIRROR_WAIT_S = 0.02
 ROUND_ETCD_SHARE = 0.9
 
 
-class AdmissionRound:
-    """What a round uses of its ``HostAdmitter`` is declared here."""
-
-    ctx: ReplicaContext
-    leases: Leases
-    host: str
-    keys: Keys
-    _pending: list[AcquireCall]
-    _waiting: dict[str, AcquireCall]
-    _expire_wake: asyncio.Event
-    _last_commit: int
-    _orphans: dict[str, int]
-    _held_since: dict[str, float]
-
-    def _fail(self, c: AcquireCall, err: errors.GpucoordError) -> None:
-        raise NotImplementedError
-
-    def notify(self) -> None:
-        raise NotImplementedError
+class AdmissionRound(AdmitterState):
+    """The rounds of a ``HostAdmitter``."""
 
     # -- rounds ----------------------------------------------------------------------------------
     async def _round(self, batch: list[AcquireCall]) -> None:
