@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.config import CoordinatorConfig
-from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
+from coordinator.keys import Keys, lease_id_for
 from coordinator.policy.admission import Departing, GpuView, room_for
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import Partition, compute_partition, parse_spec
@@ -35,51 +35,19 @@ from coordinator.records import (
     GpuLedger,
     HostInventory,
     QueueEntry,
-    SessionInfo,
     VramLease,
 )
 from coordinator.txn import Delete, Put
-
-KEYS = Keys("/t/")
-HOST = "h"
-AGENTS = ("a", "b", "c")
-NOW = 1000.0        # monotonic
-WALL = 1.7e9
-
-
-@dataclasses.dataclass(frozen=True)
-class _KV:
-    key: bytes
-    value: bytes
-    mod_revision: int
-    etcd_lease: int = 0
-
-
-@dataclasses.dataclass(eq=False)
-class Call:
-    """A call as a replica serves it (``Caller``)."""
-
-    session: SessionInfo
-    vram_mb: int
-    gpu_ref: str | None
-    priority: int
-    preemptible: bool
-    request_id: str
-    lease_id: str
-    wait_s: float
-    arrival_ns: int
-    deadline: float
-    rank: str | None = None
-    gone: bool = False
-    gpu_count: int = 1
-    exclusive: bool = False
-    topology: str = "any"
-    gpus: tuple[str, ...] = ()
-
-
-def session(agent: str) -> SessionInfo:
-    etcd_lease = 0x100 + AGENTS.index(agent)
-    return SessionInfo(agent, session_id_from_etcd_lease(etcd_lease), HOST, etcd_lease)
+from tests.support.planner_calls import (
+    _KV,
+    AGENTS,
+    HOST,
+    KEYS,
+    NOW,
+    WALL,
+    Call,
+    session,
+)
 
 
 @st.composite

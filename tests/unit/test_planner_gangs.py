@@ -35,7 +35,8 @@ from coordinator.records import (
     VramLease,
 )
 from coordinator.txn import Delete, Put
-from tests.support.gang_scenarios import (
+from tests.support.gang_scenarios import scenarios, wants
+from tests.support.planner_calls import (
     _KV,
     AGENTS,
     HOST,
@@ -43,9 +44,7 @@ from tests.support.gang_scenarios import (
     NOW,
     WALL,
     Call,
-    scenarios,
     session,
-    wants,
 )
 
 # -- the oracle ---------------------------------------------------------------------------------------------

@@ -22,17 +22,8 @@ from coordinator.policy.teams import Membership, Team
 from coordinator.records import GpuLedger, HostInventory, VramLease
 from coordinator.replica.teams import charges_from_views
 from coordinator.txn import ModRevisionIs, Put
-from tests.support.gang_scenarios import (
-    _KV,
-    HOST,
-    KEYS,
-    NOW,
-    WALL,
-    Call,
-    scenarios,
-    session,
-    wants,
-)
+from tests.support.gang_scenarios import scenarios, wants
+from tests.support.planner_calls import _KV, HOST, KEYS, NOW, WALL, Call, session
 
 TEAM = Membership([Team("t", limit_mb=1 << 40, members=("a", "b"))])
 
