@@ -212,11 +212,12 @@ class AsyncClient:
     async def acquire(self, vram_mb: int = 0, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
                       wait: float = 0.0, request_id: str | None = None, *, gpu_count: int = 1,
                       exclusive: bool = False, topology: str = "any",
-                      gpus: Sequence[int | str] = ()) -> AsyncLease:
+                      gpus: Sequence[int | str] = (), min_runtime: float = 0.0) -> AsyncLease:
         """Acquire ``vram_mb`` MiB on one GPU, or a gang: ``vram_mb`` on each of ``gpu_count`` GPUs (whole
         GPUs with ``exclusive``, ``vram_mb`` 0), joined by ``topology`` (``any``, ``numa``, ``nvlink``), or the
         exact ``gpus``; all granted together or not at all, as one lease (``lease.gpus``). Raises
-        ResourceExhausted when it does not fit (after ``wait``)."""
+        ResourceExhausted when it does not fit (after ``wait``). ``min_runtime``: seconds the lease runs before
+        another team may reclaim it while it is over its team's quota (capped by the team's maximum)."""
         if self.done.is_set():
             raise errors.SessionExpired(f"session {self.session_id} of {self.agent} is over")
         session = await self._session_ref()
@@ -230,7 +231,7 @@ class AsyncClient:
                                      priority=priority, preemptible=preemptible, request_id=request_id,
                                      wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0,
                                      gpu_count=gpu_count, exclusive=exclusive, topology=topology,
-                                     gpus=[str(g) for g in gpus])
+                                     gpus=[str(g) for g in gpus], min_runtime_seconds=min_runtime)
         resp = await self._call("Acquire", request, retry_for=max(self.retry_for, wait),
                                 wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
         # Host ownership: the next acquires go straight to the replica that admits on our host, saving

@@ -19,8 +19,10 @@ MAX_STORED_INT = 2**62
 # The stored formats of lease and queue records this release reads: 1, the records of the releases before
 # gangs (no ``format`` field), and 2 (gangs: ``gang``/``exclusive``/``topology``). Records that need none of
 # format 2's fields are still written in format 1, so that a replica of the previous release reads them
-# during a rolling upgrade; a record of a format above ``FORMAT`` is refused (``NewerFormat``).
-FORMAT = 2
+# during a rolling upgrade; a record of a format above ``FORMAT`` is refused (``NewerFormat``). Format 3
+# (teams' reclaim, issue 22) adds ``min_runtime_s`` (a lease's and a waiting request's minimum runtime before
+# it may be reclaimed) and a lease's ``over_quota`` mark; only records that carry one of them are written in it.
+FORMAT = 3
 
 
 class InvalidRecord(ValueError):

@@ -89,6 +89,11 @@ class VramLease:
     gang: tuple[str, ...] = ()   # the uuids of all the lease's GPUs, in index order; () for a single GPU
     exclusive: bool = False      # whole GPUs: no other lease on them
     topology: str = "any"        # as asked: any | numa | nvlink
+    # Teams (issue 22), format 3: how long the lease runs before it may be reclaimed by another team (as
+    # declared; capped by its team's max_min_runtime_s when reclaim chooses), and whether it was over its
+    # team's quota when granted (the quota mark; reclaim classifies the live leases again, oldest first).
+    min_runtime_s: float = 0.0
+    over_quota: bool = False
     etcd_lease: int = 0
     mod_revision: int = 0
 
@@ -99,6 +104,8 @@ class VramLease:
 
     @property
     def format(self) -> int:
+        if self.min_runtime_s or self.over_quota:
+            return 3
         return 2 if self.gang or self.exclusive or self.topology != "any" else 1
 
     def to_json(self) -> dict[str, object]:
@@ -108,6 +115,8 @@ class VramLease:
             d["pids"], d["pgid"] = list(self.pids), self.pgid
         if self.format > 1:
             d.update(format=self.format, gang=list(self.gang), exclusive=self.exclusive, topology=self.topology)
+        if self.format > 2:
+            d.update(min_runtime_s=self.min_runtime_s, over_quota=self.over_quota)
         return d
 
     @classmethod
@@ -115,7 +124,7 @@ class VramLease:
         """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
         version = format_of(d, "lease")
-        unknown_fields(d, _LEASE_KEYS if version > 1 else _LEASE_KEYS_V1)
+        unknown_fields(d, _LEASE_KEYS if version > 2 else _LEASE_KEYS_V2 if version > 1 else _LEASE_KEYS_V1)
         gpu_uuid = str_of(d, "gpu_uuid")
         gang, exclusive, topology = gang_of(d, gpu_uuid)
         return cls(id=str_of(d, "id", name=True), host=str_of(d, "host"), gpu_uuid=gpu_uuid,
@@ -125,7 +134,16 @@ class VramLease:
                    request_id=str_of(d, "request_id"), token=int_of(d, "token"), created_at=num_of(d, "created_at"),
                    pids=ints_of(d, "pids", 1 << 32, "process ids"), pgid=int_of(d, "pgid", hi=1 << 32, default=0),
                    gang=gang, exclusive=exclusive, topology=topology,
+                   min_runtime_s=min_runtime_of(d), over_quota=bool_of(d, "over_quota", False),
                    etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
+
+
+def min_runtime_of(d: dict[str, object]) -> float:
+    """A record's ``min_runtime_s`` (format 3; 0 when absent): seconds, at least 0."""
+    v = num_of(d, "min_runtime_s", 0.0)
+    if v < 0:
+        raise fail("min_runtime_s", "expected seconds, at least 0")
+    return v
 
 
 def gang_of(d: dict[str, object], gpu_uuid: str) -> tuple[tuple[str, ...], bool, str]:
@@ -143,9 +161,10 @@ def gang_of(d: dict[str, object], gpu_uuid: str) -> tuple[tuple[str, ...], bool,
 
 _LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease)
                       if f.name not in ("etcd_lease", "mod_revision", "pids", "pgid", "gang", "exclusive",
-                                        "topology"))
+                                        "topology", "min_runtime_s", "over_quota"))
 _LEASE_KEYS_V1 = frozenset(_LEASE_FIELDS) | {"pids", "pgid"}
-_LEASE_KEYS = _LEASE_KEYS_V1 | {"format", "gang", "exclusive", "topology"}
+_LEASE_KEYS_V2 = _LEASE_KEYS_V1 | {"format", "gang", "exclusive", "topology"}
+_LEASE_KEYS = _LEASE_KEYS_V2 | {"min_runtime_s", "over_quota"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +217,13 @@ class QueueEntry:
     exclusive: bool = False
     topology: str = "any"
     gpus: tuple[str, ...] = ()      # the exact GPUs asked for (indexes or uuids), () for any
+    min_runtime_s: float = 0.0      # format 3: the minimum runtime its lease declares (teams' reclaim)
     mod_revision: int = 0
 
     @property
     def format(self) -> int:
+        if self.min_runtime_s:
+            return 3
         return 2 if self.gpu_count != 1 or self.exclusive or self.topology != "any" or self.gpus else 1
 
     def to_json(self) -> dict[str, object]:
@@ -214,6 +236,8 @@ class QueueEntry:
         else:
             for f in _QUEUE_V2:
                 d.pop(f)
+        if self.format < 3:
+            d.pop("min_runtime_s")
         return d
 
     @classmethod
@@ -221,7 +245,8 @@ class QueueEntry:
         """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
         version = format_of(d, "queue")
-        unknown_fields(d, _QUEUE_KEYS if version > 1 else _QUEUE_KEYS - _QUEUE_V2 - {"format"})
+        unknown_fields(d, _QUEUE_KEYS if version > 2 else _QUEUE_KEYS - _QUEUE_V3 if version > 1
+                       else _QUEUE_KEYS - _QUEUE_V2 - _QUEUE_V3 - {"format"})
         victims = list_of(d, "victims", [])
         gpus = list_of(d, "gpus", [])
         if not all(isinstance(v, str) for v in victims):
@@ -241,10 +266,11 @@ class QueueEntry:
                    replica=str_of(d, "replica"), victims=tuple(str(v) for v in victims),
                    wait_s=num_of(d, "wait_s", 0.0), gpu_count=int_of(d, "gpu_count", 1, 1024, default=1),
                    exclusive=exclusive, topology=topology, gpus=tuple(str(g) for g in gpus),
-                   mod_revision=kv.mod_revision)
+                   min_runtime_s=min_runtime_of(d), mod_revision=kv.mod_revision)
 
 
 _QUEUE_V2 = frozenset({"gpu_count", "exclusive", "topology", "gpus"})
+_QUEUE_V3 = frozenset({"min_runtime_s"})
 _QUEUE_KEYS = frozenset(f.name for f in dataclasses.fields(QueueEntry)) - {"rank", "mod_revision"} | {"format"}
 
 
@@ -267,11 +293,16 @@ class EvictionRecord:
     # An operator's revoke of a lease bound to processes: the holder kills them at once (no SIGTERM grace);
     # the deadline is the revoke's time, and the kill margin after it bounds the wait for them.
     revoke: bool = False
+    # Teams (issue 22): the team whose request below its quota reclaims this over-quota lease of another
+    # team, whatever their priorities ("" for an eviction by priority, G3, or by an operator).
+    reclaim: str = ""
 
     def to_json(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         if not self.revoke:
             del d["revoke"]
+        if not self.reclaim:
+            del d["reclaim"]
         return d
 
     @classmethod
@@ -289,7 +320,7 @@ class EvictionRecord:
                    requester_priority=None if asker is None else int_of(d, "requester_priority", -(1 << 31), 1 << 31),
                    reason=str_of(d, "reason"), deadline_unix=num_of(d, "deadline_unix"),
                    created_at=num_of(d, "created_at"), asked_by=str_of(d, "asked_by", ""),
-                   revoke=bool_of(d, "revoke", False))
+                   revoke=bool_of(d, "revoke", False), reclaim=str_of(d, "reclaim", ""))
 
 
 _EVICTION_KEYS = frozenset(f.name for f in dataclasses.fields(EvictionRecord))

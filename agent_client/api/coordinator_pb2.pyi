@@ -45,7 +45,7 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
 class EvictionNotice(_message.Message):
-    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds", "revoke", "processes")
+    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds", "revoke", "processes", "reclaim_team")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class EvictionNotice(_message.Message):
     GRACE_LEFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REVOKE_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_TEAM_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     gpu_uuid: str
     reason: str
@@ -62,7 +63,8 @@ class EvictionNotice(_message.Message):
     grace_left_seconds: float
     revoke: bool
     processes: str
-    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ..., revoke: _Optional[bool] = ..., processes: _Optional[str] = ...) -> None: ...
+    reclaim_team: str
+    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ..., revoke: _Optional[bool] = ..., processes: _Optional[str] = ..., reclaim_team: _Optional[str] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("ttl_seconds", "notices")
@@ -83,7 +85,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology", "min_runtime_seconds", "over_quota")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,8 @@ class Lease(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OVER_QUOTA_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -122,7 +126,9 @@ class Lease(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[LeaseGpu]
     exclusive: bool
     topology: str
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ...) -> None: ...
+    min_runtime_seconds: float
+    over_quota: bool
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., min_runtime_seconds: _Optional[float] = ..., over_quota: _Optional[bool] = ...) -> None: ...
 
 class LeaseGpu(_message.Message):
     __slots__ = ("index", "uuid", "token", "vram_mb")
@@ -137,7 +143,7 @@ class LeaseGpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., token: _Optional[int] = ..., vram_mb: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds", "gpu_count", "exclusive", "topology", "gpus")
+    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds", "gpu_count", "exclusive", "topology", "gpus", "min_runtime_seconds")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +155,7 @@ class AcquireRequest(_message.Message):
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     vram_mb: int
     gpu: str
@@ -160,7 +167,8 @@ class AcquireRequest(_message.Message):
     exclusive: bool
     topology: str
     gpus: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ...) -> None: ...
+    min_runtime_seconds: float
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ..., min_runtime_seconds: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease", "owner")

@@ -34,6 +34,7 @@ class Request:
     exclusive: bool = False
     topology: str = "any"
     gpus: tuple[str, ...] = ()   # the exact GPUs (indexes or uuids), () for any
+    min_runtime_s: float = 0.0   # teams: before another team may reclaim its lease
 
     @property
     def is_gang(self) -> bool:
@@ -48,12 +49,13 @@ class Request:
     @classmethod
     def of_entry(cls, e: QueueEntry) -> Request:
         return cls(e.agent, e.lease_id, e.request_id, int(e.vram_mb), int(e.priority), bool(e.preemptible), e.gpu,
-                   e.gpu_count, e.exclusive, e.topology, e.gpus)
+                   e.gpu_count, e.exclusive, e.topology, e.gpus, e.min_runtime_s)
 
     @classmethod
     def of_call(cls, c: Caller) -> Request:
         return cls(c.session.agent, c.lease_id, c.request_id, int(c.vram_mb), int(c.priority),
-                   bool(c.preemptible), c.gpu_ref or "", c.gpu_count, c.exclusive, c.topology, tuple(c.gpus))
+                   bool(c.preemptible), c.gpu_ref or "", c.gpu_count, c.exclusive, c.topology, tuple(c.gpus),
+                   float(c.min_runtime_s))
 
 
 @dataclasses.dataclass

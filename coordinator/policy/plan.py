@@ -48,6 +48,8 @@ class Caller(Protocol):
     def topology(self) -> str: ...
     @property
     def gpus(self) -> tuple[str, ...]: ...   # the exact GPUs asked for, () for any
+    @property
+    def min_runtime_s(self) -> float: ...    # teams: before another team may reclaim its lease
 
 
 C = TypeVar("C", bound=Caller)
@@ -56,11 +58,14 @@ C = TypeVar("C", bound=Caller)
 @dataclasses.dataclass
 class Wait(Generic[C]):
     """A call that waits in the queue after this round: its entry's rank, and the entry's mod_revision as
-    the snapshot showed it (0: this round's transaction writes the entry)."""
+    the snapshot showed it (0: this round's transaction writes the entry). ``deadline`` (monotonic), when set,
+    is later than the call's own: a retry that joined an entry keeps the entry's deadline, so that it is never
+    answered before the deadline its queue entry states."""
 
     call: C
     rank: str
     revision: int
+    deadline: float | None = None
 
 
 @dataclasses.dataclass

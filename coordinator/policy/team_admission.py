@@ -60,17 +60,30 @@ def grant_charge_mb(gpus: Sequence[GpuView], vram_mb: int, exclusive: bool) -> i
     return sum(g.usable_mb if exclusive else vram_mb for g in gpus)
 
 
+def team_use(state: TeamState, view: HostView, team: str) -> int:
+    """The team's use over the fleet: the teams' copy, and every GPU record of this host's leases that copy
+    has not counted (newer ones, this round's grants)."""
+    return state.used.get(team, 0) + sum(
+        x.vram_mb for g in view.gpus.values() for x in g.leases
+        if x.id not in state.counted and state.membership.team_of(x.agent) == team)
+
+
 def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int) -> str | None:
-    """Why granting ``charge_mb`` to ``agent`` would take its team above its limit, or None: the team's use
-    over the fleet (the teams' copy, and every GPU record of this host's leases that copy has not counted:
-    newer ones, this round's grants)."""
+    """Why granting ``charge_mb`` to ``agent`` would take its team above its limit, or None."""
     team = state.membership.team_of(agent)
     if not state.limited(team):
         return None
-    used = state.used.get(team, 0) + sum(
-        x.vram_mb for g in view.gpus.values() for x in g.leases
-        if x.id not in state.counted and state.membership.team_of(x.agent) == team)
-    return limit_refusal(state.membership.team(team), used, charge_mb)
+    return limit_refusal(state.membership.team(team), team_use(state, view, team), charge_mb)
+
+
+def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_mb: int) -> bool:
+    """The quota mark of a new grant charging ``charge_mb`` to ``agent``: whether its team's use over the
+    fleet, counting it, passes the team's quota (``quota_mb``; per-model quotas are left to reclaim's
+    classification, ``teams.in_quota``). False without teams."""
+    if state is None:
+        return False
+    team = state.membership.team_of(agent)
+    return team_use(state, view, team) + charge_mb > state.membership.team(team).quota_mb
 
 
 def charged_teams(state: TeamState, new_leases: Iterable[VramLease]) -> dict[str, int]:

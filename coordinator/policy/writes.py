@@ -14,6 +14,7 @@ from coordinator.policy.admission import GpuView
 from coordinator.policy.decide import Grant, Item
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan, Wait
+from coordinator.policy.team_admission import grant_charge_mb, over_quota_mark
 from coordinator.records import (
     EvictionRecord,
     QueueEntry,
@@ -86,24 +87,29 @@ class Round(Generic[C]):
         else:
             if it.call is not None and it.entry is None:
                 plan.sessions[it.call.session.session_id] = it.call.session
+            req = it.req
+            gpus = g.gang or ((g.gpu,) if g.gpu is not None else ())
+            over = over_quota_mark(self.ctx.teams, self.view, req.agent,
+                                   grant_charge_mb(gpus, req.vram_mb, req.exclusive))
             if g.gang:
                 # All or nothing: every GPU's record in this one transaction, each with its GPU's next token.
                 gang = tuple(x.uuid for x in g.gang) if len(g.gang) > 1 else ()
-                parts = tuple(self._grant(it, gpu, gang) for gpu in g.gang)
+                parts = tuple(self._grant(it, gpu, gang, over) for gpu in g.gang)
                 plan.new_leases += parts
                 plan.gangs[parts[0].id] = parts
                 lease = parts[0]
             else:
                 assert g.gpu is not None
-                lease = self._grant(it, g.gpu)
+                lease = self._grant(it, g.gpu, over_quota=over)
                 plan.new_leases.append(lease)
         plan.grants.append((it.call, lease))
         if it.entry is not None:
             self._leaves(it.entry, None, None)
 
-    def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = ()) -> VramLease:
+    def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = (), over_quota: bool = False) -> VramLease:
         """The lease on ``gpu`` (one GPU's record of a gang, with ``gang``), with the GPU's next fencing token
-        (in this round's copies). An exclusive lease holds the GPU's whole usable VRAM."""
+        (in this round's copies). An exclusive lease holds the GPU's whole usable VRAM. ``over_quota``: its
+        team's quota mark (teams)."""
         gpu.seq += 1
         if it.entry is not None:
             session_id, etcd_lease = it.entry.session_id, it.entry.etcd_lease
@@ -115,7 +121,8 @@ class Round(Generic[C]):
             id=req.lease_id, host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=req.agent,
             session_id=session_id, vram_mb=gpu.usable_mb if req.exclusive else req.vram_mb, priority=req.priority,
             preemptible=req.preemptible, request_id=req.request_id, token=gpu.seq, created_at=self.ctx.wall,
-            gang=gang, exclusive=req.exclusive, topology=req.topology, etcd_lease=etcd_lease)
+            gang=gang, exclusive=req.exclusive, topology=req.topology, min_runtime_s=req.min_runtime_s,
+            over_quota=over_quota, etcd_lease=etcd_lease)
         gpu.leases.append(lease)
         self.view.leases[lease.id] = lease
         return lease
@@ -150,7 +157,11 @@ class Round(Generic[C]):
             plan.compares.append(ModRevisionIs(key, it.entry.mod_revision))
             plan.ops.append(Put(key, dumps(updated.to_json()), updated.etcd_lease))
         if it.call is not None:
-            plan.waits.append(Wait(it.call, it.entry.rank, 0 if updated is not it.entry else it.entry.mod_revision))
+            # A retry keeps the entry's deadline when it is later than its own (measured from its own, later
+            # arrival, it may be earlier): the waiter is never answered before its entry says its wait ends.
+            stated = self.now + (updated.deadline_unix - ctx.wall)
+            plan.waits.append(Wait(it.call, it.entry.rank, 0 if updated is not it.entry else it.entry.mod_revision,
+                                   stated if stated > it.call.deadline else None))
 
     def _entry(self, c: C, rank: str, victims: tuple[str, ...]) -> QueueEntry:
         return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
@@ -158,7 +169,8 @@ class Round(Generic[C]):
                           priority=c.priority, preemptible=c.preemptible, request_id=c.request_id,
                           lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.now),
                           replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.now),
-                          gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology, gpus=tuple(c.gpus))
+                          gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology, gpus=tuple(c.gpus),
+                          min_runtime_s=float(c.min_runtime_s))
 
     def _leaves(self, entry: QueueEntry, call: C | None, err: errors.GpucoordError | None) -> None:
         """The entry leaves the queue in this transaction (if nobody changed it since the snapshot); its

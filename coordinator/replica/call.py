@@ -33,6 +33,7 @@ class AcquireCall:
     exclusive: bool = False
     topology: str = "any"
     gpus: tuple[str, ...] = ()
+    min_runtime_s: float = 0.0    # teams: how long its lease runs before another team may reclaim it
     parts: tuple[VramLease, ...] = ()   # once granted: each GPU's record (a gang's), set before the future
 
     def __post_init__(self) -> None:

@@ -198,6 +198,8 @@ class AdmissionRound(AdmitterState):
             c = w.call
             c.rank = w.rank
             c.entry_revision = w.revision or revision
+            if w.deadline is not None and w.deadline > c.deadline:
+                c.deadline = w.deadline     # a retry that joined its entry: the entry's (later) deadline
             if self._waiting.get(c.lease_id) is c:
                 continue
             # Recorded even if its caller has gone meanwhile: the expiry then removes the entry at once.

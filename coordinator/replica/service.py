@@ -256,7 +256,7 @@ class CoordinatorService(Follower):
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
                       request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True,
-                      gang: Gang = SINGLE) -> tuple[VramLease, ...]:
+                      gang: Gang = SINGLE, min_runtime_s: float = 0.0) -> tuple[VramLease, ...]:
         """The lease granted: each GPU's record, in index order (one for a single GPU; a gang's all).
         ``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
         operator's own acquire. The fields are validated by the caller (``coordinator.rpc.validate``)."""
@@ -272,7 +272,8 @@ class CoordinatorService(Follower):
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
                            lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future(),
                            forwarded=forwarded, capped=capped, gpu_count=gang.gpu_count,
-                           exclusive=gang.exclusive, topology=gang.topology, gpus=gang.gpus)
+                           exclusive=gang.exclusive, topology=gang.topology, gpus=gang.gpus,
+                           min_runtime_s=min_runtime_s)
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host,

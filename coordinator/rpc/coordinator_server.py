@@ -81,7 +81,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
         return pb.EvictionNotice(lease_id=record.lease_id, gpu_uuid=record.gpu_uuid, reason=record.reason,
                                  requested_by=record.requested_by, deadline_unix=record.deadline_unix,
-                                 grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke)
+                                 grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke,
+                                 reclaim_team=record.reclaim)
     async def _session(self, ref: pb.SessionRef) -> SessionInfo:
         """The session a call names, once the call's own fields are valid: its fields, then the lookup."""
         validate.session_ref(ref)
@@ -136,7 +137,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             operator = caller is not None and caller.identity is not None and caller.identity.role == "operator"
             parts = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
                                            request.request_id, wait_s, forwarded=bool(forwarded_by(context)),
-                                           capped=not operator,
+                                           capped=not operator, min_runtime_s=request.min_runtime_seconds,
                                            gang=Gang(max(request.gpu_count, 1), request.exclusive,
                                                      request.topology or "any", tuple(request.gpus)))
             return pb.AcquireResponse(lease=lease_pb(parts[0], parts=parts), owner=owner[1] if owner is not None else "")

@@ -23,7 +23,8 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease
                     created_at=first.created_at, ttl_remaining=ttl_remaining, pids=list(first.pids), pgid=first.pgid,
                     gpus=[pb.LeaseGpu(index=x.gpu_index, uuid=x.gpu_uuid, token=x.token, vram_mb=x.vram_mb)
                           for x in parts],
-                    exclusive=first.exclusive, topology=first.topology)
+                    exclusive=first.exclusive, topology=first.topology, min_runtime_seconds=first.min_runtime_s,
+                    over_quota=first.over_quota)
 
 
 def status_response(report: StatusReport,

@@ -32,6 +32,7 @@ from coordinator.limits import (
     quote,
 )
 from coordinator.policy.partition import PartitionError, PartitionSpec, parse_spec
+from coordinator.policy.teams import MAX_MIN_RUNTIME_S
 from coordinator.records import TOPOLOGIES, dumps
 
 
@@ -60,6 +61,7 @@ def acquire(request: pb.AcquireRequest) -> None:
                   request.vram_mb)
     validate_acquire(request.vram_mb if not request.exclusive else 1, request.gpu, request.priority,
                      request.request_id, request.wait_seconds)
+    validate_min_runtime(request.min_runtime_seconds)
 
 
 def release(request: pb.ReleaseRequest) -> None:
@@ -148,6 +150,13 @@ def validate_acquire(vram_mb: int, gpu: str, priority: int, request_id: str, wai
         raise errors.InvalidArgument(f"wait_seconds: must be within [0, {MAX_WAIT_S:g}]", "wait_seconds")
     if gpu and not valid_name(gpu):
         raise errors.InvalidArgument(f"gpu: {quote(gpu)} is neither a GPU index nor a uuid", "gpu")
+
+
+def validate_min_runtime(seconds: float) -> None:
+    """A lease's minimum runtime before another team may reclaim it (teams, issue 22)."""
+    if not 0 <= seconds <= MAX_MIN_RUNTIME_S or seconds != seconds:
+        raise errors.InvalidArgument(f"min_runtime_seconds: must be within [0, {MAX_MIN_RUNTIME_S:g}]",
+                                     "min_runtime_seconds")
 
 
 def validate_gang(gpu_count: int, exclusive: bool, topology: str, gpus: list[str], gpu: str, vram_mb: int) -> None:

@@ -43,6 +43,7 @@ class Call:
     exclusive: bool = False
     topology: str = "any"
     gpus: tuple[str, ...] = ()
+    min_runtime_s: float = 0.0
 
 
 def session(agent: str) -> SessionInfo:
