@@ -12,7 +12,7 @@ from coordinator.policy.partition import Partition, compute_partition, parse_spe
 from coordinator.policy.plan import Context
 from coordinator.policy.planner import plan_round
 from coordinator.records import GpuInfo, GpuLedger, HostInventory, QueueEntry, VramLease
-from tests.support.planner_calls import HOST, KEYS, NOW, WALL, Call, _KV, session
+from tests.support.planner_calls import _KV, HOST, KEYS, NOW, WALL, Call, session
 
 
 def _full_host_with_waiter(entry_deadline_unix: float, replica: str) -> tuple[HostView, QueueEntry]:
