@@ -48,11 +48,12 @@ the callers' deadlines use, ``wall``: seconds since the epoch, for what is store
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Collection, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.keys import Keys
-from coordinator.policy.admission import plan_eviction
+from coordinator.policy.admission import plan_eviction, room_for
 from coordinator.policy.decide import (
     Grant,
     Item,
@@ -70,12 +71,15 @@ from coordinator.policy.decide import (
 from coordinator.policy.gang import holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan
+from coordinator.policy.reclaim import choose_reclaim_victims, own_team_only
 from coordinator.policy.team_admission import (
     charged_teams,
+    fleet_charges,
     grant_charge_mb,
     team_limit,
     team_writes,
 )
+from coordinator.policy.teams import Charge
 from coordinator.policy.victims import choose_gang_victims
 from coordinator.policy.writes import Round
 from coordinator.records import VramLease, dumps
@@ -103,6 +107,7 @@ class _Planner(Round[C]):
 
     def plan(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> Plan[C]:
         plan = self.out
+        self._charges: list[Charge] | None = None
         self.items = self._order(batch, waiting, live)
         staying = [it.entry for it in self.items if it.entry is not None and not self._leaving(it)]
         self.queued = len(staying)
@@ -278,13 +283,13 @@ class _Planner(Round[C]):
         victims = it.entry.victims if it.entry is not None else ()
         if w.victims_pending:
             return victims
-        new = self._victims(it, w)
+        new, reclaim = self._victims(it, w)
         parts = [x for v in new for x in self.parts(v.id)]
         if new and not self._fits_budget(len(new) + 2, len(new) + len(parts) + 2):
             new = []              # too many for this transaction: evict in the next round
             plan.more = True
         for victim in new:
-            record = self._eviction(victim, it)
+            record = self._eviction(victim, it, reclaim)
             plan.ops.append(Put(self.keys.eviction(victim.id), dumps(record.to_json()), victim.etcd_lease))
             for part in self.parts(victim.id):    # a gang victim: each of its GPUs' records
                 plan.compares.append(ModRevisionIs(
@@ -294,19 +299,45 @@ class _Planner(Round[C]):
             plan.evictions.append(record)
         return tuple(v.id for v in new) if new else victims
 
-    def _victims(self, it: Item[C], w: Waits) -> list[VramLease]:
+    def _victims(self, it: Item[C], w: Waits) -> tuple[list[VramLease], str]:
         """New victims (G3): for a single-GPU request over single GPUs (``admission.plan_eviction``); for a
         gang over the GPU sets free of earlier waiters (``victims.choose_gang_victims``: fewest, then lowest,
-        minimal; a gang victim frees all its GPUs). Each as its first GPU's record."""
-        req = it.req
-        if w.gang is None:
-            return plan_eviction(w.free_of_queue, w.caps, req.vram_mb, req.priority, req.agent, self.evicting)
-        gpus = self.view.gpus.values()
+        minimal; a gang victim frees all its GPUs). Each as its first GPU's record. With teams, G3 takes only
+        leases of the request's own team, and when it finds nothing the request may reclaim other teams'
+        over-quota leases (``policy/reclaim.py``); then the second value names the reclaiming team."""
+        req, teams = it.req, self.ctx.teams
+        gpus = list(self.view.gpus.values())
         blocked = {g.index for g in gpus if g.uuid in self.blocked}
-        choice = choose_gang_victims(slots_from_views(gpus, req.agent, self.view.inventory, self.evicting), w.gang,
-                                     req.priority, req.agent, holders_from_views(gpus, self.evicting), blocked)
-        if choice is None:
-            return []
-        return [self.parts(h.id)[0] for h in choice.victims]
+        if w.gang is None:
+            g3 = own_team_only(teams, req.agent, w.free_of_queue)
+            new = plan_eviction(list(g3), w.caps, req.vram_mb, req.priority, req.agent, self.evicting)
+            if new or teams is None or self._fits_once_evicted(req, w):
+                return new, ""
+        else:
+            g3 = own_team_only(teams, req.agent, gpus)
+            choice = choose_gang_victims(slots_from_views(g3, req.agent, self.view.inventory, self.evicting), w.gang,
+                                         req.priority, req.agent, holders_from_views(g3, self.evicting), blocked)
+            if choice is not None or teams is None:
+                return ([self.parts(h.id)[0] for h in choice.victims] if choice is not None else []), ""
+        # This round's grants are not reclaimed in it (their leases are not in etcd yet): in the next one they can be.
+        reclaim = choose_reclaim_victims(teams, self.view, req, w.free_of_queue, w.caps, self.evicting, self.ctx.wall,
+                                         blocked, self._fleet_charges, {x.id for x in self.out.new_leases})
+        if reclaim is None or not reclaim.victims:
+            return [], ""
+        return [self.parts(v)[0] for v in reclaim.victims], reclaim.team
+
+    def _fits_once_evicted(self, req: Request, w: Waits) -> bool:
+        """A single-GPU request that fits on one of its GPUs once the leases already being evicted are gone."""
+        return any(req.vram_mb <= room_for(dataclasses.replace(g, leases=[x for x in g.leases
+                                                                          if x.id not in self.evicting]),
+                                           req.agent, w.caps[g.uuid])
+                   for g in w.free_of_queue if g.uuid in w.caps)
+
+    def _fleet_charges(self) -> list[Charge]:
+        """Every lease of the fleet as the teams see it (built once a round, when a request may reclaim)."""
+        if self._charges is None:
+            assert self.ctx.teams is not None
+            self._charges = fleet_charges(self.ctx.teams, self.view)
+        return self._charges
 
     # -- write the ops: ``policy/writes.py`` -----------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from coordinator.keys import Keys
 from coordinator.limits import quote
-from coordinator.policy.teams import Membership, Team
+from coordinator.policy.teams import Charge, Membership, Team
 from coordinator.records import VramLease, dumps
 from coordinator.txn import Compare, ModRevisionIs, NothingWrittenSince, Op, Put
 
@@ -37,6 +37,10 @@ class TeamState:
     counted: frozenset[str]
     ledgers: Mapping[str, tuple[int, int]]
     revision: int
+    # Every lease record of the fleet in that copy (reclaim classifies them, oldest first, into in and over
+    # quota), and the GPU models by uuid (for quotas per model; {} when no team has one).
+    records: tuple[VramLease, ...] = ()
+    models: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def limited(self, team: str) -> bool:
         return self.membership.team(team).limit_mb is not None
@@ -84,6 +88,36 @@ def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_
         return False
     team = state.membership.team_of(agent)
     return team_use(state, view, team) + charge_mb > state.membership.team(team).quota_mb
+
+
+def charge_of(parts: Sequence[VramLease], membership: Membership, model: str = "") -> Charge:
+    """A lease as the teams see it, from every GPU record of it (one, or a gang's): VRAM x GPUs, each GPU
+    charged its record's ``vram_mb`` (an exclusive gang's: each GPU's whole usable VRAM)."""
+    lease = parts[0]
+    return Charge(id=lease.id, team=membership.team_of(lease.agent), vram_mb=lease.vram_mb,
+                  gpus=tuple(x.gpu_uuid for x in parts), created_at=lease.created_at, token=lease.token,
+                  model=model, preemptible=lease.preemptible, min_runtime_s=lease.min_runtime_s,
+                  total_mb=sum(x.vram_mb for x in parts))
+
+
+def by_lease(records: Iterable[VramLease]) -> list[list[VramLease]]:
+    """Lease records grouped by lease id (a gang: one record per GPU), in first-seen order."""
+    out: dict[str, list[VramLease]] = {}
+    for x in records:
+        out.setdefault(x.id, []).append(x)
+    return list(out.values())
+
+
+def fleet_charges(state: TeamState, view: HostView) -> list[Charge]:
+    """Every live lease of the fleet as a charge: the teams' copy for the other hosts, and this host as the
+    round sees it (its snapshot, with this round's grants)."""
+    here = {g.uuid for g in view.gpus.values()}
+    models = dict(state.models)
+    if view.inventory is not None:
+        models.update((g.uuid, g.name) for g in view.inventory.gpus)
+    records = [x for x in state.records if x.gpu_uuid not in here]
+    records += [x for g in sorted(view.gpus.values(), key=lambda g: g.index) for x in g.leases]
+    return [charge_of(parts, state.membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
 
 
 def charged_teams(state: TeamState, new_leases: Iterable[VramLease]) -> dict[str, int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 from coordinator.keys import last_segment, valid_name
 from coordinator.limits import quote
@@ -364,7 +364,8 @@ def _short(shortfall: Mapping[str, int], victims: Iterable[Charge]) -> bool:
 
 
 def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int], charges: Iterable[Charge],
-                   membership: Membership, now: float, model: str = "") -> list[Charge] | None:
+                   membership: Membership, now: float, model: str = "",
+                   exclude: Collection[str] = ()) -> list[Charge] | None:
     """The leases to reclaim for a request of team ``requester`` charging ``charge_mb`` that lacks
     ``shortfall[gpu]`` MiB on each GPU it is placed on: [] when nothing is short; None when the team would not
     stay within its quota with the request (it may not reclaim), or when even every reclaimable lease would not
@@ -378,7 +379,8 @@ def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int],
     charges = list(charges)
     if not stays_in_quota(membership.team(requester), charges, charge_mb, model):
         return None
-    useful = [c for c in reclaimable(requester, charges, membership, now) if set(c.gpus) & set(shortfall)]
+    useful = [c for c in reclaimable(requester, charges, membership, now)   # ``exclude``: already going
+              if set(c.gpus) & set(shortfall) and c.id not in exclude]
     victims: list[Charge] = []
     for c in reclaim_order(requester, useful, charges, membership):
         if not _short(shortfall, victims):

@@ -19,7 +19,7 @@ holders with those leases removed); None when no set can be freed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Iterable, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 from coordinator.policy.placement import (
     Chosen,
@@ -73,14 +73,8 @@ def choose_gang_victims(slots: Sequence[GpuSlot], request: GangRequest, priority
         return VictimChoice(placed.gpus, ())
     if isinstance(placed, Refused):
         return None
-    host = HostShape(slots)
-    checked = check_request(host, request, unavailable)
-    assert not isinstance(checked, Refused)
-    blocks, _ = host.blocks(checked, request.topology)
-    order = {n: (host.slots[n].index,) for n in range(len(host.slots))}
     best: tuple[tuple[int, int, tuple[int, ...]], VictimChoice] | None = None
-    for mask in gpu_sets(host, blocks, request.gpu_count, order):
-        members = [host.slots[n] for n in bits(mask)]
+    for members in candidate_sets(slots, request, unavailable):
         victims = set_victims(members, request, priority, agent, holders)
         if victims is None:
             continue
@@ -89,6 +83,20 @@ def choose_gang_victims(slots: Sequence[GpuSlot], request: GangRequest, priority
         if best is None or cost < best[0]:
             best = (cost, VictimChoice(indexes, tuple(victims)))
     return best[1] if best is not None else None
+
+
+def candidate_sets(slots: Sequence[GpuSlot], request: GangRequest,
+                   unavailable: Collection[int] = ()) -> Iterator[tuple[GpuSlot, ...]]:
+    """Every set of GPUs that could ever hold ``request`` (allowed, available, of its topology), lowest
+    indexes first; none when the request can never be placed."""
+    host = HostShape(slots)
+    checked = check_request(host, request, unavailable)
+    if isinstance(checked, Refused):
+        return
+    blocks, _ = host.blocks(checked, request.topology)
+    order = {n: (host.slots[n].index,) for n in range(len(host.slots))}
+    for mask in gpu_sets(host, blocks, request.gpu_count, order):
+        yield tuple(host.slots[n] for n in bits(mask))
 
 
 def set_victims(members: Sequence[GpuSlot], request: GangRequest, priority: int, agent: str,

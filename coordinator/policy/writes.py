@@ -64,16 +64,18 @@ class Round(Generic[C]):
         return tuple(x for g in sorted(self.view.gpus.values(), key=lambda g: g.index) for x in g.leases
                      if x.id == lease_id)
 
-    def _eviction(self, victim: VramLease, it: Item[C]) -> EvictionRecord:
+    def _eviction(self, victim: VramLease, it: Item[C], reclaim: str = "") -> EvictionRecord:
+        """The notice to ``victim`` for ``it``: by priority (G3), or reclaimed by team ``reclaim`` (G11)."""
         wall, req = self.ctx.wall, it.req
         what = (f"{req.gpu_count} {'whole GPUs' if req.exclusive else f'GPUs with {req.vram_mb} MiB each'}"
                 if req.is_gang else f"{req.vram_mb} MiB")
+        reason = (f"team {reclaim!r} reclaims its quota for a request for {what}: this lease is over its team's "
+                  "quota" if reclaim else f"priority {req.priority} request for {what} needs the room")
         return EvictionRecord(
             lease_id=victim.id, host=self.host, gpu_uuid=victim.gpu_uuid, agent=victim.agent,
             session_id=victim.session_id, victim_priority=victim.priority,
             requested_by=f"{req.agent}/{req.request_id}", requester_priority=req.priority,
-            reason=f"priority {req.priority} request for {what} needs the room",
-            deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall)
+            reason=reason, deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall, reclaim=reclaim)
 
     # -- write the ops ---------------------------------------------------------------------------------
     def _write_grant(self, it: Item[C], g: Grant) -> None:

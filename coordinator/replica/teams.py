@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 from coordinator import errors
 from coordinator.etcd.types import KV
 from coordinator.keys import last_segment
 from coordinator.policy.host import HostView
-from coordinator.policy.team_admission import TeamState
+from coordinator.policy.team_admission import TeamState, by_lease, charge_of
 from coordinator.policy.teams import (
     DEFAULT_TEAM,
     Charge,
@@ -51,23 +51,6 @@ def read_teams(kvs: Iterable[KV]) -> tuple[dict[str, Team], dict[str, KV]]:
             continue
         teams[team.name] = team
     return teams, bad
-
-
-def charge_of(parts: Sequence[VramLease], membership: Membership, model: str = "") -> Charge:
-    """A lease as the teams see it, from every GPU record of it (one, or a gang's): VRAM x GPUs, each GPU
-    charged its record's ``vram_mb`` (an exclusive gang's: each GPU's whole usable VRAM)."""
-    lease = parts[0]
-    return Charge(id=lease.id, team=membership.team_of(lease.agent), vram_mb=lease.vram_mb,
-                  gpus=tuple(x.gpu_uuid for x in parts), created_at=lease.created_at, token=lease.token,
-                  model=model, preemptible=lease.preemptible, total_mb=sum(x.vram_mb for x in parts))
-
-
-def by_lease(records: Iterable[VramLease]) -> list[list[VramLease]]:
-    """Lease records grouped by lease id (a gang: one record per GPU), in first-seen order."""
-    out: dict[str, list[VramLease]] = {}
-    for x in records:
-        out.setdefault(x.id, []).append(x)
-    return list(out.values())
 
 
 def charges_from_views(views: Iterable[HostView], membership: Membership) -> tuple[list[Charge],
@@ -142,13 +125,7 @@ class Teams:
         team_kvs, lease_kvs, queue_kvs, host_kvs = snap.ranges
         teams, _ = read_teams(team_kvs)
         membership = Membership(teams.values())
-        models: dict[str, str] = {}
-        for kv in host_kvs:
-            try:
-                inventory = HostInventory.from_json(load_record(kv.value).get("inventory"))  # type: ignore[arg-type]
-            except (InvalidRecord, AttributeError):
-                continue
-            models.update((g.uuid, g.name) for g in inventory.gpus)
+        models = gpu_models(host_kvs)
         records = []
         for kv in lease_kvs:
             try:
@@ -170,25 +147,39 @@ class Teams:
 
 # -- admission (G11): the teams' state a round is decided against ------------------------------------------------
 
-# Per mirror: lease key -> (mod_revision, lease id, agent, vram_mb), so that a round parses only the leases that
-# changed since the last one.
-_parsed: weakref.WeakKeyDictionary[Mirror, dict[bytes, tuple[int, str, str, int]]] = weakref.WeakKeyDictionary()
+# Per mirror: lease key -> (mod_revision, lease record), so that a round parses only the leases that changed
+# since the last one.
+_parsed: weakref.WeakKeyDictionary[Mirror, dict[bytes, tuple[int, VramLease]]] = weakref.WeakKeyDictionary()
 
 
-def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: Iterable[tuple[str, str, int]],
-                     revision: int) -> TeamState | None:
-    """The teams' state from one copy at ``revision``: ``leases`` as (id, agent, vram_mb); None when no team is
-    stored (nothing is charged)."""
+def gpu_models(host_kvs: Iterable[KV]) -> dict[str, str]:
+    """GPU uuid -> model, from the hosts' registrations (malformed ones left out)."""
+    models: dict[str, str] = {}
+    for kv in host_kvs:
+        try:
+            inventory = HostInventory.from_json(load_record(kv.value).get("inventory"))  # type: ignore[arg-type]
+        except (InvalidRecord, AttributeError):
+            continue
+        models.update((g.uuid, g.name) for g in inventory.gpus)
+    return models
+
+
+def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: Iterable[VramLease],
+                     revision: int, host_kvs: Callable[[], Iterable[KV]] = tuple) -> TeamState | None:
+    """The teams' state from one copy at ``revision`` (every lease record of the fleet); None when no team is
+    stored (nothing is charged). ``host_kvs`` gives the hosts' registrations, read only when a team has a quota
+    per GPU model."""
     teams, _ = read_teams(team_kvs)
     if not teams:
         return None
     membership = Membership(teams.values())
     used: dict[str, int] = {}
     counted = set()
-    for lease_id, agent, vram_mb in leases:
-        team = membership.team_of(agent)
-        used[team] = used.get(team, 0) + vram_mb
-        counted.add(lease_id)
+    records = tuple(leases)
+    for lease in records:
+        team = membership.team_of(lease.agent)
+        used[team] = used.get(team, 0) + lease.vram_mb
+        counted.add(lease.id)
     ledgers = {}
     for kv in ledger_kvs:
         try:
@@ -196,7 +187,8 @@ def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: I
         except InvalidRecord:
             seq = 0
         ledgers[last_segment(kv.key)] = (kv.mod_revision, seq if isinstance(seq, int) and seq >= 0 else 0)
-    return TeamState(membership, used, frozenset(counted), ledgers, revision)
+    models = gpu_models(host_kvs()) if any(t.quota_by_model for t in teams.values()) else {}
+    return TeamState(membership, used, frozenset(counted), ledgers, revision, records, models)
 
 
 def mirror_team_state(mirror: Mirror) -> TeamState | None:
@@ -213,13 +205,14 @@ def mirror_team_state(mirror: Mirror) -> TeamState | None:
                 lease = VramLease.from_kv(kv)
             except InvalidRecord:
                 continue   # its host is INVALID: nothing is granted there
-            hit = cache[kv.key] = (kv.mod_revision, lease.id, lease.agent, lease.vram_mb)
+            hit = cache[kv.key] = (kv.mod_revision, lease)
         seen.add(kv.key)
-        leases.append(hit[1:])
+        leases.append(hit[1])
     if len(cache) > len(seen):
         for key in set(cache) - seen:
             del cache[key]
-    return build_team_state(team_kvs, mirror.items("teamledgers"), leases, mirror.revision)
+    return build_team_state(team_kvs, mirror.items("teamledgers"), leases, mirror.revision,
+                            lambda: mirror.items("hosts"))
 
 
 async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamState | None:
@@ -236,12 +229,12 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamS
     snap = await ctx.store.snapshot([Range(keys.teams(), prefix=True)])
     if not snap.ranges[0]:
         return None
-    snap = await ctx.store.snapshot([Range(keys.kind(k), prefix=True) for k in ("teams", "teamledgers", "leases")])
+    kinds = ("teams", "teamledgers", "leases", "hosts")
+    snap = await ctx.store.snapshot([Range(keys.kind(k), prefix=True) for k in kinds])
     leases = []
     for kv in snap.ranges[2]:
         try:
-            lease = VramLease.from_kv(kv)
+            leases.append(VramLease.from_kv(kv))
         except InvalidRecord:
             continue
-        leases.append((lease.id, lease.agent, lease.vram_mb))
-    return build_team_state(snap.ranges[0], snap.ranges[1], leases, snap.revision)
+    return build_team_state(snap.ranges[0], snap.ranges[1], leases, snap.revision, lambda: snap.ranges[3])
