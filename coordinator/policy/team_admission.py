@@ -27,10 +27,10 @@ class TeamState:
     mirror, or a snapshot): membership, every team's use over the fleet (``used``, counting the leases
     ``counted``: every GPU record of each) and the ledgers (mod_revision, seq) of ``teamledgers/`` by team.
 
-    A grant charged to a team with a limit compares that team's ledger and bumps it, and every grant compares
-    that no team changed since ``revision``: grants for one limited team are thus serialized across hosts and
-    replicas, and each counted every lease of the team that a grant created before it. Leases that end only
-    lower the use, so no grant takes a team above its limit."""
+    A grant charged to a team with a limit or a quota compares that team's ledger and bumps it, and every grant
+    compares that no team changed since ``revision``: grants for one such team are thus serialized across hosts
+    and replicas, and each counted every lease of the team that a grant created before it. Leases that end only
+    lower the use, so no grant takes a team above its limit, and each grant's quota mark is exact."""
 
     membership: Membership
     used: Mapping[str, int]
@@ -44,6 +44,12 @@ class TeamState:
 
     def limited(self, team: str) -> bool:
         return self.membership.team(team).limit_mb is not None
+
+    def serialized(self, team: str) -> bool:
+        """Whether the team's grants are serialized through its ledger: it has a limit (no grant may pass it)
+        or a quota (each grant's quota mark, and reclaim's classification, count every earlier grant)."""
+        t = self.membership.team(team)
+        return t.limit_mb is not None or t.quota_mb > 0
 
     def ledger(self, team: str) -> tuple[int, int]:
         return self.ledgers.get(team, (0, 0))
@@ -137,7 +143,7 @@ def team_writes(state: TeamState, keys: Keys, new_leases: list[VramLease]) -> tu
         return [], []
     compares: list[Compare] = [NothingWrittenSince(keys.teams(), state.revision)]
     ops: list[Op] = []
-    for team in sorted(t for t in charged_teams(state, new_leases) if state.limited(t)):
+    for team in sorted(t for t in charged_teams(state, new_leases) if state.serialized(t)):
         revision, seq = state.ledger(team)
         compares.append(ModRevisionIs(keys.team_ledger(team), revision))
         ops.append(Put(keys.team_ledger(team), dumps({"seq": seq + 1})))
