@@ -35,7 +35,8 @@ class EvictionNotice:
     """``deadline`` is on this process's ``time.monotonic()`` clock: the time left that the coordinator
     sent, added to ours when the notice came (``deadline_unix`` is the coordinator's wall clock, for
     people: the two machines' clocks need not agree). ``revoke``: an operator's revoke of a lease bound to
-    processes, which are to be killed at once."""
+    processes, which are to be killed at once. ``reclaim_team``: the team that reclaims this lease, over its
+    own team's quota ("" for an eviction by priority or by an operator)."""
     lease_id: str
     gpu_uuid: str
     reason: str
@@ -43,6 +44,7 @@ class EvictionNotice:
     deadline_unix: float
     deadline: float = 0.0
     revoke: bool = False
+    reclaim_team: str = ""
 
     def supersedes(self, other: EvictionNotice) -> bool:
         """Whether this notice changes what the holder must do after ``other``: it is a revoke, or it brings
@@ -72,6 +74,9 @@ class _LeaseBase:
             LeaseGpu(msg.gpu_index, msg.gpu_uuid, msg.token, msg.vram_mb),)
         self.exclusive: bool = msg.exclusive
         self.topology: str = msg.topology or "any"
+        # Teams: over its team's quota when granted (borrowed), and its declared minimum runtime.
+        self.over_quota: bool = msg.over_quota
+        self.min_runtime: float = msg.min_runtime_seconds
         self.evicting = threading.Event()
         self.notice: EvictionNotice | None = None
         self.released = False
