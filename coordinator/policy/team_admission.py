@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
+from coordinator import errors
 from coordinator.keys import Keys
 from coordinator.limits import quote
 from coordinator.policy.teams import Membership, Team
@@ -58,6 +59,20 @@ def grant_charge_mb(gpus: Sequence[GpuView], vram_mb: int, exclusive: bool) -> i
     """What a new grant on ``gpus`` (one, or a gang's) is charged: ``vram_mb`` on each, or each GPU's usable
     VRAM if exclusive (what its records will say)."""
     return sum(g.usable_mb if exclusive else vram_mb for g in gpus)
+
+
+def least_charge_mb(candidates: Sequence[GpuView], vram_mb: int, gpu_count: int, exclusive: bool) -> int:
+    """The least a request that does not fit yet could be charged once granted on some of ``candidates``:
+    ``vram_mb`` on each of its GPUs, or, exclusive, the smallest usable VRAM of that many candidates."""
+    if not exclusive:
+        return vram_mb * gpu_count
+    return sum(sorted(g.usable_mb for g in candidates)[:gpu_count])
+
+
+def team_wait_over(reason: str, wait_s: float) -> errors.WaitTimeout:
+    """The answer to a request whose wait ended while it waited for its team's limit (``reason``, from
+    ``limit_refusal``): RESOURCE_EXHAUSTED naming ``team`` and the limit."""
+    return errors.WaitTimeout(f"{reason} (waited {wait_s:g} s for its team's limit)", "team")
 
 
 def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int) -> str | None:
