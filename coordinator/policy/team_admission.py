@@ -72,7 +72,7 @@ def least_charge_mb(candidates: Sequence[GpuView], vram_mb: int, gpu_count: int,
 def team_wait_over(reason: str, wait_s: float) -> errors.WaitTimeout:
     """The answer to a request whose wait ended while it waited for its team's limit (``reason``, from
     ``limit_refusal``): RESOURCE_EXHAUSTED naming ``team`` and the limit."""
-    return errors.WaitTimeout(f"{reason} (waited {wait_s:g} s for its team's limit)", "team")
+    return errors.WaitTimeout(f"{reason} (waited {round(wait_s, 1):g} s for its team's limit)", "team")
 
 
 def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int) -> str | None:

@@ -129,6 +129,12 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
     def has_waiters(self) -> bool:
         return bool(self._waiting)
 
+    @property
+    def has_team_waiters(self) -> bool:
+        """Some waiter of ours is held back by its team's limit alone (G11): its team's use over the fleet
+        dropping (a lease ended on any host) or its team changing may let it in (``Follower._on_events``)."""
+        return any(c.team_limit for c in self._waiting.values())
+
     def hand_off(self, err: errors.GpucoordError) -> None:
         """etcd is out of reach: every caller, pending or waiting, is answered ``err`` (UNAVAILABLE) now, so
         that it retries through another replica, which takes over a waiter's queue entry with the same

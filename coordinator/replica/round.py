@@ -197,6 +197,7 @@ class AdmissionRound(AdmitterState):
         for w in plan.waits:
             c = w.call
             c.rank = w.rank
+            c.team_limit = plan.team_waits.get(c.lease_id, "")
             c.entry_revision = w.revision or revision
             if self._waiting.get(c.lease_id) is c:
                 continue
