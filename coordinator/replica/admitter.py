@@ -71,6 +71,7 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
         # Queued requests held back only by their victims' processes: lease id -> when first (the metric).
         self._held_since: dict[str, float] = {}
+        self._teams_revision = 0
         self._task = spawn(self._run(), f"admission rounds on {host}")
         self._expiry = spawn(self._expire_loop(), f"queue expiry on {host}")
 

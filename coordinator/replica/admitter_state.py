@@ -24,6 +24,7 @@ class AdmitterState:
     _last_commit: int
     _orphans: dict[str, int]
     _held_since: dict[str, float]
+    _teams_revision: int    # the revision of the teams' copy the last round decided on (0: no team)
 
     def _fail(self, c: AcquireCall, err: errors.GpucoordError) -> None:
         raise NotImplementedError

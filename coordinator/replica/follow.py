@@ -113,7 +113,7 @@ class Follower:
                 kind, parts = self.keys.parse(ev.kv.key)
             except ValueError:
                 continue
-            if (kind == "leases" and ev.kind != "PUT") or kind == "teams":
+            if self.mirror.eases_teams(ev.kv.key, ev.kind):
                 team_room = True
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":

@@ -6,6 +6,7 @@ request behind it (G2 with teams)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,42 @@ def test_a_waiter_is_granted_when_an_operator_raises_its_teams_limit(cluster: Cl
         coordinator_stub(addr).SetTeam(pb.SetTeamRequest(name="a", limit_mb=8192), timeout=10)
         assert waiting.result(20).vram_mb == 4096
         assert queue(cluster, "h1") == []
+
+
+def test_a_lease_ending_while_a_round_decides_a_waiter_holds_for_its_team_still_wakes_it(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wake-up's race: a member's 8 GiB request waits on h1 for GPU room, not for its team. Another member
+    takes 4 GiB on h2 (team a, limit 8 GiB, is now 4 GiB short); then h1's room frees, and the round that decides
+    the waiter reads the teams (4 GiB used) just before that h2 lease ends: the watch sees the end while the
+    waiter is not yet one that waits for its team (so it wakes nobody), and the round holds it for its team.
+    The round sees that a lease ended after the teams' copy it used and decides again: the waiter is granted
+    at once, not when its wait ends. (The round writes nothing and h1 sees no other event afterwards.)"""
+    from coordinator.replica import round as round_module
+    from coordinator.txn import Delete
+    for host in ("h1", "h2"):
+        cluster.start_node(host, "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator()
+    mirror = cluster.service(addr).mirror
+    _team_a(addr, 8192)
+    real = round_module.team_state
+    armed: list[bytes] = []     # the lease key to delete within the next round's read of the teams
+    ended: list[int] = []
+
+    async def racing_team_state(ctx: Any, revision: int, wait_s: float) -> Any:
+        state = await real(ctx, revision, wait_s)
+        if armed and state is not None and state.used.get("a") == 4096:
+            res = await cluster.store.commit([], [Delete(armed.pop())])
+            assert await mirror.caught_up(res.revision, 5)
+            ended.append(res.revision)
+        return state
+    monkeypatch.setattr(round_module, "team_state", racing_team_state)
+    with Client(addr, agent="bob", host="h1") as bob, Client(addr, agent="a-1", host="h2") as a1, \
+            Client(addr, agent="a-2", host="h1") as a2:
+        full = bob.acquire(16384)
+        waiting = Background(a2.acquire, 8192, wait=30)
+        _queued(cluster, "h1", 1)
+        a1.acquire(4096)
+        armed.append(cluster.get_prefix(cluster.keys.leases("h2"))[0].key)
+        full.release()
+        assert waiting.result(10).vram_mb == 8192
+        assert ended, "the race was not played"
