@@ -90,9 +90,10 @@ def test_a_request_waiting_for_its_team_holds_no_gpu_back_from_other_teams_behin
 
 
 def test_a_request_waiting_for_its_team_chooses_no_victims() -> None:
-    """The GPU is full of another team's low-priority preemptible leases: a high-priority request of team t at its
-    limit would evict them if it were not held back by its team; it waits without a notice."""
-    view = _host([_lease("low", "c", 16384, priority=-1)])
+    """The GPU is full of a low-priority preemptible lease of team t itself (counted in t's use): a
+    high-priority request of team t at its limit would evict it if it were not held back by its team; it waits
+    without a notice."""
+    view = _host([_lease("low", "b", 16384, priority=-1)])
     high = _call("a", "high", 4096, 5.0, 1000, priority=5)
     plan = _round(view, [high], team_used=LIMIT)
     assert plan.evictions == [] and high.lease_id in plan.team_waits
