@@ -16,6 +16,7 @@ from coordinator.policy.gang import could_use, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.placement import Chosen, GangRequest, Refused, place
 from coordinator.policy.plan import C, Caller, Context
+from coordinator.policy.team_admission import team_wait_over
 from coordinator.records import QueueEntry, VramLease
 
 
@@ -171,17 +172,31 @@ def decide(it: Item[C], view: HostView, ctx: Context, departing_held: Collection
 def _may_not_wait(c: Caller, host: str, ctx: Context, vram: int, behind_waiters: bool, agent_waiting: int,
                   no_fit: str) -> errors.GpucoordError | None:
     """Why a new request that does not fit now may not wait, or None (the host's bound is apart)."""
-    cfg = ctx.config
     if c.deadline <= ctx.now:
         if c.wait_s > 0:
             return wait_over(c.vram_mb, c.wait_s)
         return errors.CapacityError(
             f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests" if behind_waiters
             else no_fit or f"vram_mb: {vram} MiB does not fit now on any allowed GPU", "vram_mb")
-    if agent_waiting >= cfg.max_queue_per_agent:
+    return _agent_queue_full(c, host, ctx, agent_waiting)
+
+
+def may_not_wait_for_team(c: Caller, host: str, ctx: Context, reason: str,
+                          agent_waiting: int) -> errors.GpucoordError | None:
+    """Why a new request that its team's limit holds back (``reason``, naming ``team`` and the limit) may not
+    wait for its team, or None: it asked for no wait (refused naming ``team``), or its agent's queue bound
+    (the host's is apart)."""
+    if c.deadline <= ctx.now:
+        return team_wait_over(reason, c.wait_s) if c.wait_s > 0 else errors.CapacityError(reason, "team")
+    return _agent_queue_full(c, host, ctx, agent_waiting)
+
+
+def _agent_queue_full(c: Caller, host: str, ctx: Context, agent_waiting: int) -> errors.GpucoordError | None:
+    limit = ctx.config.max_queue_per_agent
+    if agent_waiting >= limit:
         return errors.CapacityError(
             f"queue: agent {c.session.agent!r} already has {agent_waiting} waiting requests on host "
-            f"{host!r} (limit {cfg.max_queue_per_agent} per agent)", "queue")
+            f"{host!r} (limit {limit} per agent)", "queue")
     return None
 
 

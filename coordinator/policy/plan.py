@@ -96,6 +96,9 @@ class Plan(Generic[C]):
     # Lease ids of queued requests whose victims' leases are gone but whose processes are still reported:
     # held back this round for them (the metric of such waits).
     held_by_processes: list[str] = dataclasses.field(default_factory=list)
+    # Lease ids of the requests that wait for their team's limit alone (G11), with why (``limit_refusal``): they
+    # hold no GPU back and choose no victims; a wait that ends so is answered naming ``team``.
+    team_waits: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

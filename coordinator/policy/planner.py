@@ -36,6 +36,17 @@ Guarantees, checked by the property tests in ``tests/unit/test_planner.py``:
   never starved by a stream of small ones. A gang's victims are chosen over GPU sets
   (``victims.choose_gang_victims``: fewest, then lowest, minimal); a gang victim frees all its GPUs, and its
   notice compares each of its records. ``_fits_budget`` counts a gang's k lease puts and k ledger puts.
+* **G2 with teams** (G11, ``_wait_for_team``): a request that its team's limit holds back (its grant would take
+  its team above its limit; for one that does not fit yet, even the least it could be charged would) waits
+  for its team alone: it holds no GPU back and chooses no victims, so the requests ranked after it, of every
+  team, are decided as if it were not there. It is not waiting for GPU room: blocking GPUs for it would idle
+  them for a request that cannot be granted anyway, and evicting for it would end leases for nothing. Its
+  own team's requests behind it are not held back either: one that the limit still allows (a smaller one)
+  is granted first, so the team's room goes to whichever of its requests fits first in rank order, and a
+  big request of a team at its limit may be passed by its team's smaller ones (the team's own business;
+  across teams nothing changes). Once its team has room it is decided as any request (it may then block
+  GPUs and choose victims). A new call that asked for no wait is refused at once naming ``team`` and the
+  limit; a wait that ends while the limit holds it back is answered so too (``Plan.team_waits``).
 * G3: victims are preemptible, of lower priority, chosen by ``admission.choose_victims`` (lowest priority
   first, then newest; no victim can be spared); a request with victims is admitted only once they are gone:
   their leases, and the processes of those bound to processes while the node still reports them and the
@@ -64,6 +75,7 @@ from coordinator.policy.decide import (
     decide,
     eligible,
     left_the_queue,
+    may_not_wait_for_team,
 )
 from coordinator.policy.decide import (
     wait_over as wait_over,  # the admitter answers a wait that ended with it
@@ -76,6 +88,7 @@ from coordinator.policy.team_admission import (
     charged_teams,
     fleet_charges,
     grant_charge_mb,
+    least_charge_mb,
     team_limit,
     team_writes,
 )
@@ -124,12 +137,7 @@ class _Planner(Round[C]):
             decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent])
             over = self._over_team_limit(it, decision)
             if over is not None:
-                # G11: not granted, and refused naming the team: a new call at once, a queued request by
-                # leaving the queue (waiting on there, it would hold its GPUs back from everyone behind it).
-                if it.call is not None and it.entry is None:
-                    plan.refusals.append((it.call, errors.CapacityError(over, "team")))
-                elif it.entry is not None:
-                    self._leaves(it.entry, it.call, errors.CapacityError(over, "team"))
+                self._wait_for_team(n, it, over)
                 continue
             if isinstance(decision, Grant):
                 self._write_grant(it, decision)
@@ -160,12 +168,38 @@ class _Planner(Round[C]):
         return plan
 
     def _over_team_limit(self, it: Item[C], decision: object) -> str | None:
-        """Why a new grant would take its team above its limit (G11; charged VRAM x GPUs), or None."""
-        state = self.ctx.teams
-        if state is None or not isinstance(decision, Grant) or decision.existing is not None:
+        """Why this request waits for its team (G11; charged VRAM x GPUs), or None: a new grant would take its
+        team above its limit, or, for a request that does not fit yet, even the least it could be charged
+        would (``least_charge_mb``)."""
+        state, req = self.ctx.teams, it.req
+        if state is None:
             return None
-        gpus = decision.gang or ((decision.gpu,) if decision.gpu is not None else ())
-        return team_limit(state, self.view, it.req.agent, grant_charge_mb(gpus, it.req.vram_mb, it.req.exclusive))
+        if isinstance(decision, Grant) and decision.existing is None:
+            gpus = decision.gang or ((decision.gpu,) if decision.gpu is not None else ())
+            charge = grant_charge_mb(gpus, req.vram_mb, req.exclusive)
+        elif isinstance(decision, Waits):
+            charge = least_charge_mb(decision.candidates, req.vram_mb, req.gpu_count, req.exclusive)
+        else:
+            return None
+        return team_limit(state, self.view, req.agent, charge)
+
+    def _wait_for_team(self, n: int, it: Item[C], reason: str) -> None:
+        """G11: a request that its team's limit holds back (``reason`` names ``team`` and the limit). A new call
+        that asked for no wait is refused at once; one that waits takes a place in the queue (within its
+        agent's and the host's bounds) and a queued one keeps its place, without holding any GPU back (G2) or
+        choosing victims (G3), until its team's use over the fleet leaves room for it or its wait ends
+        (``team_waits``: the admitter answers that end naming ``team``)."""
+        plan = self.out
+        if it.entry is None:
+            assert it.call is not None
+            refusal = may_not_wait_for_team(it.call, self.host, self.ctx, reason, self.per_agent[it.agent])
+            if refusal is None:
+                refusal = self._bound_queue(n, it)
+            if refusal is not None:
+                plan.refusals.append((it.call, refusal))
+                return
+        plan.team_waits[it.req.lease_id] = reason
+        self._write_wait(it, it.entry.victims if it.entry is not None else ())
 
     # -- order the calls -------------------------------------------------------------------------------
     def _order(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> list[Item[C]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
+from coordinator import errors
 from coordinator.keys import Keys
 from coordinator.limits import quote
 from coordinator.policy.teams import Charge, Membership, Team
@@ -76,6 +77,20 @@ def team_use(state: TeamState, view: HostView, team: str) -> int:
     return state.used.get(team, 0) + sum(
         x.vram_mb for g in view.gpus.values() for x in g.leases
         if x.id not in state.counted and state.membership.team_of(x.agent) == team)
+
+
+def least_charge_mb(candidates: Sequence[GpuView], vram_mb: int, gpu_count: int, exclusive: bool) -> int:
+    """The least a request that does not fit yet could be charged once granted on some of ``candidates``:
+    ``vram_mb`` on each of its GPUs, or, exclusive, the smallest usable VRAM of that many candidates."""
+    if not exclusive:
+        return vram_mb * gpu_count
+    return sum(sorted(g.usable_mb for g in candidates)[:gpu_count])
+
+
+def team_wait_over(reason: str, wait_s: float) -> errors.WaitTimeout:
+    """The answer to a request whose wait ended while it waited for its team's limit (``reason``, from
+    ``limit_refusal``): RESOURCE_EXHAUSTED naming ``team`` and the limit."""
+    return errors.WaitTimeout(f"{reason} (waited {round(wait_s, 1):g} s for its team's limit)", "team")
 
 
 def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int) -> str | None:

@@ -71,6 +71,8 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
         # Queued requests held back only by their victims' processes: lease id -> when first (the metric).
         self._held_since: dict[str, float] = {}
+        self._teams_revision = 0
+        self._team_waiters = False
         self._task = spawn(self._run(), f"admission rounds on {host}")
         self._expiry = spawn(self._expire_loop(), f"queue expiry on {host}")
 
@@ -128,6 +130,13 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
     @property
     def has_waiters(self) -> bool:
         return bool(self._waiting)
+
+    @property
+    def has_team_waiters(self) -> bool:
+        """Some waiter of ours was held back by its team's limit alone at the last round (G11): its team's use
+        over the fleet dropping (a lease ended on any host) or its team changing may let it in
+        (``Follower._on_events``). Set by each round; true a little too long at worst (an extra round)."""
+        return self._team_waiters
 
     def hand_off(self, err: errors.GpucoordError) -> None:
         """etcd is out of reach: every caller, pending or waiting, is answered ``err`` (UNAVAILABLE) now, so

@@ -35,6 +35,9 @@ class AcquireCall:
     gpus: tuple[str, ...] = ()
     min_runtime_s: float = 0.0    # teams: how long its lease runs before another team may reclaim it
     parts: tuple[VramLease, ...] = ()   # once granted: each GPU's record (a gang's), set before the future
+    # Queued and held back by its team's limit alone as of its last round (G11): why ("team: ..."); "" when it
+    # waits for room. Its wait then ends naming ``team``, and a drop of its team's use wakes its host's rounds.
+    team_limit: str = ""
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.wait_s

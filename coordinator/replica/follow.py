@@ -107,11 +107,14 @@ class Follower:
 
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()
+        team_room = False    # a team's use over the fleet may have dropped, or a team changed (G11)
         for ev in batch.events:
             try:
                 kind, parts = self.keys.parse(ev.kv.key)
             except ValueError:
                 continue
+            if self.mirror.eases_teams(ev.kv.key, ev.kind):
+                team_room = True
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     try:
@@ -141,6 +144,12 @@ class Follower:
             admitter = self._admitters.get(host)
             if admitter is not None and admitter.has_waiters:
                 admitter.notify()
+        if team_room:
+            # A lease ended on any host (maybe granted and released through another replica), or a team
+            # changed (a raised limit, new members): the hosts whose waiters wait for their team decide again.
+            for admitter in self._admitters.values():
+                if admitter.has_team_waiters:
+                    admitter.notify()
 
     def _on_reach(self, ok: bool) -> None:
         """etcd went out of reach: hand every caller to another replica (see replica/reach.py). The waiters'

@@ -32,8 +32,11 @@ class Mirror:
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
         self._lease_keys: dict[str, bytes] = {}      # lease id -> its key
         self._leases_prefix = keys.kind("leases")
+        self._teams_prefix = keys.kind("teams")
         self._reset_at = 0
         self._advanced: asyncio.Event | None = None    # set (and replaced) each time the revision moves
+        # The revision of the last event that may have given a team room (``eases_teams``), or of the last reset.
+        self.teams_eased_at = 0
 
     async def caught_up(self, revision: int, timeout: float) -> bool:
         """Wait (at most ``timeout``) until the mirror has applied ``revision``; whether it has."""
@@ -67,6 +70,7 @@ class Mirror:
         for kv in kvs:
             self._put(kv)
         self.revision = revision
+        self.teams_eased_at = revision    # anything may have changed
         self.ready = True
         self._moved()
 
@@ -77,7 +81,15 @@ class Mirror:
             else:
                 self._delete(ev.kv.key)
             self.revision = max(self.revision, ev.kv.mod_revision)
+            if self.eases_teams(ev.kv.key, ev.kind):
+                self.teams_eased_at = self.revision
         self._moved()
+
+    def eases_teams(self, key: bytes, event: str) -> bool:
+        """Whether a watch event (``event``: PUT or DELETE) of ``key`` may give a team room under its limit
+        (G11): a lease deleted (released, evicted, expired: a team's use drops) or a team changed (a raised
+        limit, other members)."""
+        return key.startswith(self._teams_prefix) or (event != "PUT" and key.startswith(self._leases_prefix))
 
     def _bucket(self, key: bytes, create: bool = True) -> dict[bytes, KV] | None:
         try:

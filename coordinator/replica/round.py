@@ -84,6 +84,7 @@ class AdmissionRound(AdmitterState):
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
                           clock.wall(), self._overdue(), teams)
             plan = plan_round(view, batch, self._waiting, live, ctx)
+            self._teams_revision = teams.revision if teams is not None else 0
             if use_mirror:
                 use_mirror = False
                 if plan.refusals or plan.failures or plan.waits or plan.evictions or not plan.ops:
@@ -197,6 +198,7 @@ class AdmissionRound(AdmitterState):
         for w in plan.waits:
             c = w.call
             c.rank = w.rank
+            c.team_limit = plan.team_waits.get(c.lease_id, "")
             c.entry_revision = w.revision or revision
             if w.deadline is not None and w.deadline > c.deadline:
                 c.deadline = w.deadline     # a retry that joined its entry: the entry's (later) deadline
@@ -209,6 +211,11 @@ class AdmissionRound(AdmitterState):
             else:
                 loop.call_later(max(0.0, c.deadline - time.monotonic()), self._expire_wake.set)
         metrics.EVICTIONS.labels("notice").inc(len(plan.evictions))
+        self._team_waiters = any(c.team_limit for c in self._waiting.values())
+        if plan.team_waits and self.ctx.mirror.teams_eased_at > self._teams_revision:
+            # A lease ended (or a team changed) after the teams' copy this round decided on, and the watch saw it
+            # before these waiters were ours to wake (``Follower._on_events``): decide again now.
+            self.notify()
 
     def _schedule_give_back(self, lease: VramLease) -> None:
         spawn(self._give_back(lease), f"giving back the orphaned lease {lease.id}")

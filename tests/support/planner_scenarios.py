@@ -128,6 +128,8 @@ def _candidates(view: HostView, caps: dict[str, dict[str, int]], agent: str, gpu
 
 
 def check(s: dict[str, Any], plan: Plan[Call]) -> None:
+    """Every guarantee of the round over the state after ``plan``. A request that waits for its team's limit
+    alone (``plan.team_waits``) holds no GPU back (G2 with teams)."""
     view: HostView = s["view"]
     caps = s["caps"]
     assert len(plan.compares) <= 128 and len(plan.ops) <= 128
@@ -160,7 +162,8 @@ def check(s: dict[str, Any], plan: Plan[Call]) -> None:
     still = [e for e in view.entries if KEYS.queue_entry(HOST, e.rank) not in deleted]
     new_entries = [QueueEntry.from_kv(_KV(k, op.value, 0)) for k, op in puts.items()
                    if KEYS.parse(k)[0] == "queue" and all(e.rank != KEYS.parse(k)[1][-1] for e in still)]
-    waiters = [(e.rank, _candidates(view, caps, e.agent, e.gpu)) for e in [*still, *new_entries]]
+    waiters = [(e.rank, _candidates(view, caps, e.agent, e.gpu)) for e in [*still, *new_entries]
+               if e.lease_id not in plan.team_waits]
     ranks = {c.lease_id: c for c in s["batch"]}
     for lease in plan.new_leases:
         call = ranks.get(lease.id)

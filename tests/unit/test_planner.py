@@ -26,9 +26,12 @@ from hypothesis import strategies as st
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import lease_id_for
 from coordinator.policy.host import HostView
+from coordinator.policy.plan import Plan
 from coordinator.policy.planner import plan_round
-from coordinator.txn import Put
+from coordinator.records import QueueEntry
+from coordinator.txn import Delete, Put
 from tests.support.planner_calls import (
+    _KV,
     AGENTS,
     HOST,
     KEYS,
@@ -96,6 +99,29 @@ def test_a_round_takes_no_team_above_its_limit(s: dict[str, Any], limit: int, el
         assert ledger not in puts
     if plan.new_leases:
         assert NothingWrittenSince(KEYS.teams(), 600) in plan.compares
-    for _, err in plan.refusals:
+    for call, err in plan.refusals:
         if err.field == "team":
             assert f"its limit of {limit} MiB" in err.message
+            assert call.wait_s == 0, "a request that asked to wait was refused for its team instead of waiting"
+    # A request held back by t's limit waits for it (its entry stays, or is written), and only when even the
+    # least it asks would take t above the limit; it chooses no victims.
+    queued = _queued_after(view, plan)
+    asks = {e.lease_id: (e.agent, e.request_id, e.vram_mb) for e in view.entries}
+    asks.update({c.lease_id: (c.session.agent, c.request_id, c.vram_mb) for c in s["batch"]})
+    requesters = {r.requested_by for r in plan.evictions}
+    for lease_id, reason in plan.team_waits.items():
+        agent, request_id, vram = asks[lease_id]
+        assert lease_id in queued, f"{lease_id} waits for its team without a queue entry"
+        assert agent in ("a", "b") and f"its limit of {limit} MiB" in reason
+        assert here + elsewhere + charged + vram > limit, f"{lease_id} waited for its team though it had room"
+        assert f"{agent}/{request_id}" not in requesters, f"{lease_id} chose victims while it waits for its team"
+
+
+def _queued_after(view: HostView, plan: Plan[Call]) -> set[str]:
+    """The lease ids with a queue entry once ``plan`` has committed."""
+    deleted = {op.key for op in plan.ops if isinstance(op, Delete)}
+    out = {e.lease_id for e in view.entries if KEYS.queue_entry(HOST, e.rank) not in deleted}
+    for op in plan.ops:
+        if isinstance(op, Put) and KEYS.parse(op.key)[0] == "queue":
+            out.add(QueueEntry.from_kv(_KV(op.key, op.value, 0)).lease_id)
+    return out
