@@ -91,6 +91,8 @@ class Plan(Generic[C]):
     new_entries: int = 0
     deferred: list[C] = dataclasses.field(default_factory=list)  # past the budget: next round
     more: bool = False          # something was left for the next round (evictions past the budget)
+    # Seconds until a lease that reclaim could take comes out of its minimum runtime (teams): decide again then.
+    wake_after: float | None = None
     sessions: dict[str, SessionInfo] = dataclasses.field(default_factory=dict)  # of new grants and waits
     evictions: list[EvictionRecord] = dataclasses.field(default_factory=list)
     # Lease ids of queued requests whose victims' leases are gone but whose processes are still reported:

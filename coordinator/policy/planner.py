@@ -83,7 +83,11 @@ from coordinator.policy.decide import (
 from coordinator.policy.gang import holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan
-from coordinator.policy.reclaim import choose_reclaim_victims, own_team_only
+from coordinator.policy.reclaim import (
+    choose_reclaim_victims,
+    own_team_only,
+    protected_until,
+)
 from coordinator.policy.team_admission import (
     charged_teams,
     fleet_charges,
@@ -356,6 +360,12 @@ class _Planner(Round[C]):
         # This round's grants are not reclaimed in it (their leases are not in etcd yet): in the next one they can be.
         reclaim = choose_reclaim_victims(teams, self.view, req, w.free_of_queue, w.caps, self.evicting, self.ctx.wall,
                                          blocked, self._fleet_charges, {x.id for x in self.out.new_leases})
+        if reclaim is None and self._charges is not None:
+            # Maybe held back only by a minimum runtime: decide again once the first one ends.
+            until = protected_until(teams, self.view, req, self._charges, self.ctx.wall, self.evicting)
+            if until is not None:
+                left = max(0.0, until - self.ctx.wall)
+                self.out.wake_after = left if self.out.wake_after is None else min(self.out.wake_after, left)
         if reclaim is None or not reclaim.victims:
             return [], ""
         return [self.parts(v)[0] for v in reclaim.victims], reclaim.team

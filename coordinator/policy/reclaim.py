@@ -25,7 +25,7 @@ from coordinator.policy.decide import Request
 from coordinator.policy.gang import slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.team_admission import TeamState, fleet_charges, team_use
-from coordinator.policy.teams import Charge, choose_reclaim
+from coordinator.policy.teams import Charge, choose_reclaim, in_quota, protected
 from coordinator.policy.victims import candidate_sets
 
 
@@ -53,6 +53,20 @@ def own_team_only(state: TeamState | None, agent: str, gpus: Sequence[GpuView]) 
         copy.seq = g.seq
         out.append(copy)
     return out
+
+
+def protected_until(state: TeamState, view: HostView, req: Request, charges: Sequence[Charge], wall: float,
+                    exclude: Collection[str] = ()) -> float | None:
+    """When the first lease of this host that ``req`` could reclaim but for its minimum runtime comes out of
+    it (wall clock): other teams' over-quota, preemptible leases still within their minimum runtime. None when
+    there is none (nothing to wait for)."""
+    here = set(view.gpus)
+    requester = state.membership.team_of(req.agent)
+    marks = in_quota(charges, state.membership)
+    ends = [c.created_at + min(c.min_runtime_s, state.membership.team(c.team).max_min_runtime_s) for c in charges
+            if c.team != requester and not marks[c.id] and c.preemptible and c.id not in exclude
+            and set(c.gpus) & here and protected(c, state.membership.team(c.team), wall)]
+    return min(ends) if ends else None
 
 
 def _options(view: HostView, req: Request, candidates: Sequence[GpuView], caps: Mapping[str, int],

@@ -194,6 +194,8 @@ class AdmissionRound(AdmitterState):
             self.notify()
         if plan.more:
             self.notify()
+        if plan.wake_after is not None:    # a lease reclaim could take leaves its minimum runtime then
+            asyncio.get_running_loop().call_later(plan.wake_after + 0.01, self.notify)
         loop = asyncio.get_running_loop()
         for w in plan.waits:
             c = w.call

@@ -133,3 +133,34 @@ def test_reclaim_holds_over_two_replicas_when_one_is_killed_while_the_team_waits
         for proc, _ in procs:
             stop_process(proc)
     cluster.lt.run(check_store(cluster.store, cluster.keys)).assert_ok()
+
+
+@pytest.mark.parametrize("team_max_s", [3600.0, 0.0])
+def test_a_borrowed_lease_is_reclaimed_only_after_its_minimum_runtime(cluster: Cluster, team_max_s: float) -> None:
+    """A's lease (over quota: A has none) declares a minimum runtime of 2 s. Under A's maximum of an hour it
+    gets its reclaim notice only once 2 s have passed since its grant, and B is granted after that plus the
+    grace; with a maximum of 0 the declaration counts for nothing and the notice comes at once."""
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    stub = coordinator_stub(addr)
+    usable = _usable_mb(addr)
+    stub.SetTeam(pb.SetTeamRequest(name="a", quota_mb=0, max_min_runtime_seconds=team_max_s,
+                                   members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
+    stub.SetTeam(pb.SetTeamRequest(name="b", quota_mb=usable, members=pb.TeamMembers(patterns=["b-*"])), timeout=10)
+    with Client(addr, agent="a-1", host="h1") as a, Client(addr, agent="b-1", host="h1") as b:
+        borrowed = a.acquire(0, exclusive=True, min_runtime=2.0)
+        granted_at = time.monotonic()
+        assert borrowed.over_quota and borrowed.min_runtime == 2.0
+        result: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: result.update(lease=b.acquire(0, exclusive=True, wait=30)), daemon=True)
+        t.start()
+        wait_for(borrowed.evicting.is_set, 10, "the reclaim notice")
+        noticed = time.monotonic() - granted_at
+        t.join(30)
+        assert "lease" in result
+    print(f"team max {team_max_s:g} s: the notice came {noticed:.2f} s after the grant")
+    if team_max_s:
+        assert noticed >= 2.0 - 0.05, "reclaimed within its minimum runtime"
+        assert noticed <= 2.0 + 1.0, "not reclaimed soon after its minimum runtime ended"
+    else:
+        assert noticed < 2.0, "the minimum runtime counted though the team's maximum is 0"
