@@ -91,9 +91,10 @@ class VramLease:
     topology: str = "any"        # as asked: any | numa | nvlink
     # Teams (issue 22), format 3: how long the lease runs before it may be reclaimed by another team (as
     # declared; capped by its team's max_min_runtime_s when reclaim chooses), and whether it was over its
-    # team's quota when granted (the quota mark; reclaim classifies the live leases again, oldest first).
+    # team's quota when granted (the quota mark, written while teams are stored; None: unmarked. Reclaim
+    # classifies the live leases again, oldest first).
     min_runtime_s: float = 0.0
-    over_quota: bool = False
+    over_quota: bool | None = None
     etcd_lease: int = 0
     mod_revision: int = 0
 
@@ -104,7 +105,7 @@ class VramLease:
 
     @property
     def format(self) -> int:
-        if self.min_runtime_s or self.over_quota:
+        if self.min_runtime_s or self.over_quota is not None:
             return 3
         return 2 if self.gang or self.exclusive or self.topology != "any" else 1
 
@@ -116,7 +117,9 @@ class VramLease:
         if self.format > 1:
             d.update(format=self.format, gang=list(self.gang), exclusive=self.exclusive, topology=self.topology)
         if self.format > 2:
-            d.update(min_runtime_s=self.min_runtime_s, over_quota=self.over_quota)
+            d["min_runtime_s"] = self.min_runtime_s
+            if self.over_quota is not None:
+                d["over_quota"] = self.over_quota
         return d
 
     @classmethod
@@ -134,7 +137,7 @@ class VramLease:
                    request_id=str_of(d, "request_id"), token=int_of(d, "token"), created_at=num_of(d, "created_at"),
                    pids=ints_of(d, "pids", 1 << 32, "process ids"), pgid=int_of(d, "pgid", hi=1 << 32, default=0),
                    gang=gang, exclusive=exclusive, topology=topology,
-                   min_runtime_s=min_runtime_of(d), over_quota=bool_of(d, "over_quota", False),
+                   min_runtime_s=min_runtime_of(d), over_quota=bool_of(d, "over_quota") if "over_quota" in d else None,
                    etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
 
 

@@ -341,7 +341,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _setup_logging(True)
     return asyncio.run(run_command(
         args.coordinator, args.agent, host, cmd, vram_mb, ttl=args.ttl, gpu=args.gpu, priority=args.priority,
-        gpu_count=args.gpus, exclusive=args.exclusive, topology=args.topology,
+        gpu_count=args.gpus, exclusive=args.exclusive, topology=args.topology, min_runtime=args.min_runtime,
         preemptible=not args.no_preemptible, wait=args.wait, kill_after=args.kill_after,
         cgroup_root=args.cgroup_root, tls_ca=tls.ca if tls else None, tls_cert=tls.cert if tls else None,
         tls_key=tls.key if tls else None))

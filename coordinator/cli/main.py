@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--topology", default="any", choices=("any", "numa", "nvlink"),
                     help="how the GPUs must be joined: any, numa (one NUMA node), nvlink (every pair)")
     ru.add_argument("--priority", type=int, default=0)
+    ru.add_argument("--min-runtime", type=float, default=0.0, metavar="SECONDS",
+                    help="teams: run this long before another team may reclaim the lease while it is over its "
+                         "team's quota (capped by the team's maximum)")
     ru.add_argument("--no-preemptible", action="store_true", help="never evict this lease for another request")
     ru.add_argument("--wait", type=float, default=0.0, help="queue up to this many seconds for the VRAM")
     ru.add_argument("--kill-after", type=float, default=None,

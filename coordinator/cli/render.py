@@ -103,7 +103,8 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                 lines.append(f"  {lease['id']:<20} {lease['agent']:<14} {where:>3} "
                              f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
                              f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
-                             f"{lease.get('ttl_remaining', '?'):>4}{_eviction(lease.get('eviction'), now)}")
+                             f"{lease.get('ttl_remaining', '?'):>4}{' over quota' if lease.get('over_quota') else ''}"
+                             f"{_eviction(lease.get('eviction'), now)}")
         else:
             lines.append("  no leases")
         for q in h.get("queue", []):

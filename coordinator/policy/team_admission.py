@@ -101,12 +101,12 @@ def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int) -> 
     return limit_refusal(state.membership.team(team), team_use(state, view, team), charge_mb)
 
 
-def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_mb: int) -> bool:
+def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_mb: int) -> bool | None:
     """The quota mark of a new grant charging ``charge_mb`` to ``agent``: whether its team's use over the
     fleet, counting it, passes the team's quota (``quota_mb``; per-model quotas are left to reclaim's
-    classification, ``teams.in_quota``). False without teams."""
+    classification, ``teams.in_quota``). None (unmarked) without teams."""
     if state is None:
-        return False
+        return None
     team = state.membership.team_of(agent)
     return team_use(state, view, team) + charge_mb > state.membership.team(team).quota_mb
 

@@ -108,7 +108,8 @@ class Round(Generic[C]):
         if it.entry is not None:
             self._leaves(it.entry, None, None)
 
-    def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = (), over_quota: bool = False) -> VramLease:
+    def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = (),
+               over_quota: bool | None = None) -> VramLease:
         """The lease on ``gpu`` (one GPU's record of a gang, with ``gang``), with the GPU's next fencing token
         (in this round's copies). An exclusive lease holds the GPU's whole usable VRAM. ``over_quota``: its
         team's quota mark (teams)."""

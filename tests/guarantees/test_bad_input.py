@@ -42,6 +42,9 @@ def test_acquire_bad_fields(env: tuple[Cluster, Any, Client]) -> None:
     expect_refused(cluster, acq(gpu="a/b"), C.INVALID_ARGUMENT, "gpu")
     expect_refused(cluster, acq(priority=10**9), C.INVALID_ARGUMENT, "priority")
     expect_refused(cluster, acq(wait_seconds=-1), C.INVALID_ARGUMENT, "wait_seconds")
+    expect_refused(cluster, acq(min_runtime_seconds=-1), C.INVALID_ARGUMENT, "min_runtime_seconds")
+    expect_refused(cluster, acq(min_runtime_seconds=float("nan")), C.INVALID_ARGUMENT, "min_runtime_seconds")
+    expect_refused(cluster, acq(min_runtime_seconds=8 * 86400), C.INVALID_ARGUMENT, "min_runtime_seconds")
     expect_refused(cluster, acq(request_id="x" * 500), C.INVALID_ARGUMENT, "request_id")
     expect_refused(cluster, acq(session=pb.SessionRef(agent="agent-a", session_id="123abc")), C.NOT_FOUND, "session")
     expect_refused(cluster, acq(session=pb.SessionRef(agent="agent-a", session_id="zz")),
