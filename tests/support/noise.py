@@ -15,19 +15,22 @@ def assert_no_asyncio_noise(stderr: str, what: str) -> None:
 
 def unhandled_in_log(log: str, before: int = 3, after: int = 25, most: int = 5) -> str:
     """The lines of ``log`` that hold one of UNHANDLED, each with ``before`` lines above it and ``after`` below
-    (a traceback follows its mark), the first ``most`` of them; "" when there is none. An assertion's message:
-    the offending lines themselves, wherever in the log they are, not its tail."""
+    (a traceback follows its mark), overlapping excerpts merged, the first ``most`` marks; "" when there is
+    none. An assertion's message: the offending lines themselves, wherever in the log they are, not its tail."""
     lines = log.splitlines()
     hits = [i for i, line in enumerate(lines) if any(bad in line for bad in UNHANDLED)]
-    out: list[str] = []
-    shown_to = -1
+    spans: list[list[int]] = []       # [first, last] line index of each excerpt
     for i in hits[:most]:
-        start = max(i - before, shown_to + 1)
-        if start > i:
-            continue      # already shown in the excerpt before
-        out.append(f"--- line {i + 1} of {len(lines)}:")
-        shown_to = min(i + after, len(lines) - 1)
-        out.extend(lines[start:shown_to + 1])
+        start, end = max(0, i - before), min(len(lines) - 1, i + after)
+        if spans and start <= spans[-1][1] + 1:
+            spans[-1][1] = end
+        else:
+            spans.append([start, end])
+    out: list[str] = []
+    for start, end in spans:
+        marks = ", ".join(str(i + 1) for i in hits[:most] if start <= i <= end)
+        out.append(f"--- lines {start + 1}-{end + 1} of {len(lines)} (marks at {marks}):")
+        out.extend(lines[start:end + 1])
     if len(hits) > most:
         out.append(f"--- and {len(hits) - most} more such lines")
     return "\n".join(out)
