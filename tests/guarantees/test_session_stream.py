@@ -5,6 +5,7 @@ served and falls back to unary calls where it is not, or reconnects when it brea
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -334,3 +335,29 @@ def test_streams_a_replica_ends_when_it_loses_etcd_end_unavailable_without_a_tra
         assert ended == [C.UNAVAILABLE] * len(ended), ended
     bad = [r for r in caplog.records if r.levelno >= logging.WARNING and (r.exc_info or "stream ended" in r.getMessage())]
     assert not bad, [r.getMessage()[:200] for r in bad[:3]]
+
+
+def test_a_stream_that_breaks_under_a_call_leaves_no_error_unread() -> None:
+    """A call whose write fails (the replica is gone: nothing listens on its port) raises the stream's
+    ``StreamBroken``; the call's own future, failed with it too, is not left for asyncio to report as "Future
+    exception was never retrieved" (seen in the fault tests' output after a replica was killed)."""
+    from agent_client.stream import SessionStream
+    from coordinator.etcd.process import free_port
+    unretrieved: list[str] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unretrieved.append(ctx["message"]))
+        address = f"127.0.0.1:{free_port()}"
+        channel = grpc.aio.insecure_channel(address)
+        stream = SessionStream(channel, address)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as broke:
+                await stream.call("release", pb.ReleaseRequest(lease_id="x"), timeout=10)
+            assert broke.value.code() == C.UNAVAILABLE, broke.value
+        finally:
+            stream.close()
+            await channel.close()
+
+    asyncio.run(main())
+    gc.collect()
+    assert not unretrieved, unretrieved
