@@ -76,6 +76,8 @@ class SessionStream:
             raise
         finally:
             self._pending.pop(call_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()   # retrieved: a write that broke the stream failed this future too, unread
         if response.code != 0:
             raise rpc_error(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message, response.details)
         return getattr(response, field)

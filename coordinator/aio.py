@@ -80,8 +80,12 @@ async def first_of(*aws: Awaitable[T], timeout: float | None = None) -> asyncio.
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
         await cancel_and_wait(t for t in tasks if not t.done())
+    except BaseException:
+        # Cancelled, maybe in the very turn in which one of them failed: nobody reads any outcome now, and a
+        # failure left unread is reported as never retrieved.
+        await cancel_and_wait(tasks)
+        raise
     first = next((t for t in tasks if t in done), None)
     for t in done:
         if t is not first and not t.cancelled():

@@ -73,6 +73,15 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
+def _settle(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` if it still runs, else retrieve its outcome: a relay that ends does not wait for its
+    reads and writes, and a failed one (the connection was reset) is part of what the link does."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
 class _Relay:
     """One connection through the link: the accepted socket and the one to the upstream, two pumps."""
 
@@ -130,6 +139,7 @@ class _Relay:
                 await dst.drain()
 
         sender = asyncio.ensure_future(deliver())
+        reading: asyncio.Future[bytes] | None = None
         try:
             while True:
                 # Held while the link does not pass this way: nothing is read, so the sender's buffers fill.
@@ -149,6 +159,11 @@ class _Relay:
         except (OSError, asyncio.IncompleteReadError, ConnectionError):
             self.reset()
         finally:
+            # The pump may end cancelled (the other pump reset the relay) just as its read failed too (both
+            # ends reset at once): that failure, and the sender's, are the pump's to retrieve, not asyncio's
+            # to report as never retrieved.
+            if reading is not None:
+                _settle(reading)
             if not sender.done():
                 if self.closed:
                     sender.cancel()
@@ -157,6 +172,7 @@ class _Relay:
                         await sender
                     except (OSError, ConnectionError):
                         self.reset()
+            _settle(sender)
 
     def reset(self) -> None:
         """RST both sides now."""

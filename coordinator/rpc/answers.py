@@ -28,10 +28,17 @@ _OTHER_BYTES = 256
 
 
 def reader_ended(stream: str, e: Exception) -> None:
-    """Log what ended a stream's reader of requests: at debug level when the caller left (CANCELLED), at
-    warning with the stack for anything else, which is not expected."""
+    """Log what ended a stream's reader of requests: at debug level when the caller left (CANCELLED) or when
+    the stream's writer had ended it with a status (``_end``: gRPC's AbortError, "Locally aborted", to a read
+    after it), at warning with the stack for anything else, which is not expected.
+
+    The second is a race of every stream that ends with an error while its caller still sends, not a fault:
+    a replica that loses etcd ends every stream with UNAVAILABLE at once (``replica/follow.py``), and a reader
+    that a request (or the end of the call) wakes before the handler has cancelled it reads the abort."""
     if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.CANCELLED:
         log.debug("%s stream ended: the caller left (%r)", stream, e)
+    elif isinstance(e, grpc.aio.AbortError):
+        log.debug("%s stream ended: its status was sent (%r)", stream, e)
     else:
         log.warning("%s stream ended by an unexpected error: %r", stream, e, exc_info=e)
 

@@ -107,6 +107,8 @@ class Forwarder:
                     log.info("owner %s did not answer a forwarded acquire before its caller gave up: avoided",
                              address)
                     self._avoid[address] = time.monotonic() + self.avoid_s
+            elif not call.cancelled():
+                call.exception()  # retrieved: our caller left in the very turn the owner's call failed (unread)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -2,14 +2,16 @@
 connection through it, so that the fault tests can rely on it."""
 from __future__ import annotations
 
+import gc
 import socket
+import struct
 import threading
 import time
 from typing import Iterator
 
 import pytest
 
-from tests.faultlink import FaultLink
+from tests.faultlink import FaultLink, _Net
 from tests.support.waiting import wait_for
 
 
@@ -131,3 +133,46 @@ def test_latency_is_added_each_way(link: FaultLink) -> None:
     s.sendall(b"slow")
     assert s.recv(64) == b"slow"
     assert time.monotonic() - t0 >= 0.2
+
+
+def _rst(s: socket.socket) -> None:
+    """Close with an RST: the other end's next read fails with ECONNRESET."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_both_ends_reset_at_once_leave_no_task_error_unretrieved() -> None:
+    """Both ends of a connection reset it at the same moment (a replica killed while etcd's side of its link
+    breaks): each of the relay's two reads fails, and whichever pump sees its failure first resets the relay,
+    cancelling the other pump. The other pump's failed read is still its to retrieve: asyncio logged "Task
+    exception was never retrieved" for it (ConnectionResetError in StreamReader.read) in the nemesis."""
+    upstream = socket.create_server(("127.0.0.1", 0))
+    link = FaultLink(f"127.0.0.1:{upstream.getsockname()[1]}")
+    # The link's own loop reports what its tasks left unread (other tests' leftovers go to their own loops).
+    loop = _Net.get().loop
+    unretrieved: list[str] = []
+    loop.set_exception_handler(lambda _, ctx: unretrieved.append(f"{ctx['message']}: {ctx.get('exception')!r}"))
+    try:
+        client = connect(link)
+        upstream.settimeout(5)
+        server, _ = upstream.accept()
+        client.sendall(b"up")
+        server.settimeout(5)
+        assert server.recv(64) == b"up"          # both pumps run: each reads its end
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:                      # the link's loop sees both resets in one turn
+            held.set()
+            release.wait(5)
+        _Net.get().loop.call_soon_threadsafe(hold)
+        assert held.wait(5)
+        _rst(client)
+        _rst(server)
+        release.set()
+        wait_for(lambda: link.connections == 0, 5, "the relay to end")
+        gc.collect()
+    finally:
+        link.close()
+        upstream.close()
+        loop.set_exception_handler(None)
+    assert not unretrieved, unretrieved

@@ -34,6 +34,7 @@ from tests.history import check_store
 from tests.support.cluster import Cluster, leaked, wait_no_leaks
 from tests.support.etcd3 import Etcd3
 from tests.support.load import LoadReport, run_load
+from tests.support.noise import unhandled_in_log
 from tests.support.processes import LinkedReplica
 
 pytestmark = pytest.mark.nemesis
@@ -215,9 +216,8 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
     history.assert_ok()
     for r in reps.reps:      # no replica died inside, or left an error nobody handled
-        log = r.log()
-        assert not any(bad in log for bad in ("Traceback", "never retrieved", "destroyed but it is pending")), \
-            log[-3000:]
+        bad = unhandled_in_log(r.log())
+        assert not bad, f"{r.log_path}:\n{bad}"
 
 
 _NETWORK = {"cut replica-etcd", "cut replica-etcd past the TTL", "reset replica-etcd", "lose a replica's answers",

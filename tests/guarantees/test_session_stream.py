@@ -5,6 +5,9 @@ served and falls back to unary calls where it is not, or reconnects when it brea
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterator
@@ -279,3 +282,82 @@ def test_many_calls_in_flight_on_one_stream(cluster: Cluster) -> None:
             assert all(await asyncio.gather(*(x.release() for x in leases)) or [True])
     cluster.lt.run(run())
     assert not cluster.leases()
+
+
+def test_streams_a_replica_ends_when_it_loses_etcd_end_unavailable_without_a_traceback(
+        env: tuple[Cluster, Any, Client], caplog: pytest.LogCaptureFixture) -> None:
+    """A replica that cannot reach etcd ends every KeepAlive stream with UNAVAILABLE at once, while its callers
+    keep sending: a reader that a request wakes after the writer's abort reads gRPC's "Locally aborted". That is
+    how such a stream ends, logged at debug, never as an unexpected error with a traceback (the nemesis found
+    those in a replica's log). Several streams, several times: the race takes about a third of them."""
+    cluster, stub, c = env
+    svc = cluster.service(next(iter(cluster.coordinators)))
+    ref = pb.SessionRef(agent="agent-a", session_id=c.session_id)
+    caplog.set_level(logging.DEBUG, logger="coordinator")
+
+    def reach(ok: bool) -> None:
+        async def do() -> None:
+            svc.reach.set(ok, "" if ok else "the test says so")
+        cluster.lt.run(do())
+
+    def one_round(streams: int = 8) -> list[Any]:
+        """``streams`` KeepAlive streams that keep sending; etcd lost, then back: how each stream ended."""
+        stop = threading.Event()
+        ended: list[Any] = []
+
+        def keepalives() -> Iterator[pb.KeepAliveRequest]:
+            while not stop.is_set():
+                yield pb.KeepAliveRequest(session=ref)
+
+        def read(call: Any) -> None:
+            try:
+                for _ in call:
+                    pass
+                ended.append("OK")
+            except grpc.RpcError as e:
+                ended.append(e.code())
+        calls = [stub.KeepAlive(keepalives(), timeout=30) for _ in range(streams)]
+        for call in calls:
+            threading.Thread(target=read, args=(call,), daemon=True).start()
+        try:
+            wait_for(lambda: len(svc._streams.get(c.session_id, ())) >= streams, 10, "the streams to be kept alive")
+            reach(False)
+            wait_for(lambda: len(ended) == streams, 10, "every stream to end")
+        finally:
+            stop.set()
+            for call in calls:
+                call.cancel()
+            reach(True)
+        return ended
+
+    for _ in range(3):
+        ended = one_round()
+        assert ended == [C.UNAVAILABLE] * len(ended), ended
+    bad = [r for r in caplog.records if r.levelno >= logging.WARNING and (r.exc_info or "stream ended" in r.getMessage())]
+    assert not bad, [r.getMessage()[:200] for r in bad[:3]]
+
+
+def test_a_stream_that_breaks_under_a_call_leaves_no_error_unread() -> None:
+    """A call whose write fails (the replica is gone: nothing listens on its port) raises the stream's
+    ``StreamBroken``; the call's own future, failed with it too, is not left for asyncio to report as "Future
+    exception was never retrieved" (seen in the fault tests' output after a replica was killed)."""
+    from agent_client.stream import SessionStream
+    from coordinator.etcd.process import free_port
+    unretrieved: list[str] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unretrieved.append(ctx["message"]))
+        address = f"127.0.0.1:{free_port()}"
+        channel = grpc.aio.insecure_channel(address)
+        stream = SessionStream(channel, address)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as broke:
+                await stream.call("release", pb.ReleaseRequest(lease_id="x"), timeout=10)
+            assert broke.value.code() == C.UNAVAILABLE, broke.value
+        finally:
+            stream.close()
+            await channel.close()
+
+    asyncio.run(main())
+    gc.collect()
+    assert not unretrieved, unretrieved

@@ -146,6 +146,33 @@ def test_a_cancelled_first_of_cancels_what_it_waits_on() -> None:
     asyncio.run(main())
 
 
+def test_first_of_cancelled_as_one_of_its_awaitables_fails_retrieves_that_failure() -> None:
+    """The caller of ``first_of`` is cancelled in the very turn of the loop in which one of the tasks it waits
+    on fails (a replica's RPC handler cancelled by its client as an etcd call under it breaks): nobody will read
+    that failure, and asyncio must not report it as "Task exception was never retrieved"."""
+    unretrieved: list[str] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unretrieved.append(ctx["message"]))
+        fail = asyncio.Event()
+
+        async def fails() -> None:
+            await fail.wait()
+            raise RuntimeError("the link was reset")
+
+        failing = asyncio.ensure_future(fails())
+        waiting = asyncio.ensure_future(first_of(failing, asyncio.Event().wait()))
+        await asyncio.sleep(0)                                  # first_of waits on both now
+        failing.add_done_callback(lambda _: waiting.cancel())   # after first_of's own callback: the same turn
+        fail.set()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(main())
+    gc.collect()     # the failed task, unread, is collected with main's frame at the latest now
+    assert not unretrieved, unretrieved
+
+
 def test_drain_yields_the_queue_in_order_until_none() -> None:
     async def main() -> list[int]:
         q: asyncio.Queue[int | None] = asyncio.Queue()

@@ -1,5 +1,6 @@
-"""What ends a server stream's reader of requests is logged by what it means: a caller that left (CANCELLED)
-at debug level; anything else, which nothing expects, at warning with its stack."""
+"""What ends a server stream's reader of requests is logged by what it means: a caller that left (CANCELLED), or
+a stream that its writer had already ended with a status, at debug level; anything else, which nothing
+expects, at warning with its stack."""
 from __future__ import annotations
 
 import logging
@@ -31,6 +32,17 @@ def test_a_caller_that_left_is_logged_at_debug_level(caplog: pytest.LogCaptureFi
             reader_ended("session", e)
     (record,) = caplog.records
     assert record.levelno == logging.DEBUG and "the caller left" in record.getMessage()
+
+
+def test_a_read_after_the_writer_ended_the_stream_with_a_status_is_logged_at_debug_level(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A replica that loses etcd ends every stream with UNAVAILABLE (its writer aborts the call); a reader that
+    a request wakes before the handler cancels it reads gRPC's "Locally aborted". The nemesis found that as a
+    warning with a traceback in a replica's log."""
+    with caplog.at_level(logging.DEBUG, logger="coordinator.rpc.answers"):
+        reader_ended("keepalive", _raised(grpc.aio.AbortError("Locally aborted.")))
+    (record,) = caplog.records
+    assert record.levelno == logging.DEBUG and record.exc_info is None, (record.levelname, record.getMessage())
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), _rpc_error(grpc.StatusCode.INTERNAL)],
