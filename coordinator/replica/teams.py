@@ -173,16 +173,22 @@ class Teams:
 # Per mirror: lease key -> (mod_revision, lease id, agent, vram_mb), so that a round parses only the leases that
 # changed since the last one.
 _parsed: weakref.WeakKeyDictionary[Mirror, dict[bytes, tuple[int, str, str, int]]] = weakref.WeakKeyDictionary()
+# Per mirror: (``generation("teams")`` when parsed, the membership then).
+_memberships: weakref.WeakKeyDictionary[Mirror, tuple[int, Membership | None]] = weakref.WeakKeyDictionary()
 
 
-def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: Iterable[tuple[str, str, int]],
-                     revision: int) -> TeamState | None:
-    """The teams' state from one copy at ``revision``: ``leases`` as (id, agent, vram_mb); None when no team is
-    stored (nothing is charged)."""
+def membership_of(team_kvs: Iterable[KV]) -> Membership | None:
+    """Who is in which team, from the stored teams; None when no team is stored (nothing is charged)."""
     teams, _ = read_teams(team_kvs)
-    if not teams:
+    return Membership(teams.values()) if teams else None
+
+
+def build_team_state(membership: Membership | None, ledger_kvs: Iterable[KV],
+                     leases: Iterable[tuple[str, str, int]], revision: int) -> TeamState | None:
+    """The teams' state from one copy at ``revision``: ``membership`` from its teams, ``leases`` as (id, agent,
+    vram_mb); None when no team is stored (nothing is charged)."""
+    if membership is None:
         return None
-    membership = Membership(teams.values())
     used: dict[str, int] = {}
     counted = set()
     for lease_id, agent, vram_mb in leases:
@@ -199,10 +205,20 @@ def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: I
     return TeamState(membership, used, frozenset(counted), ledgers, revision)
 
 
+def mirror_membership(mirror: Mirror) -> Membership | None:
+    """``membership_of`` the mirror's teams, parsed again only when a team changed (or the mirror was reset):
+    every round reads it, teams change when an operator says so."""
+    generation = mirror.generation("teams")
+    hit = _memberships.get(mirror)
+    if hit is None or hit[0] != generation:
+        hit = _memberships[mirror] = (generation, membership_of(mirror.items("teams")))
+    return hit[1]
+
+
 def mirror_team_state(mirror: Mirror) -> TeamState | None:
     """The teams' state as the mirror shows it (at ``mirror.revision``)."""
-    team_kvs = mirror.items("teams")
-    if not team_kvs:
+    membership = mirror_membership(mirror)
+    if membership is None:
         return None
     cache = _parsed.setdefault(mirror, {})
     leases, seen = [], set()
@@ -219,7 +235,7 @@ def mirror_team_state(mirror: Mirror) -> TeamState | None:
     if len(cache) > len(seen):
         for key in set(cache) - seen:
             del cache[key]
-    return build_team_state(team_kvs, mirror.items("teamledgers"), leases, mirror.revision)
+    return build_team_state(membership, mirror.items("teamledgers"), leases, mirror.revision)
 
 
 async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamState | None:
@@ -244,4 +260,4 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamS
         except InvalidRecord:
             continue
         leases.append((lease.id, lease.agent, lease.vram_mb))
-    return build_team_state(snap.ranges[0], snap.ranges[1], leases, snap.revision)
+    return build_team_state(membership_of(snap.ranges[0]), snap.ranges[1], leases, snap.revision)
