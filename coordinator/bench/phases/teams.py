@@ -9,14 +9,16 @@ teams' state from the mirror, checks the limit, and its transaction compares the
 ledger (``teamledgers/<team>``). A second limited team and an unlimited one have members that take no part,
 as on a fleet where other teams exist.
 
-Machine load drifts over a run, so the two sides alternate (none, teams; then teams, none; ...) for
-``rounds`` rounds on the same agents and sessions' hosts, and each side's figures pool its rounds: the p50 of
-all its timed acquires, its pairs over its seconds, its coordinator CPU over its pairs.
+Machine load drifts over a run, so the two sides alternate (none, teams; then teams, none; ...) on the same
+agents and hosts: P1 for ``2 * rounds`` rounds of ``n / 2`` acquires, then P4 for ``rounds`` rounds. Each
+side's figures pool its rounds: the p50 of all its timed acquires, its pairs over its seconds, its coordinator
+CPU over its pairs.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 from agent_client import Client
 from coordinator.bench import eventloop, load
@@ -96,6 +98,11 @@ class _Side:
                 "coordinator_cpu_ms_per_pair": self.cpu / max(1, self.pairs) * 1e3}
 
 
+def _order(i: int) -> tuple[str, str]:
+    """Which side goes first in round ``i``: none, then teams, then teams first, and so on."""
+    return ("none", "teams") if i % 2 == 0 else ("teams", "none")
+
+
 def phase_teams(n: int, seconds: float, agents: int, rounds: int, out: Figures) -> list[Line]:
     """The TEAMS lines: P1's acquire p50 and P4's pairs/s and CPU per pair, with teams / without."""
     sides = {"none": _Side(), "teams": _Side()}
@@ -104,20 +111,32 @@ def phase_teams(n: int, seconds: float, agents: int, rounds: int, out: Figures) 
         r.node(P1_HOST, "8x80GiB")
         r.node(P4_HOST, "1x80GiB")
         bumps = 0
+
+        def measure(side: str, what: Callable[[_Side], None]) -> None:
+            nonlocal bumps
+            _set_teams(addr, side == "teams")
+            before = eventloop.run(_ledger_seq(r.ep, MEASURED_TEAM))
+            what(sides[side])
+            if side == "teams":
+                bumps += eventloop.run(_ledger_seq(r.ep, MEASURED_TEAM)) - before
+
+        # P1 is cheap: twice as many rounds of half as many acquires, so that its sides alternate more often.
         with Client(addr, agent=SERIAL_AGENT, host=P1_HOST) as serial:
-            for i in range(rounds):
-                for side in ("none", "teams") if i % 2 == 0 else ("teams", "none"):
-                    _set_teams(addr, side == "teams")
-                    before = eventloop.run(_ledger_seq(r.ep, MEASURED_TEAM))
-                    s = sides[side]
-                    s.acquires += load.acquire_times(serial, n, warmup=30)
-                    pairs, wall, cpu, acq = eventloop.run(_contended(addr, agents, seconds, coord.pid))
-                    s.pairs += pairs
-                    s.wall += wall
-                    s.cpu += cpu
-                    s.contended += acq
-                    if side == "teams":
-                        bumps += eventloop.run(_ledger_seq(r.ep, MEASURED_TEAM)) - before
+            def p1(s: _Side) -> None:
+                s.acquires += load.acquire_times(serial, max(10, n // 2), warmup=20)
+            for i in range(2 * rounds):
+                for side in _order(i):
+                    measure(side, p1)
+
+        def p4(s: _Side) -> None:
+            pairs, wall, cpu, acq = eventloop.run(_contended(addr, agents, seconds, coord.pid))
+            s.pairs += pairs
+            s.wall += wall
+            s.cpu += cpu
+            s.contended += acq
+        for i in range(rounds):
+            for side in _order(i):
+                measure(side, p4)
     fig = {side: s.figures() for side, s in sides.items()}
     out["teams"] = {"teams": [t[0] for t in TEAMS], "agents": agents, "rounds": rounds, "ledger_bumps": bumps,
                     **fig}
