@@ -3,6 +3,7 @@ compares the team's own key and that no team changed since the read, so no two t
 member pattern at any revision; and the teams' usage, read from etcd at one revision."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any, Iterable, Mapping, Sequence
@@ -170,9 +171,30 @@ class Teams:
 
 # -- admission (G11): the teams' state a round is decided against ------------------------------------------------
 
-# Per mirror: lease key -> (mod_revision, lease id, agent, vram_mb), so that a round parses only the leases that
-# changed since the last one.
-_parsed: weakref.WeakKeyDictionary[Mirror, dict[bytes, tuple[int, str, str, int]]] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass(frozen=True)
+class _HostPart:
+    """One host's leases as the teams count them, as of its lease stamp (-1: to be summed again)."""
+
+    stamp: int
+    leases: dict[bytes, tuple[int, str, str, int]]    # lease key -> (mod_revision, lease id, agent, vram_mb)
+    used: dict[str, int]                              # VRAM by team
+    ids: frozenset[str]                               # the lease ids
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The teams' use as one mirror shows it, kept between rounds: each host's part is summed again only when
+    one of its leases changed (``Mirror.lease_stamps``), and everything when a team changed."""
+
+    generation: int = -1        # the mirror's generation("teams") the parts were summed under
+    hosts: dict[str, _HostPart] = dataclasses.field(default_factory=dict)
+    used: dict[str, int] = dataclasses.field(default_factory=dict)     # the sum of the hosts' parts
+    # The hosts' lease ids, each with the count of hosts that list it (an id ended on one host and granted on
+    # another between two rounds is on both until both are summed again).
+    ids: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+_tallies: weakref.WeakKeyDictionary[Mirror, _Tally] = weakref.WeakKeyDictionary()
 # Per mirror: (``generation("teams")`` when parsed, the membership then).
 _memberships: weakref.WeakKeyDictionary[Mirror, tuple[int, Membership | None]] = weakref.WeakKeyDictionary()
 
@@ -195,6 +217,11 @@ def build_team_state(membership: Membership | None, ledger_kvs: Iterable[KV],
         team = membership.team_of(agent)
         used[team] = used.get(team, 0) + vram_mb
         counted.add(lease_id)
+    return TeamState(membership, used, frozenset(counted), _ledgers(ledger_kvs), revision)
+
+
+def _ledgers(ledger_kvs: Iterable[KV]) -> dict[str, tuple[int, int]]:
+    """The teams' ledgers: (mod_revision, seq) by team."""
     ledgers = {}
     for kv in ledger_kvs:
         try:
@@ -202,7 +229,7 @@ def build_team_state(membership: Membership | None, ledger_kvs: Iterable[KV],
         except InvalidRecord:
             seq = 0
         ledgers[last_segment(kv.key)] = (kv.mod_revision, seq if isinstance(seq, int) and seq >= 0 else 0)
-    return TeamState(membership, used, frozenset(counted), ledgers, revision)
+    return ledgers
 
 
 def mirror_membership(mirror: Mirror) -> Membership | None:
@@ -215,27 +242,71 @@ def mirror_membership(mirror: Mirror) -> Membership | None:
     return hit[1]
 
 
-def mirror_team_state(mirror: Mirror) -> TeamState | None:
-    """The teams' state as the mirror shows it (at ``mirror.revision``)."""
-    membership = mirror_membership(mirror)
-    if membership is None:
-        return None
-    cache = _parsed.setdefault(mirror, {})
-    leases, seen = [], set()
-    for kv in mirror.all_host_items("leases"):
-        hit = cache.get(kv.key)
+def _host_part(mirror: Mirror, host: str, membership: Membership,
+               parsed: dict[bytes, tuple[int, str, str, int]], stamp: int) -> _HostPart:
+    """One host's leases as (mod_revision, id, agent, vram_mb) by key (each parsed once: ``parsed`` holds the
+    last ones), and their VRAM by team."""
+    leases: dict[bytes, tuple[int, str, str, int]] = {}
+    used: dict[str, int] = {}
+    for kv in mirror.host_items("leases", host):
+        hit = parsed.get(kv.key)
         if hit is None or hit[0] != kv.mod_revision:
             try:
                 lease = VramLease.from_kv(kv)
             except InvalidRecord:
                 continue   # its host is INVALID: nothing is granted there
-            hit = cache[kv.key] = (kv.mod_revision, lease.id, lease.agent, lease.vram_mb)
-        seen.add(kv.key)
-        leases.append(hit[1:])
-    if len(cache) > len(seen):
-        for key in set(cache) - seen:
-            del cache[key]
-    return build_team_state(membership, mirror.items("teamledgers"), leases, mirror.revision)
+            hit = (kv.mod_revision, lease.id, lease.agent, lease.vram_mb)
+        leases[kv.key] = hit
+        team = membership.team_of(hit[2])
+        used[team] = used.get(team, 0) + hit[3]
+    return _HostPart(stamp, leases, used, frozenset(x[1] for x in leases.values()))
+
+
+def _drop_ids(counts: dict[str, int], ids: Iterable[str]) -> None:
+    for lease_id in ids:
+        left = counts[lease_id] - 1
+        if left:
+            counts[lease_id] = left
+        else:
+            del counts[lease_id]
+
+
+def mirror_team_state(mirror: Mirror) -> TeamState | None:
+    """The teams' state as the mirror shows it (at ``mirror.revision``). The use by team is kept between
+    rounds and summed again for the hosts whose leases changed since the last round (all of them when a team
+    changed), so a round costs the hosts' count, not the fleet's leases."""
+    membership = mirror_membership(mirror)
+    if membership is None:
+        return None
+    tally = _tallies.get(mirror)
+    generation = mirror.generation("teams")
+    if tally is None or tally.generation != generation:
+        # Keep what was parsed; sum every host again under the new membership.
+        old = tally.hosts if tally is not None else {}
+        tally = _tallies[mirror] = _Tally(generation)
+        tally.hosts = {h: _HostPart(-1, part.leases, {}, frozenset()) for h, part in old.items()}
+    stamps = mirror.lease_stamps()
+    for host in [h for h in tally.hosts if h not in stamps]:    # its last lease ended (or a reset)
+        gone = tally.hosts.pop(host)
+        for team, mb in gone.used.items():
+            tally.used[team] -= mb
+        _drop_ids(tally.ids, gone.ids)
+    for host, stamp in stamps.items():
+        part = tally.hosts.get(host)
+        if part is not None and part.stamp == stamp:
+            continue
+        new = tally.hosts[host] = _host_part(mirror, host, membership, part.leases if part is not None else {}, stamp)
+        if part is not None:
+            for team, mb in part.used.items():
+                tally.used[team] -= mb
+            _drop_ids(tally.ids, part.ids)
+        for team, mb in new.used.items():
+            tally.used[team] = tally.used.get(team, 0) + mb
+        for lease_id in new.ids:
+            tally.ids[lease_id] = tally.ids.get(lease_id, 0) + 1
+    counted = frozenset(tally.ids)
+    used_now = {team: mb for team, mb in tally.used.items() if mb}
+    return TeamState(membership, used_now, counted, _ledgers(mirror.items("teamledgers")), mirror.revision)
 
 
 async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamState | None:

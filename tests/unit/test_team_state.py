@@ -4,12 +4,18 @@ change the watch brings (a team set, changed or deleted; a lease granted or ende
 next round's state."""
 from __future__ import annotations
 
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from coordinator.etcd.types import KV, WatchBatch, WatchEvent
 from coordinator.keys import Keys
+from coordinator.policy.team_admission import TeamState
 from coordinator.policy.teams import DEFAULT_TEAM, Team
-from coordinator.records import VramLease, dumps
+from coordinator.records import InvalidRecord, VramLease, dumps
 from coordinator.replica.mirror import Mirror
-from coordinator.replica.teams import mirror_team_state
+from coordinator.replica.teams import build_team_state, membership_of, mirror_team_state
 
 KEYS = Keys("/t/")
 
@@ -35,11 +41,11 @@ class _Etcd:
     def team(self, team: Team) -> None:
         self.put(KEYS.team(team.name), dumps(team.to_json()))
 
-    def lease(self, lease_id: str, agent: str, vram_mb: int) -> bytes:
-        lease = VramLease(id=lease_id, host="h", gpu_uuid="GPU-0", gpu_index=0, agent=agent, session_id="s",
+    def lease(self, lease_id: str, agent: str, vram_mb: int, host: str = "h", gpu: int = 0) -> bytes:
+        lease = VramLease(id=lease_id, host=host, gpu_uuid=f"GPU-{gpu}", gpu_index=gpu, agent=agent, session_id="s",
                           vram_mb=vram_mb, priority=0, preemptible=True, request_id=f"r-{lease_id}", token=1,
                           created_at=1.7e9)
-        key = KEYS.lease("h", "GPU-0", lease_id)
+        key = KEYS.lease(host, f"GPU-{gpu}", lease_id)
         self.put(key, dumps(lease.to_json()))
         return key
 
@@ -93,3 +99,67 @@ def test_the_mirrors_team_state_counts_the_leases_granted_and_ended_since_the_la
     etcd.put(KEYS.team_ledger("research"), dumps({"seq": 3}))
     state = mirror_team_state(etcd.mirror)
     assert state is not None and state.ledger("research") == (etcd.revision, 3)
+
+
+_HOSTS = ("h1", "h2", "h3")
+_AGENTS = ("r-1", "r-2", "i-1", "bob")
+_TEAMS = (Team("research", limit_mb=1 << 20, members=("r-*",)), Team("research", members=("r-*", "bob")),
+          Team("infra", limit_mb=4096, members=("i-*",)))
+_op = st.one_of(
+    st.tuples(st.just("grant"), st.sampled_from(_HOSTS), st.integers(0, 5), st.sampled_from(_AGENTS),
+              st.integers(0, 4096), st.integers(1, 2)),
+    st.tuples(st.just("end"), st.integers(0, 5)),
+    st.tuples(st.just("team"), st.integers(0, len(_TEAMS) - 1)),
+    st.tuples(st.just("untag"), st.sampled_from(("research", "infra"))),
+    st.tuples(st.just("garbage"), st.sampled_from(_HOSTS)),
+    st.tuples(st.just("reset")),
+)
+
+
+def _from_scratch(mirror: Mirror) -> TeamState | None:
+    """What a round would decide against if it parsed every team and lease again (the etcd path's way)."""
+    leases = []
+    for kv in mirror.all_host_items("leases"):
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord:
+            continue
+        leases.append((lease.id, lease.agent, lease.vram_mb))
+    return build_team_state(membership_of(mirror.items("teams")), mirror.items("teamledgers"), leases,
+                            mirror.revision)
+
+
+def _seen(state: TeamState | None) -> tuple[Any, ...] | None:
+    """What a round reads of a teams' state (a team using nothing is one not listed)."""
+    if state is None:
+        return None
+    return (state.membership.teams, {t: mb for t, mb in state.used.items() if mb}, state.counted,
+            dict(state.ledgers), state.revision)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_op, max_size=40))
+def test_the_team_state_kept_between_rounds_is_the_one_read_afresh(ops: list[tuple[Any, ...]]) -> None:
+    """Whatever the watch brings between rounds (grants on any host, gangs, ends, team changes and deletes,
+    a malformed lease record, a reset), the teams' use and the leases counted are those of a fresh parse."""
+    etcd = _Etcd()
+    keys: dict[int, list[bytes]] = {}
+    for op in ops:
+        if op[0] == "grant":
+            _, host, slot, agent, vram, gpus = op
+            for key in keys.pop(slot, []):
+                etcd.delete(key)
+            keys[slot] = [etcd.lease(f"l{slot}", agent, vram, host=host, gpu=g) for g in range(gpus)]
+        elif op[0] == "end":
+            for key in keys.pop(op[1], []):
+                etcd.delete(key)
+        elif op[0] == "team":
+            etcd.team(_TEAMS[op[1]])
+        elif op[0] == "untag":
+            etcd.delete(KEYS.team(op[1]))
+        elif op[0] == "garbage":
+            etcd.put(KEYS.lease(op[1], "GPU-9", "junk"), b"{not json")
+        else:
+            everything = [kv for (_, _), bucket in etcd.mirror._buckets.items() for kv in bucket.values()]
+            etcd.mirror.reset([*everything, *etcd.mirror._flat.values()], etcd.revision)
+        assert _seen(mirror_team_state(etcd.mirror)) == _seen(_from_scratch(etcd.mirror))
