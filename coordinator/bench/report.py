@@ -26,7 +26,7 @@ class Line:
             else f"({self.baseline_what})" if self.baseline_what else ""
         ratio = f"ratio {self.ratio:7.3f}" if self.ratio is not None else " " * 13
         verdict = "PASS" if self.ok else "FAIL" if self.ok is not None else "----"
-        return f"{self.id:<4} {verdict}  {self.what:<46} {self.figure:10.3f} {self.unit:<6} {ratio}  " \
+        return f"{self.id:<5} {verdict}  {self.what:<46} {self.figure:10.3f} {self.unit:<6} {ratio}  " \
                f"target {self.target:<12} {base}"
 
 

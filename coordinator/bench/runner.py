@@ -11,6 +11,7 @@ from coordinator.bench.phases.idle_reclaim import phase_idle_and_reclaim
 from coordinator.bench.phases.latency import phase_latency
 from coordinator.bench.phases.notice import phase_p7
 from coordinator.bench.phases.scale import phase_p5
+from coordinator.bench.phases.teams import phase_teams
 from coordinator.bench.phases.throughput import phase_p3
 from coordinator.bench.report import Figures, Line
 
@@ -31,13 +32,14 @@ class Sizes:
     samples: int = 5
     p7_n: int = 100
     gang_agents: int = 8
+    teams_rounds: int = 3        # TEAMS: rounds of (no teams, teams), alternating which goes first
 
 
 QUICK = Sizes(n=20, seconds=1.0, levels=(1, 16), p3_agents=16, p3_hosts=4, p5_hosts=20, p5_leases=40,
-              idle_sessions=20, idle_s=1.0, ttl=2, samples=1, p7_n=5)
+              idle_sessions=20, idle_s=1.0, ttl=2, samples=1, p7_n=5, teams_rounds=1)
 
 
-PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7", "gang")
+PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7", "gang", "teams")
 
 
 def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
@@ -53,6 +55,7 @@ def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
         "reclaim": lambda: phase_idle_and_reclaim(sizes.idle_sessions, sizes.idle_s, sizes.ttl, sizes.samples, out),
         "p7": lambda: phase_p7(sizes.p7_n, out),
         "gang": lambda: phase_gang(sizes.seconds, sizes.gang_agents, out),
+        "teams": lambda: phase_teams(sizes.n, sizes.seconds, sizes.levels[-1], sizes.teams_rounds, out),
     }
     wanted = {"all": PHASES, "acquire": ("latency",), "p7": ("p7",), "p4": ("contended",)}.get(what, (what,))
     with eventloop.one_loop():

@@ -8,7 +8,7 @@ of its GPUs; an exclusive lease: each GPU's whole usable VRAM, as its records sa
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.keys import Keys
@@ -38,9 +38,10 @@ class TeamState:
     counted: frozenset[str]
     ledgers: Mapping[str, tuple[int, int]]
     revision: int
-    # Every lease record of the fleet in that copy (reclaim classifies them, oldest first, into in and over
-    # quota), and the GPU models by uuid (for quotas per model; {} when no team has one).
-    records: tuple[VramLease, ...] = ()
+    # Every lease record of the fleet in that copy, built when asked (reclaim classifies them, oldest first,
+    # into in and over quota: a round that does not reclaim never pays for it), and the GPU models by uuid (for
+    # quotas per model; {} when no team has one).
+    records: Callable[[], Sequence[VramLease]] = tuple
     models: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def limited(self, team: str) -> bool:
@@ -136,7 +137,7 @@ def fleet_charges(state: TeamState, view: HostView) -> list[Charge]:
     models = dict(state.models)
     if view.inventory is not None:
         models.update((g.uuid, g.name) for g in view.inventory.gpus)
-    records = [x for x in state.records if x.gpu_uuid not in here]
+    records = [x for x in state.records() if x.gpu_uuid not in here]
     records += [x for g in sorted(view.gpus.values(), key=lambda g: g.index) for x in g.leases]
     return [charge_of(parts, state.membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
 

@@ -31,6 +31,10 @@ class Mirror:
         self._kind_changed: dict[str, int] = {}  # kind -> the value of ``_changes`` at its last change
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
         self._lease_keys: dict[str, bytes] = {}      # lease id -> its key
+        # host -> when its leases last changed (a count of lease changes that never goes back, resets included);
+        # only hosts with leases.
+        self._lease_stamps: dict[str, int] = {}
+        self._lease_changes = 0
         self._leases_prefix = keys.kind("leases")
         self._teams_prefix = keys.kind("teams")
         self._reset_at = 0
@@ -67,6 +71,7 @@ class Mirror:
         self._reset_at = self._changes
         self._buckets.clear()
         self._lease_keys.clear()
+        self._lease_stamps.clear()
         for kv in kvs:
             self._put(kv)
         self.revision = revision
@@ -110,6 +115,8 @@ class Mirror:
             bucket[kv.key] = kv
         if bucket is not None and kv.key.startswith(self._leases_prefix):
             self._lease_keys[last_segment(kv.key)] = kv.key
+            self._lease_changes += 1
+            self._lease_stamps[self.keys.parse(kv.key)[1][0]] = self._lease_changes
 
     def _delete(self, key: bytes) -> None:
         try:
@@ -125,6 +132,11 @@ class Mirror:
                     del self._buckets[(kind, parts[0])]
             if kind == "leases":
                 self._lease_keys.pop(parts[-1], None)
+                self._lease_changes += 1
+                if (kind, parts[0]) in self._buckets:
+                    self._lease_stamps[parts[0]] = self._lease_changes
+                else:
+                    self._lease_stamps.pop(parts[0], None)
         else:
             self._delete_flat(key, kind)
 
@@ -183,6 +195,12 @@ class Mirror:
                             self._flat.get(k.partition(host)), self.host_items("gpus", host),
                             self.host_items("leases", host), self.host_items("queue", host),
                             self.host_items("departing", host), tuple(self._flat.get(key) for key in extra_keys))
+
+    def lease_stamps(self) -> dict[str, int]:
+        """Every host with leases, with a number that changes whenever one of its leases is put or deleted
+        (or the mirror is reset) and never comes back: what is derived from a host's leases is kept until its
+        number moves. Read-only: the mirror's own copy."""
+        return self._lease_stamps
 
     def all_host_items(self, kind: str) -> list[KV]:
         """Every key of one per-host kind (e.g. ``departing``), over all hosts."""

@@ -3,9 +3,10 @@ compares the team's own key and that no team changed since the read, so no two t
 member pattern at any revision; and the teams' usage, read from etcd at one revision."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.etcd.types import KV
@@ -147,11 +148,6 @@ class Teams:
 
 # -- admission (G11): the teams' state a round is decided against ------------------------------------------------
 
-# Per mirror: lease key -> (mod_revision, lease record), so that a round parses only the leases that changed
-# since the last one.
-_parsed: weakref.WeakKeyDictionary[Mirror, dict[bytes, tuple[int, VramLease]]] = weakref.WeakKeyDictionary()
-
-
 def gpu_models(host_kvs: Iterable[KV]) -> dict[str, str]:
     """GPU uuid -> model, from the hosts' registrations (malformed ones left out)."""
     models: dict[str, str] = {}
@@ -164,22 +160,64 @@ def gpu_models(host_kvs: Iterable[KV]) -> dict[str, str]:
     return models
 
 
-def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: Iterable[VramLease],
-                     revision: int, host_kvs: Callable[[], Iterable[KV]] = tuple) -> TeamState | None:
-    """The teams' state from one copy at ``revision`` (every lease record of the fleet); None when no team is
-    stored (nothing is charged). ``host_kvs`` gives the hosts' registrations, read only when a team has a quota
-    per GPU model."""
+@dataclasses.dataclass(frozen=True)
+class _HostPart:
+    """One host's leases as the teams count them, as of its lease stamp (-1: to be summed again)."""
+
+    stamp: int
+    leases: dict[bytes, tuple[int, VramLease]]        # lease key -> (mod_revision, the lease record)
+    used: dict[str, int]                              # VRAM by team
+    ids: frozenset[str]                               # the lease ids
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The teams' use as one mirror shows it, kept between rounds: each host's part is summed again only when
+    one of its leases changed (``Mirror.lease_stamps``), and everything when a team changed."""
+
+    generation: int = -1        # the mirror's generation("teams") the parts were summed under
+    hosts: dict[str, _HostPart] = dataclasses.field(default_factory=dict)
+    used: dict[str, int] = dataclasses.field(default_factory=dict)     # the sum of the hosts' parts
+    # The hosts' lease ids, each with the count of hosts that list it (an id ended on one host and granted on
+    # another between two rounds is on both until both are summed again).
+    ids: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+_tallies: weakref.WeakKeyDictionary[Mirror, _Tally] = weakref.WeakKeyDictionary()
+# Per mirror: (``generation("teams")`` when parsed, the membership then).
+_memberships: weakref.WeakKeyDictionary[Mirror, tuple[int, Membership | None]] = weakref.WeakKeyDictionary()
+
+
+def membership_of(team_kvs: Iterable[KV]) -> Membership | None:
+    """Who is in which team, from the stored teams; None when no team is stored (nothing is charged)."""
     teams, _ = read_teams(team_kvs)
-    if not teams:
+    return Membership(teams.values()) if teams else None
+
+
+def build_team_state(membership: Membership | None, ledger_kvs: Iterable[KV], leases: Sequence[VramLease],
+                     revision: int, host_kvs: Callable[[], Iterable[KV]] = tuple) -> TeamState | None:
+    """The teams' state from one copy at ``revision``: ``membership`` from its teams, ``leases`` every lease
+    record of the fleet; None when no team is stored (nothing is charged). ``host_kvs`` gives the hosts'
+    registrations, read only when a team has a quota per GPU model."""
+    if membership is None:
         return None
-    membership = Membership(teams.values())
     used: dict[str, int] = {}
     counted = set()
-    records = tuple(leases)
-    for lease in records:
+    for lease in leases:
         team = membership.team_of(lease.agent)
         used[team] = used.get(team, 0) + lease.vram_mb
         counted.add(lease.id)
+    return TeamState(membership, used, frozenset(counted), _ledgers(ledger_kvs), revision, lambda: leases,
+                     _models(membership, host_kvs))
+
+
+def _models(membership: Membership, host_kvs: Callable[[], Iterable[KV]]) -> dict[str, str]:
+    """GPU uuid -> model when a team has a quota per model (reclaim classifies by model then), else {}."""
+    return gpu_models(host_kvs()) if any(t.quota_by_model for t in membership.teams.values()) else {}
+
+
+def _ledgers(ledger_kvs: Iterable[KV]) -> dict[str, tuple[int, int]]:
+    """The teams' ledgers: (mod_revision, seq) by team."""
     ledgers = {}
     for kv in ledger_kvs:
         try:
@@ -187,32 +225,89 @@ def build_team_state(team_kvs: Iterable[KV], ledger_kvs: Iterable[KV], leases: I
         except InvalidRecord:
             seq = 0
         ledgers[last_segment(kv.key)] = (kv.mod_revision, seq if isinstance(seq, int) and seq >= 0 else 0)
-    models = gpu_models(host_kvs()) if any(t.quota_by_model for t in teams.values()) else {}
-    return TeamState(membership, used, frozenset(counted), ledgers, revision, records, models)
+    return ledgers
 
 
-def mirror_team_state(mirror: Mirror) -> TeamState | None:
-    """The teams' state as the mirror shows it (at ``mirror.revision``)."""
-    team_kvs = mirror.items("teams")
-    if not team_kvs:
-        return None
-    cache = _parsed.setdefault(mirror, {})
-    leases, seen = [], set()
-    for kv in mirror.all_host_items("leases"):
-        hit = cache.get(kv.key)
+def mirror_membership(mirror: Mirror) -> Membership | None:
+    """``membership_of`` the mirror's teams, parsed again only when a team changed (or the mirror was reset):
+    every round reads it, teams change when an operator says so."""
+    generation = mirror.generation("teams")
+    hit = _memberships.get(mirror)
+    if hit is None or hit[0] != generation:
+        hit = _memberships[mirror] = (generation, membership_of(mirror.items("teams")))
+    return hit[1]
+
+
+def _host_part(mirror: Mirror, host: str, membership: Membership,
+               parsed: dict[bytes, tuple[int, VramLease]], stamp: int) -> _HostPart:
+    """One host's leases as (mod_revision, record) by key (each parsed once: ``parsed`` holds the last ones),
+    and their VRAM by team."""
+    leases: dict[bytes, tuple[int, VramLease]] = {}
+    used: dict[str, int] = {}
+    for kv in mirror.host_items("leases", host):
+        hit = parsed.get(kv.key)
         if hit is None or hit[0] != kv.mod_revision:
             try:
                 lease = VramLease.from_kv(kv)
             except InvalidRecord:
                 continue   # its host is INVALID: nothing is granted there
-            hit = cache[kv.key] = (kv.mod_revision, lease)
-        seen.add(kv.key)
-        leases.append(hit[1])
-    if len(cache) > len(seen):
-        for key in set(cache) - seen:
-            del cache[key]
-    return build_team_state(team_kvs, mirror.items("teamledgers"), leases, mirror.revision,
-                            lambda: mirror.items("hosts"))
+            hit = (kv.mod_revision, lease)
+        leases[kv.key] = hit
+        team = membership.team_of(hit[1].agent)
+        used[team] = used.get(team, 0) + hit[1].vram_mb
+    return _HostPart(stamp, leases, used, frozenset(x[1].id for x in leases.values()))
+
+
+def _drop_ids(counts: dict[str, int], ids: Iterable[str]) -> None:
+    for lease_id in ids:
+        left = counts[lease_id] - 1
+        if left:
+            counts[lease_id] = left
+        else:
+            del counts[lease_id]
+
+
+def mirror_team_state(mirror: Mirror) -> TeamState | None:
+    """The teams' state as the mirror shows it (at ``mirror.revision``). The use by team is kept between
+    rounds and summed again for the hosts whose leases changed since the last round (all of them when a team
+    changed), so a round costs the hosts' count, not the fleet's leases."""
+    membership = mirror_membership(mirror)
+    if membership is None:
+        return None
+    tally = _tallies.get(mirror)
+    generation = mirror.generation("teams")
+    if tally is None or tally.generation != generation:
+        # Keep what was parsed; sum every host again under the new membership.
+        old = tally.hosts if tally is not None else {}
+        tally = _tallies[mirror] = _Tally(generation)
+        tally.hosts = {h: _HostPart(-1, part.leases, {}, frozenset()) for h, part in old.items()}
+    stamps = mirror.lease_stamps()
+    for host in [h for h in tally.hosts if h not in stamps]:    # its last lease ended (or a reset)
+        gone = tally.hosts.pop(host)
+        for team, mb in gone.used.items():
+            tally.used[team] -= mb
+        _drop_ids(tally.ids, gone.ids)
+    for host, stamp in stamps.items():
+        part = tally.hosts.get(host)
+        if part is not None and part.stamp == stamp:
+            continue
+        new = tally.hosts[host] = _host_part(mirror, host, membership, part.leases if part is not None else {}, stamp)
+        if part is not None:
+            for team, mb in part.used.items():
+                tally.used[team] -= mb
+            _drop_ids(tally.ids, part.ids)
+        for team, mb in new.used.items():
+            tally.used[team] = tally.used.get(team, 0) + mb
+        for lease_id in new.ids:
+            tally.ids[lease_id] = tally.ids.get(lease_id, 0) + 1
+    counted = frozenset(tally.ids)
+    used_now = {team: mb for team, mb in tally.used.items() if mb}
+    parts = list(tally.hosts.values())     # as of now: a later round replaces parts, never changes one
+
+    def records() -> list[VramLease]:
+        return [lease for part in parts for _, lease in part.leases.values()]
+    return TeamState(membership, used_now, counted, _ledgers(mirror.items("teamledgers")), mirror.revision,
+                     records, _models(membership, lambda: mirror.items("hosts")))
 
 
 async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamState | None:
@@ -237,4 +332,5 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamS
             leases.append(VramLease.from_kv(kv))
         except InvalidRecord:
             continue
-    return build_team_state(snap.ranges[0], snap.ranges[1], leases, snap.revision, lambda: snap.ranges[3])
+    return build_team_state(membership_of(snap.ranges[0]), snap.ranges[1], leases, snap.revision,
+                            lambda: snap.ranges[3])

@@ -23,7 +23,7 @@ from tests.support.processes import child_env
 
 pytestmark = pytest.mark.integration
 
-EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4, "GANG": 2}
+EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4, "GANG": 2, "TEAMS": 3}
 
 
 def test_quick_bench_reports_every_target() -> None:
@@ -47,6 +47,11 @@ def test_quick_bench_reports_every_target() -> None:
     # The gang line's two sides both ran: 2-GPU gangs and the same agents' two single leases.
     assert doc["gang"]["agents"] == 8
     assert doc["gang"]["gang"]["pairs_s"] > 0 and doc["gang"]["singles"]["pairs_s"] > 0
+    # The teams line's two sides both ran, and with teams stored the grants took the limited team's path:
+    # each round's transaction bumped the team's ledger.
+    for side in ("none", "teams"):
+        assert doc["teams"][side]["pairs_s"] > 0 and doc["teams"][side]["acquire_p50_ms"] > 0
+    assert doc["teams"]["ledger_bumps"] > 0
 
 
 def test_text_output_has_one_line_per_figure() -> None:

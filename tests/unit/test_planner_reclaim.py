@@ -30,7 +30,8 @@ def _state(view: HostView, quota_x: int, quota_y: int, weight_y: float) -> TeamS
     used: dict[str, int] = {}
     for x in view.leases.values():
         used[TEAM[x.agent]] = used.get(TEAM[x.agent], 0) + x.vram_mb
-    return TeamState(membership, used, frozenset(view.leases), {}, 600, tuple(view.leases.values()))
+    records = tuple(view.leases.values())
+    return TeamState(membership, used, frozenset(view.leases), {}, 600, lambda: records)
 
 
 @st.composite
