@@ -37,10 +37,11 @@ def _usable_mb(addr: str) -> int:
 
 
 def _set_teams(addr: str, quota_mb: int) -> None:
+    """Teams a and b: each a quota of half the fleet and a limit of all of it."""
     stub = coordinator_stub(addr)
     for team in ("a", "b"):
-        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=quota_mb, members=pb.TeamMembers(patterns=[f"{team}-*"])),
-                     timeout=10)
+        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=quota_mb, limit_mb=2 * quota_mb,
+                                       members=pb.TeamMembers(patterns=[f"{team}-*"])), timeout=10)
 
 
 def _a_fills_the_fleet(a1: Client, a2: Client) -> tuple[list[Any], list[Any]]:
