@@ -117,3 +117,6 @@ class Context:
     # The teams (G11), when any team is stored: grants are charged to them, and a grant that would take a team
     # above its limit is not made. None: no team is configured, nothing is charged.
     teams: TeamState | None = None
+    # Without teams: the revision as of which no team was stored (0: not known). A round that grants compares
+    # that no team was written since, so that a team created meanwhile is counted (the grant is decided again).
+    no_teams_since: int = 0

@@ -100,7 +100,7 @@ from coordinator.policy.teams import Charge
 from coordinator.policy.victims import choose_gang_victims
 from coordinator.policy.writes import Round
 from coordinator.records import VramLease, dumps
-from coordinator.txn import Absent, ModRevisionIs, Put
+from coordinator.txn import Absent, ModRevisionIs, NothingWrittenSince, Put
 
 # etcd refuses a transaction with more than 128 compares, or 128 operations (--max-txn-ops). A round stops
 # deciding before it would pass these budgets; the rest is decided in the next round.
@@ -169,6 +169,8 @@ class _Planner(Round[C]):
             compares, ops = team_writes(self.ctx.teams, self.keys, plan.new_leases)
             plan.compares += compares
             plan.ops += ops
+        elif self.ctx.no_teams_since and plan.new_leases:
+            plan.compares.append(NothingWrittenSince(self.keys.teams(), self.ctx.no_teams_since))
         return plan
 
     def _over_team_limit(self, it: Item[C], decision: object) -> str | None:
@@ -268,6 +270,8 @@ class _Planner(Round[C]):
             charged = len(charged_teams(self.ctx.teams, plan.new_leases)) + 1
             guards += 1 + charged
             used_ops += charged
+        elif self.ctx.no_teams_since:    # still no team
+            guards += 1
         return (used_ops + ops <= TXN_OPS_BUDGET
                 and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 

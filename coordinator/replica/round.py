@@ -80,9 +80,10 @@ class AdmissionRound(AdmitterState):
                     self._fail(c, err)
                 batch = [c for c in batch if not c.future.done()]
             live = {s.session_id for s, kv in zip(sessions, snap.extra) if kv is not None}
-            teams = await team_state(rep, snap.revision, min(0.5, max(0.0, deadline - asyncio.get_running_loop().time())))
+            teams, teams_read_at = await team_state(
+                rep, snap.revision, min(0.5, max(0.0, deadline - asyncio.get_running_loop().time())), attempt > 0)
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          clock.wall(), self._overdue(), teams)
+                          clock.wall(), self._overdue(), teams, no_teams_since=teams_read_at if teams is None else 0)
             plan = plan_round(view, batch, self._waiting, live, ctx)
             self._teams_revision = teams.revision if teams is not None else 0
             if use_mirror:

@@ -310,20 +310,27 @@ def mirror_team_state(mirror: Mirror) -> TeamState | None:
                      records, _models(membership, lambda: mirror.items("hosts")))
 
 
-async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamState | None:
+async def team_state(ctx: ReplicaContext, revision: int, wait_s: float,
+                     again: bool = False) -> tuple[TeamState | None, int]:
     """The teams' state at ``revision`` or later: from the mirror once it has caught up (within ``wait_s``),
-    else read from etcd (every team, ledger and lease of the fleet). None, at once, while the mirror shows no
-    team: a fleet without teams pays nothing (a team being created takes effect for the grants decided after
-    the replica has seen it)."""
+    else read from etcd (every team, ledger and lease of the fleet). With it, the revision it was read at.
+
+    (None, R) when no team is stored as of revision R: at once when the mirror shows none, even when it has
+    not caught up with ``revision`` yet (a fleet without teams pays no wait). The round then compares that no
+    team was written after R (``planner``: ``Context.no_teams_since``): a team created meanwhile fails its
+    grant, which is decided again counting it, so no grant escapes a team stored before it. ``again``: the
+    round's earlier attempt failed; the mirror must then have caught up for its "no team" to count."""
     if ctx.mirror.ready:
-        if not ctx.mirror.items("teams"):
-            return None
+        if not ctx.mirror.items("teams") and (not again or ctx.mirror.revision >= revision):
+            return None, ctx.mirror.revision
         if await ctx.mirror.caught_up(revision, wait_s):
-            return mirror_team_state(ctx.mirror)
+            if not ctx.mirror.items("teams"):
+                return None, ctx.mirror.revision
+            return mirror_team_state(ctx.mirror), ctx.mirror.revision
     keys = ctx.keys
     snap = await ctx.store.snapshot([Range(keys.teams(), prefix=True)])
     if not snap.ranges[0]:
-        return None
+        return None, snap.revision
     kinds = ("teams", "teamledgers", "leases", "hosts")
     snap = await ctx.store.snapshot([Range(keys.kind(k), prefix=True) for k in kinds])
     leases = []
@@ -332,5 +339,5 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float) -> TeamS
             leases.append(VramLease.from_kv(kv))
         except InvalidRecord:
             continue
-    return build_team_state(membership_of(snap.ranges[0]), snap.ranges[1], leases, snap.revision,
-                            lambda: snap.ranges[3])
+    return (build_team_state(membership_of(snap.ranges[0]), snap.ranges[1], leases, snap.revision,
+                             lambda: snap.ranges[3]), snap.revision)
