@@ -13,6 +13,9 @@ revision checks:
   absent at every revision; a GPU held exclusively holds no other lease;
 * G3 eviction: every eviction notice made for a request of priority P names a preemptible lease of
   priority < P, and a request that had victims is admitted only once all of them are gone;
+* G11 teams (tests/support/history_teams.py): no grant takes a team above its limit; a lease's quota mark
+  (``over_quota``) agrees with its team's usage; a reclaim notice names another team's over-quota lease (G3's
+  priority rule does not apply to it); with teams stored, eviction by priority stays within the requester's team;
 * G3 order for leases bound to processes, against the node's ``usage/`` reports in the history: a lease
   that ended under an eviction notice (released, or revoked) counts as gone only once the host's report
   lists none of its processes on its GPU, or its ``departing/`` record was forced (the kill margin passed).
@@ -31,6 +34,7 @@ from coordinator.etcd.store import Store, WatchEvent
 from coordinator.keys import Keys
 from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.txn import Range
+from tests.support.history_teams import TeamRules
 
 
 @dataclasses.dataclass
@@ -80,6 +84,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     usage: dict[str, dict[str, Any]] = {}          # host -> its node's latest report
     ended: dict[str, dict[str, Any]] = {}          # lease id -> a lease bound to processes that ended under a notice
     forced: set[str] = set()                       # lease ids whose departing record was forced (the kill margin)
+    teams = TeamRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         by_rev[ev.kv.mod_revision].append(ev)
@@ -94,6 +99,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                          if ev.kind == "DELETE" and keys.parse(ev.kv.key)[0] == "sessions"}
         for ev in by_rev[rev]:
             kind, parts = keys.parse(ev.kv.key)
+            teams.event(kind, parts, ev)
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     notices[parts[0]] = json.loads(ev.kv.value)
@@ -109,13 +115,14 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             if kind == "evictions" and ev.kind == "PUT":
                 rec = json.loads(ev.kv.value)
                 rep.evictions += 1
+                teams.notice(rec)
                 victim = leases.get((rec["host"], rec["gpu_uuid"]), {}).get(rec["lease_id"])
                 if victim is None:
                     rep.violations.append(f"rev {rev}: G3 eviction notice for lease {rec['lease_id']} that is not live")
                 elif rec.get("requester_priority") is not None:
                     if not victim["preemptible"]:
                         rep.violations.append(f"rev {rev}: G3 non-preemptible lease {victim['id']} was evicted")
-                    if int(victim["priority"]) >= int(rec["requester_priority"]):
+                    if not rec.get("reclaim") and int(victim["priority"]) >= int(rec["requester_priority"]):
                         rep.violations.append(
                             f"rev {rev}: G3 lease {victim['id']} of priority {victim['priority']} evicted for a "
                             f"request of priority {rec['requester_priority']}")
@@ -131,6 +138,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     lease = json.loads(ev.kv.value)
                     if ev.kv.version == 1:
                         rep.leases_created += 1
+                        teams.created(lease)
                         created.append((host, gpu, lease))
                         if lease["token"] <= max_token[(host, gpu)]:
                             rep.violations.append(
@@ -143,6 +151,8 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     if gone is None:    # etcd only reports the delete of a key that exists
                         rep.violations.append(f"rev {rev}: history read missed events: lease {lease_id} on "
                                               f"{host}/{gpu} deleted, never put")
+                    else:
+                        teams.deleted(gone)
                     bound = gone is not None and (gone.get("pids") or gone.get("pgid"))
                     if bound and lease_id in notices and gone["session_id"] not in sessions_gone:
                         ended[lease_id] = gone | {"requested_by": notices[lease_id].get("requested_by", "")}
@@ -218,6 +228,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                         f"rev {rev}: G3 lease {lease['id']} admitted on {host}/{gpu} with {used} MiB held > usable "
                         f"{usable} MiB, counting ended leases {[v['id'] for v in held]} whose processes are "
                         "still reported")
+        rep.violations += teams.check(rev, leases)
         # G3: a request with victims is admitted only after they are all gone.
         live_ids = {lease_id for live in leases.values() for lease_id in live}
         for lease_id, victims in granted_from_queue:
