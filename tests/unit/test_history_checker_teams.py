@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.history import SENTINEL
 from tests.support.history_builder import (
     G0,
     G1,
@@ -181,4 +182,15 @@ def test_without_teams_eviction_by_priority_crosses_agents_freely() -> None:
     h.ledger(G0)
     victim = h.lease("a-1", "r1", 4000, priority=1)
     _evict(h, victim, "b-1/r1", requester_priority=20)
+    assert check(h).violations == []
+
+
+def test_the_marks_of_earlier_history_reads_under_leases_and_teams_are_not_state() -> None:
+    """A test that reads the history of ``leases/`` or ``teams/`` alone leaves its sentinel key there."""
+    h = History()
+    h.ledger(G0)
+    h.put(K.leases() + SENTINEL, {})
+    h.put(K.teams() + SENTINEL, {})
+    victim = h.lease("a-1", "r1", 4000, priority=1)
+    _evict(h, victim, "b-1/r1", requester_priority=20)     # no team is stored: G3 crosses agents freely
     assert check(h).violations == []
