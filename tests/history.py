@@ -122,10 +122,10 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                 victim = leases.get((rec["host"], rec["gpu_uuid"]), {}).get(rec["lease_id"])
                 if victim is None:
                     rep.violations.append(f"rev {rev}: G3 eviction notice for lease {rec['lease_id']} that is not live")
-                elif rec.get("requester_priority") is not None:
+                elif rec.get("requester_priority") is not None and not rec.get("reclaim"):
                     if not victim["preemptible"]:
                         rep.violations.append(f"rev {rev}: G3 non-preemptible lease {victim['id']} was evicted")
-                    if not rec.get("reclaim") and int(victim["priority"]) >= int(rec["requester_priority"]):
+                    if int(victim["priority"]) >= int(rec["requester_priority"]):
                         rep.violations.append(
                             f"rev {rev}: G3 lease {victim['id']} of priority {victim['priority']} evicted for a "
                             f"request of priority {rec['requester_priority']}")

@@ -11,8 +11,8 @@ lease record through the replay of tests/history.check_history and checks, at ea
   grant (its ledger serializes them), and the use only falls until the next one: releases since then may make
   a mark ``true`` though the team is within its quota when the grant lands; nothing else can.
 * **reclaim notices** (``evictions/<id>`` with ``reclaim``: the requesting team): the victim is of another team
-  and is over its team's quota at that revision by the dynamic classification (``teams.in_quota``: a team's live
-  leases fill its quota oldest first). That it is preemptible is G3's check. Whether the requesting team stays
+  is preemptible, and is over its team's quota at that revision by the dynamic classification (``teams.in_quota``:
+  a team's live leases fill its quota oldest first). Whether the requesting team stays
   within its quota counting the request is not in the notice: not checked. G3's priority rule does not apply.
 * **G3 within a team**: with teams stored, a notice for a request by priority (``requester_priority`` set, no
   ``reclaim``) names a lease of the requester's team (the agent before ``/`` in ``requested_by``).
@@ -150,6 +150,8 @@ class TeamRules:
             if victim is None:
                 continue    # G3 reports a notice to a lease that is not live
             team = self.membership.team_of(victim["agent"])
+            if not victim["preemptible"]:
+                out.append(f"rev {rev}: G11 non-preemptible lease {victim['id']} reclaimed for team {rec['reclaim']!r}")
             if team == rec["reclaim"]:
                 out.append(f"rev {rev}: G11 team {team!r} reclaims its own lease {victim['id']}")
             if marks.get(victim["id"]):

@@ -156,6 +156,14 @@ def test_a_lease_that_moved_into_quota_when_an_older_one_ended_is_not_reclaimabl
     assert_one_violation(check(h), f"in-quota lease {held[2]}")
 
 
+def test_a_reclaim_of_a_non_preemptible_lease_is_detected() -> None:
+    h = _fleet(quota_mb=8000)
+    held = [h.lease("a-1", f"r{i}", 4000, gpu, extra={"created_at": 1_700_000_000.0 + i, "preemptible": i != 2})
+            for i, gpu in enumerate((G0, G1, G0))]
+    _evict(h, held[2], "b-1/r1", requester_priority=0, reclaim="b")
+    assert_one_violation(check(h), f"G11 non-preemptible lease {held[2]} reclaimed for team 'b'")
+
+
 def test_a_team_reclaiming_its_own_lease_is_detected() -> None:
     h, held = _borrowing_team_a()
     _evict(h, held[3], "a-2/r1", requester_priority=0, reclaim="a", gpu=G1)
