@@ -13,6 +13,9 @@ revision checks:
   absent at every revision; a GPU held exclusively holds no other lease;
 * G3 eviction: every eviction notice made for a request of priority P names a preemptible lease of
   priority < P, and a request that had victims is admitted only once all of them are gone;
+* G11 teams (tests/support/history_teams.py): no grant takes a team above its limit; a lease's quota mark
+  (``over_quota``) agrees with its team's usage; a reclaim notice names another team's over-quota lease (G3's
+  priority rule does not apply to it); with teams stored, eviction by priority stays within the requester's team;
 * G3 order for leases bound to processes, against the node's ``usage/`` reports in the history: a lease
   that ended under an eviction notice (released, or revoked) counts as gone only once the host's report
   lists none of its processes on its GPU, or its ``departing/`` record was forced (the kill margin passed).
@@ -31,6 +34,9 @@ from coordinator.etcd.store import Store, WatchEvent
 from coordinator.keys import Keys
 from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.txn import Range
+from tests.support.history_teams import TeamRules
+
+SENTINEL = b"zz-history-sentinel"    # the key a history read writes under its prefix to mark "now"
 
 
 @dataclasses.dataclass
@@ -55,7 +61,7 @@ async def read_history(store: Store, prefix: bytes, ended: list[int] | None = No
     A sentinel key written under the prefix marks "now": the watch has delivered everything before it
     once the sentinel's own event arrives.
     """
-    sentinel = prefix + b"zz-history-sentinel"
+    sentinel = prefix + SENTINEL
     await store.put(sentinel, b"{}")
     events: list[WatchEvent] = []
     async for batch in store.watch(prefix, start_revision=1, prev_kv=True):
@@ -80,9 +86,11 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     usage: dict[str, dict[str, Any]] = {}          # host -> its node's latest report
     ended: dict[str, dict[str, Any]] = {}          # lease id -> a lease bound to processes that ended under a notice
     forced: set[str] = set()                       # lease ids whose departing record was forced (the kill margin)
+    teams = TeamRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
-        by_rev[ev.kv.mod_revision].append(ev)
+        if not ev.kv.key.endswith(SENTINEL):      # an earlier history read's mark (under leases/, teams/...)
+            by_rev[ev.kv.mod_revision].append(ev)
     for rev in sorted(by_rev):
         rep.revisions += 1
         touched: set[tuple[str, str]] = set()
@@ -94,6 +102,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                          if ev.kind == "DELETE" and keys.parse(ev.kv.key)[0] == "sessions"}
         for ev in by_rev[rev]:
             kind, parts = keys.parse(ev.kv.key)
+            teams.event(kind, parts, ev)
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     notices[parts[0]] = json.loads(ev.kv.value)
@@ -109,6 +118,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             if kind == "evictions" and ev.kind == "PUT":
                 rec = json.loads(ev.kv.value)
                 rep.evictions += 1
+                teams.notice(rec)
                 victim = leases.get((rec["host"], rec["gpu_uuid"]), {}).get(rec["lease_id"])
                 if victim is None:
                     rep.violations.append(f"rev {rev}: G3 eviction notice for lease {rec['lease_id']} that is not live")
@@ -131,6 +141,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     lease = json.loads(ev.kv.value)
                     if ev.kv.version == 1:
                         rep.leases_created += 1
+                        teams.created(lease)
                         created.append((host, gpu, lease))
                         if lease["token"] <= max_token[(host, gpu)]:
                             rep.violations.append(
@@ -143,6 +154,8 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     if gone is None:    # etcd only reports the delete of a key that exists
                         rep.violations.append(f"rev {rev}: history read missed events: lease {lease_id} on "
                                               f"{host}/{gpu} deleted, never put")
+                    else:
+                        teams.deleted(gone)
                     bound = gone is not None and (gone.get("pids") or gone.get("pgid"))
                     if bound and lease_id in notices and gone["session_id"] not in sessions_gone:
                         ended[lease_id] = gone | {"requested_by": notices[lease_id].get("requested_by", "")}
@@ -218,6 +231,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                         f"rev {rev}: G3 lease {lease['id']} admitted on {host}/{gpu} with {used} MiB held > usable "
                         f"{usable} MiB, counting ended leases {[v['id'] for v in held]} whose processes are "
                         "still reported")
+        rep.violations += teams.check(rev, leases)
         # G3: a request with victims is admitted only after they are all gone.
         live_ids = {lease_id for live in leases.values() for lease_id in live}
         for lease_id, victims in granted_from_queue:
@@ -262,7 +276,7 @@ def replay_differs(report: HistoryReport, etcd_leases: set[bytes], revision: int
 async def _confirm_replay(store: Store, keys: Keys, report: HistoryReport, ended: int) -> None:
     """etcd's leases at the revision where the history read ended (its sentinel's) against the replay's."""
     kvs = await store.read_at(Range(keys.kind("leases"), prefix=True), ended)
-    report.violations += replay_differs(report, {kv.key for kv in kvs}, ended)
+    report.violations += replay_differs(report, {kv.key for kv in kvs if not kv.key.endswith(SENTINEL)}, ended)
 
 
 async def _confirm_capacity_violations(store: Store, keys: Keys, report: HistoryReport) -> None:

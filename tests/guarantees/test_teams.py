@@ -20,7 +20,7 @@ from tests.support.cluster import Cluster, queue
 from tests.support.rpcs import coordinator_stub, expect_refused
 from tests.support.waiting import Background, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 C = grpc.StatusCode
 
 

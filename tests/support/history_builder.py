@@ -85,8 +85,10 @@ class History:
         self.put(K.gpu(host, gpu), {"capacity_mb": capacity_mb, "seq": seq})
 
     def lease(self, agent: str, request_id: str, vram_mb: int, gpu: str = G0, *, token: int | None = None,
-              lease_id: str | None = None, priority: int = 0, host: str = HOST, bump: bool = True) -> str:
-        """Put a new lease and, like an admission, bump the GPU's ledger in the same revision (own txn if none open)."""
+              lease_id: str | None = None, priority: int = 0, host: str = HOST, bump: bool = True,
+              extra: dict[str, Any] | None = None) -> str:
+        """Put a new lease and, like an admission, bump the GPU's ledger in the same revision (own txn if none open);
+        ``extra``: more fields of the record (a gang's, format 3's ``over_quota``)."""
         if token is None:
             token = self.seq.get(gpu, 0) + 1
         lease_id = lease_id or lease_id_for(agent, request_id, host)
@@ -97,12 +99,17 @@ class History:
             "id": lease_id, "host": host, "gpu_uuid": gpu, "gpu_index": int(gpu.rsplit("-", 1)[1]),
             "agent": agent, "session_id": format(SESSION, "x"), "vram_mb": vram_mb, "priority": priority,
             "preemptible": True, "request_id": request_id, "token": token, "created_at": 1_700_000_000.0 + token,
-        }, etcd_lease=SESSION)
+        } | (extra or {}), etcd_lease=SESSION)
         if bump:
             self.ledger(gpu, max(token, self.seq.get(gpu, 0)), host=host)
         if own_txn:
             self.commit()
         return lease_id
+
+    def team(self, name: str, members: list[str], quota_mb: int = 0, limit_mb: int | None = None) -> None:
+        """An operator's ``team set``: the ``teams/<name>`` record."""
+        self.put(K.team(name), {"name": name, "quota_mb": quota_mb, "limit_mb": limit_mb, "weight": 1.0,
+                                "members": members, "quota_by_model": {}, "max_min_runtime_s": 0.0})
 
     def release(self, lease_id: str, gpu: str = G0, host: str = HOST) -> None:
         self.delete(K.lease(host, gpu, lease_id))
