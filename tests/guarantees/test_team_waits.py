@@ -131,13 +131,13 @@ def test_a_lease_ending_while_a_round_decides_a_waiter_holds_for_its_team_still_
     armed: list[bytes] = []     # the lease key to delete within the next round's read of the teams
     ended: list[int] = []
 
-    async def racing_team_state(ctx: Any, revision: int, wait_s: float) -> Any:
-        state = await real(ctx, revision, wait_s)
+    async def racing_team_state(ctx: Any, revision: int, wait_s: float, again: bool = False) -> Any:
+        state, read_at = await real(ctx, revision, wait_s, again)
         if armed and state is not None and state.used.get("a") == 4096:
             res = await cluster.store.commit([], [Delete(armed.pop())])
             assert await mirror.caught_up(res.revision, 5)
             ended.append(res.revision)
-        return state
+        return state, read_at
     monkeypatch.setattr(round_module, "team_state", racing_team_state)
     with Client(addr, agent="bob", host="h1") as bob, Client(addr, agent="a-1", host="h2") as a1, \
             Client(addr, agent="a-2", host="h1") as a2:
