@@ -187,7 +187,7 @@ class _Planner(Round[C]):
             charge = least_charge_mb(decision.candidates, req.vram_mb, req.gpu_count, req.exclusive)
         else:
             return None
-        return team_limit(state, self.view, req.agent, charge)
+        return team_limit(state, self.view, req.agent, charge, self.team_used)
 
     def _wait_for_team(self, n: int, it: Item[C], reason: str) -> None:
         """G11: a request that its team's limit holds back (``reason`` names ``team`` and the limit). A new call

@@ -94,22 +94,25 @@ def team_wait_over(reason: str, wait_s: float) -> errors.WaitTimeout:
     return errors.WaitTimeout(f"{reason} (waited {round(wait_s, 1):g} s for its team's limit)", "team")
 
 
-def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int) -> str | None:
-    """Why granting ``charge_mb`` to ``agent`` would take its team above its limit, or None."""
+def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int,
+               used: Callable[[str], int] | None = None) -> str | None:
+    """Why granting ``charge_mb`` to ``agent`` would take its team above its limit, or None. ``used``: the
+    team's use (``team_use``), when the caller keeps it."""
     team = state.membership.team_of(agent)
     if not state.limited(team):
         return None
-    return limit_refusal(state.membership.team(team), team_use(state, view, team), charge_mb)
+    return limit_refusal(state.membership.team(team), used(team) if used else team_use(state, view, team), charge_mb)
 
 
-def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_mb: int) -> bool | None:
+def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_mb: int,
+                    used: Callable[[str], int] | None = None) -> bool | None:
     """The quota mark of a new grant charging ``charge_mb`` to ``agent``: whether its team's use over the
     fleet, counting it, passes the team's quota (``quota_mb``; per-model quotas are left to reclaim's
     classification, ``teams.in_quota``). None (unmarked) without teams."""
     if state is None:
         return None
     team = state.membership.team_of(agent)
-    return team_use(state, view, team) + charge_mb > state.membership.team(team).quota_mb
+    return (used(team) if used else team_use(state, view, team)) + charge_mb > state.membership.team(team).quota_mb
 
 
 def charge_of(parts: Sequence[VramLease], membership: Membership, model: str = "") -> Charge:

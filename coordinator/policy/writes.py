@@ -14,7 +14,7 @@ from coordinator.policy.admission import GpuView
 from coordinator.policy.decide import Grant, Item
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan, Wait
-from coordinator.policy.team_admission import grant_charge_mb, over_quota_mark
+from coordinator.policy.team_admission import grant_charge_mb, over_quota_mark, team_use
 from coordinator.records import (
     EvictionRecord,
     QueueEntry,
@@ -58,6 +58,16 @@ class Round(Generic[C]):
         self.displaced: set[str] = set()        # ranks of entries this round displaces
         self.queued = 0                         # entries in the queue after what is decided so far
         self.per_agent: collections.Counter[str] = collections.Counter()
+        self._used: dict[str, int] = {}         # team -> its use over the fleet (``team_used``)
+
+    def team_used(self, team: str) -> int:
+        """The team's use over the fleet as this round stands (``team_admission.team_use``, summed once a
+        round and kept up to date with the round's grants)."""
+        used = self._used.get(team)
+        if used is None:
+            assert self.ctx.teams is not None
+            used = self._used[team] = team_use(self.ctx.teams, self.view, team)
+        return used
 
     def parts(self, lease_id: str) -> tuple[VramLease, ...]:
         """Every GPU's record of a lease (one, or a gang's), in index order, in the round's copy."""
@@ -92,7 +102,7 @@ class Round(Generic[C]):
             req = it.req
             gpus = g.gang or ((g.gpu,) if g.gpu is not None else ())
             over = over_quota_mark(self.ctx.teams, self.view, req.agent,
-                                   grant_charge_mb(gpus, req.vram_mb, req.exclusive))
+                                   grant_charge_mb(gpus, req.vram_mb, req.exclusive), self.team_used)
             if g.gang:
                 # All or nothing: every GPU's record in this one transaction, each with its GPU's next token.
                 gang = tuple(x.uuid for x in g.gang) if len(g.gang) > 1 else ()
@@ -104,6 +114,10 @@ class Round(Generic[C]):
                 assert g.gpu is not None
                 lease = self._grant(it, g.gpu, over_quota=over)
                 plan.new_leases.append(lease)
+        if self.ctx.teams is not None and g.existing is None:
+            team = self.ctx.teams.membership.team_of(lease.agent)
+            if team in self._used:    # this round's grant counts in its team's use from now on
+                self._used[team] += sum(x.vram_mb for x in plan.gangs.get(lease.id, (lease,)))
         plan.grants.append((it.call, lease))
         if it.entry is not None:
             self._leaves(it.entry, None, None)
