@@ -219,7 +219,10 @@ class AsyncClient:
         ResourceExhausted when it does not fit (after ``wait``). ``min_runtime``: seconds the lease runs before
         another team may reclaim it while it is over its team's quota (capped by the team's maximum)."""
         if self.done.is_set():
-            raise errors.SessionExpired(f"session {self.session_id} of {self.agent} is over")
+            # The same reason and field as the coordinator's answer for a gone session: which of the two the
+            # caller meets first (the keepalive stream's or its own call's) is a matter of speed.
+            raise errors.SessionExpired(f"session {self.session_id} of {self.agent} is over", errors.SESSION_GONE,
+                                        "session")
         session = await self._session_ref()
         request_id = request_id or uuid.uuid4().hex
         until = time.monotonic() + wait

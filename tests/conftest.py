@@ -222,6 +222,18 @@ def lt() -> Iterator[LoopThread]:
 _TIERS = {"unit": "unit", "static": "static", "faults": "fault"}
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Every HashKV comparison of the 3-member etcd clusters (tests/faults/conftest.py), one line each."""
+    from tests.support.etcd3 import HASH_REPORTS
+    if not HASH_REPORTS:
+        return
+    drifted = sum(not r.consistent for _, r in HASH_REPORTS)
+    terminalreporter.section(f"etcd HashKV after {len(HASH_REPORTS)} 3-member tests: "
+                             + (f"{drifted} DRIFTED" if drifted else "every member equal"))
+    for test, report in HASH_REPORTS:
+        terminalreporter.write_line(f"{test}: {report.describe()}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = pathlib.Path(__file__).resolve().parent
     for item in items:

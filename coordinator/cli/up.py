@@ -103,7 +103,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"etcd binary: {binary.describe()}")
     if binary.crash_bugs:
         print(f"WARNING: this etcd has known crash bugs: {'; '.join(binary.crash_bugs)}. gpucoord never sends "
-              f"the requests that trigger them, but other clients may: for production run etcd "
+              f"the requests that crash it, but other clients may, and a member killed under load may drift: "
+              f"for production run etcd "
               f"{MINIMUM_PRODUCTION} or newer (--etcd-binary PATH or $GPUCOORD_ETCD_BINARY).")
 
     try:

@@ -122,9 +122,12 @@ class EtcdOptions:
     auto_compaction_retention: str | None = None
     quota_backend_bytes: int | None = None
     unsafe_no_fsync: bool = False   # test clusters on a slow shared disk only: a crash may lose writes
+    snapshot_count: int | None = None   # raft entries between snapshots (etcd's default: 100,000)
 
     def args(self) -> list[str]:
         out: list[str] = ["--unsafe-no-fsync"] if self.unsafe_no_fsync else []
+        if self.snapshot_count is not None:
+            out += ["--snapshot-count", str(self.snapshot_count)]
         if self.auto_compaction_mode:
             out += ["--auto-compaction-mode", self.auto_compaction_mode,
                     "--auto-compaction-retention", self.auto_compaction_retention or "0"]

@@ -44,6 +44,12 @@ def test_the_3_5_1_bug_names_the_upstream_issue() -> None:
     assert any("14110" in b for b in crash_bugs((3, 5, 1)))
 
 
+@pytest.mark.parametrize("version, drifts", [((3, 5, 1), True), ((3, 5, 2), True), ((3, 5, 3), False),
+                                              ((3, 5, 16), False), ((3, 4, 23), False)])
+def test_the_data_inconsistency_of_3_5_0_to_3_5_2_is_known(version: tuple[int, int, int], drifts: bool) -> None:
+    assert any("13766" in b for b in crash_bugs(version)) is drifts
+
+
 @given(st.tuples(st.integers(0, 99), st.integers(0, 99), st.integers(0, 999)))
 def test_a_formatted_version_parses_back(version: tuple[int, int, int]) -> None:
     assert parse_etcd_version(format_version(version)) == version

@@ -2,13 +2,18 @@
 answered when they moved to another replica."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import signal
 import time
 from typing import Any
 
+from coordinator.etcd.consistency import HashReport, compare_members
 from coordinator.etcd.process import EtcdCluster, EtcdMember, EtcdOptions
+
+# Every HashKV comparison of this test process, (test id, report): the terminal summary prints them.
+HASH_REPORTS: list[tuple[str, HashReport]] = []
 
 
 class Etcd3:
@@ -18,8 +23,8 @@ class Etcd3:
     processes (not machines), so what a member acknowledged is in its page cache and survives. The fixture
     ``etcd3`` (tests/faults/conftest.py) starts one and closes it."""
 
-    def __init__(self) -> None:
-        self.cluster = EtcdCluster(3, options=EtcdOptions(unsafe_no_fsync=True))
+    def __init__(self, binary: str | None = None, options: EtcdOptions | None = None) -> None:
+        self.cluster = EtcdCluster(3, binary=binary, options=options or EtcdOptions(unsafe_no_fsync=True))
         self.stopped: set[str] = set()
 
     @property
@@ -61,6 +66,30 @@ class Etcd3:
     def cont(self, m: EtcdMember) -> None:
         m.signal(signal.SIGCONT)
         self.stopped.discard(m.name)
+
+    def compare_hashes(self, timeout: float = 30.0) -> HashReport:
+        """etcd's corruption check over the members (``coordinator.etcd.consistency``): each member's
+        HashKV at the lowest revision every member reports. Stopped members are continued and killed ones
+        restarted on their data dirs first, so that a member that drifted while down is compared too."""
+        for m in self.members:
+            self.cont(m)
+            if m.proc is None:
+                self.restart(m, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            report = asyncio.run(compare_members(self.endpoints, names={m.endpoint: m.name for m in self.members}))
+            # A member that was just restarted may answer Status before it serves HashKV: ask again.
+            if report.consistent or not report.unreachable or time.monotonic() > deadline:
+                return report
+            time.sleep(0.2)
+
+    def check_consistent(self, test: str) -> HashReport:
+        """``compare_hashes``, recorded for the terminal summary; AssertionError naming the members when
+        their hashes differ."""
+        report = self.compare_hashes()
+        HASH_REPORTS.append((test, report))
+        assert report.consistent, f"etcd members drifted apart: {report.describe()}"
+        return report
 
     def close(self) -> None:
         for m in self.members:
