@@ -206,7 +206,7 @@ def check(s: dict[str, Any], plan: Plan[Call], team: tuple[frozenset[str], int] 
             out = {x.id for x in removed}
             if room is not None and room + sum(x.vram_mb for x in removed if x.agent in members) < vram:  # noqa: B023
                 return False
-            return any(room_for(dataclasses.replace(view.gpus[u], leases=[  # noqa: B023 - called in this iteration
+            return any(room_for(dataclasses.replace(view.gpus[u], leases=[
                 x for x in seen if x.gpu_uuid == u and x.id not in out]), agent, caps[agent][u]) >= vram  # noqa: B023
                 for u in gpus)  # noqa: B023 - called in this iteration
         assert fits(victims), "the victims do not make the request fit"
