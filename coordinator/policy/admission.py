@@ -140,19 +140,34 @@ def choose_victims(vram_mb: int, priority: int, agent: str, gpu: GpuView, cap_mb
 
 def plan_eviction(gpus: list[GpuView], caps: dict[str, int], vram: int, priority: int, agent: str,
                    evicting: set[str]) -> list[VramLease]:
-    """The cheapest victim set on one GPU (fewest, then lowest priorities), counting leases that are
-    already being evicted as gone. [] when nothing needs evicting (or nothing would help)."""
-    best: tuple[tuple[int, int], list[VramLease]] | None = None
-    for g in gpus:
-        if g.uuid not in caps:
-            continue
-        after = dataclasses.replace(g, leases=[x for x in g.leases if x.id not in evicting])
-        victims = choose_victims(vram, priority, agent, after, caps[g.uuid])
-        if victims is None:
-            continue
-        if not victims:
-            return []   # pending evictions will make room: wait for them
-        cost = (len(victims), max(v.priority for v in victims))
-        if best is None or cost < best[0]:
-            best = (cost, victims)
-    return best[1] if best else []
+    """G3 over every allowed GPU, counting leases that are already being evicted as gone: the preemptible
+    leases of priority < ``priority`` on all of them, taken in G3's order over all of them (lowest priority
+    first, then newest first) until the request fits on one GPU, then every victim that can be spared dropped
+    in that order (a lease over several GPUs is one victim, freeing each of its records). [] when nothing
+    needs evicting (or nothing would help). ``victims.choose_gang_victims`` makes the same choice over slots."""
+    after = [dataclasses.replace(g, leases=[x for x in g.leases if x.id not in evicting]) for g in gpus
+             if g.uuid in caps]
+
+    def fits(gone: set[str]) -> bool:   # what the victims free, as choose_victims counts it
+        return any(sum(x.vram_mb for x in g.leases if x.id in gone) >= vram - g.free_mb
+                   and sum(x.vram_mb for x in g.leases if x.id in gone and x.agent == agent)
+                   >= vram - (caps[g.uuid] - g.agent_mb(agent)) for g in after)
+
+    if fits(set()):
+        return []   # pending evictions will make room: wait for them
+    order: dict[str, VramLease] = {}
+    for lease in sorted((x for g in after for x in g.leases if x.preemptible and x.priority < priority),
+                        key=lambda x: (x.priority, -x.created_at, -x.token)):
+        order.setdefault(lease.id, lease)    # a lease over several GPUs: one victim, its newest record
+    victims: list[VramLease] = []
+    for lease in order.values():
+        if fits({v.id for v in victims}):
+            break
+        victims.append(lease)
+    if not fits({v.id for v in victims}):
+        return []
+    for lease in list(victims):
+        rest = [v for v in victims if v is not lease]
+        if fits({v.id for v in rest}):
+            victims = rest
+    return victims

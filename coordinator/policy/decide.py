@@ -121,9 +121,10 @@ Decision = Union[Grant, Refuse, Leave, Waits]
 
 
 def decide(it: Item[C], view: HostView, ctx: Context, departing_held: Collection[str], blocked: Collection[str],
-           agent_waiting: int) -> Decision:
+           agent_waiting: int, team_room: int | None = None) -> Decision:
     """What this request gets. ``view``: the round's copy (with the leases granted so far); ``blocked``: the
-    GPUs that a request ranked earlier still waits for; ``agent_waiting``: the agent's waiting requests."""
+    GPUs that a request ranked earlier still waits for; ``agent_waiting``: the agent's waiting requests;
+    ``team_room``: what its team's limit still allows (None: no limit), for a gang's placement to respect."""
     req = it.req
     existing = view.leases.get(req.lease_id)
     if existing is not None:
@@ -152,7 +153,10 @@ def decide(it: Item[C], view: HostView, ctx: Context, departing_held: Collection
     if gang is not None:
         # G2 with gangs: only GPUs no earlier-ranked waiter could use (``blocked``) may be chosen.
         unavailable = {g.index for g in candidates if g.uuid in blocked}
-        placed = place(slots_from_views(view.gpus.values(), req.agent, view.inventory), gang, unavailable)
+        slots = slots_from_views(view.gpus.values(), req.agent, view.inventory)
+        placed = place(slots, gang, unavailable, team_room)
+        if team_room is not None and not isinstance(placed, Chosen):
+            placed = place(slots, gang, unavailable)   # none within the limit: the planner's limit check says so
         if isinstance(placed, Chosen) and not pending:
             by_index = {g.index: g for g in view.gpus.values()}
             return Grant(gang=tuple(by_index[i] for i in placed.gpus))

@@ -224,8 +224,11 @@ def gpu_sets(host: HostShape, blocks: list[int], k: int, order: Mapping[int, tup
 
 # -- placement -------------------------------------------------------------------------------------------
 
-def place(slots: Sequence[GpuSlot], request: GangRequest, unavailable: Collection[int] = ()) -> Placement:
-    """The best set of GPUs for ``request`` under the module's rule, or why none (see the module's docstring)."""
+def place(slots: Sequence[GpuSlot], request: GangRequest, unavailable: Collection[int] = (),
+          max_charge: int | None = None) -> Placement:
+    """The best set of GPUs for ``request`` under the module's rule, or why none (see the module's docstring).
+    ``max_charge``: only sets whose charge (``set_charge``) is at most this may be chosen (what the team's limit
+    leaves: an exclusive gang takes the smaller GPUs that fit the limit rather than wait)."""
     host = HostShape(slots)
     checked = check_request(host, request, unavailable)
     if isinstance(checked, Refused):
@@ -237,12 +240,19 @@ def place(slots: Sequence[GpuSlot], request: GangRequest, unavailable: Collectio
     order = {n: (host.slots[n].free_mb, host.slots[n].index) for n in range(len(host.slots))}
     best: tuple[tuple[object, ...], int] | None = None
     for mask in gpu_sets(host, blocks, k, order):
+        if max_charge is not None and set_charge(host, mask, request) > max_charge:
+            continue
         key = _key(host, mask, request)
         if best is None or key < best[0]:
             best = (key, mask)
     if best is not None:
         return Chosen(tuple(host.slots[n].index for n in bits(best[1])))
     return Wait(f"no {_gang(request)} fits now on the GPUs free for it; one will once leases go")
+
+
+def set_charge(host: HostShape, mask: int, r: GangRequest) -> int:
+    """What placing ``r`` on the slots of ``mask`` charges its team: each GPU's usable VRAM if exclusive."""
+    return sum(host.slots[n].usable_mb for n in bits(mask)) if r.exclusive else r.vram_mb * mask.bit_count()
 
 
 def _gang(r: GangRequest) -> str:

@@ -138,10 +138,12 @@ class _Planner(Round[C]):
                 plan.deferred = [x.call for x in self.items[n:] if x.call is not None and x.entry is None]
                 plan.more = True
                 break
-            decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent])
+            decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent],
+                              self._team_room(it.req) if it.req.exclusive else None)
             over = self._over_team_limit(it, decision)
             if over is not None:
-                self._wait_for_team(n, it, over)
+                if not self._evicts_for_team(n, it, decision):
+                    self._wait_for_team(n, it, over)
                 continue
             if isinstance(decision, Grant):
                 self._write_grant(it, decision)
@@ -188,6 +190,41 @@ class _Planner(Round[C]):
         else:
             return None
         return team_limit(state, self.view, req.agent, charge, self.team_used)
+
+    def _evicts_for_team(self, n: int, it: Item[C], decision: object) -> bool:
+        """G3 within the team's limit: a request that its team's limit holds back evicts its own team's
+        preemptible leases of lower priority on this host (``victims.choose_gang_victims`` with the team's room)
+        when that frees room under the limit and on a GPU, and then waits for them as any waiter does (it holds
+        its GPUs back, G2); it also waits so for the team's leases already being evicted when they will make
+        room. True when it does; False: it waits for its team alone (``_wait_for_team``)."""
+        req, ctx = it.req, self.ctx
+        if isinstance(decision, Grant) and decision.existing is None:
+            if it.call is not None and it.entry is None and it.call.deadline <= ctx.now:
+                return False                   # asked for no wait: refused naming the team
+            candidates, caps = eligible(self.view, self.cfg, req, count_leases=it.entry is None)
+            decision = Waits(candidates, [g for g in candidates if g.uuid not in self.blocked], caps, False, False,
+                             req.gang(caps) if req.is_gang else None)
+        if not isinstance(decision, Waits):
+            return False
+        room = self._team_room(req, going=True)
+        gpus = list(self.view.gpus.values())
+        g3 = own_team_only(ctx.teams, req.agent, gpus)
+        choice = choose_gang_victims(slots_from_views(g3, req.agent, self.view.inventory, self.evicting),
+                                     decision.gang or req.gang(decision.caps), req.priority, req.agent,
+                                     holders_from_views(g3, self.evicting),
+                                     {g.index for g in gpus if g.uuid in self.blocked}, room)
+        if choice is None or (decision.victims_pending and choice.victims):
+            return False          # nothing to evict, or its victims first: it waits for its team
+        if it.entry is None:
+            refusal = self._bound_queue(n, it)
+            if refusal is not None:
+                assert it.call is not None
+                self.out.refusals.append((it.call, refusal))
+                return True
+        victims = self._plan_evictions(it, decision, [self.parts(h.id)[0] for h in choice.victims])
+        self.blocked |= {g.uuid for g in decision.candidates}
+        self._write_wait(it, victims)
+        return True
 
     def _wait_for_team(self, n: int, it: Item[C], reason: str) -> None:
         """G11: a request that its team's limit holds back (``reason`` names ``team`` and the limit). A new call
@@ -253,13 +290,6 @@ class _Planner(Round[C]):
         self.attached_calls = {id(c) for c in attached.values()}
         return items
 
-    def _leaving(self, it: Item[C]) -> bool:
-        """Our waiter whose caller went away or whose wait is over: the expiry removes its entry, so it
-        neither blocks a GPU nor counts against the queue bounds, and it is not granted any more."""
-        c = it.call
-        return (c is not None and it.entry is not None and id(c) not in self.attached_calls
-                and (c.gone or self.now >= c.deadline))
-
     def _fits_budget(self, ops: int, compares: int) -> bool:
         """Whether ``ops`` more operations and ``compares`` more compares stay within etcd's limits."""
         plan, view = self.out, self.view
@@ -289,43 +319,16 @@ class _Planner(Round[C]):
             "queue: the waiting request was removed from the queue without a grant (displaced by a request "
             "of higher priority)", "queue")
 
-    # -- bound the queue -------------------------------------------------------------------------------
-    def _bound_queue(self, n: int, it: Item[C]) -> errors.GpucoordError | None:
-        """Room in the host's queue for the new waiter ``items[n]``, or why not. When the queue is full, an
-        arrival that outranks the lowest-ranked waiter takes its place (that waiter is told
-        RESOURCE_EXHAUSTED); one that does not is refused."""
-        limit = self.cfg.max_queue_per_host
-        if self.queued < limit:
-            return None
-        lowest = self._lowest_waiter(n + 1)
-        if lowest is None:
-            return errors.CapacityError(
-                f"queue: host {self.host!r} already has {self.queued} waiting requests ranked at or above "
-                f"this one (limit {limit})", "queue")
-        assert lowest.entry is not None
-        self.displaced.add(lowest.rank)
-        self._leaves(lowest.entry, lowest.call, errors.CapacityError(
-            f"queue: displaced from the full queue of host {self.host!r} (limit {limit}) by a request of "
-            "higher priority", "queue"))
-        return None
-
-    def _lowest_waiter(self, start: int) -> Item[C] | None:
-        """The lowest-ranked entry of the queue among ``items[start:]`` (which rank below the arrival) that a
-        higher-ranked arrival may displace."""
-        for it in reversed(self.items[start:]):
-            if it.entry is not None and it.rank not in self.displaced and not self._leaving(it):
-                return it
-        return None
-
     # -- plan evictions (G3) ---------------------------------------------------------------------------
-    def _plan_evictions(self, it: Item[C], w: Waits) -> tuple[str, ...]:
+    def _plan_evictions(self, it: Item[C], w: Waits, chosen: list[VramLease] | None = None) -> tuple[str, ...]:
         """The victims this waiter waits for: those it already chose, or new ones if evicting makes it fit on
-        a GPU nobody ahead waits for (their notices go into this transaction)."""
+        a GPU nobody ahead waits for (``chosen``, when the caller chose them; their notices go into this
+        transaction)."""
         plan = self.out
         victims = it.entry.victims if it.entry is not None else ()
         if w.victims_pending:
             return victims
-        new, reclaim = self._victims(it, w)
+        new, reclaim = (chosen, "") if chosen is not None else self._victims(it, w)
         parts = [x for v in new for x in self.parts(v.id)]
         if new and not self._fits_budget(len(new) + 2, len(new) + len(parts) + 2):
             new = []              # too many for this transaction: evict in the next round
@@ -358,7 +361,8 @@ class _Planner(Round[C]):
         else:
             g3 = own_team_only(teams, req.agent, gpus)
             choice = choose_gang_victims(slots_from_views(g3, req.agent, self.view.inventory, self.evicting), w.gang,
-                                         req.priority, req.agent, holders_from_views(g3, self.evicting), blocked)
+                                         req.priority, req.agent, holders_from_views(g3, self.evicting), blocked,
+                                         self._team_room(req, going=True) if req.exclusive else None)
             if choice is not None or teams is None:
                 return ([self.parts(h.id)[0] for h in choice.victims] if choice is not None else []), ""
         # This round's grants are not reclaimed in it (their leases are not in etcd yet): in the next one they can be.

@@ -124,9 +124,12 @@ def choose_reclaim_victims(state: TeamState, view: HostView, req: Request, candi
     for need, gpus in _options(view, req, candidates, caps, evicting, unavailable):
         if fleet is None:
             fleet = charges() if charges is not None else fleet_charges(state, view)
-        charge = sum(usable[u] for u in gpus) if req.exclusive else req.vram_mb * len(gpus)
-        victims = choose_reclaim(team_name, charge, need, fleet, state.membership, wall,
-                                 models.get(gpus[0], ""), exclude={*evicting, *fresh})
+        by_model: dict[str, int] = {}    # what the request charges each GPU model: per GPU, by its own
+        for u in gpus:
+            model = models.get(u, "")
+            by_model[model] = by_model.get(model, 0) + (usable[u] if req.exclusive else req.vram_mb)
+        victims = choose_reclaim(team_name, sum(by_model.values()), need, fleet, state.membership, wall,
+                                 exclude={*evicting, *fresh}, by_model=by_model)
         if victims is None:
             continue
         choice = ReclaimChoice(team_name, tuple(v.id for v in victims), gpus)

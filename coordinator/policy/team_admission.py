@@ -115,14 +115,19 @@ def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_
     return (used(team) if used else team_use(state, view, team)) + charge_mb > state.membership.team(team).quota_mb
 
 
-def charge_of(parts: Sequence[VramLease], membership: Membership, model: str = "") -> Charge:
+def charge_of(parts: Sequence[VramLease], membership: Membership, models: Mapping[str, str] | str = "") -> Charge:
     """A lease as the teams see it, from every GPU record of it (one, or a gang's): VRAM x GPUs, each GPU
-    charged its record's ``vram_mb`` (an exclusive gang's: each GPU's whole usable VRAM)."""
+    charged its own record's ``vram_mb`` (an exclusive gang's: each GPU's whole usable VRAM), to its own model
+    (``models``: by GPU uuid; a string: the model of every GPU)."""
     lease = parts[0]
+
+    def model_of(uuid: str) -> str:
+        return models if isinstance(models, str) else models.get(uuid, "")
     return Charge(id=lease.id, team=membership.team_of(lease.agent), vram_mb=lease.vram_mb,
                   gpus=tuple(x.gpu_uuid for x in parts), created_at=lease.created_at, token=lease.token,
-                  model=model, preemptible=lease.preemptible, min_runtime_s=lease.min_runtime_s,
-                  total_mb=sum(x.vram_mb for x in parts))
+                  model=model_of(lease.gpu_uuid), preemptible=lease.preemptible, min_runtime_s=lease.min_runtime_s,
+                  total_mb=sum(x.vram_mb for x in parts),
+                  per_gpu=tuple((x.gpu_uuid, x.vram_mb, model_of(x.gpu_uuid)) for x in parts))
 
 
 def by_lease(records: Iterable[VramLease]) -> list[list[VramLease]]:
@@ -142,7 +147,7 @@ def fleet_charges(state: TeamState, view: HostView) -> list[Charge]:
         models.update((g.uuid, g.name) for g in view.inventory.gpus)
     records = [x for x in state.records() if x.gpu_uuid not in here]
     records += [x for g in sorted(view.gpus.values(), key=lambda g: g.index) for x in g.leases]
-    return [charge_of(parts, state.membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
+    return [charge_of(parts, state.membership, models) for parts in by_lease(records)]
 
 
 def charged_teams(state: TeamState, new_leases: Iterable[VramLease]) -> dict[str, int]:

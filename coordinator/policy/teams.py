@@ -20,7 +20,8 @@ written by hand that breaks this resolves a tie to the smallest team name. ``def
 own; its record (quota, limit, weight) applies to every agent no other team names, and without a record it has
 no quota, no limit and weight 1.
 
-**Usage** is VRAM x GPUs: every lease is charged its ``vram_mb`` on each GPU it holds.
+**Usage** is VRAM x GPUs: every lease is charged, on each GPU it holds, that GPU's own record's ``vram_mb``,
+to that GPU's model (``charges.Charge``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from typing import Any, Collection, Iterable, Mapping
 
 from coordinator.keys import last_segment, valid_name
 from coordinator.limits import quote
+from coordinator.policy.charges import Charge as Charge
 from coordinator.records import InvalidRecord, StoredKV, load_record
 
 DEFAULT_TEAM = "default"
@@ -215,30 +217,6 @@ class Membership:
 # -- usage and quota -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Charge:
-    """One live lease as the teams see it: ``vram_mb`` on each of ``gpus`` (uuids), charged to ``team``."""
-
-    id: str
-    team: str
-    vram_mb: int
-    gpus: tuple[str, ...]
-    created_at: float
-    token: int = 0
-    model: str = ""              # the GPU model ("" unknown)
-    preemptible: bool = True
-    min_runtime_s: float = 0.0   # as the lease declared it (capped by its team's max_min_runtime_s)
-    total_mb: int | None = None  # the records' vram_mb summed when they differ (an exclusive gang's GPUs)
-
-    @property
-    def charge_mb(self) -> int:
-        return self.total_mb if self.total_mb is not None else self.vram_mb * len(self.gpus)
-
-    def age_order(self) -> tuple[float, int, str]:
-        """Oldest first: the order in which a team's leases fill its quota."""
-        return (self.created_at, self.token, self.id)
-
-
-@dataclasses.dataclass(frozen=True)
 class Usage:
     """A team's usage: what ``status`` shows."""
 
@@ -272,9 +250,12 @@ def in_quota(charges: Iterable[Charge], membership: Membership) -> dict[str, boo
         per_model: dict[str, int] = {}
         for c in sorted(held, key=Charge.age_order):
             fleet += c.charge_mb
-            per_model[c.model] = per_model.get(c.model, 0) + c.charge_mb
-            model_quota = team.model_quota(c.model)
-            out[c.id] = fleet <= team.quota_mb and (model_quota is None or per_model[c.model] <= model_quota)
+            ok = fleet <= team.quota_mb
+            for model, mb in c.by_model().items():   # each GPU's record to that GPU's own model
+                per_model[model] = per_model.get(model, 0) + mb
+                model_quota = team.model_quota(model)
+                ok = ok and (model_quota is None or per_model[model] <= model_quota)
+            out[c.id] = ok
     return out
 
 
@@ -301,14 +282,19 @@ def usage_by_team(charges: Iterable[Charge], membership: Membership,
 
 # -- quota and reclaim (the limit: team_admission.py) ---------------------------------------------------------
 
-def stays_in_quota(team: Team, charges: Iterable[Charge], charge_mb: int, model: str = "") -> bool:
-    """Whether a request of ``team`` charging ``charge_mb`` (on GPUs of ``model``) would be in quota: the
-    team's usage, counting it, within its quota (and its quota of that model, when it has one)."""
+def stays_in_quota(team: Team, charges: Iterable[Charge], charge_mb: int, model: str = "",
+                   by_model: Mapping[str, int] | None = None) -> bool:
+    """Whether a request of ``team`` charging ``charge_mb`` (on GPUs of ``model``, or ``by_model``: what it
+    charges each GPU model) would be in quota: the team's usage, counting it, within its quota (and its quota
+    of each of those models, when it has one)."""
     held = [c for c in charges if c.team == team.name]
     if sum(c.charge_mb for c in held) + charge_mb > team.quota_mb:
         return False
-    model_quota = team.model_quota(model)
-    return model_quota is None or sum(c.charge_mb for c in held if c.model == model) + charge_mb <= model_quota
+    for m, mb in (by_model if by_model is not None else {model: charge_mb}).items():
+        model_quota = team.model_quota(m)
+        if model_quota is not None and sum(c.by_model().get(m, 0) for c in held) + mb > model_quota:
+            return False
+    return True
 
 
 def over_share(team: Team, used_mb: int) -> float:
@@ -359,15 +345,16 @@ def _short(shortfall: Mapping[str, int], victims: Iterable[Charge]) -> bool:
     freed: dict[str, int] = {}
     for v in victims:
         for g in v.gpus:
-            freed[g] = freed.get(g, 0) + v.vram_mb
+            freed[g] = freed.get(g, 0) + v.on(g)   # each GPU's own record (an exclusive gang's GPUs differ)
     return any(freed.get(g, 0) < need for g, need in shortfall.items())
 
 
 def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int], charges: Iterable[Charge],
                    membership: Membership, now: float, model: str = "",
-                   exclude: Collection[str] = ()) -> list[Charge] | None:
+                   exclude: Collection[str] = (), by_model: Mapping[str, int] | None = None) -> list[Charge] | None:
     """The leases to reclaim for a request of team ``requester`` charging ``charge_mb`` that lacks
-    ``shortfall[gpu]`` MiB on each GPU it is placed on: [] when nothing is short; None when the team would not
+    ``shortfall[gpu]`` MiB on each GPU it is placed on (``by_model``: what it charges each GPU model): [] when
+    nothing is short; None when the team would not
     stay within its quota with the request (it may not reclaim), or when even every reclaimable lease would not
     make it fit.
 
@@ -377,7 +364,7 @@ def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int],
     if not _short(shortfall, ()):
         return []
     charges = list(charges)
-    if not stays_in_quota(membership.team(requester), charges, charge_mb, model):
+    if not stays_in_quota(membership.team(requester), charges, charge_mb, model, by_model):
         return None
     useful = [c for c in reclaimable(requester, charges, membership, now)   # ``exclude``: already going
               if set(c.gpus) & set(shortfall) and c.id not in exclude]

@@ -1,25 +1,32 @@
-"""Victims for a gang, as pure policy: which leases to evict so that a request for N GPUs fits (G3 over GPU
-sets). Plain data in, a decision out; no I/O.
+"""Victims, as pure policy: which leases to evict so that a request (one GPU, or a gang of N) fits (G3 over
+every candidate). Plain data in, a decision out; no I/O.
 
-Victims (G3 over GPU sets)
-==========================
+Victims (G3 over all candidates)
+================================
 ``choose_gang_victims`` picks what to evict for a request that does not fit now. A ``Holder`` is one lease,
-possibly a gang over several GPUs: evicting it frees its VRAM on every one of them. For one candidate set
-it is exactly ``admission.choose_victims`` over the set: the preemptible holders of lower priority that touch
-the set, taken lowest priority first, then newest first (``created_at``, then ``token``), until the request
-would fit on every GPU of the set (its VRAM and the agent's cap there; exclusive: every holder on the set
-goes and the GPU comes free whole); then every victim that can be spared is dropped, in that same order.
-The order rule wins over the smallest count within a set; the result is minimal (no victim can be spared).
-Over the candidate sets (every set of allowed, available GPUs that could ever hold the request and
-satisfies the topology), as ``admission.plan_eviction`` does over GPUs, the set with the fewest victims
-wins, then the lowest highest victim priority, then the lowest indexes. A request that fits now, or will
-once the leases already being evicted are gone, needs no victims (the caller passes the slots and
-holders with those leases removed); None when no set can be freed.
+possibly a gang over several GPUs: it is one victim, of its own priority and age, and evicting it frees its
+VRAM on every one of them (each GPU's own record). The candidates are the preemptible holders of lower
+priority, over every GPU of the host; they are taken in G3's order over all of them, lowest priority first,
+then newest first (``created_at``, then ``token``), until the request would fit on some candidate set (every
+set of allowed, available GPUs that could ever hold it and satisfies the topology): its VRAM and the agent's
+cap on every GPU of the set (exclusive: every holder on the set goes and each GPU comes free whole); then
+every victim that can be spared is dropped, in that same order. The result is minimal (no victim can be
+spared), and the order rule wins over the smallest count, across GPUs as within one: a newer lease of the
+lowest priority is taken before an older one of that priority on another GPU, and a gang is never passed
+over for its size. The set the request gets is the one of lowest indexes that the victims free.
+
+With a team limit (``team_room``: what the requester's team may still be charged, the leases already being
+evicted counted as gone), a set fits only once its charge (``placement.set_charge``) is within that room plus
+what the victims free under the limit (every GPU record of each; the caller passes holders of the requester's
+team alone as evictable, ``reclaim.own_team_only``): G3 within the team frees room under its limit as it frees
+room on a GPU. A request that fits now (within the room), or will once the leases already being evicted are
+gone, needs no victims (the caller passes the slots and holders with those leases removed); None when no
+candidate set can be freed.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Iterable, Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 from coordinator.policy.placement import (
     Chosen,
@@ -31,6 +38,7 @@ from coordinator.policy.placement import (
     check_request,
     gpu_sets,
     place,
+    set_charge,
 )
 
 
@@ -64,25 +72,75 @@ def g3_order(h: Holder) -> tuple[int, float, int]:
 
 
 def choose_gang_victims(slots: Sequence[GpuSlot], request: GangRequest, priority: int, agent: str,
-                        holders: Sequence[Holder], unavailable: Collection[int] = ()) -> VictimChoice | None:
+                        holders: Sequence[Holder], unavailable: Collection[int] = (),
+                        team_room: int | None = None) -> VictimChoice | None:
     """What to evict so that ``request`` (of ``priority``, by ``agent``) fits (see the module's docstring).
 
     ``slots`` and ``holders`` leave out the leases already being evicted (they count as gone)."""
-    placed = place(slots, request, unavailable)
+    placed = place(slots, request, unavailable, team_room)
     if isinstance(placed, Chosen):
         return VictimChoice(placed.gpus, ())
     if isinstance(placed, Refused):
         return None
-    best: tuple[tuple[int, int, tuple[int, ...]], VictimChoice] | None = None
-    for members in candidate_sets(slots, request, unavailable):
-        victims = set_victims(members, request, priority, agent, holders)
-        if victims is None:
-            continue
-        indexes = tuple(s.index for s in members)
-        cost = (len(victims), max((v.priority for v in victims), default=priority), indexes)
-        if best is None or cost < best[0]:
-            best = (cost, VictimChoice(indexes, tuple(victims)))
-    return best[1] if best is not None else None
+    host = HostShape(slots)
+    sets = [(mask, set_charge(host, mask, request)) for mask in _candidate_masks(host, request, unavailable)]
+    on_sets = 0
+    for mask, _ in sets:
+        on_sets |= mask
+    touching: dict[int, list[Holder]] = {n: [] for n in bits(on_sets)}
+    for h in holders:
+        for i, _ in h.vram:
+            if host.pos.get(i) in touching:
+                touching[host.pos[i]].append(h)
+    evictable = sorted((h for h in holders if h.preemptible and h.priority < priority
+                        and (team_room is not None or any(host.pos.get(i, -1) in touching for i, _ in h.vram))),
+                       key=g3_order)
+
+    def fitting(victims: Sequence[Holder]) -> list[int]:
+        """The candidate sets on which the request fits once ``victims`` are gone."""
+        gone = {v.id for v in victims}
+        ok = 0
+        for n in touching:
+            s = host.slots[n]
+            freed = sum(v.on(s.index) for v in victims)
+            own = sum(v.on(s.index) for v in victims if v.agent == agent)
+            if request.exclusive:
+                fits = (all(h.id in gone for h in touching[n]) and s.free_mb + freed >= s.usable_mb
+                        and request.caps[s.uuid] >= s.usable_mb)
+            else:
+                fits = (s.free_mb + freed >= request.vram_mb
+                        and request.vram_mb <= request.caps[s.uuid] - (s.agent_mb - own))
+            ok |= fits << n
+        room = None if team_room is None else team_room + sum(mb for v in victims for _, mb in v.vram)
+        return [mask for mask, charge in sets if mask & ~ok == 0 and (room is None or charge <= room)]
+
+    if fitting([]):
+        return VictimChoice(_indexes(host, min(fitting([]), key=lambda m: _indexes(host, m))), ())
+    victims: list[Holder] = []
+    for h in evictable:
+        if fitting(victims):
+            break
+        victims.append(h)
+    if not fitting(victims):
+        return None
+    for h in list(victims):       # drop the victims that turned out unnecessary, in the same order
+        rest = [v for v in victims if v is not h]
+        if fitting(rest):
+            victims = rest
+    return VictimChoice(_indexes(host, min(fitting(victims), key=lambda m: _indexes(host, m))), tuple(victims))
+
+
+def _indexes(host: HostShape, mask: int) -> tuple[int, ...]:
+    return tuple(host.slots[n].index for n in bits(mask))
+
+
+def _candidate_masks(host: HostShape, request: GangRequest, unavailable: Collection[int]) -> Iterator[int]:
+    checked = check_request(host, request, unavailable)
+    if isinstance(checked, Refused):
+        return
+    blocks, _ = host.blocks(checked, request.topology)
+    order = {n: (host.slots[n].index,) for n in range(len(host.slots))}
+    yield from gpu_sets(host, blocks, request.gpu_count, order)
 
 
 def candidate_sets(slots: Sequence[GpuSlot], request: GangRequest,
@@ -90,54 +148,5 @@ def candidate_sets(slots: Sequence[GpuSlot], request: GangRequest,
     """Every set of GPUs that could ever hold ``request`` (allowed, available, of its topology), lowest
     indexes first; none when the request can never be placed."""
     host = HostShape(slots)
-    checked = check_request(host, request, unavailable)
-    if isinstance(checked, Refused):
-        return
-    blocks, _ = host.blocks(checked, request.topology)
-    order = {n: (host.slots[n].index,) for n in range(len(host.slots))}
-    for mask in gpu_sets(host, blocks, request.gpu_count, order):
+    for mask in _candidate_masks(host, request, unavailable):
         yield tuple(host.slots[n] for n in bits(mask))
-
-
-def set_victims(members: Sequence[GpuSlot], request: GangRequest, priority: int, agent: str,
-                holders: Iterable[Holder]) -> list[Holder] | None:
-    """``admission.choose_victims`` over a set of GPUs: the victims that make ``request`` fit on every GPU of
-    ``members``, taken in G3 order, then pruned in that order until none can be spared; [] when it fits
-    already, None when evicting every candidate would not make it fit."""
-    on_set = {s.index for s in members}
-    touching = [h for h in holders if any(i in on_set for i, mb in h.vram)]
-    evictable = [h for h in touching if h.preemptible and h.priority < priority]
-    if request.exclusive:
-        if len(evictable) != len(touching) or any(request.caps[s.uuid] < s.usable_mb for s in members):
-            return None
-        need_gpu = {s.index: s.usable_mb - s.free_mb for s in members}
-        need_own = {s.index: 0 for s in members}
-    else:
-        need_gpu = {s.index: request.vram_mb - s.free_mb for s in members}
-        need_own = {s.index: request.vram_mb - (request.caps[s.uuid] - s.agent_mb) for s in members}
-    must_go = {h.id for h in touching} if request.exclusive else set()
-
-    def enough(victims: Sequence[Holder]) -> bool:
-        if not must_go <= {v.id for v in victims}:
-            return False
-        for i in on_set:
-            freed = sum(v.on(i) for v in victims)
-            own = sum(v.on(i) for v in victims if v.agent == agent)
-            if freed < need_gpu[i] or own < need_own[i]:
-                return False
-        return True
-
-    if enough([]):
-        return []
-    victims: list[Holder] = []
-    for h in sorted(evictable, key=g3_order):
-        if enough(victims):
-            break
-        victims.append(h)
-    if not enough(victims):
-        return None
-    for h in list(victims):       # drop the victims that turned out unnecessary, in the same order
-        rest = [v for v in victims if v is not h]
-        if enough(rest):
-            victims = rest
-    return victims

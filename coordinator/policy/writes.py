@@ -11,7 +11,7 @@ from typing import Generic
 
 from coordinator import errors
 from coordinator.policy.admission import GpuView
-from coordinator.policy.decide import Grant, Item
+from coordinator.policy.decide import Grant, Item, Request
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import C, Context, Plan, Wait
 from coordinator.policy.team_admission import grant_charge_mb, over_quota_mark, team_use
@@ -69,6 +69,20 @@ class Round(Generic[C]):
             used = self._used[team] = team_use(self.ctx.teams, self.view, team)
         return used
 
+    def _team_room(self, req: Request, going: bool = False) -> int | None:
+        """What the request's team may still be charged under its limit (None: it has none); ``going``: with
+        its leases on this host that are already being evicted counted as gone."""
+        state = self.ctx.teams
+        if state is None:
+            return None
+        team = state.membership.team_of(req.agent)
+        limit = state.membership.team(team).limit_mb
+        if limit is None:
+            return None
+        gone = sum(x.vram_mb for g in self.view.gpus.values() for x in g.leases
+                   if going and x.id in self.evicting and state.membership.team_of(x.agent) == team)
+        return limit - self.team_used(team) + gone
+
     def parts(self, lease_id: str) -> tuple[VramLease, ...]:
         """Every GPU's record of a lease (one, or a gang's), in index order, in the round's copy."""
         return tuple(x for g in sorted(self.view.gpus.values(), key=lambda g: g.index) for x in g.leases
@@ -86,6 +100,41 @@ class Round(Generic[C]):
             session_id=victim.session_id, victim_priority=victim.priority,
             requested_by=f"{req.agent}/{req.request_id}", requester_priority=req.priority,
             reason=reason, deadline_unix=wall + self.cfg.eviction_grace_s, created_at=wall, reclaim=reclaim)
+
+    def _leaving(self, it: Item[C]) -> bool:
+        """Our waiter whose caller went away or whose wait is over: the expiry removes its entry, so it
+        neither blocks a GPU nor counts against the queue bounds, and it is not granted any more."""
+        c = it.call
+        return (c is not None and it.entry is not None and id(c) not in self.attached_calls
+                and (c.gone or self.now >= c.deadline))
+
+    # -- bound the queue -------------------------------------------------------------------------------
+    def _bound_queue(self, n: int, it: Item[C]) -> errors.GpucoordError | None:
+        """Room in the host's queue for the new waiter ``items[n]``, or why not. When the queue is full, an
+        arrival that outranks the lowest-ranked waiter takes its place (that waiter is told
+        RESOURCE_EXHAUSTED); one that does not is refused."""
+        limit = self.cfg.max_queue_per_host
+        if self.queued < limit:
+            return None
+        lowest = self._lowest_waiter(n + 1)
+        if lowest is None:
+            return errors.CapacityError(
+                f"queue: host {self.host!r} already has {self.queued} waiting requests ranked at or above "
+                f"this one (limit {limit})", "queue")
+        assert lowest.entry is not None
+        self.displaced.add(lowest.rank)
+        self._leaves(lowest.entry, lowest.call, errors.CapacityError(
+            f"queue: displaced from the full queue of host {self.host!r} (limit {limit}) by a request of "
+            "higher priority", "queue"))
+        return None
+
+    def _lowest_waiter(self, start: int) -> Item[C] | None:
+        """The lowest-ranked entry of the queue among ``items[start:]`` (which rank below the arrival) that a
+        higher-ranked arrival may displace."""
+        for it in reversed(self.items[start:]):
+            if it.entry is not None and it.rank not in self.displaced and not self._leaving(it):
+                return it
+        return None
 
     # -- write the ops ---------------------------------------------------------------------------------
     def _write_grant(self, it: Item[C], g: Grant) -> None:

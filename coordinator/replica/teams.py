@@ -62,7 +62,7 @@ def charges_from_views(views: Iterable[HostView], membership: Membership) -> tup
     for view in views:
         models = {g.uuid: g.name for g in view.inventory.gpus} if view.inventory is not None else {}
         records = [x for g in sorted(view.gpus.values(), key=lambda g: g.index) for x in g.leases]
-        charges += [charge_of(parts, membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
+        charges += [charge_of(parts, membership, models) for parts in by_lease(records)]
         waiting += [(membership.team_of(e.agent), e.vram_mb * e.gpu_count) for e in view.entries]
     return charges, waiting
 
@@ -133,7 +133,7 @@ class Teams:
                 records.append(VramLease.from_kv(kv))
             except InvalidRecord:
                 continue
-        charges = [charge_of(parts, membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
+        charges = [charge_of(parts, membership, models) for parts in by_lease(records)]
         waiting = []
         for kv in queue_kvs:
             try:

@@ -179,7 +179,7 @@ class TeamRules:
         models = gpu_models(self.hosts.values()) if any(t.quota_by_model for t in self.teams.values()) else {}
         records = [_record(x) for (host, _), live in sorted(leases.items()) for x in live.values()]
         records.sort(key=lambda x: (x.host, x.gpu_index))
-        return [charge_of(parts, self.membership, models.get(parts[0].gpu_uuid, "")) for parts in by_lease(records)]
+        return [charge_of(parts, self.membership, models) for parts in by_lease(records)]
 
 
 def _by_id(records: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -162,6 +162,25 @@ class Case:
                        if any(i in chosen for i, _ in h.vram) and h.preemptible and h.priority < self.priority),
                       key=lambda h: (h.priority, -h.created_at, -h.token))
 
+    def g3_victims(self) -> tuple[tuple[int, ...], list[Holder]] | None:
+        """G3 over all candidates, written again from the docstring: every preemptible holder of lower
+        priority, in G3's order over all of them, taken until the request is sufficient on some available set,
+        then each spared that can be, in that order; with the set of lowest indexes they free."""
+        sets = [s for s in self.ever_sets() if not set(s) & self.unavailable]
+        cands = sorted((h for h in self.holders().values() if h.preemptible and h.priority < self.priority),
+                       key=lambda h: (h.priority, -h.created_at, -h.token))
+
+        def somewhere(vs: list[Holder]) -> list[tuple[int, ...]]:
+            return [s for s in sets if self.sufficient(s, vs)]
+        n = next((n for n in range(len(cands) + 1) if somewhere(cands[:n])), None)
+        if n is None:
+            return None
+        vs = cands[:n]
+        for c in cands[:n]:
+            if somewhere([v for v in vs if v is not c]):
+                vs = [v for v in vs if v is not c]
+        return min(somewhere(vs)), vs
+
     def set_victims(self, chosen: tuple[int, ...]) -> list[Holder] | None:
         """Over every subset: the sufficient one whose last victim in G3 order is earliest, then whose
         indicator vector in that order is smallest (what taking in order, then sparing in order, yields)."""

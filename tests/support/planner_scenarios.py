@@ -127,9 +127,11 @@ def _candidates(view: HostView, caps: dict[str, dict[str, int]], agent: str, gpu
     return allowed
 
 
-def check(s: dict[str, Any], plan: Plan[Call]) -> None:
+def check(s: dict[str, Any], plan: Plan[Call], team: tuple[frozenset[str], int] | None = None) -> None:
     """Every guarantee of the round over the state after ``plan``. A request that waits for its team's limit
-    alone (``plan.team_waits``) holds no GPU back (G2 with teams)."""
+    alone (``plan.team_waits``) holds no GPU back (G2 with teams). ``team``: the agents of a limited team and
+    what its limit leaves before the round; then a member's victims make it fit on a GPU and under the limit
+    (G3 within the team's limit), and none can be spared."""
     view: HostView = s["view"]
     caps = s["caps"]
     assert len(plan.compares) <= 128 and len(plan.ops) <= 128
@@ -180,20 +182,35 @@ def check(s: dict[str, Any], plan: Plan[Call]) -> None:
         assert victim.preemptible and victim.priority < record.requester_priority
         assert victim.id not in evicting
         by_requester.setdefault(record.requested_by, []).append(victim)
+    ranks = {c.lease_id: Keys.queue_rank(c.priority, c.arrival_ns, c.lease_id) for c in s["batch"]}
+    ranks.update({e.lease_id: e.rank for e in view.entries})
+    members, room0 = team if team is not None else (frozenset(), 0)
+    chosen_before: set[str] = set()
     for requested_by, victims in by_requester.items():
         agent, rid = requested_by.split("/", 1)
         req = next((c for c in s["batch"] if c.session.agent == agent and c.request_id == rid), None)
         entry = next((e for e in view.entries if e.agent == agent and e.request_id == rid), None)
         vram = req.vram_mb if req else entry.vram_mb  # type: ignore[union-attr]
-        assert len({v.gpu_uuid for v in victims}) == 1
-        g = view.gpus[victims[0].gpu_uuid]
-        on = [x for x in after.values() if x.gpu_uuid == g.uuid and x.id not in evicting]
+        rank = ranks[req.lease_id if req else entry.lease_id]  # type: ignore[union-attr]
+        blocked = {u for wrank, gpus in waiters if wrank < rank for u in gpus}
+        gpus = _candidates(view, caps, agent, (req.gpu_ref or "") if req else entry.gpu) - blocked  # type: ignore[union-attr]
+        gone = evicting | chosen_before
+        # What the request saw: the snapshot and the grants of the round ranked before it.
+        seen = [x for x in after.values() if x.id not in gone and (x.id in view.leases or ranks[x.id] < rank)]
+        room = None
+        if agent in members:
+            room = room0 - sum(x.vram_mb for x in plan.new_leases if x.agent in members and ranks[x.id] < rank) + sum(
+                x.vram_mb for x in view.leases.values() if x.agent in members and x.id in gone)
 
         def fits(removed: list[VramLease]) -> bool:
-            gone = {x.id for x in removed}
-            rest = dataclasses.replace(g, leases=[x for x in on if x.id not in gone])  # noqa: B023 - fits() is called within this iteration
-            return room_for(rest, agent, caps[agent][g.uuid]) >= vram  # noqa: B023 - fits() is called within this iteration
+            out = {x.id for x in removed}
+            if room is not None and room + sum(x.vram_mb for x in removed if x.agent in members) < vram:  # noqa: B023
+                return False
+            return any(room_for(dataclasses.replace(view.gpus[u], leases=[
+                x for x in seen if x.gpu_uuid == u and x.id not in out]), agent, caps[agent][u]) >= vram  # noqa: B023
+                for u in gpus)  # noqa: B023 - called in this iteration
         assert fits(victims), "the victims do not make the request fit"
         for v in victims:
             assert not fits([x for x in victims if x is not v]), "a victim could have been spared"
         assert not any(x.id == (req.lease_id if req else "") for x in plan.new_leases)
+        chosen_before |= {v.id for v in victims}

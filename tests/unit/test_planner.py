@@ -87,7 +87,7 @@ def test_a_round_takes_no_team_above_its_limit(s: dict[str, Any], limit: int, el
     state = TeamState(membership, {"t": here + elsewhere}, frozenset(view.leases), {"t": (77, 5)}, 600)
     ctx = dataclasses.replace(s["ctx"], teams=state)
     plan = plan_round(view, s["batch"], s["waiting"], {c.session.session_id for c in s["batch"]}, ctx)
-    check(s, plan)
+    check(s, plan, (frozenset({"a", "b"}), limit - here - elsewhere))
     charged = sum(x.vram_mb for x in plan.new_leases if x.agent in ("a", "b"))
     assert charged == 0 or here + elsewhere + charged <= limit, "a round took team t above its limit"
     ledger = KEYS.team_ledger("t")

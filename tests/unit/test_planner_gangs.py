@@ -172,8 +172,57 @@ def check(s: dict[str, Any], plan: Plan[Call], prop: str) -> None:
         assert minimal, f"victims {victims} of {requested_by} make it fit on no set, or one can be spared"
 
 
+def check_g3_order(s: dict[str, Any], plan: Plan[Call]) -> None:
+    """G3 over all candidates (singles and gangs, every GPU): each requester's victims are exactly what taking
+    the preemptible leases of lower priority in G3's order over all of them (lowest priority first, then
+    newest: ``created_at``, then token; a gang is one lease of its own priority and age) until the request fits
+    on some set of GPUs free of earlier waiters, then sparing each that can be in that order, yields. The
+    leases that earlier requesters of the round chose count as gone, as those already being evicted do."""
+    gone = set(s["ctx"].evicting)
+    after: list[VramLease] = [*s["leases"], *plan.new_leases]
+    deleted = {op.key for op in plan.ops if isinstance(op, Delete)}
+    puts = {op.key: op for op in plan.ops if isinstance(op, Put)}
+    still = [e for e in s["view"].entries if KEYS.queue_entry(HOST, e.rank) not in deleted]
+    new_entries = [QueueEntry.from_kv(_KV(k, op.value, 0)) for k, op in puts.items()
+                   if KEYS.parse(k)[0] == "queue" and all(e.rank != KEYS.parse(k)[1][-1] for e in still)]
+    waiters = [(e.rank, {u for c in usable_sets(s, e.agent, {"vram_mb": e.vram_mb, **wants(
+        e.gpu_count, e.exclusive, e.topology, e.gpus)}) for u in c}) for e in [*still, *new_entries]]
+    chosen: dict[str, list[str]] = {}
+    for record in plan.evictions:
+        chosen.setdefault(record.requested_by, []).append(record.lease_id)
+    for requested_by, victims in chosen.items():
+        r, rank, priority = req_of(s, requested_by)
+        agent = requested_by.split("/", 1)[0]
+        blocked = {u for wrank, gpus in waiters if wrank < rank for u in gpus}
+        sets = [c for c in usable_sets(s, agent, r) if not blocked & set(c)]
+        leases: dict[str, tuple[int, float, int]] = {}
+        for x in s["leases"]:
+            if x.id not in gone and x.preemptible and x.priority < priority:
+                p, c, t = leases.get(x.id, (x.priority, x.created_at, x.token))
+                leases[x.id] = (p, c, max(t, x.token))
+        order = sorted(leases, key=lambda i: (leases[i][0], -leases[i][1], -leases[i][2]))
+
+        def somewhere(vs: list[str]) -> bool:
+            held = [x for x in after if x.id not in gone and x.id not in vs]  # noqa: B023 - called in this iteration
+            return any(fits(s, held, c, agent, r) for c in sets)  # noqa: B023 - called in this iteration
+        want: list[str] = []
+        for v in order:
+            if somewhere(want):
+                break
+            want.append(v)
+        for v in list(want):
+            if somewhere([w for w in want if w != v]):
+                want = [w for w in want if w != v]
+        assert sorted(victims) == sorted(want), (
+            f"{requested_by} (rank {rank}) chose {victims}; G3's order over all candidates takes {want}")
+        gone |= set(victims)
+
+
 def one_round(s: dict[str, Any], prop: str) -> None:
     plan = plan_round(s["view"], s["batch"], s["waiting"], {c.session.session_id for c in s["batch"]}, s["ctx"])
+    if prop == "g3_order":
+        check_g3_order(s, plan)
+        return
     check(s, plan, prop)
 
 
@@ -220,6 +269,12 @@ def test_g2_no_grant_lands_on_a_gpu_an_earlier_waiting_gang_could_use(s: dict[st
 @given(scenarios())
 def test_g3_gang_victims_make_it_fit_on_a_set_and_none_can_be_spared(s: dict[str, Any]) -> None:
     one_round(s, "g3")
+
+
+@PROPERTY
+@given(scenarios())
+def test_g3_victims_follow_the_order_over_all_candidates(s: dict[str, Any]) -> None:
+    one_round(s, "g3_order")
 
 
 def test_g3_a_gang_spares_the_victims_it_turns_out_not_to_need() -> None:

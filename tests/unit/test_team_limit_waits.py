@@ -1,7 +1,8 @@
 """G11, a team at its limit (issue 22: "refused ... or waits, as asked"), in the pure planner: a request that its
 team's limit holds back waits for its team when it asked to wait (a queue entry, kept round after round) and is
 refused at once naming ``team`` and the limit when it did not; while it waits it holds no GPU back from the
-requests behind it (G2 with teams), of another team or of its own, and chooses no victims (G3). The property
+requests behind it (G2 with teams), of another team or of its own, and chooses no victims (G3) unless they
+free room under its team's limit (issue 28: G3 within the team's limit; then it waits for them). The property
 over random rounds is ``test_planner.test_a_round_takes_no_team_above_its_limit``."""
 from __future__ import annotations
 
@@ -89,16 +90,30 @@ def test_a_request_waiting_for_its_team_holds_no_gpu_back_from_other_teams_behin
     assert plan.evictions == []
 
 
-def test_a_request_waiting_for_its_team_chooses_no_victims() -> None:
-    """The GPU is full of a low-priority preemptible lease of team t itself (counted in t's use): a
-    high-priority request of team t at its limit would evict it if it were not held back by its team; it waits
+def test_a_request_waiting_for_its_team_chooses_no_victims_that_would_not_let_it_in() -> None:
+    """Team t is at its limit and the GPU holds a 2 GiB low-priority preemptible lease of t itself: evicting it
+    would leave a high-priority 4 GiB request of t still above the limit, so the request waits for its team
     without a notice."""
-    view = _host([_lease("low", "b", 16384, priority=-1)])
+    view = _host([_lease("low", "b", 2048, priority=-1)])
     high = _call("a", "high", 4096, 5.0, 1000, priority=5)
     plan = _round(view, [high], team_used=LIMIT)
     assert plan.evictions == [] and high.lease_id in plan.team_waits
+
+
+def test_a_higher_priority_request_at_its_teams_limit_evicts_its_teams_lease_that_frees_the_room() -> None:
+    """The GPU is full of a low-priority preemptible lease of team t itself (counted in t's use) and t is at its
+    limit: evicting that lease frees room on the GPU and under the limit, so a high-priority request of t
+    evicts it (G3 within the team's limit, issue 28) and waits for it, not for its team."""
+    view = _host([_lease("low", "b", 16384, priority=-1)])
+    high = _call("a", "high", 4096, 5.0, 1000, priority=5)
+    plan = _round(view, [high], team_used=LIMIT)
+    assert [r.lease_id for r in plan.evictions] == ["low"] and high.lease_id not in plan.team_waits
     # With room in its team, the same request evicts (G3 as before).
     assert [r.lease_id for r in _round(view, [high], team_used=0).evictions] == ["low"]
+    # Of the victim's priority, it evicts nothing and waits for its team.
+    same = _call("a", "same", 4096, 5.0, 1000, priority=-1)
+    plan = _round(view, [same], team_used=LIMIT)
+    assert plan.evictions == [] and same.lease_id in plan.team_waits
 
 
 def test_a_smaller_request_of_the_same_team_behind_a_team_waiter_takes_the_room_left() -> None:

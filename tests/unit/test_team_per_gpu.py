@@ -1,0 +1,84 @@
+"""G11, charges and frees per GPU (issue 28, point 3): a gang is charged, on each of its GPUs, that GPU's own
+record, to that GPU's own model (per-model quotas), and reclaiming it frees on each GPU what it holds there
+(an exclusive gang over GPUs of different sizes)."""
+from __future__ import annotations
+
+from coordinator.config import CoordinatorConfig
+from coordinator.keys import lease_id_for
+from coordinator.node.fake import parse_fake_gpus
+from coordinator.policy.admission import GpuView
+from coordinator.policy.host import HostView
+from coordinator.policy.plan import Context, Plan
+from coordinator.policy.planner import plan_round
+from coordinator.policy.team_admission import TeamState, fleet_charges
+from coordinator.policy.teams import Membership, Team, in_quota
+from coordinator.records import GpuLedger, HostInventory, VramLease
+from tests.support.planner_calls import _KV, HOST, KEYS, NOW, WALL, Call, session
+
+M32, M16 = "Simulated GPU 32GiB", "Simulated GPU 16GiB"
+
+
+def _host(spec: str, leases: list[VramLease]) -> HostView:
+    inventory = HostInventory(HOST, "", 8, tuple(range(8)), 1 << 34, "/", 1 << 40, parse_fake_gpus(spec, HOST))
+    gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=g.vram_total_mb,
+                            ledger=GpuLedger(g.vram_total_mb, 2, 300 + g.index),
+                            leases=[x for x in leases if x.gpu_uuid == g.uuid]) for g in inventory.gpus}
+    return HostView(HOST, 500, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), None, None, gpus,
+                    {x.id: x for x in leases}, None, (), ())
+
+
+def _exclusive_gang(spec: str, agent: str = "a") -> list[VramLease]:
+    """An exclusive gang of ``agent`` over every GPU of ``spec``: each record the whole GPU."""
+    gpus = parse_fake_gpus(spec, HOST)
+    s = session(agent)
+    return [VramLease(id="gang", host=HOST, gpu_uuid=g.uuid, gpu_index=g.index, agent=agent, session_id=s.session_id,
+                      vram_mb=g.vram_total_mb, priority=5, preemptible=True, request_id="gang", token=3,
+                      created_at=100.0, gang=tuple(x.uuid for x in gpus), exclusive=True, over_quota=False,
+                      etcd_lease=s.etcd_lease, mod_revision=100 + g.index) for g in gpus]
+
+
+def _state(view: HostView, x: Team, y: Team) -> TeamState:
+    records = tuple(x for g in view.gpus.values() for x in g.leases)
+    used = {"x": sum(r.vram_mb for r in records if r.agent == "a")}
+    models = {g.uuid: g.name for g in view.inventory.gpus} if view.inventory else {}
+    return TeamState(Membership([x, y]), used, frozenset(view.leases), {}, 600, lambda: records, models)
+
+
+def _ask(view: HostView, state: TeamState, vram_mb: int) -> Plan[Call]:
+    b = session("b")
+    call = Call(b, vram_mb, None, 0, True, "r", lease_id_for("b", "r", HOST), 30.0, 2000, NOW + 30.0)
+    ctx = Context(KEYS, CoordinatorConfig().validate(), "r1", frozenset(), NOW, WALL, teams=state)
+    return plan_round(view, [call], {}, {b.session_id}, ctx)
+
+
+def test_a_gang_over_two_models_is_charged_each_gpu_to_its_own_models_quota() -> None:
+    """Team x's quota is 48 GiB: 32 GiB of the 32 GiB model and 16 GiB of the 16 GiB model. Its exclusive gang
+    over one GPU of each uses exactly that: it is in quota (its grant was marked so), and team y's request for
+    room on the host reclaims nothing. Charged by its first GPU's model alone (48 GiB of the 32 GiB model) it
+    was over quota and reclaimed."""
+    view = _host("1x32GiB,1x16GiB", _exclusive_gang("1x32GiB,1x16GiB"))
+    x = Team("x", quota_mb=49152, quota_by_model=((M16, 16384), (M32, 32768)), members=("a",))
+    y = Team("y", quota_mb=16384, members=("b",))
+    state = _state(view, x, y)
+    (charge,) = fleet_charges(state, view)
+    assert charge.charge_mb == 49152 and charge.by_model() == {M32: 32768, M16: 16384}
+    assert in_quota([charge], state.membership) == {"gang": True}
+    plan = _ask(view, state, 8192)
+    assert plan.evictions == [], "an in-quota gang was reclaimed"
+    assert len(plan.waits) == 1
+    # With 8 GiB of the 16 GiB model only, the gang is over quota (its 16 GiB GPU): y reclaims it.
+    tight = Team("x", quota_mb=49152, quota_by_model=((M16, 8192), (M32, 32768)), members=("a",))
+    plan = _ask(view, _state(view, tight, y), 8192)
+    assert [(r.lease_id, r.reclaim) for r in plan.evictions] == [("gang", "y")]
+
+
+def test_reclaiming_an_exclusive_gang_frees_each_gpus_own_record() -> None:
+    """Team x (no quota) holds an exclusive gang over a 16 GiB and a 32 GiB GPU; team y (quota 32 GiB) asks for
+    20 GiB, which only the 32 GiB GPU can hold: reclaiming the gang frees 32 GiB there, so y reclaims it.
+    Counting the first record's 16 GiB on every GPU, reclaim found it too small and y got nothing."""
+    view = _host("1x16GiB,1x32GiB", _exclusive_gang("1x16GiB,1x32GiB"))
+    state = _state(view, Team("x", members=("a",)), Team("y", quota_mb=32768, members=("b",)))
+    (charge,) = fleet_charges(state, view)
+    assert [charge.on(u) for u in charge.gpus] == [16384, 32768]
+    plan = _ask(view, state, 20480)
+    assert [(r.lease_id, r.reclaim) for r in plan.evictions] == [("gang", "y")]
