@@ -243,6 +243,7 @@ def eligible(view: HostView, cfg: CoordinatorConfig, req: Request,
 
 def wait_over(vram_mb: int, wait_s: float, gpu_count: int = 1, exclusive: bool = False) -> errors.WaitTimeout:
     """The answer to a request whose wait ended before it fit, naming what it asked for."""
+    wait_s = round(wait_s, 1)
     if exclusive:
         return errors.WaitTimeout(f"exclusive: {gpu_count} whole GPU{'s' if gpu_count > 1 else ''} did not fit "
                                   f"after waiting {wait_s:g} s", "exclusive")
