@@ -59,15 +59,16 @@ async def read_history(store: Store, prefix: bytes, ended: list[int] | None = No
     """Every event under ``prefix`` from revision 1 until now.
 
     A sentinel key written under the prefix marks "now": the watch has delivered everything before it
-    once the sentinel's own event arrives.
+    once the event of this read's own put of the sentinel arrives (an earlier read's put of it is passed).
     """
     sentinel = prefix + SENTINEL
-    await store.put(sentinel, b"{}")
+    now = await store.put(sentinel, b"{}")
     events: list[WatchEvent] = []
     async for batch in store.watch(prefix, start_revision=1, prev_kv=True):
         assert not batch.resync, "history was compacted: the checker needs it whole"
         for ev in batch.events:
-            if ev.kv.key == sentinel:
+            # This read's own sentinel: an earlier read's (a history read twice) is history like any event.
+            if ev.kv.key == sentinel and ev.kv.mod_revision >= now:
                 if ended is not None:
                     ended.append(ev.kv.mod_revision)    # where the read ended: every event before it is in
                 return events

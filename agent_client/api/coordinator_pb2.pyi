@@ -323,20 +323,28 @@ class AgentUse(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., allocation_json: _Optional[str] = ..., leased_mb: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class QueueEntry(_message.Message):
-    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id")
+    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id", "gpu_count", "exclusive", "gpus", "topology")
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     rank: str
     agent: str
     vram_mb: int
     priority: int
     gpu: str
     request_id: str
-    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    gpu_count: int
+    exclusive: bool
+    gpus: _containers.RepeatedScalarFieldContainer[str]
+    topology: str
+    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ...) -> None: ...
 
 class HostStatus(_message.Message):
     __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes", "usage_stale", "invalid")

@@ -101,9 +101,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     try:
         overrides = host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
         from coordinator.node.enforce import Enforcer
-        from coordinator.policy.partition import PartitionError, parse_size
+        from coordinator.policy.partition import PartitionError, parse_mib
         try:
-            tolerance_mb = parse_size(args.over_use_tolerance, "--over-use-tolerance") // (1 << 20)
+            tolerance_mb = parse_mib(args.over_use_tolerance, "--over-use-tolerance")
         except PartitionError as e:
             raise ValueError(str(e)) from None
         if args.untracked_grace < 0:
@@ -159,7 +159,20 @@ def _status_doc(args: argparse.Namespace) -> dict[str, Any]:
         raise rpc_error(e, args.coordinator) from None
 
 
+def check_name(flag: str, value: str, command: str) -> str:
+    """A name given on the command line (a host, a lease id, a team): refused here, exit 2, as the coordinator
+    would refuse it."""
+    from coordinator.keys import valid_name
+    from coordinator.limits import quote
+    if not valid_name(value):
+        raise UsageError(f"{flag}: {quote(value)} is not a valid name (letters, digits, '.', '_', ':', '@', '-'; "
+                         "at most 128)", f"see 'gpucoord {command} --help'")
+    return value
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.host:
+        check_name("--host", args.host, "status")
     if args.watch is not None:
         return _watch_status(args)
     doc = _status_doc(args)
@@ -247,8 +260,10 @@ def cmd_partition(args: argparse.Namespace) -> int:
             from coordinator.policy.partition import PartitionError, load_spec_file
             try:
                 spec = load_spec_file(args.file)
-            except (PartitionError, OSError) as e:
-                raise CliError(f"{args.file}: {e}", "nothing was applied: fix the spec and apply it again") from e
+            except OSError as e:
+                raise CliError(f"{args.file}: {e}", "give a readable TOML file") from e
+            except PartitionError as e:    # a bad value in the file: refused before anything is sent
+                raise UsageError(f"{args.file}: {e}", "fix the spec and apply it again") from e
             # With --evict the coordinator waits for the offenders to go (up to their grace period).
             resp = stub.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps(spec.to_json()),
                                                                 dry_run=args.dry_run, evict=args.evict),
@@ -257,6 +272,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
             print(json.dumps(doc, indent=2) if args.json else render_partition(doc), flush=True)
             print("applied" if resp.applied else "dry run: valid, nothing written", file=sys.stderr)
         else:
+            check_name("host", args.host, "partition show")
             resp = stub.GetPartition(pb.GetPartitionRequest(host=args.host), timeout=10)
             doc = json.loads(resp.partition_json)
             if args.json:
@@ -272,6 +288,13 @@ def cmd_lease(args: argparse.Namespace) -> int:
     import grpc
 
     from agent_client.api import coordinator_pb2 as pb
+    from coordinator.limits import MAX_GRACE_S, MAX_REASON_BYTES
+    check_name("id", args.id, f"lease {args.lease_cmd}")
+    if args.lease_cmd == "evict":
+        if args.grace is not None and not 0 <= args.grace <= MAX_GRACE_S:
+            raise UsageError(f"--grace: must be within [0, {MAX_GRACE_S:g}] seconds", "see 'gpucoord lease evict --help'")
+        if len(args.reason.encode("utf-8", "surrogatepass")) > MAX_REASON_BYTES:
+            raise UsageError(f"--reason: at most {MAX_REASON_BYTES} bytes", "see 'gpucoord lease evict --help'")
     stub = _stub(args.coordinator, _client_tls(args))
     try:
         if args.lease_cmd == "evict":
@@ -283,7 +306,7 @@ def cmd_lease(args: argparse.Namespace) -> int:
             if not resp.revoked:
                 # The same answer as `lease evict` of an unknown lease: nothing was revoked.
                 raise CliError(f"NOT_FOUND: lease_id: no live lease {args.id}",
-                               "'gpucoord status' lists the live leases")
+                               "'gpucoord status' lists the live leases", refused=True)
             if resp.processes:
                 print("revoking: the lease is bound to processes; its holder was told to SIGKILL them, and the "
                       "lease ends (its VRAM free) once the node reports them gone, or at the coordinator's kill "
@@ -296,17 +319,33 @@ def cmd_lease(args: argparse.Namespace) -> int:
 
 
 def _vram_mb(text: str) -> int:
-    """``--vram``: a size with a unit (``1GiB``, ``4096MiB``, ``1.5GB``), rounded up to whole MiB."""
-    from coordinator.policy.partition import PartitionError, parse_size
-    if text.strip().replace(".", "", 1).isdigit():
-        raise ValueError(f"--vram: {text!r} has no unit; give a size such as 4096MiB or 4GiB")
+    """``--vram``: a size (README, "Sizes": ``1GiB``, ``4096MiB``, ``1.5GB``; a number without a unit is bytes),
+    rounded up to whole MiB; 0 and anything under 1 MiB are refused."""
+    from coordinator.policy.partition import PartitionError, parse_mib
     try:
-        n = parse_size(text, "--vram")
+        n = parse_mib(text, "--vram", round_up=True)
     except PartitionError as e:
         raise ValueError(str(e)) from None
     if n <= 0:
         raise ValueError("--vram: must be more than 0")
-    return -(-n // (1 << 20))
+    return n
+
+
+def _check_run_numbers(args: argparse.Namespace) -> None:
+    """``run``'s numbers within the bounds the coordinator holds them to (README, "Limits"): ValueError
+    naming the flag, before anything is sent."""
+    from coordinator.limits import MAX_PRIORITY, MAX_TTL_S, MAX_WAIT_S, MIN_TTL_S
+    from coordinator.policy.team_fields import MAX_MIN_RUNTIME_S
+    if not -MAX_PRIORITY <= args.priority <= MAX_PRIORITY:
+        raise ValueError(f"--priority: must be within [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    if not 0 <= args.wait <= MAX_WAIT_S:
+        raise ValueError(f"--wait: must be within [0, {MAX_WAIT_S:g}] seconds")
+    if not 0 <= args.min_runtime <= MAX_MIN_RUNTIME_S:
+        raise ValueError(f"--min-runtime: must be within [0, {MAX_MIN_RUNTIME_S:g}] seconds")
+    if args.ttl is not None and not MIN_TTL_S <= args.ttl <= MAX_TTL_S:
+        raise ValueError(f"--ttl: must be within [{MIN_TTL_S}, {MAX_TTL_S}] seconds")
+    if args.gpu is not None and args.gpus > 1:
+        raise ValueError(f"--gpu: names one GPU, but --gpus is {args.gpus} (leave --gpu out: the GPUs are chosen)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -327,13 +366,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ValueError("--gpus: must be within [1, 64]")
         vram_mb = 0 if args.exclusive else _vram_mb(args.vram)
         host = args.host or socket.gethostname()
-        for field, value in (("--agent", args.agent), ("--host", host)):
+        for field, value in (("--agent", args.agent), ("--host", host), ("--gpu", args.gpu or "0")):
             if not valid_name(value):
                 raise ValueError(f"{field}: {value!r} is not a valid name")
         if args.kill_after is not None and not 0 <= args.kill_after <= 3600:
             raise ValueError("--kill-after: must be within [0, 3600] seconds")
-        if args.wait < 0:
-            raise ValueError("--wait: must be >= 0")
+        _check_run_numbers(args)
     except ValueError as e:
         raise UsageError(str(e), "see 'gpucoord run --help'") from e
     tls = _client_tls(args)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -31,16 +32,25 @@ EXIT_HOST_TAKEN = 4     # gpucoord node: another live daemon serves this host
 
 
 class CliError(Exception):
-    """A failure that the CLI reports as one line, ``gpucoord: error: MESSAGE; HINT``, and an exit code."""
+    """A failure that the CLI reports as one line, ``gpucoord: error: MESSAGE; HINT``, and an exit code.
 
-    def __init__(self, message: str, hint: str = "", code: int = EXIT_REFUSED) -> None:
+    ``refused``: the coordinator answered with a refusal (nothing of the call took effect). ``writes`` (set by
+    ``main`` from the command line): the command is one that changes something; then a bad command line
+    (exit 2) and a refusal say "nothing was changed", and a read never says it."""
+
+    def __init__(self, message: str, hint: str = "", code: int = EXIT_REFUSED, refused: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.code = code
+        self.refused = refused
+        self.writes = False
 
     def line(self) -> str:
-        return f"gpucoord: error: {self.message}" + (f"; {self.hint}" if self.hint else "")
+        hint = self.hint
+        if self.writes and (self.code == EXIT_USAGE or self.refused) and "nothing was changed" not in hint:
+            hint = "nothing was changed" + (f": {hint}" if hint else "")
+        return f"gpucoord: error: {self.message}" + (f"; {hint}" if hint else "")
 
 
 class UsageError(CliError):
@@ -103,9 +113,9 @@ def _client_tls(args: argparse.Namespace) -> TlsFiles | None:
 
 
 _HINTS = {
-    "INVALID_ARGUMENT": "nothing was changed: fix the field named and try again",
+    "INVALID_ARGUMENT": "fix the field named and try again",
     "NOT_FOUND": "'gpucoord status' lists the live hosts and leases",
-    "FAILED_PRECONDITION": "nothing was changed",
+    "FAILED_PRECONDITION": "what the message names must change first",
     "RESOURCE_EXHAUSTED": "it does not fit now: retry later, or wait in the queue",
     "PERMISSION_DENIED": "this identity may not do that (README, \"Running securely\")",
 }
@@ -120,7 +130,7 @@ def rpc_error(e: grpc.RpcError, address: str) -> CliError:
         return CliError(f"cannot reach the coordinator at {address} ({code}: {details})",
                         "is it running? 'gpucoord up' starts one; give its address with --coordinator ADDR (and "
                         "--tls-ca/--tls-cert/--tls-key if it serves TLS)", EXIT_UNREACHABLE)
-    return CliError(f"{code}: {details}", _HINTS.get(code, ""), EXIT_REFUSED)
+    return CliError(f"{code}: {details}", _HINTS.get(code, ""), EXIT_REFUSED, refused=True)
 
 
 def host_overrides(cpus: int | None, mem: str | None, disk: str | None) -> dict[str, object]:
@@ -145,7 +155,20 @@ def host_overrides(cpus: int | None, mem: str | None, disk: str | None) -> dict[
 def fetch_status(address: str, host: str = "", tls: TlsFiles | None = None) -> dict[str, Any]:
     from agent_client.api import coordinator_pb2 as pb
     resp = _stub(address, tls).GetStatus(pb.GetStatusRequest(host=host), timeout=10)
-    return message_to_json(resp)
+    return status_objects(message_to_json(resp))
+
+
+def status_objects(doc: dict[str, Any]) -> dict[str, Any]:
+    """``status --json`` as a machine reads it: each agent's allocation as an object (``allocation``, not JSON
+    in a string) and an unknown NUMA node as null, as in ``hosts/<host>`` (the wire's -1)."""
+    for h in doc.get("hosts", []):
+        for a in h.get("agents", []):
+            if "allocation_json" in a:
+                a["allocation"] = json.loads(a.pop("allocation_json") or "{}")
+        for g in h.get("gpus", []):
+            if int(g.get("numa_node", -1)) < 0:
+                g["numa_node"] = None
+    return doc
 
 
 def message_to_json(message: Message) -> dict[str, Any]:
@@ -169,10 +192,18 @@ def _int64_as_numbers(descriptor: Descriptor, doc: dict[str, Any]) -> None:
         value = doc[field.name]
         repeated = isinstance(value, list)
         items = value if repeated else [value]
-        if field.cpp_type in wide:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            if isinstance(value, dict):     # a map: its values, as any field (its keys stay strings in JSON)
+                for key, item in value.items():
+                    if entry.cpp_type in wide:
+                        value[key] = int(item)
+                    elif entry.cpp_type == F.CPPTYPE_MESSAGE and isinstance(item, dict):
+                        _int64_as_numbers(entry.message_type, item)
+        elif field.cpp_type in wide:
             converted = [int(x) for x in items]
             doc[field.name] = converted if repeated else converted[0]
-        elif field.cpp_type == F.CPPTYPE_MESSAGE and field.message_type.GetOptions().map_entry is False:
+        elif field.cpp_type == F.CPPTYPE_MESSAGE:
             for item in items:
                 if isinstance(item, dict):
                     _int64_as_numbers(field.message_type, item)

@@ -296,8 +296,37 @@ def _quiet_stdout() -> None:
         pass
 
 
+# The commands that change something (README, "Exit codes"): only their refusals and bad command lines say
+# "nothing was changed". The others read, or run a server or a program.
+WRITE_COMMANDS = frozenset({("team", "set"), ("team", "delete"), ("partition", "apply"), ("lease", "evict"),
+                            ("lease", "revoke"), ("certs", "init"), ("certs", "issue"), ("certs", "revoke"),
+                            ("etcd-setup", ""), ("run", "")})
+_GROUPS = ("team", "partition", "lease", "certs")
+_VALUED = {f"--{name}" for name in GLOBAL_OPTIONS}
+
+
+def command_words(argv: Sequence[str]) -> tuple[str, str]:
+    """The command (and, for a group, its subcommand) a command line names, as far as it can be read:
+    ("team", "set"), ("status", ""), ("", "") when none."""
+    words: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--":
+            break
+        elif arg in _VALUED:
+            skip = True
+        elif not arg.startswith("-"):
+            words.append(arg)
+            if len(words) == 2 or words[0] not in _GROUPS:
+                break
+    return (words[0] if words else "", words[1] if len(words) > 1 and words[0] in _GROUPS else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     verbose = False
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
         verbose = bool(args.verbose)
@@ -306,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         return rc
     except CliError as e:
+        e.writes = command_words(argv) in WRITE_COMMANDS
         if verbose and e.__cause__ is not None:
             traceback.print_exception(e.__cause__)
         _flush_quietly()

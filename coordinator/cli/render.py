@@ -1,13 +1,12 @@
 """Tables for people: ``gpucoord status`` and ``gpucoord partition``. Pure formatting of JSON documents."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Sequence
 
+from coordinator.policy.partition.units import show_bytes, show_mib
 
-def _mib(mb: int) -> str:
-    return f"{mb / 1024:.1f}G" if abs(mb) >= 1024 else f"{mb}M"
+_mib = show_mib   # the one display rule of sizes (README, "Sizes"): binary units, at most 4 significant digits
 
 
 _PROCESSES = {"stopping": "processes stopping (still on the GPU)", "gone": "processes gone",
@@ -64,7 +63,7 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                      f"{'untracked':>9} {'free':>8} {'token':>6} {'numa':>4} nvlink")
         for g in h.get("gpus", []):
             used = int(g.get("used_mb", -1))
-            numa = int(g.get("numa_node", -1))
+            numa = -1 if g.get("numa_node") is None else int(g["numa_node"])
             lines.append(f"  {g['index']:>3} {g['uuid'][:24]:<24} {_mib(int(g['total_mb'])):>8} "
                          f"{_mib(int(g['usable_mb'])):>8} {_mib(int(g['leased_mb'])):>8} "
                          f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
@@ -88,10 +87,10 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         if h.get("agents") and h.get("partition_mode") != "shared":
             lines.append("  partition:")
             for a in h["agents"]:
-                alloc = json.loads(a["allocation_json"])
+                alloc = a["allocation"]
                 caps = ", ".join(f"GPU {index_of.get(u, u)}: {_mib(c)}" for u, c in alloc.get("vram_caps_mb", []))
                 lines.append(f"    {a['agent']:<16} cores={len(alloc.get('cores', []))} "
-                             f"mem={int(alloc.get('mem_bytes', 0)) / 2**30:.1f}GiB "
+                             f"mem={show_bytes(int(alloc.get('mem_bytes', 0)))} "
                              f"gpus={len(alloc.get('whole_gpus', []))} caps=[{caps}] "
                              f"leased={_mib(int(a.get('leased_mb', 0)))} ({a.get('leases', 0)} leases)")
         if h.get("leases"):
@@ -108,14 +107,23 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         else:
             lines.append("  no leases")
         for q in h.get("queue", []):
-            lines.append(f"  waiting: {q['agent']} {_mib(int(q['vram_mb']))} priority {q['priority']}"
-                         f" gpu={q.get('gpu') or 'any'}")
+            lines.append(f"  waiting: {q['agent']} {_shape(q)} priority {q['priority']}")
     if not doc.get("hosts"):
         lines.append("no hosts registered")
     if doc.get("teams"):
         from coordinator.cli.teams import render_teams
         lines += ["teams:"] + ["  " + line for line in render_teams(doc["teams"]).splitlines()]
     return "\n".join(lines)
+
+
+def _shape(q: dict[str, Any]) -> str:
+    """What a waiting request asks for: its VRAM (on each of its GPUs), or whole GPUs; which GPUs; topology."""
+    count = int(q.get("gpu_count") or 1)
+    what = (f"{count} whole GPU{'s' if count > 1 else ''}" if q.get("exclusive")
+            else _mib(int(q["vram_mb"])) + (f" x {count} GPUs" if count > 1 else ""))
+    named = ",".join(str(x) for x in q.get("gpus") or ()) or q.get("gpu") or "any"
+    topology = q.get("topology") or "any"
+    return f"{what} gpu{'s' if count > 1 else ''}={named}" + (f" topology={topology}" if topology != "any" else "")
 
 
 def _ranges(ids: Sequence[int]) -> str:
@@ -132,19 +140,20 @@ def _ranges(ids: Sequence[int]) -> str:
 
 
 def render_partition(doc: dict[str, Any]) -> str:
-    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps."""
-    lines = [f"host {doc['host']}: mode {doc['mode']}, VRAM headroom {doc.get('headroom_mb', 0)} MiB per GPU"]
+    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps (sizes as README "Sizes" shows them)."""
+    lines = [f"host {doc['host']}: mode {doc['mode']}, VRAM headroom {_mib(int(doc.get('headroom_mb', 0)))} per GPU"]
     for a in doc.get("allocations", []):
         whole = ", ".join(a["whole_gpus"]) or "none"
-        caps = ", ".join(f"{u} {c} MiB" for u, c in a["vram_caps_mb"]) or "none"
+        caps = ", ".join(f"{u} {_mib(int(c))}" for u, c in a["vram_caps_mb"]) or "none"
         lines.append(f"  {a['agent']}: cores {_ranges(a['cores'])} ({len(a['cores'])}), "
-                     f"mem {a['mem_bytes']} B, disk {a['disk_bytes']} B")
+                     f"mem {show_bytes(int(a['mem_bytes']))}, disk {show_bytes(int(a['disk_bytes']))}")
         lines.append(f"    whole GPUs: {whole}")
         lines.append(f"    VRAM caps:  {caps}")
     if not doc.get("allocations"):
         r = (doc.get("spec") or {}).get("reserved", {})
-        lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem {r.get('mem', 0)} B, "
-                     f"disk {r.get('disk', 0)} B); every GPU with a cap of total - headroom")
+        lines.append(f"  any agent: the whole host minus reserved (cpu {r.get('cpu', 0)}, mem "
+                     f"{show_bytes(int(r.get('mem', 0)))}, disk {show_bytes(int(r.get('disk', 0)))}); every GPU "
+                     "with a cap of total - headroom")
     priority_caps: dict[str, Any] = (doc.get("spec") or {}).get("priority_caps") or {}
     for name, cap in sorted(priority_caps.items()):
         lines.append(f"  priority cap {name}: at most {cap.get('max_priority')}"

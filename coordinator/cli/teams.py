@@ -13,6 +13,7 @@ from coordinator.cli.common import (
     message_to_json,
     rpc_error,
 )
+from coordinator.limits import quote
 
 _TLS = ("tls-ca", "tls-cert", "tls-key")
 
@@ -45,46 +46,86 @@ def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> No
     te.set_defaults(fn=cmd_team)
 
 
+_HELP = "see 'gpucoord team set --help'"
+
+
 def size_mb(text: str, flag: str) -> int:
-    """A size with a unit (``320GiB``, ``4096MiB``), in whole MiB (rounded down)."""
-    from coordinator.policy.partition import PartitionError, parse_size
-    if text.strip().replace(".", "", 1).isdigit():
-        raise UsageError(f"{flag}: {text!r} has no unit; give a size such as 320GiB or 4096MiB",
-                         "see 'gpucoord team set --help'")
+    """A size (README, "Sizes": ``320GiB``, ``4096MiB``; a number without a unit is bytes, ``0`` is none) in
+    whole MiB, rounded down; under 1 MiB but not 0 is refused."""
+    from coordinator.policy.partition import PartitionError, parse_mib
     try:
-        return parse_size(text, flag) // (1 << 20)
+        return parse_mib(text, flag)
     except PartitionError as e:
-        raise UsageError(str(e), "see 'gpucoord team set --help'") from None
+        raise UsageError(str(e), _HELP) from None
+
+
+def _patterns(text: str) -> list[str]:
+    """``--members``: comma-separated patterns; '' for none. An empty one between commas is a typo."""
+    if not text.strip():
+        return []
+    patterns = [p.strip() for p in text.split(",")]
+    if not all(patterns):
+        raise UsageError(f"--members: {quote(text)} has an empty pattern (two commas, or one at an end)", _HELP)
+    return patterns
+
+
+def _model_quotas(items: list[str]) -> dict[str, int]:
+    """``--model-quota MODEL=SIZE`` given one or more times (each model once), or ``none`` alone."""
+    if [i.strip().lower() for i in items] == ["none"]:
+        return {}
+    quotas: dict[str, int] = {}
+    for item in items:
+        model, eq, size = item.rpartition("=")
+        if not eq or not model.strip():
+            raise UsageError(f"--model-quota: {quote(item)} is not MODEL=SIZE ('none' alone clears them)", _HELP)
+        if model.strip() in quotas:
+            raise UsageError(f"--model-quota: {quote(model.strip())} is given twice", _HELP)
+        quotas[model.strip()] = size_mb(size, "--model-quota")
+    return quotas
 
 
 def set_request(args: argparse.Namespace) -> Any:
+    """The SetTeamRequest of ``team set``, every field checked here on its own first (exit 2, nothing sent);
+    what ties fields to the stored team (the limit against the quota) the coordinator checks."""
     from agent_client.api import coordinator_pb2 as pb
+    from coordinator.keys import valid_name
+    from coordinator.policy.teams import TeamError, check_changes
+    if not valid_name(args.name):
+        raise UsageError(f"name: {quote(args.name)} is not a valid team name (letters, digits, '.', '_', ':', "
+                         "'@', '-'; at most 128)", _HELP)
     req = pb.SetTeamRequest(name=args.name)
+    changes: dict[str, Any] = {}
     if args.quota is not None:
-        req.quota_mb = size_mb(args.quota, "--quota")
+        req.quota_mb = changes["quota_mb"] = size_mb(args.quota, "--quota")
     if args.limit is not None:
-        req.limit_mb = -1 if args.limit.strip().lower() == "none" else size_mb(args.limit, "--limit")
+        limit = None if args.limit.strip().lower() == "none" else size_mb(args.limit, "--limit")
+        req.limit_mb = -1 if limit is None else limit
+        changes["limit_mb"] = limit
     if args.weight is not None:
-        req.weight = args.weight
+        req.weight = changes["weight"] = args.weight
     if args.members is not None:
         req.members.SetInParent()
-        req.members.patterns.extend(p.strip() for p in args.members.split(",") if p.strip())
+        changes["members"] = _patterns(args.members)
+        req.members.patterns.extend(changes["members"])
     if args.model_quota is not None:
         req.quota_by_model.SetInParent()
-        for item in args.model_quota:
-            if item.strip().lower() == "none":
-                continue
-            model, eq, size = item.rpartition("=")
-            if not eq or not model.strip():
-                raise UsageError(f"--model-quota: {item!r} is not MODEL=SIZE", "see 'gpucoord team set --help'")
-            req.quota_by_model.mb[model.strip()] = size_mb(size, "--model-quota")
+        changes["quota_by_model"] = _model_quotas(args.model_quota)
+        for model, mb in changes["quota_by_model"].items():
+            req.quota_by_model.mb[model] = mb
     if args.max_min_runtime is not None:
-        req.max_min_runtime_seconds = args.max_min_runtime
+        req.max_min_runtime_seconds = changes["max_min_runtime_s"] = args.max_min_runtime
+    try:
+        check_changes(changes)
+    except TeamError as e:
+        flag = {"quota_mb": "--quota", "limit_mb": "--limit", "weight": "--weight", "members": "--members",
+                "max_min_runtime_s": "--max-min-runtime"}.get(e.field, "--model-quota")
+        raise UsageError(f"{flag}: {e.message}", _HELP) from None
     return req
 
 
 def _mib(mb: int) -> str:
-    return f"{mb / 1024:g}GiB" if mb % 1024 == 0 and mb else f"{mb}MiB"
+    from coordinator.policy.partition import show_mib
+    return show_mib(mb)
 
 
 def describe(team: dict[str, Any]) -> str:
@@ -126,10 +167,14 @@ def cmd_team(args: argparse.Namespace) -> int:
     import grpc
 
     from agent_client.api import coordinator_pb2 as pb
+    if args.team_cmd != "list":
+        from coordinator.cli.commands import check_name
+        check_name("name", args.name, f"team {args.team_cmd}")
+    request = set_request(args) if args.team_cmd == "set" else None
     stub = _stub(args.coordinator, _client_tls(args))
     try:
-        if args.team_cmd == "set":
-            resp = stub.SetTeam(set_request(args), timeout=15)
+        if request is not None:
+            resp = stub.SetTeam(request, timeout=15)
             doc = message_to_json(resp.team)
             print(json.dumps(doc, indent=2) if args.json else
                   f"team {args.name} {'created' if resp.created else 'changed'}: {describe(doc)}")
@@ -141,7 +186,8 @@ def cmd_team(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2) if args.json else render_teams(rows))
         else:
             if not stub.DeleteTeam(pb.DeleteTeamRequest(name=args.name), timeout=10).deleted:
-                raise CliError(f"NOT_FOUND: name: no team {args.name!r}", "'gpucoord team list' shows them")
+                raise CliError(f"NOT_FOUND: name: no team {args.name!r}", "'gpucoord team list' shows them",
+                               refused=True)
             print(f"team {args.name} deleted; its agents fall to the next matching team, else default")
     except grpc.RpcError as e:
         raise rpc_error(e, args.coordinator) from None

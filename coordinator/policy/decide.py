@@ -178,7 +178,7 @@ def _may_not_wait(c: Caller, host: str, ctx: Context, vram: int, behind_waiters:
     """Why a new request that does not fit now may not wait, or None (the host's bound is apart)."""
     if c.deadline <= ctx.now:
         if c.wait_s > 0:
-            return wait_over(c.vram_mb, c.wait_s)
+            return wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive)
         return errors.CapacityError(
             f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests" if behind_waiters
             else no_fit or f"vram_mb: {vram} MiB does not fit now on any allowed GPU", "vram_mb")
@@ -245,8 +245,14 @@ def eligible(view: HostView, cfg: CoordinatorConfig, req: Request,
     return [g for g in candidates if g.uuid in caps], caps
 
 
-def wait_over(vram_mb: int, wait_s: float) -> errors.WaitTimeout:
-    return errors.WaitTimeout(f"vram_mb: {vram_mb} MiB did not fit after waiting {wait_s:g} s", "vram_mb")
+def wait_over(vram_mb: int, wait_s: float, gpu_count: int = 1, exclusive: bool = False) -> errors.WaitTimeout:
+    """The answer to a request whose wait ended before it fit, naming what it asked for."""
+    wait_s = round(wait_s, 1)
+    if exclusive:
+        return errors.WaitTimeout(f"exclusive: {gpu_count} whole GPU{'s' if gpu_count > 1 else ''} did not fit "
+                                  f"after waiting {wait_s:g} s", "exclusive")
+    each = f" on each of {gpu_count} GPUs" if gpu_count > 1 else ""
+    return errors.WaitTimeout(f"vram_mb: {vram_mb} MiB{each} did not fit after waiting {wait_s:g} s", "vram_mb")
 
 
 def left_the_queue(e: errors.GpucoordError) -> errors.FailedPrecondition:

@@ -323,8 +323,8 @@ def check_request(host: HostShape, r: GangRequest, unavailable: Collection[int])
             named.append(n)
         if len(set(named)) != len(named) or len(named) != k:
             return Refused(errors.InvalidArgument(
-                f"gpus: must name {k} distinct GPUs (gpu_count), got {len(named)} names for "
-                f"{len(set(named))} GPUs", "gpus"))
+                f"gpus: must name {k} distinct GPUs (gpu_count), got {len(named)} "
+                f"({len(set(named))} distinct)", "gpus"))
         allowed = sorted(named)
     if len(allowed) < k:
         return Refused(errors.FailedPrecondition(

@@ -89,6 +89,7 @@ from coordinator.policy.reclaim import (
     protected_until,
 )
 from coordinator.policy.team_admission import (
+    beyond_limit,
     charged_teams,
     fleet_charges,
     grant_charge_mb,
@@ -232,10 +233,13 @@ class _Planner(Round[C]):
         agent's and the host's bounds) and a queued one keeps its place, without holding any GPU back (G2) or
         choosing victims (G3), until its team's use over the fleet leaves room for it or its wait ends
         (``team_waits``: the admitter answers that end naming ``team``)."""
-        plan = self.out
+        plan, req = self.out, it.req   # one whose charge alone passes the limit is refused, or leaves the queue
+        never = beyond_limit(self.ctx.teams, self.view, req.agent, req.vram_mb, req.gpu_count, req.exclusive)
+        if never is not None and it.entry is not None:
+            return self._leaves(it.entry, it.call, left_the_queue(never))
         if it.entry is None:
             assert it.call is not None
-            refusal = may_not_wait_for_team(it.call, self.host, self.ctx, reason, self.per_agent[it.agent])
+            refusal = never or may_not_wait_for_team(it.call, self.host, self.ctx, reason, self.per_agent[it.agent])
             if refusal is None:
                 refusal = self._bound_queue(n, it)
             if refusal is not None:
@@ -314,7 +318,7 @@ class _Planner(Round[C]):
         except errors.GpucoordError as e:
             return left_the_queue(e)
         if self.now >= c.deadline:
-            return wait_over(c.vram_mb, c.wait_s)
+            return wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive)
         return errors.CapacityError(
             "queue: the waiting request was removed from the queue without a grant (displaced by a request "
             "of higher priority)", "queue")

@@ -88,6 +88,22 @@ def least_charge_mb(candidates: Sequence[GpuView], vram_mb: int, gpu_count: int,
     return sum(sorted(g.usable_mb for g in candidates)[:gpu_count])
 
 
+def beyond_limit(state: TeamState | None, view: HostView, agent: str, vram_mb: int, gpu_count: int,
+                 exclusive: bool) -> errors.FailedPrecondition | None:
+    """Why a request could never be granted under its team's limit, even with nothing of its team in use:
+    the least it could be charged on any GPUs of the host passes the limit. Refused at once (it leaves the
+    queue) rather than waiting out its wait; None when the limit could ever allow it."""
+    if state is None:
+        return None
+    team = state.membership.team(state.membership.team_of(agent))
+    least = least_charge_mb(list(view.gpus.values()), vram_mb, gpu_count, exclusive)
+    if team.limit_mb is None or least <= team.limit_mb:
+        return None
+    return errors.FailedPrecondition(
+        f"team: the request is charged at least {least} MiB, more than the limit of team {quote(team.name)} "
+        f"({team.limit_mb} MiB) even with nothing of it in use", "team")
+
+
 def team_wait_over(reason: str, wait_s: float) -> errors.WaitTimeout:
     """The answer to a request whose wait ended while it waited for its team's limit (``reason``, from
     ``limit_refusal``): RESOURCE_EXHAUSTED naming ``team`` and the limit."""

@@ -8,7 +8,7 @@ set|show|list|delete``). Its fields:
   optionally narrows the guarantee per GPU model (``GpuInfo.name``): a lease on a GPU of a listed model is
   in quota only while the team's use of that model also stays within it.
 - ``limit_mb``: the hard cap on the team's use over the fleet; ``None``: no cap. Never below the quota.
-- ``weight``: the team's share of what is idle beyond the quotas (> 0; default 1).
+- ``weight``: the team's share of what is idle beyond the quotas (0.001 to 1,000,000; default 1).
 - ``members``: agent names (``alice``) or name prefixes (``research-*``).
 - ``max_min_runtime_s``: the longest minimum runtime a lease of the team may declare before it can be
   reclaimed (default 0: a borrowed lease can be reclaimed at once).
@@ -26,58 +26,34 @@ to that GPU's model (``charges.Charge``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Collection, Iterable, Mapping
 
 from coordinator.keys import last_segment, valid_name
 from coordinator.limits import quote
 from coordinator.policy.charges import Charge as Charge
+from coordinator.policy.team_fields import (
+    _FIELDS,
+    MAX_MIN_RUNTIME_S,
+    MAX_MODEL_NAME_LEN,
+    MAX_TEAM_MB,
+    MAX_TEAM_MEMBERS,
+    MAX_TEAM_MODELS,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    TeamError,
+    _amount,
+    _members,
+    _models,
+    _number,
+    check_changes,
+    check_pattern,
+)
 from coordinator.records import InvalidRecord, StoredKV, load_record
 
+__all__ = ["MAX_MIN_RUNTIME_S", "MAX_MODEL_NAME_LEN", "MAX_TEAM_MB", "MAX_TEAM_MEMBERS", "MAX_TEAM_MODELS",
+           "MAX_WEIGHT", "MIN_WEIGHT", "TeamError", "check_changes", "check_pattern"]
+
 DEFAULT_TEAM = "default"
-MAX_TEAM_MEMBERS = 256          # member patterns of one team
-MAX_TEAM_MODELS = 64            # per-model quotas of one team
-MAX_TEAM_MB = 1 << 50           # a quota or limit: 1 ZiB in MiB; anything above is a typo
-MAX_WEIGHT = 1_000_000.0
-MAX_MIN_RUNTIME_S = 7 * 86400.0
-MAX_MODEL_NAME_LEN = 128
-
-_FIELDS = ("quota_mb", "quota_by_model", "limit_mb", "weight", "members", "max_min_runtime_s")
-
-
-class TeamError(ValueError):
-    """A team that cannot be stored. ``field`` names the entry, ``message`` says why."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
-
-
-def _amount(value: Any, field: str, hi: int = MAX_TEAM_MB) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TeamError(field, f"expected a whole number of MiB, got {type(value).__name__}")
-    if not 0 <= value <= hi:
-        raise TeamError(field, f"{str(value)[:24]} is outside [0, {hi}] MiB")
-    return value
-
-
-def _number(value: Any, field: str, lo: float, hi: float, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TeamError(field, f"expected a finite number, got {quote(value)}")
-    if value < lo or (lo_open and value == lo) or value > hi:
-        raise TeamError(field, f"{quote(value)} is outside {'(' if lo_open else '['}{lo:g}, {hi:g}]")
-    return float(value)
-
-
-def check_pattern(pattern: Any, field: str = "members") -> str:
-    """An agent name, or a name prefix followed by one ``*`` (``research-*``)."""
-    if not isinstance(pattern, str):
-        raise TeamError(field, f"expected agent names or prefixes, got {type(pattern).__name__}")
-    stem = pattern[:-1] if pattern.endswith("*") else pattern
-    if not stem or not valid_name(stem):
-        raise TeamError(field, f"{quote(pattern)} is neither an agent name nor a prefix such as 'research-*' "
-                               "(letters, digits, '.', '_', ':', '@', '-'; one '*' at the end)")
-    return pattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,36 +93,18 @@ class Team:
         if "name" in doc and doc["name"] != name:
             raise TeamError("name", f"the record names {quote(doc['name'])}, its key {quote(name)}")
         quota = _amount(doc.get("quota_mb", 0), "quota_mb")
-        models = doc.get("quota_by_model", {})
-        if not isinstance(models, dict):
-            raise TeamError("quota_by_model", f"expected an object of GPU model: MiB, got {type(models).__name__}")
-        if len(models) > MAX_TEAM_MODELS:
-            raise TeamError("quota_by_model", f"at most {MAX_TEAM_MODELS} GPU models, got {len(models)}")
-        by_model = []
-        for model, mb in sorted(models.items()):
-            field = f"quota_by_model[{quote(model)}]"
-            if not isinstance(model, str) or not model.strip() or len(model) > MAX_MODEL_NAME_LEN \
-                    or not model.isprintable():
-                raise TeamError(field, f"a GPU model is a printable name of 1 to {MAX_MODEL_NAME_LEN} characters")
-            by_model.append((model, _amount(mb, field)))
+        by_model = _models(doc.get("quota_by_model", {}))
+        for model, mb in by_model:
             if mb > quota:
-                raise TeamError(field, f"{mb} MiB is above the team's quota_mb ({quota}): a model's guarantee "
-                                       "is part of the team's")
+                raise TeamError(f"quota_by_model[{quote(model)}]", f"{mb} MiB is above the team's quota_mb "
+                                f"({quota}): a model's guarantee is part of the team's")
         limit = doc.get("limit_mb")
         if limit is not None:
             limit = _amount(limit, "limit_mb")
             if limit < quota:
                 raise TeamError("limit_mb", f"{limit} MiB is below the team's quota_mb ({quota})")
-        weight = _number(doc.get("weight", 1.0), "weight", 0.0, MAX_WEIGHT, lo_open=True)
-        members = doc.get("members", [])
-        if not isinstance(members, (list, tuple)):
-            raise TeamError("members", f"expected a list of agent names or prefixes, got {type(members).__name__}")
-        if len(members) > MAX_TEAM_MEMBERS:
-            raise TeamError("members", f"at most {MAX_TEAM_MEMBERS} patterns, got {len(members)}")
-        patterns = [check_pattern(m) for m in members]
-        if len(set(patterns)) != len(patterns):
-            twice = next(p for p in patterns if patterns.count(p) > 1)
-            raise TeamError("members", f"{quote(twice)} is given twice")
+        weight = _number(doc.get("weight", 1.0), "weight", MIN_WEIGHT, MAX_WEIGHT)
+        patterns = _members(doc.get("members", []))
         if name == DEFAULT_TEAM and patterns:
             raise TeamError("members", f"the {DEFAULT_TEAM!r} team holds every agent no other team names: it "
                                        "takes no members")

@@ -110,7 +110,8 @@ class QueueExpiry(AdmitterState):
         if late > LATE_WARNING_S and not c.future.done():
             log.warning("waiter %s/%s of %s on %s answered %.2f s after its deadline (done=%s)", c.session.agent,
                         c.request_id, c.vram_mb, self.host, late, c.future.done())
-        self._fail(c, team_wait_over(c.team_limit, c.wait_s) if c.team_limit else wait_over(c.vram_mb, c.wait_s))
+        self._fail(c, team_wait_over(c.team_limit, c.wait_s) if c.team_limit
+                   else wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive))
         if removed is not None and removed.victims:
             spawn(self.leases.withdraw_evictions(removed), "withdrawing eviction notices")
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.etcd.types import KV
-from coordinator.keys import last_segment
+from coordinator.keys import Keys, last_segment
 from coordinator.policy.host import HostView
 from coordinator.policy.team_admission import TeamState, by_lease, charge_of
 from coordinator.policy.teams import (
@@ -54,6 +54,15 @@ def read_teams(kvs: Iterable[KV]) -> tuple[dict[str, Team], dict[str, KV]]:
     return teams, bad
 
 
+def waiting_charge_mb(vram_mb: int, gpu_count: int, exclusive: bool, usable: Iterable[int]) -> int:
+    """What a waiting request counts as in its team's WAITING (``team list``): ``vram_mb`` on each of its
+    GPUs; exclusive, the least its grant could be charged, the smallest usable VRAM of ``gpu_count`` of its
+    host's GPUs (``usable``, in MiB)."""
+    if not exclusive:
+        return vram_mb * gpu_count
+    return sum(sorted(usable)[:gpu_count])
+
+
 def charges_from_views(views: Iterable[HostView], membership: Membership) -> tuple[list[Charge],
                                                                                     list[tuple[str, int]]]:
     """Every lease of the views as a charge (with its GPU's model), and every queue entry as (team, VRAM)."""
@@ -63,7 +72,9 @@ def charges_from_views(views: Iterable[HostView], membership: Membership) -> tup
         models = {g.uuid: g.name for g in view.inventory.gpus} if view.inventory is not None else {}
         records = [x for g in sorted(view.gpus.values(), key=lambda g: g.index) for x in g.leases]
         charges += [charge_of(parts, membership, models) for parts in by_lease(records)]
-        waiting += [(membership.team_of(e.agent), e.vram_mb * e.gpu_count) for e in view.entries]
+        usable = [g.usable_mb for g in view.gpus.values()]
+        waiting += [(membership.team_of(e.agent), waiting_charge_mb(e.vram_mb, e.gpu_count, e.exclusive, usable))
+                    for e in view.entries]
     return charges, waiting
 
 
@@ -121,9 +132,9 @@ class Teams:
     async def team_status(self, name: str = "") -> tuple[int, list[tuple[Team, Usage, bool]]]:
         """Teams (one, or every stored team and ``default``) with their usage, all read at one revision:
         (revision, [(team, usage, stored)]). A malformed team reads as absent (its agents are in ``default``)."""
-        kinds = ("teams", "leases", "queue", "hosts")
+        kinds = ("teams", "leases", "queue", "hosts", "partitions")
         snap = await self.store.snapshot([Range(self.keys.kind(k), prefix=True) for k in kinds])
-        team_kvs, lease_kvs, queue_kvs, host_kvs = snap.ranges
+        team_kvs, lease_kvs, queue_kvs, host_kvs, partition_kvs = snap.ranges
         teams, _ = read_teams(team_kvs)
         membership = Membership(teams.values())
         models = gpu_models(host_kvs)
@@ -135,12 +146,14 @@ class Teams:
                 continue
         charges = [charge_of(parts, membership, models) for parts in by_lease(records)]
         waiting = []
+        usable = usable_by_host(self.keys, host_kvs, partition_kvs)
         for kv in queue_kvs:
             try:
                 entry = QueueEntry.from_kv(kv)
             except InvalidRecord:
                 continue
-            waiting.append((membership.team_of(entry.agent), entry.vram_mb * entry.gpu_count))
+            waiting.append((membership.team_of(entry.agent), waiting_charge_mb(
+                entry.vram_mb, entry.gpu_count, entry.exclusive, usable.get(self.keys.parse(kv.key)[1][0], ()))))
         usage = usage_by_team(charges, membership, waiting)
         names = [name] if name else sorted(set(usage) | set(teams) | {DEFAULT_TEAM})
         return snap.revision, [(membership.team(n), usage.get(n, Usage()), n in teams) for n in names]
@@ -158,6 +171,27 @@ def gpu_models(host_kvs: Iterable[KV]) -> dict[str, str]:
             continue
         models.update((g.uuid, g.name) for g in inventory.gpus)
     return models
+
+
+def usable_by_host(keys: Keys, host_kvs: Iterable[KV], partition_kvs: Iterable[KV]) -> dict[str, list[int]]:
+    """Host -> the usable VRAM (MiB) of each of its GPUs: total less its partition's headroom (malformed
+    records left out)."""
+    headroom: dict[str, int] = {}
+    for kv in partition_kvs:
+        try:
+            part = load_record(kv.value).get("partition")
+            headroom[keys.parse(kv.key)[1][0]] = int(part.get("headroom_mb", 0))  # type: ignore[union-attr]
+        except (InvalidRecord, AttributeError, TypeError, ValueError, IndexError):
+            continue
+    out: dict[str, list[int]] = {}
+    for kv in host_kvs:
+        try:
+            inventory = HostInventory.from_json(load_record(kv.value).get("inventory"))  # type: ignore[arg-type]
+        except (InvalidRecord, AttributeError):
+            continue
+        cut = headroom.get(inventory.host, 0)
+        out[inventory.host] = [max(0, g.vram_total_mb - cut) for g in inventory.gpus]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,9 @@ def status_response(report: StatusReport,
             hs.leases.append(msg)
         for q in h["queue"]:
             hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
-                         priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""))
+                         priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
+                         gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
+                         gpus=q.get("gpus", []), topology=q.get("topology", "any"))
         metrics.LEASES.labels(h["host"]).set(len(h["leases"]))
     return out
 

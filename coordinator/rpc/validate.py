@@ -173,6 +173,9 @@ def validate_gang(gpu_count: int, exclusive: bool, topology: str, gpus: list[str
             f"vram_mb: must be 0 with exclusive (the lease takes each GPU's whole usable VRAM), got {vram_mb}",
             "vram_mb")
     if not gpus:
+        if gpu and gpu_count > 1:
+            raise errors.InvalidArgument(f"gpu: names one GPU, but gpu_count is {gpu_count}: name all {gpu_count} "
+                                         "in gpus (or leave both empty)", "gpu")
         return
     if gpu:
         raise errors.InvalidArgument("gpus: name the GPUs either in gpu (one) or in gpus, not both", "gpus")

@@ -171,7 +171,7 @@ def test_status_json_has_numbers_and_the_table_marks_evictions_and_names_gpus(co
         assert isinstance(host["mem_bytes"], int) and isinstance(host["leases"][0]["vram_mb"], int)
         assert "eviction" not in host["leases"][0]
         table = cli("status", "--coordinator", coord).stdout
-        assert "caps=[GPU 1: 4.0G]" in table, table           # the GPU's index, not a cut uuid
+        assert "caps=[GPU 1: 4GiB]" in table, table           # the GPU's index, not a cut uuid
         assert "EVICTING" not in table
         assert cli("lease", "evict", lease.id, "--grace", "600", "--reason", "maintenance",
                    "--coordinator", coord).returncode == 0

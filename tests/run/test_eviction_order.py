@@ -165,7 +165,7 @@ def test_the_grant_waits_until_the_nodes_report_no_longer_lists_the_evicted_chil
         lease.release()
     assert gone_at < until - 0.5, "the child should be gone well before the node stops listing it"
     assert created >= until, f"granted {until - created:.2f} s before the node's report stopped listing the child"
-    assert f"DEPARTING on GPU 0: lease {victim_id} (low, 16.0G) ended, evicted by high/" in table, table
+    assert f"DEPARTING on GPU 0: lease {victim_id} (low, 16GiB) ended, evicted by high/" in table, table
     assert f"its processes on the GPU: {pid}; VRAM held until they are gone" in table, table
     # In etcd's history: the report current when the grant was committed no longer lists the child, and one
     # before it (after the child was gone) still did.

@@ -31,6 +31,7 @@ def req(**kw: Any) -> pb.AcquireRequest:
     ({"gpus": ["0", "0"], "gpu_count": 2}, "gpus"),
     ({"gpus": ["0", "a b"], "gpu_count": 2}, "gpus"),
     ({"gpus": ["0", "1"], "gpu_count": 2, "gpu": "0"}, "gpus"),
+    ({"gpu": "0", "gpu_count": 2}, "gpu"),     # one GPU named for a gang of 2: name them all in gpus
     ({"gpus": [str(i) for i in range(MAX_GANG_GPUS + 1)], "gpu_count": MAX_GANG_GPUS}, "gpus"),
 ])
 def test_a_bad_gang_field_is_refused_naming_it(fields: dict[str, Any], field: str) -> None:

@@ -88,7 +88,10 @@ from coordinator.policy.partition.units import (
     MAX_ITEMS,
     MODES,
     PartitionError,
+    parse_mib,
     parse_size,
+    show_bytes,
+    show_mib,
 )
 
 __all__ = [
@@ -105,6 +108,9 @@ __all__ = [
     "compute_partition",
     "default_partition",
     "load_spec_file",
+    "parse_mib",
     "parse_size",
     "parse_spec",
+    "show_bytes",
+    "show_mib",
 ]

@@ -15,11 +15,11 @@ from coordinator.policy.partition.units import (
     MAX_AGENTS,
     MAX_INT,
     MAX_ITEMS,
-    MIB,
     MODES,
     PartitionError,
     _key,
     _show,
+    parse_mib,
     parse_size,
 )
 
@@ -186,7 +186,7 @@ def _parse_reserved(v: object) -> Reserved:
     cpu = _parse_int(table.get("cpu", 0), "reserved.cpu", what="a number of cores")
     mem = parse_size(table.get("mem", 0), "reserved.mem")
     disk = parse_size(table.get("disk", 0), "reserved.disk")
-    headroom = parse_size(table.get("vram_headroom", 0), "reserved.vram_headroom") // MIB
+    headroom = parse_mib(table.get("vram_headroom", 0), "reserved.vram_headroom")
     return Reserved(cpu=cpu, mem=mem, disk=disk, vram_headroom_mb=headroom)
 
 
@@ -244,7 +244,7 @@ def _parse_allocation(v: object, agent: str) -> AllocationSpec:
             ref = _parse_gpu_ref(key, f)
             if ref in caps:
                 raise PartitionError(f, f"GPU {_show(ref)} is listed twice")
-            mb = parse_size(size, f) // MIB
+            mb = parse_mib(size, f)
             if mb < 1:
                 raise PartitionError(f, f"a VRAM cap must be at least 1MiB, got {_show(size)} "
                                         "(a plain number is bytes: write e.g. '20GiB')")

@@ -84,6 +84,36 @@ def parse_size(value: object, field: str) -> int:
     return n
 
 
+def parse_mib(value: object, field: str, round_up: bool = False) -> int:
+    """A size in whole MiB (README, "Sizes"): ``parse_size``'s grammar (a number without a unit is bytes),
+    rounded down (``round_up``: up) to MiB. ``0`` is 0; any other size under 1 MiB is refused naming
+    ``field``, never rounded to 0 (``100KiB``, ``100000``)."""
+    n = parse_size(value, field)
+    if 0 < n < MIB:
+        raise PartitionError(field, f"{_show(value)} is less than 1 MiB (a number without a unit is bytes): "
+                                    "give a size such as '512MiB' or '16GiB'")
+    return -(-n // MIB) if round_up else n // MIB
+
+
+_DISPLAY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB")
+
+
+def show_bytes(n: int) -> str:
+    """A size for a person (the one display rule of the CLI's tables: binary units, at most 4 significant
+    digits): ``81408 MiB`` is ``79.5GiB``, ``2**50`` bytes ``1PiB``, 512 bytes ``512B``."""
+    value, unit = float(n), 0
+    while unit < len(_DISPLAY_UNITS) - 1 and (abs(value) >= 1024 or float(f"{abs(value):.4g}") >= 1024):
+        value /= 1024
+        unit += 1
+    text = f"{value:.4g}"
+    return f"{text}{_DISPLAY_UNITS[unit]}"
+
+
+def show_mib(mb: int) -> str:
+    """A size in MiB for a person: ``show_bytes`` of it (``0`` is ``0MiB``)."""
+    return "0MiB" if mb == 0 else show_bytes(mb * MIB)
+
+
 def _parse_size_str(value: str, field: str) -> int:
     if len(value) > MAX_SIZE_STR:
         raise PartitionError(field, f"size string too long ({len(value)} characters)")

@@ -1,0 +1,75 @@
+"""The exit codes of README "Command-line conventions", walked over every command: a bad value exits 2 with
+one ``gpucoord: error:`` line, nothing sent (the coordinator and etcd named are a closed port: a value that
+got past the command's own checks would meet exit 3 there); the line says "nothing was changed" exactly for
+the commands that change something, never for a read."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.cli.main import WRITE_COMMANDS, build_parser, command_words, main
+from coordinator.security import certs
+
+pytestmark = pytest.mark.unit
+
+NOWHERE = "127.0.0.1:1"     # nothing listens: a call that is sent fails with exit 3, not 2
+
+
+def _walk(tmp: Path) -> list[list[str]]:
+    bad_spec = tmp / "bad.toml"
+    bad_spec.write_text('host = "h1"\nmode = "shared"\n[reserved]\nvram_headroom = 100000\n')
+    certs.init_ca(tmp / "pki")
+    c, e = ["--coordinator", NOWHERE], ["--etcd", NOWHERE]
+    return [
+        ["up", "--fake-mem", "lots"],
+        ["coordinator", *e, "--session-ttl", "1"],
+        ["node", *e, "--fake-gpus", "1x16GiB", "--over-use-tolerance", "100KiB"],
+        ["node", *e, "--fake-gpus", "1x16GiB", "--host", "bad/name"],
+        ["status", *c, "--host", "bad/name"],
+        ["status", *c, "--watch", "0"],
+        ["keys", *e, "--etcd-cert", str(tmp / "c.pem")],
+        ["partition", "apply", str(bad_spec), *c],
+        ["partition", "show", "bad/name", *c],
+        ["lease", "evict", "x", "--grace", "-1", *c],
+        ["lease", "evict", "bad/id", *c],
+        ["lease", "revoke", "bad/id", *c],
+        ["lease", "revoke", "x", "--bogus", *c],
+        ["run", "--agent", "a", "--vram", "1GiB", "--priority", "99999999", *c, "--", "true"],
+        ["run", "--agent", "a", "--vram", "100KiB", *c, "--", "true"],
+        ["run", "--agent", "a", "--exclusive", "--min-runtime", "-5", *c, "--", "true"],
+        ["run", "--agent", "a", "--vram", "1GiB", "--ttl", "1", *c, "--", "true"],
+        ["bench", "acquire", "--n", "0"],
+        ["certs", "issue", "--dir", str(tmp / "pki"), "--role", "agent", "--name", "a/b"],
+        ["certs", "revoke", "not-a-serial", *e],
+        ["etcd-setup", *e, "--etcd-cert", str(tmp / "c.pem")],
+        ["team", "set", "t", "--weight", "0", *c],
+        ["team", "set", "t", "--quota", "100KiB", *c],
+        ["team", "set", "t", "--members", "a,,b", *c],
+        ["team", "set", "bad/name", *c],
+        ["team", "show", "bad/name", *c],
+        ["team", "delete", "bad/name", *c],
+        ["team", "list", "--bogus", *c],
+    ]
+
+
+def test_every_command_exits_2_on_a_bad_value_saying_nothing_was_changed_only_where_it_could_have_been(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    walked = set()
+    for argv in _walk(tmp_path):
+        rc = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2, (argv, rc, err)
+        assert len(err) == 1 and err[0].startswith("gpucoord: error: ") and "; " in err[0], (argv, err)
+        writes = command_words(argv) in WRITE_COMMANDS
+        assert ("nothing was changed" in err[0]) == writes, (argv, err)
+        walked.add(command_words(argv)[0])
+    commands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    assert commands <= walked, f"commands the walk leaves out: {sorted(commands - walked)}"
+
+
+def test_command_words_reads_past_global_options() -> None:
+    assert command_words(["--coordinator", "x", "team", "set", "t"]) == ("team", "set")
+    assert command_words(["-v", "status", "--host", "h"]) == ("status", "")
+    assert command_words(["run", "--agent", "a", "--", "team"]) == ("run", "")
+    assert command_words([]) == ("", "")
