@@ -104,9 +104,7 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     CheckToken = _answered("CheckToken", _check_token)
 
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
-        d = self.daemon
-        snap = await d.store.get_prefix(d.keys.leases(d.host, gpu_uuid))
-        for kv in snap.kvs:
+        for kv in await self.daemon.stored_leases(gpu_uuid):
             try:
                 lease = VramLease.from_kv(kv)
             except InvalidRecord:
@@ -132,7 +130,12 @@ async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | No
         (pb.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = add_port(server, listen, tls)
     await server.start()
-    await follow_revocations(server, guard, daemon.store, daemon.keys, REVOCATIONS_READY_S)
+    assert daemon.feed is not None
+    # A daemon in the registry mode reads the list through the coordinator's stream, which opens only once
+    # the daemon has registered (with this server's port): it does not wait here, and its server refuses
+    # calls (UNAVAILABLE, retry) until the list has come.
+    await follow_revocations(server, guard, daemon.feed, daemon.keys, REVOCATIONS_READY_S,
+                             wait=daemon.reads_etcd)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
