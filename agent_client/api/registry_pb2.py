@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61gent_client/api/registry.proto\x12\x0bgpucoord.v1\"\xa4\x01\n\x10HostRegistration\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0einventory_json\x18\x03 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x05\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x12\n\netcd_lease\x18\x08 \x01(\x03\"\x0b\n\tHeartbeat\"!\n\x0bUsageReport\x12\x12\n\nusage_json\x18\x01 \x01(\t\"\x0c\n\nDeregister\"\xd3\x01\n\x0fRegisterRequest\x12\x31\n\x08register\x18\x01 \x01(\x0b\x32\x1d.gpucoord.v1.HostRegistrationH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.gpucoord.v1.HeartbeatH\x00\x12)\n\x05usage\x18\x03 \x01(\x0b\x32\x18.gpucoord.v1.UsageReportH\x00\x12-\n\nderegister\x18\x04 \x01(\x0b\x32\x17.gpucoord.v1.DeregisterH\x00\x42\x06\n\x04\x63\x61ll\"{\n\tStoredKey\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x17\n\x0f\x63reate_revision\x18\x03 \x01(\x03\x12\x14\n\x0cmod_revision\x18\x04 \x01(\x03\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x12\n\netcd_lease\x18\x06 \x01(\x03\"@\n\tKeyChange\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.gpucoord.v1.StoredKey\"D\n\nRegistered\x12\x12\n\netcd_lease\x18\x01 \x01(\x03\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x05\x12\r\n\x05taken\x18\x03 \x01(\t\"T\n\x0bKeySnapshot\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12#\n\x03kvs\x18\x03 \x03(\x0b\x32\x16.gpucoord.v1.StoredKey\"W\n\nKeyChanges\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\'\n\x07\x63hanges\x18\x03 \x03(\x0b\x32\x16.gpucoord.v1.KeyChange\"\xa4\x01\n\x10RegisterResponse\x12-\n\nregistered\x18\x01 \x01(\x0b\x32\x17.gpucoord.v1.RegisteredH\x00\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x18.gpucoord.v1.KeySnapshotH\x00\x12*\n\x07\x63hanges\x18\x03 \x01(\x0b\x32\x17.gpucoord.v1.KeyChangesH\x00\x42\x07\n\x05\x65vent\"3\n\x11ListLeasesRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\"K\n\x12ListLeasesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12#\n\x03kvs\x18\x02 \x03(\x0b\x32\x16.gpucoord.v1.StoredKey2\xa6\x01\n\x08Registry\x12K\n\x08Register\x12\x1c.gpucoord.v1.RegisterRequest\x1a\x1d.gpucoord.v1.RegisterResponse(\x01\x30\x01\x12M\n\nListLeases\x12\x1e.gpucoord.v1.ListLeasesRequest\x1a\x1f.gpucoord.v1.ListLeasesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61gent_client/api/registry.proto\x12\x0bgpucoord.v1\"\xa4\x01\n\x10HostRegistration\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0einventory_json\x18\x03 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x05\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x12\n\nstarted_at\x18\x06 \x01(\x01\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x12\n\netcd_lease\x18\x08 \x01(\x03\"\x0b\n\tHeartbeat\"!\n\x0bUsageReport\x12\x12\n\nusage_json\x18\x01 \x01(\t\"\x0c\n\nDeregister\"\xd3\x01\n\x0fRegisterRequest\x12\x31\n\x08register\x18\x01 \x01(\x0b\x32\x1d.gpucoord.v1.HostRegistrationH\x00\x12+\n\theartbeat\x18\x02 \x01(\x0b\x32\x16.gpucoord.v1.HeartbeatH\x00\x12)\n\x05usage\x18\x03 \x01(\x0b\x32\x18.gpucoord.v1.UsageReportH\x00\x12-\n\nderegister\x18\x04 \x01(\x0b\x32\x17.gpucoord.v1.DeregisterH\x00\x42\x06\n\x04\x63\x61ll\"{\n\tStoredKey\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x17\n\x0f\x63reate_revision\x18\x03 \x01(\x03\x12\x14\n\x0cmod_revision\x18\x04 \x01(\x03\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x12\n\netcd_lease\x18\x06 \x01(\x03\"@\n\tKeyChange\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.gpucoord.v1.StoredKey\"D\n\nRegistered\x12\x12\n\netcd_lease\x18\x01 \x01(\x03\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x05\x12\r\n\x05taken\x18\x03 \x01(\t\"b\n\x0bKeySnapshot\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12#\n\x03kvs\x18\x03 \x03(\x0b\x32\x16.gpucoord.v1.StoredKey\x12\x0c\n\x04more\x18\x04 \x01(\x08\"W\n\nKeyChanges\x12\x0e\n\x06prefix\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\'\n\x07\x63hanges\x18\x03 \x03(\x0b\x32\x16.gpucoord.v1.KeyChange\"\xa4\x01\n\x10RegisterResponse\x12-\n\nregistered\x18\x01 \x01(\x0b\x32\x17.gpucoord.v1.RegisteredH\x00\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x18.gpucoord.v1.KeySnapshotH\x00\x12*\n\x07\x63hanges\x18\x03 \x01(\x0b\x32\x17.gpucoord.v1.KeyChangesH\x00\x42\x07\n\x05\x65vent\"3\n\x11ListLeasesRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\"K\n\x12ListLeasesResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12#\n\x03kvs\x18\x02 \x03(\x0b\x32\x16.gpucoord.v1.StoredKey2\xa6\x01\n\x08Registry\x12K\n\x08Register\x12\x1c.gpucoord.v1.RegisterRequest\x1a\x1d.gpucoord.v1.RegisterResponse(\x01\x30\x01\x12M\n\nListLeases\x12\x1e.gpucoord.v1.ListLeasesRequest\x1a\x1f.gpucoord.v1.ListLeasesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,15 +48,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERED']._serialized_start=682
   _globals['_REGISTERED']._serialized_end=750
   _globals['_KEYSNAPSHOT']._serialized_start=752
-  _globals['_KEYSNAPSHOT']._serialized_end=836
-  _globals['_KEYCHANGES']._serialized_start=838
-  _globals['_KEYCHANGES']._serialized_end=925
-  _globals['_REGISTERRESPONSE']._serialized_start=928
-  _globals['_REGISTERRESPONSE']._serialized_end=1092
-  _globals['_LISTLEASESREQUEST']._serialized_start=1094
-  _globals['_LISTLEASESREQUEST']._serialized_end=1145
-  _globals['_LISTLEASESRESPONSE']._serialized_start=1147
-  _globals['_LISTLEASESRESPONSE']._serialized_end=1222
-  _globals['_REGISTRY']._serialized_start=1225
-  _globals['_REGISTRY']._serialized_end=1391
+  _globals['_KEYSNAPSHOT']._serialized_end=850
+  _globals['_KEYCHANGES']._serialized_start=852
+  _globals['_KEYCHANGES']._serialized_end=939
+  _globals['_REGISTERRESPONSE']._serialized_start=942
+  _globals['_REGISTERRESPONSE']._serialized_end=1106
+  _globals['_LISTLEASESREQUEST']._serialized_start=1108
+  _globals['_LISTLEASESREQUEST']._serialized_end=1159
+  _globals['_LISTLEASESRESPONSE']._serialized_start=1161
+  _globals['_LISTLEASESRESPONSE']._serialized_end=1236
+  _globals['_REGISTRY']._serialized_start=1239
+  _globals['_REGISTRY']._serialized_end=1405
 # @@protoc_insertion_point(module_scope)

@@ -87,14 +87,16 @@ class Registered(_message.Message):
     def __init__(self, etcd_lease: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., taken: _Optional[str] = ...) -> None: ...
 
 class KeySnapshot(_message.Message):
-    __slots__ = ("prefix", "revision", "kvs")
+    __slots__ = ("prefix", "revision", "kvs", "more")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     KVS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     revision: int
     kvs: _containers.RepeatedCompositeFieldContainer[StoredKey]
-    def __init__(self, prefix: _Optional[str] = ..., revision: _Optional[int] = ..., kvs: _Optional[_Iterable[_Union[StoredKey, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, prefix: _Optional[str] = ..., revision: _Optional[int] = ..., kvs: _Optional[_Iterable[_Union[StoredKey, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class KeyChanges(_message.Message):
     __slots__ = ("prefix", "revision", "changes")

@@ -1,0 +1,94 @@
+"""The node daemon in the registry mode (``gpucoord node --coordinator``): no etcd connection at all; its
+host's registration, usage and lease view go through a coordinator's Registry service, and the
+registration lives as long as the daemon does, whichever replica holds it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent_client import Client
+from agent_client.api import node_pb2 as npb
+from coordinator.node.inventory import FakeGpuSource
+from coordinator.node.registration import HostTaken
+from coordinator.node.remote import RemoteNodeDaemon
+from coordinator.records import GpuProcess
+from tests.support.cluster import Cluster
+from tests.support.rpcs import node_stub
+from tests.support.waiting import pass_time, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def usage_of(cluster: Cluster, host: str) -> dict[str, object] | None:
+    kvs = cluster.get_prefix(cluster.keys.usage(host))
+    return json.loads(kvs[0].value) if kvs else None
+
+
+def test_a_node_registers_publishes_and_serves_through_the_coordinator(cluster: Cluster) -> None:
+    addr = cluster.start_coordinator()
+    daemon = cluster.start_node("h1", "1x16GiB", via=[addr])
+    assert daemon._store is None   # no etcd connection at all
+    (host_kv,) = cluster.get_prefix(cluster.keys.host("h1"))
+    doc = json.loads(host_kv.value)
+    assert doc["address"] == daemon.address and doc["inventory"]["gpus"][0]["vram_total_mb"] == 16384
+    assert host_kv.etcd_lease == daemon.etcd_lease != 0
+    wait_for(lambda: usage_of(cluster, "h1") is not None, 10, "the first usage report")
+    (usage_kv,) = cluster.get_prefix(cluster.keys.usage("h1"))
+    assert usage_kv.etcd_lease == daemon.etcd_lease
+
+    _, _, source = cluster.nodes["h1"]
+    source.set_used(0, 10000, (GpuProcess(pid=4242, used_mb=10000),))
+    wait_for(lambda: (usage_of(cluster, "h1") or {}).get("gpus", [{}])[0].get("vram_used_mb") == 10000,  # type: ignore[union-attr,index]
+             10, "the new usage, published through the coordinator")
+    with Client(addr, agent="agent-a", host="h1") as c:
+        from agent_client import errors
+        with pytest.raises(errors.ResourceExhausted):
+            c.acquire(7000)     # 16384 - 10000 untracked leaves 6384
+        lease = c.acquire(6000)
+        # The node's own view of leases comes through the coordinator's stream: CheckToken answers live.
+        stub = node_stub(daemon.address)
+        wait_for(lambda: stub.CheckToken(npb.CheckTokenRequest(gpu_uuid=lease.gpu_uuid, token=lease.token)).live,
+                 10, "the node to see the lease")
+        lease.release()
+        wait_for(lambda: not stub.CheckToken(npb.CheckTokenRequest(gpu_uuid=lease.gpu_uuid, token=lease.token)).live,
+                 10, "the node to see the release")
+        # A token newer than any the node has seen is looked up through the coordinator (ListLeases).
+        got = stub.CheckToken(npb.CheckTokenRequest(gpu_uuid=lease.gpu_uuid, token=lease.token + 1000))
+        assert not got.live
+
+
+def test_a_node_daemon_that_stops_loses_its_registration_at_once_and_one_that_dies_within_its_ttl(
+        cluster: Cluster) -> None:
+    addr = cluster.start_coordinator()
+    cluster.start_node("h1", via=[addr], ttl=3)
+    cluster.stop_node("h1")    # deregisters
+    assert cluster.get_prefix(cluster.keys.host("h1")) == []
+    cluster.start_node("h1", via=[addr], ttl=3)
+    cluster.stop_node("h1", revoke=False)   # as if killed: no more heartbeats
+    wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")) == [], 3 + 5, "the registration to expire")
+
+
+def test_a_live_registration_survives_its_coordinator(cluster: Cluster) -> None:
+    first, second = cluster.start_coordinator(), cluster.start_coordinator()
+    daemon = cluster.start_node("h1", via=[first, second], ttl=3)
+    lease_before = daemon.etcd_lease
+    cluster.stop_coordinator(first)
+    wait_for(lambda: daemon.coordinator == second and daemon.reaches_etcd, 10, "the node to move to the second")
+    # Past two TTLs the host is still registered, on the same etcd_lease: the second replica refreshes it.
+    pass_time(2 * 3, "two TTLs of the registration")
+    (kv,) = cluster.get_prefix(cluster.keys.host("h1"))
+    assert kv.etcd_lease == lease_before == daemon.etcd_lease
+    assert cluster.lt.run(cluster.store.time_to_live(lease_before)) > 0
+    with Client(second, agent="agent-a", host="h1") as c:
+        c.acquire(1000).release()
+
+
+def test_a_second_daemon_for_a_live_host_is_refused(cluster: Cluster) -> None:
+    addr = cluster.start_coordinator()
+    cluster.start_node("h1", via=[addr], ttl=3)
+    second = RemoteNodeDaemon([addr], cluster.keys, "h1", "127.0.0.1:1", FakeGpuSource("1x16GiB", "h1"), ttl_s=3)
+    with pytest.raises(HostTaken, match="already has a live node daemon"):
+        cluster.lt.run(second.start())
+    (kv,) = cluster.get_prefix(cluster.keys.host("h1"))
+    assert kv.etcd_lease == cluster.nodes["h1"][0].etcd_lease
