@@ -74,8 +74,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     from coordinator import errors
     from coordinator.etcd.store import Store
     from coordinator.keys import Keys, valid_name
-    from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
+    from coordinator.node.daemon import MAX_DISK_PATH, quote_prefix
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.node.registration import HostTaken
     from coordinator.rpc.node_server import run_node
     from coordinator.security import etcd_auth, tls
 

@@ -24,7 +24,6 @@ import grpc
 
 from agent_client.api import registry_pb2 as pb
 from agent_client.api import registry_pb2_grpc as pb_grpc
-from agent_client.tls import aio_channel
 from coordinator import __version__, errors
 from coordinator.aio import cancel_and_wait, drain, first_of, spawn
 from coordinator.etcd.types import KV
@@ -103,7 +102,7 @@ class RemoteNodeDaemon(NodeDaemon):
                                          timeout=CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
-        return tuple(stored_kv(self.keys.root(), k) for k in resp.kvs)
+        return tuple(stored_kv(self.keys, k) for k in resp.kvs)
 
     async def _write_usage(self, value: bytes) -> bool:
         if self._requests is None or not self._registration_lease:
@@ -156,7 +155,9 @@ class RemoteNodeDaemon(NodeDaemon):
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = aio_channel(address, self.credentials)
+            channel = self._channels[address] = (
+                grpc.aio.insecure_channel(address) if self.credentials is None
+                else grpc.aio.secure_channel(address, self.credentials))
         return channel
 
     def _registration(self) -> pb.HostRegistration:

@@ -20,8 +20,8 @@ from coordinator.keys import Keys
 MAX_LOGGED = 4096   # change batches kept for a watcher that starts behind (older ones: it resyncs)
 
 
-def stored_kv(root: bytes, key: pb.StoredKey) -> KV:
-    return KV(key=root + key.key.encode(), value=key.value, create_revision=key.create_revision,
+def stored_kv(keys: Keys, key: pb.StoredKey) -> KV:
+    return KV(key=keys.absolute(key.key), value=key.value, create_revision=key.create_revision,
               mod_revision=key.mod_revision, version=key.version, etcd_lease=key.etcd_lease)
 
 
@@ -40,7 +40,7 @@ class _Copy:
 
 class StreamedKeys:
     def __init__(self, keys: Keys, prefixes: tuple[bytes, ...]) -> None:
-        self.root = keys.root()
+        self.keys = keys
         self._copies = {p: _Copy() for p in prefixes}
 
     def _copy_of(self, key: bytes) -> _Copy:
@@ -51,10 +51,10 @@ class StreamedKeys:
 
     # -- what the coordinator sends --------------------------------------------------------------
     def apply_snapshot(self, msg: pb.KeySnapshot) -> None:
-        copy = self._copy_of(self.root + msg.prefix.encode())
+        copy = self._copy_of(self.keys.absolute(msg.prefix))
         if copy.building is None:
             copy.building = []
-        copy.building.extend(stored_kv(self.root, k) for k in msg.kvs)
+        copy.building.extend(stored_kv(self.keys, k) for k in msg.kvs)
         if msg.more:
             return
         copy.kvs = {kv.key: kv for kv in copy.building}
@@ -67,12 +67,12 @@ class StreamedKeys:
         copy.ready.set()
 
     def apply_changes(self, msg: pb.KeyChanges) -> None:
-        copy = self._copy_of(self.root + msg.prefix.encode())
+        copy = self._copy_of(self.keys.absolute(msg.prefix))
         if not copy.ready.is_set() or msg.revision <= copy.revision:
             return   # before the first snapshot, or already in it
         events = []
         for change in msg.changes:
-            kv = stored_kv(self.root, change.kv)
+            kv = stored_kv(self.keys, change.kv)
             if change.deleted:
                 copy.kvs.pop(kv.key, None)
                 events.append(WatchEvent("DELETE", kv, None))

@@ -91,7 +91,5 @@ def list_leases(msg: pb.ListLeasesRequest) -> tuple[str, str]:
 
 def stored_key(keys: Keys, kv: KV) -> pb.StoredKey:
     """A key as a node gets it: below the installation's prefix (the node adds its own)."""
-    root = keys.root()
-    key = kv.key[len(root):] if kv.key.startswith(root) else kv.key
-    return pb.StoredKey(key=key.decode(errors="replace"), value=kv.value, create_revision=kv.create_revision,
+    return pb.StoredKey(key=keys.relative(kv.key), value=kv.value, create_revision=kv.create_revision,
                         mod_revision=kv.mod_revision, version=kv.version, etcd_lease=kv.etcd_lease)

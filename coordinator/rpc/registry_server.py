@@ -156,7 +156,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):  # type: ignore[misc]
                                                                          changes=changes)))
 
     def _rel(self, prefix: bytes) -> str:
-        return prefix[len(self.keys.root()):].decode()
+        return self.keys.relative(prefix)
 
     # -- the RPCs ----------------------------------------------------------------------------------
     async def Register(self, request_iterator: AsyncIterator[pb.RegisterRequest],

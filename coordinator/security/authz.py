@@ -160,8 +160,11 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
     if method.startswith(REGISTRY):
         if role != "node":
             raise deny("only a node identity may register a host")
-        host = (request.host if name == "ListLeases" else
-                request.register.host if request is not None and request.WhichOneof("call") == "register" else None)
+        host = None
+        if request is not None and name == "ListLeases":
+            host = request.host
+        elif request is not None and name == "Register" and request.WhichOneof("call") == "register":
+            host = request.register.host
         if host is not None and host != identity.name:
             raise deny(f"a node acts only on its own host ({quote(identity.name)})")
         return

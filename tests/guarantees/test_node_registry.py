@@ -4,6 +4,7 @@ registration lives as long as the daemon does, whichever replica holds it."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,11 @@ def usage_of(cluster: Cluster, host: str) -> dict[str, object] | None:
     return json.loads(kvs[0].value) if kvs else None
 
 
+def used_mb(cluster: Cluster, host: str) -> int:
+    doc: Any = usage_of(cluster, host) or {}
+    return int(doc.get("gpus", [{}])[0].get("vram_used_mb", -1))
+
+
 def test_a_node_registers_publishes_and_serves_through_the_coordinator(cluster: Cluster) -> None:
     addr = cluster.start_coordinator()
     daemon = cluster.start_node("h1", "1x16GiB", via=[addr])
@@ -39,8 +45,7 @@ def test_a_node_registers_publishes_and_serves_through_the_coordinator(cluster: 
 
     _, _, source = cluster.nodes["h1"]
     source.set_used(0, 10000, (GpuProcess(pid=4242, used_mb=10000),))
-    wait_for(lambda: (usage_of(cluster, "h1") or {}).get("gpus", [{}])[0].get("vram_used_mb") == 10000,  # type: ignore[union-attr,index]
-             10, "the new usage, published through the coordinator")
+    wait_for(lambda: used_mb(cluster, "h1") == 10000, 10, "the new usage, published through the coordinator")
     with Client(addr, agent="agent-a", host="h1") as c:
         from agent_client import errors
         with pytest.raises(errors.ResourceExhausted):
@@ -72,6 +77,7 @@ def test_a_node_daemon_that_stops_loses_its_registration_at_once_and_one_that_di
 def test_a_live_registration_survives_its_coordinator(cluster: Cluster) -> None:
     first, second = cluster.start_coordinator(), cluster.start_coordinator()
     daemon = cluster.start_node("h1", via=[first, second], ttl=3)
+    assert isinstance(daemon, RemoteNodeDaemon)
     lease_before = daemon.etcd_lease
     cluster.stop_coordinator(first)
     wait_for(lambda: daemon.coordinator == second and daemon.reaches_etcd, 10, "the node to move to the second")
