@@ -6,15 +6,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
 import pytest
 
 from agent_client import Client
 from agent_client.api import node_pb2 as npb
+from agent_client.api import registry_pb2 as rpb
+from agent_client.api import registry_pb2_grpc as rpb_grpc
 from coordinator.node.inventory import FakeGpuSource
 from coordinator.node.registration import HostTaken
 from coordinator.node.remote import RemoteNodeDaemon
 from coordinator.records import GpuProcess
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, revision, writes_since
 from tests.support.rpcs import node_stub
 from tests.support.waiting import pass_time, wait_for
 
@@ -98,3 +101,77 @@ def test_a_second_daemon_for_a_live_host_is_refused(cluster: Cluster) -> None:
         cluster.lt.run(second.start())
     (kv,) = cluster.get_prefix(cluster.keys.host("h1"))
     assert kv.etcd_lease == cluster.nodes["h1"][0].etcd_lease
+
+
+def _register_stream(addr: str, messages: list[rpb.RegisterRequest], timeout: float = 10) -> list[rpb.RegisterResponse]:
+    """The answers of a raw Register stream that sends ``messages`` and then waits for the server to end it."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = rpb_grpc.RegistryStub(channel)
+        return list(stub.Register(iter(messages), timeout=timeout))
+
+
+def _inventory(host: str) -> str:
+    return json.dumps({"host": host, "address": "127.0.0.1:1", "cpu_count": 1, "mem_bytes": 1 << 30,
+                       "disk_bytes": 1 << 30, "gpus": [{"index": 0, "uuid": "GPU-x", "name": "n",
+                                                        "vram_total_mb": 1024}]})
+
+
+def test_a_node_cannot_keep_a_foreign_etcd_lease_alive_through_the_registry(cluster: Cluster) -> None:
+    """Resuming names an etcd lease: the coordinator refreshes it only if ``hosts/<host>`` is on it. A node
+    naming an agent's session lease (or any other) gets a registration of its own, and that lease runs out."""
+    addr = cluster.start_coordinator()
+    foreign = cluster.lt.run(cluster.store.grant(3))
+    register = rpb.HostRegistration(host="h9", address="127.0.0.1:1", inventory_json=_inventory("h9"),
+                                    ttl_seconds=3, etcd_lease=foreign)
+    heartbeats = [rpb.RegisterRequest(heartbeat=rpb.Heartbeat()) for _ in range(3)]
+    answers = _register_stream(addr, [rpb.RegisterRequest(register=register), *heartbeats,
+                                      rpb.RegisterRequest(deregister=rpb.Deregister())])
+    granted = {a.registered.etcd_lease for a in answers if a.WhichOneof("event") == "registered"}
+    assert foreign not in granted and len(granted) == 1 and 0 not in granted
+    wait_for(lambda: cluster.lt.run(cluster.store.time_to_live(foreign)) < 0, 3 + 5, "the foreign lease to expire")
+
+
+@pytest.mark.parametrize("field, change", [
+    ("host", {"host": "bad/host"}),
+    ("address", {"address": ""}),
+    ("ttl_seconds", {"ttl_seconds": 1}),
+    ("ttl_seconds", {"ttl_seconds": 100000}),
+    ("pid", {"pid": -1}),
+    ("etcd_lease", {"etcd_lease": -5}),
+    ("inventory_json", {"inventory_json": "{not json"}),
+    ("inventory_json", {"inventory_json": json.dumps({"host": "h9"})}),
+    ("inventory_json", {"inventory_json": _inventory("other-host")}),
+    ("inventory_json", {"inventory_json": "x" * (300 << 10)}),
+    ("version", {"version": "v" * 100}),
+])
+def test_bad_registrations_are_refused_naming_the_field_and_write_nothing(cluster: Cluster, field: str,
+                                                                           change: dict[str, Any]) -> None:
+    addr = cluster.start_coordinator()
+    before = revision(cluster)
+    fields = {"host": "h9", "address": "127.0.0.1:1", "inventory_json": _inventory("h9"), "ttl_seconds": 5,
+              **change}
+    with pytest.raises(grpc.RpcError) as info:
+        _register_stream(addr, [rpb.RegisterRequest(register=rpb.HostRegistration(**fields))])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith(f"{field}:"), info.value.details()
+    assert len(info.value.details()) < 400
+    assert not [w for w in writes_since(cluster, before) if "/hosts/" in w or "/usage/" in w]
+
+
+def test_bad_usage_reports_and_calls_are_refused_naming_the_field(cluster: Cluster) -> None:
+    addr = cluster.start_coordinator()
+    register = rpb.RegisterRequest(register=rpb.HostRegistration(host="h9", address="127.0.0.1:1",
+                                                                 inventory_json=_inventory("h9"), ttl_seconds=5))
+    for message, field in ((rpb.RegisterRequest(usage=rpb.UsageReport(usage_json='{"gpus": [{"uuid": 5}]}')),
+                            "usage_json"),
+                           (rpb.RegisterRequest(usage=rpb.UsageReport(usage_json="[")), "usage_json"),
+                           (rpb.RegisterRequest(), "call"), (register, "register")):
+        with pytest.raises(grpc.RpcError) as info:
+            _register_stream(addr, [register, message])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert info.value.details().startswith(f"{field}:"), info.value.details()
+        assert cluster.get_prefix(cluster.keys.usage("h9")) == []
+        wait_for(lambda: cluster.get_prefix(cluster.keys.host("h9")) == [], 5 + 5, "the registration to run out")
+    with pytest.raises(grpc.RpcError) as info:
+        _register_stream(addr, [rpb.RegisterRequest(heartbeat=rpb.Heartbeat())])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("register:")
