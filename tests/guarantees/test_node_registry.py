@@ -4,6 +4,7 @@ registration lives as long as the daemon does, whichever replica holds it."""
 from __future__ import annotations
 
 import json
+import pathlib
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ from coordinator.node.registration import HostTaken
 from coordinator.node.remote import RemoteNodeDaemon
 from coordinator.records import GpuProcess
 from tests.support.cluster import Cluster, revision, writes_since
+from tests.support.processes import spawn_coordinator, spawn_node, stop_process
 from tests.support.rpcs import node_stub
 from tests.support.waiting import pass_time, wait_for
 
@@ -175,3 +177,33 @@ def test_bad_usage_reports_and_calls_are_refused_naming_the_field(cluster: Clust
     with pytest.raises(grpc.RpcError) as info:
         _register_stream(addr, [rpb.RegisterRequest(heartbeat=rpb.Heartbeat())])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("register:")
+
+
+def test_a_node_process_with_no_etcd_credentials_serves_moves_and_dies_within_its_ttl(
+        cluster: Cluster, tmp_path: pathlib.Path) -> None:
+    """A real ``gpucoord node --coordinator A,B`` (no etcd endpoint, no etcd credential in its command line or
+    environment): registered through A; A is killed, the node moves to B and its host stays registered past
+    its TTL; then the node is killed -9 and its host's registration is gone within its TTL (G4)."""
+    a, port_a = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / "a.log"))
+    b, port_b = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / "b.log"))
+    procs = [a, b]
+    try:
+        node = spawn_node([], cluster.prefix, "h1", "1x16GiB", str(tmp_path / "node.log"), ["--ttl", "3"],
+                          coordinators=[f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"])
+        procs.append(node)
+        wait_for(lambda: cluster.get_prefix(cluster.keys.usage("h1")), 10, "the node's first usage report")
+        (kv,) = cluster.get_prefix(cluster.keys.host("h1"))
+        a.kill()
+        a.wait()
+        pass_time(2 * 3, "two TTLs of the registration, with its first coordinator dead")
+        (after,) = cluster.get_prefix(cluster.keys.host("h1"))
+        assert after.etcd_lease == kv.etcd_lease, (tmp_path / "node.log").read_text()[-3000:]
+        with Client(f"127.0.0.1:{port_b}", agent="agent-a", host="h1") as c:
+            c.acquire(1000).release()
+        node.kill()
+        node.wait()
+        wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")) == [], 3 + 2, "the dead node's registration to go")
+        assert "talks to etcd directly" not in (tmp_path / "node.log").read_text()
+    finally:
+        for p in procs:
+            stop_process(p)
