@@ -68,6 +68,7 @@ def test_a_node_registers_publishes_and_serves_through_the_coordinator(cluster: 
         assert not got.live
 
 
+@pytest.mark.usefixtures("history_checked")
 def test_a_node_daemon_that_stops_loses_its_registration_at_once_and_one_that_dies_within_its_ttl(
         cluster: Cluster) -> None:
     addr = cluster.start_coordinator()
@@ -79,6 +80,7 @@ def test_a_node_daemon_that_stops_loses_its_registration_at_once_and_one_that_di
     wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")) == [], 3 + 5, "the registration to expire")
 
 
+@pytest.mark.usefixtures("history_checked")
 def test_a_live_registration_survives_its_coordinator(cluster: Cluster) -> None:
     first, second = cluster.start_coordinator(), cluster.start_coordinator()
     daemon = cluster.start_node("h1", via=[first, second], ttl=3)
@@ -95,6 +97,7 @@ def test_a_live_registration_survives_its_coordinator(cluster: Cluster) -> None:
         c.acquire(1000).release()
 
 
+@pytest.mark.usefixtures("history_checked")
 def test_a_second_daemon_for_a_live_host_is_refused(cluster: Cluster) -> None:
     addr = cluster.start_coordinator()
     cluster.start_node("h1", via=[addr], ttl=3)
