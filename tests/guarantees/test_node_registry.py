@@ -210,3 +210,24 @@ def test_a_node_process_with_no_etcd_credentials_serves_moves_and_dies_within_it
     finally:
         for p in procs:
             stop_process(p)
+
+
+@pytest.mark.usefixtures("history_checked")
+def test_a_rolling_upgrade_old_and_new_nodes_side_by_side_and_a_host_upgraded_in_place(cluster: Cluster) -> None:
+    """An etcd-direct node (an earlier release's mode) and a registry-mode node serve side by side; a host's
+    etcd-direct daemon that is killed and replaced by a registry-mode one (no etcd credentials) gets its host
+    back once the old registration has expired (the coordinator waits it out, as a restart always did)."""
+    addr = cluster.start_coordinator()
+    old = cluster.start_node("h-old", "1x16GiB", ttl=3)
+    cluster.start_node("h-new", "1x16GiB", ttl=3, via=[addr])
+    assert old.reads_etcd
+    with Client(addr, agent="a", host="h-old") as a, Client(addr, agent="b", host="h-new") as b:
+        a.acquire(1000).release()
+        b.acquire(1000).release()
+    (before,) = cluster.get_prefix(cluster.keys.host("h-old"))
+    cluster.stop_node("h-old", revoke=False)       # killed: its registration runs down
+    upgraded = cluster.start_node("h-old", "1x16GiB", ttl=3, via=[addr])
+    (after,) = cluster.get_prefix(cluster.keys.host("h-old"))
+    assert after.etcd_lease == upgraded.etcd_lease != before.etcd_lease
+    with Client(addr, agent="a", host="h-old") as a:
+        a.acquire(1000).release()
