@@ -77,6 +77,7 @@ class RemoteNodeDaemon(NodeDaemon):
         self.coordinator = ""            # the address of the replica that holds the registration now
         self._abandon = asyncio.Event()  # the replica answers no heartbeat: leave it
         self._stopping = False
+        self._failed: set[str] = set()   # addresses whose failure was logged since the last registration
 
     # -- what the base class reads ----------------------------------------------------------------
     @property
@@ -187,7 +188,11 @@ class RemoteNodeDaemon(NodeDaemon):
                     self._start_error = error     # refused at start: the daemon does not run
                     self._registered.set()
                     return
+                # Once per address until a registration succeeds: a coordinator that is down is retried often.
                 level = logging.ERROR if isinstance(error, HostTaken) else logging.WARNING
+                if address in self._failed:
+                    level = logging.DEBUG
+                self._failed.add(address)
                 log.log(level, "coordinator %s: %s (%s); trying the next", address, error.message, e.code().name)
             finally:
                 self._requests, self._call, self.coordinator = None, None, ""
@@ -217,6 +222,8 @@ class RemoteNodeDaemon(NodeDaemon):
         was = self._registration_lease
         self._registration_lease = msg.etcd_lease
         self._need_register = not msg.etcd_lease
+        if msg.etcd_lease:
+            self._failed.clear()
         if msg.etcd_lease and msg.etcd_lease != was:
             log.info("host %s registered through coordinator %s (etcd_lease %x)", self.host, address, msg.etcd_lease)
             self._last_write = 0.0     # publish usage at once
