@@ -6,11 +6,11 @@ Every key lives under a prefix (default ``/gpucoord/``, configurable). Values ar
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 key                                    value                                                       hangs on              written by                         compare-and-set rule                                deleted by
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
-``hosts/<host>``                       address, inventory (cpu, mem, disk, gpus: index, uuid,      node's etcd_lease     node                               one txn: put if on the node's etcd_lease, else if   etcd, when the node's etcd_lease expires
+``hosts/<host>``                       address, inventory (cpu, mem, disk, gpus: index, uuid,      host's registration   coordinator, for its node daemon   one txn: put if on its registration, else if        etcd, when the node's etcd_lease expires
                                        name, vram_total_mb, numa_node (null: unknown),                                                                      absent (version 0); else refused: one per host
                                        nvlink_peers (GPU indexes; absent in older records: unknown
                                        topology)), version, pid, started_at
-``usage/<host>``                       per GPU: vram_used_mb from NVML, processes, untracked_mb,   node's etcd_lease     node, when it changes, <= ~1/s     put only while hosts/<host> is on the node's        etcd, with the node's etcd_lease
+``usage/<host>``                       per GPU: vram_used_mb from NVML, processes, untracked_mb,   host's registration   coordinator, for the node, <= ~1/s put only while hosts/<host> is on the node's        etcd, with the node's etcd_lease
                                        ts (the node's wall clock); each process's attribution                                                               etcd_lease (compare on its lease)
                                        (state, lease_id) and each lease's VRAM use (over_use)
 ``partitions/<host>``                  spec + computed allocation per agent                        nothing (durable)     coordinator (``partition apply``)  apply compares its mod_revision; every acquire      operator (``partition apply`` of shared)
@@ -48,6 +48,11 @@ key                                    value                                    
                                        the compare-and-set point that keeps the team's use exact                                                            no two grants count the same room under a limit
                                        across hosts and replicas
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
+
+The host's registration is an etcd_lease that the coordinator replica holding the node daemon's
+``Registry.Register`` stream grants and refreshes once per heartbeat of the node
+(``coordinator.rpc.registry_server``); a node daemon of an earlier release (``gpucoord node --etcd``) holds
+its own and writes both keys itself, with the same transactions (``coordinator.node.registration``).
 
 ``session_id`` is the hex id of the session's etcd_lease. ``lease_id`` is derived from
 (host, agent, request_id), so a retried acquire can only ever name the same key (G6).
@@ -113,6 +118,15 @@ class Keys:
     # -- keys -------------------------------------------------------------------------------
     def root(self) -> bytes:
         return self.prefix.encode()
+
+    def relative(self, key: bytes) -> str:
+        """A key below the prefix, as the Registry service sends it to a node ("leases/h1/GPU-0/l-1"): the node
+        puts it under its own prefix with ``absolute``."""
+        root = self.root()
+        return (key[len(root):] if key.startswith(root) else key).decode(errors="replace")
+
+    def absolute(self, relative: str) -> bytes:
+        return self.root() + relative.encode()
 
     def host(self, host: str) -> bytes:
         return self._k("hosts", host)

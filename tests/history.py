@@ -16,6 +16,9 @@ revision checks:
 * G11 teams (tests/support/history_teams.py): no grant takes a team above its limit; a lease's quota mark
   (``over_quota``) agrees with its team's usage; a reclaim notice names another team's over-quota lease (G3's
   priority rule does not apply to it); with teams stored, eviction by priority stays within the requester's team;
+* one registration per host (G9, issue 29): ``hosts/<host>`` is put only while it is absent or on the same
+  etcd lease (a second daemon, or a coordinator registering for one, never takes over a live
+  registration), and ``usage/<host>`` is put only on the etcd lease ``hosts/<host>`` is on;
 * G3 order for leases bound to processes, against the node's ``usage/`` reports in the history: a lease
   that ended under an eviction notice (released, or revoked) counts as gone only once the host's report
   lists none of its processes on its GPU, or its ``departing/`` record was forced (the kill margin passed).
@@ -88,6 +91,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     ended: dict[str, dict[str, Any]] = {}          # lease id -> a lease bound to processes that ended under a notice
     forced: set[str] = set()                       # lease ids whose departing record was forced (the kill margin)
     teams = TeamRules()
+    registrations: dict[str, int] = {}            # host -> the etcd lease hosts/<host> is on
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         if not ev.kv.key.endswith(SENTINEL):      # an earlier history read's mark (under leases/, teams/...)
@@ -112,8 +116,21 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             elif kind == "usage" and parts:
                 if ev.kind == "PUT":
                     usage[parts[0]] = json.loads(ev.kv.value)
+                    if ev.kv.etcd_lease != registrations.get(parts[0]):
+                        rep.violations.append(f"rev {rev}: registration: usage/{parts[0]} put on etcd lease "
+                                              f"{ev.kv.etcd_lease:x}, hosts/{parts[0]} is on "
+                                              f"{registrations.get(parts[0], 0):x}")
                 else:
                     usage.pop(parts[0], None)
+            elif kind == "hosts" and parts:
+                held = registrations.get(parts[0])
+                if ev.kind == "PUT" and held is not None and held != ev.kv.etcd_lease:
+                    rep.violations.append(f"rev {rev}: registration: hosts/{parts[0]} moved from etcd lease "
+                                          f"{held:x} to {ev.kv.etcd_lease:x} while it lived")
+                if ev.kind == "PUT":
+                    registrations[parts[0]] = ev.kv.etcd_lease
+                else:
+                    registrations.pop(parts[0], None)
             elif kind == "departing" and ev.kind == "PUT" and json.loads(ev.kv.value).get("forced"):
                 forced.add(parts[-1])
             if kind == "evictions" and ev.kind == "PUT":

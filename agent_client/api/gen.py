@@ -9,7 +9,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto" / "gpucoord" / "v1"
-PROTOS = ("coordinator.proto", "node.proto")
+PROTOS = ("coordinator.proto", "node.proto", "registry.proto")
 
 
 def generate(out_dir: pathlib.Path) -> None:

@@ -5,17 +5,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from coordinator.cli.common import (
+    DEFAULT_ETCD,
     EXIT_HOST_TAKEN,
     EXIT_UNREACHABLE,
     CliError,
     UsageError,
     _client_tls,
+    _env,
     _ready_line,
     _run_until_signal,
     _setup_logging,
@@ -71,14 +74,23 @@ def cmd_node(args: argparse.Namespace) -> int:
     from coordinator import errors
     from coordinator.etcd.store import Store
     from coordinator.keys import Keys, valid_name
-    from coordinator.node.daemon import MAX_DISK_PATH, HostTaken, quote_prefix
+    from coordinator.node.daemon import MAX_DISK_PATH, quote_prefix
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
+    from coordinator.node.registration import HostTaken
     from coordinator.rpc.node_server import run_node
     from coordinator.security import etcd_auth, tls
 
+    coordinators = [a.strip() for a in (args.coordinator or "").split(",") if a.strip()]
     try:
         tls_files = tls.from_args(args)
         etcd_security = etcd_auth.from_args(args)
+        if coordinators and (args.etcd is not None or not etcd_security.empty):
+            raise ValueError("--coordinator: a node daemon that talks to coordinators needs no etcd endpoints or "
+                             "credentials (--etcd, --etcd-*): give one mode")
+        if coordinators and args.fake_hosts:
+            raise ValueError("--fake-hosts: only with --etcd (benchmarks write the simulated hosts to etcd directly)")
+        if args.coordinator is not None and not coordinators:
+            raise ValueError("--coordinator: give at least one HOST:PORT")
         for address, what in ((args.listen, "--listen"), (args.metrics_listen, "--metrics-listen")):
             error = tls.listen_error(address, tls_files, bool(args.insecure), what) if address else None
             if error:
@@ -112,20 +124,30 @@ def cmd_node(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e), "see 'gpucoord node --help'") from e
     _setup_logging(args.verbose)
-    store = Store(args.etcd.split(","), timeout=3.0, security=etcd_security)
-    if args.fake_hosts:
-        return _fake_hosts(args, store, host)
+    store: Store | None = None
+    if not coordinators:
+        logging.getLogger("gpucoord.node").warning(
+            "this node daemon talks to etcd directly (--etcd), as nodes of earlier releases did; run it with "
+            "--coordinator ADDR[,ADDR...] and no etcd credentials (README \"Upgrading node daemons\")")
+        store = Store((args.etcd or _env("ETCD", DEFAULT_ETCD)).split(","), timeout=3.0, security=etcd_security)
+        if args.fake_hosts:
+            return _fake_hosts(args, store, host)
     try:
         _run_until_signal(lambda stop: run_node(store, Keys(args.prefix), host, args.listen, source, args.disk_path,
                                                 args.ttl, stop, ready=lambda p: _ready_line("node", p),
                                                 metrics_listen=args.metrics_listen, heartbeat_s=args.heartbeat,
                                                 overrides=overrides, enforcer=enforcer, tls=tls_files,
-                                                insecure=bool(args.insecure), advertise=args.advertise))
+                                                insecure=bool(args.insecure), advertise=args.advertise,
+                                                coordinators=coordinators))
     except HostTaken as e:
         raise CliError(e.message, "stop it first, or give this daemon another --host", EXIT_HOST_TAKEN) from e
     except errors.Unavailable as e:
+        hint = ("is a coordinator running there? give its addresses with --coordinator HOST:PORT[,...]" if coordinators
+                else "is etcd running? give its endpoints with --etcd HOST:PORT")
+        raise CliError(f"the node daemon could not start: {e.message}", hint, EXIT_UNREACHABLE) from e
+    except (errors.InvalidArgument, errors.NotOwner) as e:   # refused by the coordinator
         raise CliError(f"the node daemon could not start: {e.message}",
-                       "is etcd running? give its endpoints with --etcd HOST:PORT", EXIT_UNREACHABLE) from e
+                       "a node's certificate must be gpucoord://node/HOST for its --host") from e
     except tls.TlsError as e:   # an unreadable certificate or key
         raise CliError(f"the node daemon could not start: {e}", _TLS_HINT) from e
     except (OSError, RuntimeError) as e:   # a port in use (no SO_REUSEPORT: never shared)

@@ -93,6 +93,8 @@ def _resolve_globals(args: argparse.Namespace) -> None:
     # The TLS files stay None when not given: GPUCOORD_TLS_* are read where they are resolved (security.tls).
     defaults = {"coordinator": DEFAULT_COORDINATOR, "etcd": DEFAULT_ETCD, "prefix": DEFAULT_PREFIX}
     for name in uses:
+        if args.cmd == "node" and name in ("coordinator", "etcd"):
+            continue   # which of the two is given is the node's mode (cmd_node)
         if name in defaults and getattr(args, name, None) is None:
             setattr(args, name, _env(name.upper(), defaults[name]))
 
@@ -163,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     etcd_args(co)
     co.set_defaults(fn=cmd_coordinator)
 
-    no = _command(sub, "node", ("etcd", "prefix", *_TLS), help="run the node daemon of this host")
+    # --coordinator: the registry mode (no etcd credentials); --etcd: the etcd-direct mode of earlier
+    # releases, kept for a rolling upgrade (README "Upgrading node daemons").
+    no = _command(sub, "node", ("coordinator", "etcd", "prefix", *_TLS), help="run the node daemon of this host")
     no.add_argument("--host", default=None, help="host name (default: the hostname)")
     no.add_argument("--listen", default="127.0.0.1:7170")
     no.add_argument("--advertise", default=None, metavar="HOST:PORT",
@@ -176,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     no.add_argument("--fake-cpus", type=int, default=None, help="simulated host: report this many cores")
     no.add_argument("--fake-mem", default=None, help="simulated host: report this much memory, e.g. 64GiB")
     no.add_argument("--fake-disk", default=None, help="simulated host: report this much disk, e.g. 1TiB")
-    no.add_argument("--ttl", type=int, default=10, help="TTL of the node's etcd_lease")
+    no.add_argument("--ttl", type=int, default=10,
+                    help="TTL of the host's registration: it is gone this long after the daemon stops")
     no.add_argument("--fake-hosts", type=int, default=0, metavar="N",
                     help="benchmarks: register N simulated hosts HOST-0000.. (each with --fake-gpus) from this "
                          "one process, under one etcd_lease; no Node RPCs are served")

@@ -33,9 +33,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
             files = certs.init_ca(args.dir, days=args.days or certs.CA_DAYS, force=args.force)
             print(f"gRPC CA: {files.cert} (key {files.key}, keep it private): signs every identity's certificate")
             print(f"etcd CA: {files.etcd_cert} (key {files.etcd_key}, keep it private): signs etcd's server and "
-                  "its clients (coordinator, node, operator), never an agent; give it to etcd as --trusted-ca-file")
+                  "its clients (coordinators, operators), never an agent; give it to etcd as --trusted-ca-file")
         else:
-            files = certs.issue(args.dir, args.role, args.name, hosts=args.host_ip, days=args.days)
+            files = certs.issue(args.dir, args.role, args.name, hosts=args.host_ip, days=args.days,
+                                etcd_client=args.etcd_client)
             print(f"{args.role} {args.name}: {files.cert} (key {files.key})")
             if files.etcd_cert is not None:
                 print(f"{args.role} {args.name} towards etcd: {files.etcd_cert} (key {files.etcd_key})")
@@ -201,12 +202,15 @@ def add_parsers(sub: argparse._SubParsersAction[P],
     ini.add_argument("--days", type=int, default=None, help=f"CA lifetime (default {certs.CA_DAYS})")
     ini.add_argument("--force", action="store_true", help="replace existing CAs")
     iss = command(csub, "issue", help="issue ROLE-NAME.crt/.key for gpucoord://ROLE/NAME (and ROLE-NAME.etcd.crt/.key "
-                                      "for a coordinator, node or operator)")
+                                      "for a coordinator or operator)")
     iss.add_argument("--dir", required=True)
     iss.add_argument("--role", required=True, choices=certs.CERT_KINDS)
     iss.add_argument("--name", required=True)
     iss.add_argument("--host-ip", action="append", default=[], metavar="IP_OR_DNS",
                      help="a server's address, as a SAN (repeatable)")
+    iss.add_argument("--etcd-client", action="store_true",
+                     help="--role node: also an etcd client certificate, for a node daemon of an earlier release that "
+                          "talks to etcd itself (until it is upgraded to --coordinator)")
     iss.add_argument("--days", type=int, default=None,
                      help="lifetime (default: " + ", ".join(f"{k} {v}" for k, v in certs.DEFAULT_DAYS.items()) + ")")
     li = command(csub, "list", ("etcd", "prefix"),

@@ -163,14 +163,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         node_extra: list[str] = []
         if secure is not None:
             from coordinator.etcd.auth import setup_roles
-            asyncio.run(setup_roles(ep, secure.etcd_security(secure.etcd_root), "/gpucoord/", [args.host]))
+            asyncio.run(setup_roles(ep, secure.etcd_security(secure.etcd_root), "/gpucoord/", []))
             etcdctl = (f"{binary.etcdctl()} --endpoints=https://{ep} --cacert={secure.etcd_ca} "
                        f"--cert={secure.etcd_root.cert} --key={secure.etcd_root.key}")
             coord_extra = secure.tls_flags(secure.coordinator) + secure.etcd_flags("coordinator")
-            node_extra = secure.tls_flags(secure.node) + secure.etcd_flags("node")
+            node_extra = secure.tls_flags(secure.node)
             print("etcd:        client-certificate TLS, auth enabled (users root, gpucoord-coordinator, "
-                  f"gpucoord-operator, gpucoord-node-{args.host}); it trusts only the etcd CA "
-                  f"{secure.etcd_ca}, which signs no agent certificate")
+                  f"gpucoord-operator); it trusts only the etcd CA {secure.etcd_ca}, which signs no agent's "
+                  "or node's certificate")
         print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
         print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
               f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
@@ -182,7 +182,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         cport = coord.wait_ready(30)
         caddr = f"{listen.rpartition(':')[0]}:{cport}"
         print(f"coordinator: {caddr}   (log {coord.log_path})")
-        node_argv = [py, "-m", "coordinator.cli", "node", "--etcd", ep, "--host", args.host,
+        # The node daemon talks to the coordinator only (the registry mode): it has no etcd credentials.
+        node_argv = [py, "-m", "coordinator.cli", "node", "--coordinator", caddr, "--host", args.host,
                      "--listen", node_listen, "--metrics-listen", node_metrics_listen, *node_extra]
         if fake:
             node_argv += ["--fake-gpus", fake]

@@ -72,3 +72,14 @@ class KVStore(Protocol):
               prev_kv: bool = False) -> AsyncIterator[WatchBatch]:
         """Batches from ``start_revision``, resumed after disconnects; one ``resync`` batch after a compaction."""
         ...
+
+
+class KeyFeed(Protocol):
+    """What a watcher of one prefix reads: the prefix now, then its changes from a revision (as ``watch``
+    above). ``KVStore`` has it; so does a node daemon's copy of what its coordinator streams to it
+    (``coordinator.node.remote``), whose revisions are etcd's."""
+
+    async def get_prefix(self, prefix: bytes) -> PrefixRead: ...
+
+    def watch(self, key: bytes, *, prefix: bool = True, start_revision: int = 0,
+              prev_kv: bool = False) -> AsyncIterator[WatchBatch]: ...

@@ -1,6 +1,11 @@
 """The node daemon: one per host. Publishes the host's inventory and live VRAM usage under its own
 etcd_lease, and serves the gRPC ``Node`` service (inventory, fencing-token checks).
 
+This class is the etcd-direct mode (``gpucoord node --etcd``, kept for a rolling upgrade): the daemon holds
+etcd credentials and writes its keys itself. ``coordinator.node.remote.RemoteNodeDaemon`` is the registry
+mode (``gpucoord node --coordinator``): the same daemon, whose registration, usage and watches go through
+a coordinator's ``Registry`` service, with no etcd credentials at all.
+
 When the daemon dies its etcd_lease expires and ``hosts/<host>`` disappears: the coordinators then admit
 nothing more on that host.
 
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -25,14 +29,21 @@ from typing import Any
 
 from coordinator import __version__, clock, errors, metrics
 from coordinator.aio import cancel_and_wait, first_of, retry_forever, spawn
+from coordinator.etcd.contract import KeyFeed
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.store import Store
-from coordinator.etcd.types import KV, GetResult, NestedResult
+from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.node.enforce import Enforcer, usage_doc
 from coordinator.node.inventory import GpuSource, NvmlScanError, read_inventory
+from coordinator.node.registration import (
+    HostTaken,
+    publish_host,
+    wait_host_free,
+    write_usage,
+)
 from coordinator.records import GpuUsage, HostInventory, InvalidRecord, VramLease, dumps
-from coordinator.txn import Absent, Get, LeaseIs, Put, Range, Txn
+from coordinator.txn import Range
 
 log = logging.getLogger(__name__)
 
@@ -55,38 +66,16 @@ def quote_prefix(value: object, limit: int = 40) -> str:
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
-class HostTaken(errors.FailedPrecondition):
-    """``hosts/<host>`` belongs to another daemon (another etcd_lease): this one must not publish."""
-
-
-def describe_owner(host: str, kv: KV) -> str:
-    """Who holds ``hosts/<host>``, for an error message: address, pid, start time and etcd_lease."""
-    try:
-        doc = json.loads(kv.value)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        doc = {}
-    started = doc.get("started_at")
-    parts = [f"address {quote_prefix(doc.get('address', '?'))}"]
-    if isinstance(doc.get("pid"), int):
-        parts.append(f"pid {doc['pid']}")
-    if isinstance(started, (int, float)):
-        parts.append("started " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)))
-    if kv.etcd_lease:
-        parts.append(f"etcd_lease {kv.etcd_lease:x}")
-    else:
-        parts.append("written without an etcd_lease (by hand?): delete it to free the host")
-    return f"host {host!r} already has a live node daemon ({', '.join(parts)})"
-
-
 class NodeDaemon:
     """Publishes ``hosts/<host>`` and ``usage/<host>``; keeps a watch-fed view of the host's VRAM leases."""
 
-    def __init__(self, store: Store, keys: Keys, host: str, address: str, source: GpuSource, disk_path: str = "/",
+    def __init__(self, store: Store | None, keys: Keys, host: str, address: str, source: GpuSource, disk_path: str = "/",
                  ttl_s: int = 10, scan_interval_s: float = 1.0, heartbeat_s: float = 5.0,
                  overrides: dict[str, Any] | None = None, enforcer: Enforcer | None = None) -> None:
-        self.store, self.keys, self.host, self.address = store, keys, host, address
+        self._store, self.keys, self.host, self.address = store, keys, host, address
+        # Where the watch of the host's leases and of revoked certificates reads: etcd itself here; the
+        # coordinator's stream for a daemon in the registry mode (coordinator.node.remote).
+        self.feed: KeyFeed | None = store
         self.source, self.disk_path = source, disk_path
         self.ttl_s, self.scan_interval_s, self.heartbeat_s = ttl_s, scan_interval_s, heartbeat_s
         self.overrides = overrides or {}   # simulated hosts: cpu_count, core_ids, mem_bytes, disk_bytes
@@ -128,37 +117,23 @@ class NodeDaemon:
         """Return once ``hosts/<host>`` is free; raise HostTaken while a live daemon holds it.
 
         Called before binding a port and granting an etcd_lease, for a clear error (the registration
-        transaction is what enforces one daemon a host). A live daemon refreshes its etcd_lease every
-        TTL/3, so the remaining TTL of a live registration goes up within that time; one that only runs
-        down is left by a daemon that died (kill -9, a crash), and is waited out, so that a daemon
-        restarted at once takes over its host when the old registration expires.
+        transaction is what enforces one daemon a host); see ``registration.wait_host_free``.
         """
-        key = self.keys.host(self.host)
-        watched, lowest = 0, 0
-        give_up = 0.0
-        while True:
-            kv = await self.store.get(key)
-            if kv is None:
-                return
-            if not kv.etcd_lease:
-                raise HostTaken(describe_owner(self.host, kv), "host")
-            remaining = await self.store.time_to_live(kv.etcd_lease)
-            if remaining < 0:
-                continue        # it expired just now: read again
-            now = time.monotonic()
-            if kv.etcd_lease != watched:
-                watched, lowest = kv.etcd_lease, remaining
-                give_up = now + remaining + 2.0
-                log.info("hosts/%s is on etcd_lease %x (%d s left): waiting to see whether its daemon is alive",
-                         self.host, watched, remaining)
-            elif remaining > lowest or now > give_up:
-                raise HostTaken(describe_owner(self.host, kv), "host")
-            lowest = min(lowest, remaining)
-            await asyncio.sleep(0.5)
+        await wait_host_free(self.store, self.keys, self.host)
+
+    @property
+    def store(self) -> Store:
+        """The daemon's etcd connection (the etcd-direct mode only)."""
+        if self._store is None:
+            raise errors.Unavailable(f"node {self.host} talks to etcd only through a coordinator")
+        return self._store
 
     @property
     def etcd_lease(self) -> int:
         return self.session.etcd_lease if self.session is not None else 0
+
+    reads_etcd = True
+    """Whether the daemon talks to etcd itself (the etcd-direct mode); False in the registry mode."""
 
     @property
     def reaches_etcd(self) -> bool:
@@ -185,27 +160,25 @@ class NodeDaemon:
             self._need_register = True
             raise
 
-    async def _publish_host(self) -> None:
-        """One transaction: put ``hosts/<host>`` if it is on our etcd_lease, or else if it is absent, or else
-        read it (to name the owner in HostTaken)."""
+    def host_value(self) -> bytes:
+        """What ``hosts/<host>`` holds: the address, the inventory, and who wrote it."""
         assert self.inventory is not None
-        key = self.keys.host(self.host)
-        value = dumps({"address": self.address, "inventory": self.inventory.to_json(), "version": __version__,
-                       "pid": self.pid, "started_at": self.started_at})
-        put = Put(key, value, self.etcd_lease)
-        res = await self.store.commit([LeaseIs(key, self.etcd_lease)], [put],
-                                      [Txn((Absent(key),), (put,), (Get(key),))])
-        if not res.succeeded:
-            inner = res.responses[0]
-            assert isinstance(inner, NestedResult)
-            if not inner.succeeded:
-                got = inner.responses[0]
-                assert isinstance(got, GetResult)
-                if not got.kvs:   # it went away between the two compares of one revision: impossible, but retry
-                    raise errors.Unavailable(f"hosts/{self.host}: registration raced; retry")
-                raise HostTaken(describe_owner(self.host, got.kvs[0]), "host")
+        return dumps({"address": self.address, "inventory": self.inventory.to_json(), "version": __version__,
+                      "pid": self.pid, "started_at": self.started_at})
+
+    async def _publish_host(self) -> None:
+        """``hosts/<host>`` on our etcd_lease (``registration.publish_host``); HostTaken if another daemon's."""
+        assert self.inventory is not None
+        revision = await publish_host(self.store, self.keys, self.host, self.host_value(), self.etcd_lease)
         metrics.NODE_WRITES.labels("hosts").inc()
-        log.info("published host %s (%d GPUs) at revision %d", self.host, len(self.inventory.gpus), res.revision)
+        log.info("published host %s (%d GPUs) at revision %d", self.host, len(self.inventory.gpus), revision)
+
+    async def _write_usage(self, value: bytes) -> bool:
+        """``usage/<host>``, while ``hosts/<host>`` is ours; False (nothing written) when it is not."""
+        if not await write_usage(self.store, self.keys, self.host, value, self.etcd_lease):
+            return False
+        metrics.NODE_WRITES.labels("usage").inc()
+        return True
 
     async def _publish_usage(self, force: bool = False) -> None:
         try:
@@ -238,13 +211,10 @@ class NodeDaemon:
         if (force or left or (changed and now - self._last_write >= 1.0)
                 or now - self._last_write >= self.heartbeat_s):
             value = dumps({"ts": now, "interval_s": self.heartbeat_s, "gpus": gpus})
-            res = await self.store.commit([LeaseIs(self.keys.host(self.host), self.etcd_lease)],
-                                          [Put(self.keys.usage(self.host), value, self.etcd_lease)])
-            if not res.succeeded:
+            if not await self._write_usage(value):
                 # hosts/<host> is not ours (gone, or another daemon's): never write over its usage.
                 self._host_lost(f"a usage write found hosts/{self.host} not on this daemon's etcd_lease")
                 return
-            metrics.NODE_WRITES.labels("usage").inc()
             self._published = gpus
             self._last_write = now
 
@@ -323,14 +293,15 @@ class NodeDaemon:
     async def _watch_leases_once(self) -> None:
         prefix = self.keys.leases(self.host)
         self.leases_ready = False
-        snap = await self.store.get_prefix(prefix)
+        assert self.feed is not None
+        snap = await self.feed.get_prefix(prefix)
         before, self.leases = self.leases, {}
         for kv in snap.kvs:
             self._put_kv(kv)
         for lease_id, gpu_uuid in before.keys() - self.leases.keys():
             self.enforcer.lease_deleted(lease_id, clock.wall(), gpu_uuid)   # deleted while the watch was down
         self.leases_ready = True
-        async for batch in self.store.watch(prefix, start_revision=snap.revision + 1):
+        async for batch in self.feed.watch(prefix, start_revision=snap.revision + 1):
             if batch.resync:
                 return
             for ev in batch.events:
@@ -358,6 +329,11 @@ class NodeDaemon:
         self.leases[(lease.id, lease.gpu_uuid)] = lease
         self.enforcer.lease_put(lease)
         self.highest_token[lease.gpu_uuid] = max(self.highest_token.get(lease.gpu_uuid, 0), lease.token)
+
+    async def stored_leases(self, gpu_uuid: str) -> tuple[KV, ...]:
+        """Every lease record on one GPU of this host, read now (CheckToken of a token the watch has not
+        delivered yet)."""
+        return (await self.store.get_prefix(self.keys.leases(self.host, gpu_uuid))).kvs
 
     def check_token(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
         for lease in self.leases.values():

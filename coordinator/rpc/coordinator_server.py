@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from agent_client.api import registry_pb2, registry_pb2_grpc
 from coordinator import metrics
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
@@ -25,6 +26,7 @@ from coordinator.rpc import teams as team_rpcs
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.rpc.guard import follow_revocations, make_guard
+from coordinator.rpc.registry_server import RegistryServicer
 from coordinator.rpc.session_stream import SessionStreams
 from coordinator.rpc.status_message import lease_pb, redact_for_agent, status_response
 from coordinator.security.interceptor import current_caller
@@ -237,9 +239,11 @@ async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory 
     servicer = CoordinatorServicer(svc, forward=tls is None)
     svc.on_stop.append(servicer.forwarder.close)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(svc), server)   # node daemons' calls
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, health.SERVICE_NAME,
+    names = (pb.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+             registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name, health.SERVICE_NAME,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     await server.start()

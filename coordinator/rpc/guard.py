@@ -8,7 +8,7 @@ import grpc
 
 from coordinator import errors, metrics
 from coordinator.aio import cancel_and_wait, spawn
-from coordinator.etcd.store import Store
+from coordinator.etcd.contract import KeyFeed
 from coordinator.keys import Keys
 from coordinator.security.interceptor import SecurityInterceptor
 from coordinator.security.limits import Limits
@@ -23,10 +23,11 @@ def make_guard(tls: bool, calls_per_s: float, burst: int, max_streams: int) -> S
                                revocations=Revocations())
 
 
-async def follow_revocations(server: grpc.aio.Server, guard: SecurityInterceptor, store: Store, keys: Keys,
-                             ready_within_s: float) -> None:
+async def follow_revocations(server: grpc.aio.Server, guard: SecurityInterceptor, store: KeyFeed, keys: Keys,
+                             ready_within_s: float, wait: bool = True) -> None:
     """Follow ``revoked/`` into ``guard`` until ``server`` stops; return once the list has been read (a server
-    must not serve before it knows which certificates are revoked)."""
+    must not serve before it knows which certificates are revoked), or at once when not ``wait`` (the guard
+    refuses every call until then)."""
     revocations = guard.revocations
     if revocations is None:
         return
@@ -39,6 +40,8 @@ async def follow_revocations(server: grpc.aio.Server, guard: SecurityInterceptor
             await cancel_and_wait([task])
 
     spawn(follow(), "following revoked certificates")
+    if not wait:
+        return
     try:
         await asyncio.wait_for(revocations.ready.wait(), ready_within_s)
     except asyncio.TimeoutError:

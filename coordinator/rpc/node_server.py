@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +17,7 @@ from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
+from coordinator.node.remote import RemoteNodeDaemon
 from coordinator.records import InvalidRecord, VramLease
 from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.security.limits import Limits
@@ -104,9 +105,7 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
     CheckToken = _answered("CheckToken", _check_token)
 
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
-        d = self.daemon
-        snap = await d.store.get_prefix(d.keys.leases(d.host, gpu_uuid))
-        for kv in snap.kvs:
+        for kv in await self.daemon.stored_leases(gpu_uuid):
             try:
                 lease = VramLease.from_kv(kv)
             except InvalidRecord:
@@ -132,27 +131,48 @@ async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | No
         (pb.DESCRIPTOR.services_by_name["Node"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = add_port(server, listen, tls)
     await server.start()
-    await follow_revocations(server, guard, daemon.store, daemon.keys, REVOCATIONS_READY_S)
+    assert daemon.feed is not None
+    # A daemon in the registry mode reads the list through the coordinator's stream, which opens only once
+    # the daemon has registered (with this server's port): it does not wait here, and its server refuses
+    # calls (UNAVAILABLE, retry) until the list has come.
+    await follow_revocations(server, guard, daemon.feed, daemon.keys, REVOCATIONS_READY_S,
+                             wait=daemon.reads_etcd)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
 
-async def run_node(store: Store, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
+def client_credentials(tls: TlsFiles | None) -> grpc.ChannelCredentials | None:
+    """The node's certificate as a client's (to its coordinators), or None without TLS."""
+    if tls is None:
+        return None
+    ca, cert, key = tls.read()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+async def run_node(store: Store | None, keys: Keys, host: str, listen: str, source: GpuSource, disk_path: str,
                    ttl_s: int, stop: asyncio.Event, ready: Callable[[int], None] | None = None,
                    metrics_listen: str = "", heartbeat_s: float = 5.0, overrides: dict[str, object] | None = None,
                    enforcer: Enforcer | None = None, tls: TlsFiles | None = None, insecure: bool = False,
-                   advertise: str | None = None) -> None:
+                   advertise: str | None = None, coordinators: Sequence[str] = ()) -> None:
     """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon.
     ``advertise`` is the address published in ``hosts/<host>`` (default: the listen address with the bound
-    port), for a node that listens on 0.0.0.0 or behind a NAT."""
+    port), for a node that listens on 0.0.0.0 or behind a NAT. With ``coordinators`` (and no ``store``) the
+    daemon runs in the registry mode: through those coordinators, with no etcd connection."""
     if metrics_listen:
         check_listen(metrics_listen, tls, insecure, what="metrics-listen")
         metrics.serve(metrics_listen, tls)
-    await store.connect()
-    await store.check_server_version()
     server: grpc.aio.Server | None = None
-    daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
-                        overrides=overrides, enforcer=enforcer)
+    daemon: NodeDaemon
+    if coordinators:
+        daemon = RemoteNodeDaemon(coordinators, keys, host, listen, source, disk_path, ttl_s,
+                                  heartbeat_s=heartbeat_s, overrides=overrides, enforcer=enforcer,
+                                  credentials=client_credentials(tls))
+    else:
+        assert store is not None
+        await store.connect()
+        await store.check_server_version()
+        daemon = NodeDaemon(store, keys, host, listen, source, disk_path, ttl_s, heartbeat_s=heartbeat_s,
+                            overrides=overrides, enforcer=enforcer)
     try:
         await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
         # Bind first, so that the published address carries the real port.
@@ -166,4 +186,5 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
         if server is not None:
             await server.stop(grace=1.0)
         await daemon.stop()
-        await store.close()
+        if store is not None:
+            await store.close()

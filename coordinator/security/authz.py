@@ -19,6 +19,9 @@ Coordinator.ApplyPartition,        no                             yes         no
 Coordinator.Ping                   yes                            yes         no     no
 Coordinator.Session (the stream)   yes; each message as its call  yes         no     no
 Node.GetInventory, CheckToken      yes                            yes         no     yes
+Registry.Register (the stream),    no                             no          its    no
+  Registry.ListLeases                                                         own
+                                                                              host
 grpc.health.v1.Health              yes                            yes         yes    yes
 server reflection                  yes                            yes         no     no
 =================================  =============================  ==========  =====  ===========
@@ -30,6 +33,11 @@ is ``sessions/<agent>/<id>``: naming another agent's session id under one's own 
 With TLS off there is no identity and every caller is trusted (loopback dev mode). With TLS on, a
 certificate that carries no ``gpucoord://`` identity is refused like any other unauthorized caller.
 Refusals are PERMISSION_DENIED naming the identity and the action, and are audited.
+
+``Registry`` is what node daemons call on a coordinator (``coordinator.rpc.registry_server``): only a node
+identity, and only for the host it is named after (``gpucoord://node/HOST``): the ``register`` message that
+opens a ``Register`` stream, and ``ListLeases``, must name that host; every later message of the stream acts
+on the host its first message registered.
 
 A message of the ``Session`` stream carries one Acquire, Release or KeepAlive request: ``unwrap`` gives the
 interceptor that call, which is then authorized, bounded and audited exactly as the unary call of that name.
@@ -51,6 +59,7 @@ audit_log = logging.getLogger("gpucoord.audit")
 
 COORDINATOR = "/gpucoord.v1.Coordinator/"
 NODE = "/gpucoord.v1.Node/"
+REGISTRY = "/gpucoord.v1.Registry/"
 HEALTH = "/grpc.health.v1.Health/"
 REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
@@ -116,6 +125,10 @@ def target_of(method: str, request: Message | None) -> str:
         return f"team {quote(request.name)}"
     if name == "CheckToken":
         return f"token {request.token} on GPU {quote(request.gpu_uuid)}"
+    if name == "ListLeases":
+        return f"host {quote(request.host)}"
+    if name == "Register" and request.WhichOneof("call") == "register":
+        return f"host {quote(request.register.host)}"
     return ""
 
 
@@ -144,6 +157,17 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
         if role in ("agent", "operator", "coordinator"):
             return
         raise deny(f"the {role} role may call only health")
+    if method.startswith(REGISTRY):
+        if role != "node":
+            raise deny("only a node identity may register a host")
+        host = None
+        if request is not None and name == "ListLeases":
+            host = request.host
+        elif request is not None and name == "Register" and request.WhichOneof("call") == "register":
+            host = request.register.host
+        if host is not None and host != identity.name:
+            raise deny(f"a node acts only on its own host ({quote(identity.name)})")
+        return
     if not method.startswith(COORDINATOR):
         raise deny("unknown service")
     if role == "operator":

@@ -6,12 +6,15 @@ A directory made by ``gpucoord certs init --dir DIR`` holds two CAs:
   (``gpucoord://ROLE/NAME`` as a SAN URI): agents, operators, nodes and coordinators. The coordinator and
   node servers trust it, and only it.
 * ``etcd-ca.crt``/``etcd-ca.key``: the etcd CA. It signs etcd's server certificate and the etcd client
-  certificates of coordinators, nodes, operators and etcd's root, never an agent's. etcd trusts it, and
-  only it (``--trusted-ca-file``), so an agent's certificate cannot even open a TLS connection to etcd
-  (it could otherwise keep another agent's session alive, or compact etcd's history).
+  certificates of coordinators, operators and etcd's root; never an agent's, nor a node's (node daemons
+  talk to etcd only through a coordinator) unless asked for a node of an earlier release. etcd trusts it,
+  and only it (``--trusted-ca-file``), so an agent's or a node's certificate cannot even open a TLS
+  connection to etcd (any etcd identity could keep another agent's session alive: etcd's RBAC has no
+  permission on leases).
 
 ``gpucoord certs issue --dir DIR --role ROLE --name NAME`` writes ``ROLE-NAME.crt``/``.key`` (gRPC CA), and
-for the roles that talk to etcd (coordinator, node, operator) also ``ROLE-NAME.etcd.crt``/``.key`` (etcd
+for the roles that talk to etcd (coordinator, operator; a node only with ``--etcd-client``) also
+``ROLE-NAME.etcd.crt``/``.key`` (etcd
 CA, whose common name is the etcd user that identity acts as: etcd takes the CN of a verified client
 certificate as the user when it runs with ``--client-cert-auth``). ``--role etcd`` (etcd's server) and
 ``--role etcd-root`` (etcd's administrator) come from the etcd CA only. Servers (coordinator, node, etcd)
@@ -43,7 +46,10 @@ from coordinator.security.identity import ROLES, Identity
 # (user root): they carry no gpucoord identity that the coordinator would accept.
 CERT_KINDS = (*ROLES, "etcd", "etcd-root")
 SERVER_KINDS = ("coordinator", "node", "etcd")
-ETCD_CLIENT_KINDS = ("coordinator", "node", "operator")   # also get an etcd client certificate
+ETCD_CLIENT_KINDS = ("coordinator", "operator")   # also get an etcd client certificate
+# A node of an earlier release talks to etcd itself: it gets an etcd client certificate only when asked
+# (``certs issue --role node --etcd-client``), until it is upgraded (README "Upgrading node daemons").
+LEGACY_ETCD_CLIENT_KINDS = ("node",)
 ETCD_ONLY_KINDS = ("etcd", "etcd-root")                    # come from the etcd CA alone
 # Short by default: a certificate is renewed by issuing it again (README "Rotating certificates").
 DEFAULT_DAYS = {"agent": 7, "operator": 7, "node": 90, "coordinator": 90, "etcd": 90, "etcd-root": 7}
@@ -131,12 +137,15 @@ def _make_ca(files: IssuedFiles, days: int, name: str) -> None:
 
 def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequence[str] = (),
           days: int | None = None, not_before: datetime.datetime | None = None,
-          not_after: datetime.datetime | None = None, out_name: str | None = None) -> IssuedFiles:
+          not_after: datetime.datetime | None = None, out_name: str | None = None,
+          etcd_client: bool = False) -> IssuedFiles:
     """Issue the certificates of ``gpucoord://KIND/NAME`` from the CAs in ``directory`` (see the module's
     docstring for which CA signs what).
 
     ``hosts`` (IP addresses or DNS names) become SANs of a server certificate; servers always get
     127.0.0.1, ::1 and localhost. ``not_before``/``not_after`` override ``days`` (tests make expired ones).
+    ``etcd_client``: also an etcd client certificate for a node (a node of an earlier release, which talks
+    to etcd itself); coordinators and operators always get one, agents never.
     """
     if kind not in CERT_KINDS:
         raise ValueError(f"role: must be one of {', '.join(CERT_KINDS)}, got {kind!r}")
@@ -146,7 +155,10 @@ def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequen
     if days < 1:
         raise ValueError("days: must be >= 1")
     d = pathlib.Path(directory)
-    if kind in ETCD_CLIENT_KINDS or kind in ETCD_ONLY_KINDS:
+    if etcd_client and kind not in ETCD_CLIENT_KINDS + LEGACY_ETCD_CLIENT_KINDS:
+        raise ValueError(f"etcd_client: a {kind} never talks to etcd")
+    to_etcd = kind in ETCD_CLIENT_KINDS or etcd_client
+    if to_etcd or kind in ETCD_ONLY_KINDS:
         if not (d / "etcd-ca.crt").exists() and (d / "ca.crt").exists():
             raise ValueError(f"{d / 'etcd-ca.crt'}: no etcd CA in {d} (made before there were two): run "
                              f"'gpucoord certs init --dir {d}' to add it, then issue again")
@@ -166,7 +178,7 @@ def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequen
     cert, key = _sign(d, GRPC_CA, f"gpucoord-{kind}-{name}", usages, sans + _server_sans(kind, hosts), start, end)
     files = _save(d, stem, cert, key)
     _record(d, cert, kind, name, GRPC_CA, files.cert)
-    if kind not in ETCD_CLIENT_KINDS:
+    if not to_etcd:
         return files
     etcd_cert, etcd_key = _sign(d, ETCD_CA, etcd_user_for(kind, name), [ExtendedKeyUsageOID.CLIENT_AUTH], [],
                                 start, end)

@@ -14,7 +14,8 @@ from coordinator.security.tls import TlsFiles
 @dataclasses.dataclass(frozen=True)
 class SecureSetup:
     """The certificates of an all-in-one secure install, in ``<data dir>/pki``: ``ca`` signs the gRPC
-    identities, ``etcd_ca`` etcd's server and its clients (``etcd_clients``: coordinator, node, operator)."""
+    identities, ``etcd_ca`` etcd's server and its clients (``etcd_clients``: coordinator, operator; the node
+    daemon talks to the coordinator only)."""
 
     dir: pathlib.Path
     ca: str
@@ -25,7 +26,7 @@ class SecureSetup:
     node: TlsFiles
     operator: TlsFiles
     agents: dict[str, TlsFiles]
-    etcd_clients: dict[str, TlsFiles]   # "coordinator", "node", "operator" -> the etcd client certificate
+    etcd_clients: dict[str, TlsFiles]   # "coordinator", "operator" -> the etcd client certificate (no node's)
 
     def etcd_flags(self, role: str) -> list[str]:
         files = self.etcd_clients[role]

@@ -16,13 +16,16 @@ gpucoord-coordinator    read and write the whole prefix
 gpucoord-operator       read the whole prefix (``gpucoord keys``), and write ``revoked/`` (``certs
                         revoke``); everything else operators do goes through the coordinator,
                         whose RPCs need the operator certificate
-gpucoord-node-<host>    write ``hosts/<host>`` and ``usage/<host>``; read ``leases/<host>/``
-                        (the watch behind CheckToken) and ``revoked/`` (the deny list)
+gpucoord-node-<host>    (only for a node daemon of an earlier release, ``gpucoord node --etcd``, until it
+                        is upgraded to ``--coordinator``, which needs no etcd user) write
+                        ``hosts/<host>`` and ``usage/<host>``; read ``leases/<host>/`` (the watch behind
+                        CheckToken) and ``revoked/`` (the deny list)
 ======================  ===================================================================
 
 Which certificates etcd accepts at all is decided by its ``--trusted-ca-file``: the etcd client CA
-(``etcd-ca.crt``), which signs only the etcd client certificates of coordinators, nodes and operators.
-Agent certificates come from the other CA, so they cannot even open a TLS connection to etcd.
+(``etcd-ca.crt``), which signs only the etcd client certificates of coordinators and operators (and of
+nodes of an earlier release, when asked). Agent and node certificates come from the other CA, so they
+cannot even open a TLS connection to etcd.
 """
 from __future__ import annotations
 

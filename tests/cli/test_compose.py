@@ -53,9 +53,14 @@ def test_the_compose_file_is_a_small_cluster() -> None:
         args = dict(a.split("=", 1) for a in services[n]["command"])
         assert args["--name"] == n
         assert args["--initial-cluster"] == ",".join(f"{m}=http://{m}:2380" for m in etcds)
-    for n in coordinators + nodes:
+    for n in coordinators:
         cmd = services[n]["command"]
         assert cmd[cmd.index("--etcd") + 1] == endpoints
+    # The node daemon talks to every coordinator replica, and never to etcd.
+    for n in nodes:
+        cmd = services[n]["command"]
+        assert "--etcd" not in cmd and not any(c.startswith("--etcd-") for c in cmd), cmd
+        assert cmd[cmd.index("--coordinator") + 1] == ",".join(f"{c}:7070" for c in coordinators)
     # The node advertises an address agents can reach (not the container's 0.0.0.0) and reports a real disk.
     node = services[nodes[0]]["command"]
     advertise = node[node.index("--advertise") + 1]

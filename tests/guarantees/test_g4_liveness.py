@@ -124,9 +124,10 @@ def test_a_grant_whose_caller_left_during_its_commit_is_given_back(cluster: Clus
             undo()
 
 
-def test_no_admission_on_a_host_whose_node_is_gone(cluster: Cluster) -> None:
-    cluster.start_node("h1", "1x16GiB")
+@pytest.mark.parametrize("mode", ["etcd", "registry"])
+def test_no_admission_on_a_host_whose_node_is_gone(cluster: Cluster, mode: str) -> None:
     addr = cluster.start_coordinator()
+    cluster.start_node("h1", "1x16GiB", via=[addr] if mode == "registry" else None)
     with Client(addr, agent="agent-a", host="h1") as c:
         c.acquire(1000)
         cluster.stop_node("h1")
@@ -134,9 +135,23 @@ def test_no_admission_on_a_host_whose_node_is_gone(cluster: Cluster) -> None:
             c.acquire(1000)
 
 
-def test_waiters_of_a_host_that_is_gone_are_swept(cluster: Cluster) -> None:
-    cluster.start_node("h1", "1x8GiB")
+def test_no_admission_on_a_host_whose_node_died_in_the_registry_mode(cluster: Cluster) -> None:
+    """A node daemon that dies sends no more heartbeats: the coordinator stops refreshing its registration,
+    which expires within its TTL, and its host takes no more admissions."""
     addr = cluster.start_coordinator()
+    cluster.start_node("h1", "1x16GiB", ttl=3, via=[addr])
+    with Client(addr, agent="agent-a", host="h1") as c:
+        c.acquire(1000)
+        cluster.stop_node("h1", revoke=False)     # gone without a word
+        wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")) == [], 3 + 2, "the registration to expire")
+        with pytest.raises(errors.FailedPrecondition, match="host"):
+            c.acquire(1000)
+
+
+@pytest.mark.parametrize("mode", ["etcd", "registry"])
+def test_waiters_of_a_host_that_is_gone_are_swept(cluster: Cluster, mode: str) -> None:
+    addr = cluster.start_coordinator()
+    cluster.start_node("h1", "1x8GiB", via=[addr] if mode == "registry" else None)
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
         waiter = Background(b.acquire, 4000, wait=30)

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from agent_client.api import node_pb2, node_pb2_grpc
+from agent_client.api import node_pb2, node_pb2_grpc, registry_pb2, registry_pb2_grpc
 from coordinator.security.tls import TlsFiles, channel_credentials
 from coordinator.txn import Range
 from tests.support.cluster import Cluster, writes_since
@@ -39,6 +39,7 @@ class Stubs:
     health: Any
     node_health: Any
     channels: list[grpc.Channel]
+    registry: Any = None
 
 
 @dataclasses.dataclass
@@ -62,7 +63,8 @@ class World:
             chans = [grpc.secure_channel(a, creds) for a in (self.addr, self.node_addr)]
             self.stubs_by_role[role] = Stubs(pb_grpc.CoordinatorStub(chans[0]), node_pb2_grpc.NodeStub(chans[1]),
                                              health_pb2_grpc.HealthStub(chans[0]),
-                                             health_pb2_grpc.HealthStub(chans[1]), chans)
+                                             health_pb2_grpc.HealthStub(chans[1]), chans,
+                                             registry_pb2_grpc.RegistryStub(chans[0]))
         return self.stubs_by_role[role]
 
     # -- set-up through agent-a itself (allowed) ---------------------------------------------------
@@ -95,11 +97,13 @@ IDENTITY = {"self": "gpucoord://agent/agent-a", "other": "gpucoord://agent/agent
 def world(own_etcd: list[str], pki: Pki) -> Iterator[World]:
     cluster = Cluster(own_etcd, f"/gpucoord-g9-{os.getpid()}-{uuid.uuid4().hex[:6]}/")
     try:
-        # No usage heartbeats during the module: the revision moves only when a call writes.
-        daemon = cluster.start_node(HOST, "2x16GiB", heartbeat_s=3600, tls=pki["node"])
-        assert daemon.inventory is not None
-        node_addr = daemon.address
         addr = cluster.start_coordinator(**coordinator_tls(pki))
+        # No usage heartbeats during the module: the revision moves only when a call writes. The node runs
+        # in the registry mode, with its certificate as the coordinator's client and no etcd connection.
+        daemon = cluster.start_node(HOST, "2x16GiB", heartbeat_s=3600, tls=pki["node"], via=[addr],
+                                    credentials=channel_credentials(pki["node"]))
+        assert daemon.inventory is not None and not daemon.reads_etcd
+        node_addr = daemon.address
         wait_for(lambda: cluster.get_prefix(cluster.keys.election()), 10, "the coordinator's election key")
         w = World(cluster, addr, node_addr, pki, daemon.inventory.gpus[0].uuid)
         w.session_id = w.open_session()
@@ -176,19 +180,34 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
                                          timeout=10)
     if rpc == "Node.Health":
         return lambda: s.node_health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    if rpc == "Registry.ListLeases":
+        return lambda: s.registry.ListLeases(registry_pb2.ListLeasesRequest(host=HOST, gpu_uuid=w.lease.gpu_uuid),
+                                             timeout=10)
+    if rpc == "Registry.ListLeases(other host)":
+        return lambda: s.registry.ListLeases(registry_pb2.ListLeasesRequest(host="h2", gpu_uuid=w.lease.gpu_uuid),
+                                             timeout=10)
+    if rpc == "Registry.Register(other host)":
+        inventory = json.dumps({"host": "h2", "address": "127.0.0.1:1", "cpu_count": 1, "mem_bytes": 1,
+                                "disk_bytes": 1, "gpus": []})
+        register = registry_pb2.HostRegistration(host="h2", address="127.0.0.1:1", inventory_json=inventory,
+                                                 ttl_seconds=10)
+        return lambda: next(iter(s.registry.Register(iter([registry_pb2.RegisterRequest(register=register)]),
+                                                     timeout=10)))
     raise AssertionError(rpc)
 
 
 RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "Session(Acquire)",
         "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
-        "Node.CheckToken", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam")
+        "Node.CheckToken", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",
+        "Registry.ListLeases", "Registry.ListLeases(other host)", "Registry.Register(other host)")
+REGISTRY_RPCS = {r for r in RPCS if r.startswith("Registry.")}
 TEAM_RPCS = {"SetTeam", "GetTeam", "ListTeams", "DeleteTeam"}
 ALLOWED = {
-    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease"} - TEAM_RPCS,
+    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease"} - TEAM_RPCS - REGISTRY_RPCS,
     "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health"},
-    "operator": set(RPCS),
-    "node": {"Health", "Node.Health"},
+    "operator": set(RPCS) - REGISTRY_RPCS,    # only a node registers a host, and only its own
+    "node": {"Health", "Node.Health", "Registry.ListLeases"},
     "nocert": set(), "other-ca": set(), "expired": set(),
 }
 
@@ -218,6 +237,8 @@ def _check_success(rpc: str, resp: Any) -> None:
         assert resp.live
     elif rpc in ("Health", "Node.Health"):
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    elif rpc == "Registry.ListLeases":
+        assert w_lease_ids(resp) and all(k.key.startswith(f"leases/{HOST}/") for k in resp.kvs)
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -242,9 +263,13 @@ def test_role_rpc_matrix(world: World, role: str, rpc: str) -> None:
     assert IDENTITY[role] in err.details(), err.details()
     # A Session stream message is refused as the call it carries; a role that may not open the stream at
     # all is refused the stream.
-    names = {rpc.split("(")[0].removeprefix("Node.")} if not rpc.startswith("Session(") else \
+    names = {rpc.split("(")[0].removeprefix("Node.").removeprefix("Registry.")} if not rpc.startswith("Session(") else \
         {"Session", rpc[len("Session("):-1]}
     assert any(n in err.details() for n in names), err.details()
+
+
+def w_lease_ids(resp: Any) -> list[str]:
+    return [k.key.rpartition("/")[2] for k in resp.kvs]
 
 
 def test_agent_cannot_use_another_agents_session_under_its_own_name(world: World) -> None:

@@ -113,19 +113,54 @@ def test_up_secure_plays_the_demo_over_mtls(up: Up) -> None:
     assert f"GPUCOORD_TLS_CERT={up.data_dir / 'pki' / 'agent-agent-a.crt'}" in out
 
 
-def test_up_secure_etcd_refuses_without_credentials_and_confines_the_node(up: Up) -> None:
+def test_up_secure_only_the_coordinators_and_the_operators_certificates_open_etcd(up: Up) -> None:
+    """One trust domain in etcd (G9): the node daemon runs with no etcd credentials at all (it registers and
+    publishes through the coordinator), and of every certificate of the install only the coordinator's and
+    the operator's etcd client certificates open a connection to etcd."""
+    pki = up.data_dir / "pki"
+    assert not list(pki.glob("node-*.etcd.*")), "a node got an etcd certificate"
+    node_log = (up.data_dir / "node.log").read_text()
+    assert "talks to etcd directly" not in node_log and "registered through coordinator" in node_log, node_log[-2000:]
     anonymous = _etcdctl(up, "get", "--prefix", "/gpucoord/")
     assert anonymous.returncode != 0, anonymous.stdout
-    node = "node-sec-host.etcd"
-    wrote_lease = _etcdctl(up, "put", "/gpucoord/leases/sec-host/GPU-x/forged", "{}", creds=node)
-    assert wrote_lease.returncode != 0 and "permission denied" in wrote_lease.stderr, wrote_lease
-    read_all = _etcdctl(up, "get", "--prefix", "/gpucoord/", creds=node)
-    assert read_all.returncode != 0 and "permission denied" in read_all.stderr, read_all
-    own = _etcdctl(up, "get", "/gpucoord/hosts/sec-host", creds=node)
-    assert own.returncode == 0 and "sec-host" in own.stdout, own
-    coordinator = _etcdctl(up, "get", "--prefix", "/gpucoord/gpus/", "--keys-only",
-                           creds="coordinator-coordinator.etcd")
-    assert coordinator.returncode == 0 and "/gpucoord/gpus/sec-host/" in coordinator.stdout, coordinator
+    opened = {}
+    for stem in sorted(p.name[:-4] for p in pki.glob("*.crt") if not p.name.startswith(("ca.", "etcd-ca."))):
+        if stem in ("etcd-etcd", "etcd-root-root"):
+            continue   # etcd's own server certificate, and its administrator's
+        got = _etcdctl(up, "get", "/gpucoord/hosts/sec-host", "--keys-only", creds=stem)
+        opened[stem] = got.returncode == 0 and "sec-host" in got.stdout
+    assert {stem for stem, ok in opened.items() if ok} == {"coordinator-coordinator.etcd", "operator-operator.etcd"}, \
+        opened
+    assert "node-sec-host" in opened and "agent-agent-a" in opened   # they were tried, and refused
+
+
+def test_up_secure_no_agent_or_node_certificate_keeps_an_agents_session_alive(up: Up) -> None:
+    """An abandoned session (its agent sends no keepalive): ``etcdctl lease keep-alive`` of its etcd lease with
+    the node's certificate or another agent's fails (they cannot reach etcd), and the session expires."""
+    import grpc
+
+    from agent_client.api import coordinator_pb2 as pb
+    from agent_client.api import coordinator_pb2_grpc as pb_grpc
+    addr = re.search(r"coordinator: +(127\.0\.0\.1:\d+)", up.output())
+    assert addr is not None
+    pki = up.data_dir / "pki"
+    creds = grpc.ssl_channel_credentials((pki / "ca.crt").read_bytes(), (pki / "agent-agent-b.key").read_bytes(),
+                                         (pki / "agent-agent-b.crt").read_bytes())
+    with grpc.secure_channel(addr.group(1), creds) as channel:
+        opened = pb_grpc.CoordinatorStub(channel).OpenSession(
+            pb.OpenSessionRequest(agent="agent-b", host="sec-host", ttl_seconds=5), timeout=10)
+    key = f"/gpucoord/sessions/agent-b/{opened.session_id}"
+    read = _etcdctl(up, "get", key, "-w", "fields", creds="operator-operator.etcd")
+    lease = re.search(r'"Lease" : (\d+)', read.stdout)
+    assert read.returncode == 0 and lease is not None, read
+    lease_hex = format(int(lease.group(1)), "x")
+    attempts = {stem: _etcdctl_start(up, "lease", "keep-alive", "--once", lease_hex, creds=stem)
+                for stem in ("node-sec-host", "agent-agent-a", "agent-agent-b")}
+    outcomes = {stem: _finish(proc, 8) for stem, proc in attempts.items()}
+    kept = {stem: out for stem, (code, out) in outcomes.items() if code == 0 and "keepalived" in out}
+    assert not kept, kept
+    wait_for(lambda: _etcdctl(up, "get", key, "--keys-only", creds="operator-operator.etcd").stdout.strip() == "",
+             5 + 5, "the abandoned session to expire")
 
 
 def test_up_secure_etcd_refuses_every_agent_certificate(up: Up) -> None:

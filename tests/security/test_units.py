@@ -74,9 +74,13 @@ def test_two_trust_domains_agents_never_get_an_etcd_certificate(tmp_path: pathli
     agent = certs.issue(tmp_path, "agent", "agent-a")
     assert agent.etcd_cert is None and issuer(agent.cert) == grpc_ca.subject
     assert sorted(p.name for p in tmp_path.glob("agent-*")) == ["agent-agent-a.crt", "agent-agent-a.key"]
+    node = certs.issue(tmp_path, "node", "gpu-0")     # talks to the coordinator only
+    assert node.etcd_cert is None and issuer(node.cert) == grpc_ca.subject
+    with pytest.raises(ValueError, match="etcd_client"):
+        certs.issue(tmp_path, "agent", "agent-b", etcd_client=True)
     for kind, user in (("coordinator", "gpucoord-coordinator"), ("node", "gpucoord-node-gpu-1"),
                        ("operator", "gpucoord-operator")):
-        f = certs.issue(tmp_path, kind, "gpu-1")
+        f = certs.issue(tmp_path, kind, "gpu-1", etcd_client=kind == "node")   # a node of an earlier release
         assert issuer(f.cert) == grpc_ca.subject and issuer(f.etcd_cert) == etcd_ca.subject
         assert f.etcd_cert is not None and f.etcd_cert.name == f"{kind}-gpu-1.etcd.crt"
         etcd_client = x509.load_pem_x509_certificate(f.etcd_cert.read_bytes())
@@ -86,7 +90,7 @@ def test_two_trust_domains_agents_never_get_an_etcd_certificate(tmp_path: pathli
         f = certs.issue(tmp_path, kind, "e1")
         assert issuer(f.cert) == etcd_ca.subject and f.etcd_cert is None
     listed = certs.issued(tmp_path)
-    assert [(e["role"], e["ca"]) for e in listed][:3] == [("agent", "ca"), ("coordinator", "ca"),
+    assert [(e["role"], e["ca"]) for e in listed][:4] == [("agent", "ca"), ("node", "ca"), ("coordinator", "ca"),
                                                           ("coordinator", "etcd-ca")]
     assert all(len(e["serial"]) > 10 for e in listed)
     # A directory from before the etcd CA: init adds it; issuing an etcd client without it is refused.
@@ -94,9 +98,9 @@ def test_two_trust_domains_agents_never_get_an_etcd_certificate(tmp_path: pathli
     certs.init_ca(old)
     (old / "etcd-ca.crt").unlink()
     with pytest.raises(ValueError, match="certs init"):
-        certs.issue(old, "node", "n1")
+        certs.issue(old, "node", "n1", etcd_client=True)
     certs.init_ca(old)
-    assert certs.issue(old, "node", "n1").etcd_cert is not None
+    assert certs.issue(old, "node", "n1", etcd_client=True).etcd_cert is not None
 
 
 def test_tls_files_flags_then_env_then_config(tmp_path: pathlib.Path) -> None:

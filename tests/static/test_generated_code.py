@@ -7,7 +7,8 @@ from agent_client.api import gen
 
 API = pathlib.Path(gen.__file__).parent
 GENERATED = ("coordinator_pb2.py", "coordinator_pb2.pyi", "coordinator_pb2_grpc.py",
-             "node_pb2.py", "node_pb2.pyi", "node_pb2_grpc.py")
+             "node_pb2.py", "node_pb2.pyi", "node_pb2_grpc.py",
+             "registry_pb2.py", "registry_pb2.pyi", "registry_pb2_grpc.py")
 
 
 def test_generated_modules_match_the_protos(tmp_path: pathlib.Path) -> None:

@@ -16,6 +16,7 @@ from coordinator.keys import Keys
 from coordinator.node.daemon import NodeDaemon
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import FakeGpuSource
+from coordinator.node.remote import RemoteNodeDaemon
 from coordinator.records import QueueEntry
 from coordinator.rpc.coordinator_server import create_server
 from coordinator.rpc.node_server import create_node_server
@@ -99,9 +100,11 @@ class Cluster:
 
     def start_node(self, host: str, fake_gpus: str = "1x16GiB", ttl: int = 10, heartbeat_s: float = 5.0,
                    fake_processes: str | None = None, enforce: str = "report", over_use_tolerance_mb: int = 256,
-                   tls: Any = None, linked: bool = False,
+                   tls: Any = None, linked: bool = False, via: list[str] | None = None, credentials: Any = None,
                    **overrides: Any) -> NodeDaemon:
-        """An in-process node daemon; ``linked``: its etcd connection runs through ``etcd_links[host]``."""
+        """An in-process node daemon; ``linked``: its etcd connection runs through ``etcd_links[host]``.
+        ``via``: coordinator addresses; the daemon then runs in the registry mode, with no etcd connection
+        (``credentials``: its client TLS credentials to them)."""
         source = FakeGpuSource(fake_gpus, host, fake_processes)
         endpoints = self.endpoints
         if linked:
@@ -109,11 +112,17 @@ class Cluster:
             endpoints = link.endpoints
 
         async def start() -> tuple[NodeDaemon, Any]:
-            store = Store(endpoints, channel=self.etcd_channel)
-            await store.connect()
-            daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
-                                heartbeat_s=heartbeat_s, overrides=overrides,
-                                enforcer=Enforcer(enforce, over_use_tolerance_mb))
+            daemon: NodeDaemon
+            if via:
+                daemon = RemoteNodeDaemon(via, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
+                                          heartbeat_s=heartbeat_s, overrides=overrides,
+                                          enforcer=Enforcer(enforce, over_use_tolerance_mb), credentials=credentials)
+            else:
+                store = Store(endpoints, channel=self.etcd_channel)
+                await store.connect()
+                daemon = NodeDaemon(store, self.keys, host, "127.0.0.1:0", source, "/", ttl, scan_interval_s=0.2,
+                                    heartbeat_s=heartbeat_s, overrides=overrides,
+                                    enforcer=Enforcer(enforce, over_use_tolerance_mb))
             server, port = await create_node_server(daemon, "127.0.0.1:0", tls)
             daemon.address = f"127.0.0.1:{port}"
             await daemon.start()
@@ -128,7 +137,8 @@ class Cluster:
         async def stop() -> None:
             await server.stop(grace=0.2)
             await daemon.stop(revoke=revoke)
-            await daemon.store.close()
+            if daemon.reads_etcd:
+                await daemon.store.close()
         self.lt.run(stop())
         link = self.etcd_links.pop(host, None)
         if link is not None:
@@ -137,6 +147,8 @@ class Cluster:
     def close(self) -> None:
         for link in [*self.etcd_links.values(), *self.client_links.values()]:
             link.heal()      # a quick shutdown: nothing waits on a cut link
+        for host in [h for h, (d, _, _) in self.nodes.items() if not d.reads_etcd]:
+            self.stop_node(host)   # while their coordinators still answer
         for addr in list(self.coordinators):
             self.stop_coordinator(addr)
         for host in list(self.nodes):

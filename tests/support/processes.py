@@ -158,13 +158,20 @@ class LinkedReplica:
 
 
 def spawn_node(endpoints: list[str], prefix: str, host: str, fake_gpus: str, log_path: str,
-               extra: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """A node daemon (``gpucoord node --fake-gpus``) as a real child process; returns it once it serves."""
+               extra: list[str] | None = None, env: dict[str, str] | None = None,
+               coordinators: list[str] | None = None) -> subprocess.Popen[bytes]:
+    """A node daemon (``gpucoord node --fake-gpus``) as a real child process; returns it once it serves.
+    With ``coordinators`` it runs in the registry mode (``--coordinator``: no etcd endpoints, no etcd
+    credentials, nothing of etcd in its environment); else with ``--etcd endpoints``."""
     log = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "node", "--etcd", ",".join(endpoints),
+    mode = ["--coordinator", ",".join(coordinators)] if coordinators else ["--etcd", ",".join(endpoints)]
+    base_env = child_env()
+    if coordinators:
+        base_env = {k: v for k, v in base_env.items() if not k.startswith("GPUCOORD_ETCD")}
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "node", *mode,
                              "--prefix", prefix, "--host", host, "--listen", "127.0.0.1:0", "--fake-gpus", fake_gpus,
                              *(extra or [])],
-                            stdout=subprocess.PIPE, stderr=log, env={**child_env(), **(env or {})}, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=log, env={**base_env, **(env or {})}, cwd=REPO)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     if not line.startswith("READY node port="):
