@@ -44,8 +44,9 @@ from coordinator.txn import Range
 log = logging.getLogger(__name__)
 
 SNAPSHOT_CHUNK = 256          # keys per snapshot message
-ANSWERS_MAX = 65_536          # a node's stream: answers it may leave unread ...
-ANSWER_BYTES_MAX = 64 << 20   # ... and their bytes, before the stream ends (the node reconnects)
+ANSWERS_MAX = 16_384          # a node's stream: answers it may leave unread ...
+ANSWER_BYTES_MAX = 16 << 20   # ... and their bytes, before the stream ends (the node reconnects)
+SILENT_TTLS = 3               # a stream without a message for this many TTLs is ended
 
 
 @dataclasses.dataclass
@@ -178,10 +179,20 @@ class RegistryServicer(pb_grpc.RegistryServicer):  # type: ignore[misc]
                 self.svc.reach.check()
                 h = _Host(fields.registration(first.register))
                 if not (h.reg.resume_etcd_lease and await self._resume(h)):
-                    await self._register(h, wait=True)
+                    # A new daemon waits out a dead one's registration; one that resumes in vain (its own
+                    # registration ran out and another daemon holds the host) is told at once.
+                    await self._register(h, wait=not h.reg.resume_etcd_lease)
                 out.put_nowait(self._registered(h))
                 tasks.append(spawn(self._follow(h.reg.host, out), f"the registry stream of host {h.reg.host}"))
-                async for request in requests:
+                while True:
+                    try:
+                        request = await asyncio.wait_for(requests.__anext__(), SILENT_TTLS * h.reg.ttl_s)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        # Stopped (SIGSTOP) or gone without closing: its registration has run out by now.
+                        raise errors.Unavailable(f"heartbeat: none from host {h.reg.host} for "
+                                                 f"{SILENT_TTLS * h.reg.ttl_s} s", "heartbeat") from None
                     self.svc.reach.check()   # cut off from etcd: the node moves to another replica
                     call = request.WhichOneof("call")
                     if call == "heartbeat":

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import grpc
 import pytest
@@ -231,3 +232,26 @@ def test_a_rolling_upgrade_old_and_new_nodes_side_by_side_and_a_host_upgraded_in
     assert after.etcd_lease == upgraded.etcd_lease != before.etcd_lease
     with Client(addr, agent="a", host="h-old") as a:
         a.acquire(1000).release()
+
+
+def test_a_silent_registration_stream_is_ended_and_its_registration_runs_out(cluster: Cluster) -> None:
+    """A node that stops sending (SIGSTOP, a hung daemon) while its connection stays open: no heartbeat, so
+    its registration runs out within its TTL; the coordinator ends the stream after three TTLs of silence."""
+    addr = cluster.start_coordinator()
+    register = rpb.HostRegistration(host="h9", address="127.0.0.1:1", inventory_json=_inventory("h9"), ttl_seconds=2)
+    done = threading.Event()
+
+    def requests() -> Iterator[rpb.RegisterRequest]:
+        yield rpb.RegisterRequest(register=register)
+        done.wait(60)
+
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            answers = rpb_grpc.RegistryStub(channel).Register(requests(), timeout=60)
+            assert next(answers).registered.etcd_lease
+            wait_for(lambda: cluster.get_prefix(cluster.keys.host("h9")) == [], 2 + 2, "the registration to run out")
+            with pytest.raises(grpc.RpcError) as info:
+                list(answers)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "heartbeat" in info.value.details()
+    finally:
+        done.set()

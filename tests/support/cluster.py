@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
@@ -32,6 +33,10 @@ class EtcdEndpoint:
     metrics_url: str
     provider: str = "process"    # or "docker IMAGE"
 
+
+# GPUCOORD_TEST_NODE_MODE=registry: ``Cluster.start_node`` runs its nodes in the registry mode (through the
+# cluster's coordinators, no etcd connection) whenever a coordinator already runs and the node is not linked.
+NODE_MODE_ENV = "GPUCOORD_TEST_NODE_MODE"
 
 # The image the docker provider of the ``etcd`` fixture runs unless GPUCOORD_TEST_ETCD_IMAGE names another.
 DEFAULT_ETCD_IMAGE = "gpucoord/etcd:3.5.1"
@@ -70,6 +75,7 @@ class Cluster:
             server, port, svc = self.lt.run(create_server(self.config(**overrides), self.etcd_channel))
             addr = f"127.0.0.1:{port}"
             self.coordinators[addr] = (server, svc)
+            self._tell_nodes(addr)
             return addr
         from coordinator.etcd.process import free_port
         port = free_port()
@@ -79,8 +85,15 @@ class Cluster:
         server, _, svc = self.lt.run(create_server(self.config(**overrides), self.etcd_channel))
         addr = clients.endpoint
         self.coordinators[addr] = (server, svc)
+        self._tell_nodes(addr)
         self.etcd_links[addr], self.client_links[addr] = etcd, clients
         return addr
+
+    def _tell_nodes(self, addr: str) -> None:
+        """A new coordinator is one more address for the registry-mode nodes (as an operator's list would be)."""
+        for daemon, _, _ in self.nodes.values():
+            if isinstance(daemon, RemoteNodeDaemon) and addr not in daemon.coordinators:
+                daemon.coordinators.append(addr)
 
     def service(self, addr: str) -> Any:
         """The CoordinatorService of the in-process coordinator at ``addr``."""
@@ -106,6 +119,8 @@ class Cluster:
         ``via``: coordinator addresses; the daemon then runs in the registry mode, with no etcd connection
         (``credentials``: its client TLS credentials to them)."""
         source = FakeGpuSource(fake_gpus, host, fake_processes)
+        if via is None and not linked and self.coordinators and os.environ.get(NODE_MODE_ENV) == "registry":
+            via = list(self.coordinators)   # the whole suite with registry-mode nodes, where a coordinator runs
         endpoints = self.endpoints
         if linked:
             link = self.etcd_links[host] = FaultLink(self.endpoints, f"node {host}")
