@@ -96,6 +96,7 @@ from coordinator.policy.team_admission import (
     team_limit,
     team_writes,
 )
+from coordinator.policy.reclaim_guard import reclaim_guards
 from coordinator.policy.teams import Charge
 from coordinator.policy.victims import choose_gang_victims
 from coordinator.policy.writes import Round
@@ -327,9 +328,15 @@ class _Planner(Round[C]):
             return victims
         new, reclaim = self._victims(it, w)
         parts = [x for v in new for x in self.parts(v.id)]
-        if new and not self._fits_budget(len(new) + 2, len(new) + len(parts) + 2):
+        # Reclaim commits only while its victims are over quota (``reclaim_guard``), compared once a transaction.
+        guards = ([] if not (reclaim and new) or self.ctx.teams is None or self._charges is None else
+                  [c for c in reclaim_guards(self.ctx.teams, self.view, self.keys, reclaim, [v.id for v in new],
+                                             self._charges) if c not in plan.compares])
+        if new and not self._fits_budget(len(new) + 2, len(new) + len(parts) + 2 + len(guards)):
             new = []              # too many for this transaction: evict in the next round
             plan.more = True
+        elif new:
+            plan.compares += guards
         for victim in new:
             record = self._eviction(victim, it, reclaim)
             plan.ops.append(Put(self.keys.eviction(victim.id), dumps(record.to_json()), victim.etcd_lease))
