@@ -206,7 +206,7 @@ class _Planner(Round[C]):
                 plan.refusals.append((it.call, refusal))
                 return
         plan.team_waits[it.req.lease_id] = reason
-        self._write_wait(it, it.entry.victims if it.entry is not None else ())
+        self._write_wait(it, self._kept(it.entry, ()) if it.entry is not None else ())   # it keeps no victim
 
     # -- order the calls -------------------------------------------------------------------------------
     def _order(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> list[Item[C]]:
@@ -325,7 +325,7 @@ class _Planner(Round[C]):
         plan = self.out
         victims = it.entry.victims if it.entry is not None else ()
         if w.victims_pending:
-            return victims
+            return self._serve(it, w.free_of_queue, w.caps, w.gang) if it.entry is not None else victims
         new, reclaim = self._victims(it, w)
         parts = [x for v in new for x in self.parts(v.id)]
         # Reclaim commits only while its victims are over quota (``reclaim_guard``), compared once a transaction.

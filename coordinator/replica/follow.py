@@ -108,6 +108,7 @@ class Follower:
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()
         team_room = False    # a team's use over the fleet may have dropped, or a team changed (G11)
+        fleet_moved = False  # a team's lease was granted on some host (its ledger moved)
         for ev in batch.events:
             try:
                 kind, parts = self.keys.parse(ev.kv.key)
@@ -115,6 +116,8 @@ class Follower:
                 continue
             if self.mirror.eases_teams(ev.kv.key, ev.kind):
                 team_room = True
+            elif kind == "teamledgers":
+                fleet_moved = True
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     try:
@@ -144,11 +147,12 @@ class Follower:
             admitter = self._admitters.get(host)
             if admitter is not None and admitter.has_waiters:
                 admitter.notify()
-        if team_room:
+        if team_room or fleet_moved:
             # A lease ended on any host (maybe granted and released through another replica), or a team
-            # changed (a raised limit, new members): the hosts whose waiters wait for their team decide again.
+            # changed (a raised limit, new members): the hosts whose waiters wait for their team decide again,
+            # and so do those with leases under a request's notice (does the requester still need them?).
             for admitter in self._admitters.values():
-                if admitter.has_team_waiters:
+                if (team_room and admitter.has_team_waiters) or admitter.has_request_notices:
                     admitter.notify()
 
     def _on_reach(self, ok: bool) -> None:
