@@ -88,6 +88,7 @@ from coordinator.policy.reclaim import (
     own_team_only,
     protected_until,
 )
+from coordinator.policy.reclaim_guard import reclaim_guards
 from coordinator.policy.team_admission import (
     charged_teams,
     fleet_charges,
@@ -96,7 +97,6 @@ from coordinator.policy.team_admission import (
     team_limit,
     team_writes,
 )
-from coordinator.policy.reclaim_guard import reclaim_guards
 from coordinator.policy.teams import Charge
 from coordinator.policy.victims import choose_gang_victims
 from coordinator.policy.writes import Round

@@ -13,10 +13,20 @@ from coordinator import errors
 from coordinator.policy.admission import GpuView
 from coordinator.policy.decide import Grant, Item
 from coordinator.policy.host import HostView
-from coordinator.policy.notices import fits_with_gone, own_notices, requested_by, unneeded
+from coordinator.policy.notices import (
+    fits_with_gone,
+    own_notices,
+    requested_by,
+    unneeded,
+)
 from coordinator.policy.placement import GangRequest
 from coordinator.policy.plan import C, Context, Plan, Wait
-from coordinator.policy.team_admission import fleet_charges, grant_charge_mb, over_quota_mark, team_use
+from coordinator.policy.team_admission import (
+    fleet_charges,
+    grant_charge_mb,
+    over_quota_mark,
+    team_use,
+)
 from coordinator.policy.teams import in_quota
 from coordinator.records import (
     EvictionRecord,

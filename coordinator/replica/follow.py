@@ -5,6 +5,7 @@ the hosts' admitters, delivers eviction notices to the sessions' streams, and fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Iterable, Protocol
 
@@ -134,6 +135,8 @@ class Follower:
                     gone = self.evictions.pop(parts[0], None)
                     if gone is not None:
                         woken.add(gone.host)
+                        if self.mirror.lease(gone.lease_id) is not None:   # withdrawn: its holder hears it
+                            self._deliver(dataclasses.replace(gone, withdrawn=True))
             elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing") and parts:
                 woken.add(parts[0])
                 if kind in ("usage", "departing") and self.leadership is not None:

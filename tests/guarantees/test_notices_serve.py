@@ -92,3 +92,22 @@ def test_a_requester_that_its_team_limit_blocks_after_choosing_victims_withdraws
         t.join(GRACE_S)
         assert isinstance(out.get("error"), errors.ResourceExhausted), out
         assert low.id in {x.id for x in cluster.leases()}
+
+
+def test_when_the_requesters_wait_ends_its_notices_are_withdrawn_and_the_victim_hears_it(cluster: Cluster) -> None:
+    """A priority-5 request evicts a priority-0 lease and its wait ends within the grace: the notice is withdrawn,
+    the victim's client hears it (``on_withdrawn`` runs, ``evicting`` is cleared) and the lease is not revoked."""
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    with Client(addr, agent="low", host="h1") as lo, Client(addr, agent="high", host="h1") as hi:
+        low = lo.acquire(12288)
+        heard = threading.Event()
+        low.on_withdrawn(lambda notice: heard.set() if notice.withdrawn else None)
+        t, out = _background(lambda: hi.acquire(8192, priority=5, wait=1.0))
+        wait_for(low.evicting.is_set, 10, "the notice")
+        t.join(GRACE_S)
+        assert isinstance(out.get("error"), errors.ResourceExhausted), out
+        wait_for(heard.is_set, GRACE_S - 2, "the victim to hear that its notice was withdrawn")
+        assert not low.evicting.is_set() and low.notice is None
+        assert not _notices(cluster)
+        assert low.id in {x.id for x in cluster.leases()}
