@@ -170,6 +170,8 @@ class AsyncClient:
         lease = self._leases.get(notice.lease_id)
         if lease is not None:
             lease._notify(notice)
+        elif notice.withdrawn:
+            self._early_notices.pop(notice.lease_id, None)
         else:
             # It may come before the acquire that made the lease has returned: keep it for that lease.
             self._early_notices[notice.lease_id] = notice

@@ -36,7 +36,8 @@ class EvictionNotice:
     sent, added to ours when the notice came (``deadline_unix`` is the coordinator's wall clock, for
     people: the two machines' clocks need not agree). ``revoke``: an operator's revoke of a lease bound to
     processes, which are to be killed at once. ``reclaim_team``: the team that reclaims this lease, over its
-    own team's quota ("" for an eviction by priority or by an operator)."""
+    own team's quota ("" for an eviction by priority or by an operator). ``withdrawn``: the notice was
+    withdrawn (its requester no longer needs the lease): the lease is not revoked for it."""
     lease_id: str
     gpu_uuid: str
     reason: str
@@ -45,6 +46,7 @@ class EvictionNotice:
     deadline: float = 0.0
     revoke: bool = False
     reclaim_team: str = ""
+    withdrawn: bool = False
 
     def supersedes(self, other: EvictionNotice) -> bool:
         """Whether this notice changes what the holder must do after ``other``: it is a revoke, or it brings
@@ -81,6 +83,7 @@ class _LeaseBase:
         self.notice: EvictionNotice | None = None
         self.released = False
         self._callbacks: list[Callable[[EvictionNotice], object]] = []
+        self._withdrawn_callbacks: list[Callable[[EvictionNotice], object]] = []
 
     def on_evict(self, callback: Callable[[EvictionNotice], object]) -> None:
         """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has),
@@ -89,7 +92,24 @@ class _LeaseBase:
         if self.notice is not None:
             callback(self.notice)
 
+    def on_withdrawn(self, callback: Callable[[EvictionNotice], object]) -> None:
+        """Call ``callback(notice)`` (``notice.withdrawn`` set) when the coordinator withdraws this lease's
+        notice: its requester no longer needs the lease, which is not revoked for it (``evicting`` is cleared)."""
+        self._withdrawn_callbacks.append(callback)
+
     def _notify(self, notice: EvictionNotice) -> None:
+        if notice.withdrawn:
+            if self.notice is None or self.notice.revoke:
+                return
+            self.notice = None
+            self.evicting.clear()
+            log.info("lease %s: notice withdrawn: its requester no longer needs the lease", self.id)
+            for cb in list(self._withdrawn_callbacks):
+                try:
+                    cb(notice)
+                except Exception:
+                    log.exception("on_withdrawn callback of lease %s failed", self.id)
+            return
         if self.notice is not None and not notice.supersedes(self.notice):
             return
         self.notice = notice

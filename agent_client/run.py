@@ -215,6 +215,7 @@ class AsyncBoundProcess(Supervised):
         go = -1
         try:
             lease.on_evict(self._on_notice)
+            lease.on_withdrawn(self._on_notice)
             mine = (await self.client.partition()).get("mine")
             self.limits = plan_limits(mine if isinstance(mine, Mapping) else None, os.sched_getaffinity(0))
             name = f"gpucoord-{self.client.agent}-{lease.id}"

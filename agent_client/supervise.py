@@ -11,7 +11,7 @@ import pathlib
 import signal
 import subprocess
 import time
-from typing import Awaitable, Protocol, Sequence
+from typing import Awaitable, Callable, Protocol, Sequence
 
 from agent_client import errors
 from agent_client._aio import first_of, spawn
@@ -60,6 +60,7 @@ class Supervised:
     _forwarded: list[int]
     _evicted: asyncio.Event
     _lost: asyncio.Event
+    _say: Callable[[str], None]
     _lost_why: str
     _stop: asyncio.Event
 
@@ -91,7 +92,12 @@ class Supervised:
 
     # -- events --------------------------------------------------------------------------------
     def _on_notice(self, notice: EvictionNotice) -> None:
-        if self.notice is None or notice.supersedes(self.notice):
+        if notice.withdrawn:
+            if self.notice is not None and not self.notice.revoke:
+                self.notice = notice
+                self._evicted.set()
+            return
+        if self.notice is None or self.notice.withdrawn or notice.supersedes(self.notice):
             self.notice = notice
             self._evicted.set()
 
@@ -178,6 +184,11 @@ class Supervised:
                     if killer is not None:
                         killer.cancel()
                         killer = None
+                    if self.notice.withdrawn:   # no SIGKILL: the lease stays; the SIGTERM was sent already
+                        self._say(f"lease {self.lease.id}: notice withdrawn: its requester no longer needs it; "
+                                  "no SIGKILL will follow")
+                        self.notice = None
+                        continue
                     killer = self._on_eviction(loop, self.notice)
                 if self._stop.is_set() and not stop_handled and not exited.done():
                     stop_handled = True

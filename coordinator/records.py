@@ -299,9 +299,13 @@ class EvictionRecord:
     # Teams (issue 22): the team whose request below its quota reclaims this over-quota lease of another
     # team, whatever their priorities ("" for an eviction by priority, G3, or by an operator).
     reclaim: str = ""
+    # Never stored: what a replica pushes to the victim's client when the notice is deleted while its lease
+    # lives (withdrawn: the requester no longer needs it).
+    withdrawn: bool = False
 
     def to_json(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
+        del d["withdrawn"]
         if not self.revoke:
             del d["revoke"]
         if not self.reclaim:

@@ -12,7 +12,10 @@ revision checks:
 * gangs (issue 21): a gang lease (one record per GPU, each listing the gang) is wholly present or wholly
   absent at every revision; a GPU held exclusively holds no other lease;
 * G3 eviction: every eviction notice made for a request of priority P names a preemptible lease of
-  priority < P, and a request that had victims is admitted only once all of them are gone;
+  priority < P, and a request that had victims is admitted only once all of them are gone (or on room it
+  found free, their notices withdrawn in that same revision); notices serve their requester
+  (tests/support/history_notices.py): a request's notice stands, and its lease ends under it, only while the
+  requester's queue entry (where it still waits) lists that lease;
 * G11 teams (tests/support/history_teams.py): no grant takes a team above its limit; a lease's quota mark
   (``over_quota``) agrees with its team's usage; a reclaim notice names another team's over-quota lease (G3's
   priority rule does not apply to it); with teams stored, eviction by priority stays within the requester's team;
@@ -37,6 +40,7 @@ from coordinator.etcd.store import Store, WatchEvent
 from coordinator.keys import Keys
 from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.txn import Range
+from tests.support.history_notices import NoticeRules
 from tests.support.history_teams import TeamRules
 
 SENTINEL = b"zz-history-sentinel"    # the key a history read writes under its prefix to mark "now"
@@ -92,6 +96,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     forced: set[str] = set()                       # lease ids whose departing record was forced (the kill margin)
     teams = TeamRules()
     registrations: dict[str, int] = {}            # host -> the etcd lease hosts/<host> is on
+    notice_rules = NoticeRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         if not ev.kv.key.endswith(SENTINEL):      # an earlier history read's mark (under leases/, teams/...)
@@ -108,6 +113,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
         for ev in by_rev[rev]:
             kind, parts = keys.parse(ev.kv.key)
             teams.event(kind, parts, ev)
+            notice_rules.event(kind, parts, ev)
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     notices[parts[0]] = json.loads(ev.kv.value)
@@ -250,13 +256,16 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                         f"{usable} MiB, counting ended leases {[v['id'] for v in held]} whose processes are "
                         "still reported")
         rep.violations += teams.check(rev, leases)
-        # G3: a request with victims is admitted only after they are all gone.
+        # G3: a request with victims is admitted only after they are all gone, or on room it found free with
+        # their notices withdrawn in that same revision.
         live_ids = {lease_id for live in leases.values() for lease_id in live}
+        withdrawn = notice_rules.withdrawn_now()
         for lease_id, victims in granted_from_queue:
             if lease_id in live_ids:
-                still = [v for v in victims if v in live_ids]
+                still = [v for v in victims if v in live_ids and v not in withdrawn]
                 if still:
                     rep.violations.append(f"rev {rev}: G3 lease {lease_id} admitted while its victims {still} live")
+        rep.violations += notice_rules.check(rev)
         # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id); it repeats
         # only on the GPUs of one gang, each record listing them all.
         seen: dict[tuple[str, str, str], tuple[str, ...]] = {}

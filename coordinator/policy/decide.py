@@ -14,6 +14,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.policy.admission import GpuView, best_fit, never_fits
 from coordinator.policy.gang import could_use, slots_from_views
 from coordinator.policy.host import HostView
+from coordinator.policy.notices import withdrawable
 from coordinator.policy.placement import Chosen, GangRequest, Refused, place
 from coordinator.policy.plan import C, Caller, Context
 from coordinator.policy.team_admission import team_wait_over
@@ -149,6 +150,8 @@ def decide(it: Item[C], view: HostView, ctx: Context, departing_held: Collection
         v in departing_held or v not in view.leases
         or (v in ctx.overdue and bool(view.leases[v].pids or view.leases[v].pgid))
         for v in victims)
+    # A request whose victims still live takes room it finds free now, its notices withdrawn (``policy/notices``).
+    free_now = not pending or (it.entry is not None and withdrawable(it.entry, view, ctx.notices, departing_held))
     gang = req.gang(caps) if req.is_gang else None
     if gang is not None:
         # G2 with gangs: only GPUs no earlier-ranked waiter could use (``blocked``) may be chosen.
@@ -157,12 +160,12 @@ def decide(it: Item[C], view: HostView, ctx: Context, departing_held: Collection
         placed = place(slots, gang, unavailable, team_room)
         if team_room is not None and not isinstance(placed, Chosen):
             placed = place(slots, gang, unavailable)   # none within the limit: the planner's limit check says so
-        if isinstance(placed, Chosen) and not pending:
+        if isinstance(placed, Chosen) and free_now:
             by_index = {g.index: g for g in view.gpus.values()}
             return Grant(gang=tuple(by_index[i] for i in placed.gpus))
         placement = None
     else:
-        placement = best_fit(req.vram_mb, req.agent, free_of_queue, caps) if not pending else None
+        placement = best_fit(req.vram_mb, req.agent, free_of_queue, caps) if free_now else None
         if placement is not None and placement.gpu is not None:
             return Grant(gpu=placement.gpu)
     if it.call is not None and it.entry is None:

@@ -3,7 +3,7 @@ and what it answers (``Plan``). Plain data; ``policy/planner.py`` holds the deci
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Generic, Protocol, TypeVar
+from typing import Collection, Generic, Mapping, Protocol, TypeVar
 
 from coordinator import errors
 from coordinator.config import CoordinatorConfig
@@ -101,6 +101,7 @@ class Plan(Generic[C]):
     # Lease ids of the requests that wait for their team's limit alone (G11), with why (``limit_refusal``): they
     # hold no GPU back and choose no victims; a wait that ends so is answered naming ``team``.
     team_waits: dict[str, str] = dataclasses.field(default_factory=dict)
+    withdrawn: list[str] = dataclasses.field(default_factory=list)   # notices this transaction withdraws
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,3 +121,6 @@ class Context:
     # Without teams: the revision as of which no team was stored (0: not known). A round that grants compares
     # that no team was written since, so that a team created meanwhile is counted (the grant is decided again).
     no_teams_since: int = 0
+    # This host's eviction notices as the replica's mirror shows them: lease id -> (the notice's mod_revision,
+    # the notice). A round withdraws the notices a request no longer needs comparing these (``policy/notices``).
+    notices: Mapping[str, tuple[int, EvictionRecord]] = dataclasses.field(default_factory=dict)

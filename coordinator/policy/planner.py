@@ -88,6 +88,7 @@ from coordinator.policy.reclaim import (
     own_team_only,
     protected_until,
 )
+from coordinator.policy.reclaim_guard import reclaim_guards
 from coordinator.policy.team_admission import (
     beyond_limit,
     charged_teams,
@@ -246,7 +247,7 @@ class _Planner(Round[C]):
                 plan.refusals.append((it.call, refusal))
                 return
         plan.team_waits[it.req.lease_id] = reason
-        self._write_wait(it, it.entry.victims if it.entry is not None else ())
+        self._write_wait(it, self._kept(it.entry, ()) if it.entry is not None else ())   # it keeps no victim
 
     # -- order the calls -------------------------------------------------------------------------------
     def _order(self, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str]) -> list[Item[C]]:
@@ -331,12 +332,18 @@ class _Planner(Round[C]):
         plan = self.out
         victims = it.entry.victims if it.entry is not None else ()
         if w.victims_pending:
-            return victims
+            return self._serve(it, w.free_of_queue, w.caps, w.gang) if it.entry is not None else victims
         new, reclaim = (chosen, "") if chosen is not None else self._victims(it, w)
         parts = [x for v in new for x in self.parts(v.id)]
-        if new and not self._fits_budget(len(new) + 2, len(new) + len(parts) + 2):
+        # Reclaim commits only while its victims are over quota (``reclaim_guard``), compared once a transaction.
+        guards = ([] if not (reclaim and new) or self.ctx.teams is None or self._charges is None else
+                  [c for c in reclaim_guards(self.ctx.teams, self.view, self.keys, reclaim, [v.id for v in new],
+                                             self._charges) if c not in plan.compares])
+        if new and not self._fits_budget(len(new) + 2, len(new) + len(parts) + 2 + len(guards)):
             new = []              # too many for this transaction: evict in the next round
             plan.more = True
+        elif new:
+            plan.compares += guards
         for victim in new:
             record = self._eviction(victim, it, reclaim)
             plan.ops.append(Put(self.keys.eviction(victim.id), dumps(record.to_json()), victim.etcd_lease))

@@ -7,14 +7,27 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Generic
+from typing import Collection, Generic, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.policy.admission import GpuView
 from coordinator.policy.decide import Grant, Item, Request
 from coordinator.policy.host import HostView
+from coordinator.policy.notices import (
+    fits_with_gone,
+    own_notices,
+    requested_by,
+    unneeded,
+)
+from coordinator.policy.placement import GangRequest
 from coordinator.policy.plan import C, Context, Plan, Wait
-from coordinator.policy.team_admission import grant_charge_mb, over_quota_mark, team_use
+from coordinator.policy.team_admission import (
+    fleet_charges,
+    grant_charge_mb,
+    over_quota_mark,
+    team_use,
+)
+from coordinator.policy.teams import in_quota
 from coordinator.records import (
     EvictionRecord,
     QueueEntry,
@@ -136,6 +149,55 @@ class Round(Generic[C]):
                 return it
         return None
 
+    # -- notices that serve their requester (``policy/notices.py``) ---------------------------------------
+    def _withdraw(self, entry: QueueEntry, victims: Collection[str]) -> tuple[str, ...]:
+        """Withdraw, in this transaction, the notices ``entry``'s request made to ``victims`` whose lease still
+        lives (each compared on the mod_revision the round knows); returns the victims withdrawn."""
+        plan, me, out = self.out, requested_by(entry), []
+        for v in victims:
+            known = self.ctx.notices.get(v)
+            if known is None or known[1].requested_by != me or v in plan.withdrawn or v not in self.view.leases:
+                continue
+            key = self.keys.eviction(v)
+            plan.compares.append(ModRevisionIs(key, known[0]))
+            plan.ops.append(Delete(key))
+            plan.withdrawn.append(v)
+            self.evicting.discard(v)
+            out.append(v)
+        return tuple(out)
+
+    def _kept(self, entry: QueueEntry, keep: Collection[str]) -> tuple[str, ...]:
+        """``entry``'s victims once the notices it made to those not in ``keep`` are withdrawn."""
+        withdrawn = self._withdraw(entry, [v for v in entry.victims if v not in keep])
+        return tuple(v for v in entry.victims if v not in withdrawn)
+
+    def _serve(self, it: Item[C], free_of_queue: Sequence[GpuView], caps: Mapping[str, int],
+               gang: GangRequest | None) -> tuple[str, ...]:
+        """The victims a queued request whose victims still live keeps: the notices it no longer needs are
+        withdrawn in this transaction (``notices.unneeded``)."""
+        entry, req, teams = it.entry, it.req, self.ctx.teams
+        assert entry is not None
+        own = own_notices(entry, self.view, self.ctx.notices)
+        if not own:
+            return entry.victims
+        invalid: set[str] = set()
+        reclaimed = [v for v in own if self.ctx.notices[v][1].reclaim]
+        if reclaimed and teams is not None:
+            team = teams.membership.team(teams.membership.team_of(req.agent))
+            charges = fleet_charges(teams, self.view)
+            marks = in_quota(charges, teams.membership)
+            least = req.vram_mb * req.gpu_count if not req.exclusive else 0
+            over = self.team_used(team.name) + least > team.quota_mb
+            invalid = {v for v in reclaimed if over or marks.get(v, False)}
+        unavailable = {g.index for g in self.view.gpus.values() if g.uuid in self.blocked}
+        drop = unneeded(entry, own, invalid, self.departing_held, lambda gone: fits_with_gone(
+            self.view, req.agent, req.vram_mb, free_of_queue, caps, gang, unavailable, gone))
+        if not drop:
+            return entry.victims
+        withdrawn = self._withdraw(entry, drop)
+        self.out.more = True    # decide it again: it may choose other victims, or fit
+        return tuple(v for v in entry.victims if v not in withdrawn)
+
     # -- write the ops ---------------------------------------------------------------------------------
     def _write_grant(self, it: Item[C], g: Grant) -> None:
         plan = self.out
@@ -169,6 +231,7 @@ class Round(Generic[C]):
                 self._used[team] += sum(x.vram_mb for x in plan.gangs.get(lease.id, (lease,)))
         plan.grants.append((it.call, lease))
         if it.entry is not None:
+            self._withdraw(it.entry, it.entry.victims)    # granted on room it found free: its notices go
             self._leaves(it.entry, None, None)
 
     def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = (),

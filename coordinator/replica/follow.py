@@ -5,6 +5,7 @@ the hosts' admitters, delivers eviction notices to the sessions' streams, and fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Iterable, Protocol
 
@@ -108,6 +109,7 @@ class Follower:
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()
         team_room = False    # a team's use over the fleet may have dropped, or a team changed (G11)
+        fleet_moved = False  # a team's lease was granted on some host (its ledger moved)
         for ev in batch.events:
             try:
                 kind, parts = self.keys.parse(ev.kv.key)
@@ -115,6 +117,8 @@ class Follower:
                 continue
             if self.mirror.eases_teams(ev.kv.key, ev.kind):
                 team_room = True
+            elif kind == "teamledgers":
+                fleet_moved = True
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     try:
@@ -131,6 +135,8 @@ class Follower:
                     gone = self.evictions.pop(parts[0], None)
                     if gone is not None:
                         woken.add(gone.host)
+                        if self.mirror.lease(gone.lease_id) is not None:   # withdrawn: its holder hears it
+                            self._deliver(dataclasses.replace(gone, withdrawn=True))
             elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing") and parts:
                 woken.add(parts[0])
                 if kind in ("usage", "departing") and self.leadership is not None:
@@ -144,11 +150,12 @@ class Follower:
             admitter = self._admitters.get(host)
             if admitter is not None and admitter.has_waiters:
                 admitter.notify()
-        if team_room:
+        if team_room or fleet_moved:
             # A lease ended on any host (maybe granted and released through another replica), or a team
-            # changed (a raised limit, new members): the hosts whose waiters wait for their team decide again.
+            # changed (a raised limit, new members): the hosts whose waiters wait for their team decide again,
+            # and so do those with leases under a request's notice (does the requester still need them?).
             for admitter in self._admitters.values():
-                if admitter.has_team_waiters:
+                if (team_room and admitter.has_team_waiters) or admitter.has_request_notices:
                     admitter.notify()
 
     def _on_reach(self, ok: bool) -> None:

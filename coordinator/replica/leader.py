@@ -231,13 +231,16 @@ class Leadership:
         kv = self.ctx.mirror.get(key)
         if kv is None:
             return None
-        if record.requester_priority is not None and not self._still_waiting(record):
+        # A request's notice stands only while its queue entry still lists the victim; the revoke compares it.
+        entry_kv = self._still_waiting(record) if record.requester_priority is not None else None
+        if record.requester_priority is not None and entry_kv is None:
             res = await self.ctx.store.commit([ModRevisionIs(key, kv.mod_revision), *term.fence()],
                                               [Delete(key)])
             if res.succeeded:
-                log.info("withdrew the notice of lease %s: its requester %s is gone", record.lease_id,
-                         record.requested_by)
+                log.info("withdrew the notice of lease %s: its requester %s is gone or no longer needs it",
+                         record.lease_id, record.requested_by)
             return None
+        also = [ModRevisionIs(entry_kv.key, entry_kv.mod_revision)] if entry_kv is not None else []
         bound = at + self.ctx.config.eviction_kill_margin_s
         lease_kv = self.ctx.mirror.lease(record.lease_id)
         try:
@@ -255,13 +258,13 @@ class Leadership:
             if (usage_kv is not None and usage is not None and self._published_after(usage_kv, usage, at, record)
                     and reports_none(usage, lease.gpu_uuid, lease.id, lease.pids)):
                 if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision,
-                                            fence=term, usage_revision=usage_kv.mod_revision):
+                                            fence=term, usage_revision=usage_kv.mod_revision, also=also):
                     log.info("revoked lease %s of %s after its eviction deadline: the node reports none of its "
                              "processes on the GPU", record.lease_id, record.agent)
                     return None
             return bound
         if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=term,
-                                    at_bound=True):
+                                    at_bound=True, also=also):
             log.info("revoked lease %s of %s at the kill margin past its eviction deadline", record.lease_id,
                      record.agent)
         return None
@@ -312,15 +315,16 @@ class Leadership:
                         record.gpu_uuid)
         return None
 
-    def _still_waiting(self, record: EvictionRecord) -> bool:
+    def _still_waiting(self, record: EvictionRecord) -> KV | None:
+        """The queue entry of the notice's requester, while it still lists the notice's lease as a victim."""
         for kv in self.ctx.mirror.host_items("queue", record.host):
             try:
                 entry = QueueEntry.from_kv(kv)
             except InvalidRecord:
                 continue   # (its host is INVALID; the admitters report it)
             if f"{entry.agent}/{entry.request_id}" == record.requested_by:
-                return True
-        return False
+                return kv if record.lease_id in entry.victims else None
+        return None
 
     async def _sweep_queue(self, term: Election) -> None:
         while True:

@@ -87,7 +87,7 @@ class Leases:
 
     async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
                      fence: Election | None = None, *, at_bound: bool = False,
-                     usage_revision: int | None = None) -> bool:
+                     usage_revision: int | None = None, also: Sequence[Compare] = ()) -> bool:
         """Delete a lease now (the leader at an eviction deadline, or ``revoke_by_operator`` for a lease not
         bound to processes). False if it was gone.
 
@@ -98,7 +98,8 @@ class Leases:
         lease's processes): it happens only while the report is unchanged, else False (decide again).
         ``at_bound``: the kill margin past the deadline has passed; a lease bound to processes that the node
         still reports leaves a forced ``departing/`` record (G3: its VRAM counts as free from now on, and the
-        history shows that the bound, not the processes' exit, ended it).
+        history shows that the bound, not the processes' exit, ended it). ``also``: what else must hold (the
+        leader: the requester's queue entry, as it read it, still listing the lease).
         """
         notice_key = self.keys.eviction(lease_id)
         fenced = fence.fence() if fence is not None else []
@@ -113,7 +114,7 @@ class Leases:
                 return False
             key = self.keys.lease(lease.host, lease.gpu_uuid, lease.id)
             others = await self._other_parts(lease, False)
-            compares = [ModRevisionIs(key, lease.mod_revision), *fenced,
+            compares = [ModRevisionIs(key, lease.mod_revision), *fenced, *also,
                         *(ModRevisionIs(kv.key, kv.mod_revision) for kv in others)]
             ops: list[Op] = [Delete(key), Delete(notice_key), *(Delete(kv.key) for kv in others)]
             if notice_revision is not None:

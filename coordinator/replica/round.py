@@ -16,7 +16,7 @@ from coordinator.policy.partition.caps import TLS_DEFAULT, UNCAPPED
 from coordinator.policy.partition.caps import check as check_cap
 from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round
-from coordinator.records import VramLease
+from coordinator.records import EvictionRecord, VramLease
 from coordinator.replica.admitter_state import AdmitterState
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
 from coordinator.replica.teams import team_state
@@ -83,7 +83,8 @@ class AdmissionRound(AdmitterState):
             teams, teams_read_at = await team_state(
                 rep, snap.revision, min(0.5, max(0.0, deadline - asyncio.get_running_loop().time())), attempt > 0)
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
-                          clock.wall(), self._overdue(), teams, no_teams_since=teams_read_at if teams is None else 0)
+                          clock.wall(), self._overdue(), teams, no_teams_since=teams_read_at if teams is None else 0,
+                          notices=self._notices(snap.revision))
             plan = plan_round(view, batch, self._waiting, live, ctx)
             self._teams_revision = teams.revision if teams is not None else 0
             if use_mirror:
@@ -103,6 +104,8 @@ class AdmissionRound(AdmitterState):
             if res is not None and res.succeeded:
                 self._last_commit = res.revision
                 self._settle(plan, res.revision)
+                for lease_id in plan.withdrawn:
+                    log.info("withdrew the eviction notice of lease %s: its requester no longer needs it", lease_id)
                 for entry in plan.left:
                     if entry.victims:
                         try:
@@ -118,6 +121,18 @@ class AdmissionRound(AdmitterState):
         for c in batch:
             if not c.future.done():
                 c.future.set_exception(err)
+
+    def _notices(self, revision: int) -> dict[str, tuple[int, EvictionRecord]]:
+        """This host's notices with their mod_revision, from the mirror once it has caught up with the round's
+        snapshot (``revision``); none before (a round then withdraws nothing: the next one will)."""
+        mirror, out = self.ctx.mirror, {}
+        if not mirror.ready or mirror.revision < revision:
+            return {}
+        for record in list(self.ctx.evictions.values()):
+            kv = mirror.get(self.keys.eviction(record.lease_id)) if record.host == self.host else None
+            if kv is not None:
+                out[record.lease_id] = (kv.mod_revision, record)
+        return out
 
     def _overdue(self) -> frozenset[str]:
         """Leases of this host under a notice whose deadline has passed (as this replica measures it)."""

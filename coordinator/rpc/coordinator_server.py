@@ -84,7 +84,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.EvictionNotice(lease_id=record.lease_id, gpu_uuid=record.gpu_uuid, reason=record.reason,
                                  requested_by=record.requested_by, deadline_unix=record.deadline_unix,
                                  grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke,
-                                 reclaim_team=record.reclaim)
+                                 reclaim_team=record.reclaim, withdrawn=record.withdrawn)
     async def _session(self, ref: pb.SessionRef) -> SessionInfo:
         """The session a call names, once the call's own fields are valid: its fields, then the lookup."""
         validate.session_ref(ref)

@@ -14,7 +14,10 @@ At the end: the history checker over etcd's whole history (G1, G2's queue order 
 G5, G6 at every revision), no lease, queue entry, eviction or session left once every agent is gone, every
 client call ended with a documented status, and no replica logged a traceback or an error nobody handled. The seed is printed (``GPUCOORD_NEMESIS_SEED`` replays
 one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s); ``GPUCOORD_NEMESIS_FAULTS`` = ``process`` or
-``network`` keeps to one kind of fault (default: both). A last line ``nemesis summary`` gives the seed, the
+``network`` keeps to one kind of fault (default: both). Every even seed (or ``GPUCOORD_NEMESIS_TEAMS=1``) mixes
+teams in: the even agents in team ``ta`` (a quota of a quarter of the fleet), the odd ones in ``tb`` (a quota of
+half, a limit of three quarters), so that grants are charged, limits hold requests back and reclaim takes over-
+quota leases under the faults, and the history checker's team and notice rules apply. A last line ``nemesis summary`` gives the seed, the
 faults, the calls, the violations and the leaks in one line.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Callable, Iterator
 
 import pytest
 
+from agent_client.api import coordinator_pb2 as pb
 from tests.faultlink import FaultLink
 from tests.history import check_store
 from tests.support.cluster import Cluster, leaked, wait_no_leaks
@@ -36,6 +40,7 @@ from tests.support.etcd3 import Etcd3
 from tests.support.load import LoadReport, run_load
 from tests.support.noise import unhandled_in_log
 from tests.support.processes import LinkedReplica
+from tests.support.rpcs import coordinator_stub
 
 pytestmark = pytest.mark.nemesis
 
@@ -149,10 +154,22 @@ def nemesis_cluster(member_links: list[FaultLink]) -> Iterator[Cluster]:
         c.close()
 
 
+def _set_teams(addr: str) -> None:
+    """Teams ta (even agents n-0, n-2...) and tb (odd ones) over the 40 agents of the load."""
+    stub = coordinator_stub(addr)
+    usable = min(g.usable_mb for h in stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts for g in h.gpus)
+    fleet = usable * 2 * len(HOSTS)
+    stub.SetTeam(pb.SetTeamRequest(name="ta", quota_mb=fleet // 4,
+                                   members=pb.TeamMembers(patterns=[f"n-{i}" for i in range(0, 40, 2)])), timeout=10)
+    stub.SetTeam(pb.SetTeamRequest(name="tb", quota_mb=fleet // 2, limit_mb=3 * fleet // 4,
+                                   members=pb.TeamMembers(patterns=[f"n-{i}" for i in range(1, 40, 2)])), timeout=10)
+
+
 def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: Cluster, tmp_path: Path) -> None:
     seed = int(os.environ.get("GPUCOORD_NEMESIS_SEED") or random.randrange(1 << 30))
     duration = float(os.environ.get("GPUCOORD_NEMESIS_S", "60"))
-    print(f"nemesis seed {seed} ({duration:g} s, faults: {os.environ.get('GPUCOORD_NEMESIS_FAULTS', 'all')})")
+    print(f"nemesis seed {seed} ({duration:g} s, faults: {os.environ.get('GPUCOORD_NEMESIS_FAULTS', 'all')}, "
+          f"teams: {seed % 2 == 0 or os.environ.get('GPUCOORD_NEMESIS_TEAMS') == '1'})")
     rng = random.Random(seed)    # the scheduler's own: other code's use of random must not change its picks
     c = nemesis_cluster
     for host in HOSTS:
@@ -166,6 +183,9 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         if kind in ("process", "network"):
             faults = {n: f for n, f in faults.items() if (n in _NETWORK) == (kind == "network")}
         a, b = reps.addrs
+        teams = seed % 2 == 0 or os.environ.get("GPUCOORD_NEMESIS_TEAMS") == "1"
+        if teams:
+            _set_teams(a)
 
         async def scenario() -> LoadReport:
             report = LoadReport()

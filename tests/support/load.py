@@ -5,7 +5,7 @@ import asyncio
 import dataclasses
 import random
 import time
-from typing import Collection, Sequence
+from typing import Collection, Mapping, Sequence
 
 import grpc
 
@@ -70,14 +70,14 @@ class LoadReport:
 
 async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng: random.Random,
                      sizes: Sequence[int], waits: Sequence[float], hold_s: float,
-                     low_priority: Collection[int] = (), gang: bool = False) -> None:
+                     low_priority: Collection[int] = (), gang: bool = False, base_priority: int = 0) -> None:
     """Acquire/release cycles until ``until``; with ``gang``, each acquire is a 2-GPU gang: ``vram`` on each
     GPU, or one time in four two whole GPUs (``exclusive``, at priority -1, so that it waits behind the
     others instead of holding the queue's head)."""
     while time.monotonic() < until:
         vram, wait = rng.choice(sizes), rng.choice(waits)
         gpu_count, exclusive = (2, rng.random() < 0.25) if gang else (1, False)
-        priority = -1 if vram in low_priority or exclusive else 0
+        priority = base_priority + (-1 if vram in low_priority or exclusive else 0)
         t0 = time.monotonic()
         try:
             lease = await client.acquire(0 if exclusive else vram, wait=wait, priority=priority,
@@ -104,11 +104,12 @@ async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str]
                    sizes: Sequence[int] = (2000, 4000, 6000), waits: Sequence[float] = (0.0, 0.5, 2.0),
                    hold_s: float = 0.02, agent_prefix: str = "agent", ttl: int = 10,
                    report: LoadReport | None = None, low_priority: Collection[int] = (),
-                   gang_every: int = 0) -> LoadReport:
+                   gang_every: int = 0, priorities: Mapping[str, int] | None = None) -> LoadReport:
     """One agent per entry of ``addresses`` (the replicas that agent talks to), each on ``host`` (or the
     hosts in turn), for ``duration_s`` seconds. Sessions are closed at the end. Requests of the sizes in
     ``low_priority`` ask with priority -1 (they wait behind the others instead of blocking them). With
-    ``gang_every`` N, every Nth agent (``0``, ``N``...) asks for 2-GPU gangs (its hosts need 2 GPUs)."""
+    ``gang_every`` N, every Nth agent (``0``, ``N``...) asks for 2-GPU gangs (its hosts need 2 GPUs).
+    ``priorities``: a base priority by agent name (0 for the others)."""
     report = report or LoadReport()
     hosts = [host] if isinstance(host, str) else list(host)
     rng = random.Random(seed)
@@ -124,7 +125,8 @@ async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str]
     until = time.monotonic() + duration_s
     try:
         await asyncio.gather(*(agent_loop(c, report, until, random.Random(rng.random()), sizes, waits, hold_s,
-                                          low_priority, gang=bool(gang_every) and clients.index(c) % gang_every == 0)
+                                          low_priority, gang=bool(gang_every) and clients.index(c) % gang_every == 0,
+                                          base_priority=(priorities or {}).get(c.agent, 0))
                                for c in connected))
     finally:
         for c in connected:

@@ -1,0 +1,113 @@
+"""Notices serve their requester until the deadline (G3, G11; ``policy/notices.py``): a victim that its
+requester no longer needs has its notice withdrawn, is not revoked, and the requester takes room it finds free
+rather than waiting for a victim. Each scene ends with the history checker (its rule: a request's notice stands
+only while the requester's queue entry lists its lease)."""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import pytest
+
+from agent_client import Client, errors
+from agent_client.api import coordinator_pb2 as pb
+from tests.support.cluster import Cluster
+from tests.support.rpcs import coordinator_stub
+from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
+
+GRACE_S = 8.0          # long: each scene acts within it
+KILL_MARGIN_S = 1.0
+
+
+def _usable(addr: str) -> int:
+    status = coordinator_stub(addr).GetStatus(pb.GetStatusRequest(), timeout=10)
+    return min(g.usable_mb for h in status.hosts for g in h.gpus)
+
+
+def _background(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except errors.GpucoordError as e:
+            out["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _notices(cluster: Cluster) -> list[Any]:
+    return cluster.get_prefix(cluster.keys.evictions())
+
+
+def test_a_victim_back_in_quota_during_its_grace_is_not_revoked_and_the_requester_takes_free_gpus(
+        cluster: Cluster) -> None:
+    """Team big (quota: one GPU) holds h2's GPU (its oldest lease) and both of h1's; oth reclaims the newest, on
+    h1's GPU 0. Within the grace big's two older leases end: GPU 1 of h1 is free, and the victim is big's only
+    lease, in quota. oth is granted GPU 1 at once, the notice is withdrawn, and the victim keeps its lease."""
+    cluster.start_node("h1", "2x16GiB", heartbeat_s=3600)
+    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    usable = _usable(addr)
+    stub = coordinator_stub(addr)
+    for team, quota in (("big", usable), ("oth", 2 * usable)):
+        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=quota, members=pb.TeamMembers(patterns=[f"{team}-*"])),
+                     timeout=10)
+    with Client(addr, agent="big-1", host="h2") as b1, Client(addr, agent="big-2", host="h1") as b2, \
+            Client(addr, agent="oth-1", host="h1") as o:
+        oldest = b1.acquire(0, exclusive=True)
+        older = b2.acquire(0, gpu=1, exclusive=True)
+        victim = b2.acquire(0, gpu=0, exclusive=True, request_id="victim")
+        t, out = _background(lambda: o.acquire(0, exclusive=True, wait=GRACE_S * 2))
+        wait_for(victim.evicting.is_set, 10, "the reclaim notice to big's newest lease")
+        assert not older.evicting.is_set()
+        oldest.release()
+        older.release()
+        t.join(GRACE_S)
+        assert "value" in out, f"oth was not granted the free GPU within the grace: {out}"
+        assert [g.index for g in out["value"].gpus] == [1], "oth waited for the victim instead of the free GPU"
+        wait_for(lambda: not _notices(cluster), 5, "the notice withdrawn")
+        assert victim.id in {x.id for x in cluster.leases()}
+
+
+def test_a_requester_that_its_team_limit_blocks_after_choosing_victims_withdraws_them(cluster: Cluster) -> None:
+    """Team a (limit: 20 GiB) holds 12 GiB on h1 at priority 0; its priority-5 request for 8 GiB there evicts it.
+    Within the grace team a takes 8 GiB on h2: the request, now held back by the limit, chooses no victims, so
+    its notice is withdrawn and the lease stays; its wait ends naming the team."""
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
+    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    coordinator_stub(addr).SetTeam(pb.SetTeamRequest(name="a", quota_mb=0, limit_mb=20480,
+                                                     members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
+    with Client(addr, agent="a-1", host="h1") as a1, Client(addr, agent="a-2", host="h1") as a2, \
+            Client(addr, agent="a-3", host="h2") as a3:
+        low = a1.acquire(12288)
+        t, out = _background(lambda: a2.acquire(8192, priority=5, wait=GRACE_S - 2))
+        wait_for(low.evicting.is_set, 10, "the notice to the priority-0 lease")
+        a3.acquire(8192)
+        wait_for(lambda: not _notices(cluster), GRACE_S - 3, "the notice withdrawn")
+        t.join(GRACE_S)
+        assert isinstance(out.get("error"), errors.ResourceExhausted), out
+        assert low.id in {x.id for x in cluster.leases()}
+
+
+def test_when_the_requesters_wait_ends_its_notices_are_withdrawn_and_the_victim_hears_it(cluster: Cluster) -> None:
+    """A priority-5 request evicts a priority-0 lease and its wait ends within the grace: the notice is withdrawn,
+    the victim's client hears it (``on_withdrawn`` runs, ``evicting`` is cleared) and the lease is not revoked."""
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    with Client(addr, agent="low", host="h1") as lo, Client(addr, agent="high", host="h1") as hi:
+        low = lo.acquire(12288)
+        heard = threading.Event()
+        low.on_withdrawn(lambda notice: heard.set() if notice.withdrawn else None)
+        t, out = _background(lambda: hi.acquire(8192, priority=5, wait=1.0))
+        wait_for(low.evicting.is_set, 10, "the notice")
+        t.join(GRACE_S)
+        assert isinstance(out.get("error"), errors.ResourceExhausted), out
+        wait_for(heard.is_set, GRACE_S - 2, "the victim to hear that its notice was withdrawn")
+        assert not low.evicting.is_set() and low.notice is None
+        assert not _notices(cluster)
+        assert low.id in {x.id for x in cluster.leases()}
