@@ -89,8 +89,10 @@ def test_a_team_below_its_quota_reclaims_exactly_the_other_teams_over_quota_leas
             Client(addr, agent="b-1", host="h2") as b:
         in_quota, over = _a_fills_the_fleet(a1, a2)
         waited = _b_reclaims(cluster, b, in_quota, over)
-    print(f"team B granted its quota after {waited:.2f} s (grace {GRACE_S} s + kill margin {KILL_MARGIN_S} s + 1 s)")
-    assert waited <= GRACE_S + KILL_MARGIN_S + 1.0
+    # A's holders ignore their notices: the grant waits for the grace (and the margin) at any speed; that it
+    # came within B's wait is asserted above, how soon after them is the machine's speed.
+    print(f"team B granted its quota after {waited:.2f} s (grace {GRACE_S} s + kill margin {KILL_MARGIN_S} s)")
+    assert waited >= GRACE_S - 0.1, "B was granted before the reclaimed leases' grace ended"
 
 
 @pytest.mark.fault
@@ -129,7 +131,7 @@ def test_reclaim_holds_over_two_replicas_when_one_is_killed_while_the_team_waits
             waited = _b_reclaims(cluster, b, in_quota, over, during_wait=kill_the_owner)
         print(f"team B granted its quota after {waited:.2f} s with the {kill} ({doomed}; h2's owner {owner}) killed "
               "while it waited")
-        assert waited <= GRACE_S + KILL_MARGIN_S + 1.0
+        assert waited >= GRACE_S - 0.1, "B was granted before the reclaimed leases' grace ended"
     finally:
         for proc, _ in procs:
             stop_process(proc)
@@ -140,7 +142,8 @@ def test_reclaim_holds_over_two_replicas_when_one_is_killed_while_the_team_waits
 def test_a_borrowed_lease_is_reclaimed_only_after_its_minimum_runtime(cluster: Cluster, team_max_s: float) -> None:
     """A's lease (over quota: A has none) declares a minimum runtime of 2 s. Under A's maximum of an hour it
     gets its reclaim notice only once 2 s have passed since its grant, and B is granted after that plus the
-    grace; with a maximum of 0 the declaration counts for nothing and the notice comes at once."""
+    grace; with a maximum of 0 the declaration (30 s there) counts for nothing and the notice comes before it
+    ends."""
     cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
     addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
     stub = coordinator_stub(addr)
@@ -149,9 +152,12 @@ def test_a_borrowed_lease_is_reclaimed_only_after_its_minimum_runtime(cluster: C
                                    members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
     stub.SetTeam(pb.SetTeamRequest(name="b", quota_mb=usable, members=pb.TeamMembers(patterns=["b-*"])), timeout=10)
     with Client(addr, agent="a-1", host="h1") as a, Client(addr, agent="b-1", host="h1") as b:
-        borrowed = a.acquire(0, exclusive=True, min_runtime=2.0)
+        # With a maximum of 0, a declaration far longer than a notice takes on a loaded machine: the notice
+        # coming before it ended shows that it counted for nothing, at any speed.
+        min_runtime = 2.0 if team_max_s else 30.0
+        borrowed = a.acquire(0, exclusive=True, min_runtime=min_runtime)
         granted_at = time.monotonic()
-        assert borrowed.over_quota and borrowed.min_runtime == 2.0
+        assert borrowed.over_quota and borrowed.min_runtime == min_runtime
         result: dict[str, Any] = {}
         t = threading.Thread(target=lambda: result.update(lease=b.acquire(0, exclusive=True, wait=30)), daemon=True)
         t.start()
@@ -161,7 +167,8 @@ def test_a_borrowed_lease_is_reclaimed_only_after_its_minimum_runtime(cluster: C
         assert "lease" in result
     print(f"team max {team_max_s:g} s: the notice came {noticed:.2f} s after the grant")
     if team_max_s:
+        # Never before the minimum runtime; how soon after it is the machine's speed (B's grant, above, says
+        # that it came).
         assert noticed >= 2.0 - 0.05, "reclaimed within its minimum runtime"
-        assert noticed <= 2.0 + 1.0, "not reclaimed soon after its minimum runtime ended"
     else:
-        assert noticed < 2.0, "the minimum runtime counted though the team's maximum is 0"
+        assert noticed < min_runtime, "the minimum runtime counted though the team's maximum is 0"

@@ -40,14 +40,19 @@ def test_a_failed_admission_round_answers_every_caller(cluster: Cluster) -> None
     try:
         with Client(addr, agent="a", host="h1") as a:
             t0 = time.monotonic()
+            details = ""
             try:
-                coordinator_stub(addr).Acquire(acquire_req("a", a.session_id, 1000, "r1"), timeout=4)
+                coordinator_stub(addr).Acquire(acquire_req("a", a.session_id, 1000, "r1"), timeout=30)
                 outcome = "granted"
             except grpc.RpcError as e:
-                outcome = e.code().name
+                outcome, details = e.code().name, e.details() or ""
             elapsed = time.monotonic() - t0
             assert failed, "the fault was not injected"
-            assert outcome in ("UNAVAILABLE", "granted") and elapsed < 2, (outcome, elapsed)
+            # Answered by the failed round itself, not by the timer that answers a call its round left
+            # unanswered (at the etcd timeout): which one answered is the claim, whatever the machine's speed.
+            print(f"{outcome} after {elapsed:.3f} s: {details}")
+            assert outcome in ("UNAVAILABLE", "granted"), (outcome, details)
+            assert "could not settle it in time" not in details, details
     finally:
         undo()
 

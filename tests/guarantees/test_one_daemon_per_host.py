@@ -104,19 +104,21 @@ def test_a_daemon_restarted_after_a_crash_takes_over_when_the_old_registration_e
 
 
 def test_a_host_key_deleted_by_hand_is_restored_within_a_heartbeat(cluster: Cluster) -> None:
-    # A long heartbeat: the usage write that comes with it must not be what repairs the key.
-    heartbeat = 30.0
+    # A heartbeat far longer than the wait below: the usage write that comes with it must not be what repairs
+    # the key. Restored before the daemon's first heartbeat, it was the watch that did it, at any speed.
+    heartbeat = 600.0
+    started = time.monotonic()
     daemon = cluster.start_node("h1", "1x16GiB", heartbeat_s=heartbeat)
     before = host_kv(cluster)
     assert before is not None
     cluster.lt.run(cluster.store.delete(cluster.keys.host("h1")))
     deleted_at = time.monotonic()
-    restored = wait_for(lambda: host_kv(cluster), heartbeat, "hosts/h1 to be registered again")
+    restored = wait_for(lambda: host_kv(cluster), 60, "hosts/h1 to be registered again")
     took = time.monotonic() - deleted_at
     assert restored.etcd_lease == daemon.etcd_lease == before.etcd_lease
     assert restored.value == before.value
-    # The watch repairs it at once; 5 s is a generous margin for a loaded machine, far below the heartbeat.
-    assert took < 5.0, f"restored after {took:.1f}s"
+    assert time.monotonic() - started < heartbeat, "the heartbeat may have repaired it"
+    print(f"restored {took:.2f} s after the delete")
 
 
 def start_daemon(cluster: Cluster, host: str, fake_gpus: str, ttl: int = 10) -> tuple[NodeDaemon, Any]:

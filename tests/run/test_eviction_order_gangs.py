@@ -16,6 +16,9 @@ from tests.support.processes import ProcessGone, write_fake_processes
 from tests.support.run_victim import GRACE_S, start_victim
 from tests.support.waiting import Background, wait_for
 
+# A kill margin far longer than any step of these tests takes on a loaded machine: it never decides a grant.
+MARGIN_S = 60.0
+
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 
 
@@ -39,22 +42,28 @@ def test_an_evicted_gangs_gpus_are_granted_only_once_the_node_no_longer_lists_it
         cluster: Cluster, victim_py: str, tmp_path: Path, started: list[int], listed_on: tuple[int, ...]) -> None:
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h1", "2x16GiB", fake_processes=str(procs_file))
-    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=10)
+    # The node lists the child until the test stops it, once the child is gone and the departing records are
+    # there; a kill margin that never decides: each step waits on the one before, at any speed.
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=MARGIN_S)
     run, pid = start_victim(addr, "h1", victim_py, "term", started, "--gpus", "2")
-    until = time.time() + 6.0
-    # 0 MiB: the listing alone (as NVML lists a process whose memory it cannot tell) holds the GPU.
-    write_fake_processes(procs_file, {g: {pid: {"mib": 0, "until": until}} for g in listed_on})
+    # 0 MiB: the listing alone (as NVML lists a process whose memory it cannot tell) holds the GPU. Listed
+    # after it exits too, until the test rewrites the file (an hour is forever here).
+    write_fake_processes(procs_file, {g: {pid: {"mib": 0, "until": time.time() + 3600}} for g in listed_on})
     wait_for(lambda: listed(cluster, pid, listed_on), 10, "the node to list the child on its GPUs")
     gone = ProcessGone(pid)
     with Client(addr, agent="high", host="h1") as c:
-        request = Background(c.acquire, 16384, priority=9, wait=30, gpu_count=2)
+        request = Background(c.acquire, 16384, priority=9, wait=MARGIN_S + 30, gpu_count=2)
         gone_at = gone.wait(10)
         departing = wait_for(lambda: cluster.get_prefix(cluster.keys.departings()), 10, "the departing records")
-        lease = request.result(timeout=30)
+        assert not request.done.is_set(), "granted while the node still listed the evicted child"
+        until = time.time()
+        write_fake_processes(procs_file, {})    # the driver has freed it: the node's next report says so
+        lease = request.result(timeout=MARGIN_S + 40)
         created = granted_at(cluster, lease.id)
+        assert created < until + MARGIN_S, "the kill margin, not the node's report, let the grant in"
         lease.release()
     held = sorted(json.loads(kv.value)["gpu_uuid"] for kv in departing)
-    assert gone_at < until - 0.5, "the child should be gone well before the node stops listing it"
+    assert gone_at < until, "the child should be gone before the node stops listing it"
     assert created >= until, f"granted {until - created:.2f} s before the node's report stopped listing the child"
     assert [f"GPU-sim-h1-{g}" for g in listed_on] == held[-len(listed_on):], held
     assert run.wait(30) == 143
