@@ -68,7 +68,7 @@ class VictimChoice:
 
 def g3_order(h: Holder) -> tuple[int, float, int]:
     """G3's order: lowest priority first, then newest first."""
-    return (h.priority, h.created_at, h.token)
+    return (h.priority, -h.created_at, -h.token)
 
 
 def choose_gang_victims(slots: Sequence[GpuSlot], request: GangRequest, priority: int, agent: str,
