@@ -34,7 +34,7 @@ Guarantees, checked by the property tests in ``tests/unit/test_planner.py``:
   of those GPUs idles for later requests until the gang is granted (a waiting ``any`` gang of 4 on an
   8-GPU host holds back all 8 GPUs), and a round may grant less than it could; its gain: a big request is
   never starved by a stream of small ones. A gang's victims are chosen over GPU sets
-  (``victims.choose_gang_victims``: fewest, then lowest, minimal); a gang victim frees all its GPUs, and its
+  (``victims.choose_gang_victims``: G3's order over all candidates, minimal); a gang victim frees all its GPUs, and its
   notice compares each of its records. ``_fits_budget`` counts a gang's k lease puts and k ledger puts.
 * **G2 with teams** (G11, ``_wait_for_team``): a request that its team's limit holds back (its grant would take
   its team above its limit; for one that does not fit yet, even the least it could be charged would) waits
@@ -45,10 +45,11 @@ Guarantees, checked by the property tests in ``tests/unit/test_planner.py``:
   is granted first, so the team's room goes to whichever of its requests fits first in rank order, and a
   big request of a team at its limit may be passed by its team's smaller ones (the team's own business;
   across teams nothing changes). Once its team has room it is decided as any request (it may then block
-  GPUs and choose victims). A new call that asked for no wait is refused at once naming ``team`` and the
+  GPUs and choose victims). Unless its own team's lower-priority preemptible leases here free room under
+  the limit (``_evicts_for_team``: G3 within the team's limit): then it evicts them and waits as any waiter. A new call that asked for no wait is refused at once naming ``team`` and the
   limit; a wait that ends while the limit holds it back is answered so too (``Plan.team_waits``).
-* G3: victims are preemptible, of lower priority, chosen by ``admission.choose_victims`` (lowest priority
-  first, then newest; no victim can be spared); a request with victims is admitted only once they are gone:
+* G3: victims are preemptible, of lower priority, chosen over every GPU (``admission.plan_eviction``, the same
+  rule as ``victims.choose_gang_victims``: lowest priority first, then newest, over all candidates; minimal); a request with victims is admitted only once they are gone:
   their leases, and the processes of those bound to processes while the node still reports them and the
   kill margin has not passed (``HostView.departing``, whose VRAM also counts as held for everyone else).
 * etcd's limits: at most ``TXN_OPS_BUDGET`` operations and ``TXN_COMPARES_BUDGET`` compares.
@@ -357,8 +358,8 @@ class _Planner(Round[C]):
 
     def _victims(self, it: Item[C], w: Waits) -> tuple[list[VramLease], str]:
         """New victims (G3): for a single-GPU request over single GPUs (``admission.plan_eviction``); for a
-        gang over the GPU sets free of earlier waiters (``victims.choose_gang_victims``: fewest, then lowest,
-        minimal; a gang victim frees all its GPUs). Each as its first GPU's record. With teams, G3 takes only
+        gang over the GPU sets free of earlier waiters (``victims.choose_gang_victims``; both take G3's order
+        over all candidates, then prune; a gang victim frees all its GPUs). Each as its first GPU's record. With teams, G3 takes only
         leases of the request's own team, and when it finds nothing the request may reclaim other teams'
         over-quota leases (``policy/reclaim.py``); then the second value names the reclaiming team."""
         req, teams = it.req, self.ctx.teams

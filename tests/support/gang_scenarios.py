@@ -39,19 +39,25 @@ def wants(count: int, exclusive: bool, topology: str, gpus: tuple[str, ...]) -> 
 
 
 @st.composite
-def requests(draw: Any) -> dict[str, Any]:
-    count = draw(st.sampled_from([1, 1, 2, 2, 3, 4]))
-    exclusive = draw(st.booleans())
-    topology = draw(st.sampled_from(["any", "any", "numa", "nvlink"]))
+def requests(draw: Any, crowded: bool = False, singles: bool = False) -> dict[str, Any]:
+    if singles:
+        return {"vram_mb": draw(st.sampled_from([4096, 8192, 12000])), **wants(1, False, "any", ())}
+    count = draw(st.sampled_from([1, 1, 1, 1, 1, 2, 3] if crowded else [1, 1, 2, 2, 3, 4]))
+    exclusive = draw(st.integers(0, 3)) == 0 if crowded else draw(st.booleans())
+    topology = draw(st.sampled_from(["any", "any", "any", "numa"] if crowded else ["any", "any", "numa", "nvlink"]))
     gpus: tuple[str, ...] = ()
-    if draw(st.integers(0, 5)) == 0:
+    if draw(st.integers(0, 5)) == 0 and not crowded:
         gpus = tuple(str(i) for i in sorted(draw(st.sets(st.integers(0, 3), min_size=count, max_size=count))))
-    vram = 0 if exclusive else draw(st.sampled_from([1024, 4096, 8192, 12000]))
+    vram = 0 if exclusive else draw(st.sampled_from([4096, 8192, 12000] if crowded else [1024, 4096, 8192, 12000]))
     return {"vram_mb": vram, **wants(count, exclusive, topology, gpus)}
 
 
 @st.composite
-def scenarios(draw: Any) -> dict[str, Any]:
+def scenarios(draw: Any, crowded: bool = False, singles: bool = False) -> dict[str, Any]:
+    """A host and a round. ``crowded``: GPUs packed with leases (singles and gangs) of few priorities, and
+    requests of higher priorities, mostly single-GPU ones (``singles``: only those): G3 then has many candidates
+    to order."""
+    crowded = crowded or singles
     spec = draw(st.sampled_from(SPECS))
     inventory = HostInventory(HOST, "", 8, tuple(range(8)), 1 << 34, "/", 1 << 40, parse_fake_gpus(spec, HOST))
     part = compute_partition(inventory, parse_spec({"host": HOST, "mode": "shared"}))
@@ -62,18 +68,19 @@ def scenarios(draw: Any) -> dict[str, Any]:
     leases: list[VramLease] = []
     used = dict.fromkeys(usable, 0)
     exclusive_on: set[str] = set()
-    for n in range(draw(st.integers(0, 8))):
+    for n in range(draw(st.integers(4, 14) if crowded else st.integers(0, 8))):
         agent = draw(st.sampled_from(AGENTS))
-        on = sorted(draw(st.sets(st.integers(0, 3), min_size=1, max_size=3)))
-        exclusive = draw(st.integers(0, 3)) == 0
-        vram = draw(st.sampled_from([1024, 2048, 4096, 8192, 12000]))
+        on = sorted(draw(st.sets(st.integers(0, 3), min_size=1, max_size=2 if crowded else 3)))
+        exclusive = draw(st.integers(0, 3 if not crowded else 6)) == 0
+        vram = draw(st.sampled_from([2048, 4096, 8192] if crowded else [1024, 2048, 4096, 8192, 12000]))
         gpus = [by_index[i] for i in on]
         if any(g.uuid in exclusive_on or (exclusive and used[g.uuid]) or used[g.uuid] + vram > usable[g.uuid]
                for g in gpus):
             continue
         s = session(agent)
         gang = tuple(g.uuid for g in gpus) if len(gpus) > 1 else ()
-        prio, pre = draw(st.integers(-2, 3)), draw(st.booleans())
+        prio = draw(st.integers(0, 1) if crowded else st.integers(-2, 3))
+        pre = draw(st.integers(0, 4)) > 0 if crowded else draw(st.booleans())
         for g in gpus:
             take = usable[g.uuid] if exclusive else vram
             used[g.uuid] += take
@@ -90,8 +97,8 @@ def scenarios(draw: Any) -> dict[str, Any]:
     for n in range(draw(st.integers(0, 4))):
         agent = draw(st.sampled_from(AGENTS))
         s = session(agent)
-        prio = draw(st.integers(-2, 5))
-        r = draw(requests())
+        prio = draw(st.integers(-2, 0) if crowded else st.integers(-2, 5))   # crowded: the new calls rank first
+        r = draw(requests(crowded, singles))
         lease_id = lease_id_for(agent, f"q{n}", HOST)
         rank = Keys.queue_rank(prio, 10 + n, lease_id)
         victims = tuple(draw(st.lists(st.sampled_from([*ids, "long-gone"]), max_size=1)))
@@ -107,10 +114,11 @@ def scenarios(draw: Any) -> dict[str, Any]:
     batch = []
     for n in range(draw(st.integers(1, 6))):
         agent = draw(st.sampled_from(AGENTS))
-        wait = draw(st.sampled_from([0.0, 5.0]))
-        r = draw(requests())
+        wait = draw(st.sampled_from([0.0, 5.0, 5.0] if crowded else [0.0, 5.0]))
+        r = draw(requests(crowded, singles))
         rid = f"new{n}"
-        batch.append(Call(session(agent), r["vram_mb"], None, draw(st.integers(-2, 6)), draw(st.booleans()), rid,
+        prio = draw(st.integers(1, 6) if crowded else st.integers(-2, 6))
+        batch.append(Call(session(agent), r["vram_mb"], None, prio, draw(st.booleans()), rid,
                           lease_id_for(agent, rid, HOST), wait, 1000 + n, NOW + wait,
                           **wants(r["gpu_count"], r["exclusive"], r["topology"], r["gpus"])))
     gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=usable[g.uuid],
