@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.etcd.election import Election
@@ -26,7 +26,10 @@ from coordinator.replica.context import ReplicaContext
 from coordinator.replica.release_batch import ReleaseCommits
 from coordinator.txn import Absent, Compare, Delete, ModRevisionIs, Op, Put
 
+# Raises (PERMISSION_DENIED or UNAVAILABLE naming pids) unless the lease's node says its processes are the caller's.
+Confirm = Callable[[VramLease], Awaitable[None]]
 log = logging.getLogger(__name__)
+
 
 class Leases:
     def __init__(self, ctx: ReplicaContext) -> None:
@@ -273,10 +276,14 @@ class Leases:
         """A key from the mirror (``from_mirror``: the caller's compares validate it) or from etcd."""
         return self.mirror.get(key) if from_mirror else await self.store.get(key)
 
-    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int,
+                               confirm: Confirm | None = None) -> bool:
         """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
-        keeps everything else, token included. False when it already recorded exactly these."""
+        keeps everything else, token included. False when it already recorded exactly these. ``confirm``
+        (once the lease is known to be the caller's, before anything is written) raises unless the node of
+        the host says every process is the caller's."""
         wanted = tuple(sorted(set(pids)))
+        confirmed = confirm is None or (not wanted and not pgid)
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, info.host)
             if lease is None:
@@ -285,6 +292,10 @@ class Leases:
                 raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
             if (lease.pids, lease.pgid) == (wanted, pgid):
                 return False
+            if not confirmed:
+                assert confirm is not None
+                await confirm(lease)
+                confirmed = True
             # A gang: every GPU's record names the processes, in one transaction.
             parts = [lease, *(VramLease.from_kv(kv) for kv in await self._other_parts(lease, False))]
             res = await self.store.commit(

@@ -38,7 +38,7 @@ from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.follow import Follower, Outbox
 from coordinator.replica.leader import Leadership
-from coordinator.replica.leases import Leases
+from coordinator.replica.leases import Confirm, Leases
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.ownership import Ownership, owner_of  # noqa: F401 - owner_of: where the tests look
 from coordinator.replica.partitions import Partitions
@@ -316,8 +316,9 @@ class CoordinatorService(Follower):
             raise errors.OutcomeUnknown(f"release: etcd did not settle the release of {lease_id} in time; it may or "
                                         "may not have happened: retry (a release is idempotent)") from None
 
-    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
-        return await self.leases.attach_processes(info, lease_id, pids, pgid)
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int,
+                               confirm: Confirm | None = None) -> bool:
+        return await self.leases.attach_processes(info, lease_id, pids, pgid, confirm)
 
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         return await self.leases.find_lease(lease_id, host)

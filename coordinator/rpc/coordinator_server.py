@@ -15,16 +15,18 @@ from grpc_reflection.v1alpha import reflection
 
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from coordinator import metrics
+from coordinator import errors, metrics
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
-from coordinator.records import EvictionRecord, Gang, SessionInfo
+from coordinator.limits import quote
+from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.teams import Teams
 from coordinator.rpc import teams as team_rpcs
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.rpc.guard import follow_revocations, make_guard
+from coordinator.rpc.node_client import NodeCalls, host_address
 from coordinator.rpc.session_stream import SessionStreams
 from coordinator.rpc.status_message import lease_pb, redact_for_agent, status_response
 from coordinator.security.interceptor import current_caller
@@ -76,6 +78,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self.streams = SessionStreams(svc, {"acquire": self.Acquire, "release": self.Release,
                                             "keepalive": self._keepalive_call}, self._notice, self._session)
         self.teams = Teams(svc.ctx)
+        self.nodes = NodeCalls(svc.config.tls_files())
 
     def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
@@ -155,7 +158,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                               context: ServicerContext) -> pb.AttachProcessesResponse:
         validate.attach(request)
         info = await self._session(request.session)
-        changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid)
+        peer = context.peer() or ""
+
+        async def confirm(lease: VramLease) -> None:
+            """G9: every process must be the caller's, as the node of the lease's host sees it."""
+            kv = await self.svc.store.get(self.svc.keys.host(lease.host))
+            address = host_address(kv.value) if kv is not None else ""
+            refused = await self.nodes.refused(lease.host, address, lease.id, list(request.pids), request.pgid,
+                                               peer)
+            if refused:
+                shown = ", ".join(str(p) for p in refused[:8]) + (", ..." if len(refused) > 8 else "")
+                raise errors.NotOwner(f"pids: {shown} not processes of this caller on host {quote(lease.host)} "
+                                      "(a process must carry the lease's GPUCOORD_LEASE_ID, or descend from "
+                                      "the process that calls); nothing was recorded", "pids")
+
+        changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid,
+                                                  confirm)
         return pb.AttachProcessesResponse(changed=changed)
 
     @_rpc
@@ -236,6 +254,7 @@ async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory 
     guard.agent_hosts = svc.agent_hosts
     servicer = CoordinatorServicer(svc, forward=tls is None)
     svc.on_stop.append(servicer.forwarder.close)
+    svc.on_stop.append(servicer.nodes.close)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -17,12 +17,14 @@ from coordinator.keys import Keys, valid_name
 from coordinator.node.daemon import NodeDaemon, quote_prefix
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
+from coordinator.node.ownership import refused
 from coordinator.records import InvalidRecord, VramLease
 from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.security.limits import Limits
 from coordinator.security.status import refuse
 from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
 
+MAX_CONFIRM = 256          # pids one ConfirmProcesses may name (AttachProcesses names at most 64)
 REVOCATIONS_READY_S = 10.0   # the node serves only once it has read the deny list of certificates
 
 Req = TypeVar("Req")
@@ -102,6 +104,19 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
                                      highest_token=self.daemon.highest_token.get(gpu.uuid, 0))
 
     CheckToken = _answered("CheckToken", _check_token)
+
+    async def _confirm_processes(self, request: pb.ConfirmProcessesRequest,
+                                 context: grpc.aio.ServicerContext) -> pb.ConfirmProcessesResponse:
+        """Which of an AttachProcesses' processes do not belong to its caller (``coordinator.node.ownership``);
+        the coordinator role only (``coordinator.security.authz``). It reads /proc, off the event loop."""
+        if len(request.pids) > MAX_CONFIRM or len(request.peer) > 128 or len(request.lease_id) > 128:
+            raise errors.InvalidArgument("pids: too many, or a field too long", "pids")
+        out = await asyncio.to_thread(refused, request.lease_id, list(request.pids), request.pgid, request.peer)
+        if not out:   # the enforcer kills, once the lease is gone, only what it confirmed (or run started)
+            self.daemon.enforcer.confirmed(request.lease_id, [*request.pids, request.pgid])
+        return pb.ConfirmProcessesResponse(refused=out)
+
+    ConfirmProcesses = _answered("ConfirmProcesses", _confirm_processes)
 
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
         d = self.daemon

@@ -174,6 +174,9 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     if rpc == "Node.CheckToken":
         return lambda: s.node.CheckToken(node_pb2.CheckTokenRequest(gpu_uuid=w.lease.gpu_uuid, token=w.lease.token),
                                          timeout=10)
+    if rpc == "Node.ConfirmProcesses":   # the coordinator's question before an attach: no one else's
+        return lambda: s.node.ConfirmProcesses(node_pb2.ConfirmProcessesRequest(
+            lease_id=w.lease.id, pids=[os.getpid()], peer="ipv4:127.0.0.1:1"), timeout=10)
     if rpc == "Node.Health":
         return lambda: s.node_health.Check(health_pb2.HealthCheckRequest(), timeout=10)
     raise AssertionError(rpc)
@@ -182,12 +185,13 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
 RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "Session(Acquire)",
         "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
-        "Node.CheckToken", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam")
+        "Node.CheckToken", "Node.ConfirmProcesses", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam")
 TEAM_RPCS = {"SetTeam", "GetTeam", "ListTeams", "DeleteTeam"}
 ALLOWED = {
-    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease"} - TEAM_RPCS,
+    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease",
+                         "Node.ConfirmProcesses"} - TEAM_RPCS,
     "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health"},
-    "operator": set(RPCS),
+    "operator": set(RPCS) - {"Node.ConfirmProcesses"},   # a coordinator's only
     "node": {"Health", "Node.Health"},
     "nocert": set(), "other-ca": set(), "expired": set(),
 }
