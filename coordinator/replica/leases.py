@@ -90,7 +90,7 @@ class Leases:
 
     async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
                      fence: Election | None = None, *, at_bound: bool = False,
-                     usage_revision: int | None = None) -> bool:
+                     usage_revision: int | None = None, reason: str = "revoke") -> bool:
         """Delete a lease now (the leader at an eviction deadline, or ``revoke_by_operator`` for a lease not
         bound to processes). False if it was gone.
 
@@ -101,7 +101,8 @@ class Leases:
         lease's processes): it happens only while the report is unchanged, else False (decide again).
         ``at_bound``: the kill margin past the deadline has passed; a lease bound to processes that the node
         still reports leaves a forced ``departing/`` record (G3: its VRAM counts as free from now on, and the
-        history shows that the bound, not the processes' exit, ended it).
+        history shows that the bound, not the processes' exit, ended it). ``reason``: how the lease ended, for
+        ``gpucoord_releases_total`` (``revoke``, ``eviction``, ``reclaim``).
         """
         notice_key = self.keys.eviction(lease_id)
         fenced = fence.fence() if fence is not None else []
@@ -139,6 +140,7 @@ class Leases:
             res = await self.store.commit(compares, ops)
             if res.succeeded:
                 metrics.EVICTIONS.labels("revoke").inc()
+                metrics.RELEASES.labels(reason).inc()
                 if forced:
                     metrics.EVICTIONS.labels("margin").inc()
                     log.warning("lease %s of %s revoked at the kill margin while the node still reports its "
@@ -244,7 +246,7 @@ class Leases:
                                      dumps(self._departing(part, notice, bound).to_json()))
                                  for part in listed)])
                     if res.succeeded:
-                        metrics.RELEASES.inc()
+                        metrics.RELEASES.labels("release").inc()
                         log.info("lease %s released under its eviction notice while the node still reports its "
                                  "processes %s: its VRAM stays held until they are gone (at most %.1f s)", lease.id,
                                  sorted({pid for part in listed for pid in reported_pids(
@@ -257,7 +259,7 @@ class Leases:
                 compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision) if usage_kv is not None
                                 else Absent(usage_key))
             if await self.release_commits.commit(compares, ops):
-                metrics.RELEASES.inc()
+                metrics.RELEASES.labels("release").inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")
 

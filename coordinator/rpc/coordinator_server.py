@@ -180,6 +180,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     async def GetStatus(self, request: pb.GetStatusRequest, context: ServicerContext) -> pb.GetStatusResponse:
         validate.status_host(request.host)
         report = await self.svc.status(request.host)
+        if request.host and not any(v.inventory is not None or v.host_kv is not None or v.gpus or v.leases
+                                    or v.partition is not None or v.entries or v.departing for v in report.views):
+            # Nothing of that name, not even a gone host's leases: NOT_FOUND (and no series is made for it).
+            raise errors.NotFound(f"host: no host {quote(request.host)} ('gpucoord status' lists them)", "host")
         out = status_response(report, self._notice)
         if not request.host:   # team usage is over the fleet: only with every host
             out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))

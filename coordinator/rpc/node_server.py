@@ -162,7 +162,7 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
     port), for a node that listens on 0.0.0.0 or behind a NAT."""
     if metrics_listen:
         check_listen(metrics_listen, tls, insecure, what="metrics-listen")
-        metrics.serve(metrics_listen, tls)
+        metrics.serve(metrics_listen, tls, metrics.NODE_REGISTRY)
     await store.connect()
     await store.check_server_version()
     server: grpc.aio.Server | None = None
