@@ -4,6 +4,7 @@ kinds count: refusals, etcd errors, failed handshakes), never the coordinator's 
 from __future__ import annotations
 
 import re
+import ssl
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -11,10 +12,10 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 
-from coordinator import errors
+from coordinator import errors, metrics_http
+from coordinator.metrics_http import MetricsGate
 
 if TYPE_CHECKING:
     from coordinator.security.tls import TlsFiles
@@ -70,9 +71,15 @@ NODE_GPU_PROCESSES = Gauge("gpucoord_node_gpu_processes",
                            ["gpu", "state"], registry=NODE_REGISTRY)
 NODE_ENFORCE_KILLS = Counter("gpucoord_node_enforce_kills_total", "GPU processes the node SIGKILLed, by reason",
                              ["reason"], registry=NODE_REGISTRY)
+METRICS_REFUSALS = Counter("gpucoord_metrics_refusals_total", "Scrapes of /metrics refused (403), by why: "
+                           "certificate, identity, role, revocations (not read yet), revoked", ["why"],
+                           registry=REGISTRY)
+HANDSHAKE_FAILURES = Counter("gpucoord_tls_handshake_failures_total", "gRPC connections whose TLS handshake failed "
+                             "(no certificate, another CA's, expired): logged at most once a minute, with the count",
+                             registry=REGISTRY)
 
 # Counted by both kinds of server.
-for _shared in (REFUSALS, ETCD_ERRORS, ETCD_NOSPACE):
+for _shared in (REFUSALS, ETCD_ERRORS, ETCD_NOSPACE, METRICS_REFUSALS, HANDSHAKE_FAILURES):
     NODE_REGISTRY.register(_shared)
 
 
@@ -92,19 +99,18 @@ def count_refusal(rpc: str, error: BaseException) -> None:
     REFUSALS.labels(rpc, reason, field).inc()
 
 
-def serve(listen: str, tls: TlsFiles | None = None, registry: CollectorRegistry = REGISTRY) -> int:
+def serve(listen: str, tls: TlsFiles | None = None, registry: CollectorRegistry = REGISTRY,
+          gate: MetricsGate | None = None) -> int:
     """Serve ``registry`` at /metrics on ``host:port`` (port 0 picks one); returns the port. With TLS, over
-    HTTPS and only to clients with a certificate from the CA."""
+    HTTPS, only to clients with a certificate from the CA, and (``gate``) only to a live operator or metrics
+    identity (``coordinator.metrics_http``)."""
     host, _, port = listen.rpartition(":")
     if tls is not None:
         tls.read()   # an unreadable file is named as such (TlsError), not reported as an address problem
     try:
-        if tls is not None:
-            server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry,
-                                                certfile=tls.cert, keyfile=tls.key, client_cafile=tls.ca,
-                                                client_auth_required=True)
-        else:
-            server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
-    except (OSError, ValueError) as e:
+        return metrics_http.start(host.strip("[]") or "127.0.0.1", int(port), registry,
+                                  (tls.ca, tls.cert, tls.key) if tls is not None else None,
+                                  gate if gate is not None else MetricsGate(),
+                                  lambda why: METRICS_REFUSALS.labels(why).inc())
+    except (OSError, ValueError, ssl.SSLError) as e:
         raise OSError(f"metrics_listen: cannot listen on {listen}: {getattr(e, 'strerror', None) or e}") from e
-    return int(server.server_port)

@@ -19,6 +19,7 @@ from coordinator import errors, metrics
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
 from coordinator.limits import quote
+from coordinator.metrics_http import MetricsGate
 from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.teams import Teams
@@ -29,6 +30,7 @@ from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.rpc.node_client import NodeCalls, host_address
 from coordinator.rpc.session_stream import SessionStreams
 from coordinator.rpc.status_message import lease_pb, redact_for_agent, status_response
+from coordinator.security import handshakes
 from coordinator.security.interceptor import current_caller
 from coordinator.security.status import as_error, internal, set_status, wire_status
 from coordinator.security.tls import add_port, check_listen, server_options
@@ -241,15 +243,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
 
 async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory | None = None,
-                        ) -> tuple[grpc.aio.Server, int, CoordinatorService]:
+                        metrics_gate: MetricsGate | None = None) -> tuple[grpc.aio.Server, int, CoordinatorService]:
     """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service).
-    ``etcd_channel``: how its store builds the channel to etcd (``Store(channel=)``; tests record calls)."""
+    ``etcd_channel``: how its store builds the channel to etcd (``Store(channel=)``; tests record calls).
+    ``metrics_gate``: the /metrics server's, which then honours this server's deny list of certificates."""
     tls = config.tls_files()
     check_listen(config.listen, tls, config.insecure)
     # Identity, revocation, limits, authorization, bounds and audit: one interceptor, before any handler
     # (coordinator.security).
     guard = make_guard(tls is not None, config.calls_per_s_per_identity, config.call_burst_per_identity,
                        config.max_streams_per_identity)
+    if metrics_gate is not None:
+        metrics_gate.revocations = guard.revocations
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     port = add_port(server, config.listen, tls)
     svc = CoordinatorService(config, advertise=config.advertise or f"{config.listen.rpartition(':')[0]}:{port}",
@@ -276,9 +281,11 @@ async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory 
 async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run a coordinator until ``stop`` is set (or forever)."""
+    handshakes.install(metrics.HANDSHAKE_FAILURES.inc)   # gRPC core's line per failed handshake, aggregated
+    gate = MetricsGate()
     if config.metrics_listen:
-        metrics.serve(config.metrics_listen, config.tls_files())
-    server, port, svc = await create_server(config)
+        metrics.serve(config.metrics_listen, config.tls_files(), gate=gate)
+    server, port, svc = await create_server(config, metrics_gate=gate)
     await svc.store.check_server_version()
     log.info("coordinator %s serving on port %d", svc.replica_id, port)
     if ready is not None:

@@ -14,12 +14,14 @@ from agent_client.api import node_pb2_grpc as pb_grpc
 from coordinator import errors, metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, valid_name
+from coordinator.metrics_http import MetricsGate
 from coordinator.node.daemon import NodeDaemon, quote_prefix
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
 from coordinator.node.ownership import refused
 from coordinator.records import InvalidRecord, VramLease
 from coordinator.rpc.guard import follow_revocations, make_guard
+from coordinator.security import handshakes
 from coordinator.security.limits import Limits
 from coordinator.security.status import refuse
 from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
@@ -134,11 +136,14 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
 async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | None = None,
                              insecure: bool = False, calls_per_s: float = Limits.DEFAULT_CALLS_PER_S,
                              burst: int = Limits.DEFAULT_BURST,
-                             max_streams: int = Limits.DEFAULT_MAX_STREAMS) -> tuple[grpc.aio.Server, int]:
+                             max_streams: int = Limits.DEFAULT_MAX_STREAMS,
+                             metrics_gate: MetricsGate | None = None) -> tuple[grpc.aio.Server, int]:
     check_listen(listen, tls, insecure)
     # The same guard as the coordinator's (coordinator.security): identity, authorization, bounds; no
     # SO_REUSEPORT, so a second daemon on a port in use fails to start instead of sharing it.
     guard = make_guard(tls is not None, calls_per_s, burst, max_streams)
+    if metrics_gate is not None:   # /metrics honours this server's deny list of certificates
+        metrics_gate.revocations = guard.revocations
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     pb_grpc.add_NodeServicer_to_server(NodeServicer(daemon), server)
     health_servicer = health.aio.HealthServicer()
@@ -160,9 +165,11 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
     """Serve until ``stop`` is set. Raises HostTaken (having cleaned up) when the host has a live daemon.
     ``advertise`` is the address published in ``hosts/<host>`` (default: the listen address with the bound
     port), for a node that listens on 0.0.0.0 or behind a NAT."""
+    handshakes.install(metrics.HANDSHAKE_FAILURES.inc)   # gRPC core's line per failed handshake, aggregated
+    gate = MetricsGate()
     if metrics_listen:
         check_listen(metrics_listen, tls, insecure, what="metrics-listen")
-        metrics.serve(metrics_listen, tls, metrics.NODE_REGISTRY)
+        metrics.serve(metrics_listen, tls, metrics.NODE_REGISTRY, gate)
     await store.connect()
     await store.check_server_version()
     server: grpc.aio.Server | None = None
@@ -171,7 +178,7 @@ async def run_node(store: Store, keys: Keys, host: str, listen: str, source: Gpu
     try:
         await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
         # Bind first, so that the published address carries the real port.
-        server, port = await create_node_server(daemon, listen, tls, insecure)
+        server, port = await create_node_server(daemon, listen, tls, insecure, metrics_gate=gate)
         daemon.address = advertise or f"{listen.rpartition(':')[0]}:{port}"
         await daemon.start()
         if ready is not None:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -315,15 +316,19 @@ def test_session_stream_calls_are_audited_as_the_unary_calls(world: World, caplo
     world.stubs("self").coord.Release(pb.ReleaseRequest(session=world.ref(), lease_id=lease.id), timeout=10)
 
 
-def test_an_agent_sees_other_agents_leases_without_session_request_or_processes(world: World) -> None:
+def test_an_agent_sees_other_agents_leases_without_session_request_or_processes(
+        world: World, request: pytest.FixtureRequest) -> None:
     """Session ids are no secrets (etcd trusts no agent certificate), but an agent's GetStatus still shows
     other agents' leases without their session id, request id or processes; its own leases in full. The
     operator sees everything."""
     request_id = uuid.uuid4().hex
     lease = world.stubs("self").coord.Acquire(pb.AcquireRequest(session=world.ref(), vram_mb=64, request_id=request_id),
                                               timeout=10).lease
+    # Its own processes only (G9): itself, and a group this process started.
+    group = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    request.addfinalizer(lambda: (group.kill(), group.wait()))
     world.stubs("self").coord.AttachProcesses(pb.AttachProcessesRequest(session=world.ref(), lease_id=lease.id,
-                                                                        pids=[os.getpid()], pgid=os.getpgid(0)),
+                                                                        pids=[os.getpid()], pgid=group.pid),
                                               timeout=10)
     b = world.stubs("other").coord
     b_sid = b.OpenSession(pb.OpenSessionRequest(agent="agent-b", host=HOST, ttl_seconds=30), timeout=10).session_id
