@@ -1,7 +1,10 @@
-"""Prometheus metrics of a coordinator replica or a node daemon (text format over HTTP)."""
+"""Prometheus metrics of a coordinator replica (``REGISTRY``) and of a node daemon (``NODE_REGISTRY``), text
+format over HTTP. Each process serves its own registry: a node exports its own families (and the few both
+kinds count: refusals, etcd errors, failed handshakes), never the coordinator's as zeros."""
 from __future__ import annotations
 
 import re
+import ssl
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -9,21 +12,27 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 
-from coordinator import errors
+from coordinator import errors, metrics_http
+from coordinator.metrics_http import MetricsGate
 
 if TYPE_CHECKING:
     from coordinator.security.tls import TlsFiles
 
-REGISTRY = CollectorRegistry()
+REGISTRY = CollectorRegistry()        # a coordinator replica's
+NODE_REGISTRY = CollectorRegistry()   # a node daemon's
 
 ADMISSIONS = Counter("gpucoord_admissions_total", "VRAM leases admitted", ["host"], registry=REGISTRY)
 REFUSALS = Counter("gpucoord_refusals_total",
                    "RPCs answered with an error, by RPC, reason (the kind of error) and the request field at fault",
                    ["rpc", "reason", "field"], registry=REGISTRY)
-RELEASES = Counter("gpucoord_releases_total", "VRAM leases released explicitly", registry=REGISTRY)
+RELEASE_REASONS = ("release", "close", "expiry", "eviction", "revoke", "reclaim")
+RELEASES = Counter("gpucoord_releases_total", "VRAM leases that ended, by how (coordinator.replica.ends): release, "
+                   "close, expiry, eviction, revoke, reclaim; each counted by the replica that ended it", ["reason"],
+                   registry=REGISTRY)
+for _reason in RELEASE_REASONS:
+    RELEASES.labels(_reason)
 EVICTIONS = Counter("gpucoord_evictions_total", "Eviction notices issued (notice), leases revoked (revoke), and "
                     "leases revoked at the kill margin while the node still reported their processes (margin)",
                     ["kind"], registry=REGISTRY)
@@ -44,24 +53,34 @@ ACQUIRE_LATENCY = Histogram("gpucoord_acquire_seconds", "Acquire RPC latency, wa
                             buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5, 1, 5, 30), registry=REGISTRY)
 SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this replica", registry=REGISTRY)
 QUEUE_DEPTH = Gauge("gpucoord_queue_depth", "Waiting requests served by this replica", ["host"], registry=REGISTRY)
-LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (last status read)", ["host"], registry=REGISTRY)
-VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU (last status read)", ["host", "gpu", "kind"], registry=REGISTRY)
-TEAM_VRAM = Gauge("gpucoord_team_vram_mb", "VRAM per team over the fleet (last status read of every host)",
+LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (a gang counts once), from the replica's watch", ["host"], registry=REGISTRY)
+VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU, leased and free, from the replica's watch", ["host", "gpu", "kind"], registry=REGISTRY)
+TEAM_VRAM = Gauge("gpucoord_team_vram_mb", "VRAM per team over the fleet (quota, limit, used, borrowed, waiting), from the replica's watch",
                   ["team", "kind"], registry=REGISTRY)
 INVALID_RECORDS = Counter("gpucoord_invalid_records_total", "Malformed values read from etcd, by key kind (each "
                           "value once): their host is INVALID and gets no admission", ["kind"], registry=REGISTRY)
-NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=REGISTRY)
-NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=REGISTRY)
+NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=NODE_REGISTRY)
+NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=NODE_REGISTRY)
 NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_mb", "VRAM used by the processes of each lease (NVML)",
-                             ["gpu", "lease"], registry=REGISTRY)
+                             ["gpu", "lease"], registry=NODE_REGISTRY)
 NODE_LEASE_OVER_USE = Gauge("gpucoord_node_lease_over_use_mb",
                             "MiB a lease's processes use above the lease, when beyond the tolerance (else 0)",
-                            ["gpu", "lease"], registry=REGISTRY)
+                            ["gpu", "lease"], registry=NODE_REGISTRY)
 NODE_GPU_PROCESSES = Gauge("gpucoord_node_gpu_processes",
                            "Processes on each GPU by attribution: leased, leased_elsewhere, orphaned, untracked",
-                           ["gpu", "state"], registry=REGISTRY)
+                           ["gpu", "state"], registry=NODE_REGISTRY)
 NODE_ENFORCE_KILLS = Counter("gpucoord_node_enforce_kills_total", "GPU processes the node SIGKILLed, by reason",
-                             ["reason"], registry=REGISTRY)
+                             ["reason"], registry=NODE_REGISTRY)
+METRICS_REFUSALS = Counter("gpucoord_metrics_refusals_total", "Scrapes of /metrics refused (403), by why: "
+                           "certificate, identity, role, revocations (not read yet), revoked", ["why"],
+                           registry=REGISTRY)
+HANDSHAKE_FAILURES = Counter("gpucoord_tls_handshake_failures_total", "gRPC connections whose TLS handshake failed "
+                             "(no certificate, another CA's, expired): logged at most once a minute, with the count",
+                             registry=REGISTRY)
+
+# Counted by both kinds of server.
+for _shared in (REFUSALS, ETCD_ERRORS, ETCD_NOSPACE, METRICS_REFUSALS, HANDSHAKE_FAILURES):
+    NODE_REGISTRY.register(_shared)
 
 
 def _snake(name: str) -> str:
@@ -80,19 +99,18 @@ def count_refusal(rpc: str, error: BaseException) -> None:
     REFUSALS.labels(rpc, reason, field).inc()
 
 
-def serve(listen: str, tls: TlsFiles | None = None) -> int:
-    """Serve /metrics on ``host:port`` (port 0 picks one); returns the port. With TLS, over HTTPS and only
-    to clients with a certificate from the CA."""
+def serve(listen: str, tls: TlsFiles | None = None, registry: CollectorRegistry = REGISTRY,
+          gate: MetricsGate | None = None) -> int:
+    """Serve ``registry`` at /metrics on ``host:port`` (port 0 picks one); returns the port. With TLS, over
+    HTTPS, only to clients with a certificate from the CA, and (``gate``) only to a live operator or metrics
+    identity (``coordinator.metrics_http``)."""
     host, _, port = listen.rpartition(":")
     if tls is not None:
         tls.read()   # an unreadable file is named as such (TlsError), not reported as an address problem
     try:
-        if tls is not None:
-            server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY,
-                                                certfile=tls.cert, keyfile=tls.key, client_cafile=tls.ca,
-                                                client_auth_required=True)
-        else:
-            server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=REGISTRY)
-    except (OSError, ValueError) as e:
+        return metrics_http.start(host.strip("[]") or "127.0.0.1", int(port), registry,
+                                  (tls.ca, tls.cert, tls.key) if tls is not None else None,
+                                  gate if gate is not None else MetricsGate(),
+                                  lambda why: METRICS_REFUSALS.labels(why).inc())
+    except (OSError, ValueError, ssl.SSLError) as e:
         raise OSError(f"metrics_listen: cannot listen on {listen}: {getattr(e, 'strerror', None) or e}") from e
-    return int(server.server_port)

@@ -77,3 +77,21 @@ class CheckTokenResponse(_message.Message):
     lease_id: str
     highest_token: int
     def __init__(self, live: _Optional[bool] = ..., lease_id: _Optional[str] = ..., highest_token: _Optional[int] = ...) -> None: ...
+
+class ConfirmProcessesRequest(_message.Message):
+    __slots__ = ("lease_id", "pids", "pgid", "peer")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    PGID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    pgid: int
+    peer: str
+    def __init__(self, lease_id: _Optional[str] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., peer: _Optional[str] = ...) -> None: ...
+
+class ConfirmProcessesResponse(_message.Message):
+    __slots__ = ("refused",)
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    refused: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, refused: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -44,6 +44,11 @@ class NodeStub:
                 request_serializer=agent__client_dot_api_dot_node__pb2.CheckTokenRequest.SerializeToString,
                 response_deserializer=agent__client_dot_api_dot_node__pb2.CheckTokenResponse.FromString,
                 _registered_method=True)
+        self.ConfirmProcesses = channel.unary_unary(
+                '/gpucoord.v1.Node/ConfirmProcesses',
+                request_serializer=agent__client_dot_api_dot_node__pb2.ConfirmProcessesRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_node__pb2.ConfirmProcessesResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -64,6 +69,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfirmProcesses(self, request, context):
+        """Coordinators only: which of these processes belong to the caller of an AttachProcesses (see below).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.CheckToken,
                     request_deserializer=agent__client_dot_api_dot_node__pb2.CheckTokenRequest.FromString,
                     response_serializer=agent__client_dot_api_dot_node__pb2.CheckTokenResponse.SerializeToString,
+            ),
+            'ConfirmProcesses': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmProcesses,
+                    request_deserializer=agent__client_dot_api_dot_node__pb2.ConfirmProcessesRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_node__pb2.ConfirmProcessesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class Node:
             '/gpucoord.v1.Node/CheckToken',
             agent__client_dot_api_dot_node__pb2.CheckTokenRequest.SerializeToString,
             agent__client_dot_api_dot_node__pb2.CheckTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmProcesses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Node/ConfirmProcesses',
+            agent__client_dot_api_dot_node__pb2.ConfirmProcessesRequest.SerializeToString,
+            agent__client_dot_api_dot_node__pb2.ConfirmProcessesResponse.FromString,
             options,
             channel_credentials,
             insecure,

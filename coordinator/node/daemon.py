@@ -60,7 +60,7 @@ FAST_SCAN_FOR_S, and publishes at once whenever a process leaves a GPU: a reques
 VRAM (G3)."""
 
 
-def quote_prefix(value: object, limit: int = 40) -> str:
+def quote_prefix(value: object, limit: int = 32) -> str:   # limits.QUOTE_CHARS: a refusal quotes <= 32
     """A value for an error message: at most a short prefix of it, quoted."""
     text = str(value)
     return repr(text[:limit]) + ("..." if len(text) > limit else "")

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import psutil
 
 from coordinator import metrics
+from coordinator.node.ownership import carries_lease
 from coordinator.records import GpuUsage, VramLease
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class Covered:
     pgid: int = 0
     pgid_started: float | None = None            # the group leader's start time, when it was seen
     gone_at: float = 0.0                         # when the lease was seen deleted; 0 while it lives
+    vouched: bool = True                         # this node confirmed them as the lease's agent's own (G9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +168,8 @@ def attribute(usage: Sequence[GpuUsage], live: Sequence[Covered], gone: Sequence
             if was:
                 lid = was[0].lease_id
                 verdicts.append(ProcessVerdict(p.pid, u.uuid, p.used_mb, "orphaned", lid))
-                if mode != "report" and info is not None and p.pid not in keep:
+                # G9: only what a lease of its own agent attached, as this node confirmed, is ever killed.
+                if mode != "report" and info is not None and p.pid not in keep and was[0].vouched:
                     kills.setdefault(p.pid, Kill(p.pid, u.uuid, lid, f"its lease {lid} no longer exists"))
                 continue
             verdicts.append(ProcessVerdict(p.pid, u.uuid, p.used_mb, "untracked"))
@@ -212,14 +215,15 @@ class Enforcer:
     def __init__(self, mode: str = "report", tolerance_mb: int = 256, untracked_grace_s: float = 30.0,
                  remember_s: float = 3600.0, max_remembered: int = 4096,
                  proc_info: Callable[[int], ProcInfo | None] = read_proc_info,
-                 kill: Callable[[int, int], None] = os.kill) -> None:
+                 kill: Callable[[int, int], None] = os.kill,
+                 carries: Callable[[int, str], bool] = carries_lease) -> None:
         if mode not in ENFORCE_MODES:
             raise ValueError(f"--enforce: {mode!r} is not one of {', '.join(ENFORCE_MODES)}")
         if tolerance_mb < 0:
             raise ValueError("--over-use-tolerance: must be >= 0")
         self.mode, self.tolerance_mb, self.untracked_grace_s = mode, tolerance_mb, untracked_grace_s
         self.remember_s, self.max_remembered = remember_s, max_remembered
-        self._proc_info, self._kill = proc_info, kill
+        self._proc_info, self._kill, self._carries = proc_info, kill, carries
         self._lock = threading.Lock()
         # Keyed by (lease id, GPU uuid): a gang has one record, with the same id, on each of its GPUs.
         self.live: dict[tuple[str, str], Covered] = {}
@@ -228,6 +232,23 @@ class Enforcer:
         self._reported: set[tuple[int, str, str]] = set()   # (pid, state, lease) already logged
         self._metric_labels: set[tuple[str, str]] = set()
         self.last: Attribution = Attribution((), (), ())
+        # lease id -> the pids (and group ids) this node confirmed as its caller's (ConfirmProcesses).
+        self._confirmed: dict[str, set[int]] = {}
+
+    def confirmed(self, lease_id: str, pids: Iterable[int]) -> None:
+        """``Node.ConfirmProcesses`` said these belong to the caller attaching them to ``lease_id``."""
+        with self._lock:
+            self._confirmed.setdefault(lease_id, set()).update(pids)
+            while len(self._confirmed) > 2 * self.max_remembered:
+                del self._confirmed[next(iter(self._confirmed))]
+
+    def _vouched(self, lease: VramLease) -> bool:
+        """Did this node confirm every process of the lease, or does each carry the lease in its environment
+        (what ``gpucoord run`` starts; that survives a restart of the node)? Otherwise nothing of it is killed."""
+        with self._lock:
+            known = self._confirmed.get(lease.id, set())
+        wanted = {*lease.pids, *([lease.pgid] if lease.pgid else [])}
+        return all(pid in known or self._carries(pid, lease.id) for pid in wanted)
 
     # -- from the lease watch -------------------------------------------------------------------
     def lease_put(self, lease: VramLease) -> None:
@@ -243,7 +264,8 @@ class Enforcer:
         pids = tuple((pid, (info.started if (info := self._proc_info(pid)) else None)) for pid in lease.pids)
         leader = self._proc_info(lease.pgid) if lease.pgid else None
         covered = Covered(lease.id, lease.gpu_uuid, lease.agent, lease.vram_mb, pids, lease.pgid,
-                          leader.started if leader is not None and leader.pgid == lease.pgid else None)
+                          leader.started if leader is not None and leader.pgid == lease.pgid else None,
+                          vouched=self._vouched(lease))
         with self._lock:
             self.live[key] = covered
 

@@ -15,6 +15,7 @@ from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import Keys
 from coordinator.records import EvictionRecord, InvalidRecord, SessionInfo
 from coordinator.replica.admitter import HostAdmitter
+from coordinator.replica.ends import LeaseEnds
 from coordinator.replica.leader import Leadership
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.observed import Observed
@@ -44,6 +45,7 @@ class Follower:
     _admitters: dict[str, HostAdmitter]
     _streams: dict[str, set[Outbox]]
     _sessions: dict[tuple[str, str], SessionInfo]
+    ends: LeaseEnds
 
     def _deliver(self, record: EvictionRecord, only: Outbox | None = None) -> None:
         raise NotImplementedError
@@ -81,6 +83,7 @@ class Follower:
             if batch.resync:
                 self.mirror.ready = False
                 return
+            self.ends.before(batch)   # expired sessions' leases, counted while the mirror still has them
             self.mirror.apply(batch)
             self._observe([ev.kv for ev in batch.events if ev.kind == "PUT"])
             for ev in batch.events:

@@ -258,13 +258,14 @@ class Leadership:
             if (usage_kv is not None and usage is not None and self._published_after(usage_kv, usage, at, record)
                     and reports_none(usage, lease.gpu_uuid, lease.id, lease.pids)):
                 if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision,
-                                            fence=term, usage_revision=usage_kv.mod_revision, also=also):
+                                            fence=term, usage_revision=usage_kv.mod_revision, also=also,
+                                            reason=ended_by(record)):
                     log.info("revoked lease %s of %s after its eviction deadline: the node reports none of its "
                              "processes on the GPU", record.lease_id, record.agent)
                     return None
             return bound
         if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=term,
-                                    at_bound=True, also=also):
+                                    at_bound=True, also=also, reason=ended_by(record)):
             log.info("revoked lease %s of %s at the kill margin past its eviction deadline", record.lease_id,
                      record.agent)
         return None
@@ -370,3 +371,8 @@ class Leadership:
             if out.removed is not None:
                 await self.leases.withdraw_evictions(entry)
                 log.info("swept queue entry %s of %s (%s)", entry.rank, entry.agent, why)
+
+
+def ended_by(record: EvictionRecord) -> str:
+    """How a lease revoked at its notice's deadline ended (``gpucoord_releases_total``)."""
+    return "revoke" if record.revoke else ("reclaim" if record.reclaim else "eviction")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.etcd.election import Election
@@ -26,7 +26,10 @@ from coordinator.replica.context import ReplicaContext
 from coordinator.replica.release_batch import ReleaseCommits
 from coordinator.txn import Absent, Compare, Delete, ModRevisionIs, Op, Put
 
+# Raises (PERMISSION_DENIED or UNAVAILABLE naming pids) unless the lease's node says its processes are the caller's.
+Confirm = Callable[[VramLease], Awaitable[None]]
 log = logging.getLogger(__name__)
+
 
 class Leases:
     def __init__(self, ctx: ReplicaContext) -> None:
@@ -87,7 +90,8 @@ class Leases:
 
     async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
                      fence: Election | None = None, *, at_bound: bool = False,
-                     usage_revision: int | None = None, also: Sequence[Compare] = ()) -> bool:
+                     usage_revision: int | None = None, also: Sequence[Compare] = (),
+                     reason: str = "revoke") -> bool:
         """Delete a lease now (the leader at an eviction deadline, or ``revoke_by_operator`` for a lease not
         bound to processes). False if it was gone.
 
@@ -99,7 +103,8 @@ class Leases:
         ``at_bound``: the kill margin past the deadline has passed; a lease bound to processes that the node
         still reports leaves a forced ``departing/`` record (G3: its VRAM counts as free from now on, and the
         history shows that the bound, not the processes' exit, ended it). ``also``: what else must hold (the
-        leader: the requester's queue entry, as it read it, still listing the lease).
+        leader: the requester's queue entry, as it read it, still listing the lease). ``reason``: how the lease
+        ended, for ``gpucoord_releases_total`` (``revoke``, ``eviction``, ``reclaim``).
         """
         notice_key = self.keys.eviction(lease_id)
         fenced = fence.fence() if fence is not None else []
@@ -137,6 +142,7 @@ class Leases:
             res = await self.store.commit(compares, ops)
             if res.succeeded:
                 metrics.EVICTIONS.labels("revoke").inc()
+                metrics.RELEASES.labels(reason).inc()
                 if forced:
                     metrics.EVICTIONS.labels("margin").inc()
                     log.warning("lease %s of %s revoked at the kill margin while the node still reports its "
@@ -242,7 +248,7 @@ class Leases:
                                      dumps(self._departing(part, notice, bound).to_json()))
                                  for part in listed)])
                     if res.succeeded:
-                        metrics.RELEASES.inc()
+                        metrics.RELEASES.labels("release").inc()
                         log.info("lease %s released under its eviction notice while the node still reports its "
                                  "processes %s: its VRAM stays held until they are gone (at most %.1f s)", lease.id,
                                  sorted({pid for part in listed for pid in reported_pids(
@@ -255,7 +261,7 @@ class Leases:
                 compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision) if usage_kv is not None
                                 else Absent(usage_key))
             if await self.release_commits.commit(compares, ops):
-                metrics.RELEASES.inc()
+                metrics.RELEASES.labels("release").inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")
 
@@ -274,10 +280,14 @@ class Leases:
         """A key from the mirror (``from_mirror``: the caller's compares validate it) or from etcd."""
         return self.mirror.get(key) if from_mirror else await self.store.get(key)
 
-    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int,
+                               confirm: Confirm | None = None) -> bool:
         """Record the processes a lease covers (owner only): a compare-and-set on the lease's key that
-        keeps everything else, token included. False when it already recorded exactly these."""
+        keeps everything else, token included. False when it already recorded exactly these. ``confirm``
+        (once the lease is known to be the caller's, before anything is written) raises unless the node of
+        the host says every process is the caller's."""
         wanted = tuple(sorted(set(pids)))
+        confirmed = confirm is None or (not wanted and not pgid)
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id, info.host)
             if lease is None:
@@ -286,6 +296,10 @@ class Leases:
                 raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
             if (lease.pids, lease.pgid) == (wanted, pgid):
                 return False
+            if not confirmed:
+                assert confirm is not None
+                await confirm(lease)
+                confirmed = True
             # A gang: every GPU's record names the processes, in one transaction.
             parts = [lease, *(VramLease.from_kv(kv) for kv in await self._other_parts(lease, False))]
             res = await self.store.commit(

@@ -36,9 +36,11 @@ from coordinator.records import (
 from coordinator.replica.admitter import ADMITTER_IDLE_S, HostAdmitter
 from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.ends import LeaseEnds
 from coordinator.replica.follow import Follower, Outbox
+from coordinator.replica.gauges import MirrorGauges
 from coordinator.replica.leader import Leadership
-from coordinator.replica.leases import Leases
+from coordinator.replica.leases import Confirm, Leases
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.ownership import Ownership, owner_of  # noqa: F401 - owner_of: where the tests look
 from coordinator.replica.partitions import Partitions
@@ -70,6 +72,7 @@ class CoordinatorService(Follower):
         self.leases = Leases(self.ctx)
         self.partitions = Partitions(self.ctx, self.leases)
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
+        self.ends = LeaseEnds(keys, self.mirror)   # gpucoord_releases_total's close and expiry
         self._admitters: dict[str, HostAdmitter] = {}
         self.admitter_idle_s = ADMITTER_IDLE_S
         self.ownership = Ownership(self.mirror)
@@ -90,6 +93,7 @@ class CoordinatorService(Follower):
         await self.store.connect()
         self._tasks.append(spawn(self._watch(), "watch"))
         await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
+        self._tasks.append(spawn(MirrorGauges(self.ctx).run(), "the fleet gauges"))
         if leader_duties:
             self.leadership = Leadership(self.ctx, self.leases)
             self._tasks.append(spawn(self.leadership.run(), "leadership"))
@@ -178,7 +182,8 @@ class CoordinatorService(Follower):
                     # ever know this etcd_lease: it goes now rather than living out its TTL.
                     await self._revoke_unused(etcd_lease)
             if written:
-                self._sessions[(agent, session_id)] = SessionInfo(agent, session_id, host, etcd_lease, ttl)
+                self._sessions[(agent, session_id)] = info = SessionInfo(agent, session_id, host, etcd_lease, ttl)
+                self.ends.kept(info)
                 return session_id, ttl
         raise errors.Unavailable("open session: too much contention on the host's partition; retry")
 
@@ -240,9 +245,11 @@ class CoordinatorService(Follower):
             self._sessions.pop((info.agent, info.session_id), None)
             raise errors.SessionGone(f"session: session {info.session_id} of agent {info.agent!r} has expired",
                                      "session")
+        self.ends.kept(info)
         return ttl
 
     async def close_session(self, info: SessionInfo) -> None:
+        self.ends.closing(info)
         await self.store.revoke(info.etcd_lease)
         self._sessions.pop((info.agent, info.session_id), None)
 
@@ -316,8 +323,9 @@ class CoordinatorService(Follower):
             raise errors.OutcomeUnknown(f"release: etcd did not settle the release of {lease_id} in time; it may or "
                                         "may not have happened: retry (a release is idempotent)") from None
 
-    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int) -> bool:
-        return await self.leases.attach_processes(info, lease_id, pids, pgid)
+    async def attach_processes(self, info: SessionInfo, lease_id: str, pids: list[int], pgid: int,
+                               confirm: Confirm | None = None) -> bool:
+        return await self.leases.attach_processes(info, lease_id, pids, pgid, confirm)
 
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         return await self.leases.find_lease(lease_id, host)

@@ -16,19 +16,23 @@ from grpc_reflection.v1alpha import reflection
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import registry_pb2, registry_pb2_grpc
-from coordinator import metrics
+from coordinator import errors, metrics
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
-from coordinator.records import EvictionRecord, Gang, SessionInfo
+from coordinator.limits import quote
+from coordinator.metrics_http import MetricsGate
+from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.teams import Teams
 from coordinator.rpc import teams as team_rpcs
 from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.rpc.guard import follow_revocations, make_guard
+from coordinator.rpc.node_client import NodeCalls, host_address
 from coordinator.rpc.registry_server import RegistryServicer
 from coordinator.rpc.session_stream import SessionStreams
 from coordinator.rpc.status_message import lease_pb, redact_for_agent, status_response
+from coordinator.security import handshakes
 from coordinator.security.interceptor import current_caller
 from coordinator.security.status import as_error, internal, set_status, wire_status
 from coordinator.security.tls import add_port, check_listen, server_options
@@ -78,6 +82,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self.streams = SessionStreams(svc, {"acquire": self.Acquire, "release": self.Release,
                                             "keepalive": self._keepalive_call}, self._notice, self._session)
         self.teams = Teams(svc.ctx)
+        self.nodes = NodeCalls(svc.config.tls_files())
 
     def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
         """An eviction notice as an agent gets it: with the seconds left as this replica measures them."""
@@ -157,13 +162,32 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                               context: ServicerContext) -> pb.AttachProcessesResponse:
         validate.attach(request)
         info = await self._session(request.session)
-        changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid)
+        peer = context.peer() or ""
+
+        async def confirm(lease: VramLease) -> None:
+            """G9: every process must be the caller's, as the node of the lease's host sees it."""
+            kv = await self.svc.store.get(self.svc.keys.host(lease.host))
+            address = host_address(kv.value) if kv is not None else ""
+            refused = await self.nodes.refused(lease.host, address, lease.id, list(request.pids), request.pgid,
+                                               peer)
+            if refused:
+                shown = ", ".join(str(p) for p in refused[:8]) + (", ..." if len(refused) > 8 else "")
+                raise errors.NotOwner(f"pids: {shown} not processes of this caller on host {quote(lease.host)} "
+                                      "(a process must carry the lease's GPUCOORD_LEASE_ID, or descend from "
+                                      "the process that calls); nothing was recorded", "pids")
+
+        changed = await self.svc.attach_processes(info, request.lease_id, list(request.pids), request.pgid,
+                                                  confirm)
         return pb.AttachProcessesResponse(changed=changed)
 
     @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: ServicerContext) -> pb.GetStatusResponse:
         validate.status_host(request.host)
         report = await self.svc.status(request.host)
+        if request.host and not any(v.inventory is not None or v.host_kv is not None or v.gpus or v.leases
+                                    or v.partition is not None or v.entries or v.departing for v in report.views):
+            # Nothing of that name, not even a gone host's leases: NOT_FOUND (and no series is made for it).
+            raise errors.NotFound(f"host: no host {quote(request.host)} ('gpucoord status' lists them)", "host")
         out = status_response(report, self._notice)
         if not request.host:   # team usage is over the fleet: only with every host
             out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
@@ -221,15 +245,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
 
 async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory | None = None,
-                        ) -> tuple[grpc.aio.Server, int, CoordinatorService]:
+                        metrics_gate: MetricsGate | None = None) -> tuple[grpc.aio.Server, int, CoordinatorService]:
     """A started Coordinator server on ``config.listen`` (port 0 picks a free one) -> (server, port, service).
-    ``etcd_channel``: how its store builds the channel to etcd (``Store(channel=)``; tests record calls)."""
+    ``etcd_channel``: how its store builds the channel to etcd (``Store(channel=)``; tests record calls).
+    ``metrics_gate``: the /metrics server's, which then honours this server's deny list of certificates."""
     tls = config.tls_files()
     check_listen(config.listen, tls, config.insecure)
     # Identity, revocation, limits, authorization, bounds and audit: one interceptor, before any handler
     # (coordinator.security).
     guard = make_guard(tls is not None, config.calls_per_s_per_identity, config.call_burst_per_identity,
                        config.max_streams_per_identity)
+    if metrics_gate is not None:
+        metrics_gate.revocations = guard.revocations
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     port = add_port(server, config.listen, tls)
     svc = CoordinatorService(config, advertise=config.advertise or f"{config.listen.rpartition(':')[0]}:{port}",
@@ -238,6 +265,7 @@ async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory 
     guard.agent_hosts = svc.agent_hosts
     servicer = CoordinatorServicer(svc, forward=tls is None)
     svc.on_stop.append(servicer.forwarder.close)
+    svc.on_stop.append(servicer.nodes.close)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(svc), server)   # node daemons' calls
     health_servicer = health.aio.HealthServicer()
@@ -257,9 +285,11 @@ async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory 
 async def serve(config: CoordinatorConfig, ready: Callable[[int], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run a coordinator until ``stop`` is set (or forever)."""
+    handshakes.install(metrics.HANDSHAKE_FAILURES.inc)   # gRPC core's line per failed handshake, aggregated
+    gate = MetricsGate()
     if config.metrics_listen:
-        metrics.serve(config.metrics_listen, config.tls_files())
-    server, port, svc = await create_server(config)
+        metrics.serve(config.metrics_listen, config.tls_files(), gate=gate)
+    server, port, svc = await create_server(config, metrics_gate=gate)
     await svc.store.check_server_version()
     log.info("coordinator %s serving on port %d", svc.replica_id, port)
     if ready is not None:

@@ -14,16 +14,20 @@ from agent_client.api import node_pb2_grpc as pb_grpc
 from coordinator import errors, metrics
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, valid_name
+from coordinator.metrics_http import MetricsGate
 from coordinator.node.daemon import NodeDaemon, quote_prefix
 from coordinator.node.enforce import Enforcer
 from coordinator.node.inventory import GpuSource
+from coordinator.node.ownership import refused
 from coordinator.node.remote import RemoteNodeDaemon
 from coordinator.records import InvalidRecord, VramLease
 from coordinator.rpc.guard import follow_revocations, make_guard
+from coordinator.security import handshakes
 from coordinator.security.limits import Limits
 from coordinator.security.status import refuse
 from coordinator.security.tls import TlsFiles, add_port, check_listen, server_options
 
+MAX_CONFIRM = 256          # pids one ConfirmProcesses may name (AttachProcesses names at most 64)
 REVOCATIONS_READY_S = 10.0   # the node serves only once it has read the deny list of certificates
 
 Req = TypeVar("Req")
@@ -104,6 +108,19 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
 
     CheckToken = _answered("CheckToken", _check_token)
 
+    async def _confirm_processes(self, request: pb.ConfirmProcessesRequest,
+                                 context: grpc.aio.ServicerContext) -> pb.ConfirmProcessesResponse:
+        """Which of an AttachProcesses' processes do not belong to its caller (``coordinator.node.ownership``);
+        the coordinator role only (``coordinator.security.authz``). It reads /proc, off the event loop."""
+        if len(request.pids) > MAX_CONFIRM or len(request.peer) > 128 or len(request.lease_id) > 128:
+            raise errors.InvalidArgument("pids: too many, or a field too long", "pids")
+        out = await asyncio.to_thread(refused, request.lease_id, list(request.pids), request.pgid, request.peer)
+        if not out:   # the enforcer kills, once the lease is gone, only what it confirmed (or run started)
+            self.daemon.enforcer.confirmed(request.lease_id, [*request.pids, request.pgid])
+        return pb.ConfirmProcessesResponse(refused=out)
+
+    ConfirmProcesses = _answered("ConfirmProcesses", _confirm_processes)
+
     async def _check_token_in_etcd(self, gpu_uuid: str, token: int) -> tuple[bool, str]:
         for kv in await self.daemon.stored_leases(gpu_uuid):
             try:
@@ -118,11 +135,14 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
 async def create_node_server(daemon: NodeDaemon, listen: str, tls: TlsFiles | None = None,
                              insecure: bool = False, calls_per_s: float = Limits.DEFAULT_CALLS_PER_S,
                              burst: int = Limits.DEFAULT_BURST,
-                             max_streams: int = Limits.DEFAULT_MAX_STREAMS) -> tuple[grpc.aio.Server, int]:
+                             max_streams: int = Limits.DEFAULT_MAX_STREAMS,
+                             metrics_gate: MetricsGate | None = None) -> tuple[grpc.aio.Server, int]:
     check_listen(listen, tls, insecure)
     # The same guard as the coordinator's (coordinator.security): identity, authorization, bounds; no
     # SO_REUSEPORT, so a second daemon on a port in use fails to start instead of sharing it.
     guard = make_guard(tls is not None, calls_per_s, burst, max_streams)
+    if metrics_gate is not None:   # /metrics honours this server's deny list of certificates
+        metrics_gate.revocations = guard.revocations
     server = grpc.aio.server(interceptors=[guard], options=server_options())
     pb_grpc.add_NodeServicer_to_server(NodeServicer(daemon), server)
     health_servicer = health.aio.HealthServicer()
@@ -158,9 +178,11 @@ async def run_node(store: Store | None, keys: Keys, host: str, listen: str, sour
     ``advertise`` is the address published in ``hosts/<host>`` (default: the listen address with the bound
     port), for a node that listens on 0.0.0.0 or behind a NAT. With ``coordinators`` (and no ``store``) the
     daemon runs in the registry mode: through those coordinators, with no etcd connection."""
+    handshakes.install(metrics.HANDSHAKE_FAILURES.inc)   # gRPC core's line per failed handshake, aggregated
+    gate = MetricsGate()
     if metrics_listen:
         check_listen(metrics_listen, tls, insecure, what="metrics-listen")
-        metrics.serve(metrics_listen, tls)
+        metrics.serve(metrics_listen, tls, metrics.NODE_REGISTRY, gate)
     server: grpc.aio.Server | None = None
     daemon: NodeDaemon
     if coordinators:
@@ -176,7 +198,7 @@ async def run_node(store: Store | None, keys: Keys, host: str, listen: str, sour
     try:
         await daemon.ensure_host_free()   # before binding: a taken host is reported as such, not as a busy port
         # Bind first, so that the published address carries the real port.
-        server, port = await create_node_server(daemon, listen, tls, insecure)
+        server, port = await create_node_server(daemon, listen, tls, insecure, metrics_gate=gate)
         daemon.address = advertise or f"{listen.rpartition(':')[0]}:{port}"
         await daemon.start()
         if ready is not None:

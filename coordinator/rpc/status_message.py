@@ -6,7 +6,6 @@ import json
 from typing import Callable, Sequence
 
 from agent_client.api import coordinator_pb2 as pb
-from coordinator import metrics
 from coordinator.policy.departing import process_state
 from coordinator.records import EvictionRecord, VramLease
 from coordinator.replica.status import StatusReport
@@ -54,8 +53,6 @@ def status_response(report: StatusReport,
             gs.departing_mb = int(g["departing_mb"])
             for d in g["departing"]:
                 gs.departing.add(**d)
-            metrics.VRAM.labels(h["host"], g["uuid"], "leased").set(g["leased_mb"])
-            metrics.VRAM.labels(h["host"], g["uuid"], "free").set(g["free_mb"])
         for a in h["agents"]:
             hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
                           leased_mb=a["leased_mb"], leases=a["leases"])
@@ -77,7 +74,6 @@ def status_response(report: StatusReport,
                          priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
                          gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
                          gpus=q.get("gpus", []), topology=q.get("topology", "any"))
-        metrics.LEASES.labels(h["host"]).set(len(h["leases"]))
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from agent_client.api import coordinator_pb2 as pb
-from coordinator import errors, metrics
+from coordinator import errors
 from coordinator.limits import quote
 from coordinator.policy.host import HostView
 from coordinator.policy.teams import DEFAULT_TEAM, Team, Usage
@@ -69,15 +69,9 @@ async def list_teams(teams: Teams) -> pb.ListTeamsResponse:
 
 
 async def status_teams(teams: Teams, views: Iterable[HostView]) -> list[pb.TeamStatus]:
-    """GetStatus's teams: every stored team and ``default`` with their usage in ``views`` (and the per-team
-    gauges set from them)."""
+    """GetStatus's teams: every stored team and ``default`` with their usage in ``views``. (The per-team
+    gauges come from the watch: ``coordinator.replica.gauges``.)"""
     rows = await teams.status_rows(views)
-    metrics.TEAM_VRAM.clear()   # a deleted team leaves no series behind
-    for team, usage, _ in rows:
-        kinds = {"quota": team.quota_mb, "used": usage.used_mb, "borrowed": usage.borrowed_mb,
-                 "waiting": usage.waiting_mb} | ({"limit": team.limit_mb} if team.limit_mb is not None else {})
-        for kind, mb in kinds.items():
-            metrics.TEAM_VRAM.labels(team.name, kind).set(mb)
     return [team_status_pb(*row) for row in rows]
 
 

@@ -19,6 +19,7 @@ Coordinator.ApplyPartition,        no                             yes         no
 Coordinator.Ping                   yes                            yes         no     no
 Coordinator.Session (the stream)   yes; each message as its call  yes         no     no
 Node.GetInventory, CheckToken      yes                            yes         no     yes
+Node.ConfirmProcesses              no                             no          no     yes
 Registry.Register (the stream),    no                             no          its    no
   Registry.ListLeases                                                         own
                                                                               host
@@ -154,6 +155,10 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
             return
         raise deny(f"the {role} role may call only health")
     if method.startswith(NODE):
+        if name == "ConfirmProcesses":
+            if role == "coordinator":
+                return
+            raise deny("only a coordinator asks whose processes these are")
         if role in ("agent", "operator", "coordinator"):
             return
         raise deny(f"the {role} role may call only health")

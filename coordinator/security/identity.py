@@ -15,7 +15,7 @@ from coordinator.keys import valid_name
 if TYPE_CHECKING:
     import grpc
 
-ROLES = ("agent", "operator", "node", "coordinator")
+ROLES = ("agent", "operator", "node", "coordinator", "metrics")   # metrics: a Prometheus scraper
 SCHEME = "gpucoord://"
 
 
@@ -64,6 +64,11 @@ def _identity_of_certificate(pem: bytes) -> Identity | None:
         return Identity.parse(uris[0])
     except ValueError:
         return None
+
+
+def serial_of_certificate(pem: bytes) -> str:
+    """The serial number (lowercase hex) of a PEM certificate; "" when it cannot be read."""
+    return _serial_of_certificate(bytes(pem))
 
 
 @functools.lru_cache(maxsize=1024)

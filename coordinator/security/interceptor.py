@@ -174,7 +174,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request),
                             f"denied: {why}")
                 raise authz.Denied(who, f"call {authz.rpc_name(method)}", why)
-            if self.limits is not None and not method.startswith(authz.HEALTH):
+            if self.limits is not None:   # health checks too: they count against the caller's rate
                 await self._take(caller, method, request)
         try:
             await authz.authorize(caller.identity, caller.tls, method, request, self.agent_hosts)
@@ -285,12 +285,21 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise _Refused()
             return caller, None
 
-        async def checked(caller: Caller, requests: AsyncIterator[object]) -> AsyncIterator[object]:
+        async def checked(caller: Caller, requests: AsyncIterator[object],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
             async for request in requests:
-                await interceptor._check(caller, method, request)
+                try:
+                    await interceptor._check(caller, method, request)
+                except errors.GpucoordError as e:
+                    # The stream ends with the refusal's status (RESOURCE_EXHAUSTED naming rate, ...), never
+                    # UNKNOWN with the handler's traceback: the wrapper ends the call quietly.
+                    interceptor.count_refusal(authz.rpc_name(method), e)
+                    refuse(context, e)
+                    raise _StreamRefused() from None
                 yield request
 
-        async def checked_calls(caller: Caller, requests: AsyncIterator[object]) -> AsyncIterator[object]:
+        async def checked_calls(caller: Caller, requests: AsyncIterator[object],
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
             # Session: a refused message is answered on its own; the stream goes on.
             async for request in requests:
                 if isinstance(request, _Malformed):
@@ -318,9 +327,11 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     return
                 _CALLER.set(caller)
                 try:
-                    calls = checked(caller, cast(AsyncIterator[object], requests))
+                    calls = checked(caller, cast(AsyncIterator[object], requests), context)
                     async for item in cast(AsyncIterator[object], behavior(calls, context)):
                         yield item
+                except _StreamRefused:
+                    return
                 finally:
                     release(who)
             return gen
@@ -332,8 +343,10 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 return None
             _CALLER.set(caller)
             try:
-                calls = checked(caller, cast(AsyncIterator[object], requests))
+                calls = checked(caller, cast(AsyncIterator[object], requests), context)
                 return await cast(Awaitable[object], behavior(calls, context))
+            except _StreamRefused:
+                return None
             finally:
                 release(who)
         return call
@@ -341,3 +354,8 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 class _Refused(Exception):
     """The opening of a stream was refused (its status is set)."""
+
+
+class _StreamRefused(BaseException):
+    """A stream's message was refused and its status set: the wrapper ends the call without a traceback. Not an
+    Exception, so that no handler's ``except Exception`` takes it for its own failure."""

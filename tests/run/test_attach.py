@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -38,10 +39,19 @@ def test_attach_records_pids_and_group_keeping_everything_else(env: tuple[Cluste
     assert rev2 > rev and etcd_lease2 == etcd_lease    # still on the session
     assert lease.attach() is False                     # the same again: no write
     assert _lease_value(cluster)[1] == rev2
-    assert lease.attach([3, 2, 3], pgid=2) is True
-    assert _lease_value(cluster)[0]["pids"] == [2, 3]
-    (st,) = c.status("h1").hosts[0].leases
-    assert (list(st.pids), st.pgid, st.token) == ([2, 3], 2, lease.token)
+    # Processes this caller started (G9: only its own are accepted): two children, one leading its group.
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+            for _ in range(2)]
+    try:
+        a, b = sorted(k.pid for k in kids)
+        assert lease.attach([b, a, b], pgid=a) is True
+        assert _lease_value(cluster)[0]["pids"] == [a, b]
+        (st,) = c.status("h1").hosts[0].leases
+        assert (list(st.pids), st.pgid, st.token) == ([a, b], a, lease.token)
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
     lease.release()
     with pytest.raises(errors.NotFound, match="lease_id"):
         lease.attach()

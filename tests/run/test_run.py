@@ -138,7 +138,7 @@ def test_a_child_whose_wrapper_is_killed_is_killed_by_the_node_or_reported_orpha
     procs_file = tmp_path / "procs.json"
     cluster.start_node("h1", "1x16GiB", fake_processes=str(procs_file), enforce=enforce)
     addr = cluster.start_coordinator()
-    kills_before = metrics.REGISTRY.get_sample_value("gpucoord_node_enforce_kills_total",
+    kills_before = metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_enforce_kills_total",
                                                      {"reason": "orphaned"}) or 0.0
     run = gpucoord_run(addr, "--host", "h1", "--agent", "a", "--vram", "2GiB", "--ttl", str(ttl), "--",
                        sys.executable, child_py, "pause")
@@ -154,13 +154,13 @@ def test_a_child_whose_wrapper_is_killed_is_killed_by_the_node_or_reported_orpha
         # G4: the lease goes within TTL + 1 s; the node kills at its next scan.
         wait_for(lambda: not alive(pid), ttl + 1 + scan_s + 5, "the node to kill the orphaned child")
         assert time.monotonic() - killed_at <= ttl + 1 + scan_s + 5
-        after = metrics.REGISTRY.get_sample_value("gpucoord_node_enforce_kills_total", {"reason": "orphaned"})
+        after = metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_enforce_kills_total", {"reason": "orphaned"})
         assert after == kills_before + 1
     else:
         wait_for(lambda: [p["state"] for p in gpu_status(addr)["processes"]] == ["orphaned"], ttl + 10,
                  "the node to report the child as orphaned")
         assert alive(pid), "--enforce report killed a process"
-        assert (metrics.REGISTRY.get_sample_value("gpucoord_node_enforce_kills_total", {"reason": "orphaned"})
+        assert (metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_enforce_kills_total", {"reason": "orphaned"})
                 or 0.0) == kills_before
         out = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--coordinator", addr, "--host",
                               "h1"], capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=30)
@@ -288,7 +288,7 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
              "the node to report 1200 MiB used, within tolerance")
     (use,) = lease_use()
     sample = {"gpu": "GPU-sim-h1-0", "lease": use["lease_id"]}
-    assert metrics.REGISTRY.get_sample_value("gpucoord_node_lease_over_use_mb", sample) == 0
+    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_over_use_mb", sample) == 0
     write_fake_processes(procs_file, {0: {pid: 1500}})
     wait_for(lambda: [u["over_use"] for u in lease_use()] == [True], 10, "the node to report over-use")
     out = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--json", "--coordinator", addr],
@@ -299,8 +299,8 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
     assert (use["over_use"], use["used_mb"], use["vram_mb"], use["pids"]) == (True, 1500, 1000, [pid])
     assert gpu["processes"] == [{"pid": pid, "used_mb": 1500, "state": "leased",
                                  "lease_id": use["lease_id"]}]
-    assert metrics.REGISTRY.get_sample_value("gpucoord_node_lease_over_use_mb", sample) == 500
-    assert metrics.REGISTRY.get_sample_value("gpucoord_node_lease_vram_used_mb", sample) == 1500
+    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_over_use_mb", sample) == 500
+    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_vram_used_mb", sample) == 1500
     _, err = run.communicate(input="", timeout=30)
     assert run.returncode == 0, err
 

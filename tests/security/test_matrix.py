@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -178,6 +179,9 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     if rpc == "Node.CheckToken":
         return lambda: s.node.CheckToken(node_pb2.CheckTokenRequest(gpu_uuid=w.lease.gpu_uuid, token=w.lease.token),
                                          timeout=10)
+    if rpc == "Node.ConfirmProcesses":   # the coordinator's question before an attach: no one else's
+        return lambda: s.node.ConfirmProcesses(node_pb2.ConfirmProcessesRequest(
+            lease_id=w.lease.id, pids=[os.getpid()], peer="ipv4:127.0.0.1:1"), timeout=10)
     if rpc == "Node.Health":
         return lambda: s.node_health.Check(health_pb2.HealthCheckRequest(), timeout=10)
     if rpc == "Registry.ListLeases":
@@ -199,14 +203,16 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
 RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "Session(Acquire)",
         "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
-        "Node.CheckToken", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",
+        "Node.CheckToken", "Node.ConfirmProcesses", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",
         "Registry.ListLeases", "Registry.ListLeases(other host)", "Registry.Register(other host)")
 REGISTRY_RPCS = {r for r in RPCS if r.startswith("Registry.")}
 TEAM_RPCS = {"SetTeam", "GetTeam", "ListTeams", "DeleteTeam"}
 ALLOWED = {
-    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease"} - TEAM_RPCS - REGISTRY_RPCS,
+    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease",
+                         "Node.ConfirmProcesses"} - TEAM_RPCS - REGISTRY_RPCS,
     "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health"},
-    "operator": set(RPCS) - REGISTRY_RPCS,    # only a node registers a host, and only its own
+    # only a node registers a host, and only its own; ConfirmProcesses is a coordinator's only
+    "operator": set(RPCS) - REGISTRY_RPCS - {"Node.ConfirmProcesses"},
     "node": {"Health", "Node.Health", "Registry.ListLeases"},
     "nocert": set(), "other-ca": set(), "expired": set(),
 }
@@ -336,15 +342,19 @@ def test_session_stream_calls_are_audited_as_the_unary_calls(world: World, caplo
     world.stubs("self").coord.Release(pb.ReleaseRequest(session=world.ref(), lease_id=lease.id), timeout=10)
 
 
-def test_an_agent_sees_other_agents_leases_without_session_request_or_processes(world: World) -> None:
+def test_an_agent_sees_other_agents_leases_without_session_request_or_processes(
+        world: World, request: pytest.FixtureRequest) -> None:
     """Session ids are no secrets (etcd trusts no agent certificate), but an agent's GetStatus still shows
     other agents' leases without their session id, request id or processes; its own leases in full. The
     operator sees everything."""
     request_id = uuid.uuid4().hex
     lease = world.stubs("self").coord.Acquire(pb.AcquireRequest(session=world.ref(), vram_mb=64, request_id=request_id),
                                               timeout=10).lease
+    # Its own processes only (G9): itself, and a group this process started.
+    group = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    request.addfinalizer(lambda: (group.kill(), group.wait()))
     world.stubs("self").coord.AttachProcesses(pb.AttachProcessesRequest(session=world.ref(), lease_id=lease.id,
-                                                                        pids=[os.getpid()], pgid=os.getpgid(0)),
+                                                                        pids=[os.getpid()], pgid=group.pid),
                                               timeout=10)
     b = world.stubs("other").coord
     b_sid = b.OpenSession(pb.OpenSessionRequest(agent="agent-b", host=HOST, ttl_seconds=30), timeout=10).session_id

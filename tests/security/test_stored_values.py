@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import time
 import uuid
 from typing import Any, Iterator
@@ -119,16 +120,19 @@ def test_one_malformed_usage_report_is_one_hosts_problem(world: World, bad: byte
 
 @pytest.mark.parametrize("kind", ["leases", "usage"])
 def test_a_malformed_value_under_a_notice_leaves_the_leaders_deadlines_running(
-        world: World, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+        world: World, kind: str, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest) -> None:
     """A lease under an eviction notice whose own value (or its host's usage report) is malformed when its
     deadline passes: the host is INVALID meanwhile, and the leader's duties carry on, so once the value is
     rewritten the lease is revoked at the kill margin (G3), and no duty died."""
     caplog.set_level(logging.WARNING)
     keys = world.cluster.keys
     lease = world.acquire("h1")
-    # Bound to a process (none that exists: the node only reports): the leader then reads the usage report.
+    # Bound to a process of ours that no GPU lists (the node only reports): the leader then reads the usage
+    # report. Only a process of the caller's own can be attached (G9).
+    child = subprocess.Popen(["sleep", "120"])
+    request.addfinalizer(lambda: (child.kill(), child.wait()))
     world.stub.AttachProcesses(pb.AttachProcessesRequest(session=world.ref("h1"), lease_id=lease.id,
-                                                         pids=[4_194_000]), timeout=10)
+                                                         pids=[child.pid]), timeout=10)
     key = keys.lease("h1", lease.gpu_uuid, lease.id) if kind == "leases" else keys.usage("h1")
     good = world.get(key)
     deadline = world.stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=0.3),

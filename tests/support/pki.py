@@ -40,7 +40,7 @@ def make_pki(base: pathlib.Path, host: str = "h1") -> Pki:
 
     files = {"coordinator": issue("coordinator", "c1"), "node": issue("node", host),
              "agent-a": issue("agent", "agent-a"), "agent-b": issue("agent", "agent-b"),
-             "operator": issue("operator", "ops")}
+             "operator": issue("operator", "ops"), "metrics": issue("metrics", "prometheus")}
     past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=2)
     files["expired"] = issue("agent", "agent-a", not_before=past - datetime.timedelta(days=1),
                              not_after=past, out_name="expired-agent-a")

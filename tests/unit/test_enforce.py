@@ -144,6 +144,7 @@ def test_the_enforcer_remembers_the_processes_of_deleted_leases() -> None:
     e = Enforcer("kill", proc_info=fake.info.get, kill=fake.kill, remember_s=60)
     lease = VramLease(id="l1", host="h", gpu_uuid=G0, gpu_index=0, agent="a", session_id="1", vram_mb=1000,
                       priority=0, preemptible=True, request_id="r", token=1, created_at=0.0, pids=(10,), pgid=10)
+    e.confirmed("l1", [10])   # the node confirmed pid 10 (and its group) as the caller's (ConfirmProcesses)
     e.lease_put(lease)
     assert [v.state for v in e.scan([gpu(G0, (10, 500))], now=1.0).processes] == ["leased"]
     e.lease_deleted("l1", now=2.0)
@@ -154,3 +155,22 @@ def test_the_enforcer_remembers_the_processes_of_deleted_leases() -> None:
     fake.info = {10: ProcInfo(10, 100.0)}
     assert [v.state for v in e.scan([gpu(G0, (10, 500))], now=100.0).processes] == ["untracked"]
     assert len(fake.killed) == 1
+
+
+def test_the_enforcer_never_kills_what_the_node_did_not_confirm_as_the_agents() -> None:
+    """G9: a lease record naming a process this node never confirmed (written past the coordinator's check, by
+    an older coordinator or by hand) is attributed, but its process is never killed; one that carries the lease
+    in its environment (what ``gpucoord run`` starts) is, even after the node restarted and forgot."""
+    from coordinator.records import VramLease
+    fake = FakeOs()
+    fake.info = {10: ProcInfo(10, 100.0), 11: ProcInfo(11, 100.0)}
+    e = Enforcer("kill", proc_info=fake.info.get, kill=fake.kill, carries=lambda pid, lid: (pid, lid) == (11, "l2"))
+    for lid, pid in (("l1", 10), ("l2", 11)):
+        e.lease_put(VramLease(id=lid, host="h", gpu_uuid=G0, gpu_index=0, agent="a", session_id="1", vram_mb=1000,
+                              priority=0, preemptible=True, request_id="r", token=1, created_at=0.0, pids=(pid,)))
+    assert [v.state for v in e.scan([gpu(G0, (10, 500), (11, 500))], now=1.0).processes] == ["leased", "leased"]
+    e.lease_deleted("l1", now=2.0)
+    e.lease_deleted("l2", now=2.0)
+    r = e.scan([gpu(G0, (10, 500), (11, 500))], now=3.0)
+    assert [(v.pid, v.state) for v in r.processes] == [(10, "orphaned"), (11, "orphaned")]
+    assert fake.killed == [(11, 9)]

@@ -162,3 +162,10 @@ def test_round_trips_of_every_mode() -> None:
 def test_partition_from_json_rejects_garbage(data: dict[str, Any]) -> None:
     with pytest.raises(PartitionError):
         Partition.from_json(data)
+
+
+def test_a_partition_refusal_quotes_at_most_32_characters_of_a_value() -> None:
+    """Issue 29: partition refusals quoted up to 60 characters of a value or key; every refusal quotes at most 32."""
+    from coordinator.policy.partition.units import _key, _show
+    for shown in (_show("x" * 200), _show(["y" * 200]), _key("a b" * 100)):
+        assert len(shown.removesuffix("...")) <= 32, shown

@@ -5,6 +5,8 @@ import math
 import re
 from fractions import Fraction
 
+from coordinator.limits import QUOTE_CHARS
+
 MODES: tuple[str, ...] = ("shared", "auto-split", "manual")
 KINDS: tuple[str, ...] = ("cpu", "mem", "disk", "gpus", "vram")
 MAX_AGENTS = 256
@@ -145,14 +147,14 @@ def _show(v: object) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
         return f"<an integer of {v.bit_length()} bits>"
     r = repr(v)
-    return r if len(r) <= 64 else r[:60] + "..."
+    return r if len(r) <= QUOTE_CHARS else r[:QUOTE_CHARS] + "..."   # a refusal quotes <= 32 characters
 
 
 def _key(k: object) -> str:
     """A key of the input as part of a field name, cut short; quoted unless it reads as a plain name
     (an empty or blank key, or one with spaces or ':', would make the field name unreadable)."""
     s = _show(k) if not isinstance(k, str) or not _PLAIN_KEY.fullmatch(k) else k
-    return s if len(s) <= 64 else s[:60] + "..."
+    return s if len(s) <= QUOTE_CHARS else s[:QUOTE_CHARS] + "..."
 
 
 def _human(n: int) -> str:

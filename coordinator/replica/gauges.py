@@ -1,0 +1,131 @@
+"""The fleet gauges from the replica's mirror: ``gpucoord_leases{host}``, ``gpucoord_vram_mb{host,gpu,kind}``
+and ``gpucoord_team_vram_mb{team,kind}``, updated after the watch applies a batch, never by a read.
+
+A host's series are computed again only when one of its keys changed (its keys' revisions are its
+signature); a host whose records are all gone loses its series. The team series are computed again from the
+kept host views when a lease, a queue entry or a team changed. At most one update every ``MIN_INTERVAL_S``:
+a busy fleet costs one pass over the changed hosts per interval, an idle one nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import Gauge
+
+from coordinator import metrics
+from coordinator.policy.host import HostView
+from coordinator.policy.teams import DEFAULT_TEAM, Membership, Usage, usage_by_team
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.teams import charges_from_views, read_teams
+from coordinator.replica.view import HostSnapshot, host_view
+
+log = logging.getLogger(__name__)
+
+MIN_INTERVAL_S = 0.5
+Signature = tuple[int, ...]
+
+
+def _signature(snap: HostSnapshot) -> Signature:
+    singles = (snap.host, snap.usage, snap.partition)
+    return (*(kv.mod_revision if kv is not None else 0 for kv in singles),
+            *(kv.mod_revision for kind in (snap.ledgers, snap.leases, snap.queue, snap.departing) for kv in kind),
+            len(snap.ledgers), len(snap.leases), len(snap.queue), len(snap.departing))
+
+
+class MirrorGauges:
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.ctx = ctx
+        self._signatures: dict[str, Signature] = {}
+        self._views: dict[str, HostView] = {}
+        self._teams_at = -1
+
+    def _hosts(self) -> set[str]:
+        keys, mirror = self.ctx.keys, self.ctx.mirror
+        hosts = set(mirror.lease_stamps())
+        for kind in ("hosts", "usage", "partitions"):
+            for kv in mirror.items(kind):
+                try:
+                    hosts.add(keys.parse(kv.key)[1][0])
+                except (ValueError, IndexError):
+                    continue
+        return hosts
+
+    def update(self) -> None:
+        """Bring every gauge to what the mirror says now."""
+        ctx = self.ctx
+        hosts = self._hosts()
+        changed = False
+        for host in set(self._signatures) - hosts:
+            self._forget(host)
+            changed = True
+        for host in hosts:
+            snap = ctx.mirror.host_snapshot(host)
+            sig = _signature(snap)
+            if self._signatures.get(host) == sig:
+                continue
+            changed = True
+            self._signatures[host] = sig
+            view = host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)
+            old = self._views.get(host)
+            self._views[host] = view
+            for uuid in (set(old.gpus) - set(view.gpus)) if old is not None else ():
+                for kind in ("leased", "free"):
+                    _remove(metrics.VRAM, host, uuid, kind)
+            metrics.LEASES.labels(host).set(len(view.leases))
+            for g in view.gpus.values():
+                metrics.VRAM.labels(host, g.uuid, "leased").set(g.leased_mb)
+                metrics.VRAM.labels(host, g.uuid, "free").set(g.free_mb)
+        teams_at = ctx.mirror.generation("teams")
+        if changed or teams_at != self._teams_at:
+            self._teams_at = teams_at
+            self._update_teams()
+
+    def _forget(self, host: str) -> None:
+        self._signatures.pop(host, None)
+        view = self._views.pop(host, None)
+        _remove(metrics.LEASES, host)
+        for uuid in view.gpus if view is not None else ():
+            for kind in ("leased", "free"):
+                _remove(metrics.VRAM, host, uuid, kind)
+
+    def _update_teams(self) -> None:
+        teams, _ = read_teams(self.ctx.mirror.items("teams"))
+        metrics.TEAM_VRAM.clear()   # a deleted team leaves no series behind
+        if not teams:
+            return
+        membership = Membership(teams.values())
+        charges, waiting = charges_from_views(self._views.values(), membership)
+        usage = usage_by_team(charges, membership, waiting)
+        for name in sorted(set(usage) | set(teams) | {DEFAULT_TEAM}):
+            team, use = membership.team(name), usage.get(name, Usage())
+            kinds = {"quota": team.quota_mb, "used": use.used_mb, "borrowed": use.borrowed_mb,
+                     "waiting": use.waiting_mb} | ({"limit": team.limit_mb} if team.limit_mb is not None else {})
+            for kind, mb in kinds.items():
+                metrics.TEAM_VRAM.labels(name, kind).set(mb)
+
+    async def run(self) -> None:
+        """Update after each change of the mirror, at most every ``MIN_INTERVAL_S`` (a rate bound)."""
+        mirror = self.ctx.mirror
+        while True:
+            seen = mirror.revision
+            if mirror.ready:
+                try:
+                    self.update()
+                except Exception:
+                    log.exception("updating the fleet gauges failed; retrying at the next change")
+            await asyncio.sleep(MIN_INTERVAL_S)
+            while mirror.revision == seen or not mirror.ready:
+                await mirror.caught_up(max(seen, mirror.revision) + 1, timeout=60.0)
+                if not mirror.ready:
+                    await asyncio.sleep(MIN_INTERVAL_S)
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    try:
+        gauge.remove(*labels)
+    except KeyError:
+        pass
+
+
+__all__ = ["MirrorGauges"]

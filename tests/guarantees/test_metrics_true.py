@@ -1,0 +1,145 @@
+"""Metrics that are true (issue 29): every way a lease ends counts in ``gpucoord_releases_total{reason}``; the
+fleet gauges follow the replica's watch with no ``status`` call; the node exports only its own families; a
+read of an unknown host is NOT_FOUND and makes no series; and the Grafana dashboard's lease and VRAM panels,
+evaluated on the scraped text, give the right numbers."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent_client import Client
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from coordinator import metrics
+from coordinator.deploy import DASHBOARD
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.integration
+
+USABLE_MB = 16384   # the node's 1x16GiB GPU; the coordinator's default headroom is 0
+
+
+def scrape(registry: Any = metrics.REGISTRY) -> list[tuple[str, dict[str, str], float]]:
+    """The text a scrape reads, parsed back into samples."""
+    return [(s.name, dict(s.labels), s.value) for fam in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in fam.samples]
+
+
+def sample(name: str, **labels: str) -> float | None:
+    return metrics.REGISTRY.get_sample_value(name, labels)
+
+
+def releases() -> dict[str, float]:
+    return {r: sample("gpucoord_releases_total", reason=r) or 0.0 for r in metrics.RELEASE_REASONS}
+
+
+_EXPR = re.compile(r'^(max|sum) by \(([^)]*)\) \((\w+)(?:\{([^}]*)\})?\)$')
+
+
+def evaluate(expr: str, samples: list[tuple[str, dict[str, str], float]]) -> dict[tuple[str, ...], float]:
+    """The few PromQL forms the lease, VRAM and team panels use: ``max|sum by (L, ...) (name{k="v", ...})``."""
+    m = _EXPR.match(expr)
+    assert m, f"the evaluator does not know {expr!r}"
+    agg, by, name, matchers = m.groups()
+    keys = [x.strip() for x in by.split(",")]
+    want = dict(re.findall(r'(\w+)="([^"]*)"', matchers or ""))
+    out: dict[tuple[str, ...], list[float]] = {}
+    for n, labels, value in samples:
+        if n == name and all(labels.get(k) == v for k, v in want.items()):
+            out.setdefault(tuple(labels.get(k, "") for k in keys), []).append(value)
+    return {k: (max(v) if agg == "max" else sum(v)) for k, v in out.items()}
+
+
+def panel(title_word: str) -> list[str]:
+    doc = json.loads(DASHBOARD.read_text())
+    (p,) = [p for p in doc["panels"] if title_word in p["title"]]
+    return [t["expr"] for t in p["targets"]]
+
+
+def test_every_end_counts_and_the_gauges_follow_the_watch(cluster: Cluster) -> None:
+    daemon = cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    gpu = daemon.inventory.gpus[0].uuid if daemon.inventory is not None else ""
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+    stub.SetTeam(pb.SetTeamRequest(name="ta", quota_mb=4096, members=pb.TeamMembers(patterns=["agent-a"])),
+                 timeout=10)
+    before = releases()
+
+    def gauges_are(leases: int, leased_mb: int, team_used: int) -> None:
+        def ok() -> bool:
+            return (sample("gpucoord_leases", host="h1") == leases
+                    and sample("gpucoord_vram_mb", host="h1", gpu=gpu, kind="leased") == leased_mb
+                    and sample("gpucoord_vram_mb", host="h1", gpu=gpu, kind="free") == USABLE_MB - leased_mb
+                    and sample("gpucoord_team_vram_mb", team="ta", kind="used") == team_used)
+        wait_for(ok, timeout=30, what=f"gauges at {leases} leases, {leased_mb} MiB leased, team {team_used}")
+        # The dashboard's panels, evaluated on what a scrape reads, say the same.
+        samples = scrape()
+        (lease_expr,) = panel("Live VRAM leases")
+        assert evaluate(lease_expr, samples)[("h1",)] == leases
+        leased_expr, free_expr = panel("VRAM leased and free")
+        assert evaluate(leased_expr, samples)[("h1", gpu)] == leased_mb
+        assert evaluate(free_expr, samples)[("h1", gpu)] == USABLE_MB - leased_mb
+        used_expr = panel("Teams")[0]
+        assert evaluate(used_expr, samples)[("ta",)] == team_used
+
+    def delta() -> dict[str, float]:
+        now = releases()
+        return {r: now[r] - before[r] for r in now if now[r] != before[r]}
+
+    a = Client(addr, agent="agent-a", host="h1")
+    b = Client(addr, agent="agent-b", host="h1")
+    l1, l2 = a.acquire(1000), a.acquire(2000)
+    l3 = b.acquire(3000)
+    gauges_are(3, 6000, 3000)
+    assert delta() == {}
+
+    assert stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=l2.id), timeout=10).revoked
+    gauges_are(2, 4000, 1000)
+    l1.release()
+    gauges_are(1, 3000, 0)
+    a.acquire(500)
+    a.close()                      # a close ends its lease
+    b.close()                      # and this one ends l3
+    gauges_are(0, 0, 0)
+    assert delta() == {"revoke": 1, "release": 1, "close": 2}, delta()
+    del l3
+
+    # An expiry: a session that stops keeping alive, with a lease.
+    sid = stub.OpenSession(pb.OpenSessionRequest(agent="agent-a", host="h1", ttl_seconds=2), timeout=10).session_id
+    stub.Acquire(pb.AcquireRequest(session=pb.SessionRef(agent="agent-a", session_id=sid), vram_mb=700,
+                                   request_id=uuid.uuid4().hex), timeout=10)
+    gauges_are(1, 700, 700)
+    wait_for(lambda: delta().get("expiry") == 1, timeout=30, what="the expiry counted")
+    gauges_are(0, 0, 0)
+    assert delta() == {"revoke": 1, "release": 1, "close": 2, "expiry": 1}, delta()
+
+
+def test_an_unknown_host_is_not_found_and_makes_no_series(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GetStatus(pb.GetStatusRequest(host="nosuch"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details().startswith("host: "), \
+        info.value.details()
+    assert stub.GetStatus(pb.GetStatusRequest(host="h1"), timeout=10).hosts[0].host == "h1"
+    assert not [s for s in scrape() if s[1].get("host") == "nosuch"]
+
+
+def test_the_node_exports_only_its_own_families() -> None:
+    node = {name for name, _, _ in scrape(metrics.NODE_REGISTRY) if not name.endswith("_created")}
+    coordinator_only = {"gpucoord_leases", "gpucoord_vram_mb", "gpucoord_team_vram_mb", "gpucoord_releases_total",
+                        "gpucoord_admissions_total", "gpucoord_acquire_seconds_count", "gpucoord_keepalive_streams"}
+    assert not node & coordinator_only, node & coordinator_only
+    assert {n for n in node if n.startswith("gpucoord_")} <= (
+        {n for n in node if n.startswith("gpucoord_node_")}
+        | {"gpucoord_refusals_total", "gpucoord_etcd_errors_total", "gpucoord_etcd_nospace_total",
+           "gpucoord_tls_handshake_failures_total"})
