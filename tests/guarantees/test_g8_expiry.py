@@ -5,8 +5,8 @@ status, and leave nothing behind in etcd.
 never frees up, their waits all ending at the same moment; with one replica, and with the waiters split over
 two replicas. What G8 promises at any speed of the machine, and what this asserts:
 
-* no waiter is answered before its deadline (the ``deadline_unix`` of its queue entry: its arrival at the
-  coordinator plus its wait);
+* no waiter is answered before its wait is over, as its client counts it (from sending the call: every replica
+  counts it from the call's arrival, later, and a retry asks for what is left);
 * each is answered RESOURCE_EXHAUSTED ("did not fit after waiting", or "does not fit now" when the replica its
   client called decided a call the owner was slow to answer), or, when its replica could not settle it soon
   after its deadline (a starved machine: etcd, the replica or the client's share of the 2 cores),
@@ -117,23 +117,21 @@ def _mass_expiry(cluster: Cluster, addrs: list[str]) -> None:
     # answer came by then), never sooner: less its last retry's back-off.
     gave_up = [t for *_, t, outcome, _ in results if outcome == "DeadlineExceeded"]
     assert all(t >= RPC_TIMEOUT_S - 1.5 for t in gave_up), sorted(gave_up)[:3]
-    # A waiter's deadline is its arrival at the replica its client called plus its wait: the ``deadline_unix``
-    # of its entry when that replica queued it itself. A call forwarded to the host's owner is queued there
-    # with the wait it asked for, counted from its (later) arrival at the owner, and the replica its client
-    # called answers it at its own deadline if the owner has not: that entry's deadline is no yardstick, the
-    # client's is (the moment it aimed at: its send time plus its wait, before every replica's deadline).
+    # A waiter's wait is over at the moment its client aimed at: its send time plus its wait (``end``). Every
+    # replica counts the wait from the call's arrival, later, and a retry asks for what is left: the
+    # ``deadline_unix`` of a queue entry is at or after that moment, and may be seconds after it on a starved
+    # machine (a late arrival, a call forwarded to the owner), so it is printed, not the yardstick (a client that
+    # retried after its wait may be answered then, before the first entry's own deadline).
     entries = first_entries(cluster)
-    served_by = {f"w{i:02d}": cluster.service(addrs[i % len(addrs)]).replica_id for i in range(AGENTS)}
-    own = {k: e.deadline_unix for k, e in entries.items() if e.replica == served_by[e.agent]}
-    late = sorted(at - own[(agent, rid)] for agent, rid, at, *_ in results if (agent, rid) in own)
+    late = sorted(at - entries[(agent, rid)].deadline_unix for agent, rid, at, *_ in results
+                  if (agent, rid) in entries)
     aimed = sorted(t for _, _, _, t, _, _ in results)
-    print(f"{len(entries)} of {n} queued, {len(own)} where their client called; these were answered "
-          + (f"{late[0]:+.3f} .. {late[-1]:+.3f} s after their deadlines (median {late[len(late) // 2]:+.3f})"
-             if late else "-")
+    print(f"{len(entries)} of {n} queued, answered "
+          + (f"{late[0]:+.3f} .. {late[-1]:+.3f} s after their entries' deadlines (median "
+             f"{late[len(late) // 2]:+.3f})" if late else "-")
           + f"; all {n}: {aimed[0]:+.3f} .. {aimed[-1]:+.3f} s after the moment their clients aimed at")
-    assert late, "no waiter was queued where its client called"
-    assert late[0] >= -EARLY_SLACK_S, f"a waiter was answered {-late[0]:.3f} s before its wait ended"
-    assert aimed[0] >= -EARLY_SLACK_S, f"a call was answered {-aimed[0]:.3f} s before its wait ended"
+    assert aimed[0] >= -EARLY_SLACK_S, f"a waiter was answered {-aimed[0]:.3f} s before its wait ended"
+
 
 def test_1024_waits_ending_together_are_answered_never_early_and_leave_nothing_one_replica(
         cluster: Cluster) -> None:
