@@ -162,8 +162,11 @@ class Round(Generic[C]):
             plan.compares.append(ModRevisionIs(key, known[0]))
             plan.ops.append(Delete(key))
             plan.withdrawn.append(v)
-            self.evicting.discard(v)
             out.append(v)
+        if out:
+            # Still counted as leaving in this round, so that no other request names it a victim in this
+            # transaction (a key deleted and written again in one transaction is refused): the next decides again.
+            self.out.more = True
         return tuple(out)
 
     def _kept(self, entry: QueueEntry, keep: Collection[str]) -> tuple[str, ...]:
@@ -194,8 +197,7 @@ class Round(Generic[C]):
             self.view, req.agent, req.vram_mb, free_of_queue, caps, gang, unavailable, gone))
         if not drop:
             return entry.victims
-        withdrawn = self._withdraw(entry, drop)
-        self.out.more = True    # decide it again: it may choose other victims, or fit
+        withdrawn = self._withdraw(entry, drop)    # decided again next round: other victims, or a fit
         return tuple(v for v in entry.victims if v not in withdrawn)
 
     # -- write the ops ---------------------------------------------------------------------------------

@@ -138,13 +138,6 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
         (``Follower._on_events``). Set by each round; true a little too long at worst (an extra round)."""
         return self._team_waiters
 
-    @property
-    def has_request_notices(self) -> bool:
-        """Some lease of this host is under a notice made for a request: the round decides again whether its
-        requester still needs it when the fleet changes (a team's lease ended or was granted on another host,
-        a team changed: ``policy/notices.py``)."""
-        return any(r.host == self.host and r.requester_priority is not None for r in list(self.ctx.evictions.values()))
-
     def hand_off(self, err: errors.GpucoordError) -> None:
         """etcd is out of reach: every caller, pending or waiting, is answered ``err`` (UNAVAILABLE) now, so
         that it retries through another replica, which takes over a waiter's queue entry with the same

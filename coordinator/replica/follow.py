@@ -157,8 +157,9 @@ class Follower:
             # A lease ended on any host (maybe granted and released through another replica), or a team
             # changed (a raised limit, new members): the hosts whose waiters wait for their team decide again,
             # and so do those with leases under a request's notice (does the requester still need them?).
-            for admitter in self._admitters.values():
-                if (team_room and admitter.has_team_waiters) or admitter.has_request_notices:
+            noticed = {r.host for r in self.evictions.values() if r.requester_priority is not None}
+            for host, admitter in self._admitters.items():
+                if (team_room and admitter.has_team_waiters) or host in noticed:
                     admitter.notify()
 
     def _on_reach(self, ok: bool) -> None:
