@@ -74,20 +74,24 @@ def test_a_victim_back_in_quota_during_its_grace_is_not_revoked_and_the_requeste
 
 
 def test_a_requester_that_its_team_limit_blocks_after_choosing_victims_withdraws_them(cluster: Cluster) -> None:
-    """Team a (limit: 20 GiB) holds 12 GiB on h1 at priority 0; its priority-5 request for 8 GiB there evicts it.
-    Within the grace team a takes 8 GiB on h2: the request, now held back by the limit, chooses no victims, so
-    its notice is withdrawn and the lease stays; its wait ends naming the team."""
+    """Team b (quota 0) holds 12 GiB on h1, all of it over quota; team a (quota 16 GiB, limit 20 GiB) asks for
+    8 GiB there and reclaims it. Within the grace team a takes 16 GiB on h2: the request, now held back by
+    its team's limit (and no longer within its quota), needs no victim, so the notice is withdrawn and b's
+    lease stays; the wait ends naming the team. (A victim of the requester's own team would free room under
+    the limit as well: G3 within a team, so the scene takes another team's lease.)"""
     cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
     cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
     addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
-    coordinator_stub(addr).SetTeam(pb.SetTeamRequest(name="a", quota_mb=0, limit_mb=20480,
-                                                     members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
-    with Client(addr, agent="a-1", host="h1") as a1, Client(addr, agent="a-2", host="h1") as a2, \
+    stub = coordinator_stub(addr)
+    stub.SetTeam(pb.SetTeamRequest(name="a", quota_mb=16384, limit_mb=20480,
+                                   members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
+    stub.SetTeam(pb.SetTeamRequest(name="b", quota_mb=0, members=pb.TeamMembers(patterns=["b-*"])), timeout=10)
+    with Client(addr, agent="b-1", host="h1") as b1, Client(addr, agent="a-2", host="h1") as a2, \
             Client(addr, agent="a-3", host="h2") as a3:
-        low = a1.acquire(12288)
-        t, out = _background(lambda: a2.acquire(8192, priority=5, wait=GRACE_S - 2))
-        wait_for(low.evicting.is_set, 10, "the notice to the priority-0 lease")
-        a3.acquire(8192)
+        low = b1.acquire(12288)
+        t, out = _background(lambda: a2.acquire(8192, wait=GRACE_S - 2))
+        wait_for(low.evicting.is_set, 10, "the reclaim notice to team b's lease")
+        a3.acquire(16384)
         wait_for(lambda: not _notices(cluster), GRACE_S - 3, "the notice withdrawn")
         t.join(GRACE_S)
         assert isinstance(out.get("error"), errors.ResourceExhausted), out
