@@ -4,7 +4,7 @@ Layers, bottom up (a module may import its own layer's modules and those of the 
     limits   protocol limits and ``quote()``: imports nothing of the package
     core     keys, errors, clock, records, aio, txn                      (limits)
     security certificates, TLS, identity, authorization, the interceptor  (limits, core)
-    config   config, metrics                                             (limits, core, security)
+    config   config, metrics (and its HTTP server)                       (limits, core, security)
     etcd     the store and its request builders, etcd processes        (base)
     policy   admission, planner, partition: pure, no I/O                (base)
     node     the node daemon and its inventory                          (base, etcd, policy)
@@ -38,7 +38,7 @@ BASE_LAYERS = {
              "coordinator.record_fields", "coordinator.host_records",
              "coordinator.aio", "coordinator.txn"},
     "security": set(),      # coordinator.security and its modules
-    "config": {"coordinator.config", "coordinator.metrics"},
+    "config": {"coordinator.config", "coordinator.metrics", "coordinator.metrics_http"},
 }
 BASE = set(BASE_LAYERS)
 ALLOWED = {
