@@ -130,7 +130,9 @@ def _mass_expiry(cluster: Cluster, addrs: list[str]) -> None:
           + (f"{late[0]:+.3f} .. {late[-1]:+.3f} s after their entries' deadlines (median "
              f"{late[len(late) // 2]:+.3f})" if late else "-")
           + f"; all {n}: {aimed[0]:+.3f} .. {aimed[-1]:+.3f} s after the moment their clients aimed at")
-    assert aimed[0] >= -EARLY_SLACK_S, f"a waiter was answered {-aimed[0]:.3f} s before its wait ended"
+    early = sorted((round(t, 3), agent, rid, kind(outcome, message)) for agent, rid, _, t, outcome, message in results
+                   if t < -EARLY_SLACK_S)
+    assert not early, f"{len(early)} waiters answered before their waits ended (s, agent, request, answer): {early[:5]}"
 
 
 def test_1024_waits_ending_together_are_answered_never_early_and_leave_nothing_one_replica(
