@@ -166,3 +166,12 @@ def test_a_request_its_teams_limit_could_never_let_in_is_refused_at_once_even_wi
     assert [e.request_id for e in plan.left] == ["queued"]
     ((call, err),) = plan.failures
     assert call is queued and err.field == "team"
+
+
+def test_a_lease_records_its_minimum_runtime_capped_by_its_teams_maximum() -> None:
+    """``run --min-runtime 600`` under a team maximum of 0: the lease says 0, what reclaim applies."""
+    import dataclasses
+
+    asked = dataclasses.replace(_call("a", "long", 1024, 0.0, 1000), min_runtime_s=600.0)
+    (lease,) = _round(_host([]), [asked], team_used=0).new_leases
+    assert lease.min_runtime_s == 0.0
