@@ -40,7 +40,7 @@ key                                    value                                    
                                        revokes, whatever the value
 ``teams/<team>``                       a team: quota_mb (guaranteed VRAM over the fleet),          nothing (durable)     coordinator (``team set`` /        set compares its mod_revision (0 to create)         operator (``team delete``)
                                        quota_by_model ({GPU model: MiB}), limit_mb (hard cap,                            ``team delete``, operator only)    and that no team changed since its read, so no two
-                                       null: none), weight, members (agent names or prefixes                                                                teams ever claim the same member pattern
+                                       null: none), weight, members (agent names or patterns                                                                teams ever claim the same member pattern
                                        ``name-*``), max_min_runtime_s; agents no team names are
                                        in ``default``
 ``teamledgers/<team>``                 a team's admission ledger: seq (bumped by every grant       nothing (durable)     every admission that grants a      the grant compares its mod_revision (0 to create),  never (like a GPU's ledger)

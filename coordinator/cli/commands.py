@@ -23,6 +23,7 @@ from coordinator.cli.common import (
     _run_until_signal,
     _setup_logging,
     _stub,
+    check_name,
     fetch_status,
     host_overrides,
     rpc_error,
@@ -179,17 +180,6 @@ def _status_doc(args: argparse.Namespace) -> dict[str, Any]:
         return fetch_status(args.coordinator, args.host or "", _client_tls(args))
     except grpc.RpcError as e:
         raise rpc_error(e, args.coordinator) from None
-
-
-def check_name(flag: str, value: str, command: str) -> str:
-    """A name given on the command line (a host, a lease id, a team): refused here, exit 2, as the coordinator
-    would refuse it."""
-    from coordinator.keys import valid_name
-    from coordinator.limits import quote
-    if not valid_name(value):
-        raise UsageError(f"{flag}: {quote(value)} is not a valid name (letters, digits, '.', '_', ':', '@', '-'; "
-                         "at most 128)", f"see 'gpucoord {command} --help'")
-    return value
 
 
 def cmd_status(args: argparse.Namespace) -> int:

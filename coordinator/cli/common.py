@@ -133,6 +133,17 @@ def rpc_error(e: grpc.RpcError, address: str) -> CliError:
     return CliError(f"{code}: {details}", _HINTS.get(code, ""), EXIT_REFUSED, refused=True)
 
 
+def check_name(flag: str, value: str, command: str) -> str:
+    """A name given on the command line (a host, a lease id, a team): refused here, exit 2, as the coordinator
+    would refuse it."""
+    from coordinator.keys import valid_name
+    from coordinator.limits import quote
+    if not valid_name(value):
+        raise UsageError(f"{flag}: {quote(value)} is not a valid name (letters, digits, '.', '_', ':', '@', '-'; "
+                         "at most 128)", f"see 'gpucoord {command} --help'")
+    return value
+
+
 def host_overrides(cpus: int | None, mem: str | None, disk: str | None) -> dict[str, object]:
     """``--fake-cpus/--fake-mem/--fake-disk`` as inventory overrides; ValueError naming the flag."""
     from coordinator.policy.partition import PartitionError, parse_size

@@ -10,6 +10,7 @@ from coordinator.cli.common import (
     UsageError,
     _client_tls,
     _stub,
+    check_name,
     message_to_json,
     rpc_error,
 )
@@ -168,7 +169,6 @@ def cmd_team(args: argparse.Namespace) -> int:
 
     from agent_client.api import coordinator_pb2 as pb
     if args.team_cmd != "list":
-        from coordinator.cli.commands import check_name
         check_name("name", args.name, f"team {args.team_cmd}")
     request = set_request(args) if args.team_cmd == "set" else None
     stub = _stub(args.coordinator, _client_tls(args))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from coordinator.keys import valid_name
 from coordinator.limits import quote
+from coordinator.policy.partition.caps import valid_pattern
 
 MAX_TEAM_MEMBERS = 256          # member patterns of one team
 MAX_TEAM_MODELS = 64            # per-model quotas of one team
@@ -45,13 +45,14 @@ def _number(value: Any, field: str, lo: float, hi: float, lo_open: bool = False)
 
 
 def check_pattern(pattern: Any, field: str = "members") -> str:
-    """An agent name, or a name prefix followed by one ``*`` (``research-*``)."""
+    """An agent name, or a pattern of them (fnmatch's ``*``, ``?``, ``[...]``: ``research-*``), the same
+    syntax as a partition's priority caps."""
     if not isinstance(pattern, str):
-        raise TeamError(field, f"expected agent names or prefixes, got {type(pattern).__name__}")
-    stem = pattern[:-1] if pattern.endswith("*") else pattern
-    if not stem or not valid_name(stem):
-        raise TeamError(field, f"{quote(pattern)} is neither an agent name nor a prefix such as 'research-*' "
-                               "(letters, digits, '.', '_', ':', '@', '-'; one '*' at the end)")
+        raise TeamError(field, f"expected agent names or patterns, got {type(pattern).__name__}")
+    if not valid_pattern(pattern):
+        raise TeamError(field, f"{quote(pattern)} is neither an agent name nor a pattern such as 'research-*' "
+                               "(letters, digits, '.', '_', ':', '@', '-', and the wildcards '*', '?', '[...]'; "
+                               "at most 128)")
     return pattern
 
 

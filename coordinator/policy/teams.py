@@ -9,12 +9,14 @@ set|show|list|delete``). Its fields:
   in quota only while the team's use of that model also stays within it.
 - ``limit_mb``: the hard cap on the team's use over the fleet; ``None``: no cap. Never below the quota.
 - ``weight``: the team's share of what is idle beyond the quotas (0.001 to 1,000,000; default 1).
-- ``members``: agent names (``alice``) or name prefixes (``research-*``).
+- ``members``: agent names (``alice``) or patterns (``research-*``, ``job-?-*``: fnmatch's ``*``, ``?``,
+  ``[...]``, as the priority caps of a partition spec take them).
 - ``max_min_runtime_s``: the longest minimum runtime a lease of the team may declare before it can be
   reclaimed (default 0: a borrowed lease can be reclaimed at once).
 
-**Membership.** An agent belongs to exactly one team: the team that names it exactly; else the team whose
-prefix pattern is the longest prefix of its name; else ``default``. No two teams may claim the same pattern
+**Membership.** An agent belongs to exactly one team: the team that names it exactly; else the team with the
+most specific pattern that matches its name (the longest pattern; ties: the smallest team name); else
+``default``. For prefix patterns that is the longest prefix. No two teams may claim the same pattern
 (``team set`` refuses it, in a transaction that compares every team), so the rule is a function; a store
 written by hand that breaks this resolves a tie to the smallest team name. ``default`` has no members of its
 own; its record (quota, limit, weight) applies to every agent no other team names, and without a record it has
@@ -26,11 +28,13 @@ to that GPU's model (``charges.Charge``).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from typing import Any, Collection, Iterable, Mapping
 
 from coordinator.keys import last_segment, valid_name
 from coordinator.limits import quote
 from coordinator.policy.charges import Charge as Charge
+from coordinator.policy.partition.caps import PATTERN_CHARS
 from coordinator.policy.team_fields import (
     _FIELDS,
     MAX_MIN_RUNTIME_S,
@@ -142,30 +146,54 @@ def member_conflicts(team: Team, others: Iterable[Team]) -> list[str]:
 
 
 class Membership:
-    """Which team an agent is in (the module's rule): exact name, else longest prefix, else ``default``."""
+    """Which team an agent is in (the module's rule): exact name, else the most specific pattern that matches
+    (the longest; ties: the smallest team name), else ``default``. A prefix pattern (``research-*``) is looked
+    up by prefix; other globs are matched in turn, and their answers kept."""
 
     def __init__(self, teams: Iterable[Team]) -> None:
         self.teams: dict[str, Team] = {t.name: t for t in teams}
         self._exact: dict[str, str] = {}
         self._prefixes: dict[str, str] = {}
+        self._globs: list[tuple[int, str, str]] = []     # (-length, team, pattern): the most specific first
         for t in sorted(self.teams.values(), key=lambda t: t.name, reverse=True):   # the smallest name wins a tie
             for p in t.members:
-                if p.endswith("*"):
+                if not PATTERN_CHARS & set(p):
+                    self._exact[p] = t.name
+                elif p.endswith("*") and not PATTERN_CHARS & set(p[:-1]):
                     self._prefixes[p[:-1]] = t.name
                 else:
-                    self._exact[p] = t.name
+                    self._globs.append((-len(p), t.name, p))
+        self._globs.sort()
         self._lengths = sorted({len(p) for p in self._prefixes}, reverse=True)
+        self._matched: dict[str, str] = {}
 
     def team_of(self, agent: str) -> str:
         exact = self._exact.get(agent)
         if exact is not None:
             return exact
+        if self._globs:
+            known = self._matched.get(agent)
+            if known is not None:
+                return known
+        best = (1, DEFAULT_TEAM)
         for n in self._lengths:
             if n <= len(agent):
                 hit = self._prefixes.get(agent[:n])
                 if hit is not None:
-                    return hit
-        return DEFAULT_TEAM
+                    best = (-(n + 1), hit)
+                    break
+        if not self._globs:
+            return best[1]
+        for length, name, pattern in self._globs:
+            if (length, name) >= best:
+                break
+            if fnmatch.fnmatchcase(agent, pattern):
+                best = (length, name)
+                break
+        if len(self._matched) >= 65536:
+            self._matched.clear()
+        self._matched[agent] = best[1]
+        return best[1]
 
     def team(self, name: str) -> Team:
         """The record of a team, or the defaults of one without a record."""

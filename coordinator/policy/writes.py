@@ -252,11 +252,19 @@ class Round(Generic[C]):
             id=req.lease_id, host=self.host, gpu_uuid=gpu.uuid, gpu_index=gpu.index, agent=req.agent,
             session_id=session_id, vram_mb=gpu.usable_mb if req.exclusive else req.vram_mb, priority=req.priority,
             preemptible=req.preemptible, request_id=req.request_id, token=gpu.seq, created_at=self.ctx.wall,
-            gang=gang, exclusive=req.exclusive, topology=req.topology, min_runtime_s=req.min_runtime_s,
+            gang=gang, exclusive=req.exclusive, topology=req.topology, min_runtime_s=self._min_runtime(req.agent,
+                                                                                                    req.min_runtime_s),
             over_quota=over_quota, etcd_lease=etcd_lease)
         gpu.leases.append(lease)
         self.view.leases[lease.id] = lease
         return lease
+
+    def _min_runtime(self, agent: str, declared: float) -> float:
+        """The minimum runtime a new lease records: as declared, capped by its team's ``max_min_runtime_s``
+        (0 for a team without a record), so that what a lease says is what reclaim applies."""
+        teams = self.ctx.teams
+        team = teams.membership.team(teams.membership.team_of(agent)) if teams is not None else None
+        return min(declared, team.max_min_runtime_s if team is not None else 0.0)
 
     def _write_wait(self, it: Item[C], victims: tuple[str, ...]) -> None:
         """A new entry for a new waiter; for a queued one, its entry rewritten if its victims or its serving

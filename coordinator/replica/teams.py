@@ -179,8 +179,9 @@ def usable_by_host(keys: Keys, host_kvs: Iterable[KV], partition_kvs: Iterable[K
     headroom: dict[str, int] = {}
     for kv in partition_kvs:
         try:
-            part: Any = load_record(kv.value).get("partition")
-            headroom[keys.parse(kv.key)[1][0]] = int(part.get("headroom_mb", 0))
+            part = load_record(kv.value).get("partition")
+            if isinstance(part, dict):
+                headroom[keys.parse(kv.key)[1][0]] = int(part.get("headroom_mb", 0))
         except (InvalidRecord, AttributeError, TypeError, ValueError, IndexError):
             continue
     out: dict[str, list[int]] = {}

@@ -11,7 +11,8 @@ Coordinator.KeepAlive, Acquire,    on its own sessions            yes         no
   Release, CloseSession,           (``session.agent``)
   AttachProcesses
 Coordinator.GetStatus,             one host it has a live         yes         no     no
-  GetPartition                     session on (``host``)
+  GetPartition                     session on (``host``); GetStatus
+                                   of every host: those hosts
 Coordinator.ApplyPartition,        no                             yes         no     no
   EvictLease, RevokeLease,
   SetTeam, GetTeam, ListTeams,
@@ -196,6 +197,8 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
             raise deny(f"an agent acts only on its own sessions ({quote(identity.name)})")
         return
     if name in HOST_READ_RPCS:
+        if not request.host and name == "GetStatus":
+            return   # its own view: the servicer answers with the hosts it has a live session on, redacted
         if not request.host:
             raise deny("an agent sees only a host it has a session on: name it in host "
                        "(every host needs the operator role)")

@@ -128,7 +128,7 @@ BAD = [
     (pb.SetTeamRequest(name="t", weight=0), "weight"),
     (pb.SetTeamRequest(name="t", quota_mb=-1), "quota_mb"),
     (pb.SetTeamRequest(name="t", members=pb.TeamMembers(patterns=["a/b"])), "members"),
-    (pb.SetTeamRequest(name="t", members=pb.TeamMembers(patterns=["*"])), "members"),
+    (pb.SetTeamRequest(name="t", members=pb.TeamMembers(patterns=["a b"])), "members"),
     (pb.SetTeamRequest(name="t", quota_mb=10, quota_by_model=pb.TeamModelQuotas(mb={"H100": 20})), "quota_by_model"),
     (pb.SetTeamRequest(name="t", max_min_runtime_seconds=-1), "max_min_runtime_s"),
     (pb.SetTeamRequest(name="a/b"), "name"),

@@ -208,9 +208,10 @@ RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "Cl
 REGISTRY_RPCS = {r for r in RPCS if r.startswith("Registry.")}
 TEAM_RPCS = {"SetTeam", "GetTeam", "ListTeams", "DeleteTeam"}
 ALLOWED = {
-    "self": set(RPCS) - {"GetStatus(all)", "ApplyPartition", "EvictLease", "RevokeLease",
+    "self": set(RPCS) - {"ApplyPartition", "EvictLease", "RevokeLease",
                          "Node.ConfirmProcesses"} - TEAM_RPCS - REGISTRY_RPCS,
-    "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health"},
+    # GetStatus of every host: an agent's own view, the hosts it has a live session on (none for "other").
+    "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health", "GetStatus(all)"},
     # only a node registers a host, and only its own; ConfirmProcesses is a coordinator's only
     "operator": set(RPCS) - REGISTRY_RPCS - {"Node.ConfirmProcesses"},
     "node": {"Health", "Node.Health", "Registry.ListLeases"},
@@ -231,6 +232,8 @@ def _check_success(rpc: str, resp: Any) -> None:
         assert resp.changed
     elif rpc == "GetStatus(host)":
         assert [h.host for h in resp.hosts] == [HOST]
+    elif rpc == "GetStatus(all)":
+        assert {h.host for h in resp.hosts} <= {HOST}
     elif rpc == "SetTeam":
         assert resp.created and resp.team.quota_mb == 64
     elif rpc == "DeleteTeam":
@@ -377,3 +380,13 @@ def test_an_agent_sees_other_agents_leases_without_session_request_or_processes(
     finally:
         b.CloseSession(pb.CloseSessionRequest(session=b_ref), timeout=10)
         world.stubs("self").coord.Release(pb.ReleaseRequest(session=world.ref(), lease_id=lease.id), timeout=10)
+
+
+def test_an_agent_asks_for_every_host_and_gets_its_own_view(world: World) -> None:
+    """``gpucoord status`` as an agent (issue 29): GetStatus without a host answers with the hosts the agent has
+    a live session on, redacted as for one host, and no teams (their use is the fleet's); an agent with no
+    session sees no host. The operator sees every host."""
+    mine = world.stubs("self").coord.GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert [h.host for h in mine.hosts] == [HOST] and not mine.teams
+    assert not world.stubs("other").coord.GetStatus(pb.GetStatusRequest(), timeout=10).hosts
+    assert HOST in [h.host for h in world.stubs("operator").coord.GetStatus(pb.GetStatusRequest(), timeout=10).hosts]

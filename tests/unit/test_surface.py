@@ -18,7 +18,12 @@ from coordinator.cli.common import UsageError
 from coordinator.cli.main import build_parser
 from coordinator.cli.render import render_status
 from coordinator.cli.teams import describe, render_teams, set_request
+from coordinator.config import CoordinatorConfig
+from coordinator.keys import Keys, lease_id_for
+from coordinator.node.fake import parse_fake_gpus
+from coordinator.policy.admission import GpuView
 from coordinator.policy.decide import wait_over
+from coordinator.policy.host import HostView
 from coordinator.policy.partition import (
     PartitionError,
     parse_mib,
@@ -26,20 +31,56 @@ from coordinator.policy.partition import (
     show_bytes,
     show_mib,
 )
+from coordinator.policy.plan import Context, Plan
+from coordinator.policy.planner import plan_round
+from coordinator.policy.team_admission import TeamState
 from coordinator.policy.teams import (
     MAX_TEAM_MB,
     MIN_WEIGHT,
+    Membership,
     Team,
     TeamError,
     check_changes,
     over_share,
 )
+from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease
 from coordinator.replica.teams import waiting_charge_mb
-from tests.unit.test_team_limit_waits import LIMIT, _call, _entry, _host, _round
+from tests.support.planner_calls import _KV, HOST, KEYS, NOW, WALL, Call, session
 
 pytestmark = pytest.mark.unit
 
 MIB = 1 << 20
+LIMIT = 8192
+
+
+def _host(leases: list[VramLease], entries: tuple[QueueEntry, ...] = ()) -> HostView:
+    """One 16 GiB GPU."""
+    inventory = HostInventory(HOST, "", 8, tuple(range(8)), 1 << 34, "/", 1 << 40, parse_fake_gpus("1x16GiB", HOST))
+    gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=g.vram_total_mb,
+                            ledger=GpuLedger(g.vram_total_mb, 2, 300), leases=list(leases)) for g in inventory.gpus}
+    return HostView(HOST, 500, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), None, None, gpus,
+                    {x.id: x for x in leases}, None, (), entries)
+
+
+def _call(agent: str, rid: str, vram_mb: int, wait_s: float, arrival: int) -> Call:
+    return Call(session(agent), vram_mb, None, 0, True, rid, lease_id_for(agent, rid, HOST), wait_s, arrival,
+                NOW + wait_s)
+
+
+def _entry(call: Call) -> QueueEntry:
+    s = call.session
+    return QueueEntry(rank=Keys.queue_rank(call.priority, call.arrival_ns, call.lease_id), agent=s.agent,
+                      session_id=s.session_id, etcd_lease=s.etcd_lease, vram_mb=call.vram_mb, gpu="",
+                      priority=call.priority, preemptible=True, request_id=call.request_id, lease_id=call.lease_id,
+                      deadline_unix=WALL + call.wait_s, replica="r1", mod_revision=450, wait_s=call.wait_s)
+
+
+def _round(view: HostView, batch: list[Call], team_used: int, waiting: dict[str, Call] | None = None) -> Plan[Call]:
+    """Team t (agents a and b, limit ``LIMIT``, no maximum minimum runtime) uses ``team_used`` MiB elsewhere."""
+    state = TeamState(Membership([Team("t", limit_mb=LIMIT, members=("a", "b"))]), {"t": team_used},
+                      frozenset(view.leases), {"t": (77, 5)}, 600)
+    ctx = Context(KEYS, CoordinatorConfig().validate(), "r1", frozenset(), NOW, WALL, teams=state)
+    return plan_round(view, batch, waiting or {}, {c.session.session_id for c in batch}, ctx)
 
 
 # -- sizes -----------------------------------------------------------------------------------------------------
@@ -166,3 +207,12 @@ def test_a_request_its_teams_limit_could_never_let_in_is_refused_at_once_even_wi
     assert [e.request_id for e in plan.left] == ["queued"]
     ((call, err),) = plan.failures
     assert call is queued and err.field == "team"
+
+
+def test_a_lease_records_its_minimum_runtime_capped_by_its_teams_maximum() -> None:
+    """``run --min-runtime 600`` under a team maximum of 0: the lease says 0, what reclaim applies."""
+    import dataclasses
+
+    asked = dataclasses.replace(_call("a", "long", 1024, 0.0, 1000), min_runtime_s=600.0)
+    (lease,) = _round(_host([]), [asked], team_used=0).new_leases
+    assert lease.min_runtime_s == 0.0

@@ -64,10 +64,10 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("weight", {"weight": float("nan")}, "finite"),
     ("weight", {"weight": "2"}, "finite"),
     ("members", {"members": "research-*"}, "list"),
-    ("members", {"members": ["*"]}, "neither an agent name nor a prefix"),
-    ("members", {"members": ["res*arch"]}, "neither"),
+    ("members", {"members": [""]}, "neither an agent name nor a pattern"),
+    ("members", {"members": ["res arch"]}, "neither"),
     ("members", {"members": ["a/b"]}, "neither"),
-    ("members", {"members": ["**"]}, "neither"),
+    ("members", {"members": ["[!a]*"]}, "neither"),
     ("members", {"members": [3]}, "expected agent names"),
     ("members", {"members": ["a", "a"]}, "given twice"),
     ("members", {"members": [f"a{i}" for i in range(MAX_TEAM_MEMBERS + 1)]}, "at most"),
@@ -140,6 +140,45 @@ def test_an_exact_name_beats_any_prefix_and_the_longest_prefix_wins() -> None:
     assert m.team_of("research-") == "research"
     assert m.team_of("research") == DEFAULT_TEAM
     assert m.team_of("bob") == DEFAULT_TEAM
+
+
+def test_members_take_the_globs_priority_caps_take_and_the_most_specific_pattern_wins() -> None:
+    """One pattern syntax (issue 29): fnmatch's ``*``, ``?``, ``[...]`` as in a partition's priority caps; an
+    exact name first, then the longest matching pattern, ties to the smallest team name."""
+    m = Membership([Team.from_json({"members": ["job-*"]}, "jobs"),
+                    Team.from_json({"members": ["job-?-gpu*"]}, "gpu"),
+                    Team.from_json({"members": ["*-gpu*"]}, "any-gpu"),
+                    Team.from_json({"members": ["job-[0-3]-gpuX"]}, "low"),
+                    Team.from_json({"members": ["job-7-gpuX"]}, "seven")])
+    assert m.team_of("job-1") == "jobs"
+    assert m.team_of("job-1-gpu") == "gpu"            # 'job-?-gpu*' (10) beats 'job-*' (5) and '*-gpu*' (6)
+    assert m.team_of("job-1-gpuX") == "low"
+    assert m.team_of("job-7-gpuX") == "seven"
+    assert m.team_of("x-gpu1") == "any-gpu"
+    assert m.team_of("jo") == DEFAULT_TEAM
+    tie = Membership([Team.from_json({"members": ["a?c"]}, "b-team"), Team.from_json({"members": ["ab*"]}, "a-team")])
+    assert tie.team_of("abc") == "a-team"
+
+
+@given(st.lists(st.tuples(st.sampled_from(["t1", "t2", "t3"]),
+                          st.text(alphabet="ab*?[]-", min_size=1, max_size=5)), max_size=8),
+       st.text(alphabet="ab-", max_size=6))
+def test_membership_is_the_most_specific_matching_pattern(claims: list[tuple[str, str]], agent: str) -> None:
+    import fnmatch
+
+    from coordinator.policy.partition.caps import valid_pattern
+    members: dict[str, set[str]] = {}
+    seen: set[str] = set()
+    for team, pattern in claims:
+        if valid_pattern(pattern) and pattern not in seen:   # two teams never claim one pattern
+            seen.add(pattern)
+            members.setdefault(team, set()).add(pattern)
+    m = Membership([Team(t, members=tuple(sorted(ps))) for t, ps in members.items()])
+    exact = [t for t, ps in members.items() if agent in ps and not set("*?[]") & set(agent)]
+    matches = sorted((-len(p), t) for t, ps in members.items() for p in ps if fnmatch.fnmatchcase(agent, p))
+    expected = exact[0] if exact else (matches[0][1] if matches else DEFAULT_TEAM)
+    assert m.team_of(agent) == expected
+    assert m.team_of(agent) == expected     # and again, from what it kept
 
 
 def test_a_team_without_a_record_has_no_quota_and_no_limit() -> None:

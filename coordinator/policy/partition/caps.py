@@ -42,7 +42,8 @@ UNCAPPED = PriorityCap(MAX_PRIORITY, True)
 TLS_DEFAULT = PriorityCap(0, False)
 
 
-def _valid_pattern(name: str) -> bool:
+def valid_pattern(name: str) -> bool:
+    """An agent name or a pattern of them: the one syntax of priority caps and team members."""
     allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:@-") | PATTERN_CHARS
     return 0 < len(name) <= 128 and all(c in allowed for c in name)
 
@@ -56,7 +57,7 @@ def parse_caps(v: object) -> tuple[tuple[str, PriorityCap], ...]:
     out = []
     for name, entry in v.items():
         f = f"priority_caps.{_key(name)}"
-        if not isinstance(name, str) or not _valid_pattern(name):
+        if not isinstance(name, str) or not valid_pattern(name):
             raise PartitionError(f, "not an agent name or pattern (letters, digits, '.', '_', ':', '@', '-', and "
                                     "the wildcards '*', '?', '[...]'; at most 128)")
         if not isinstance(entry, Mapping):
