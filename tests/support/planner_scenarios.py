@@ -202,13 +202,13 @@ def check(s: dict[str, Any], plan: Plan[Call], team: tuple[frozenset[str], int] 
             room = room0 - sum(x.vram_mb for x in plan.new_leases if x.agent in members and ranks[x.id] < rank) + sum(
                 x.vram_mb for x in view.leases.values() if x.agent in members and x.id in gone)
 
-        def fits(removed: list[VramLease]) -> bool:
+        def fits(removed: list[VramLease], room: int | None = room, seen: list[VramLease] = seen,
+                 gpus: set[str] = gpus, vram: int = vram, agent: str = agent) -> bool:
             out = {x.id for x in removed}
-            if room is not None and room + sum(x.vram_mb for x in removed if x.agent in members) < vram:  # noqa: B023
+            if room is not None and room + sum(x.vram_mb for x in removed if x.agent in members) < vram:
                 return False
             return any(room_for(dataclasses.replace(view.gpus[u], leases=[
-                x for x in seen if x.gpu_uuid == u and x.id not in out]), agent, caps[agent][u]) >= vram  # noqa: B023
-                for u in gpus)  # noqa: B023 - called in this iteration
+                x for x in seen if x.gpu_uuid == u and x.id not in out]), agent, caps[agent][u]) >= vram for u in gpus)
         assert fits(victims), "the victims do not make the request fit"
         for v in victims:
             assert not fits([x for x in victims if x is not v]), "a victim could have been spared"
