@@ -23,7 +23,6 @@ from coordinator.cli.commands import (
     cmd_lease,
     cmd_node,
     cmd_partition,
-    cmd_run,
     cmd_status,
 )
 from coordinator.cli.common import (
@@ -34,6 +33,7 @@ from coordinator.cli.common import (
     UsageError,
     _env,
 )
+from coordinator.cli.run_cmd import cmd_run
 
 # The options every command accepts before or after its name, and what each one is for.
 GLOBAL_OPTIONS = {

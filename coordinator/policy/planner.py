@@ -311,20 +311,6 @@ class _Planner(Round[C]):
         return (used_ops + ops <= TXN_OPS_BUDGET
                 and len(plan.compares) + guards + compares <= TXN_COMPARES_BUDGET)
 
-    def _why_removed(self, c: C) -> errors.GpucoordError:
-        """The answer for our waiter whose entry someone else removed without a grant, from the snapshot:
-        FAILED_PRECONDITION only when it can never be granted there any more (the host is gone, the
-        partition changed); otherwise it was displaced, or removed at the end of its wait."""
-        try:
-            eligible(self.view, self.cfg, Request.of_call(c), count_leases=False)
-        except errors.GpucoordError as e:
-            return left_the_queue(e)
-        if self.now >= c.deadline:
-            return wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive)
-        return errors.CapacityError(
-            "queue: the waiting request was removed from the queue without a grant (displaced by a request "
-            "of higher priority)", "queue")
-
     # -- plan evictions (G3) ---------------------------------------------------------------------------
     def _plan_evictions(self, it: Item[C], w: Waits, chosen: list[VramLease] | None = None) -> tuple[str, ...]:
         """The victims this waiter waits for: those it already chose, or new ones if evicting makes it fit on

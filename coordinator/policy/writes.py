@@ -11,7 +11,14 @@ from typing import Collection, Generic, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.policy.admission import GpuView
-from coordinator.policy.decide import Grant, Item, Request
+from coordinator.policy.decide import (
+    Grant,
+    Item,
+    Request,
+    eligible,
+    left_the_queue,
+    wait_over,
+)
 from coordinator.policy.host import HostView
 from coordinator.policy.notices import (
     fits_with_gone,
@@ -199,6 +206,20 @@ class Round(Generic[C]):
             return entry.victims
         withdrawn = self._withdraw(entry, drop)    # decided again next round: other victims, or a fit
         return tuple(v for v in entry.victims if v not in withdrawn)
+
+    def _why_removed(self, c: C) -> errors.GpucoordError:
+        """The answer for our waiter whose entry someone else removed without a grant, from the snapshot:
+        FAILED_PRECONDITION only when it can never be granted there any more (the host is gone, the
+        partition changed); otherwise it was displaced, or removed at the end of its wait."""
+        try:
+            eligible(self.view, self.cfg, Request.of_call(c), count_leases=False)
+        except errors.GpucoordError as e:
+            return left_the_queue(e)
+        if self.now >= c.deadline:
+            return wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive)
+        return errors.CapacityError(
+            "queue: the waiting request was removed from the queue without a grant (displaced by a request "
+            "of higher priority)", "queue")
 
     # -- write the ops ---------------------------------------------------------------------------------
     def _write_grant(self, it: Item[C], g: Grant) -> None:
