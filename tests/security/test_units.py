@@ -165,7 +165,7 @@ def _decide(identity: Identity | None, method: str, request: Any, tls_on: bool =
     (AGENT_B, "KeepAlive", None, "ok"),                      # the stream opens; its messages are checked
     (AGENT_A, "GetStatus", pb.GetStatusRequest(host="h1"), "ok"),
     (AGENT_A, "GetStatus", pb.GetStatusRequest(host="h2"), "denied"),
-    (AGENT_A, "GetStatus", pb.GetStatusRequest(), "denied"),
+    (AGENT_A, "GetStatus", pb.GetStatusRequest(), "ok"),          # its own view: the hosts it has a session on
     (AGENT_B, "GetPartition", pb.GetPartitionRequest(host="h1"), "denied"),
     (AGENT_A, "EvictLease", pb.EvictLeaseRequest(lease_id="x"), "denied"),
     (AGENT_A, "RevokeLease", pb.RevokeLeaseRequest(lease_id="x"), "denied"),
