@@ -26,9 +26,12 @@ pytestmark = pytest.mark.integration
 EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4, "GANG": 2, "TEAMS": 3}
 
 
+# A bound against a hung bench, not a speed: a quick run takes about 90 s on a quiet 2-core machine, and a
+# busy neighbour (a CPU hog, another gpucoord stack) can make it several times slower.
+@pytest.mark.timeout(1200)
 def test_quick_bench_reports_every_target() -> None:
     proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "bench", "all", "--quick", "--json"],
-                          capture_output=True, text=True, timeout=240, env=child_env())
+                          capture_output=True, text=True, timeout=1100, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Every phase's event loop ends with nothing left running and nothing used after it closed.
     assert_no_asyncio_noise(proc.stderr, "bench all --quick")
@@ -56,7 +59,7 @@ def test_quick_bench_reports_every_target() -> None:
 
 def test_text_output_has_one_line_per_figure() -> None:
     proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "bench", "p7", "--quick"],
-                          capture_output=True, text=True, timeout=120, env=child_env())
+                          capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("P7")]
     assert len(lines) == 2 and all("target <= 50 ms" in x and ("PASS" in x or "FAIL" in x) for x in lines)
