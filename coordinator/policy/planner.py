@@ -233,8 +233,9 @@ class _Planner(Round[C]):
         """G11: a request that its team's limit holds back (``reason`` names ``team`` and the limit). A new call
         that asked for no wait is refused at once; one that waits takes a place in the queue (within its
         agent's and the host's bounds) and a queued one keeps its place, without holding any GPU back (G2) or
-        choosing victims (G3), until its team's use over the fleet leaves room for it or its wait ends
-        (``team_waits``: the admitter answers that end naming ``team``)."""
+        choosing victims (G3: those that would free room under the limit too are ``_evicts_for_team``'s), until
+        its team's use over the fleet leaves room for it or its wait ends (``team_waits``: the admitter
+        answers that end naming ``team``)."""
         plan, req = self.out, it.req   # one whose charge alone passes the limit is refused, or leaves the queue
         never = beyond_limit(self.ctx.teams, self.view, req.agent, req.vram_mb, req.gpu_count, req.exclusive)
         if never is not None and it.entry is not None:
