@@ -306,9 +306,11 @@ class Round(Generic[C]):
         updated = it.entry
         if victims != it.entry.victims:
             updated = dataclasses.replace(updated, victims=victims)
-        if it.call is not None and (it.entry.replica != ctx.replica_id):
+        if it.call is not None and (it.entry.replica != ctx.replica_id or id(it.call) in self.attached_calls):
             # Served by this replica now (a retry through it): the entry says so, and keeps the later of the
-            # two deadlines.
+            # two deadlines. A retry through the replica that already serves the entry rewrites it too: the
+            # expiry removes the entry of the earlier attempt (its caller gone) comparing the revision it knows,
+            # and must not remove it from under the retry (which would be answered before its wait ends).
             updated = dataclasses.replace(
                 updated, replica=ctx.replica_id,
                 deadline_unix=max(updated.deadline_unix, ctx.wall + max(0.0, it.call.deadline - self.now)))

@@ -83,14 +83,15 @@ class QueueExpiry(AdmitterState):
                     self._expired(c, removed)
                 elif out.current is None:
                     granted.append(c)   # gone meanwhile: with a grant (by any replica), or removed
-                elif _served_here(out.current, self.ctx.replica_id, c.lease_id):
+                elif _served_here(out.current, self.ctx.replica_id, c.lease_id) and self._waiting.get(c.lease_id) is c:
                     c.entry_revision = out.current.mod_revision   # rewritten by one of our rounds
                     if tries < 3:
                         retry.append(c)
                     else:   # our rounds keep rewriting it: still ours, removed on the next pass
                         asyncio.get_running_loop().call_later(0.05, self._expire_wake.set)
                 else:
-                    # Another replica serves a retry of this request now: its entry is that replica's.
+                    # A retry of this request serves the entry now (through another replica, or through this one:
+                    # it rewrote the entry when it joined it): the entry is the retry's, not removed for this call.
                     self._expired(c, None)
             if granted:
                 leases = await self.ctx.store.get_prefix(self.keys.leases(self.host))

@@ -12,6 +12,7 @@ from coordinator.policy.partition import Partition, compute_partition, parse_spe
 from coordinator.policy.plan import Context
 from coordinator.policy.planner import plan_round
 from coordinator.records import GpuInfo, GpuLedger, HostInventory, QueueEntry, VramLease
+from coordinator.txn import ModRevisionIs
 from tests.support.planner_calls import _KV, HOST, KEYS, NOW, WALL, Call, session
 
 
@@ -58,3 +59,24 @@ def test_a_retry_with_a_later_deadline_keeps_its_own() -> None:
     plan = plan_round(view, [retry], {}, {retry.session.session_id}, _ctx())
     assert [w.call for w in plan.waits] == [retry]
     assert plan.waits[0].deadline is None
+
+
+def test_a_retry_that_joins_its_entry_on_the_same_replica_rewrites_it() -> None:
+    """A retry through the same replica (the client left a hung attempt, or another replica forwarded the retry
+    to the owner) joins the entry its first attempt wrote, which this replica still serves. The first attempt's
+    caller is gone: the expiry removes its entry comparing the revision it knows. The retry rewrites the entry,
+    so that this removal fails (or, when it commits first, the round fails and the retry is queued again) and the
+    entry is never removed from under the live retry, which would then be answered at once (before its wait
+    ends) "removed from the queue without a grant"."""
+    for gone in (True, False):         # the first attempt answered or cancelled already, or not yet (superseded)
+        view, entry = _full_host_with_waiter(WALL + 30, "r1")
+        first = _retry(30.0)
+        first.gone = gone
+        retry = _retry(29.0)
+        plan = plan_round(view, [retry], {entry.lease_id: first}, {retry.session.session_id}, _ctx())
+        assert [w.call for w in plan.waits] == [retry]
+        key = KEYS.queue_entry(HOST, entry.rank)
+        assert plan.waits[0].revision == 0, "the retry keeps the revision its first attempt's removal compares"
+        assert any(getattr(op, "key", None) == key for op in plan.ops), plan.ops
+        assert ModRevisionIs(key, entry.mod_revision) in plan.compares
+        assert plan.waits[0].deadline == NOW + 30
