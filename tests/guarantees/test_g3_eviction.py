@@ -101,11 +101,15 @@ def test_notices_are_withdrawn_when_the_requester_gives_up(cluster: Cluster) -> 
     addr = cluster.start_coordinator(eviction_grace_s=30)
     with Client(addr, agent="low", host="h1") as low, Client(addr, agent="high", host="h1") as high:
         victim = low.acquire(8000, priority=0)
+        withdrawn = threading.Event()
+        victim.on_withdrawn(lambda notice: withdrawn.set())
         with pytest.raises(errors.ResourceExhausted, match="after waiting"):
             high.acquire(6000, priority=5, wait=1)
-        assert victim.evicting.is_set()
-        # The requester left: nobody needs the room any more, so the victim is not revoked.
-        wait_for(lambda: cluster.get_prefix(cluster.keys.evictions()) == [], 5, "the notice to be withdrawn")
+        # The requester left: nobody needs the room any more, so the victim is not revoked, and its client
+        # hears that its notice is withdrawn (``evicting`` is cleared again; within the 30 s grace).
+        wait_for(lambda: cluster.get_prefix(cluster.keys.evictions()) == [], 25, "the notice to be withdrawn")
+        wait_for(withdrawn.is_set, 25, "the victim to hear its notice withdrawn")
+        assert not victim.evicting.is_set()
         assert [x.id for x in cluster.leases()] == [victim.id]
 
 
