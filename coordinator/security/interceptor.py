@@ -285,15 +285,21 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise _Refused()
             return caller, None
 
+        own = method.startswith("/gpucoord.")
+
         async def checked(caller: Caller, requests: AsyncIterator[object],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
             async for request in requests:
                 try:
                     await interceptor._check(caller, method, request)
                 except errors.GpucoordError as e:
-                    # The stream ends with the refusal's status (RESOURCE_EXHAUSTED naming rate, ...), never
-                    # UNKNOWN with the handler's traceback: the wrapper ends the call quietly.
                     interceptor.count_refusal(authz.rpc_name(method), e)
+                    if own:
+                        # Our handlers answer a GpucoordError with its status, whichever of their tasks reads
+                        # the stream (KeepAlive's reader, the registry's): it goes to them.
+                        raise
+                    # Another service's handler (server reflection) would answer UNKNOWN with a traceback:
+                    # the stream ends with the refusal's status (RESOURCE_EXHAUSTED naming rate, ...), quietly.
                     refuse(context, e)
                     raise _StreamRefused() from None
                 yield request
