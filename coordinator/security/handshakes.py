@@ -10,9 +10,11 @@ one WARNING with the count and the last reason at the first failure and then at 
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from typing import Callable
@@ -97,8 +99,20 @@ def install(count: Callable[[], None]) -> HandshakeLog | None:
                 _write_all(original, out)
             _write_all(original, pending)
 
-    threading.Thread(target=reader, daemon=True, name="stderr filter").start()
+    filter_thread = threading.Thread(target=reader, daemon=True, name="stderr filter")
+    filter_thread.start()
     threading.Thread(target=hs.summaries, daemon=True, name="handshake log").start()
+
+    def drain() -> None:
+        """At exit, what the process wrote last (its error message) reaches the real stderr: fd 2 goes back
+        to it, which closes the pipe's only write end, and the reader passes on what is left, then ends."""
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(original, 2)
+        filter_thread.join(timeout=5)
+    atexit.register(drain)
     return hs
 
 
