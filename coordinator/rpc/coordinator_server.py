@@ -189,10 +189,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             # Nothing of that name, not even a gone host's leases: NOT_FOUND (and no series is made for it).
             raise errors.NotFound(f"host: no host {quote(request.host)} ('gpucoord status' lists them)", "host")
         out = status_response(report, self._notice)
-        if not request.host:   # team usage is over the fleet: only with every host
-            out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
         caller = current_caller()
-        if caller is not None and caller.identity is not None and caller.identity.role == "agent":
+        agent = caller is not None and caller.identity is not None and caller.identity.role == "agent"
+        if not request.host and not agent:   # team usage is over the fleet: only with every host, not an agent's
+            out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
+        if agent:
+            assert caller is not None and caller.identity is not None
+            if not request.host:   # its own view: the hosts it has a live session on (authz lets it ask)
+                mine = await self.svc.agent_hosts(caller.identity.name)
+                kept = [h for h in out.hosts if h.host in mine]
+                del out.hosts[:]
+                out.hosts.extend(kept)
             redact_for_agent(out, caller.identity.name)
         return out
 

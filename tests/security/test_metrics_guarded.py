@@ -126,7 +126,9 @@ def test_certificate_less_connections_are_counted_not_logged_one_line_each(etcd:
         lines_before = log_path.read_bytes().count(b"\n")
         failed = _hammer(f"127.0.0.1:{m.group(1)}", Path(pki.ca).read_bytes(), seconds=10)
         assert failed > 100, failed
-        wait_for(lambda: _handshake_failures(mport, pki) >= failed, 10, "the failed handshakes counted")
+        # Nearly every one is a server-side handshake failure, counted; a few of the client's may end before
+        # the server's handshake does (a connection reset on a busy machine: 8 of 5,674 in one run).
+        wait_for(lambda: _handshake_failures(mport, pki) >= 0.95 * failed, 10, "the failed handshakes counted")
         grown = log_path.read_bytes().count(b"\n") - lines_before
         print(f"\n{failed} failed handshakes in 10 s: the log grew by {grown} line(s)")
         assert grown <= 3, log_path.read_text()[-3000:]
