@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from coordinator.keys import Keys, session_id_from_etcd_lease
-from coordinator.records import SessionInfo
+from coordinator.node.fake import parse_fake_gpus
+from coordinator.policy.admission import GpuView
+from coordinator.policy.host import HostView
+from coordinator.records import GpuLedger, HostInventory, SessionInfo, VramLease
 
 KEYS = Keys("/t/")
 HOST = "h"
@@ -49,3 +52,13 @@ class Call:
 def session(agent: str) -> SessionInfo:
     etcd_lease = 0x100 + AGENTS.index(agent)
     return SessionInfo(agent, session_id_from_etcd_lease(etcd_lease), HOST, etcd_lease)
+
+
+def host_view(spec: str, leases: list[VramLease]) -> HostView:
+    """A host of ``spec``'s simulated GPUs (``parse_fake_gpus``) holding ``leases``, as a round reads it."""
+    inventory = HostInventory(HOST, "", 8, tuple(range(8)), 1 << 34, "/", 1 << 40, parse_fake_gpus(spec, HOST))
+    gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=g.vram_total_mb,
+                            ledger=GpuLedger(g.vram_total_mb, 2, 300 + g.index),
+                            leases=[x for x in leases if x.gpu_uuid == g.uuid]) for g in inventory.gpus}
+    return HostView(HOST, 500, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), None, None, gpus,
+                    {x.id: x for x in leases}, None, (), ())

@@ -13,17 +13,17 @@ from hypothesis import strategies as st
 from coordinator.config import CoordinatorConfig
 from coordinator.keys import lease_id_for
 from coordinator.node.fake import parse_fake_gpus
-from coordinator.policy.admission import GpuView
 from coordinator.policy.host import HostView
 from coordinator.policy.plan import Context
 from coordinator.policy.planner import plan_round
 from coordinator.policy.team_admission import TeamState
 from coordinator.policy.teams import Membership, Team
-from coordinator.records import GpuLedger, HostInventory, VramLease
+from coordinator.records import VramLease
 from coordinator.replica.teams import charges_from_views
 from coordinator.txn import ModRevisionIs, Put
 from tests.support.gang_scenarios import scenarios, wants
-from tests.support.planner_calls import _KV, HOST, KEYS, NOW, WALL, Call, session
+from tests.support.planner_calls import HOST, KEYS, NOW, WALL, Call, session
+from tests.support.planner_calls import host_view as _host
 
 TEAM = Membership([Team("t", limit_mb=1 << 40, members=("a", "b"))])
 
@@ -58,15 +58,6 @@ def test_a_round_with_gangs_takes_no_team_above_its_limit_counting_every_gpu(
         puts = {op.key: op for op in plan.ops if isinstance(op, Put)}
         assert json.loads(puts[KEYS.team_ledger("t")].value) == {"seq": 6}
         assert ModRevisionIs(KEYS.team_ledger("t"), 77) in plan.compares
-
-
-def _host(spec: str, leases: list[VramLease]) -> HostView:
-    inventory = HostInventory(HOST, "", 8, tuple(range(8)), 1 << 34, "/", 1 << 40, parse_fake_gpus(spec, HOST))
-    gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=g.vram_total_mb,
-                            ledger=GpuLedger(g.vram_total_mb, 2, 300 + g.index),
-                            leases=[x for x in leases if x.gpu_uuid == g.uuid]) for g in inventory.gpus}
-    return HostView(HOST, 500, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), None, None, gpus,
-                    {x.id: x for x in leases}, None, (), ())
 
 
 def _gang_call(rid: str, vram_mb: int, count: int, exclusive: bool = False) -> Call:
