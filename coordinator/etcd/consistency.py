@@ -14,13 +14,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
-from typing import Mapping, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc
 from aetcd import rpc
 
 from coordinator.etcd.auth import ChannelFactory, default_channel
 from coordinator.security.etcd_auth import EtcdSecurity
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +76,23 @@ async def compare_members(endpoints: Sequence[str], channel: ChannelFactory | No
     factory = channel or default_channel(EtcdSecurity())
     channels = {ep: factory(ep) for ep in endpoints}
     try:
+        unreachable: list[str] = []
+
+        async def each(eps: Sequence[str], ask: Callable[[str], Awaitable[T]]) -> dict[str, T]:
+            """``ask`` of every member at once: the answers, and each member that failed in ``unreachable``."""
+            out: dict[str, T] = {}
+            for ep, got in zip(eps, await asyncio.gather(*(ask(ep) for ep in eps), return_exceptions=True)):
+                if isinstance(got, BaseException):
+                    unreachable.append(f"{label[ep]}: {_why(got)}")
+                else:
+                    out[ep] = got
+            return out
+
         async def revision(ep: str) -> int:
             resp = await rpc.MaintenanceStub(channels[ep]).Status(rpc.StatusRequest(), timeout=timeout)
             return int(resp.header.revision)
 
-        revisions: dict[str, int] = {}
-        unreachable: list[str] = []
-        for ep, got in zip(endpoints, await asyncio.gather(*(revision(ep) for ep in endpoints),
-                                                           return_exceptions=True)):
-            if isinstance(got, BaseException):
-                unreachable.append(f"{label[ep]}: {_why(got)}")
-            else:
-                revisions[ep] = got
+        revisions = await each(endpoints, revision)
         if not revisions:
             return HashReport(0, (), tuple(unreachable))
         at = min(revisions.values())
@@ -94,13 +101,7 @@ async def compare_members(endpoints: Sequence[str], channel: ChannelFactory | No
             resp = await rpc.MaintenanceStub(channels[ep]).HashKV(rpc.HashKVRequest(revision=at), timeout=timeout)
             return MemberHash(label[ep], at, int(resp.compact_revision), int(resp.hash))
 
-        members: list[MemberHash] = []
-        for ep, hashed in zip(revisions, await asyncio.gather(*(hash_kv(ep) for ep in revisions),
-                                                              return_exceptions=True)):
-            if isinstance(hashed, BaseException):
-                unreachable.append(f"{label[ep]}: {_why(hashed)}")
-            else:
-                members.append(hashed)
+        members = list((await each(list(revisions), hash_kv)).values())
         return HashReport(at, tuple(members), tuple(unreachable))
     finally:
         await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
