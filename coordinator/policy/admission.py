@@ -7,7 +7,7 @@ one transaction that compares every revision the decision read.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from coordinator.records import GpuLedger, VramLease
 
@@ -63,6 +63,18 @@ class GpuView:
     @property
     def free_mb(self) -> int:
         return self.usable_mb - self.held_mb - self.untracked_mb
+
+    def without(self, gone: Collection[str]) -> GpuView:
+        """This GPU once the leases ``gone`` (ids) are, their processes having freed their memory: NVML's used
+        memory drops by what those leases held, so the untracked part (memory of processes without a lease)
+        stays what it was. Evicting a lease frees its VRAM, nothing more (as ``choose_victims`` counts it);
+        dropping its records alone would count its processes' memory as untracked, and no eviction would ever
+        seem to help a request while the node reports their use."""
+        freed = sum(x.vram_mb for x in self.leases if x.id in gone)
+        nvml = None if self.nvml_used_mb is None else max(0, self.nvml_used_mb - freed)
+        out = dataclasses.replace(self, leases=[x for x in self.leases if x.id not in gone], nvml_used_mb=nvml)
+        out.seq = self.seq
+        return out
 
     def agent_mb(self, agent: str) -> int:
         return (sum(lease.vram_mb for lease in self.leases if lease.agent == agent)
@@ -145,8 +157,7 @@ def plan_eviction(gpus: list[GpuView], caps: dict[str, int], vram: int, priority
     first, then newest first) until the request fits on one GPU, then every victim that can be spared dropped
     in that order (a lease over several GPUs is one victim, freeing each of its records). [] when nothing
     needs evicting (or nothing would help). ``victims.choose_gang_victims`` makes the same choice over slots."""
-    after = [dataclasses.replace(g, leases=[x for x in g.leases if x.id not in evicting]) for g in gpus
-             if g.uuid in caps]
+    after = [g.without(evicting) for g in gpus if g.uuid in caps]
 
     def fits(gone: set[str]) -> bool:   # what the victims free, as choose_victims counts it
         return any(sum(x.vram_mb for x in g.leases if x.id in gone) >= vram - g.free_mb

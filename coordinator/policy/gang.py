@@ -3,7 +3,6 @@ records of one lease id on several GPUs are one gang), and the GPUs a gang could
 while it waits, G2). Pure, no I/O."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Collection, Iterable
 
 from coordinator.policy.admission import GpuView
@@ -27,7 +26,7 @@ def slots_from_views(gpus: Iterable[GpuView], agent: str, inventory: HostInvento
     out = []
     for g in gpus:
         if evicting:
-            g = dataclasses.replace(g, leases=[x for x in g.leases if x.id not in evicting])
+            g = g.without(evicting)
         info = topology.get(g.uuid)
         out.append(GpuSlot(index=g.index, uuid=g.uuid, usable_mb=g.usable_mb, free_mb=g.free_mb,
                            leased=bool(g.leases), agent_mb=g.agent_mb(agent),

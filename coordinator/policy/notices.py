@@ -21,7 +21,6 @@ departing (its lease gone, the node still reports them), nothing is spared for r
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Collection, Mapping, Sequence
 
 from coordinator.policy.admission import GpuView, room_for
@@ -56,7 +55,7 @@ def fits_with_gone(view: HostView, agent: str, vram_mb: int, free_of_queue: Sequ
                    gone: Collection[str]) -> bool:
     """Whether the request fits on GPUs no request ranked before it waits for, once the leases ``gone`` are."""
     if gang is None:
-        return any(vram_mb <= room_for(dataclasses.replace(g, leases=[x for x in g.leases if x.id not in gone]),
+        return any(vram_mb <= room_for(g.without(gone),
                                        agent, caps[g.uuid]) for g in free_of_queue if g.uuid in caps)
     placed = place(slots_from_views(view.gpus.values(), agent, view.inventory, gone), gang, unavailable)
     return isinstance(placed, Chosen)

@@ -60,7 +60,6 @@ the callers' deadlines use, ``wall``: seconds since the epoch, for what is store
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Collection, Mapping, Sequence
 
 from coordinator import errors
@@ -379,9 +378,7 @@ class _Planner(Round[C]):
 
     def _fits_once_evicted(self, req: Request, w: Waits) -> bool:
         """A single-GPU request that fits on one of its GPUs once the leases already being evicted are gone."""
-        return any(req.vram_mb <= room_for(dataclasses.replace(g, leases=[x for x in g.leases
-                                                                          if x.id not in self.evicting]),
-                                           req.agent, w.caps[g.uuid])
+        return any(req.vram_mb <= room_for(g.without(self.evicting), req.agent, w.caps[g.uuid])
                    for g in w.free_of_queue if g.uuid in w.caps)
 
     def _fleet_charges(self) -> list[Charge]:

@@ -79,7 +79,7 @@ def _options(view: HostView, req: Request, candidates: Sequence[GpuView], caps: 
             cap = caps.get(g.uuid)
             if cap is None:
                 continue
-            after = dataclasses.replace(g, leases=[x for x in g.leases if x.id not in evicting])
+            after = g.without(evicting)
             if req.vram_mb > cap - after.agent_mb(req.agent):
                 continue
             out.append(({g.uuid: req.vram_mb - after.free_mb}, (g.uuid,)))

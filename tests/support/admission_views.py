@@ -30,13 +30,5 @@ def mk_gpu(index: int, usable_mb: int, leases: Sequence[VramLease] = (), *, tota
 
 
 def without(gpu: GpuView, removed: Sequence[VramLease]) -> GpuView:
-    """The GPU once ``removed`` are gone, their holders having freed their memory.
-
-    NVML's used memory drops by what the removed leases held, so the untracked part (memory used by
-    processes without a lease) stays what it was: evicting a lease frees its VRAM, nothing more.
-    """
-    gone = {id(x) for x in removed}
-    freed = sum(x.vram_mb for x in removed)
-    nvml = None if gpu.nvml_used_mb is None else max(0, gpu.nvml_used_mb - freed)
-    return GpuView(uuid=gpu.uuid, index=gpu.index, total_mb=gpu.total_mb, usable_mb=gpu.usable_mb,
-                   ledger=gpu.ledger, leases=[x for x in gpu.leases if id(x) not in gone], nvml_used_mb=nvml)
+    """The GPU once ``removed`` are gone, their holders having freed their memory (``GpuView.without``)."""
+    return gpu.without({x.id for x in removed})

@@ -137,8 +137,9 @@ class Case:
         return {h.id: h for h in holders_from_views(self.views, self.evicting)}
 
     def after_views(self) -> list[GpuView]:
-        return [GpuView(v.uuid, v.index, v.total_mb, v.usable_mb, v.ledger,
-                        [x for x in v.leases if x.id not in self.evicting], v.nvml_used_mb) for v in self.views]
+        # Leases being evicted are gone with their processes' memory: what NVML reports beside the leases stays
+        # untracked, no more (``GpuView.without``).
+        return [v.without(self.evicting) for v in self.views]
 
     def sufficient(self, chosen: tuple[int, ...], victims: Sequence[Holder]) -> bool:
         r, views = self.request, self.after_views()
