@@ -20,6 +20,7 @@ from coordinator.etcd.store import Store
 from tests.support.cluster import EtcdEndpoint
 from tests.support.noise import assert_no_asyncio_noise
 from tests.support.processes import child_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,8 @@ def test_proposals_read_from_etcd_metrics_count_each_write(etcd: EtcdEndpoint) -
                 await s.put(f"/bench-test/proposals/{i}".encode(), b"x")
     before = proposals(etcd.metrics_url)
     asyncio.run(puts(5))
-    assert proposals(etcd.metrics_url) - before >= 5
+    # etcd sets the gauge in its raft loop, not before it answers a put: the last one may show a moment later.
+    wait_for(lambda: proposals(etcd.metrics_url) - before >= 5, 10, "etcd's metric to count the 5 puts")
     # A sample with labels is found by its name alone; a name etcd does not export is an error, not 0.
     assert etcd_metric(etcd.metrics_url, "etcd_server_go_version") == 1.0
     with pytest.raises(RuntimeError, match="etcd_no_such_metric"):
