@@ -347,3 +347,40 @@ def test_an_operators_revoke_kills_the_child_at_once_and_frees_its_vram_only_onc
     print(f"the child was gone {gone_at - t0:.2f} s after the revoke")
     _, err = run.communicate(timeout=30)
     assert run.returncode == 137 and "revoked by operator: SIGKILL at once" in err, err
+
+
+def test_a_victims_notice_stands_while_the_node_reports_its_processes_memory(
+        cluster: Cluster, tmp_path: Path, started: list[int]) -> None:
+    """The node's report of the victim's processes (15000 MiB on the GPU, as NVML counts a CUDA process) does
+    not make the eviction look useless: the queued request's re-check counts the victim gone with its
+    processes' memory, so the notice is neither withdrawn nor written again (which restarted the victim's
+    grace each time a report came in)."""
+    procs_file = tmp_path / "procs.json"
+    cluster.start_node("h1", "1x16GiB", fake_processes=str(procs_file), heartbeat_s=0.5)
+    addr = cluster.start_coordinator(eviction_grace_s=30, eviction_kill_margin_s=60)
+    holder, victim, proc = _holder_with_a_listed_process(cluster, addr, procs_file, started)
+    try:
+        with Client(addr, agent="high", host="h1") as c:
+            request = Background(c.acquire, 16384, priority=9, wait=60)
+            (notice,) = wait_for(lambda: cluster.get_prefix(cluster.keys.evictions()), 20, "the eviction notice")
+            usage_key = cluster.keys.usage("h1")
+            seen: set[int] = set()
+
+            def reports_after_the_notice() -> bool:
+                (kv,) = cluster.get_prefix(usage_key)
+                if kv.mod_revision > notice.mod_revision:
+                    seen.add(kv.mod_revision)
+                return len(seen) >= 3
+            wait_for(reports_after_the_notice, 30, "three node reports after the notice")
+            # Past those reports, the notice is the one first written, and the request still waits on it.
+            assert [(kv.key, kv.create_revision) for kv in cluster.get_prefix(cluster.keys.evictions())] == [
+                (notice.key, notice.create_revision)]
+            (row,) = fetch_status(addr, "h1")["hosts"][0]["leases"]
+            assert row["eviction"]["processes"] == "stopping"
+            proc.kill()
+            proc.wait()
+            victim.release()
+            lease = request.result(timeout=60)
+            lease.release()
+    finally:
+        holder.close()
