@@ -2,7 +2,7 @@
 failover between replicas.
 
 Every attempt of a call has its own short deadline, ``attempt_timeout``, plus the wait left for an acquire.
-An attempt that answers UNAVAILABLE, or runs past its deadline, or waits on a replica that stops answering
+An attempt that answers UNAVAILABLE (or CANCELLED: a replica that stops ends its calls so), or runs past its deadline, or waits on a replica that stops answering
 health checks (probed every ``attempt_timeout`` while an acquire waits), moves the transport to the next
 address, which gets the same request, until ``retry_for`` has passed. No call outlasts ``rpc_timeout``
 (plus the wait of an acquire). Only calls that are safe to repeat go through ``call``.
@@ -39,7 +39,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
-FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED here is the server's (a replica ends the calls in flight so when it stops): the caller's own
+# cancellation never comes back as a status but as asyncio.CancelledError, which ends the call.
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 TO_OWNER = ("Acquire", "Release")    # calls sent to the host's owning replica first, when known
 # The calls that travel on a replica's Session stream when it serves one (the unary call otherwise).
 STREAMED = {"Acquire": "acquire", "Release": "release"}
