@@ -20,6 +20,8 @@ from coordinator.metrics_http import MetricsGate
 if TYPE_CHECKING:
     from coordinator.security.tls import TlsFiles
 
+MIB = 1 << 20   # gpucoord counts VRAM in MiB; its metrics say bytes, Prometheus's base unit
+
 REGISTRY = CollectorRegistry()        # a coordinator replica's
 NODE_REGISTRY = CollectorRegistry()   # a node daemon's
 
@@ -54,17 +56,18 @@ ACQUIRE_LATENCY = Histogram("gpucoord_acquire_seconds", "Acquire RPC latency, wa
 SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this replica", registry=REGISTRY)
 QUEUE_DEPTH = Gauge("gpucoord_queue_depth", "Waiting requests served by this replica", ["host"], registry=REGISTRY)
 LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (a gang counts once), from the replica's watch", ["host"], registry=REGISTRY)
-VRAM = Gauge("gpucoord_vram_mb", "VRAM per GPU, leased and free, from the replica's watch", ["host", "gpu", "kind"], registry=REGISTRY)
-TEAM_VRAM = Gauge("gpucoord_team_vram_mb", "VRAM per team over the fleet (quota, limit, used, borrowed, waiting), from the replica's watch",
-                  ["team", "kind"], registry=REGISTRY)
+VRAM = Gauge("gpucoord_vram_bytes", "VRAM per GPU, leased and free, from the replica's watch", ["host", "gpu", "kind"],
+             registry=REGISTRY)
+TEAM_VRAM = Gauge("gpucoord_team_vram_bytes", "VRAM per team over the fleet (quota, limit, used, borrowed, waiting), "
+                  "from the replica's watch", ["team", "kind"], registry=REGISTRY)
 INVALID_RECORDS = Counter("gpucoord_invalid_records_total", "Malformed values read from etcd, by key kind (each "
                           "value once): their host is INVALID and gets no admission", ["kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=NODE_REGISTRY)
-NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_mb", "NVML used VRAM per GPU", ["gpu"], registry=NODE_REGISTRY)
-NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_mb", "VRAM used by the processes of each lease (NVML)",
+NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_bytes", "NVML used VRAM per GPU", ["gpu"], registry=NODE_REGISTRY)
+NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_bytes", "VRAM used by the processes of each lease (NVML)",
                              ["gpu", "lease"], registry=NODE_REGISTRY)
-NODE_LEASE_OVER_USE = Gauge("gpucoord_node_lease_over_use_mb",
-                            "MiB a lease's processes use above the lease, when beyond the tolerance (else 0)",
+NODE_LEASE_OVER_USE = Gauge("gpucoord_node_lease_over_use_bytes",
+                            "VRAM a lease's processes use above the lease, when beyond the tolerance (else 0)",
                             ["gpu", "lease"], registry=NODE_REGISTRY)
 NODE_GPU_PROCESSES = Gauge("gpucoord_node_gpu_processes",
                            "Processes on each GPU by attribution: leased, leased_elsewhere, orphaned, untracked",
@@ -81,6 +84,16 @@ HANDSHAKE_FAILURES = Counter("gpucoord_tls_handshake_failures_total", "gRPC conn
 # Counted by both kinds of server.
 for _shared in (REFUSALS, ETCD_ERRORS, ETCD_NOSPACE, METRICS_REFUSALS, HANDSHAKE_FAILURES):
     NODE_REGISTRY.register(_shared)
+
+# Label values known in advance start at 0, so that a scrape (and a dashboard panel) says "none yet" instead of
+# having no series at all until the first one: evictions, forwards, kills, refused scrapes and the etcd errors
+# of an admission round (type names of coordinator.errors; another one still counts under its own name).
+for _counter, _values in ((EVICTIONS, ("notice", "revoke", "margin")), (FORWARDS, ("forwarded", "fallback")),
+                          (NODE_ENFORCE_KILLS, ("orphaned", "untracked")),
+                          (METRICS_REFUSALS, ("certificate", "identity", "role", "revocations", "revoked")),
+                          (ETCD_ERRORS, ("Unavailable", "Timeout", "OutcomeUnknown", "EtcdNoSpace"))):
+    for _value in _values:
+        _counter.labels(_value)
 
 
 def _snake(name: str) -> str:

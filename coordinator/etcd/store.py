@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
 
 import aetcd
@@ -76,10 +77,22 @@ def _call_timeout(own: float, deadline: float | None) -> float:
 
 
 def _target(endpoints: Sequence[str]) -> str:
+    """One endpoint as it is (gRPC resolves a name); several as gRPC's ``ipv4:`` list, which takes addresses
+    only: a name (``etcd-0:2379`` in docker-compose.yml) is resolved here. One that does not resolve (a stopped
+    container's) is left out while another does."""
     eps = [e.removeprefix("http://") for e in endpoints]
     if len(eps) == 1:
         return eps[0]
-    return "ipv4:" + ",".join(eps)
+    resolved = [a for a in map(_ipv4, eps) if a]
+    return "ipv4:" + ",".join(resolved if resolved else eps)
+
+
+def _ipv4(endpoint: str) -> str:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        return f"{socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]}:{port}"
+    except (OSError, UnicodeError):
+        return ""
 
 
 class _Client(aetcd.Client):  # type: ignore[misc]

@@ -198,7 +198,7 @@ class NodeDaemon:
                  "processes_visible": u.processes_visible,
                  **bounded_usage(usage_doc(*attribution.for_gpu(u.uuid)))} for u in usage]
         for u in usage:
-            metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb)
+            metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb * metrics.MIB)
         now = clock.wall()
         changed = gpus != self._published
         # A process left the GPU: someone may be waiting for its VRAM (an evicted lease's processes, G3).

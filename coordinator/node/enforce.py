@@ -345,9 +345,9 @@ class Enforcer:
         labels: set[tuple[str, str]] = set()
         for u in result.lease_use:
             labels.add((u.gpu_uuid, u.lease_id))
-            metrics.NODE_LEASE_VRAM_USED.labels(u.gpu_uuid, u.lease_id).set(u.used_mb)
+            metrics.NODE_LEASE_VRAM_USED.labels(u.gpu_uuid, u.lease_id).set(u.used_mb * metrics.MIB)
             metrics.NODE_LEASE_OVER_USE.labels(u.gpu_uuid, u.lease_id).set(
-                max(0, u.used_mb - u.vram_mb) if u.over_use else 0)
+                max(0, u.used_mb - u.vram_mb) * metrics.MIB if u.over_use else 0)
         for gpu, lease in self._metric_labels - labels:
             for gauge in (metrics.NODE_LEASE_VRAM_USED, metrics.NODE_LEASE_OVER_USE):
                 try:

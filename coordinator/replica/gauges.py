@@ -1,5 +1,5 @@
-"""The fleet gauges from the replica's mirror: ``gpucoord_leases{host}``, ``gpucoord_vram_mb{host,gpu,kind}``
-and ``gpucoord_team_vram_mb{team,kind}``, updated after the watch applies a batch, never by a read.
+"""The fleet gauges from the replica's mirror: ``gpucoord_leases{host}``, ``gpucoord_vram_bytes{host,gpu,kind}``
+and ``gpucoord_team_vram_bytes{team,kind}``, updated after the watch applies a batch, never by a read.
 
 A host's series are computed again only when one of its keys changed (its keys' revisions are its
 signature); a host whose records are all gone loses its series. The team series are computed again from the
@@ -74,8 +74,8 @@ class MirrorGauges:
                     _remove(metrics.VRAM, host, uuid, kind)
             metrics.LEASES.labels(host).set(len(view.leases))
             for g in view.gpus.values():
-                metrics.VRAM.labels(host, g.uuid, "leased").set(g.leased_mb)
-                metrics.VRAM.labels(host, g.uuid, "free").set(g.free_mb)
+                metrics.VRAM.labels(host, g.uuid, "leased").set(g.leased_mb * metrics.MIB)
+                metrics.VRAM.labels(host, g.uuid, "free").set(g.free_mb * metrics.MIB)
         teams_at = ctx.mirror.generation("teams")
         if changed or teams_at != self._teams_at:
             self._teams_at = teams_at
@@ -102,7 +102,7 @@ class MirrorGauges:
             kinds = {"quota": team.quota_mb, "used": use.used_mb, "borrowed": use.borrowed_mb,
                      "waiting": use.waiting_mb} | ({"limit": team.limit_mb} if team.limit_mb is not None else {})
             for kind, mb in kinds.items():
-                metrics.TEAM_VRAM.labels(name, kind).set(mb)
+                metrics.TEAM_VRAM.labels(name, kind).set(mb * metrics.MIB)
 
     async def run(self) -> None:
         """Update after each change of the mirror, at most every ``MIN_INTERVAL_S`` (a rate bound)."""

@@ -3,7 +3,6 @@ extra), its structure checked, and every flag it passes to gpucoord or etcd foun
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import yaml
 
 from coordinator.etcd.process import etcd_binary
 from tests.support import REPO
+from tests.support.compose import compose_command
 from tests.support.processes import child_env
 
 COMPOSE = Path(REPO) / "docker-compose.yml"
@@ -96,9 +96,8 @@ def test_every_flag_in_the_compose_file_exists() -> None:
 
 
 def test_docker_compose_accepts_the_file() -> None:
-    docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
-        pytest.skip("no 'docker compose' here: the file is checked by the parse and flag tests above")
-    proc = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                          timeout=60)
+    command = compose_command()
+    if command is None:
+        pytest.skip("no 'docker compose' or docker-compose here: the file is checked by the parse and flag tests above")
+    proc = subprocess.run([*command, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

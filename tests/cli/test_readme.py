@@ -155,7 +155,7 @@ def test_up_prints_every_address_and_its_metrics(env: Env) -> None:
     urls = re.findall(r"http://\S+/metrics", line)
     assert urls[:2] == [f"http://{env.addresses['127.0.0.1:7071']}/metrics",
                         f"http://{env.addresses['127.0.0.1:7171']}/metrics"]
-    for url, expect in zip(urls, ("gpucoord_refusals_total", "gpucoord_node_vram_used_mb", "etcd_server_has_leader")):
+    for url, expect in zip(urls, ("gpucoord_refusals_total", "gpucoord_node_vram_used_bytes", "etcd_server_has_leader")):
         with urllib.request.urlopen(url, timeout=10) as r:
             assert expect in r.read().decode(), url
 

@@ -37,6 +37,18 @@ def test_snapshot_reads_every_range_at_one_revision(etcd: EtcdEndpoint, prefix: 
     lt.run(go())
 
 
+def test_several_endpoints_may_be_names(etcd: EtcdEndpoint, prefix: str, lt: LoopThread) -> None:
+    """A list of endpoints with a name in it (docker-compose.yml gives etcd-0:2379,etcd-1:2379,...): gRPC's
+    ``ipv4:`` list takes addresses only, so the store resolves the names itself."""
+    port = etcd.endpoints[0].rsplit(":", 1)[1]
+
+    async def go() -> None:
+        async with Store([f"localhost:{port}", etcd.endpoints[0]]) as s:
+            await s.put((prefix + "named").encode(), b"1")
+            assert (await s.get((prefix + "named").encode())).value == b"1"  # type: ignore[union-attr]
+    lt.run(go())
+
+
 def test_one_keepalive_stream_serves_many_etcd_leases(etcd: EtcdEndpoint, lt: LoopThread) -> None:
     async def go() -> None:
         async with Store(etcd.endpoints) as s:

@@ -25,6 +25,7 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.integration
 
 USABLE_MB = 16384   # the node's 1x16GiB GPU; the coordinator's default headroom is 0
+MIB = metrics.MIB   # the VRAM gauges are in bytes
 
 
 def scrape(registry: Any = metrics.REGISTRY) -> list[tuple[str, dict[str, str], float]]:
@@ -76,19 +77,19 @@ def test_every_end_counts_and_the_gauges_follow_the_watch(cluster: Cluster) -> N
     def gauges_are(leases: int, leased_mb: int, team_used: int) -> None:
         def ok() -> bool:
             return (sample("gpucoord_leases", host="h1") == leases
-                    and sample("gpucoord_vram_mb", host="h1", gpu=gpu, kind="leased") == leased_mb
-                    and sample("gpucoord_vram_mb", host="h1", gpu=gpu, kind="free") == USABLE_MB - leased_mb
-                    and sample("gpucoord_team_vram_mb", team="ta", kind="used") == team_used)
+                    and sample("gpucoord_vram_bytes", host="h1", gpu=gpu, kind="leased") == leased_mb * MIB
+                    and sample("gpucoord_vram_bytes", host="h1", gpu=gpu, kind="free") == (USABLE_MB - leased_mb) * MIB
+                    and sample("gpucoord_team_vram_bytes", team="ta", kind="used") == team_used * MIB)
         wait_for(ok, timeout=30, what=f"gauges at {leases} leases, {leased_mb} MiB leased, team {team_used}")
         # The dashboard's panels, evaluated on what a scrape reads, say the same.
         samples = scrape()
         (lease_expr,) = panel("Live VRAM leases")
         assert evaluate(lease_expr, samples)[("h1",)] == leases
         leased_expr, free_expr = panel("VRAM leased and free")
-        assert evaluate(leased_expr, samples)[("h1", gpu)] == leased_mb
-        assert evaluate(free_expr, samples)[("h1", gpu)] == USABLE_MB - leased_mb
+        assert evaluate(leased_expr, samples)[("h1", gpu)] == leased_mb * MIB
+        assert evaluate(free_expr, samples)[("h1", gpu)] == (USABLE_MB - leased_mb) * MIB
         used_expr = panel("Teams")[0]
-        assert evaluate(used_expr, samples)[("ta",)] == team_used
+        assert evaluate(used_expr, samples)[("ta",)] == team_used * MIB
 
     def delta() -> dict[str, float]:
         now = releases()
@@ -136,10 +137,10 @@ def test_an_unknown_host_is_not_found_and_makes_no_series(cluster: Cluster) -> N
 
 def test_the_node_exports_only_its_own_families() -> None:
     node = {name for name, _, _ in scrape(metrics.NODE_REGISTRY) if not name.endswith("_created")}
-    coordinator_only = {"gpucoord_leases", "gpucoord_vram_mb", "gpucoord_team_vram_mb", "gpucoord_releases_total",
+    coordinator_only = {"gpucoord_leases", "gpucoord_vram_bytes", "gpucoord_team_vram_bytes", "gpucoord_releases_total",
                         "gpucoord_admissions_total", "gpucoord_acquire_seconds_count", "gpucoord_keepalive_streams"}
     assert not node & coordinator_only, node & coordinator_only
     assert {n for n in node if n.startswith("gpucoord_")} <= (
         {n for n in node if n.startswith("gpucoord_node_")}
         | {"gpucoord_refusals_total", "gpucoord_etcd_errors_total", "gpucoord_etcd_nospace_total",
-           "gpucoord_tls_handshake_failures_total"})
+           "gpucoord_metrics_refusals_total", "gpucoord_tls_handshake_failures_total"})

@@ -110,11 +110,12 @@ def test_status_shows_each_teams_quota_limit_use_borrowing_and_waiting(cluster: 
         assert table[2].split()[:2] == ["default", "(no"] and table[2].split()[9:11] == ["8GiB", "(1)"]
         sample = metrics.REGISTRY.get_sample_value
         # The gauges follow the replica's watch (not the status reads above).
-        wait_for(lambda: [sample("gpucoord_team_vram_mb", {"team": "a", "kind": k}) for k in
-                          ("quota", "limit", "used", "borrowed", "waiting")] == [6144, 14336, 12288, 6144, 0]
-                 and sample("gpucoord_team_vram_mb", {"team": "default", "kind": "waiting"}) == 8192, 10,
+        wait_for(lambda: [sample("gpucoord_team_vram_bytes", {"team": "a", "kind": k}) for k in
+                          ("quota", "limit", "used", "borrowed", "waiting")] == [m * metrics.MIB for m in
+                                                                                 (6144, 14336, 12288, 6144, 0)]
+                 and sample("gpucoord_team_vram_bytes", {"team": "default", "kind": "waiting"}) == 8192 * metrics.MIB, 10,
                  "the team gauges")
-        assert sample("gpucoord_team_vram_mb", {"team": "default", "kind": "limit"}) is None
+        assert sample("gpucoord_team_vram_bytes", {"team": "default", "kind": "limit"}) is None
         # A host's status alone has no team table: a team's use is over the fleet.
         rc, out, _ = _cli(capsys, "status", "--json", "--host", "h1", "--coordinator", addr)
         assert json.loads(out)["teams"] == []

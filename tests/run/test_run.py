@@ -288,7 +288,7 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
              "the node to report 1200 MiB used, within tolerance")
     (use,) = lease_use()
     sample = {"gpu": "GPU-sim-h1-0", "lease": use["lease_id"]}
-    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_over_use_mb", sample) == 0
+    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_over_use_bytes", sample) == 0
     write_fake_processes(procs_file, {0: {pid: 1500}})
     wait_for(lambda: [u["over_use"] for u in lease_use()] == [True], 10, "the node to report over-use")
     out = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--json", "--coordinator", addr],
@@ -299,8 +299,8 @@ def test_over_use_shows_in_status_json_and_a_metric(cluster: Cluster, child_py: 
     assert (use["over_use"], use["used_mb"], use["vram_mb"], use["pids"]) == (True, 1500, 1000, [pid])
     assert gpu["processes"] == [{"pid": pid, "used_mb": 1500, "state": "leased",
                                  "lease_id": use["lease_id"]}]
-    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_over_use_mb", sample) == 500
-    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_vram_used_mb", sample) == 1500
+    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_over_use_bytes", sample) == 500 * metrics.MIB
+    assert metrics.NODE_REGISTRY.get_sample_value("gpucoord_node_lease_vram_used_bytes", sample) == 1500 * metrics.MIB
     _, err = run.communicate(input="", timeout=30)
     assert run.returncode == 0, err
 
