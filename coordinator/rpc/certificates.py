@@ -26,16 +26,20 @@ _STORED = ("serial", "role", "name", "not_after", "reason", "revoked_at", "revok
 
 def serial(value: str) -> str:
     """The serial as the deny list keys it: lowercase hex without leading zeros (INVALID_ARGUMENT naming
-    ``serial`` otherwise)."""
+    ``certificate.serial`` otherwise)."""
     if not re.fullmatch(f"[0-9a-fA-F]{{1,{MAX_SERIAL_HEX}}}", value):
-        raise errors.InvalidArgument(f"serial: {quote(value)} is not a certificate serial (1 to {MAX_SERIAL_HEX} "
-                                     "hex digits)", "certificate.serial")
+        raise errors.InvalidArgument(f"certificate.serial: {quote(value)} is not a certificate serial (1 to "
+                                     f"{MAX_SERIAL_HEX} hex digits)", "certificate.serial")
     return value.lower().lstrip("0") or "0"
 
 
 def record(request: pb.RevokeCertificateRequest, revoked_by: str, now: datetime.datetime) -> dict[str, str]:
     """The JSON document of ``revoked/<serial>`` that ``request`` asks for; every field checked first."""
     c = request.certificate
+    for field in ("revoked_at", "revoked_by"):
+        if getattr(c, field):
+            raise errors.InvalidArgument(f"certificate.{field}: the coordinator sets it; leave it empty",
+                                         f"certificate.{field}")
     doc = {"serial": serial(c.serial),
            "role": check_text("certificate.role", c.role, MAX_FIELD_BYTES),
            "name": check_text("certificate.name", c.name, MAX_FIELD_BYTES),

@@ -150,8 +150,8 @@ def test_revoke_certificate_rpc_takes_only_an_operator_and_checks_its_fields(
     cluster, addrs, _ = world
     before = revision(cluster)
     cases = {("agent-a", "ab12", ""): (C.PERMISSION_DENIED, "operator role"),
-             ("operator", "not-hex", ""): (C.INVALID_ARGUMENT, "serial"),
-             ("operator", "f" * 65, ""): (C.INVALID_ARGUMENT, "serial"),
+             ("operator", "not-hex", ""): (C.INVALID_ARGUMENT, "certificate.serial: "),
+             ("operator", "f" * 65, ""): (C.INVALID_ARGUMENT, "certificate.serial: "),
              ("operator", "ab12", "x" * 257): (C.INVALID_ARGUMENT, "certificate.reason")}
     for (who, serial, reason), (code, named) in cases.items():
         with grpc.secure_channel(addrs[0], channel_credentials(pki[who])) as ch:
