@@ -119,7 +119,8 @@ class Cluster:
                    **overrides: Any) -> NodeDaemon:
         """An in-process node daemon; ``linked``: its etcd connection runs through ``etcd_links[host]``.
         ``via``: coordinator addresses; the daemon then runs in the registry mode, with no etcd connection
-        (``credentials``: its client TLS credentials to them)."""
+        (``credentials``: its client TLS credentials to them). Without ``via`` it does so through the cluster's
+        coordinators where a plaintext one runs (``NODE_MODE_ENV``); ``via=[]``: the etcd mode, always."""
         source = FakeGpuSource(fake_gpus, host, fake_processes)
         if (via is None and not linked and tls is None and self.coordinators
                 and os.environ.get(NODE_MODE_ENV, "registry") == "registry"
