@@ -187,12 +187,13 @@ def env_gpus() -> str:
 
 @pytest.fixture
 def env(cluster: Cluster, env_gpus: str) -> Iterator[tuple[Cluster, Any, Client]]:
-    """Host h1 (a node daemon with ``env_gpus``), one coordinator, a stub of it and agent-a's Client, connected
-    to h1: ``cluster, stub, client``."""
-    cluster.start_node("h1", env_gpus)
+    """Host h1 (a node daemon with ``env_gpus``, in the registry mode: it talks to the coordinator only), one
+    coordinator, a stub of it and agent-a's Client, connected to h1: ``cluster, stub, client``."""
     addr = cluster.start_coordinator()
     # The replica registers and runs for leader in the background: let that write land first.
     wait_for(lambda: cluster.get_prefix(cluster.keys.election()), 10, "the coordinator's election key")
+    cluster.start_node("h1", env_gpus)
+    wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")), 10, "host h1 to register")
     channel = grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 8 << 20)])
     with Client(addr, agent="agent-a", host="h1") as c:
         yield cluster, pb_grpc.CoordinatorStub(channel), c

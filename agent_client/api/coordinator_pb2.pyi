@@ -631,3 +631,45 @@ class DeleteTeamResponse(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: bool
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+
+class RevokedCertificate(_message.Message):
+    __slots__ = ("serial", "role", "name", "not_after", "reason", "revoked_at", "revoked_by")
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_BY_FIELD_NUMBER: _ClassVar[int]
+    serial: str
+    role: str
+    name: str
+    not_after: str
+    reason: str
+    revoked_at: str
+    revoked_by: str
+    def __init__(self, serial: _Optional[str] = ..., role: _Optional[str] = ..., name: _Optional[str] = ..., not_after: _Optional[str] = ..., reason: _Optional[str] = ..., revoked_at: _Optional[str] = ..., revoked_by: _Optional[str] = ...) -> None: ...
+
+class RevokeCertificateRequest(_message.Message):
+    __slots__ = ("certificate",)
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    certificate: RevokedCertificate
+    def __init__(self, certificate: _Optional[_Union[RevokedCertificate, _Mapping]] = ...) -> None: ...
+
+class RevokeCertificateResponse(_message.Message):
+    __slots__ = ("created", "certificate")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    certificate: RevokedCertificate
+    def __init__(self, created: _Optional[bool] = ..., certificate: _Optional[_Union[RevokedCertificate, _Mapping]] = ...) -> None: ...
+
+class ListRevokedCertificatesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRevokedCertificatesResponse(_message.Message):
+    __slots__ = ("certificates",)
+    CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    certificates: _containers.RepeatedCompositeFieldContainer[RevokedCertificate]
+    def __init__(self, certificates: _Optional[_Iterable[_Union[RevokedCertificate, _Mapping]]] = ...) -> None: ...

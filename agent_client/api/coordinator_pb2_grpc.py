@@ -119,6 +119,16 @@ class CoordinatorStub:
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamRequest.SerializeToString,
                 response_deserializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamResponse.FromString,
                 _registered_method=True)
+        self.RevokeCertificate = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/RevokeCertificate',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.RevokeCertificateResponse.FromString,
+                _registered_method=True)
+        self.ListRevokedCertificates = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/ListRevokedCertificates',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -250,6 +260,22 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RevokeCertificate(self, request, context):
+        """-- Certificates (operator only; README "Revoking a certificate"): the deny list, revoked/<serial>, that
+        every replica and node daemon follows. Operators write it through a coordinator, never to etcd.
+        Writes revoked/<serial> unless it exists (then created=false and the first record stays).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRevokedCertificates(self, request, context):
+        """Every revocation recorded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -337,6 +363,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DeleteTeam,
                     request_deserializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamRequest.FromString,
                     response_serializer=agent__client_dot_api_dot_coordinator__pb2.DeleteTeamResponse.SerializeToString,
+            ),
+            'RevokeCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeCertificate,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.RevokeCertificateRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.RevokeCertificateResponse.SerializeToString,
+            ),
+            'ListRevokedCertificates': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRevokedCertificates,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -798,6 +834,60 @@ class Coordinator:
             '/gpucoord.v1.Coordinator/DeleteTeam',
             agent__client_dot_api_dot_coordinator__pb2.DeleteTeamRequest.SerializeToString,
             agent__client_dot_api_dot_coordinator__pb2.DeleteTeamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/RevokeCertificate',
+            agent__client_dot_api_dot_coordinator__pb2.RevokeCertificateRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.RevokeCertificateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRevokedCertificates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/ListRevokedCertificates',
+            agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesResponse.FromString,
             options,
             channel_credentials,
             insecure,

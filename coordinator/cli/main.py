@@ -93,8 +93,8 @@ def _resolve_globals(args: argparse.Namespace) -> None:
     # The TLS files stay None when not given: GPUCOORD_TLS_* are read where they are resolved (security.tls).
     defaults = {"coordinator": DEFAULT_COORDINATOR, "etcd": DEFAULT_ETCD, "prefix": DEFAULT_PREFIX}
     for name in uses:
-        if args.cmd == "node" and name in ("coordinator", "etcd"):
-            continue   # which of the two is given is the node's mode (cmd_node)
+        if args.cmd in ("node", "certs") and name in ("coordinator", "etcd"):
+            continue   # which of the two is given is the mode (cmd_node; certs: --etcd is break glass)
         if name in defaults and getattr(args, name, None) is None:
             setattr(args, name, _env(name.upper(), defaults[name]))
 

@@ -8,12 +8,21 @@ import datetime
 import getpass
 import re
 import sys
-from typing import Awaitable, Callable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 import grpc
 
 from coordinator import errors
-from coordinator.cli.common import EXIT_UNREACHABLE, CliError, UsageError
+from coordinator.cli.common import (
+    DEFAULT_COORDINATOR,
+    EXIT_UNREACHABLE,
+    CliError,
+    UsageError,
+    _client_tls,
+    _env,
+    _stub,
+    rpc_error,
+)
 from coordinator.etcd.auth import setup_roles
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys, last_segment
@@ -22,6 +31,8 @@ from coordinator.security import certs, etcd_auth
 from coordinator.txn import Absent, Put
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
+# certs list|revoke: through a coordinator (--coordinator, the operator's --tls-*), or --etcd (break glass).
+_REVOCATION_USES = ("coordinator", "etcd", "prefix", "tls-ca", "tls-cert", "tls-key")
 T = TypeVar("T")
 
 
@@ -33,7 +44,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
             files = certs.init_ca(args.dir, days=args.days or certs.CA_DAYS, force=args.force)
             print(f"gRPC CA: {files.cert} (key {files.key}, keep it private): signs every identity's certificate")
             print(f"etcd CA: {files.etcd_cert} (key {files.etcd_key}, keep it private): signs etcd's server and "
-                  "its clients (coordinators, operators), never an agent; give it to etcd as --trusted-ca-file")
+                  "its clients (coordinators; root for break glass), never an agent, an operator or a node; give "
+                  "it to etcd as --trusted-ca-file")
         else:
             files = certs.issue(args.dir, args.role, args.name, hosts=args.host_ip, days=args.days,
                                 etcd_client=args.etcd_client)
@@ -47,8 +59,41 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+_BREAK_GLASS_HINT = ("--etcd writes etcd directly, the break-glass path: it needs etcd's root credentials "
+                     "(--etcd-ca etcd-ca.crt --etcd-cert etcd-root-root.crt --etcd-key ...); without --etcd the "
+                     "command goes through a coordinator with the operator's certificate")
+
+
+def _break_glass(args: argparse.Namespace) -> bool:
+    """Whether ``certs list|revoke`` talks to etcd itself: only with ``--etcd`` given (README "Running
+    securely": break glass, with etcd's root). Otherwise it calls a coordinator (``--coordinator``, default
+    $GPUCOORD_COORDINATOR) with the operator's certificate, and etcd credentials are refused."""
+    if args.etcd is not None and args.coordinator is not None:
+        raise UsageError("--coordinator and --etcd: give one (--etcd is the break-glass path, etcd's root "
+                         "credentials)", f"see 'gpucoord certs {args.certs_cmd} --help'")
+    if args.etcd is None:
+        given = [f"--etcd-{f.replace('_', '-')}" for f in ("ca", "cert", "key", "user", "password", "password_file")
+                 if getattr(args, f"etcd_{f}", None) is not None]
+        if given:
+            raise UsageError(f"{given[0]}: only with --etcd (the break-glass path); operators revoke through a "
+                             "coordinator with their certificate (--tls-*)", f"see 'gpucoord certs {args.certs_cmd} --help'")
+        if args.coordinator is None:
+            args.coordinator = _env("COORDINATOR", DEFAULT_COORDINATOR)
+    return args.etcd is not None
+
+
+def _coordinator_call(args: argparse.Namespace, call: Callable[[Any], T]) -> T:
+    """``call(stub)`` on the coordinator of ``--coordinator``, with the operator's TLS files."""
+    stub = _stub(args.coordinator, _client_tls(args))
+    try:
+        return call(stub)
+    except grpc.RpcError as e:
+        raise rpc_error(e, args.coordinator) from e
+
+
 def _etcd_call(args: argparse.Namespace, body: Callable[[Store, Keys], Awaitable[T]]) -> T:
-    """``body`` with a store on ``--etcd`` (one attempt, a short deadline, the operator's etcd credentials)."""
+    """``body`` with a store on ``--etcd`` (one attempt, a short deadline, the etcd credentials given): the
+    break-glass path."""
     try:
         security = etcd_auth.from_args(args)
     except ValueError as e:
@@ -61,8 +106,7 @@ def _etcd_call(args: argparse.Namespace, body: Callable[[Store, Keys], Awaitable
             return await body(store, Keys(args.prefix))
         except errors.GpucoordError as e:
             if "permission denied" in e.message or "user name" in e.message or "authentication" in e.message:
-                raise CliError(f"etcd refused: {e.message}", "revoking needs the operator's etcd certificate "
-                               "(--etcd-ca etcd-ca.crt --etcd-cert operator-NAME.etcd.crt --etcd-key ...)") from e
+                raise CliError(f"etcd refused: {e.message}", _BREAK_GLASS_HINT) from e
             raise CliError(f"cannot reach etcd at {args.etcd} ({e.message})",
                            "is etcd running? give its address with --etcd HOST:PORT (and --etcd-ca for TLS)",
                            EXIT_UNREACHABLE) from e
@@ -75,7 +119,15 @@ def _etcd_call(args: argparse.Namespace, body: Callable[[Store, Keys], Awaitable
     return asyncio.run(run())
 
 
-def _revoked_in_etcd(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+def _revoked(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    """serial -> its revocation record: through a coordinator, or (``--etcd``) from etcd."""
+    if not _break_glass(args):
+        from agent_client.api import coordinator_pb2 as pb
+        listed = _coordinator_call(args, lambda stub: stub.ListRevokedCertificates(
+            pb.ListRevokedCertificatesRequest(), timeout=10))
+        return {c.serial: {"role": c.role, "name": c.name, "not_after": c.not_after, "revoked_at": c.revoked_at}
+                for c in listed.certificates}
+
     async def read(store: Store, keys: Keys) -> dict[str, dict[str, object]]:
         out: dict[str, dict[str, object]] = {}
         for kv in (await store.get_prefix(keys.revocations())).kvs:
@@ -92,7 +144,7 @@ def _certs_list(args: argparse.Namespace) -> int:
     """Every certificate issued from DIR, its state (valid, expired, REVOKED), and revocations in etcd of
     certificates that DIR did not issue."""
     entries = certs.issued(args.dir)
-    revoked = {} if args.offline else _revoked_in_etcd(args)
+    revoked = {} if args.offline else _revoked(args)
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"{'SERIAL':<42} {'ROLE':<12} {'NAME':<24} {'CA':<8} {'EXPIRES':<26} STATE")
     for e in entries:
@@ -147,18 +199,26 @@ def _certs_revoke(args: argparse.Namespace) -> int:
     if len(reason.encode()) > 256:
         raise UsageError("--reason: at most 256 bytes", "see 'gpucoord certs revoke --help'")
 
-    async def write(store: Store, keys: Keys) -> list[bool]:
-        created = []
-        for e in chosen:
-            key = keys.revoked(e["serial"])
-            value = dumps({"serial": e["serial"], "role": e.get("role", ""), "name": e.get("name", ""),
-                           "not_after": e.get("not_after", ""), "reason": reason,
-                           "revoked_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           "revoked_by": getpass.getuser()})
-            res = await store.commit([Absent(key)], [Put(key, value)])
-            created.append(res.succeeded)
-        return created
-    created = _etcd_call(args, write)
+    if _break_glass(args):
+        async def write(store: Store, keys: Keys) -> list[bool]:
+            created = []
+            for e in chosen:
+                key = keys.revoked(e["serial"])
+                value = dumps({"serial": e["serial"], "role": e.get("role", ""), "name": e.get("name", ""),
+                               "not_after": e.get("not_after", ""), "reason": reason,
+                               "revoked_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                               "revoked_by": f"break glass: {getpass.getuser()}"})
+                res = await store.commit([Absent(key)], [Put(key, value)])
+                created.append(res.succeeded)
+            return created
+        created = _etcd_call(args, write)
+    else:
+        from agent_client.api import coordinator_pb2 as pb
+        requests = [pb.RevokeCertificateRequest(certificate=pb.RevokedCertificate(
+            serial=e["serial"], role=str(e.get("role", "")), name=str(e.get("name", "")),
+            not_after=str(e.get("not_after", "")), reason=reason)) for e in chosen]
+        created = _coordinator_call(args, lambda stub: [bool(stub.RevokeCertificate(r, timeout=10).created)
+                                                        for r in requests])
     for e, new in zip(chosen, created):
         what = f" ({e.get('role')} {e.get('name')}, {e.get('ca', '?')} CA)" if e.get("name") else ""
         print(f"{'revoked' if new else 'already revoked'}: {e['serial']}{what}")
@@ -194,7 +254,7 @@ def add_parsers(sub: argparse._SubParsersAction[P],
                 command: Callable[..., argparse.ArgumentParser]) -> None:
     """``certs`` and ``etcd-setup`` on ``sub``; ``command(sub, name, uses, **kw)`` makes a subcommand that
     takes the global options ``uses`` (coordinator.cli.main)."""
-    ce = command(sub, "certs", ("etcd", "prefix"),
+    ce = command(sub, "certs", _REVOCATION_USES,
                  help="make the CAs, issue, list and revoke certificates (ECDSA P-256)")
     csub = ce.add_subparsers(dest="certs_cmd", required=True, metavar="init|issue|list|revoke")
     ini = command(csub, "init", help="make the gRPC CA (ca.crt) and the etcd CA (etcd-ca.crt) in DIR")
@@ -202,7 +262,7 @@ def add_parsers(sub: argparse._SubParsersAction[P],
     ini.add_argument("--days", type=int, default=None, help=f"CA lifetime (default {certs.CA_DAYS})")
     ini.add_argument("--force", action="store_true", help="replace existing CAs")
     iss = command(csub, "issue", help="issue ROLE-NAME.crt/.key for gpucoord://ROLE/NAME (and ROLE-NAME.etcd.crt/.key "
-                                      "for a coordinator or operator)")
+                                      "for a coordinator)")
     iss.add_argument("--dir", required=True)
     iss.add_argument("--role", required=True, choices=certs.CERT_KINDS)
     iss.add_argument("--name", required=True)
@@ -213,13 +273,14 @@ def add_parsers(sub: argparse._SubParsersAction[P],
                           "talks to etcd itself (until it is upgraded to --coordinator)")
     iss.add_argument("--days", type=int, default=None,
                      help="lifetime (default: " + ", ".join(f"{k} {v}" for k, v in certs.DEFAULT_DAYS.items()) + ")")
-    li = command(csub, "list", ("etcd", "prefix"),
-                 help="the certificates issued from DIR, and which are revoked (read from etcd)")
+    li = command(csub, "list", _REVOCATION_USES,
+                 help="the certificates issued from DIR, and which are revoked (asked of a coordinator)")
     li.add_argument("--dir", required=True)
     li.add_argument("--offline", action="store_true", help="do not read etcd (revocations unknown)")
     etcd_auth.add_arguments(li)
-    rv = command(csub, "revoke", ("etcd", "prefix"),
-                 help="revoke certificates: write revoked/<serial> in etcd (the operator's etcd certificate)")
+    rv = command(csub, "revoke", _REVOCATION_USES,
+                 help="revoke certificates: a coordinator writes revoked/<serial> (the operator's certificate; "
+                      "--etcd: break glass, etcd's root)")
     rv.add_argument("target", metavar="NAME|ROLE/NAME|SERIAL",
                     help="a serial (hex), or the name of certificates issued from --dir that have not expired")
     rv.add_argument("--dir", default=None, help="where the certificates were issued (needed for a NAME)")

@@ -168,9 +168,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                        f"--cert={secure.etcd_root.cert} --key={secure.etcd_root.key}")
             coord_extra = secure.tls_flags(secure.coordinator) + secure.etcd_flags("coordinator")
             node_extra = secure.tls_flags(secure.node)
-            print("etcd:        client-certificate TLS, auth enabled (users root, gpucoord-coordinator, "
-                  f"gpucoord-operator); it trusts only the etcd CA {secure.etcd_ca}, which signs no agent's "
-                  "or node's certificate")
+            print("etcd:        client-certificate TLS, auth enabled (users root, gpucoord-coordinator); it "
+                  f"trusts only the etcd CA {secure.etcd_ca}, which signs no agent's, operator's or node's "
+                  "certificate")
         print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
         print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
               f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
@@ -207,10 +207,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             for name, files in secure.agents.items():
                 print(f"  # gpucoord://agent/{name}")
                 print("  " + " ".join(f"export {k}={v}" for k, v in files.env().items()))
-            print("  # the operator (gpucoord status, partition, lease; certs revoke and keys read etcd)")
-            print("  " + " ".join(f"export {k}={v}" for k, v in {**secure.operator.env(),
-                                                                  **secure.etcd_env("operator")}.items()),
-                  flush=True)
+            print("  # the operator (gpucoord status, partition, lease, team, certs revoke: all through the coordinator)")
+            print("  " + " ".join(f"export {k}={v}" for k, v in secure.operator.env().items()))
+            print("  # break glass only (gpucoord keys, certs revoke --etcd, etcdctl): etcd's root; only the "
+                  "coordinator holds etcd credentials day to day")
+            print("  " + " ".join(f"export {k}={v}" for k, v in secure.break_glass_env().items()), flush=True)
         if args.demo:
             from coordinator.cli.demo import run_demo
             run_demo(caddr, args.host, data_dir, tls=operator_tls,

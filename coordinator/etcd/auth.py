@@ -17,7 +17,12 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 import grpc
 from aetcd import rpc
 
-from coordinator.security.etcd_auth import EtcdSecurity, Permission, role_permissions
+from coordinator.security.etcd_auth import (
+    RETIRED_USERS,
+    EtcdSecurity,
+    Permission,
+    role_permissions,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,7 +148,8 @@ async def setup_roles(endpoint: str, security: EtcdSecurity, prefix: str, nodes:
     """Create (idempotently) the roles and users of ``etcd_auth.role_permissions``, then enable auth. Users
     get no password (they authenticate with a client certificate whose CN is the user) unless
     ``password_dir`` is given: then each gets a random password written to ``password_dir/<user>.password``
-    (0600). Returns user -> the file of its password ("" without one)."""
+    (0600). The users of ``RETIRED_USERS`` (an earlier release's ``gpucoord-operator``) and their roles are
+    deleted. Returns user -> the file of its password ("" without one)."""
     perms = role_permissions(prefix, nodes)
     files: dict[str, str] = {}
     channel = open_channel(endpoint, security, [])
@@ -189,6 +195,14 @@ async def setup_roles(endpoint: str, security: EtcdSecurity, prefix: str, nodes:
                     name=role, perm=permission(perm, key, range_end)), timeout=5)
             await add_user(role)
             await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=role, role=role), timeout=5)
+        for user in RETIRED_USERS:   # operators act through a coordinator now: their etcd user goes
+            for call in (auth.UserDelete(rpc.AuthUserDeleteRequest(name=user), timeout=5),
+                         auth.RoleDelete(rpc.AuthRoleDeleteRequest(role=user), timeout=5)):
+                try:
+                    await call
+                except grpc.aio.AioRpcError as e:
+                    if "not found" not in (e.details() or ""):
+                        raise
         if enable:
             await auth.AuthEnable(rpc.AuthEnableRequest(), timeout=5)
             log.info("etcd auth enabled: users %s", ", ".join(sorted(files)))

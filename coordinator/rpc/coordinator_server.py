@@ -24,8 +24,8 @@ from coordinator.metrics_http import MetricsGate
 from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.teams import Teams
+from coordinator.rpc import certificates, validate
 from coordinator.rpc import teams as team_rpcs
-from coordinator.rpc import validate
 from coordinator.rpc.forward import Forwarder, forwarded_by
 from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.rpc.node_client import NodeCalls, host_address
@@ -249,6 +249,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     @_rpc
     async def DeleteTeam(self, request: pb.DeleteTeamRequest, context: ServicerContext) -> pb.DeleteTeamResponse:
         return await team_rpcs.delete_team(self.teams, request)
+
+    # -- certificates (operator only): the deny list, so that operators need no etcd credentials -------
+    @_rpc
+    async def RevokeCertificate(self, request: pb.RevokeCertificateRequest,
+                                context: ServicerContext) -> pb.RevokeCertificateResponse:
+        return await certificates.revoke(self.svc.store, self.svc.keys, request,
+                                         revoked_by=str(current_caller() or "unknown"))
+
+    @_rpc
+    async def ListRevokedCertificates(self, request: pb.ListRevokedCertificatesRequest,
+                                      context: ServicerContext) -> pb.ListRevokedCertificatesResponse:
+        return await certificates.list_revoked(self.svc.store, self.svc.keys)
 
 
 async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory | None = None,

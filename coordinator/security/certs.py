@@ -6,14 +6,15 @@ A directory made by ``gpucoord certs init --dir DIR`` holds two CAs:
   (``gpucoord://ROLE/NAME`` as a SAN URI): agents, operators, nodes and coordinators. The coordinator and
   node servers trust it, and only it.
 * ``etcd-ca.crt``/``etcd-ca.key``: the etcd CA. It signs etcd's server certificate and the etcd client
-  certificates of coordinators, operators and etcd's root; never an agent's, nor a node's (node daemons
-  talk to etcd only through a coordinator) unless asked for a node of an earlier release. etcd trusts it,
-  and only it (``--trusted-ca-file``), so an agent's or a node's certificate cannot even open a TLS
-  connection to etcd (any etcd identity could keep another agent's session alive: etcd's RBAC has no
-  permission on leases).
+  certificates of coordinators and of etcd's root (the break-glass administrator); never an agent's, an
+  operator's (operators act through a coordinator's RPCs) nor a node's (node daemons talk to etcd only
+  through a coordinator) unless asked for a node of an earlier release. etcd trusts it, and only it
+  (``--trusted-ca-file``), so no certificate but a coordinator's and root's can even open a TLS connection
+  to etcd (any etcd identity could keep another agent's session alive: etcd's RBAC has no permission on
+  leases, and etcd checks no permission on LeaseKeepAlive).
 
 ``gpucoord certs issue --dir DIR --role ROLE --name NAME`` writes ``ROLE-NAME.crt``/``.key`` (gRPC CA), and
-for the roles that talk to etcd (coordinator, operator; a node only with ``--etcd-client``) also
+for the role that talks to etcd (coordinator; a node only with ``--etcd-client``) also
 ``ROLE-NAME.etcd.crt``/``.key`` (etcd
 CA, whose common name is the etcd user that identity acts as: etcd takes the CN of a verified client
 certificate as the user when it runs with ``--client-cert-auth``). ``--role etcd`` (etcd's server) and
@@ -46,7 +47,7 @@ from coordinator.security.identity import ROLES, Identity
 # (user root): they carry no gpucoord identity that the coordinator would accept.
 CERT_KINDS = (*ROLES, "etcd", "etcd-root")
 SERVER_KINDS = ("coordinator", "node", "etcd")
-ETCD_CLIENT_KINDS = ("coordinator", "operator")   # also get an etcd client certificate
+ETCD_CLIENT_KINDS = ("coordinator",)   # also gets an etcd client certificate: only coordinators talk to etcd
 # A node of an earlier release talks to etcd itself: it gets an etcd client certificate only when asked
 # (``certs issue --role node --etcd-client``), until it is upgraded (README "Upgrading node daemons").
 LEGACY_ETCD_CLIENT_KINDS = ("node",)
@@ -62,8 +63,6 @@ def etcd_user_for(kind: str, name: str) -> str:
     """The etcd user (the certificate's CN) an identity acts as; see ``etcd_auth.setup_roles``."""
     if kind == "coordinator":
         return "gpucoord-coordinator"    # every replica acts as the same etcd user
-    if kind == "operator":
-        return "gpucoord-operator"
     if kind == "node":
         return f"gpucoord-node-{name}"
     if kind == "etcd-root":
@@ -75,7 +74,7 @@ def etcd_user_for(kind: str, name: str) -> str:
 class IssuedFiles:
     cert: pathlib.Path
     key: pathlib.Path
-    etcd_cert: pathlib.Path | None = None   # the etcd client certificate of a coordinator, node or operator
+    etcd_cert: pathlib.Path | None = None   # the etcd client certificate of a coordinator (or a legacy node)
     etcd_key: pathlib.Path | None = None
 
 
@@ -145,7 +144,7 @@ def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequen
     ``hosts`` (IP addresses or DNS names) become SANs of a server certificate; servers always get
     127.0.0.1, ::1 and localhost. ``not_before``/``not_after`` override ``days`` (tests make expired ones).
     ``etcd_client``: also an etcd client certificate for a node (a node of an earlier release, which talks
-    to etcd itself); coordinators and operators always get one, agents never.
+    to etcd itself); coordinators always get one, agents and operators never.
     """
     if kind not in CERT_KINDS:
         raise ValueError(f"role: must be one of {', '.join(CERT_KINDS)}, got {kind!r}")

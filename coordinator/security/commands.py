@@ -14,8 +14,8 @@ from coordinator.security.tls import TlsFiles
 @dataclasses.dataclass(frozen=True)
 class SecureSetup:
     """The certificates of an all-in-one secure install, in ``<data dir>/pki``: ``ca`` signs the gRPC
-    identities, ``etcd_ca`` etcd's server and its clients (``etcd_clients``: coordinator, operator; the node
-    daemon talks to the coordinator only)."""
+    identities, ``etcd_ca`` etcd's server and its clients (``etcd_clients``: the coordinator alone, and
+    ``etcd_root`` for break glass; the operator and the node daemon talk to the coordinator only)."""
 
     dir: pathlib.Path
     ca: str
@@ -26,7 +26,7 @@ class SecureSetup:
     node: TlsFiles
     operator: TlsFiles
     agents: dict[str, TlsFiles]
-    etcd_clients: dict[str, TlsFiles]   # "coordinator", "operator" -> the etcd client certificate (no node's)
+    etcd_clients: dict[str, TlsFiles]   # "coordinator" -> its etcd client certificate (no operator's, no node's)
 
     def etcd_flags(self, role: str) -> list[str]:
         files = self.etcd_clients[role]
@@ -38,10 +38,10 @@ class SecureSetup:
     def etcd_security(self, files: TlsFiles) -> etcd_auth.EtcdSecurity:
         return etcd_auth.EtcdSecurity(ca=self.etcd_ca, cert=files.cert, key=files.key)
 
-    def etcd_env(self, role: str) -> dict[str, str]:
-        """``GPUCOORD_ETCD_CA/CERT/KEY`` of ``role``'s etcd client certificate (for ``certs revoke``)."""
-        files = self.etcd_clients[role]
-        return {"GPUCOORD_ETCD_CA": self.etcd_ca, "GPUCOORD_ETCD_CERT": files.cert, "GPUCOORD_ETCD_KEY": files.key}
+    def break_glass_env(self) -> dict[str, str]:
+        """``GPUCOORD_ETCD_CA/CERT/KEY`` of etcd's root (``gpucoord keys``, ``certs revoke --etcd``): break glass."""
+        return {"GPUCOORD_ETCD_CA": self.etcd_ca, "GPUCOORD_ETCD_CERT": self.etcd_root.cert,
+                "GPUCOORD_ETCD_KEY": self.etcd_root.key}
 
 
 def prepare_secure(data_dir: pathlib.Path, host: str, agents: Sequence[str]) -> SecureSetup:

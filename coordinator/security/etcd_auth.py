@@ -11,11 +11,9 @@ between a plaintext and a TLS channel and adds etcd's auth token to every call.
 ======================  ===================================================================
 etcd user               may
 ======================  ===================================================================
-root                    everything (etcd's administrator; needed to enable auth)
+root                    everything (etcd's administrator; needed to enable auth; the break-glass
+                        path: ``gpucoord keys``, ``certs revoke --etcd``, etcdctl)
 gpucoord-coordinator    read and write the whole prefix
-gpucoord-operator       read the whole prefix (``gpucoord keys``), and write ``revoked/`` (``certs
-                        revoke``); everything else operators do goes through the coordinator,
-                        whose RPCs need the operator certificate
 gpucoord-node-<host>    (only for a node daemon of an earlier release, ``gpucoord node --etcd``, until it
                         is upgraded to ``--coordinator``, which needs no etcd user) write
                         ``hosts/<host>`` and ``usage/<host>``; read ``leases/<host>/`` (the watch behind
@@ -23,9 +21,11 @@ gpucoord-node-<host>    (only for a node daemon of an earlier release, ``gpucoor
 ======================  ===================================================================
 
 Which certificates etcd accepts at all is decided by its ``--trusted-ca-file``: the etcd client CA
-(``etcd-ca.crt``), which signs only the etcd client certificates of coordinators and operators (and of
-nodes of an earlier release, when asked). Agent and node certificates come from the other CA, so they
-cannot even open a TLS connection to etcd.
+(``etcd-ca.crt``), which signs only the etcd client certificates of coordinators and root (and of nodes
+of an earlier release, when asked). Agent, operator and node certificates come from the other CA, so they
+cannot even open a TLS connection to etcd. Operators act through a coordinator's RPCs (``certs revoke``:
+RevokeCertificate). ``RETIRED_USERS`` are deleted by ``etcd-setup``: an install set up by an earlier
+release had a ``gpucoord-operator`` user.
 """
 from __future__ import annotations
 
@@ -125,6 +125,8 @@ def node_user(host: str) -> str:
 
 
 Permission = Literal["read", "readwrite"]
+# Users (and their roles) of earlier releases that ``etcd-setup`` removes: operators no longer reach etcd.
+RETIRED_USERS = ("gpucoord-operator",)
 
 
 def role_permissions(prefix: str, nodes: Sequence[str]) -> dict[str, list[tuple[Permission, bytes, bytes]]]:
@@ -134,8 +136,6 @@ def role_permissions(prefix: str, nodes: Sequence[str]) -> dict[str, list[tuple[
     revoked = keys.revocations()
     perms: dict[str, list[tuple[Permission, bytes, bytes]]] = {
         "gpucoord-coordinator": [("readwrite", root, prefix_range_end(root))],
-        "gpucoord-operator": [("read", root, prefix_range_end(root)),
-                              ("readwrite", revoked, prefix_range_end(revoked))],
     }
     for host in nodes:
         leases = keys.leases(host)

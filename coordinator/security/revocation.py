@@ -2,8 +2,8 @@
 replica and node daemon, so that a revoked certificate is refused within a moment of the write, without a
 restart (README "Revoking a certificate").
 
-``gpucoord certs revoke`` writes the keys (the operator's etcd user may write ``revoked/`` and nothing
-else); the key's last segment is the certificate's serial number in lowercase hex, and that is all the
+A coordinator writes the keys when an operator asks (``gpucoord certs revoke``, the RevokeCertificate RPC;
+``coordinator.rpc.certificates``), or etcd's root does (break glass); the key's last segment is the certificate's serial number in lowercase hex, and that is all the
 check needs, so even a malformed value revokes. The interceptor asks ``is_revoked`` for the serial of the
 verified peer certificate on every call and every stream message.
 

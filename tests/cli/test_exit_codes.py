@@ -42,6 +42,7 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["bench", "acquire", "--n", "0"],
         ["certs", "issue", "--dir", str(tmp / "pki"), "--role", "agent", "--name", "a/b"],
         ["certs", "revoke", "not-a-serial", *e],
+        ["certs", "revoke", "not-a-serial", *c],
         ["etcd-setup", *e, "--etcd-cert", str(tmp / "c.pem")],
         ["team", "set", "t", "--weight", "0", *c],
         ["team", "set", "t", "--quota", "100KiB", *c],

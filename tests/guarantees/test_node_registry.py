@@ -219,7 +219,7 @@ def test_a_rolling_upgrade_old_and_new_nodes_side_by_side_and_a_host_upgraded_in
     etcd-direct daemon that is killed and replaced by a registry-mode one (no etcd credentials) gets its host
     back once the old registration has expired (the coordinator waits it out, as a restart always did)."""
     addr = cluster.start_coordinator()
-    old = cluster.start_node("h-old", "1x16GiB", ttl=3)
+    old = cluster.start_node("h-old", "1x16GiB", ttl=3, via=[])   # via=[]: the etcd mode, explicitly
     cluster.start_node("h-new", "1x16GiB", ttl=3, via=[addr])
     assert old.reads_etcd
     with Client(addr, agent="a", host="h-old") as a, Client(addr, agent="b", host="h-new") as b:

@@ -130,13 +130,19 @@ def requests(t: Target) -> st.SearchStrategy[tuple[str, Any]]:
         st.builds(lambda i, g, r: ("EvictLease", pb.EvictLeaseRequest(lease_id=i, grace_seconds=g, reason=r)),
                   lease_ids, floats, texts),
         st.builds(lambda i: ("RevokeLease", pb.RevokeLeaseRequest(lease_id=i)), lease_ids),
+        st.builds(lambda *a: ("RevokeCertificate", pb.RevokeCertificateRequest(certificate=pb.RevokedCertificate(
+            serial=a[0], role=a[1], name=a[2], not_after=a[3], reason=a[4], revoked_at=a[5], revoked_by=a[6]))),
+                  st.one_of(st.sampled_from(["ab12", "0", "00ff", "F" * 64, "f" * 65]), texts), texts, texts, texts,
+                  texts, st.one_of(st.just(""), texts), st.one_of(st.just(""), texts)),
+        st.just(("ListRevokedCertificates", pb.ListRevokedCertificatesRequest())),
         st.just(("Ping", pb.PingRequest())),
         st.builds(lambda g, k: ("Node.CheckToken", node_pb2.CheckTokenRequest(gpu_uuid=g, token=k)),
                   st.one_of(st.just(t.gpu_uuid), texts), int64s),
         st.just(("Node.GetInventory", node_pb2.GetInventoryRequest())),
         st.builds(lambda m, b: ("raw:" + m, b),
                   st.sampled_from(["OpenSession", "Acquire", "Release", "AttachProcesses", "CloseSession", "GetStatus", "ApplyPartition",
-                                   "GetPartition", "EvictLease", "RevokeLease", "KeepAlive", "Node.CheckToken"]),
+                                   "GetPartition", "EvictLease", "RevokeLease", "KeepAlive", "Node.CheckToken",
+                                   "RevokeCertificate"]),
                   st.binary(max_size=300)),
     )
 
@@ -164,6 +170,8 @@ def _undo(t: Target, method: str, request: Any, response: Any) -> None:
                                                                           session_id=response.session_id)), timeout=10)
     elif method == "Acquire" and response.lease.id != t.lease.id:
         t.coord.Release(pb.ReleaseRequest(session=request.session, lease_id=response.lease.id), timeout=10)
+    elif method == "RevokeCertificate" and response.created:   # no certificate of the module: lifted again
+        t.cluster.lt.run(t.cluster.store.delete(t.cluster.keys.revoked(response.certificate.serial)))
     elif method == "ApplyPartition" and response.applied:
         t.coord.ApplyPartition(pb.ApplyPartitionRequest(spec_json=json.dumps({"host": HOST, "mode": "shared"})),
                                timeout=10)
@@ -241,6 +249,7 @@ def test_200kB_in_any_field_of_any_request_is_refused_with_a_short_message_and_w
         ("GetStatus", pb.GetStatusRequest(host=HOST)), ("GetPartition", pb.GetPartitionRequest(host=HOST)),
         ("ApplyPartition", pb.ApplyPartitionRequest(spec_json="{}", dry_run=True)),
         ("EvictLease", pb.EvictLeaseRequest(lease_id="l", reason="r")), ("RevokeLease", pb.RevokeLeaseRequest(lease_id="l")),
+        ("RevokeCertificate", pb.RevokeCertificateRequest(certificate=pb.RevokedCertificate(serial="ab12"))),
         ("Node.CheckToken", node_pb2.CheckTokenRequest(gpu_uuid="0", token=1)),
         ("KeepAlive", [pb.KeepAliveRequest(session=ref)])]
     stream_calls = [("acquire", pb.AcquireRequest(session=ref, vram_mb=1, gpu="0", request_id="r")),

@@ -170,6 +170,11 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
         name = f"t-{uuid.uuid4().hex[:8]}"
         w.stubs("operator").coord.SetTeam(pb.SetTeamRequest(name=name), timeout=10)
         return lambda: s.coord.DeleteTeam(pb.DeleteTeamRequest(name=name), timeout=10)
+    if rpc == "RevokeCertificate":   # a serial no certificate of the module has
+        request = pb.RevokeCertificateRequest(certificate=pb.RevokedCertificate(serial=uuid.uuid4().hex))
+        return lambda: s.coord.RevokeCertificate(request, timeout=10)
+    if rpc == "ListRevokedCertificates":
+        return lambda: s.coord.ListRevokedCertificates(pb.ListRevokedCertificatesRequest(), timeout=10)
     if rpc == "Ping":
         return lambda: s.coord.Ping(pb.PingRequest(), timeout=10)
     if rpc == "Health":
@@ -204,11 +209,12 @@ RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "Cl
         "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
         "Node.CheckToken", "Node.ConfirmProcesses", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",
+        "RevokeCertificate", "ListRevokedCertificates",
         "Registry.ListLeases", "Registry.ListLeases(other host)", "Registry.Register(other host)")
 REGISTRY_RPCS = {r for r in RPCS if r.startswith("Registry.")}
 TEAM_RPCS = {"SetTeam", "GetTeam", "ListTeams", "DeleteTeam"}
 ALLOWED = {
-    "self": set(RPCS) - {"ApplyPartition", "EvictLease", "RevokeLease",
+    "self": set(RPCS) - {"ApplyPartition", "EvictLease", "RevokeLease", "RevokeCertificate", "ListRevokedCertificates",
                          "Node.ConfirmProcesses"} - TEAM_RPCS - REGISTRY_RPCS,
     # GetStatus of every host: an agent's own view, the hosts it has a live session on (none for "other").
     "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health", "GetStatus(all)"},
@@ -238,6 +244,8 @@ def _check_success(rpc: str, resp: Any) -> None:
         assert resp.created and resp.team.quota_mb == 64
     elif rpc == "DeleteTeam":
         assert resp.deleted
+    elif rpc == "RevokeCertificate":   # revoked by the operator's identity, at the coordinator's clock
+        assert resp.created and resp.certificate.revoked_by == IDENTITY["operator"] and resp.certificate.revoked_at
     elif rpc == "GetTeam":
         assert resp.team.team.name == "default"
     elif rpc == "ListTeams":

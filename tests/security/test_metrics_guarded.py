@@ -74,9 +74,11 @@ def test_metrics_take_a_live_operator_or_metrics_certificate(guarded: tuple[Clus
         assert status == 200 and "gpucoord_releases_total" in body, (who, status)
 
     # Revoked: refused from the moment the server's deny list has it (no restart).
+    op = pki["operator"]
     done = subprocess.run([sys.executable, "-m", "coordinator.cli", "certs", "revoke", "--dir", str(pki.dir),
-                           "metrics/prometheus", "--reason", "test", "--etcd", cluster.endpoints[0], "--prefix",
-                           cluster.prefix], capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60,
+                           "metrics/prometheus", "--reason", "test", "--coordinator", next(iter(cluster.coordinators)),
+                           "--tls-ca", op.ca, "--tls-cert", op.cert, "--tls-key", op.key],
+                          capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     wait_for(lambda: scrape(port, pki["metrics"], pki.ca)[0] == 403, 5.0, "the revoked certificate refused")

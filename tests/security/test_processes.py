@@ -113,30 +113,44 @@ def test_up_secure_plays_the_demo_over_mtls(up: Up) -> None:
     assert f"GPUCOORD_TLS_CERT={up.data_dir / 'pki' / 'agent-agent-a.crt'}" in out
 
 
-def test_up_secure_only_the_coordinators_and_the_operators_certificates_open_etcd(up: Up) -> None:
-    """One trust domain in etcd (G9): the node daemon runs with no etcd credentials at all (it registers and
-    publishes through the coordinator), and of every certificate of the install only the coordinator's and
-    the operator's etcd client certificates open a connection to etcd."""
+BREAK_GLASS = ("etcd-etcd", "etcd-root-root")   # etcd's own server certificate, and its administrator's
+
+
+def _principals(up: Up) -> list[str]:
+    """Every certificate of the install but etcd's own and its root's: the agents', the operator's, the
+    node's, the metrics scraper's, and the coordinator's (gRPC and etcd)."""
+    pki = up.data_dir / "pki"
+    return sorted(p.name[:-4] for p in pki.glob("*.crt")
+                  if not p.name.startswith(("ca.", "etcd-ca.")) and p.name[:-4] not in BREAK_GLASS)
+
+
+def test_up_secure_only_the_coordinators_certificate_opens_etcd(up: Up) -> None:
+    """Only coordinators talk to etcd (G9): the node daemon runs with no etcd credentials at all (it registers
+    and publishes through the coordinator), the operator has none (its commands go through the coordinator),
+    and of every certificate of the install only the coordinator's etcd client certificate opens a
+    connection to etcd (and etcd's root's, the break-glass path)."""
     pki = up.data_dir / "pki"
     assert not list(pki.glob("node-*.etcd.*")), "a node got an etcd certificate"
+    assert not list(pki.glob("operator-*.etcd.*")), "the operator got an etcd certificate"
     node_log = (up.data_dir / "node.log").read_text()
     assert "talks to etcd directly" not in node_log and "registered through coordinator" in node_log, node_log[-2000:]
     anonymous = _etcdctl(up, "get", "--prefix", "/gpucoord/")
     assert anonymous.returncode != 0, anonymous.stdout
     opened = {}
-    for stem in sorted(p.name[:-4] for p in pki.glob("*.crt") if not p.name.startswith(("ca.", "etcd-ca."))):
-        if stem in ("etcd-etcd", "etcd-root-root"):
-            continue   # etcd's own server certificate, and its administrator's
+    for stem in _principals(up):
         got = _etcdctl(up, "get", "/gpucoord/hosts/sec-host", "--keys-only", creds=stem)
         opened[stem] = got.returncode == 0 and "sec-host" in got.stdout
-    assert {stem for stem, ok in opened.items() if ok} == {"coordinator-coordinator.etcd", "operator-operator.etcd"}, \
-        opened
-    assert "node-sec-host" in opened and "agent-agent-a" in opened   # they were tried, and refused
+    assert {stem for stem, ok in opened.items() if ok} == {"coordinator-coordinator.etcd"}, opened
+    assert {"node-sec-host", "agent-agent-a", "operator-operator"} <= set(opened)   # tried, and refused
+    root = _etcdctl(up, "get", "/gpucoord/hosts/sec-host", "--keys-only", creds="etcd-root-root")
+    assert root.returncode == 0 and "sec-host" in root.stdout, root   # break glass still works
 
 
-def test_up_secure_no_agent_or_node_certificate_keeps_an_agents_session_alive(up: Up) -> None:
-    """An abandoned session (its agent sends no keepalive): ``etcdctl lease keep-alive`` of its etcd lease with
-    the node's certificate or another agent's fails (they cannot reach etcd), and the session expires."""
+def test_up_secure_no_operator_agent_or_node_certificate_keeps_an_agents_session_alive(up: Up) -> None:
+    """An abandoned session (its agent sends no keepalive): ``etcdctl lease keep-alive`` of its etcd lease
+    fails with every certificate of the install but the coordinator's (etcd checks no permission on a
+    keepalive, so any identity etcd accepted could keep it), the operator's included, and the session
+    expires."""
     import grpc
 
     from agent_client.api import coordinator_pb2 as pb
@@ -150,16 +164,17 @@ def test_up_secure_no_agent_or_node_certificate_keeps_an_agents_session_alive(up
         opened = pb_grpc.CoordinatorStub(channel).OpenSession(
             pb.OpenSessionRequest(agent="agent-b", host="sec-host", ttl_seconds=5), timeout=10)
     key = f"/gpucoord/sessions/agent-b/{opened.session_id}"
-    read = _etcdctl(up, "get", key, "-w", "fields", creds="operator-operator.etcd")
+    read = _etcdctl(up, "get", key, "-w", "fields", creds="etcd-root-root")
     lease = re.search(r'"Lease" : (\d+)', read.stdout)
     assert read.returncode == 0 and lease is not None, read
     lease_hex = format(int(lease.group(1)), "x")
-    attempts = {stem: _etcdctl_start(up, "lease", "keep-alive", "--once", lease_hex, creds=stem)
-                for stem in ("node-sec-host", "agent-agent-a", "agent-agent-b")}
+    others = [stem for stem in _principals(up) if stem != "coordinator-coordinator.etcd"]
+    assert {"operator-operator", "node-sec-host", "agent-agent-a", "agent-agent-b"} <= set(others), others
+    attempts = {stem: _etcdctl_start(up, "lease", "keep-alive", "--once", lease_hex, creds=stem) for stem in others}
     outcomes = {stem: _finish(proc, 8) for stem, proc in attempts.items()}
     kept = {stem: out for stem, (code, out) in outcomes.items() if code == 0 and "keepalived" in out}
     assert not kept, kept
-    wait_for(lambda: _etcdctl(up, "get", key, "--keys-only", creds="operator-operator.etcd").stdout.strip() == "",
+    wait_for(lambda: _etcdctl(up, "get", key, "--keys-only", creds="etcd-root-root").stdout.strip() == "",
              5 + 5, "the abandoned session to expire")
 
 
@@ -167,8 +182,8 @@ def test_up_secure_etcd_refuses_every_agent_certificate(up: Up) -> None:
     """Two trust domains: etcd trusts only the etcd CA, which signs no agent certificate. With agent-a's
     certificate the TLS handshake with etcd fails, so nothing works: keeping an etcd lease alive (another
     agent's session), compacting etcd's history, granting or listing etcd leases, reading a lease's keys
-    (each of which worked when etcd trusted the CA that signs agents). The operator's etcd certificate still
-    reads, so the refusal is the agent's."""
+    (each of which worked when etcd trusted the CA that signs agents). etcd's root still reads, so the
+    refusal is the agent's."""
     pki = up.data_dir / "pki"
     root = "etcd-root-root"   # etcd's administrator: from the etcd CA (the one CA, before there were two)
     granted = _etcdctl(up, "lease", "grant", "30", creds=root)
@@ -200,8 +215,8 @@ def test_up_secure_etcd_refuses_every_agent_certificate(up: Up) -> None:
                 tls_sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
                 if not tls_sock.recv(1):
                     raise ConnectionError("etcd closed the connection")
-    operator = _etcdctl(up, "get", "--prefix", "/gpucoord/hosts/", "--keys-only", creds="operator-operator.etcd")
-    assert operator.returncode == 0 and "sec-host" in operator.stdout, operator
+    root_read = _etcdctl(up, "get", "--prefix", "/gpucoord/hosts/", "--keys-only", creds=root)
+    assert root_read.returncode == 0 and "sec-host" in root_read.stdout, root_read
 
 
 def _etcdctl_start(up: Up, *argv: str, creds: str) -> subprocess.Popen[str]:
@@ -240,6 +255,27 @@ def test_up_secure_cli_uses_the_environment(up: Up) -> None:
                          env=env_for("agent-agent-a"))
     assert as_agent.returncode == 1
     assert "PERMISSION_DENIED" in as_agent.stderr and "gpucoord://agent/agent-a" in as_agent.stderr
+    # The operator revokes and lists revocations through the coordinator, with its certificate and no etcd
+    # credentials (the printed variables have none for it).
+    operator_env = {k: v for k, v in env_for("operator-operator").items() if not k.startswith("GPUCOORD_ETCD")}
+    revoked = _gpucoord("certs", "revoke", "abc123", "--reason", "up test", "--coordinator", addr.group(1),
+                        env=operator_env)
+    assert revoked.returncode == 0 and "revoked: abc123" in revoked.stdout, revoked.stderr
+    listed = _gpucoord("certs", "list", "--dir", str(pki), "--coordinator", addr.group(1), env=operator_env)
+    assert listed.returncode == 0 and "abc123" in listed.stdout and "REVOKED" in listed.stdout, listed.stderr
+    as_agent_revoke = _gpucoord("certs", "revoke", "abc124", "--coordinator", addr.group(1), env=env_for("agent-agent-a"))
+    assert as_agent_revoke.returncode == 1 and "PERMISSION_DENIED" in as_agent_revoke.stderr, as_agent_revoke.stderr
+    # Break glass: the root etcd variables that up printed (and nothing else) read etcd.
+    glass = re.search(r"# break glass only.*\n(.*)\n", up.output())
+    assert glass is not None, up.output()[-3000:]
+    printed = dict(re.findall(r"export (GPUCOORD_ETCD_(?:CA|CERT|KEY))=(\S+)", glass.group(1)))
+    assert set(printed) == {"GPUCOORD_ETCD_CA", "GPUCOORD_ETCD_CERT", "GPUCOORD_ETCD_KEY"}, glass.group(1)
+    assert "etcd-root-root" in printed["GPUCOORD_ETCD_CERT"] and "operator-operator.etcd" not in up.output()
+    root_env = {**child_env(), **printed}
+    ep = re.search(r"etcd: +(127\.0\.0\.1:\d+)", up.output())
+    assert ep is not None
+    keys = _gpucoord("keys", "--etcd", ep.group(1), env=root_env)
+    assert keys.returncode == 0 and "/gpucoord/revoked/abc123" in keys.stdout, keys.stderr
     plaintext = _gpucoord("status", "--coordinator", addr.group(1),
                           env={k: v for k, v in child_env().items() if not k.startswith("GPUCOORD_TLS_")})
     # The handshake fails: unreachable as far as a plaintext client can tell (exit 3), with the TLS flags as hint.

@@ -1,4 +1,5 @@
-"""G9: certificates are revoked without restarts. ``gpucoord certs revoke`` writes ``revoked/<serial>``; every
+"""G9: certificates are revoked without restarts. ``gpucoord certs revoke`` has a coordinator write
+``revoked/<serial>`` (RevokeCertificate, the operator's certificate; ``--etcd`` is break glass); every
 coordinator replica and node daemon watches it and refuses the certificate within 2 s of the write, on new
 calls and on the messages of streams already open; other certificates are not affected."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from agent_client.api import node_pb2, node_pb2_grpc
 from coordinator.security.tls import channel_credentials
 from tests.support import REPO
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, revision, writes_since
 from tests.support.pki import Pki, coordinator_tls
 from tests.support.processes import child_env
 from tests.support.waiting import wait_for
@@ -70,8 +71,9 @@ def test_a_revoked_certificate_is_refused_by_every_replica_and_node_within_2s(
         stream = coord[("agent-a", addrs[1])].Session(messages(), timeout=60)
         assert next(stream).keepalive.ttl_seconds > 0
 
+        # Through a coordinator, with the operator's certificate: the operator needs no etcd credentials.
         done = _gpucoord("certs", "revoke", "--dir", str(pki.dir), "agent/agent-a", "--reason", "leaked",
-                         "--etcd", cluster.endpoints[0], "--prefix", cluster.prefix)
+                         "--coordinator", addrs[1], *_tls_flags(pki, "operator"))
         written = time.monotonic()
         assert done.returncode == 0, done.stderr
         assert done.stdout.count("revoked: ") == 1 and "agent agent-a" in done.stdout, done.stdout
@@ -113,15 +115,19 @@ def test_a_revoked_certificate_is_refused_by_every_replica_and_node_within_2s(
         (kv,) = cluster.get_prefix(cluster.keys.revocations())
         record = json.loads(kv.value)
         assert record["name"] == "agent-a" and record["role"] == "agent" and record["reason"] == "leaked"
-        listed = _gpucoord("certs", "list", "--dir", str(pki.dir), "--etcd", cluster.endpoints[0],
-                           "--prefix", cluster.prefix)
+        assert record["revoked_by"] == "gpucoord://operator/ops", record   # the caller, as its certificate says
+        listed = _gpucoord("certs", "list", "--dir", str(pki.dir), "--coordinator", addrs[0],
+                           *_tls_flags(pki, "operator"))
         assert listed.returncode == 0, listed.stderr
         state = {line.split()[0]: line for line in listed.stdout.splitlines()[1:]}
         assert "REVOKED" in state[record["serial"]] and "agent-a" in state[record["serial"]]
         assert sum("REVOKED" in line for line in state.values()) == 1, listed.stdout
-        again = _gpucoord("certs", "revoke", record["serial"], "--etcd", cluster.endpoints[0],
-                          "--prefix", cluster.prefix)
+        again = _gpucoord("certs", "revoke", record["serial"], "--coordinator", addrs[0], *_tls_flags(pki, "operator"))
         assert again.returncode == 0 and "already revoked" in again.stdout, (again.stdout, again.stderr)
+        # The break-glass path (etcd itself, as etcd's root would; this etcd has no auth) agrees.
+        glass = _gpucoord("certs", "revoke", record["serial"], "--etcd", cluster.endpoints[0], "--prefix",
+                          cluster.prefix)
+        assert glass.returncode == 0 and "already revoked" in glass.stdout, (glass.stdout, glass.stderr)
         assert cluster.get_prefix(cluster.keys.revocations())[0].mod_revision == kv.mod_revision
 
         # Deleting the record (the operator's undo) lifts the refusal, again without a restart.
@@ -130,6 +136,31 @@ def test_a_revoked_certificate_is_refused_by_every_replica_and_node_within_2s(
     finally:
         for ch in chans.values():
             ch.close()
+
+
+def _tls_flags(pki: Pki, who: str) -> list[str]:
+    files = pki[who]
+    return ["--tls-ca", files.ca, "--tls-cert", files.cert, "--tls-key", files.key]
+
+
+def test_revoke_certificate_rpc_takes_only_an_operator_and_checks_its_fields(
+        world: tuple[Cluster, list[str], str], pki: Pki) -> None:
+    """RevokeCertificate: an agent is PERMISSION_DENIED, a bad serial or an over-long reason INVALID_ARGUMENT
+    naming the field; none of them writes anything."""
+    cluster, addrs, _ = world
+    before = revision(cluster)
+    cases = {("agent-a", "ab12", ""): (C.PERMISSION_DENIED, "operator role"),
+             ("operator", "not-hex", ""): (C.INVALID_ARGUMENT, "certificate.serial: "),
+             ("operator", "f" * 65, ""): (C.INVALID_ARGUMENT, "certificate.serial: "),
+             ("operator", "ab12", "x" * 257): (C.INVALID_ARGUMENT, "certificate.reason")}
+    for (who, serial, reason), (code, named) in cases.items():
+        with grpc.secure_channel(addrs[0], channel_credentials(pki[who])) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.CoordinatorStub(ch).RevokeCertificate(pb.RevokeCertificateRequest(
+                    certificate=pb.RevokedCertificate(serial=serial, reason=reason)), timeout=10)
+        assert info.value.code() == code and named in (info.value.details() or ""), (who, info.value.details())
+    assert not writes_since(cluster, before)
+    assert not cluster.get_prefix(cluster.keys.revocations())
 
 
 def _pings(stub: pb_grpc.CoordinatorStub) -> bool:
@@ -147,3 +178,10 @@ def test_revoke_refuses_a_name_it_did_not_issue_and_names_etcd_when_unreachable(
     assert no_dir.returncode == 2 and "--dir" in no_dir.stderr, no_dir.stderr
     unreachable = _gpucoord("certs", "revoke", "abc123", "--etcd", "127.0.0.1:1")
     assert unreachable.returncode == 3 and "127.0.0.1:1" in unreachable.stderr, unreachable.stderr
+    no_coordinator = _gpucoord("certs", "revoke", "abc123", "--coordinator", "127.0.0.1:1")
+    assert no_coordinator.returncode == 3 and "coordinator at 127.0.0.1:1" in no_coordinator.stderr, no_coordinator.stderr
+    both = _gpucoord("certs", "revoke", "abc123", "--coordinator", "127.0.0.1:1", "--etcd", "127.0.0.1:1")
+    assert both.returncode == 2 and "give one" in both.stderr, both.stderr
+    # etcd credentials are for the break-glass path only (--etcd): an operator's revoke needs none.
+    stray = _gpucoord("certs", "revoke", "abc123", "--coordinator", "127.0.0.1:1", "--etcd-ca", "etcd-ca.crt")
+    assert stray.returncode == 2 and "--etcd-ca: only with --etcd" in stray.stderr, stray.stderr

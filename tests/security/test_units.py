@@ -60,8 +60,9 @@ def _days(path: pathlib.Path) -> int:
     return (c.not_valid_after_utc - c.not_valid_before_utc).days
 
 
-def test_two_trust_domains_agents_never_get_an_etcd_certificate(tmp_path: pathlib.Path) -> None:
-    """gRPC identities come from ca.crt, etcd's clients from etcd-ca.crt: an agent gets nothing etcd trusts."""
+def test_two_trust_domains_agents_and_operators_never_get_an_etcd_certificate(tmp_path: pathlib.Path) -> None:
+    """gRPC identities come from ca.crt, etcd's clients from etcd-ca.crt: an agent, an operator and a node (of
+    this release) get nothing etcd trusts; only coordinators (and root) do."""
     certs.init_ca(tmp_path)
     grpc_ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
     etcd_ca = x509.load_pem_x509_certificate((tmp_path / "etcd-ca.crt").read_bytes())
@@ -78,8 +79,11 @@ def test_two_trust_domains_agents_never_get_an_etcd_certificate(tmp_path: pathli
     assert node.etcd_cert is None and issuer(node.cert) == grpc_ca.subject
     with pytest.raises(ValueError, match="etcd_client"):
         certs.issue(tmp_path, "agent", "agent-b", etcd_client=True)
-    for kind, user in (("coordinator", "gpucoord-coordinator"), ("node", "gpucoord-node-gpu-1"),
-                       ("operator", "gpucoord-operator")):
+    operator = certs.issue(tmp_path, "operator", "alice")   # acts through a coordinator: no etcd certificate
+    assert operator.etcd_cert is None and not list(tmp_path.glob("operator-*.etcd.*"))
+    with pytest.raises(ValueError, match="etcd_client"):
+        certs.issue(tmp_path, "operator", "bob", etcd_client=True)
+    for kind, user in (("coordinator", "gpucoord-coordinator"), ("node", "gpucoord-node-gpu-1")):
         f = certs.issue(tmp_path, kind, "gpu-1", etcd_client=kind == "node")   # a node of an earlier release
         assert issuer(f.cert) == grpc_ca.subject and issuer(f.etcd_cert) == etcd_ca.subject
         assert f.etcd_cert is not None and f.etcd_cert.name == f"{kind}-gpu-1.etcd.crt"
@@ -90,8 +94,8 @@ def test_two_trust_domains_agents_never_get_an_etcd_certificate(tmp_path: pathli
         f = certs.issue(tmp_path, kind, "e1")
         assert issuer(f.cert) == etcd_ca.subject and f.etcd_cert is None
     listed = certs.issued(tmp_path)
-    assert [(e["role"], e["ca"]) for e in listed][:4] == [("agent", "ca"), ("node", "ca"), ("coordinator", "ca"),
-                                                          ("coordinator", "etcd-ca")]
+    assert [(e["role"], e["ca"]) for e in listed][:5] == [("agent", "ca"), ("node", "ca"), ("operator", "ca"),
+                                                          ("coordinator", "ca"), ("coordinator", "etcd-ca")]
     assert all(len(e["serial"]) > 10 for e in listed)
     # A directory from before the etcd CA: init adds it; issuing an etcd client without it is refused.
     old = tmp_path / "old"

@@ -34,8 +34,10 @@ class EtcdEndpoint:
     provider: str = "process"    # or "docker IMAGE"
 
 
-# GPUCOORD_TEST_NODE_MODE=registry: ``Cluster.start_node`` runs its nodes in the registry mode (through the
-# cluster's coordinators, no etcd connection) whenever a coordinator already runs and the node is not linked.
+# ``Cluster.start_node`` runs its nodes in the registry mode (through the cluster's coordinators, no etcd
+# connection, as ``gpucoord node --coordinator`` does) whenever a plaintext coordinator already runs and the
+# node is neither linked nor serving TLS; GPUCOORD_TEST_NODE_MODE=etcd runs them in the etcd mode of earlier
+# releases instead (a node started before any coordinator always is).
 NODE_MODE_ENV = "GPUCOORD_TEST_NODE_MODE"
 
 # The image the docker provider of the ``etcd`` fixture runs unless GPUCOORD_TEST_ETCD_IMAGE names another.
@@ -117,10 +119,13 @@ class Cluster:
                    **overrides: Any) -> NodeDaemon:
         """An in-process node daemon; ``linked``: its etcd connection runs through ``etcd_links[host]``.
         ``via``: coordinator addresses; the daemon then runs in the registry mode, with no etcd connection
-        (``credentials``: its client TLS credentials to them)."""
+        (``credentials``: its client TLS credentials to them). Without ``via`` it does so through the cluster's
+        coordinators where a plaintext one runs (``NODE_MODE_ENV``); ``via=[]``: the etcd mode, always."""
         source = FakeGpuSource(fake_gpus, host, fake_processes)
-        if via is None and not linked and self.coordinators and os.environ.get(NODE_MODE_ENV) == "registry":
-            via = list(self.coordinators)   # the whole suite with registry-mode nodes, where a coordinator runs
+        if (via is None and not linked and tls is None and self.coordinators
+                and os.environ.get(NODE_MODE_ENV, "registry") == "registry"
+                and all(svc.config.tls_files() is None for _, svc in self.coordinators.values())):
+            via = list(self.coordinators)   # registry mode by default, where a coordinator runs
         endpoints = self.endpoints
         if linked:
             link = self.etcd_links[host] = FaultLink(self.endpoints, f"node {host}")
