@@ -267,10 +267,11 @@ class Totals:
         self.leases += leases
 
     def row(self) -> dict[str, float | int]:
-        """GPU-hours, VRAM-GiB-hours (to 1/1000), evictions suffered, leases ended."""
+        """GPU-hours, VRAM-GiB-hours (to 1/1000), evictions suffered, leases ended; and the exact seconds."""
         return {"gpu_hours": round(self.gpu_s / HOUR_S, 3),
                 "vram_gib_hours": round(self.vram_mib_s / 1024 / HOUR_S, 3),
-                "evictions": self.evictions, "leases": self.leases}
+                "evictions": self.evictions, "leases": self.leases,
+                "gpu_seconds": round(self.gpu_s, 3), "vram_mib_seconds": round(self.vram_mib_s, 3)}
 
 
 def totals_from_rollups(rollups: Iterable[tuple[str, str, Mapping[str, Any]]], by: str) -> dict[str, Totals]:

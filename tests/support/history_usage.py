@@ -29,6 +29,7 @@ from coordinator.keys import Keys
 @dataclasses.dataclass
 class UsageReport:
     ended: int = 0          # leases that ended while accounting ran, up to the cursor
+    pending: int = 0        # leases that ended after the cursor's last position (not checked)
     records: int = 0
     gpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)    # per team, from the history
     violations: list[str] = dataclasses.field(default_factory=list)
@@ -86,6 +87,7 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
         wall = max(wall, cursor_at.get(rev, 0.0))
     due = {n: e for n, e in ended.items() if e["rev"] <= cursor}
     rep.ended = len(due)
+    rep.pending = len(ended) - len(due)
     rep.records = len(written)
     for name, e in due.items():
         puts = written.get(name, [])
