@@ -22,7 +22,7 @@ import dataclasses
 import json
 import logging
 from itertools import groupby
-from typing import Any
+from typing import Any, Sequence
 
 from coordinator import clock, errors, metrics
 from coordinator.etcd.election import Election
@@ -110,24 +110,46 @@ class Accountant:
                           "revision %d have no usage record", cursor.revision, now)
                 await self._commit(term, cursor, [], Cursor(now))
                 return
-            for rev, evs in groupby(batch.events, key=lambda ev: ev.kv.mod_revision):
-                if rev <= cursor.revision:
-                    continue
-                resumed = rev == cursor.revision + 1 and (cursor.skip or cursor.part)
-                end_unix = cursor.end_unix if resumed else clock.wall()
-                records = self._ended(list(evs), end_unix)
-                i, part = (cursor.skip, cursor.part) if resumed else (0, 0)
-                if not records and clock.monotonic() - written_at > IDLE_CURSOR_S:
-                    cursor = await self._commit(term, cursor, [], Cursor(rev))
-                    written_at = clock.monotonic()
-                while i < len(records):
-                    units, i, part = plan_commit(records, i, part, OPS_PER_TXN - 1)
-                    await self._load_rollups(units)
-                    after = Cursor(rev) if i == len(records) else Cursor(rev - 1, i, part, end_unix)
-                    cursor = await self._commit(term, cursor, units, after)
-                    written_at = clock.monotonic()
-                if rev > cursor.revision:
-                    cursor = dataclasses.replace(cursor, revision=rev, skip=0, part=0)   # nothing to write
+            cursor, written_at = await self._batch(term, cursor, batch.events, written_at)
+
+    async def _batch(self, term: Election, cursor: Cursor, events: Sequence[WatchEvent],
+                     written_at: float) -> tuple[Cursor, float]:
+        """Account one watch batch: its records in as few transactions as etcd takes (several revisions in
+        one). The cursor after it, and when it was last written."""
+        start = cursor
+        now_unix = clock.wall()
+        todo: list[tuple[int, UsageRecord]] = []     # (revision, record), in order
+        ends: dict[int, float] = {}
+        first_index: dict[int, int] = {}
+        last = cursor.revision
+        for rev, evs in groupby(events, key=lambda ev: ev.kv.mod_revision):
+            if rev <= start.revision:
+                continue
+            last = rev
+            resumed = rev == start.revision + 1 and bool(start.skip or start.part)
+            ends[rev] = start.end_unix if resumed else now_unix
+            records = self._ended(list(evs), ends[rev])[start.skip if resumed else 0:]
+            first_index[rev] = len(todo) - (start.skip if resumed else 0)
+            todo += [(rev, r) for r in records]
+        records = [r for _, r in todo]
+        i, part = 0, start.part if todo and todo[0][0] == start.revision + 1 else 0
+        while i < len(records):
+            units, i, part = plan_commit(records, i, part, OPS_PER_TXN - 1)
+            await self._load_rollups(units)
+            if i == len(records):
+                after = Cursor(last)
+            else:
+                rev = todo[i][0]
+                after = Cursor(rev - 1, i - first_index[rev], part, ends[rev])
+            cursor = await self._commit(term, cursor, units, after)
+            written_at = clock.monotonic()
+        if last > cursor.revision:
+            if clock.monotonic() - written_at > IDLE_CURSOR_S:
+                cursor = await self._commit(term, cursor, [], Cursor(last))
+                written_at = clock.monotonic()
+            else:
+                cursor = dataclasses.replace(cursor, revision=last, skip=0, part=0)   # in memory: nothing to write
+        return cursor, written_at
 
     async def _now(self) -> int:
         return (await self.ctx.store.get_prefix(self.keys.accounting_cursor(), keys_only=True)).revision

@@ -62,6 +62,25 @@ def test_every_way_a_lease_ends_leaves_one_record(cluster: Cluster) -> None:
     assert len(gang) == 1 and gang[0]["exclusive"]
 
 
+def test_a_session_that_ends_with_many_leases_is_written_in_parts_exactly_once(cluster: Cluster) -> None:
+    """150 leases end in one revision (their session closes): more records than one transaction takes (etcd's
+    --max-txn-ops), so the accountant writes them over several, the cursor counting those written."""
+    cluster.start_node("h1", "4x16GiB")
+    addr = cluster.start_coordinator(max_leases_per_agent=200)
+    wait_for(lambda: cursor_started(cluster), 20, "the accountant's cursor")
+    with Client(addr, agent="many", host="h1") as c:
+        for _ in range(150):
+            c.acquire(100)
+    wait_for(lambda: len(records(cluster)) >= 150, 60, "150 records")
+    cursors = [json.loads(kv.value) for kv in cluster.get_prefix(cluster.keys.accounting_cursor())]
+    assert cursors and "skip" not in cursors[0]
+    rep = usage(cluster)
+    rep.assert_ok()
+    assert rep.ended == rep.records == 150
+    assert rep.partial_commits >= 1, "one transaction took them all: the test does not cover parts"
+    assert {r["reason"] for r in records(cluster).values()} == {"session"}
+
+
 def test_usage_by_team_equals_the_history(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     """Three teams' leases, of several lengths and GPU counts: ``gpucoord usage --by team`` says what the
     checker computes from etcd's history, to the millisecond; ``--csv`` has its header with units."""

@@ -30,6 +30,7 @@ from coordinator.keys import Keys
 class UsageReport:
     ended: int = 0          # leases that ended while accounting ran, up to the cursor
     pending: int = 0        # leases that ended after the cursor's last position (not checked)
+    partial_commits: int = 0   # cursor writes inside a revision (one written in parts)
     records: int = 0
     gpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)    # per team, from the history
     violations: list[str] = dataclasses.field(default_factory=list)
@@ -50,9 +51,11 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
     ended: dict[str, dict[str, Any]] = {}       # "<id>@<create rev>" -> what the history says
     written: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
     rollups: dict[bytes, dict[str, Any]] = {}
+    by_end: dict[int, int] = defaultdict(int)    # records written so far, by the revision their lease ended
     swept = False
     for rev in sorted(by_rev):
         evs = by_rev[rev]
+        partial: dict[str, Any] | None = None
         gone = {ev.kv.key: ev.prev_kv for ev in evs if ev.kind == "DELETE"}
         for ev in evs:
             kind, parts = keys.parse(ev.kv.key)
@@ -61,9 +64,12 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
                 began = doc["revision"] if began is None else began
                 cursor = doc["revision"]
                 cursor_at[rev] = doc["at"]
+                rep.partial_commits += bool(doc.get("skip") or doc.get("part"))
+                partial = doc if doc.get("skip") or doc.get("part") else None
             elif kind == "accounting" and parts[:1] == ["records"]:
                 if ev.kind == "PUT":
                     written[parts[1]].append((rev, json.loads(ev.kv.value)))
+                    by_end[written[parts[1]][-1][1]["end_revision"]] += 1
                 else:
                     swept = True
             elif kind == "accounting" and parts[:1] == ["hours"]:
@@ -81,6 +87,10 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
                 e["gpus"].append((doc["gpu_index"], doc["gpu_uuid"]))
                 if e["rev"] != rev:
                     rep.violations.append(f"lease {name}: its GPUs went at revisions {e['rev']} and {rev}")
+        if partial is not None and by_end[partial["revision"] + 1] != partial["skip"]:
+            # A new leader resumes from this cursor: it must count exactly the records of that revision written.
+            rep.violations.append(f"cursor at revision {rev} says {partial['skip']} records of revision "
+                                  f"{partial['revision'] + 1} are written; {by_end[partial['revision'] + 1]} are")
         for ev in evs:
             if ev.kind == "PUT" and keys.parse(ev.kv.key)[0] == "leases":
                 wall = max(wall, float(json.loads(ev.kv.value).get("created_at", 0)))
