@@ -48,6 +48,7 @@ class CoordinatorConfig:
     # hourly rollups this many days.
     usage_retention_s: float = 7 * 86400.0
     usage_rollup_days: int = 400
+    usage_export_dir: str = ""           # the leader appends every record to JSON-lines files here (empty: off)
     max_queue_per_host: int = 1024      # waiting requests per host (a higher-priority arrival displaces)
     max_queue_per_agent: int = 64       # waiting requests per agent per host
     max_leases_per_agent: int = 256

@@ -113,8 +113,54 @@ def test_usage_by_team_equals_the_history(cluster: Cluster, capsys: pytest.Captu
     assert sorted(line.split(",")[0] for line in lines) == ["t1-a", "t2-a", "t3-a"]
 
 
+def exported(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in sorted(directory.glob("usage-*.jsonl")) for line in
+            path.read_text().splitlines()]
+
+
+def assert_export_matches(cluster: Cluster, directory: Path) -> None:
+    """Every record in etcd is one line of the export, none twice, in the order they were written."""
+    lines = exported(directory)
+    names = [f"{x['lease_id']}@{x['start_revision']}" for x in lines]
+    assert len(names) == len(set(names)), "a record exported twice"
+    assert set(names) == set(records(cluster)), "records missing from the export, or lines of no record"
+    revisions = [x["record_revision"] for x in sorted(lines, key=lambda x: x["end_unix"])]
+    assert revisions == sorted(revisions)
+
+
+def test_a_half_written_last_line_is_cut_off_and_written_again(tmp_path: Path) -> None:
+    from coordinator.replica.export import exported_through
+    day = tmp_path / "usage-2026-12-04.jsonl"
+    day.write_text('{"record_revision": 7}\n{"record_revision": 9}\n{"record_rev')   # a crash mid-line
+    (tmp_path / "usage-2026-12-03.jsonl").write_text('{"record_revision": 5}\n')
+    assert exported_through(tmp_path) == 9
+    assert day.read_text().endswith('{"record_revision": 9}\n')
+
+
+def test_the_export_survives_a_leader_change_with_no_gap_and_no_duplicate(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_node("h1", "4x16GiB")
+    export = tmp_path / "export"
+    first = cluster.start_coordinator(usage_export_dir=str(export))
+    wait_for(lambda: cursor_started(cluster), 20, "the accountant's cursor")
+    second = cluster.start_coordinator(usage_export_dir=str(export))
+    with Client(second, agent="a", host="h1") as a:
+        for _ in range(10):
+            a.acquire(1000).release()
+        wait_for(lambda: len(exported(export)) >= 10, 30, "the first leader's lines")
+        leader = fetch_status(second)["leader"]
+        assert leader == cluster.service(first).replica_id
+        cluster.stop_coordinator(first)        # the leader steps down: the other one leads and exports
+        wait_for(lambda: fetch_status(second)["leader"] not in ("", leader), 30, "the next leader")
+        for _ in range(10):
+            a.acquire(1000).release()
+    wait_for(lambda: len(records(cluster)) >= 20 and len(exported(export)) >= 20, 60, "every record exported")
+    assert_export_matches(cluster, export)
+    usage(cluster).assert_ok()
+
+
 @pytest.fixture
-def two_replicas(cluster: Cluster, tmp_path: Path) -> dict[str, Any]:
+def two_replicas(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    monkeypatch.setenv("GPUCOORD_USAGE_EXPORT_DIR", str(tmp_path / "export"))   # both replicas': one directory
     procs = []
     for i in range(2):
         proc, port = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / f"c{i}.log"),
@@ -137,7 +183,8 @@ def two_replicas(cluster: Cluster, tmp_path: Path) -> dict[str, Any]:
             proc.wait(10)
 
 
-def test_records_stay_exactly_once_when_the_leader_is_killed(cluster: Cluster, two_replicas: dict[str, Any]) -> None:
+def test_records_stay_exactly_once_when_the_leader_is_killed(cluster: Cluster, two_replicas: dict[str, Any],
+                                                             tmp_path: Path) -> None:
     cluster.start_node("h1", "4x16GiB")
     addrs = [addr for _, addr in two_replicas.values()]
     leader_id = wait_for(lambda: str(fetch_status(addrs[0]).get("leader", "")), 20, "a leader")
@@ -172,4 +219,6 @@ def test_records_stay_exactly_once_when_the_leader_is_killed(cluster: Cluster, t
     rep = usage(cluster)
     rep.assert_ok()
     assert rep.ended == rep.records == ended[0]
+    wait_for(lambda: len(exported(tmp_path / "export")) >= ended[0], 60, "every record exported")
+    assert_export_matches(cluster, tmp_path / "export")
     cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=240).assert_ok()
