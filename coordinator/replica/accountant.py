@@ -80,8 +80,10 @@ class Accountant:
             while True:
                 try:
                     await self._follow(term)
-                except errors.GpucoordError as e:   # NotOwner too: the term ends, and this task with it
-                    log.warning("accountant: %s; starting over from the cursor", e)
+                except (errors.GpucoordError, ValueError, KeyError, TypeError) as e:
+                    # NotOwner too (the term ends, and this task with it); a malformed cursor or rollup is logged
+                    # and read again (an operator repairs it): the other duties go on.
+                    log.warning("accountant: %r; starting over from the cursor", e)
                     await asyncio.sleep(0.5)
         finally:
             sweeper.cancel()
