@@ -28,6 +28,8 @@ def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> No
                     help="start of the window: a duration ago (30m, 12h, 7d, 2w) or a UTC time (2026-12-01T00); "
                          "default 7d")
     us.add_argument("--until", default=None, metavar="AGO|TIME", help="end of the window (default now)")
+    us.add_argument("--lease", default=None, metavar="LEASE_ID",
+                    help="the usage records of one lease id instead (each time the id ended), within the retention")
     out = us.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true")
     out.add_argument("--csv", action="store_true", help="CSV with a header that names each column's unit")
@@ -63,8 +65,46 @@ def cmd_usage(args: argparse.Namespace) -> int:
     until = parse_when(args.until, "--until", now) if args.until else now
     if until <= since:
         raise UsageError("--until: the window ends before it starts", _HINT)
+    if args.lease is not None:
+        from coordinator.keys import valid_name
+        if not valid_name(args.lease):
+            raise UsageError(f"--lease: {args.lease!r} is not a lease id", _HINT)
+        return asyncio.run(_lease(args, security))
     rows = asyncio.run(_read(args, security, since, until))
     _print(args, rows, since, until)
+    return 0
+
+
+async def _lease(args: argparse.Namespace, security: Any) -> int:
+    """One lease id's records, oldest first: when it was granted and ended (revisions and times), how it
+    ended, what it used."""
+    import grpc
+
+    from coordinator import errors
+    from coordinator.etcd.store import Store
+    from coordinator.keys import Keys
+    keys = Keys(args.prefix)
+    store = Store(args.etcd.split(","), timeout=3.0, retry_for=0.0, security=security)
+    try:
+        await store.connect()
+        kvs = (await store.get_prefix(keys.usage_record(args.lease + "@"))).kvs
+    except (errors.GpucoordError, grpc.RpcError, OSError) as e:
+        raise CliError(f"cannot reach etcd at {args.etcd} ({getattr(e, 'message', e)})",
+                       "is etcd running? give its address with --etcd HOST:PORT", EXIT_UNREACHABLE) from e
+    finally:
+        await store.close()
+    docs = sorted((json.loads(kv.value) for kv in kvs), key=lambda d: int(d["start_revision"]))
+    if not docs:
+        raise CliError(f"lease {args.lease} has no usage record", "it is still held, never ended, or its record "
+                       "is past the retention (usage_retention_s)")
+    if args.json or args.csv:
+        print(json.dumps(docs))
+        return 0
+    for d in docs:
+        print(f"lease {d['lease_id']} of {d['agent']} (team {d['team']}) on {d['host']} GPUs "
+              f"{','.join(str(i) for i in d['gpu_indexes'])}: granted at revision {d['start_revision']} "
+              f"({_iso(d['start_unix'])}), ended by {d['reason']} at revision {d['end_revision']} "
+              f"({_iso(d['end_unix'])}); {d['gpu_seconds']:g} GPU-s, {d['vram_mib_seconds']:g} VRAM MiB-s")
     return 0
 
 

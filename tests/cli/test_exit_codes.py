@@ -53,6 +53,7 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["usage", *e, "--since", "last week"],
         ["usage", *e, "--since", "1d", "--until", "2d"],
         ["usage", *e, "--by", "gpu"],
+        ["usage", *e, "--lease", "bad/id"],
     ]
 
 

@@ -111,6 +111,12 @@ def test_usage_by_team_equals_the_history(cluster: Cluster, capsys: pytest.Captu
     head, *lines = capsys.readouterr().out.splitlines()
     assert head == "agent,GPU-hours [GPU*h],VRAM-GiB-hours [GiB*h],evictions suffered [count],leases ended [count]"
     assert sorted(line.split(",")[0] for line in lines) == ["t1-a", "t2-a", "t3-a"]
+    gang = next(r for r in records(cluster).values() if r["agent"] == "t2-a")
+    assert cli_main(["usage", "--lease", gang["lease_id"], "--etcd", ",".join(cluster.endpoints),
+                     "--prefix", cluster.prefix]) == 0
+    line = capsys.readouterr().out
+    assert f"granted at revision {gang['start_revision']}" in line and "ended by release" in line
+    assert f"GPUs {','.join(str(i) for i in gang['gpu_indexes'])}:" in line and len(gang["gpu_indexes"]) == 2
 
 
 def exported(directory: Path) -> list[dict[str, Any]]:
