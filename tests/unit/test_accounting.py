@@ -136,3 +136,16 @@ def test_a_commit_never_passes_its_budget_and_every_hour_is_charged_once(lengths
                 finals.append(u.record)
     assert finals == rs
     assert all(charged[id(r)] == len(pieces_of(r)) for r in rs)
+
+
+def test_usage_windows_read_durations_ago_and_utc_times() -> None:
+    import pytest
+
+    from coordinator.cli.common import UsageError
+    from coordinator.cli.usage import parse_when
+    assert parse_when("7d", "--since", T0) == T0 - 7 * 86400
+    assert parse_when("90m", "--since", T0) == T0 - 5400
+    assert parse_when("2025-12-04T19", "--since", 0) == T0
+    assert parse_when("2025-12-04T19:30Z", "--until", 0) == T0 + 1800
+    with pytest.raises(UsageError, match="--since"):
+        parse_when("last week", "--since", T0)
