@@ -198,14 +198,17 @@ def test_records_stay_exactly_once_when_the_leader_is_killed(cluster: Cluster, t
     (follower_addr,) = [a for a in addrs if a != leader_addr]
     wait_for(lambda: cursor_started(cluster), 20, "the accountant's cursor")
     stop = threading.Event()
-    ended = [0]
+    counts = [0, 0, 0]        # leases each agent acquired and released (one counter per thread)
 
-    def churn(agent: str) -> None:
-        with Client(follower_addr, agent=agent, host="h1") as c:
+    def churn(i: int) -> None:
+        with Client(follower_addr, agent=f"agent-{i}", host="h1") as c:
             while not stop.is_set():
                 c.acquire(1000).release()
-                ended[0] += 1
-    threads = [threading.Thread(target=churn, args=(f"agent-{i}",), daemon=True) for i in range(3)]
+                counts[i] += 1
+
+    def ended() -> int:
+        return sum(counts)
+    threads = [threading.Thread(target=churn, args=(i,), daemon=True) for i in range(3)]
     for t in threads:
         t.start()
     wait_for(lambda: len(records(cluster)) >= 10, 30, "records while the first leader accounts")
@@ -216,15 +219,16 @@ def test_records_stay_exactly_once_when_the_leader_is_killed(cluster: Cluster, t
         leader = str(fetch_status(follower_addr).get("leader", ""))
         return bool(leader) and leader != leader_id
     wait_for(next_leader, 30, "the next leader")
-    seen = ended[0]
-    wait_for(lambda: ended[0] >= seen + 20, 60, "leases ending under the next leader")
+    seen = ended()
+    wait_for(lambda: ended() >= seen + 20, 60, "leases ending under the next leader")
     stop.set()
     for t in threads:
         t.join(30)
-    wait_for(lambda: len(records(cluster)) >= ended[0], 60, "a record for every lease that ended")
+    wait_for(lambda: len(records(cluster)) >= ended(), 60, "a record for every lease that ended")
     rep = usage(cluster)
     rep.assert_ok()
-    assert rep.ended == rep.records == ended[0]
-    wait_for(lambda: len(exported(tmp_path / "export")) >= ended[0], 60, "every record exported")
+    # (A release whose answer was lost ends with its session instead: the history's count is the truth.)
+    assert rep.ended == rep.records >= ended()
+    wait_for(lambda: len(exported(tmp_path / "export")) >= rep.records, 60, "every record exported")
     assert_export_matches(cluster, tmp_path / "export")
     cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=240).assert_ok()
