@@ -134,6 +134,24 @@ def assert_export_matches(cluster: Cluster, directory: Path) -> None:
     assert revisions == sorted(revisions)
 
 
+def test_records_and_rollups_past_their_retention_are_swept(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator(usage_retention_s=0.2)
+    wait_for(lambda: cursor_started(cluster), 20, "the accountant's cursor")
+    with Client(addr, agent="a", host="h1") as a:
+        a.acquire(1000).release()
+    wait_for(lambda: records(cluster), 30, "the record")
+    leadership = cluster.service(addr).leadership
+    old_hour = cluster.keys.usage_rollup("2000-01-01T00", "default")     # far past usage_rollup_days
+    cluster.lt.run(cluster.store.put(old_hour, b'{"gpu_s":1,"vram_mib_s":1,"evictions":0,"leases":1,"agents":{}}'))
+    before = {kv.key for kv in cluster.get_prefix(cluster.keys.usage_rollups())}
+    # The record ended more than 0.2 s ago by the leader's clock once the sweep runs (it compares end_unix).
+    wait_for(lambda: cluster.lt.run(leadership.accountant.sweep(leadership.election)) or not records(cluster),
+             30, "the sweep of the record past its retention")
+    after = {kv.key for kv in cluster.get_prefix(cluster.keys.usage_rollups())}
+    assert after == before - {old_hour} and after, "the old hour's rollup goes, this hour's stays"
+
+
 def test_a_half_written_last_line_is_cut_off_and_written_again(tmp_path: Path) -> None:
     from coordinator.replica.export import exported_through
     day = tmp_path / "usage-2026-12-04.jsonl"
