@@ -146,8 +146,10 @@ def test_records_and_rollups_past_their_retention_are_swept(cluster: Cluster) ->
     cluster.lt.run(cluster.store.put(old_hour, b'{"gpu_s":1,"vram_mib_s":1,"evictions":0,"leases":1,"agents":{}}'))
     before = {kv.key for kv in cluster.get_prefix(cluster.keys.usage_rollups())}
     # The record ended more than 0.2 s ago by the leader's clock once the sweep runs (it compares end_unix).
-    wait_for(lambda: cluster.lt.run(leadership.accountant.sweep(leadership.election)) or not records(cluster),
-             30, "the sweep of the record past its retention")
+    def swept() -> bool:
+        cluster.lt.run(leadership.accountant.sweep(leadership.election))
+        return not records(cluster)
+    wait_for(swept, 30, "the sweep of the record past its retention")
     after = {kv.key for kv in cluster.get_prefix(cluster.keys.usage_rollups())}
     assert after == before - {old_hour} and after, "the old hour's rollup goes, this hour's stays"
 
