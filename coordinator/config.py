@@ -44,6 +44,11 @@ class CoordinatorConfig:
     # A lease under an eviction notice is revoked by force this long after its deadline, and the VRAM of
     # a process-bound lease counts as held until then unless its processes are gone first (README, G3).
     eviction_kill_margin_s: float = 2.0
+    # Usage accounting (README, "Usage accounting"): raw records are kept this long after their lease ended,
+    # hourly rollups this many days.
+    usage_retention_s: float = 7 * 86400.0
+    usage_rollup_days: int = 400
+    usage_export_dir: str = ""           # the leader appends every record to JSON-lines files here (empty: off)
     max_queue_per_host: int = 1024      # waiting requests per host (a higher-priority arrival displaces)
     max_queue_per_agent: int = 64       # waiting requests per agent per host
     max_leases_per_agent: int = 256
@@ -112,6 +117,10 @@ class CoordinatorConfig:
         if not 0 <= self.eviction_kill_margin_s <= MAX_KILL_MARGIN_S:
             raise ConfigError("eviction_kill_margin_s", f"must be within [0, {MAX_KILL_MARGIN_S:g}] seconds, got "
                                                         f"{self.eviction_kill_margin_s}")
+        if not 0 < self.usage_retention_s < float("inf"):
+            raise ConfigError("usage_retention_s", f"must be a finite number of seconds > 0, got {self.usage_retention_s}")
+        if self.usage_rollup_days < 1:
+            raise ConfigError("usage_rollup_days", f"must be >= 1, got {self.usage_rollup_days}")
         _validate_security(self)
         if not 0 <= self.calls_per_s_per_identity < float("inf"):
             raise ConfigError("calls_per_s_per_identity",

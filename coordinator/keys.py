@@ -47,6 +47,13 @@ key                                    value                                    
                                        charged to a team that has a limit); its mod_revision is                          lease to a team with a limit       and that no team changed since the usage it counted:
                                        the compare-and-set point that keeps the team's use exact                                                            no two grants count the same room under a limit
                                        across hosts and replicas
+``accounting/cursor``                  the accountant's watch cursor: revision (every deletion up  nothing (durable)     the leader's accountant            every write compares its mod_revision (0 to         never
+                                       to it is accounted), skip (records of the next revision                                                              create) and the leader's fence: records and
+                                       already written), at                                                                                                 rollups go in the same transaction
+``accounting/records/<lease_id>@<rev>`` one ended lease's usage record (README, "Usage                nothing (durable)     the leader's accountant            written with the cursor (above); <rev>: the         the leader, past ``usage_retention_s``
+                                       accounting"); <rev> is the lease's create_revision                                                                   lease's create_revision
+``accounting/hours/<hour>/<team>``     a team's usage in one UTC hour (``2026-12-04T19``): gpu_s,  nothing (durable)     the leader's accountant            written with the cursor (above)                     the leader, past ``usage_rollup_days``
+                                       vram_mib_s, evictions, leases; per agent the same
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 The host's registration is an etcd_lease that the coordinator replica holding the node daemon's
@@ -217,6 +224,24 @@ class Keys:
     def team_ledger(self, team: str) -> bytes:
         """``teamledgers/<team>``: the compare-and-set point of grants charged to a team with a limit."""
         return self._k("teamledgers", team)
+
+    def accounting_cursor(self) -> bytes:
+        """``accounting/cursor``: how far the leader's accountant has read etcd's deletions."""
+        return self._k("accounting", "cursor")
+
+    def usage_record(self, name: str) -> bytes:
+        """``accounting/records/<lease_id>@<create_revision>``: one ended lease's usage record."""
+        return self._k("accounting", "records", name)
+
+    def usage_records(self) -> bytes:
+        return self._dir("accounting", "records")
+
+    def usage_rollup(self, hour: str, team: str) -> bytes:
+        """``accounting/hours/<hour>/<team>``: a team's usage in one UTC hour."""
+        return self._k("accounting", "hours", hour, team)
+
+    def usage_rollups(self) -> bytes:
+        return self._dir("accounting", "hours")
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

@@ -60,6 +60,18 @@ VRAM = Gauge("gpucoord_vram_bytes", "VRAM per GPU, leased and free, from the rep
              registry=REGISTRY)
 TEAM_VRAM = Gauge("gpucoord_team_vram_bytes", "VRAM per team over the fleet (quota, limit, used, borrowed, waiting), "
                   "from the replica's watch", ["team", "kind"], registry=REGISTRY)
+# Usage accounting (coordinator.replica.accountant): counted by the replica whose accountant wrote the record,
+# once per ended lease; sum over the replicas for the fleet's totals.
+TEAM_GPU_SECONDS = Counter("gpucoord_team_gpu_seconds", "GPU-seconds of the team's ended leases (usage records)",
+                           ["team"], registry=REGISTRY)
+TEAM_VRAM_MIB_SECONDS = Counter("gpucoord_team_vram_mib_seconds", "VRAM MiB-seconds of the team's ended leases "
+                                "(usage records)", ["team"], registry=REGISTRY)
+TEAM_EVICTIONS_SUFFERED = Counter("gpucoord_team_evictions_suffered", "The team's leases that ended by an "
+                                  "eviction, reclaim or revoke notice (usage records)", ["team"], registry=REGISTRY)
+USAGE_RECORDS = Counter("gpucoord_usage_records", "Usage records written, by how the lease ended: release, session, "
+                        "eviction, reclaim, revoke", ["reason"], registry=REGISTRY)
+USAGE_RESYNCS = Counter("gpucoord_usage_resyncs", "Times the accountant found etcd's history compacted past its "
+                        "cursor (leases that ended in the gap have no record)", registry=REGISTRY)
 INVALID_RECORDS = Counter("gpucoord_invalid_records_total", "Malformed values read from etcd, by key kind (each "
                           "value once): their host is INVALID and gets no admission", ["kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=NODE_REGISTRY)

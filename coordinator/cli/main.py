@@ -1,4 +1,4 @@
-"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, run, bench, certs, etcd-setup, team.
+"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, run, bench, certs, etcd-setup, team, usage.
 
 Conventions of every command (README, "Command-line conventions"): the global options (``--coordinator``,
 ``--etcd``, ``--prefix``, ``--tls-ca/--tls-cert/--tls-key``, ``-v``) go before or after the subcommand; a
@@ -102,6 +102,7 @@ def _resolve_globals(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from coordinator.cli.security import add_parsers as security_parsers
     from coordinator.cli.teams import add_parsers as team_parsers
+    from coordinator.cli.usage import add_parsers as usage_parsers
     from coordinator.security.etcd_auth import add_arguments as etcd_args
 
     p = Parser(prog="gpucoord", description="Coordinator for shared GPU hosts (state in etcd).",
@@ -282,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.set_defaults(fn=cmd_bench)
     security_parsers(sub, _command)
     team_parsers(sub, _command)
+    usage_parsers(sub, _command)
     return p
 
 

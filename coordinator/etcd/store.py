@@ -388,7 +388,8 @@ class Store:
 
     # -- watches -------------------------------------------------------------------------------
     def watch(self, key: bytes, *, prefix: bool = True, start_revision: int = 0,
-              prev_kv: bool = False) -> AsyncIterator[WatchBatch]:
+              prev_kv: bool = False, deletes_only: bool = False) -> AsyncIterator[WatchBatch]:
         """Watch ``key`` (a prefix by default) from ``start_revision`` (0: from now); see ``etcd.watch``."""
         return watch_batches(lambda: self._client.channel, self._answered, lambda: self.closed, key,
-                             prefix=prefix, start_revision=start_revision, prev_kv=prev_kv)
+                             prefix=prefix, start_revision=start_revision, prev_kv=prev_kv,
+                             deletes_only=deletes_only)

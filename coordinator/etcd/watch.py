@@ -26,14 +26,16 @@ log = logging.getLogger(__name__)
 
 async def watch_batches(channel: Callable[[], grpc.aio.Channel], answered: Callable[[], None],
                         closed: Callable[[], bool], key: bytes, *, prefix: bool = True, start_revision: int = 0,
-                        prev_kv: bool = False) -> AsyncIterator[WatchBatch]:
+                        prev_kv: bool = False, deletes_only: bool = False) -> AsyncIterator[WatchBatch]:
     """Watch ``key`` (a prefix by default) from ``start_revision`` (0: from now) on the store's current
-    ``channel()``, until ``closed()``; ``answered()`` on every response."""
+    ``channel()``, until ``closed()``; ``answered()`` on every response. ``deletes_only``: etcd leaves the
+    puts out (its NOPUT filter)."""
     next_rev = start_revision
     backoff = 0.05
     while not closed():
         create = rpc.WatchCreateRequest(key=key, start_revision=next_rev, prev_kv=prev_kv,
-                                        progress_notify=True)
+                                        progress_notify=True,
+                                        filters=[rpc.WatchCreateRequest.NOPUT] if deletes_only else [])
         if prefix:
             create.range_end = prefix_range_end(key)
         requests: asyncio.Queue[rpc.WatchRequest | None] = asyncio.Queue()

@@ -15,7 +15,8 @@ The leader's duties, all restartable from etcd alone:
   bound to processes that the node no longer reports, else at the kill margin past the deadline; and the
   ``departing/`` records of ended leases are deleted once the node reports none of their processes;
 * the queue sweep: entries of hosts that are gone, and entries past their waiter's deadline whose
-  replica is no longer there to remove them.
+  replica is no longer there to remove them;
+* usage accounting: a usage record for every lease that ends (``replica/accountant.py``).
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ from coordinator.records import (
     VramLease,
     dumps,
 )
+from coordinator.replica.accountant import Accountant
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.export import Exporter
 from coordinator.replica.leases import Leases, usage_report
 from coordinator.txn import Absent, Delete, ModRevisionIs, Put, Range
 
@@ -62,6 +65,8 @@ class Leadership:
     def __init__(self, ctx: ReplicaContext, leases: Leases) -> None:
         self.ctx = ctx
         self.leases = leases    # revocation at a deadline, withdrawal of notices
+        self.accountant = Accountant(ctx)   # usage records of ended leases (issue 33)
+        self.exporter = Exporter(ctx)       # and their JSON-lines export
         self.keys = ctx.keys
         self.election: Election | None = None
         self._session: EtcdSession | None = None
@@ -163,7 +168,8 @@ class Leadership:
     async def _lead(self, term: Election) -> None:
         """The duties of one term. ``term`` is the candidacy that won: every write made as leader carries
         ``term.fence()``, a compare that fails once that candidacy is gone."""
-        await asyncio.gather(self._enforce_deadlines(term), self._sweep_queue(term))
+        await asyncio.gather(self._enforce_deadlines(term), self._sweep_queue(term), self.accountant.run(term),
+                             self.exporter.run(term))
 
     async def _enforce_deadlines(self, term: Election) -> None:
         """Revoke every lease whose eviction deadline passed (at once for a lease bound to processes once the

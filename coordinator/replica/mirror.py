@@ -19,6 +19,10 @@ _PER_HOST = ("gpus", "leases", "queue", "departing")
 _EMPTY: dict[bytes, KV] = {}
 
 
+# Kinds no replica decides on, kept out of memory: usage records and rollups (the leader's accountant reads etcd).
+_NOT_MIRRORED = frozenset({"accounting"})
+
+
 class Mirror:
     def __init__(self, keys: Keys) -> None:
         self.keys = keys
@@ -147,8 +151,10 @@ class Mirror:
             return None
 
     def _put_flat(self, kv: KV) -> None:
-        self._flat[kv.key] = kv
         kind = self._kind_of(kv.key)
+        if kind in _NOT_MIRRORED:
+            return
+        self._flat[kv.key] = kv
         if kind is not None:
             self._kinds.setdefault(kind, {})[kv.key] = kv
             self._changes += 1

@@ -51,6 +51,10 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["team", "show", "bad/name", *c],
         ["team", "delete", "bad/name", *c],
         ["team", "list", "--bogus", *c],
+        ["usage", *e, "--since", "last week"],
+        ["usage", *e, "--since", "1d", "--until", "2d"],
+        ["usage", *e, "--by", "gpu"],
+        ["usage", *e, "--lease", "bad/id"],
     ]
 
 

@@ -34,9 +34,10 @@ import pytest
 
 from agent_client.api import coordinator_pb2 as pb
 from tests.faultlink import FaultLink
-from tests.history import check_store
+from tests.history import check_store, read_history
 from tests.support.cluster import Cluster, leaked, wait_no_leaks
 from tests.support.etcd3 import Etcd3
+from tests.support.history_usage import check_usage
 from tests.support.load import LoadReport, run_load
 from tests.support.noise import unhandled_in_log
 from tests.support.processes import LinkedReplica
@@ -227,6 +228,10 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         history = c.lt.run(check_store(c.store, c.keys), timeout=300)
         print(f"nemesis seed {seed}: history {history.revisions} revisions, {history.leases_created} leases, "
               f"violations {len(history.violations)}")
+        # Usage records (issue 33), up to where the accountant's cursor reached before the replicas stopped.
+        usage = check_usage(c.lt.run(read_history(c.store, c.keys.root()), timeout=300), c.keys)
+        print(f"nemesis seed {seed}: usage records {usage.records}, leases ended {usage.ended} (+{usage.pending} "
+              f"after the last cursor), violations {len(usage.violations)}: {usage.violations[:3]}")
         gangs = [x for x in report.calls if x.gpu_count > 1]
         print(f"nemesis summary: seed={seed} faults={len(injected)} network={sum(n in _NETWORK for n in injected)} "
               f"calls={len(report.calls)} gang_calls={len(gangs)} gangs_granted={sum(x.outcome == 'ok' for x in gangs)} "
@@ -235,6 +240,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     assert not report.undocumented(), report.undocumented()[:5]
     assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
     history.assert_ok()
+    usage.assert_ok()
     for r in reps.reps:      # no replica died inside, or left an error nobody handled
         bad = unhandled_in_log(r.log())
         assert not bad, f"{r.log_path}:\n{bad}"

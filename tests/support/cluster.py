@@ -181,11 +181,12 @@ class Cluster:
         return list(self.lt.run(self.store.get_prefix(prefix)).kvs)
 
     def state(self) -> set[tuple[bytes, int]]:
-        """(key, mod_revision) of every key a coordinator writes: equal before and after means no write."""
+        """(key, mod_revision) of every key a coordinator writes: equal before and after means no write (the
+        leader's ``accounting/`` aside: the usage records of leases that ended before, written moments later)."""
         out = set()
         for kv in self.get_prefix(self.keys.root()):
             kind, _ = self.keys.parse(kv.key)
-            if kind not in ("hosts", "usage", "coordinators", "election"):
+            if kind not in ("hosts", "usage", "coordinators", "election", "accounting"):
                 out.add((kv.key, kv.mod_revision))
         return out
 
@@ -233,7 +234,8 @@ def revision(cluster: Cluster) -> int:
 
 def writes_since(cluster: Cluster, before: int) -> list[str]:
     """Keys written (put or deleted) after revision ``before``, other than the node daemon's own
-    ``hosts/`` and ``usage/`` (it republishes usage by itself when leases change): on an etcd of the
+    ``hosts/`` and ``usage/`` (it republishes usage by itself when leases change) and the leader's
+    ``accounting/`` (usage records of leases that ended before, written moments later): on an etcd of the
     module's own, an empty list means nothing that a request could have caused was written."""
     now = revision(cluster)
     if now == before:
@@ -248,4 +250,4 @@ def writes_since(cluster: Cluster, before: int) -> list[str]:
         return seen
     events = cluster.lt.run(asyncio.wait_for(collect(), 10))
     return [f"{kind} {key.decode(errors='replace')}" for kind, key, rev in events
-            if rev <= now and cluster.keys.parse(key)[0] not in ("hosts", "usage")]
+            if rev <= now and cluster.keys.parse(key)[0] not in ("hosts", "usage", "accounting")]
