@@ -29,7 +29,6 @@ _LABEL_PREFIX = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 
 
-
 def label_error(key: object, value: object) -> str:
     """Why (KEY, VALUE) is no label; "" when it is one."""
     if not isinstance(key, str) or not isinstance(value, str):
