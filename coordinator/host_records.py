@@ -3,7 +3,10 @@ defensively (``InvalidRecord`` naming the field). ``records.py`` re-exports them
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Iterable
 
+from coordinator.limits import quote
 from coordinator.record_fields import (
     InvalidRecord,
     bool_of,
@@ -14,6 +17,73 @@ from coordinator.record_fields import (
     list_of,
     str_of,
 )
+
+MAX_LABELS = 32
+"""Labels of one host (``gpucoord node --label KEY=VALUE``, repeatable)."""
+
+# Kubernetes' label grammar: KEY is NAME or PREFIX/NAME, NAME 1-63 of [a-z0-9._-] beginning and ending with a
+# letter or digit, PREFIX a DNS subdomain of at most 253 characters; VALUE 1-63 of [A-Za-z0-9._-] beginning and
+# ending with a letter or digit.
+_LABEL_NAME = re.compile(r"[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+
+
+def label_error(key: object, value: object) -> str:
+    """Why (KEY, VALUE) is no label; "" when it is one."""
+    if not isinstance(key, str) or not isinstance(value, str):
+        return "a label's key and value are strings"
+    prefix, slash, name = key.rpartition("/")
+    if not _LABEL_NAME.fullmatch(name) or (slash and (len(prefix) > 253 or not _LABEL_PREFIX.fullmatch(prefix))):
+        return f"the key {quote(key)} is not NAME or PREFIX/NAME"
+    if not _LABEL_VALUE.fullmatch(value):
+        return f"the value {quote(value)} of {quote(key)} is not 1-63 of A-Z a-z 0-9 . _ - (letters or digits at the ends)"
+    return ""
+
+
+def check_labels(pairs: Iterable[tuple[object, object]]) -> tuple[tuple[str, str], ...]:
+    """The labels, sorted by key; ValueError saying why when one is malformed, a key repeats or there are
+    more than MAX_LABELS."""
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        why = label_error(key, value)
+        if why:
+            raise ValueError(why)
+        assert isinstance(key, str) and isinstance(value, str)
+        if key in out:
+            raise ValueError(f"the key {quote(key)} is given twice")
+        out[key] = value
+        if len(out) > MAX_LABELS:
+            raise ValueError(f"more than {MAX_LABELS} labels")
+    return tuple(sorted(out.items()))
+
+
+def parse_labels(args: Iterable[str], flag: str = "--label") -> tuple[tuple[str, str], ...]:
+    """``--label KEY=VALUE`` flags as labels; ValueError naming ``flag`` when one is malformed."""
+    pairs = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq:
+            raise ValueError(f"{flag} {quote(arg)}: expected KEY=VALUE")
+        pairs.append((key, value))
+    try:
+        return check_labels(pairs)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def labels_of(d: dict[str, object]) -> tuple[tuple[str, str], ...]:
+    """A stored inventory's ``labels`` (an object KEY: VALUE; absent in the releases before labels: none);
+    InvalidRecord naming the field when malformed."""
+    v = d.get("labels", {})
+    if not isinstance(v, dict):
+        raise fail("labels", f"expected an object, got {type(v).__name__}")
+    if len(v) > MAX_LABELS:
+        raise fail("labels", f"{len(v)} labels, above the limit of {MAX_LABELS}")
+    try:
+        return check_labels(v.items())
+    except ValueError as e:
+        raise fail("labels", str(e)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +137,8 @@ class GpuUsage:
 
 @dataclasses.dataclass(frozen=True)
 class HostInventory:
-    """What a node daemon publishes under ``hosts/<host>``."""
+    """What a node daemon publishes under ``hosts/<host>``. ``labels``: (key, value) pairs sorted by key, set
+    by the node's ``--label`` flags (stored as an object; an inventory of the releases before labels has none)."""
 
     host: str
     address: str
@@ -79,6 +150,11 @@ class HostInventory:
     gpus: tuple[GpuInfo, ...]
     version: str = ""
     simulated: bool = False
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def label(self, key: str) -> str | None:
+        """The value of the host's label ``key``; None when it has no such label."""
+        return dict(self.labels).get(key)
 
     def gpu(self, ref: int | str) -> GpuInfo | None:
         """Find a GPU by index or uuid (an all-digit string counts as an index)."""
@@ -90,7 +166,7 @@ class HostInventory:
         return None
 
     def to_json(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "labels": dict(self.labels)}
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> HostInventory:
@@ -118,4 +194,5 @@ class HostInventory:
             gpus=tuple(gpus),
             version=str_of(d, "version", ""),
             simulated=bool_of(d, "simulated", False),
+            labels=labels_of(d),
         )

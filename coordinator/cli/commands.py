@@ -74,6 +74,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from coordinator import errors
     from coordinator.etcd.store import Store
+    from coordinator.host_records import parse_labels
     from coordinator.keys import Keys, valid_name
     from coordinator.node.daemon import MAX_DISK_PATH, quote_prefix
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
@@ -113,6 +114,9 @@ def cmd_node(args: argparse.Namespace) -> int:
                          "e.g. --fake-gpus 4x80GiB, 2x24GiB,1x80GiB or 8x80GiB:numa=0-3,4-7:nvlink=0-3,4-7") from e
     try:
         overrides = host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
+        overrides["labels"] = parse_labels(args.label)
+        if args.label and args.fake_hosts:
+            raise ValueError("--label: not with --fake-hosts (the benchmarks' simulated hosts carry no labels)")
         from coordinator.node.enforce import Enforcer
         from coordinator.policy.partition import PartitionError, parse_mib
         try:

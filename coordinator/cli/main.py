@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--fake-cpus", type=int, default=None, help="the simulated host reports this many cores")
     up.add_argument("--fake-mem", default=None, help="the simulated host reports this much memory, e.g. 64GiB")
     up.add_argument("--fake-disk", default=None, help="the simulated host reports this much disk, e.g. 1TiB")
+    up.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                    help="a label of the node's host (repeatable), e.g. --label rack=r1: see 'gpucoord node --help'")
     up.add_argument("--demo", action="store_true", help="run a short scripted scene with agent processes, then exit")
     up.add_argument("--keep", action="store_true", help="with --demo: stay up after the scene")
     up.add_argument("--host", default=socket.gethostname().split(".")[0] or "localhost",
@@ -181,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     no.add_argument("--fake-cpus", type=int, default=None, help="simulated host: report this many cores")
     no.add_argument("--fake-mem", default=None, help="simulated host: report this much memory, e.g. 64GiB")
     no.add_argument("--fake-disk", default=None, help="simulated host: report this much disk, e.g. 1TiB")
+    no.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                    help="a label of this host, stored in its inventory and shown by status (repeatable, at most "
+                         "32): KEY is NAME or PREFIX/NAME, e.g. --label rack=r1 --label example.com/block=b2")
     no.add_argument("--ttl", type=int, default=10,
                     help="TTL of the host's registration: it is gone this long after the daemon stops")
     no.add_argument("--fake-hosts", type=int, default=0, metavar="N",

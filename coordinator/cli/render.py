@@ -57,6 +57,8 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"host {h['host']} {state}{sim}  addr={h.get('address', '')}  partition={h.get('partition_mode')}"
                      f"  usage age={'n/a' if age < 0 else f'{age:.1f}s'}"
                      + ("  USAGE STALE (admission keeps the last untracked VRAM)" if h.get("usage_stale") else ""))
+        if h.get("labels"):
+            lines.append("  labels: " + " ".join(f"{k}={v}" for k, v in sorted(h["labels"].items())))
         if h.get("invalid"):
             lines.append(f"  INVALID {h['invalid']}  (no admission on this host until it is rewritten)")
         lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "

@@ -90,6 +90,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         port_is_free,
     )
     from coordinator.etcd.versions import MINIMUM_PRODUCTION
+    from coordinator.host_records import parse_labels
     from coordinator.node.inventory import NvmlUnavailable, open_gpu_source
     from coordinator.policy.partition import PartitionError, parse_size
 
@@ -109,6 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         host_overrides(args.fake_cpus, args.fake_mem, args.fake_disk)
+        parse_labels(args.label)
     except ValueError as e:
         raise UsageError(str(e), "see 'gpucoord up --help'") from e
     # Every address is checked before anything starts, so that a taken port is one clear line.
@@ -191,7 +193,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                             ("--fake-disk", args.fake_disk), ("--fake-processes", args.fake_processes)):
             if value is not None:
                 node_argv += [flag, str(value)]
-        node_argv += ["--enforce", args.enforce]
+        node_argv += ["--enforce", args.enforce, *(f"--label={x}" for x in args.label)]
         node = Child("node", node_argv, data_dir / "node.log")
         children.append(node)
         nport = node.wait_ready(30)

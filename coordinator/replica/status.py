@@ -116,7 +116,8 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
         hosts.append({
             "host": v.host, "alive": v.alive, "address": inv.address if inv else "",
             "invalid": v.invalid,   # why a stored value of the host is malformed ("" when none is)
-            "simulated": bool(inv.simulated) if inv else False, "usage_age_s": round(v.usage_age_s, 1),
+            "simulated": bool(inv.simulated) if inv else False, "labels": dict(inv.labels) if inv else {},
+            "usage_age_s": round(v.usage_age_s, 1),
             "usage_stale": v.usage_stale,
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
             "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",

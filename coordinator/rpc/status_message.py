@@ -37,7 +37,8 @@ def status_response(report: StatusReport,
         hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
                            invalid=h["invalid"],
                            usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"], partition_mode=h["partition_mode"],
-                           cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"])
+                           cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"],
+                           labels=h["labels"])
         for g in h["gpus"]:
             gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
                              usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],

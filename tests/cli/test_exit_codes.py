@@ -23,9 +23,11 @@ def _walk(tmp: Path) -> list[list[str]]:
     c, e = ["--coordinator", NOWHERE], ["--etcd", NOWHERE]
     return [
         ["up", "--fake-mem", "lots"],
+        ["up", "--label", "Rack=r1"],
         ["coordinator", *e, "--session-ttl", "1"],
         ["node", *e, "--fake-gpus", "1x16GiB", "--over-use-tolerance", "100KiB"],
         ["node", *e, "--fake-gpus", "1x16GiB", "--host", "bad/name"],
+        ["node", *e, "--fake-gpus", "1x16GiB", "--label", "rack=r1", "--label", "rack=r2"],
         ["status", *c, "--host", "bad/name"],
         ["status", *c, "--watch", "0"],
         ["keys", *e, "--etcd-cert", str(tmp / "c.pem")],
