@@ -22,10 +22,13 @@ from coordinator import metrics
 from coordinator.cli.common import fetch_status
 from coordinator.metrics_http import MetricsGate
 from coordinator.rpc.coordinator_server import create_server
+from tests.support import browser as chromium
 from tests.support.cluster import Cluster
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
+if chromium.missing():   # one line for the whole tier, as the Docker tier says it
+    pytest.skip(f"browser tier: no browser: {chromium.missing()}", allow_module_level=True)
 
 DEADLINE_S = 10.0   # the page's deadline; the push comes within the feed's interval (0.5 s) on an idle machine
 MARK = "window.__gpucoordNoReload"
