@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default=socket.gethostname().split(".")[0] or "localhost",
                     help="the node's host name (default: this machine's)")
     up.add_argument("--listen", default=DEFAULT_COORDINATOR, help="the coordinator's gRPC address")
-    up.add_argument("--metrics-listen", default="127.0.0.1:7071", help="the coordinator's Prometheus /metrics")
+    up.add_argument("--metrics-listen", default="127.0.0.1:7071",
+                    help="the coordinator's Prometheus /metrics and fleet console")
     up.add_argument("--node-listen", default="127.0.0.1:7170", help="the node daemon's gRPC address")
     up.add_argument("--node-metrics-listen", default="127.0.0.1:7171", help="the node daemon's Prometheus /metrics")
     up.add_argument("--etcd-listen", default=None, metavar="HOST:PORT",
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = _command(sub, "coordinator", ("etcd", "prefix", *_TLS), help="run a coordinator replica")
     co.add_argument("--listen", default=None, help=f"gRPC address (default {DEFAULT_COORDINATOR})")
-    co.add_argument("--metrics-listen", default=None, help="host:port for Prometheus /metrics")
+    co.add_argument("--metrics-listen", default=None, help="host:port for Prometheus /metrics and the fleet console")
     co.add_argument("--advertise", default=None, metavar="HOST:PORT",
                     help="the address clients and other replicas reach this one at (default: the listen address "
                          "with the bound port)")

@@ -11,10 +11,10 @@ from coordinator.cli.common import (
     _client_tls,
     _stub,
     check_name,
-    message_to_json,
     rpc_error,
 )
 from coordinator.limits import quote
+from coordinator.rpc.status_json import message_to_json
 
 _TLS = ("tls-ca", "tls-cert", "tls-key")
 

@@ -202,6 +202,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         scheme = "http" if secure is None else "https"
         print(f"metrics:     coordinator {scheme}://{metrics_listen}/metrics   node {scheme}://{node_metrics_listen}"
               f"/metrics   etcd {etcd.members[0].metrics_url}")
+        # The read-only fleet console is served on the coordinator's metrics port (coordinator.web).
+        print(f"console:     {scheme}://{metrics_listen}/")
         _wait_host(caddr, args.host, 15, operator_tls)
         print(render_status(fetch_status(caddr, tls=operator_tls)))
         if secure is not None:

@@ -6,7 +6,7 @@ import functools
 import json
 import logging
 import time
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 from grpc.aio import ServicerContext
@@ -31,11 +31,13 @@ from coordinator.rpc.guard import follow_revocations, make_guard
 from coordinator.rpc.node_client import NodeCalls, host_address
 from coordinator.rpc.registry_server import RegistryServicer
 from coordinator.rpc.session_stream import SessionStreams
+from coordinator.rpc.status_json import message_to_json, status_objects
 from coordinator.rpc.status_message import lease_pb, redact_for_agent, status_response
 from coordinator.security import handshakes
 from coordinator.security.interceptor import current_caller
 from coordinator.security.status import as_error, internal, set_status, wire_status
 from coordinator.security.tls import add_port, check_listen, server_options
+from coordinator.web.app import console_app
 
 log = logging.getLogger(__name__)
 
@@ -182,17 +184,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     @_rpc
     async def GetStatus(self, request: pb.GetStatusRequest, context: ServicerContext) -> pb.GetStatusResponse:
-        validate.status_host(request.host)
-        report = await self.svc.status(request.host)
-        if request.host and not any(v.inventory is not None or v.host_kv is not None or v.gpus or v.leases
-                                    or v.partition is not None or v.entries or v.departing for v in report.views):
-            # Nothing of that name, not even a gone host's leases: NOT_FOUND (and no series is made for it).
-            raise errors.NotFound(f"host: no host {quote(request.host)} ('gpucoord status' lists them)", "host")
-        out = status_response(report, self._notice)
         caller = current_caller()
         agent = caller is not None and caller.identity is not None and caller.identity.role == "agent"
-        if not request.host and not agent:   # team usage is over the fleet: only with every host, not an agent's
-            out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
+        out = await self.fleet_status(request.host, teams=not agent)
         if agent:
             assert caller is not None and caller.identity is not None
             if not request.host:   # its own view: the hosts it has a live session on (authz lets it ask)
@@ -201,6 +195,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                 del out.hosts[:]
                 out.hosts.extend(kept)
             redact_for_agent(out, caller.identity.name)
+        return out
+
+    async def fleet_status(self, host: str, teams: bool = True) -> pb.GetStatusResponse:
+        """The status of ``host`` (every host: "") as an operator sees it: GetStatus's answer, and the fleet
+        console's (``coordinator.web``). ``teams``: with the teams' usage (over the fleet: every host only)."""
+        self.svc.reach.check()
+        validate.status_host(host)
+        report = await self.svc.status(host)
+        if host and not any(v.inventory is not None or v.host_kv is not None or v.gpus or v.leases
+                            or v.partition is not None or v.entries or v.departing for v in report.views):
+            # Nothing of that name, not even a gone host's leases: NOT_FOUND (and no series is made for it).
+            raise errors.NotFound(f"host: no host {quote(host)} ('gpucoord status' lists them)", "host")
+        out = status_response(report, self._notice)
+        if not host and teams:
+            out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
         return out
 
     @_rpc
@@ -285,6 +294,10 @@ async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory 
     servicer = CoordinatorServicer(svc, forward=tls is None)
     svc.on_stop.append(servicer.forwarder.close)
     svc.on_stop.append(servicer.nodes.close)
+    if metrics_gate is not None:   # the fleet console, on the /metrics server's port
+        async def console_doc() -> dict[str, Any]:   # what 'gpucoord status --json' prints
+            return status_objects(message_to_json(await servicer.fleet_status("")))
+        metrics_gate.console = console_app(console_doc, asyncio.get_running_loop())
     pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(svc), server)   # node daemons' calls
     health_servicer = health.aio.HealthServicer()

@@ -53,7 +53,8 @@ ETCD_CLIENT_KINDS = ("coordinator",)   # also gets an etcd client certificate: o
 LEGACY_ETCD_CLIENT_KINDS = ("node",)
 ETCD_ONLY_KINDS = ("etcd", "etcd-root")                    # come from the etcd CA alone
 # Short by default: a certificate is renewed by issuing it again (README "Rotating certificates").
-DEFAULT_DAYS = {"agent": 7, "operator": 7, "node": 90, "coordinator": 90, "metrics": 90, "etcd": 90, "etcd-root": 7}
+DEFAULT_DAYS = {"agent": 7, "operator": 7, "node": 90, "coordinator": 90, "metrics": 90, "viewer": 7, "etcd": 90,
+                "etcd-root": 7}
 CA_DAYS = 5 * 365
 GRPC_CA, ETCD_CA = "ca", "etcd-ca"     # the file stems of the two CAs
 INDEX = "issued.jsonl"

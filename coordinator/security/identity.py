@@ -15,7 +15,8 @@ from coordinator.keys import valid_name
 if TYPE_CHECKING:
     import grpc
 
-ROLES = ("agent", "operator", "node", "coordinator", "metrics")   # metrics: a Prometheus scraper
+ROLES = ("agent", "operator", "node", "coordinator", "metrics", "viewer")   # metrics: a Prometheus scraper;
+# viewer: a person who reads the fleet console (coordinator.web) and nothing else
 SCHEME = "gpucoord://"
 
 

@@ -158,6 +158,11 @@ def test_up_prints_every_address_and_its_metrics(env: Env) -> None:
     for url, expect in zip(urls, ("gpucoord_refusals_total", "gpucoord_node_vram_used_bytes", "etcd_server_has_leader")):
         with urllib.request.urlopen(url, timeout=10) as r:
             assert expect in r.read().decode(), url
+    (console,) = [x for x in out.splitlines() if x.startswith("console:")]
+    assert console == f"console:     http://{env.addresses['127.0.0.1:7071']}/", console
+    with urllib.request.urlopen(console.split()[1] + "hosts/gpu-node-1", timeout=10) as r:
+        page = r.read().decode()
+    assert '<div class="gpu" data-host="gpu-node-1" data-gpu="3"' in page, page[:2000]
 
 
 def _placeholders(env: Env, text: str) -> str:

@@ -9,6 +9,7 @@ Layers, bottom up (a module may import its own layer's modules and those of the 
     policy   admission, planner, partition: pure, no I/O                (base)
     node     the node daemon and its inventory                          (base, etcd, policy)
     replica  service, admitter, leader, mirror, view                    (base, etcd, policy)
+    web      the read-only fleet console: HTML pages and SSE over HTTP  (base)
     rpc      the gRPC servers and message conversion                    (all of the above, agent_client.api)
     bench    the performance bench: rig, baselines, phases, report      (base, etcd, node, agent_client)
 where base is the four layers below etcd (limits, core, security, config).
@@ -47,11 +48,13 @@ ALLOWED = {
     "policy": {*BASE, "policy"},
     "node": {*BASE, "etcd", "policy", "node", "api"},
     "replica": {*BASE, "etcd", "policy", "replica"},
-    "rpc": {*BASE, "etcd", "policy", "node", "replica", "rpc", "api"},
+    # The console renders the status document it is handed (the rpc layer's, as 'status --json' prints it).
+    "web": {*BASE, "web"},
+    "rpc": {*BASE, "etcd", "policy", "node", "replica", "web", "rpc", "api"},
     # The bench drives gpucoord from outside, as agents and operators do: through processes, agent_client
     # and etcd itself, never through the replica's or the servers' code.
     "bench": {*BASE, "etcd", "node", "bench", "api", "client"},
-    "cli": {*BASE, "etcd", "policy", "node", "replica", "rpc", "bench", "cli", "api", "client"},
+    "cli": {*BASE, "etcd", "policy", "node", "replica", "web", "rpc", "bench", "cli", "api", "client"},
 }
 
 

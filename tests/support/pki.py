@@ -21,7 +21,8 @@ class Pki:
     """Certificates for the security tests: one CA with every role, another CA, an expired certificate."""
     dir: pathlib.Path
     ca: str
-    files: dict[str, TlsFiles]   # "coordinator", "node", "agent-a", "agent-b", "operator", "other-ca", "expired"
+    files: dict[str, TlsFiles]   # "coordinator", "node", "agent-a", "agent-b", "operator", "metrics", "viewer",
+    # "other-ca", "expired"
 
     def __getitem__(self, name: str) -> TlsFiles:
         return self.files[name]
@@ -40,7 +41,8 @@ def make_pki(base: pathlib.Path, host: str = "h1") -> Pki:
 
     files = {"coordinator": issue("coordinator", "c1"), "node": issue("node", host),
              "agent-a": issue("agent", "agent-a"), "agent-b": issue("agent", "agent-b"),
-             "operator": issue("operator", "ops"), "metrics": issue("metrics", "prometheus")}
+             "operator": issue("operator", "ops"), "metrics": issue("metrics", "prometheus"),
+             "viewer": issue("viewer", "alice")}
     past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=2)
     files["expired"] = issue("agent", "agent-a", not_before=past - datetime.timedelta(days=1),
                              not_after=past, out_name="expired-agent-a")
