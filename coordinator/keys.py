@@ -47,6 +47,9 @@ key                                    value                                    
                                        charged to a team that has a limit); its mod_revision is                          lease to a team with a limit       and that no team changed since the usage it counted:
                                        the compare-and-set point that keeps the team's use exact                                                            no two grants count the same room under a limit
                                        across hosts and replicas
+``cordons/<host>``                     a cordoned host (issue 31): host, reason, drain (the        nothing (durable)     coordinator (``host cordon`` /     written comparing its mod_revision (0 to create);   operator (``host uncordon``)
+                                       drain's notices went with it), grace_s, asked_by,                                 ``host drain``, operator only)     every grant compares it (mod_revision 0: absent),
+                                       created_at                                                                                                           so no grant lands on a host once it is cordoned
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 The host's registration is an etcd_lease that the coordinator replica holding the node daemon's
@@ -217,6 +220,13 @@ class Keys:
     def team_ledger(self, team: str) -> bytes:
         """``teamledgers/<team>``: the compare-and-set point of grants charged to a team with a limit."""
         return self._k("teamledgers", team)
+
+    def cordon(self, host: str) -> bytes:
+        """``cordons/<host>``: the host gets no new grant while it exists (``host cordon``/``drain``)."""
+        return self._k("cordons", host)
+
+    def cordons(self) -> bytes:
+        return self._dir("cordons")
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

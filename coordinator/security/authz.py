@@ -16,7 +16,8 @@ Coordinator.GetStatus,             one host it has a live         yes         no
 Coordinator.ApplyPartition,        no                             yes         no     no
   EvictLease, RevokeLease,
   SetTeam, GetTeam, ListTeams,
-  DeleteTeam
+  DeleteTeam, CordonHost,
+  UncordonHost
 Coordinator.Ping                   yes                            yes         no     no
 Coordinator.Session (the stream)   yes; each message as its call  yes         no     no
 Node.GetInventory, CheckToken      yes                            yes         no     yes
@@ -68,7 +69,8 @@ REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1
 SESSION_RPCS = frozenset({"KeepAlive", "Acquire", "Release", "CloseSession", "AttachProcesses"})
 HOST_READ_RPCS = frozenset({"GetStatus", "GetPartition"})
 OPERATOR_RPCS = frozenset({"ApplyPartition", "EvictLease", "RevokeLease",
-                           "SetTeam", "GetTeam", "ListTeams", "DeleteTeam"})   # teams: README "Teams"
+                           "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",   # teams: README "Teams"
+                           "CordonHost", "UncordonHost"})   # README "Cordon and drain"
 
 # The hosts on which an agent has a live session (read from etcd by the coordinator).
 AgentHosts = Callable[[str], Awaitable[set[str]]]
@@ -123,6 +125,8 @@ def target_of(method: str, request: Message | None) -> str:
         except (ValueError, AttributeError, RecursionError):
             host = "?"
         return f"partition of host {quote(str(host))}"
+    if name in ("CordonHost", "UncordonHost"):
+        return f"host {quote(request.host)}"
     if name in ("SetTeam", "GetTeam", "DeleteTeam"):
         return f"team {quote(request.name)}"
     if name == "CheckToken":

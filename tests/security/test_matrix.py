@@ -170,6 +170,11 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
         name = f"t-{uuid.uuid4().hex[:8]}"
         w.stubs("operator").coord.SetTeam(pb.SetTeamRequest(name=name), timeout=10)
         return lambda: s.coord.DeleteTeam(pb.DeleteTeamRequest(name=name), timeout=10)
+    if rpc == "CordonHost":   # uncordoned at once where it is allowed: the module's other calls need h1
+        return lambda: (s.coord.CordonHost(pb.CordonHostRequest(host=HOST, reason="matrix"), timeout=10),
+                        s.coord.UncordonHost(pb.UncordonHostRequest(host=HOST), timeout=10))[0]
+    if rpc == "UncordonHost":
+        return lambda: s.coord.UncordonHost(pb.UncordonHostRequest(host=HOST), timeout=10)
     if rpc == "Ping":
         return lambda: s.coord.Ping(pb.PingRequest(), timeout=10)
     if rpc == "Health":
@@ -204,11 +209,12 @@ RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "Cl
         "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
         "Node.CheckToken", "Node.ConfirmProcesses", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",
-        "Registry.ListLeases", "Registry.ListLeases(other host)", "Registry.Register(other host)")
+        "Registry.ListLeases", "Registry.ListLeases(other host)", "Registry.Register(other host)", "CordonHost",
+        "UncordonHost")
 REGISTRY_RPCS = {r for r in RPCS if r.startswith("Registry.")}
 TEAM_RPCS = {"SetTeam", "GetTeam", "ListTeams", "DeleteTeam"}
 ALLOWED = {
-    "self": set(RPCS) - {"ApplyPartition", "EvictLease", "RevokeLease",
+    "self": set(RPCS) - {"ApplyPartition", "EvictLease", "RevokeLease", "CordonHost", "UncordonHost",
                          "Node.ConfirmProcesses"} - TEAM_RPCS - REGISTRY_RPCS,
     # GetStatus of every host: an agent's own view, the hosts it has a live session on (none for "other").
     "other": {"Ping", "Health", "Node.GetInventory", "Node.CheckToken", "Node.Health", "GetStatus(all)"},
@@ -238,6 +244,8 @@ def _check_success(rpc: str, resp: Any) -> None:
         assert resp.created and resp.team.quota_mb == 64
     elif rpc == "DeleteTeam":
         assert resp.deleted
+    elif rpc == "CordonHost":
+        assert resp.created and resp.cordon.reason == "matrix"
     elif rpc == "GetTeam":
         assert resp.team.team.name == "default"
     elif rpc == "ListTeams":
