@@ -99,3 +99,33 @@ def test_a_drain_sends_each_lease_a_drain_notice_and_no_grant_follows(env: tuple
     with pytest.raises(errors.FailedPrecondition):
         c.acquire(1000)
     stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
+
+
+def test_a_cordon_that_commits_between_a_rounds_snapshot_and_its_commit_fails_the_grant(cluster: Cluster) -> None:
+    """Two replicas: the owner of h1 has decided a grant from its snapshot; just before its transaction goes to
+    etcd, the other replica cordons h1. The grant's compare of the cordon key fails it, the round is decided
+    again and sees the cordon: the caller is refused naming the host, and no lease exists."""
+    from coordinator.replica.cordons import Cordons
+    from tests.support.patching import is_put, patch_commit
+
+    cluster.start_node("h1", "1x16GiB")
+    addrs = [cluster.start_coordinator(), cluster.start_coordinator()]
+    owner = cluster.owner("h1", 2)
+    other = cluster.service(next(a for a in addrs if a != owner))
+    raced: list[bool] = []
+
+    async def hook(compares: Any, ops: Any, commit: Any) -> Any:
+        if not raced and any(is_put(op, cluster.keys.leases("h1")) for op in ops):
+            raced.append(True)
+            await Cordons(other.ctx, other.leases).cordon("h1", "raced", False, 0.0, "test")
+        return await commit()
+
+    undo = patch_commit(cluster, cluster.service(owner), hook)
+    try:
+        with Client(owner, agent="racer", host="h1") as c:
+            with pytest.raises(errors.FailedPrecondition) as info:
+                c.acquire(1000)
+    finally:
+        undo()
+    assert raced and "host: host 'h1' is cordoned: 'raced'" in str(info.value), info.value
+    assert cluster.leases() == []
