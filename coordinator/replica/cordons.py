@@ -54,13 +54,14 @@ class Cordons:
     async def cordon(self, host: str, reason: str, drain: bool, grace_s: float,
                      asked_by: str) -> tuple[CordonRecord, bool, int, int]:
         """Cordon ``host`` (and with ``drain`` send the notices): (the record, created, leases on the host once
-        it was written, notices sent). The fields are validated by the caller (``rpc.validate.cordon``)."""
+        it was written, notices sent). A cordoned host keeps its reason unless another is given, and stays a
+        drain once drained. The fields are validated by the caller (``rpc.validate.cordon``)."""
         key = self.keys.cordon(host)
         for _ in range(self.config.commit_attempts):
             kv, revision = await self._read(host)
             old = stored_cordon(kv)
             record = CordonRecord(
-                host=host, reason=reason, drain=drain or (old is not None and old.drain),
+                host=host, reason=reason or (old.reason if old is not None else ""), drain=drain or (old is not None and old.drain),
                 grace_s=grace_s if drain else (old.grace_s if old is not None else 0.0), asked_by=asked_by,
                 created_at=old.created_at if old is not None else clock.wall())
             res = await self.store.commit([ModRevisionIs(key, revision)], [Put(key, dumps(record.to_json()))])

@@ -50,6 +50,10 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["team", "show", "bad/name", *c],
         ["team", "delete", "bad/name", *c],
         ["team", "list", "--bogus", *c],
+        ["host", "drain", "h1", "--grace", "-1", *c],
+        ["host", "drain", "h1", "--reason", "x" * 300, *c],
+        ["host", "cordon", "bad/name", *c],
+        ["host", "uncordon", "h1", "--grace", "2", *c],
     ]
 
 

@@ -129,3 +129,29 @@ def test_a_cordon_that_commits_between_a_rounds_snapshot_and_its_commit_fails_th
         undo()
     assert raced and "host: host 'h1' is cordoned: 'raced'" in str(info.value), info.value
     assert cluster.leases() == []
+
+
+def test_cordons_drains_and_uncordons_racing_a_load_over_two_replicas_never_grant_on_a_cordoned_host(
+        cluster: Cluster) -> None:
+    """The nemesis's operator (tests/support/cordon_load.py) without faults: 8 agents over two replicas and two
+    hosts acquire and release while hosts are cordoned, drained and uncordoned through either replica. The
+    history checker's cordon rule (this module's ``history_checked``) replays it all; every call ends with a
+    documented status, and both hosts granted."""
+    import asyncio
+
+    from tests.support.cordon_load import run_cordons
+    from tests.support.load import run_load
+
+    for host in ("h1", "h2"):
+        cluster.start_node(host, "2x16GiB")
+    a, b = cluster.start_coordinator(), cluster.start_coordinator()
+
+    async def race() -> Any:
+        return await asyncio.gather(run_load([[a, b], [b, a]] * 4, ["h1", "h2"], 10.0, seed=31),
+                                    run_cordons([a, b], ["h1", "h2"], 10.0, seed=31))
+
+    load, ops = asyncio.run(race())
+    assert not load.undocumented(), load.undocumented()[:5]
+    assert not ops.undocumented(), ops.undocumented()[:5]
+    assert ops.done("cordon") + ops.done("drain") >= 1 and load.granted > 0
+    assert not cluster.get_prefix(cluster.keys.cordons())
