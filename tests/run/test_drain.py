@@ -6,6 +6,7 @@ created on h1 (this test's history, and the history checker's cordon rule over i
 grants on h1, and a waiter queued during the cordon is granted then."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -104,6 +105,9 @@ def test_drain_with_wait_empties_the_host_child_first_while_other_hosts_grant_an
         wait_for(lambda: looper.counts["h1 cordoned"] > at_drain["h1 cordoned"], 30, "a refusal on h1")
         status = gpucoord(addr, "status", "--host", "h1")
         assert "CORDONED (no new lease until 'gpucoord host uncordon'): maintenance" in status.stdout, status.stdout
+        (doc,) = json.loads(gpucoord(addr, "status", "--host", "h1", "--json").stdout)["hosts"]
+        assert doc["cordoned"] and not doc["draining"] and doc["cordon"]["reason"] == "maintenance"
+        assert doc["cordon"]["drain"] and doc["cordon"]["grace_seconds"] == 2.0, doc["cordon"]
         # A waiter queued on the cordoned host stays queued until the uncordon.
         waiter: list[Any] = []
         w = threading.Thread(target=lambda: waiter.append(holder.acquire(8192, wait=60)), daemon=True)
