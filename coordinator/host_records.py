@@ -15,7 +15,9 @@ from coordinator.record_fields import (
     int_of,
     ints_of,
     list_of,
+    num_of,
     str_of,
+    unknown_fields,
 )
 
 MAX_LABELS = 32
@@ -196,3 +198,31 @@ class HostInventory:
             simulated=bool_of(d, "simulated", False),
             labels=labels_of(d),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class CordonRecord:
+    """``cordons/<host>``: the host gets no new grant while the key exists (README "Cordon and drain").
+    ``drain``: it was cordoned by ``host drain``, whose eviction notices (reason ``drain``, ``grace_s``) went to
+    every lease the host held then."""
+
+    host: str
+    reason: str
+    drain: bool = False
+    grace_s: float = 0.0
+    asked_by: str = ""
+    created_at: float = 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> CordonRecord:
+        """InvalidRecord (naming the field) for a malformed value."""
+        unknown_fields(d, _CORDON_KEYS)
+        return cls(host=str_of(d, "host", name=True), reason=str_of(d, "reason", ""),
+                   drain=bool_of(d, "drain", False), grace_s=num_of(d, "grace_s", 0.0),
+                   asked_by=str_of(d, "asked_by", ""), created_at=num_of(d, "created_at", 0.0))
+
+
+_CORDON_KEYS = frozenset(f.name for f in dataclasses.fields(CordonRecord))

@@ -54,6 +54,9 @@ key                                    value                                    
                                        accounting"); <rev> is the lease's create_revision                                                                   lease's create_revision
 ``accounting/hours/<hour>/<team>``     a team's usage in one UTC hour (``2026-12-04T19``): gpu_s,  nothing (durable)     the leader's accountant            written with the cursor (above)                     the leader, past ``usage_rollup_days``
                                        vram_mib_s, evictions, leases; per agent the same
+``cordons/<host>``                     a cordoned host (issue 31): host, reason, drain (the        nothing (durable)     coordinator (``host cordon`` /     written comparing its mod_revision (0 to create);   operator (``host uncordon``)
+                                       drain's notices went with it), grace_s, asked_by,                                 ``host drain``, operator only)     every grant compares it (mod_revision 0: absent),
+                                       created_at                                                                                                           so no grant lands on a host once it is cordoned
 =====================================  ==========================================================  ====================  =================================  ==================================================  ==========================================
 
 The host's registration is an etcd_lease that the coordinator replica holding the node daemon's
@@ -242,6 +245,12 @@ class Keys:
 
     def usage_rollups(self) -> bytes:
         return self._dir("accounting", "hours")
+    def cordon(self, host: str) -> bytes:
+        """``cordons/<host>``: the host gets no new grant while it exists (``host cordon``/``drain``)."""
+        return self._k("cordons", host)
+
+    def cordons(self) -> bytes:
+        return self._dir("cordons")
 
     # -- parsing ----------------------------------------------------------------------------
     def parse(self, key: bytes) -> tuple[str, list[str]]:

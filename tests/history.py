@@ -19,6 +19,8 @@ revision checks:
 * G11 teams (tests/support/history_teams.py): no grant takes a team above its limit; a lease's quota mark
   (``over_quota``) agrees with its team's usage; a reclaim notice names another team's over-quota lease (G3's
   priority rule does not apply to it); with teams stored, eviction by priority stays within the requester's team;
+* cordons (issue 31, tests/support/history_cordons.py): no lease is created on a host in a revision after
+  which its ``cordons/<host>`` key exists;
 * one registration per host (G9, issue 29): ``hosts/<host>`` is put only while it is absent or on the same
   etcd lease (a second daemon, or a coordinator registering for one, never takes over a live
   registration), and ``usage/<host>`` is put only on the etcd lease ``hosts/<host>`` is on;
@@ -40,6 +42,7 @@ from coordinator.etcd.store import Store, WatchEvent
 from coordinator.keys import Keys
 from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.txn import Range
+from tests.support.history_cordons import CordonRules
 from tests.support.history_notices import NoticeRules
 from tests.support.history_teams import TeamRules
 
@@ -97,6 +100,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     teams = TeamRules()
     registrations: dict[str, int] = {}            # host -> the etcd lease hosts/<host> is on
     notice_rules = NoticeRules()
+    cordon_rules = CordonRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         if not ev.kv.key.endswith(SENTINEL):      # an earlier history read's mark (under leases/, teams/...)
@@ -114,6 +118,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             kind, parts = keys.parse(ev.kv.key)
             teams.event(kind, parts, ev)
             notice_rules.event(kind, parts, ev)
+            cordon_rules.event(kind, parts, ev)
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     notices[parts[0]] = json.loads(ev.kv.value)
@@ -267,6 +272,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                 if still:
                     rep.violations.append(f"rev {rev}: G3 lease {lease_id} admitted while its victims {still} live")
         rep.violations += notice_rules.check(rev)
+        rep.violations += cordon_rules.check(rev)
         # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id); it repeats
         # only on the GPUs of one gang, each record listing them all.
         seen: dict[tuple[str, str, str], tuple[str, ...]] = {}

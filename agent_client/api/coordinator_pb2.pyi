@@ -349,7 +349,7 @@ class QueueEntry(_message.Message):
     def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ...) -> None: ...
 
 class HostStatus(_message.Message):
-    __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes", "usage_stale", "invalid", "labels")
+    __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes", "usage_stale", "invalid", "labels", "cordoned", "cordon", "draining")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,9 @@ class HostStatus(_message.Message):
     USAGE_STALE_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    CORDONED_FIELD_NUMBER: _ClassVar[int]
+    CORDON_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     host: str
     address: str
     alive: bool
@@ -389,7 +392,10 @@ class HostStatus(_message.Message):
     usage_stale: bool
     invalid: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ..., invalid: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    cordoned: bool
+    cordon: Cordon
+    draining: bool
+    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ..., invalid: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., cordoned: _Optional[bool] = ..., cordon: _Optional[_Union[Cordon, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("hosts", "revision", "leader", "teams")
@@ -682,3 +688,53 @@ class ListRevokedCertificatesResponse(_message.Message):
     CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
     certificates: _containers.RepeatedCompositeFieldContainer[RevokedCertificate]
     def __init__(self, certificates: _Optional[_Iterable[_Union[RevokedCertificate, _Mapping]]] = ...) -> None: ...
+
+class Cordon(_message.Message):
+    __slots__ = ("reason", "drain", "grace_seconds", "asked_by", "created_at_unix")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ASKED_BY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    drain: bool
+    grace_seconds: float
+    asked_by: str
+    created_at_unix: float
+    def __init__(self, reason: _Optional[str] = ..., drain: _Optional[bool] = ..., grace_seconds: _Optional[float] = ..., asked_by: _Optional[str] = ..., created_at_unix: _Optional[float] = ...) -> None: ...
+
+class CordonHostRequest(_message.Message):
+    __slots__ = ("host", "reason", "drain", "grace_seconds")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    reason: str
+    drain: bool
+    grace_seconds: float
+    def __init__(self, host: _Optional[str] = ..., reason: _Optional[str] = ..., drain: _Optional[bool] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
+
+class CordonHostResponse(_message.Message):
+    __slots__ = ("cordon", "created", "leases", "notices")
+    CORDON_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
+    cordon: Cordon
+    created: bool
+    leases: int
+    notices: int
+    def __init__(self, cordon: _Optional[_Union[Cordon, _Mapping]] = ..., created: _Optional[bool] = ..., leases: _Optional[int] = ..., notices: _Optional[int] = ...) -> None: ...
+
+class UncordonHostRequest(_message.Message):
+    __slots__ = ("host",)
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    def __init__(self, host: _Optional[str] = ...) -> None: ...
+
+class UncordonHostResponse(_message.Message):
+    __slots__ = ("uncordoned",)
+    UNCORDONED_FIELD_NUMBER: _ClassVar[int]
+    uncordoned: bool
+    def __init__(self, uncordoned: _Optional[bool] = ...) -> None: ...

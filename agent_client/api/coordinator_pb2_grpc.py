@@ -129,6 +129,16 @@ class CoordinatorStub:
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesRequest.SerializeToString,
                 response_deserializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesResponse.FromString,
                 _registered_method=True)
+        self.CordonHost = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/CordonHost',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.CordonHostRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.CordonHostResponse.FromString,
+                _registered_method=True)
+        self.UncordonHost = channel.unary_unary(
+                '/gpucoord.v1.Coordinator/UncordonHost',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.UncordonHostRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.UncordonHostResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -276,6 +286,23 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CordonHost(self, request, context):
+        """-- Hosts (operator only; README "Cordon and drain"): a cordoned host gets no new grant (cordons/<host>).
+        Cordons a host in one transaction; with drain, then sends an eviction notice (reason `drain`, the grace
+        given) to every lease the host holds. Again on a cordoned host: the reason is replaced, and a drain sends
+        the notices still missing. NOT_FOUND naming `host` for a host gpucoord has never seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UncordonHost(self, request, context):
+        """Deletes the cordon: the host's waiters are decided again at once. uncordoned=false: it was not cordoned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -373,6 +400,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListRevokedCertificates,
                     request_deserializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesRequest.FromString,
                     response_serializer=agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesResponse.SerializeToString,
+            ),
+            'CordonHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.CordonHost,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.CordonHostRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.CordonHostResponse.SerializeToString,
+            ),
+            'UncordonHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.UncordonHost,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.UncordonHostRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.UncordonHostResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -888,6 +925,60 @@ class Coordinator:
             '/gpucoord.v1.Coordinator/ListRevokedCertificates',
             agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesRequest.SerializeToString,
             agent__client_dot_api_dot_coordinator__pb2.ListRevokedCertificatesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CordonHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/CordonHost',
+            agent__client_dot_api_dot_coordinator__pb2.CordonHostRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.CordonHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UncordonHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpucoord.v1.Coordinator/UncordonHost',
+            agent__client_dot_api_dot_coordinator__pb2.UncordonHostRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.UncordonHostResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, run, bench, certs, etcd-setup, team, usage.
+"""``gpucoord``: up, coordinator, node, status, partition, lease, keys, run, bench, certs, etcd-setup, team, usage, host.
 
 Conventions of every command (README, "Command-line conventions"): the global options (``--coordinator``,
 ``--etcd``, ``--prefix``, ``--tls-ca/--tls-cert/--tls-key``, ``-v``) go before or after the subcommand; a
@@ -100,6 +100,7 @@ def _resolve_globals(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from coordinator.cli.hosts import add_parsers as host_parsers
     from coordinator.cli.security import add_parsers as security_parsers
     from coordinator.cli.teams import add_parsers as team_parsers
     from coordinator.cli.usage import add_parsers as usage_parsers
@@ -290,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     security_parsers(sub, _command)
     team_parsers(sub, _command)
     usage_parsers(sub, _command)
+    host_parsers(sub, _command)
     return p
 
 
@@ -313,8 +315,9 @@ def _quiet_stdout() -> None:
 # "nothing was changed". The others read, or run a server or a program.
 WRITE_COMMANDS = frozenset({("team", "set"), ("team", "delete"), ("partition", "apply"), ("lease", "evict"),
                             ("lease", "revoke"), ("certs", "init"), ("certs", "issue"), ("certs", "revoke"),
-                            ("etcd-setup", ""), ("run", "")})
-_GROUPS = ("team", "partition", "lease", "certs")
+                            ("etcd-setup", ""), ("run", ""), ("host", "cordon"), ("host", "uncordon"),
+                            ("host", "drain")})
+_GROUPS = ("team", "partition", "lease", "certs", "host")
 _VALUED = {f"--{name}" for name in GLOBAL_OPTIONS}
 
 

@@ -61,6 +61,11 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
             lines.append("  labels: " + " ".join(f"{k}={v}" for k, v in sorted(h["labels"].items())))
         if h.get("invalid"):
             lines.append(f"  INVALID {h['invalid']}  (no admission on this host until it is rewritten)")
+        if h.get("cordoned"):
+            c = h.get("cordon") or {}
+            state = "DRAINING" if h.get("draining") else "CORDONED"
+            lines.append(f"  {state} (no new lease until 'gpucoord host uncordon'): {c.get('reason') or 'no reason given'}"
+                         + (f"  by {c['asked_by']}" if str(c.get("asked_by", "")).startswith("gpucoord://") else ""))
         lines.append(f"  {'GPU':>3} {'uuid':<24} {'total':>8} {'usable':>8} {'leased':>8} {'used':>8} "
                      f"{'untracked':>9} {'free':>8} {'token':>6} {'numa':>4} nvlink")
         for g in h.get("gpus", []):

@@ -185,7 +185,7 @@ def _may_not_wait(c: Caller, host: str, ctx: Context, vram: int, behind_waiters:
         return errors.CapacityError(
             f"vram_mb: {vram} MiB does not fit now without overtaking waiting requests" if behind_waiters
             else no_fit or f"vram_mb: {vram} MiB does not fit now on any allowed GPU", "vram_mb")
-    return _agent_queue_full(c, host, ctx, agent_waiting)
+    return agent_queue_full(c, host, ctx, agent_waiting)
 
 
 def may_not_wait_for_team(c: Caller, host: str, ctx: Context, reason: str,
@@ -195,10 +195,10 @@ def may_not_wait_for_team(c: Caller, host: str, ctx: Context, reason: str,
     (the host's is apart)."""
     if c.deadline <= ctx.now:
         return team_wait_over(reason, c.wait_s) if c.wait_s > 0 else errors.CapacityError(reason, "team")
-    return _agent_queue_full(c, host, ctx, agent_waiting)
+    return agent_queue_full(c, host, ctx, agent_waiting)
 
 
-def _agent_queue_full(c: Caller, host: str, ctx: Context, agent_waiting: int) -> errors.GpucoordError | None:
+def agent_queue_full(c: Caller, host: str, ctx: Context, agent_waiting: int) -> errors.GpucoordError | None:
     limit = ctx.config.max_queue_per_agent
     if agent_waiting >= limit:
         return errors.CapacityError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from coordinator.host_records import CordonRecord
 from coordinator.policy.admission import GpuView
 from coordinator.policy.partition import Partition, default_partition
 from coordinator.records import (
@@ -39,6 +40,9 @@ class HostView:
     # trusted for admission, which fails closed on this host (status shows the host as INVALID).
     invalid: str = ""
     invalid_kinds: frozenset[str] = frozenset()   # the key kinds of the malformed values (``usage``, ...)
+    # ``cordons/<host>``: while it exists the host gets no new grant (every grant compares it: ``Round._guards``).
+    cordon: CordonRecord | None = None
+    cordon_kv: StoredKV | None = None
 
     @property
     def departing_held(self) -> frozenset[str]:

@@ -101,6 +101,8 @@ class Plan(Generic[C]):
     # Lease ids of the requests that wait for their team's limit alone (G11), with why (``limit_refusal``): they
     # hold no GPU back and choose no victims; a wait that ends so is answered naming ``team``.
     team_waits: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Lease ids of the requests that wait on a cordoned host (``policy/cordon.py``), with why (naming ``host``).
+    cordon_waits: dict[str, str] = dataclasses.field(default_factory=dict)
     withdrawn: list[str] = dataclasses.field(default_factory=list)   # notices this transaction withdraws
 
 

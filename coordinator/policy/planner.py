@@ -65,6 +65,7 @@ from typing import Collection, Mapping, Sequence
 from coordinator import errors
 from coordinator.keys import Keys
 from coordinator.policy.admission import plan_eviction, room_for
+from coordinator.policy.cordon import held_by_cordon, wait_for_cordon
 from coordinator.policy.decide import (
     Grant,
     Item,
@@ -142,6 +143,9 @@ class _Planner(Round[C]):
                 break
             decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent],
                               self._team_room(it.req) if it.req.exclusive else None)
+            if held_by_cordon(self.view.cordon is not None, decision):
+                wait_for_cordon(self, n, it)   # issue 31: no grant on a cordoned host (``policy/cordon.py``)
+                continue
             over = self._over_team_limit(it, decision)
             if over is not None:
                 if not self._evicts_for_team(n, it, decision):
@@ -300,8 +304,8 @@ class _Planner(Round[C]):
         """Whether ``ops`` more operations and ``compares`` more compares stay within etcd's limits."""
         plan, view = self.out, self.view
         used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
-        # Guards: host, partition, queue, every ledger, and one per caller's session (+1 for this one).
-        guards = 3 + len(view.gpus) + len(plan.sessions) + 1
+        # Guards: host, partition, cordon, queue, every ledger, and one per caller's session (+1 for this one).
+        guards = 4 + len(view.gpus) + len(plan.sessions) + 1
         if self.ctx.teams is not None:   # teams/ unchanged, and a ledger (compare and put) per charged team
             charged = len(charged_teams(self.ctx.teams, plan.new_leases)) + 1
             guards += 1 + charged

@@ -368,6 +368,8 @@ class Round(Generic[C]):
         keys, view, host = self.keys, self.view, self.host
         out: list[Compare] = [Exists(keys.host(host))] if host_must_live else []
         out.append(ModRevisionIs(keys.partition(host), view.partition_kv.mod_revision if view.partition_kv else 0))
+        # Not cordoned since the snapshot (issue 31): a cordon racing this round fails it, and it is decided again.
+        out.append(ModRevisionIs(keys.cordon(host), view.cordon_kv.mod_revision if view.cordon_kv else 0))
         out += [ModRevisionIs(keys.gpu(host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
         # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
         out.append(NothingWrittenSince(keys.queue(host), view.revision))

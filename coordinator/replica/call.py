@@ -38,6 +38,7 @@ class AcquireCall:
     # Queued and held back by its team's limit alone as of its last round (G11): why ("team: ..."); "" when it
     # waits for room. Its wait then ends naming ``team``, and a drop of its team's use wakes its host's rounds.
     team_limit: str = ""
+    cordoned: str = ""   # queued on a cordoned host as of its last round: why ("host: ..."); its wait ends so
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.wait_s

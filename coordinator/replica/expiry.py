@@ -13,6 +13,7 @@ from coordinator.aio import spawn
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.types import KV
 from coordinator.keys import last_segment
+from coordinator.policy.cordon import cordon_wait_over
 from coordinator.policy.planner import wait_over
 from coordinator.policy.team_admission import team_wait_over
 from coordinator.records import InvalidRecord, QueueEntry, VramLease, load_record
@@ -111,7 +112,8 @@ class QueueExpiry(AdmitterState):
         if late > LATE_WARNING_S and not c.future.done():
             log.warning("waiter %s/%s of %s on %s answered %.2f s after its deadline (done=%s)", c.session.agent,
                         c.request_id, c.vram_mb, self.host, late, c.future.done())
-        self._fail(c, team_wait_over(c.team_limit, c.wait_s) if c.team_limit
+        self._fail(c, cordon_wait_over(c.cordoned, c.wait_s) if c.cordoned
+                   else team_wait_over(c.team_limit, c.wait_s) if c.team_limit
                    else wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive))
         if removed is not None and removed.victims:
             spawn(self.leases.withdraw_evictions(removed), "withdrawing eviction notices")

@@ -140,7 +140,7 @@ class Follower:
                         woken.add(gone.host)
                         if self.mirror.lease(gone.lease_id) is not None:   # withdrawn: its holder hears it
                             self._deliver(dataclasses.replace(gone, withdrawn=True))
-            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing") and parts:
+            elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing", "cordons") and parts:
                 woken.add(parts[0])
                 if kind in ("usage", "departing") and self.leadership is not None:
                     # A report without an evicted lease's processes, or a departing record: the leader's

@@ -200,7 +200,8 @@ class Mirror:
         return HostSnapshot(self.revision, self._flat.get(k.host(host)), self._flat.get(k.usage(host)),
                             self._flat.get(k.partition(host)), self.host_items("gpus", host),
                             self.host_items("leases", host), self.host_items("queue", host),
-                            self.host_items("departing", host), tuple(self._flat.get(key) for key in extra_keys))
+                            self.host_items("departing", host), tuple(self._flat.get(key) for key in extra_keys),
+                            cordon=self._flat.get(k.cordon(host)))
 
     def lease_stamps(self) -> dict[str, int]:
         """Every host with leases, with a number that changes whenever one of its leases is put or deleted

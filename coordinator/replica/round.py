@@ -217,6 +217,7 @@ class AdmissionRound(AdmitterState):
             c = w.call
             c.rank = w.rank
             c.team_limit = plan.team_waits.get(c.lease_id, "")
+            c.cordoned = plan.cordon_waits.get(c.lease_id, "")
             c.entry_revision = w.revision or revision
             if w.deadline is not None and w.deadline > c.deadline:
                 c.deadline = w.deadline     # a retry that joined its entry: the entry's (later) deadline

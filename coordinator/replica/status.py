@@ -122,5 +122,6 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
             "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
             "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",
             "partition_explicit": v.partition is not None, "gpus": gpus, "agents": agents, "leases": leases,
-            "queue": queue})
+            "queue": queue, "cordoned": v.cordon is not None, "cordon": v.cordon.to_json() if v.cordon else None,
+            "draining": v.cordon is not None and v.cordon.drain and bool(v.leases)})
     return {"revision": revision, "hosts": hosts}

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 from coordinator import errors, metrics
 from coordinator.etcd.contract import KVStore
 from coordinator.etcd.types import KV
+from coordinator.host_records import CordonRecord
 from coordinator.keys import Keys
 from coordinator.policy.admission import Departing, GpuView
 from coordinator.policy.departing import still_reported
@@ -57,9 +58,9 @@ def _usage_used(usage: dict[str, Any] | None, stale: bool, leased: dict[str, int
     return used
 
 
-HOST_KINDS = ("hosts", "usage", "partitions", "gpus", "leases", "queue", "departing")
+HOST_KINDS = ("hosts", "usage", "partitions", "gpus", "leases", "queue", "departing", "cordons")
 """The key kinds of one host's snapshot, in the order ``read_host`` reads them: three single keys (the
-host, its usage report, its partition) and four prefixes per host."""
+host, its usage report, its partition), four prefixes per host, and its cordon (a single key)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +79,14 @@ class HostSnapshot:
     queue: tuple[KV, ...]
     departing: tuple[KV, ...]
     extra: tuple[KV | None, ...] = ()
+    cordon: KV | None = None   # ``cordons/<host>``: no grant while it exists
 
 
 def _ranges(keys: Keys, host: str, extra_keys: Iterable[bytes]) -> list[Range]:
     return [Range(keys.host(host)), Range(keys.usage(host)), Range(keys.partition(host)),
             Range(keys.gpus(host), prefix=True), Range(keys.leases(host), prefix=True),
             Range(keys.queue(host), prefix=True), Range(keys.departings(host), prefix=True),
-            *(Range(k) for k in extra_keys)]
+            Range(keys.cordon(host)), *(Range(k) for k in extra_keys)]
 
 
 def _one(kvs: tuple[KV, ...]) -> KV | None:
@@ -97,7 +99,7 @@ async def read_host(store: KVStore, keys: Keys, host: str, extra_keys: Iterable[
     snap = await store.snapshot(_ranges(keys, host, extra_keys), deadline=deadline)
     r = snap.ranges
     return HostSnapshot(snap.revision, _one(r[0]), _one(r[1]), _one(r[2]), r[3], r[4], r[5], r[6],
-                        tuple(_one(x) for x in r[7:]))
+                        tuple(_one(x) for x in r[8:]), cordon=_one(r[7]))
 
 
 def host_snapshot_of(revision: int, host: str, by_kind: Mapping[str, Iterable[KV]],
@@ -106,7 +108,8 @@ def host_snapshot_of(revision: int, host: str, by_kind: Mapping[str, Iterable[KV
     def many(kind: str) -> tuple[KV, ...]:
         return tuple(by_kind.get(kind, ()))
     return HostSnapshot(revision, _one(many("hosts")), _one(many("usage")), _one(many("partitions")),
-                        many("gpus"), many("leases"), many("queue"), many("departing"), tuple(extra))
+                        many("gpus"), many("leases"), many("queue"), many("departing"), tuple(extra),
+                        cordon=_one(many("cordons")))
 
 
 # Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
@@ -211,6 +214,9 @@ def host_view(keys: Keys, host: str, snap: HostSnapshot, untracked: bool,
         if record is not None:
             departing_list.append(record)
     departing = tuple(departing_list)
+    cordon_kv = snap.cordon
+    cordon = (_parsed(keys, cordon_kv, lambda: CordonRecord.from_json(load_record(cordon_kv.value)), problems)
+              if cordon_kv else None)
     held: dict[str, list[Departing]] = {}
     for d in departing:
         # Until the node's report lists none of its processes, or the kill margin passed (forced).
@@ -233,7 +239,7 @@ def host_view(keys: Keys, host: str, snap: HostSnapshot, untracked: bool,
                     tuple(entries), usage_age_s=age, usage_stale=stale, departing=departing,
                     invalid="; ".join(t for _, t in problems[:3])
                     + (f"; and {len(problems) - 3} more" if len(problems) > 3 else ""),
-                    invalid_kinds=frozenset(k for k, _ in problems))
+                    invalid_kinds=frozenset(k for k, _ in problems), cordon=cordon, cordon_kv=cordon_kv)
 
 
 @functools.lru_cache(maxsize=8192)

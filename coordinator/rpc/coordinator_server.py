@@ -22,6 +22,7 @@ from coordinator.etcd.store import ChannelFactory
 from coordinator.limits import quote
 from coordinator.metrics_http import MetricsGate
 from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
+from coordinator.replica.cordons import Cordons
 from coordinator.replica.service import CoordinatorService
 from coordinator.replica.teams import Teams
 from coordinator.rpc import certificates, validate
@@ -32,7 +33,12 @@ from coordinator.rpc.node_client import NodeCalls, host_address
 from coordinator.rpc.registry_server import RegistryServicer
 from coordinator.rpc.session_stream import SessionStreams
 from coordinator.rpc.status_json import message_to_json, status_objects
-from coordinator.rpc.status_message import lease_pb, redact_for_agent, status_response
+from coordinator.rpc.status_message import (
+    cordon_pb,
+    lease_pb,
+    redact_for_agent,
+    status_response,
+)
 from coordinator.security import handshakes
 from coordinator.security.interceptor import current_caller
 from coordinator.security.status import as_error, internal, set_status, wire_status
@@ -84,6 +90,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         self.streams = SessionStreams(svc, {"acquire": self.Acquire, "release": self.Release,
                                             "keepalive": self._keepalive_call}, self._notice, self._session)
         self.teams = Teams(svc.ctx)
+        self.cordons = Cordons(svc.ctx, svc.leases)
         self.nodes = NodeCalls(svc.config.tls_files())
 
     def _notice(self, record: EvictionRecord) -> pb.EvictionNotice:
@@ -204,7 +211,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         validate.status_host(host)
         report = await self.svc.status(host)
         if host and not any(v.inventory is not None or v.host_kv is not None or v.gpus or v.leases
-                            or v.partition is not None or v.entries or v.departing for v in report.views):
+                            or v.partition is not None or v.entries or v.departing or v.cordon is not None
+                            for v in report.views):
             # Nothing of that name, not even a gone host's leases: NOT_FOUND (and no series is made for it).
             raise errors.NotFound(f"host: no host {quote(host)} ('gpucoord status' lists them)", "host")
         out = status_response(report, self._notice)
@@ -241,6 +249,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
 
     async def Ping(self, request: pb.PingRequest, context: ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()
+
+    # -- cordon and drain (operator only: coordinator.security.authz; replica/cordons.py) -------------
+    @_rpc
+    async def CordonHost(self, request: pb.CordonHostRequest, context: ServicerContext) -> pb.CordonHostResponse:
+        validate.cordon(request)
+        record, created, leases, notices = await self.cordons.cordon(
+            request.host, request.reason, request.drain, request.grace_seconds,
+            asked_by=str(current_caller() or "unknown"))
+        return pb.CordonHostResponse(cordon=cordon_pb(record), created=created, leases=leases, notices=notices)
+
+    @_rpc
+    async def UncordonHost(self, request: pb.UncordonHostRequest,
+                           context: ServicerContext) -> pb.UncordonHostResponse:
+        validate.check_name("host", request.host)
+        return pb.UncordonHostResponse(uncordoned=await self.cordons.uncordon(request.host))
 
     # -- teams (operator only: coordinator.security.authz) -------------------------------------------
     @_rpc

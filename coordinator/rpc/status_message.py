@@ -6,6 +6,7 @@ import json
 from typing import Callable, Sequence
 
 from agent_client.api import coordinator_pb2 as pb
+from coordinator.host_records import CordonRecord
 from coordinator.policy.departing import process_state
 from coordinator.records import EvictionRecord, VramLease
 from coordinator.replica.status import StatusReport
@@ -75,7 +76,15 @@ def status_response(report: StatusReport,
                          priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
                          gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
                          gpus=q.get("gpus", []), topology=q.get("topology", "any"))
+        hs.cordoned, hs.draining = h["cordoned"], h["draining"]
+        if view.cordon is not None:
+            hs.cordon.CopyFrom(cordon_pb(view.cordon))
     return out
+
+
+def cordon_pb(record: CordonRecord) -> pb.Cordon:
+    return pb.Cordon(reason=record.reason, drain=record.drain, grace_seconds=record.grace_s,
+                     asked_by=record.asked_by, created_at_unix=record.created_at)
 
 
 def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
@@ -84,6 +93,8 @@ def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
     processes only its own leases' appear (of other agents' departing leases, neither their processes nor
     who asked); the queue shows no other agent's request id."""
     for hs in status.hosts:
+        if hs.HasField("cordon"):
+            hs.cordon.asked_by = ""   # which operator cordoned it: the reason is enough
         own = {lease.id for lease in hs.leases if lease.agent == agent}
         for lease in hs.leases:
             if lease.agent == agent:

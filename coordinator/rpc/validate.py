@@ -80,6 +80,15 @@ def evict(request: pb.EvictLeaseRequest) -> None:
     check_text("reason", request.reason, MAX_REASON_BYTES)
 
 
+def cordon(request: pb.CordonHostRequest) -> None:
+    """CordonHost: the host's name, the reason's size, and a drain's grace (as EvictLease's)."""
+    check_name("host", request.host)
+    check_text("reason", request.reason, MAX_REASON_BYTES)
+    grace_s = request.grace_seconds
+    if grace_s < 0 or grace_s != grace_s or grace_s > MAX_GRACE_S:
+        raise errors.InvalidArgument(f"grace_seconds: must be within [0, {MAX_GRACE_S:g}]", "grace_seconds")
+
+
 def status_host(name: str) -> None:
     """GetStatus's host: "" for every host."""
     if name:

@@ -17,7 +17,8 @@ Coordinator.ApplyPartition,        no                             yes         no
   EvictLease, RevokeLease,
   SetTeam, GetTeam, ListTeams,
   DeleteTeam, RevokeCertificate,
-  ListRevokedCertificates
+  ListRevokedCertificates, CordonHost,
+  UncordonHost
 Coordinator.Ping                   yes                            yes         no     no
 Coordinator.Session (the stream)   yes; each message as its call  yes         no     no
 Node.GetInventory, CheckToken      yes                            yes         no     yes
@@ -70,7 +71,8 @@ SESSION_RPCS = frozenset({"KeepAlive", "Acquire", "Release", "CloseSession", "At
 HOST_READ_RPCS = frozenset({"GetStatus", "GetPartition"})
 OPERATOR_RPCS = frozenset({"ApplyPartition", "EvictLease", "RevokeLease",
                            "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",    # teams: README "Teams"
-                           "RevokeCertificate", "ListRevokedCertificates"})   # the deny list
+                           "RevokeCertificate", "ListRevokedCertificates",     # the deny list
+                           "CordonHost", "UncordonHost"})   # README "Cordon and drain"
 
 # The hosts on which an agent has a live session (read from etcd by the coordinator).
 AgentHosts = Callable[[str], Awaitable[set[str]]]
@@ -125,6 +127,8 @@ def target_of(method: str, request: Message | None) -> str:
         except (ValueError, AttributeError, RecursionError):
             host = "?"
         return f"partition of host {quote(str(host))}"
+    if name in ("CordonHost", "UncordonHost"):
+        return f"host {quote(request.host)}"
     if name in ("SetTeam", "GetTeam", "DeleteTeam"):
         return f"team {quote(request.name)}"
     if name == "RevokeCertificate":

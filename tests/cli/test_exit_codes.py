@@ -57,6 +57,10 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["usage", *e, "--since", "1d", "--until", "2d"],
         ["usage", *e, "--by", "gpu"],
         ["usage", *e, "--lease", "bad/id"],
+        ["host", "drain", "h1", "--grace", "-1", *c],
+        ["host", "drain", "h1", "--reason", "x" * 300, *c],
+        ["host", "cordon", "bad/name", *c],
+        ["host", "uncordon", "h1", "--grace", "2", *c],
     ]
 
 

@@ -17,7 +17,8 @@ one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s); ``GPUCOORD_NEMESIS_
 ``network`` keeps to one kind of fault (default: both). Every even seed (or ``GPUCOORD_NEMESIS_TEAMS=1``) mixes
 teams in: the even agents in team ``ta`` (a quota of a quarter of the fleet), the odd ones in ``tb`` (a quota of
 half, a limit of three quarters), so that grants are charged, limits hold requests back and reclaim takes over-
-quota leases under the faults, and the history checker's team and notice rules apply. A last line ``nemesis summary`` gives the seed, the
+quota leases under the faults, and the history checker's team and notice rules apply. An operator cordons, drains
+and uncordons the hosts meanwhile (tests/support/cordon_load.py: the history checker's cordon rule). A last line ``nemesis summary`` gives the seed, the
 faults, the calls, the violations and the leaks in one line.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ from agent_client.api import coordinator_pb2 as pb
 from tests.faultlink import FaultLink
 from tests.history import check_store, read_history
 from tests.support.cluster import Cluster, leaked, wait_no_leaks
+from tests.support.cordon_load import CordonReport, run_cordons
 from tests.support.etcd3 import Etcd3
 from tests.support.history_usage import check_usage
 from tests.support.load import LoadReport, run_load
@@ -188,10 +190,13 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         if teams:
             _set_teams(a)
 
+        cordons = CordonReport()
+
         async def scenario() -> LoadReport:
             report = LoadReport()
             load = asyncio.create_task(run_load([[a, b], [b, a]] * 20, list(HOSTS), duration, seed=seed,
                                                 report=report, ttl=TTL, agent_prefix="n", gang_every=4))
+            operator = asyncio.create_task(run_cordons([a, b], list(HOSTS), duration - FAULT_EVERY_S, seed, cordons))
             loop = asyncio.get_running_loop()
             end = loop.time() + duration - FAULT_EVERY_S
             while loop.time() < end:
@@ -205,6 +210,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
                 await asyncio.to_thread(heal, what)
                 spans.append((at, time.monotonic(), name))
             await load
+            await operator
             return report
 
         report = asyncio.run(scenario())
@@ -238,6 +244,9 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
               f"exclusive_granted={sum(x.outcome == 'ok' and x.exclusive for x in gangs)} undocumented={len(report.undocumented())} expired={len(report.expired)} "
               f"violations={len(history.violations)} leaks={len(leaks)}")
     assert not report.undocumented(), report.undocumented()[:5]
+    print(f"nemesis seed {seed}: operator calls {len(cordons.calls)}, cordons {cordons.done('cordon')}, drains "
+          f"{cordons.done('drain')}, uncordons {cordons.done('uncordon')}")
+    assert not cordons.undocumented(), cordons.undocumented()[:5]
     assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
     history.assert_ok()
     usage.assert_ok()
