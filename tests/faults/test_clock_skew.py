@@ -17,7 +17,7 @@ from coordinator.cli.common import fetch_status
 from tests.history import check_store
 from tests.support.cluster import Cluster
 from tests.support.processes import spawn_coordinator, spawn_node, stop_process
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 GRACE_S = 3.0
 
@@ -48,17 +48,26 @@ def test_eviction_grace_and_usage_freshness_hold_with_skewed_clocks(cluster: Clu
             notices: list[float] = []
             lease.on_evict(lambda n: notices.append(n.deadline))
             stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(b))
+            # The grace starts when the leader sees the notice: not before the request was sent (``asked``).
+            asked = time.monotonic()
             stub.EvictLease(pb.EvictLeaseRequest(lease_id=lease.id, grace_seconds=GRACE_S, reason="skew"),
                             timeout=10)
             sent = time.monotonic()
             # The victim learns the time it has on its own clock: the grace the replica measured, not a
-            # deadline on the deciding replica's wall clock (90 s behind the victim's replica, here).
-            wait_for(lambda: notices, 5, "the eviction notice to reach the victim")
-            assert GRACE_S - 1.0 <= notices[0] - sent <= GRACE_S + 0.5, notices[0] - sent
-            wait_for(lambda: not cluster.leases(), GRACE_S + 10, "the leader to revoke at the deadline")
-            took = time.monotonic() - sent
-            # Never early (the grace is the victim's to use); late by at most a generous margin.
-            assert GRACE_S - 0.2 <= took <= GRACE_S + 4, f"revoked {took:.1f}s after the notice"
+            # deadline on the deciding replica's wall clock (90 s behind the victim's replica, here; 180 s
+            # apart, the defect revoked at once or three minutes late). Never before the grace has passed
+            # since the request (a notice delivered late only moves the victim's deadline later); the upper
+            # bound only tells skew from a loaded machine's lateness, by far less than the skew.
+            wait_for(lambda: notices, LIVENESS_S, "the eviction notice to reach the victim")
+            print(f"the victim's deadline: {notices[0] - sent:.2f}s after the notice was written")
+            assert asked + GRACE_S - 0.2 <= notices[0] <= sent + GRACE_S + LIVENESS_S, \
+                (notices[0] - asked, notices[0] - sent)
+            wait_for(lambda: not cluster.leases(), GRACE_S + LIVENESS_S, "the leader to revoke at the deadline")
+            took = time.monotonic() - asked
+            # Never early (the grace is the victim's to use). How late is printed, not asserted: that is the
+            # machine's speed (bench P7 times a notice to the grant it makes room for).
+            print(f"revoked {took:.2f}s after the notice was asked for (grace {GRACE_S}s)")
+            assert GRACE_S - 0.2 <= took, f"revoked {took:.1f}s after the notice, before its grace was over"
     finally:
         for p in procs:
             stop_process(p)

@@ -12,7 +12,8 @@ hold leases, then healed.
   answers from a current view.
 
 In process: the node's etcd connection runs through a fault link (tests/faultlink.py). The history checker
-ends the test.
+ends the test. How soon each step came after the cut (3 heartbeats, the node's TTL, on a quiet machine) is
+printed, not asserted: the test waits for each with a deadline no loaded machine misses.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from agent_client.api import node_pb2 as npb
 from tests.history import check_store
 from tests.support.cluster import Cluster, session_alive, wait_no_leaks
 from tests.support.rpcs import coordinator_stub, node_stub
-from tests.support.waiting import Background, wait_for
+from tests.support.waiting import LIVENESS_S, Background, wait_for
 
 NODE_TTL = 4
 HEARTBEAT_S = 0.5
@@ -65,7 +66,7 @@ def test_a_node_cut_from_etcd_past_its_ttl_loses_its_host_keeps_the_leases_and_c
         link.cut()
         cut_at = time.monotonic()
         source.set_used(0, 4000 + 2000)             # the untracked process exits: the node cannot say so
-        wait_for(lambda: usage_stale(addr, "h1"), 3 * HEARTBEAT_S + 5, "the usage to go stale")
+        wait_for(lambda: usage_stale(addr, "h1"), LIVENESS_S, "the usage to go stale")
         stale_after = time.monotonic() - cut_at
         with pytest.raises(errors.ResourceExhausted):
             holder.acquire(8000)                    # fails closed: the 4000 untracked still count
@@ -76,13 +77,13 @@ def test_a_node_cut_from_etcd_past_its_ttl_loses_its_host_keeps_the_leases_and_c
             holder.acquire(4000)                    # 16384 - 10000 leased - 4000 untracked
         extra.release()
         coordinator_stub(addr).RevokeLease(pb.RevokeLeaseRequest(lease_id=revoked.id), timeout=10)
-        wait_for(lambda: check_token(daemon.address, kept.gpu_uuid, revoked.token) == "UNAVAILABLE", NODE_TTL,
+        wait_for(lambda: check_token(daemon.address, kept.gpu_uuid, revoked.token) == "UNAVAILABLE", LIVENESS_S,
                  "the cut node to stop answering CheckToken")
         refused_after = time.monotonic() - cut_at
-        waiting = Background(waiter.acquire, 12000, wait=60)
+        waiting = Background(waiter.acquire, 12000, wait=3 * LIVENESS_S)
         wait_for(lambda: cluster.get_prefix(cluster.keys.queue("h1")), 10, "the waiter to be queued")
 
-        wait_for(lambda: not cluster.get_prefix(cluster.keys.host("h1")), NODE_TTL + 5, "the registration to expire")
+        wait_for(lambda: not cluster.get_prefix(cluster.keys.host("h1")), LIVENESS_S, "the registration to expire")
         gone_after = time.monotonic() - cut_at
         with pytest.raises(errors.FailedPrecondition, match="host"):
             holder.acquire(1000)

@@ -5,9 +5,12 @@ A 3-member etcd, two coordinator replicas (real processes), two hosts, 8 agents 
 link is a fault link (tests/faultlink.py) that adds 100 ms each way (200 ms a round trip), for the whole run.
 Calls still meet the etcd timeout rule: a replica answers within the etcd timeout, UNAVAILABLE when etcd has
 not settled the call by then (an admission round on the slow path can run out of its share of it), and the
-client retries through the other replica; so a call that does not wait ends within twice the etcd timeout,
-and a waiter within twice the etcd timeout of its wait. No session is lost, the slow replica never takes itself
-for cut off (it keeps serving), and the history checker finds etcd's history clean.
+client retries through the other replica; so on a quiet machine a call that does not wait ends within twice
+the etcd timeout, and a waiter within twice the etcd timeout of its wait. Those figures are printed, not
+asserted (a loaded machine decides them; bench P1 and P7 measure the speed): what is asserted holds at any
+speed. Every call ends with a documented status, no waiter is answered RESOURCE_EXHAUSTED before its wait is
+over, no session is lost, the slow replica never takes itself for cut off (it keeps serving), nothing is left
+in etcd once the agents are gone, and the history checker finds etcd's history clean.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from tests.support.cluster import Cluster, wait_no_leaks
 from tests.support.etcd3 import Etcd3
 from tests.support.load import run_load
 from tests.support.processes import LinkedReplica
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 TTL = 6
 ETCD_TIMEOUT_S = 2.0     # min(3, TTL / 3)
@@ -49,14 +52,14 @@ def test_a_slow_etcd_member_and_a_slow_replica_meet_the_etcd_timeout_and_lose_no
         no_wait = [c for c in report.calls if c.wait_s == 0]
         slowest = max((c.elapsed_s for c in no_wait), default=0.0)
         print(f"outcomes {report.outcomes()}; expired {report.expired}; slowest call without a wait "
-              f"{slowest:.2f}s; max waiter lateness {report.max_late_s():.2f}s")
+              f"{slowest:.2f}s; max waiter lateness {report.max_late_s():.2f}s (on a quiet machine both under "
+              f"twice the etcd timeout, {2 * ETCD_TIMEOUT_S:.0f}s)")
         assert not report.open_failures and not report.expired, (report.open_failures, report.expired)
         assert not report.undocumented(), report.undocumented()[:5]
-        assert slowest < 2 * ETCD_TIMEOUT_S, sorted(no_wait, key=lambda c: -c.elapsed_s)[:3]
-        assert report.max_late_s() < 2 * ETCD_TIMEOUT_S, sorted(report.waits(), key=lambda c: -c.late_s)[:3]
+        assert not report.answered_early(), report.answered_early()[:3]
         assert "answering UNAVAILABLE, so that clients move" not in slow.log(), "a slow replica took itself for cut off"
 
-        wait_no_leaks(cluster, 3 * TTL)
+        wait_no_leaks(cluster, LIVENESS_S)
         cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=120).assert_ok()
     finally:
         for r in replicas:

@@ -19,7 +19,7 @@ from coordinator.records import QueueEntry
 from tests.history import check_store
 from tests.support.cluster import Cluster
 from tests.support.processes import spawn_agent, spawn_coordinator
-from tests.support.waiting import pass_time, wait_for
+from tests.support.waiting import LIVENESS_S, pass_time, wait_for
 
 
 @pytest.fixture
@@ -65,14 +65,14 @@ def test_new_leader_enforces_a_pending_eviction_deadline(cluster: Cluster, repli
         result: dict[str, Any] = {}
 
         def take() -> None:
-            result["lease"] = high.acquire(6000, priority=5, wait=30)
+            result["lease"] = high.acquire(6000, priority=5, wait=2 * LIVENESS_S)   # far past the deadline
         t = threading.Thread(target=take, daemon=True)
         t.start()
-        wait_for(lambda: victim.evicting.is_set(), 5, "the eviction notice")
+        wait_for(lambda: victim.evicting.is_set(), LIVENESS_S, "the eviction notice")
         deadline = victim.notice.deadline_unix
         os.kill(leader_proc.pid, signal.SIGKILL)       # the leader dies with the deadline pending
         leader_proc.wait()
-        t.join(30)
+        t.join(2 * LIVENESS_S + 10)
         assert "lease" in result, "the waiter was never granted: the deadline was lost"
         granted_at = time.time()
         assert granted_at >= deadline - 0.1
@@ -89,18 +89,18 @@ def _waiter_keeps_its_place_when(cluster: Cluster, replicas: dict[str, Any], kil
     addrs = [addr for _, addr in replicas.values()]
     with Client(addrs, agent="holder", host="h1") as holder:
         held = holder.acquire(8000, preemptible=False)
-        owner_addr = wait_for(lambda: holder._async._owner, 5, "the owner's address")
+        owner_addr = wait_for(lambda: holder._async._owner, LIVENESS_S, "the owner's address")
         (forwarder_addr,) = [a for a in addrs if a != owner_addr]
         by_addr = {addr: (rid, proc) for rid, (proc, addr) in replicas.items()}
         with Client([forwarder_addr, owner_addr], agent="waiter", host="h1", ttl=10) as waiter:
             result: dict[str, Any] = {}
 
             def take() -> None:
-                result["lease"] = waiter.acquire(4000, wait=30, request_id="survivor")
+                result["lease"] = waiter.acquire(4000, wait=2 * LIVENESS_S, request_id="survivor")
             t = threading.Thread(target=take, daemon=True)
             t.start()
             entries = lambda: [QueueEntry.from_kv(kv) for kv in cluster.get_prefix(cluster.keys.queue("h1"))]
-            queued = wait_for(lambda: entries(), 5, "the waiter to be queued")
+            queued = wait_for(lambda: entries(), LIVENESS_S, "the waiter to be queued")
             rank, served_by = queued[0].rank, queued[0].replica
             assert served_by == by_addr[owner_addr][0], "the owner serves the forwarded waiter"
             victim = by_addr[owner_addr if kill == "owner" else forwarder_addr][1]
@@ -108,7 +108,8 @@ def _waiter_keeps_its_place_when(cluster: Cluster, replicas: dict[str, Any], kil
             victim.wait()
             if kill == "owner":
                 # The client retries through the survivor, which takes the entry over (its id in it).
-                now = wait_for(lambda: [e for e in entries() if e.replica != served_by], 10, "the retry to attach")
+                now = wait_for(lambda: [e for e in entries() if e.replica != served_by], LIVENESS_S,
+                               "the retry to attach")
             else:
                 # The owner keeps the forwarded waiter's entry for the client's retry, past the grace of a
                 # caller that went away (2 s).
@@ -119,7 +120,7 @@ def _waiter_keeps_its_place_when(cluster: Cluster, replicas: dict[str, Any], kil
                 now = entries()
             assert now[0].rank == rank
             held.release()
-            t.join(15)
+            t.join(LIVENESS_S)
             assert result["lease"].vram_mb == 4000
             assert not waiter.expired
 

@@ -105,7 +105,9 @@ class ClientFailovers(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.counts: collections.Counter[str] = collections.Counter()
-        self._logger = logging.getLogger("agent_client.client")
+        # The parent of the loggers that say so (agent_client.transport for calls, .keepalive for sessions):
+        # their records reach its handlers. (On agent_client.client alone it heard none of them.)
+        self._logger = logging.getLogger("agent_client")
         self._level = self._logger.level
 
     def emit(self, record: logging.LogRecord) -> None:

@@ -64,6 +64,12 @@ class LoadReport:
     def max_late_s(self) -> float:
         return max((c.late_s for c in self.waits()), default=0.0)
 
+    def answered_early(self, slack_s: float = 0.05) -> list[LoadCall]:
+        """Waiters answered RESOURCE_EXHAUSTED before their wait was over, as the client counts it (from
+        sending the call; the coordinator counts from its arrival, later): never, at any speed. ``slack_s``: a
+        timer may fire a millisecond early (uvloop rounds to milliseconds)."""
+        return [c for c in self.waits() if c.outcome == "ResourceExhausted" and c.late_s < -slack_s]
+
     def undocumented(self) -> list[LoadCall]:
         return [c for c in self.calls if c.outcome not in DOCUMENTED]
 
