@@ -125,15 +125,19 @@ def test_certificate_less_connections_are_counted_not_logged_one_line_each(etcd:
         line = proc.stdout.readline()
         m = re.match(r"READY coordinator port=(\d+)", line)
         assert m, (line, log_path.read_text()[-2000:])
-        lines_before = log_path.read_bytes().count(b"\n")
+        lines_before = len(log_path.read_bytes().splitlines())
         failed = _hammer(f"127.0.0.1:{m.group(1)}", Path(pki.ca).read_bytes(), seconds=10)
         assert failed > 100, failed
         # Nearly every one is a server-side handshake failure, counted; a few of the client's may end before
         # the server's handshake does (a connection reset on a busy machine: 8 of 5,674 in one run).
         wait_for(lambda: _handshake_failures(mport, pki) >= 0.95 * failed, 10, "the failed handshakes counted")
-        grown = log_path.read_bytes().count(b"\n") - lines_before
-        print(f"\n{failed} failed handshakes in 10 s: the log grew by {grown} line(s)")
-        assert grown <= 3, log_path.read_text()[-3000:]
+        # Only the lines about handshakes count: a replica's own start-up (its election, its leader duties)
+        # may still be logging when the hammer starts.
+        after = log_path.read_text(errors="replace").splitlines()[lines_before:]
+        about = [x for x in after if re.search(r"handshake|ssl|tls", x, re.I)]
+        print(f"\n{failed} failed handshakes in 10 s: the log grew by {len(after)} line(s), {len(about)} about "
+              "handshakes")
+        assert len(about) <= 3, "\n".join(after[-40:])
         assert "TLS handshake(s) failed" in log_path.read_text()
     finally:
         proc.terminate()
