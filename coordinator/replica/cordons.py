@@ -6,10 +6,13 @@ revision, whichever replica decides it. A drain then reads the host's leases (ev
 cordon, and no later one can be) and gives each an operator's eviction notice with the reason ``drain``
 (``Leases.evict``): the usual grace, the leader's revoke at the deadline, and G3's order for leases bound to
 processes (their VRAM counts as free only once the processes are gone). A drain cut short (the replica killed
-between the cordon and its notices) is finished by running it again: the notices still missing are sent.
+between the cordon and its notices) is finished by the leader (``Cordons.finish_drains``, a leader duty): every
+``DRAIN_SWEEP_S`` it gives each lease of a host cordoned by a drain that has no notice yet the drain's notice,
+as the drain would have; running the drain again does the same at once.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from coordinator import clock, errors
@@ -23,6 +26,8 @@ from coordinator.replica.leases import Leases
 from coordinator.txn import Delete, ModRevisionIs, Put, Range
 
 log = logging.getLogger(__name__)
+
+DRAIN_SWEEP_S = 2.0   # how often the leader finishes drains cut short
 
 
 def stored_cordon(kv: KV | None) -> CordonRecord | None:
@@ -93,3 +98,31 @@ class Cordons:
             if res.succeeded:
                 return True
         raise errors.Unavailable("uncordon: too much contention on the host's cordon; retry")
+
+    def unfinished(self) -> list[tuple[CordonRecord, str]]:
+        """(the drain's cordon, lease id) for each lease of a host cordoned by a drain that has no eviction notice,
+        as this replica's mirror shows them."""
+        out = []
+        for kv in self.ctx.mirror.items("cordons"):
+            record = stored_cordon(kv)
+            if record is None or not record.drain:
+                continue
+            for lease_id in sorted({last_segment(x.key) for x in self.ctx.mirror.host_items("leases", record.host)}):
+                if self.ctx.mirror.get(self.keys.eviction(lease_id)) is None:
+                    out.append((record, lease_id))
+        return out
+
+    async def finish_drains(self) -> None:
+        """The leader's duty: send the notices a drain cut short did not (see the module's docstring). Notices
+        are operator notices, idempotent per lease (``Leases.evict``), so racing a drain call is harmless."""
+        while True:
+            for record, lease_id in self.unfinished():
+                try:
+                    await self.leases.evict(lease_id, record.grace_s, "drain", record.asked_by)
+                    log.info("drain of host %s: sent the notice it had not sent to lease %s", record.host, lease_id)
+                except errors.NotFound:
+                    continue   # released meanwhile
+                except errors.GpucoordError as e:
+                    log.warning("drain of host %s: could not send the notice to lease %s: %s", record.host,
+                                lease_id, e)
+            await asyncio.sleep(DRAIN_SWEEP_S)

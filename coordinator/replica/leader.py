@@ -42,6 +42,7 @@ from coordinator.records import (
 )
 from coordinator.replica.accountant import Accountant
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.cordons import Cordons
 from coordinator.replica.export import Exporter
 from coordinator.replica.leases import Leases, usage_report
 from coordinator.txn import Absent, Delete, ModRevisionIs, Put, Range
@@ -67,6 +68,7 @@ class Leadership:
         self.leases = leases    # revocation at a deadline, withdrawal of notices
         self.accountant = Accountant(ctx)   # usage records of ended leases (issue 33)
         self.exporter = Exporter(ctx)       # and their JSON-lines export
+        self.cordons = Cordons(ctx, leases)  # drains cut short are finished (issue 31)
         self.keys = ctx.keys
         self.election: Election | None = None
         self._session: EtcdSession | None = None
@@ -169,7 +171,7 @@ class Leadership:
         """The duties of one term. ``term`` is the candidacy that won: every write made as leader carries
         ``term.fence()``, a compare that fails once that candidacy is gone."""
         await asyncio.gather(self._enforce_deadlines(term), self._sweep_queue(term), self.accountant.run(term),
-                             self.exporter.run(term))
+                             self.exporter.run(term), self.cordons.finish_drains())
 
     async def _enforce_deadlines(self, term: Election) -> None:
         """Revoke every lease whose eviction deadline passed (at once for a lease bound to processes once the

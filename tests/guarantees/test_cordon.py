@@ -4,7 +4,9 @@ FAILED_PRECONDITION naming ``host`` and the reason; waiters stay queued until th
 with the field named and changes nothing. The operator's role is checked by tests/security/test_matrix.py."""
 from __future__ import annotations
 
+import json
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -12,7 +14,9 @@ import pytest
 
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
+from coordinator.host_records import CordonRecord
 from coordinator.limits import MAX_REASON_BYTES
+from coordinator.records import dumps
 from tests.support.cluster import Cluster
 from tests.support.rpcs import expect_refused
 from tests.support.waiting import wait_for
@@ -98,6 +102,24 @@ def test_a_drain_sends_each_lease_a_drain_notice_and_no_grant_follows(env: tuple
     assert _status(stub).cordoned
     with pytest.raises(errors.FailedPrecondition):
         c.acquire(1000)
+    stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
+
+
+def test_a_drain_cut_short_after_its_cordon_is_finished_by_the_leader(env: tuple[Cluster, Any, Client]) -> None:
+    """The replica that served a drain died between the cordon's commit and its notices: etcd holds the drain's
+    cordon and no notice. The leader sends the missing notices (reason ``drain``, the drain's grace)."""
+    cluster, stub, c = env
+    leases = [c.acquire(1000) for _ in range(2)]
+    record = CordonRecord(host="h1", reason="reboot", drain=True, grace_s=30.0, asked_by="ops", created_at=time.time())
+    cluster.lt.run(cluster.store.put(cluster.keys.cordon("h1"), dumps(record.to_json())))
+    assert all(x.evicting.wait(20) for x in leases), "the leader sent no notice to the drain's leases"
+    assert {x.notice.reason for x in leases if x.notice} == {"drain"}
+    notices = [json.loads(kv.value) for kv in cluster.get_prefix(cluster.keys.evictions())]
+    assert sorted(n["lease_id"] for n in notices) == sorted(x.id for x in leases)
+    assert all(n["requested_by"] == "operator" and 29 <= n["deadline_unix"] - n["created_at"] <= 30.01 for n in notices)
+    for x in leases:
+        x.release()
+    wait_for(lambda: not _status(stub).draining, 20, "the host to be empty")
     stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
 
 
