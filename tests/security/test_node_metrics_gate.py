@@ -94,7 +94,7 @@ def test_node_metrics_serve_only_a_live_operator_or_metrics_certificate(
     # certificate reads the node's own families, and no coordinator family.
     wait_for(lambda: _scrape(port, pki.ca, pki["operator"])[0] == 200, 30, "the node's /metrics to serve the operator")
     status, body = _scrape(port, pki.ca, pki["operator"])
-    assert status == 200 and "gpucoord_node_vram_used_mb" in body, body[:500]
+    assert status == 200 and "gpucoord_node_vram_used_bytes" in body, body[:500]
     assert "gpucoord_releases_total" not in body and "gpucoord_leases" not in body.replace("gpucoord_node_", "")
     roles_before = _refusals(body, "role")
     log_before = daemon.log_path.read_text()
@@ -108,7 +108,7 @@ def test_node_metrics_serve_only_a_live_operator_or_metrics_certificate(
     status, why = _scrape(port, pki.ca, None)   # no client certificate
     assert status == 0, (status, why[:200])
     status, body = _scrape(port, pki.ca, pki["metrics"])
-    assert status == 200 and "gpucoord_node_vram_used_mb" in body, (status, body[:200])
+    assert status == 200 and "gpucoord_node_vram_used_bytes" in body, (status, body[:200])
     # Counted, never logged per refused scrape.
     assert _refusals(_scrape(port, pki.ca, pki["operator"])[1], "role") == roles_before + 3
     added = daemon.log_path.read_text()[len(log_before):]
