@@ -21,6 +21,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
 from coordinator.limits import quote
 from coordinator.metrics_http import MetricsGate
+from coordinator.policy import time_limits
 from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
 from coordinator.replica.cordons import Cordons
 from coordinator.replica.service import CoordinatorService
@@ -99,6 +100,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                  requested_by=record.requested_by, deadline_unix=record.deadline_unix,
                                  grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke,
                                  reclaim_team=record.reclaim, withdrawn=record.withdrawn)
+    def _time_limit(self, request: pb.AcquireRequest) -> tuple[float, float]:
+        """The new lease's (limit, warning): as asked, or the fleet's default; above its maximum: INVALID_ARGUMENT."""
+        c = self.svc.config
+        return time_limits.resolve(request.time_limit_seconds, request.time_limit_warning_seconds,
+                                   c.default_time_limit_s, c.max_time_limit_s, c.time_limit_warning_s)
+
     async def _session(self, ref: pb.SessionRef) -> SessionInfo:
         """The session a call names, once the call's own fields are valid: its fields, then the lookup."""
         validate.session_ref(ref)
@@ -135,6 +142,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         try:
             # Fields first, then the session: a bad request costs no etcd read.
             validate.acquire(request)
+            time_limit = self._time_limit(request)
             info = await self._session(request.session)
             wait_s = request.wait_seconds
             owner = self.svc.owner(info.host)
@@ -154,6 +162,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             parts = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
                                            request.request_id, wait_s, forwarded=bool(forwarded_by(context)),
                                            capped=not operator, min_runtime_s=request.min_runtime_seconds,
+                                           time_limit=time_limit,
                                            gang=Gang(max(request.gpu_count, 1), request.exclusive,
                                                      request.topology or "any", tuple(request.gpus)))
             return pb.AcquireResponse(lease=lease_pb(parts[0], parts=parts), owner=owner[1] if owner is not None else "")

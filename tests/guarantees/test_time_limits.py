@@ -1,0 +1,111 @@
+"""Time limits (issue 31, README "Time limits"): a lease granted with ``time_limit`` gets an eviction notice with
+the reason ``time-limit`` at its end minus the warning, and is revoked at its end (the kill margin and G3's order
+as for any notice); a waiter for its GPU is granted once it is gone. Only the order is asserted (not before the end
+minus the warning, gone only after the end), with liveness deadlines and no upper time bound. The fleet's default
+and maximum; bad input refused naming the field, nothing written. The history checker runs after every test
+(G1, G3 and the time-limit rule: no lease outlives its end + grace + kill margin)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Iterator
+
+import grpc
+import pytest
+
+from agent_client import Client, errors
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
+from tests.support.cluster import Cluster
+from tests.support.rpcs import expect_refused
+from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
+C = grpc.StatusCode
+LIVENESS_S = 60.0
+
+
+@pytest.fixture
+def fleet(cluster: Cluster) -> Iterator[tuple[Cluster, Any, str]]:
+    """Host h1 (one 16 GiB GPU) and one coordinator with a 1 s warning and a 600 s maximum."""
+    addr = cluster.start_coordinator(time_limit_warning_s=1.0, max_time_limit_s=600.0)
+    wait_for(lambda: cluster.get_prefix(cluster.keys.election()), 10, "the coordinator's election key")
+    cluster.start_node("h1", "1x16GiB")
+    wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")), 10, "host h1 to register")
+    channel = grpc.insecure_channel(addr)
+    yield cluster, pb_grpc.CoordinatorStub(channel), addr
+    channel.close()
+
+
+def test_a_lease_gets_a_time_limit_notice_before_its_end_and_is_gone_after_it_and_its_waiter_is_granted(
+        fleet: tuple[Cluster, Any, str]) -> None:
+    cluster, _, addr = fleet
+    with Client(addr, agent="agent-a", host="h1") as a, Client(addr, agent="agent-b", host="h1") as b:
+        before = time.monotonic()
+        held = a.acquire(12000, time_limit=3)
+        assert held.time_limit == 3.0
+        (record,) = cluster.leases()
+        assert (record.time_limit_s, record.time_limit_warning_s) == (3.0, 1.0)
+        # A waiter for the GPU (equal priority: no eviction for it): granted only once the lease is gone.
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append((b.acquire(8000, wait=LIVENESS_S), time.monotonic())))
+        waiter.start()
+        assert held.evicting.wait(LIVENESS_S), "no time-limit notice"
+        noticed = time.monotonic()
+        assert held.notice is not None and held.notice.reason == "time-limit"
+        # Not before the end minus the warning (the leader first saw the lease after ``before``).
+        assert noticed - before >= 3.0 - 1.0, noticed - before
+        (notice,) = [json.loads(kv.value) for kv in cluster.get_prefix(cluster.keys.evictions())]
+        assert notice["reason"] == "time-limit" and notice["requested_by"] == "operator"
+        assert 0 < notice["deadline_unix"] - notice["created_at"] <= 1.0 + 1e-3
+        # The holder does not release: the leader revokes it at its end (+ the kill margin).
+        wait_for(lambda: not [x for x in cluster.leases() if x.id == held.id], LIVENESS_S, "the revoke")
+        gone = time.monotonic()
+        assert gone - before >= 3.0, gone - before
+        waiter.join(LIVENESS_S)
+        assert got, "the waiter was not granted"
+        lease, granted = got[0]
+        assert granted - before >= 3.0, granted - before   # (12000 + 8000 MiB do not fit on 16 GiB: G1)
+        assert [x.id for x in cluster.leases()] == [lease.id] and lease.time_limit == 0.0
+        lease.release()
+
+
+def test_a_lease_without_a_limit_gets_no_notice_and_the_default_and_maximum_apply(
+        fleet: tuple[Cluster, Any, str], cluster: Cluster) -> None:
+    _, stub, addr = fleet
+    with Client(addr, agent="agent-a", host="h1") as a:
+        plain = a.acquire(1000)
+        assert plain.time_limit == 0.0 and "time_limit_s" not in cluster.get_prefix(cluster.keys.leases())[0].value.decode()
+        at_max = a.acquire(1000, time_limit=600, time_limit_warning=30)
+        (stored,) = [x for x in cluster.leases() if x.id == at_max.id]
+        assert (stored.time_limit_s, stored.time_limit_warning_s) == (600.0, 30.0)
+        with pytest.raises(errors.InvalidArgument) as info:
+            a.acquire(1000, time_limit=601)
+        assert info.value.field == "time_limit_seconds" and "maximum" in str(info.value)
+        assert not plain.evicting.is_set() and not at_max.evicting.is_set()
+        sid = a.session_id
+
+    def acquire(**kw: Any) -> Any:
+        return lambda: stub.Acquire(pb.AcquireRequest(session=pb.SessionRef(agent="agent-a", session_id=sid),
+                                                      vram_mb=1000, **kw), timeout=10)
+
+    # (The session is closed: fields are checked before the session is looked up.)
+    for field, bad in (("time_limit_seconds", -1.0), ("time_limit_seconds", float("nan")),
+                       ("time_limit_seconds", 1e12), ("time_limit_seconds", 601.0),
+                       ("time_limit_warning_seconds", -1.0)):
+        expect_refused(cluster, acquire(**{field: bad}), C.INVALID_ARGUMENT, field)
+
+
+def test_the_fleets_default_limit_applies_to_a_request_that_asks_none(cluster: Cluster) -> None:
+    addr = cluster.start_coordinator(default_time_limit_s=3600.0, time_limit_warning_s=60.0)
+    wait_for(lambda: cluster.get_prefix(cluster.keys.election()), 10, "the coordinator's election key")
+    cluster.start_node("h1", "1x16GiB")
+    wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")), 10, "host h1 to register")
+    with Client(addr, agent="agent-a", host="h1") as a:
+        lease = a.acquire(1000)
+        assert lease.time_limit == 3600.0
+        (stored,) = cluster.leases()
+        assert (stored.time_limit_s, stored.time_limit_warning_s) == (3600.0, 60.0)
+        shorter = a.acquire(1000, time_limit=120)
+        assert shorter.time_limit == 120.0
