@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator import errors
+from coordinator.cli.common import duration
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.etcd.types import KV
 from coordinator.limits import MAX_TIME_LIMIT_S
@@ -131,3 +132,15 @@ def test_the_fleets_time_limit_settings_are_bounded(field: str) -> None:
     with pytest.raises(ConfigError) as info:
         CoordinatorConfig(default_time_limit_s=7200, max_time_limit_s=3600).validate()
     assert info.value.field == "default_time_limit_s"
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90.0), ("90s", 90.0), ("5m", 300.0), ("2h", 7200.0),
+                                               ("1.5h", 5400.0), ("1d", 86400.0), ("0", 0.0), (" 2H ", 7200.0)])
+def test_durations_of_the_command_line(text: str, seconds: float) -> None:
+    assert duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "h", "2x", "-5", "nan", "inf", "5 m m", "1e999"])
+def test_a_bad_duration_is_a_value_error(bad: str) -> None:
+    with pytest.raises(ValueError, match="is not a duration"):
+        duration(bad)
