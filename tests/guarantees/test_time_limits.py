@@ -109,3 +109,24 @@ def test_the_fleets_default_limit_applies_to_a_request_that_asks_none(cluster: C
         assert (stored.time_limit_s, stored.time_limit_warning_s) == (3600.0, 60.0)
         shorter = a.acquire(1000, time_limit=120)
         assert shorter.time_limit == 120.0
+
+
+def test_after_a_leader_change_the_new_leader_warns_and_revokes_never_early(cluster: Cluster) -> None:
+    """Two replicas: the lease is granted while A leads, then A stops before the warning; B, which saw the grant
+    through its watch, sends the notice and revokes at the end as measured from when it saw the lease."""
+    first = cluster.start_coordinator(time_limit_warning_s=1.0)
+    wait_for(lambda: cluster.service(first).leadership.is_leader, 10, "the first replica to lead")
+    second = cluster.start_coordinator(time_limit_warning_s=1.0)
+    wait_for(lambda: len(cluster.get_prefix(cluster.keys.election())) == 2, 10, "the second replica's candidacy")
+    cluster.start_node("h1", "1x16GiB")
+    wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")), 10, "host h1 to register")
+    with Client(second, agent="agent-a", host="h1") as a:
+        before = time.monotonic()
+        held = a.acquire(12000, time_limit=6)
+        cluster.stop_coordinator(first)
+        wait_for(lambda: cluster.service(second).leadership.is_leader, LIVENESS_S, "the second replica to lead")
+        assert held.evicting.wait(LIVENESS_S), "no time-limit notice from the new leader"
+        assert held.notice is not None and held.notice.reason == "time-limit"
+        assert time.monotonic() - before >= 6.0 - 1.0
+        wait_for(lambda: not [x for x in cluster.leases() if x.id == held.id], LIVENESS_S, "the revoke")
+        assert time.monotonic() - before >= 6.0
