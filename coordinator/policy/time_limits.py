@@ -24,18 +24,22 @@ def check(seconds: float, field: str = FIELD) -> None:
 
 
 def resolve(asked_s: float, asked_warning_s: float, default_s: float, max_s: float,
-            warning_s: float) -> tuple[float, float]:
+            warning_s: float, min_runtime_s: float = 0.0) -> tuple[float, float]:
     """The (limit, warning) a new lease records, from what was asked (validated by ``check``) and the
     coordinator's ``default_time_limit_s``, ``max_time_limit_s`` (0: none) and ``time_limit_warning_s``.
     No limit asked takes the default; a limit above the maximum is INVALID_ARGUMENT naming
     ``time_limit_seconds``. The warning is the one asked (0: the coordinator's), capped at the limit; (0, 0)
-    for a lease without a limit."""
+    for a lease without a limit. A minimum runtime (teams) above the limit is INVALID_ARGUMENT naming
+    ``min_runtime_seconds``: the lease could not run it."""
     if max_s and asked_s > max_s:
         raise errors.InvalidArgument(f"{FIELD}: {asked_s:g} s is above this fleet's maximum time limit "
                                      f"({max_s:g} s)", FIELD)
     limit = asked_s or default_s
     if not limit:
         return 0.0, 0.0
+    if min_runtime_s > limit:
+        raise errors.InvalidArgument(f"min_runtime_seconds: {min_runtime_s:g} s is above the lease's time limit "
+                                     f"({limit:g} s)", "min_runtime_seconds")
     return limit, min(asked_warning_s or warning_s, limit)
 
 

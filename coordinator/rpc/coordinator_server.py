@@ -104,7 +104,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         """The new lease's (limit, warning): as asked, or the fleet's default; above its maximum: INVALID_ARGUMENT."""
         c = self.svc.config
         return time_limits.resolve(request.time_limit_seconds, request.time_limit_warning_seconds,
-                                   c.default_time_limit_s, c.max_time_limit_s, c.time_limit_warning_s)
+                                   c.default_time_limit_s, c.max_time_limit_s, c.time_limit_warning_s,
+                                   request.min_runtime_seconds)
 
     async def _session(self, ref: pb.SessionRef) -> SessionInfo:
         """The session a call names, once the call's own fields are valid: its fields, then the lookup."""

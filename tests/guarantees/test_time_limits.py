@@ -95,6 +95,9 @@ def test_a_lease_without_a_limit_gets_no_notice_and_the_default_and_maximum_appl
                        ("time_limit_seconds", 1e12), ("time_limit_seconds", 601.0),
                        ("time_limit_warning_seconds", -1.0)):
         expect_refused(cluster, acquire(**{field: bad}), C.INVALID_ARGUMENT, field)
+    # A minimum runtime (teams) longer than the limit could not be run.
+    expect_refused(cluster, acquire(time_limit_seconds=60, min_runtime_seconds=61), C.INVALID_ARGUMENT,
+                   "min_runtime_seconds")
 
 
 def test_the_fleets_default_limit_applies_to_a_request_that_asks_none(cluster: Cluster) -> None:

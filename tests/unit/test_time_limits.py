@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from coordinator import errors
 from coordinator.cli.common import duration
+from coordinator.cli.render import _time_limit
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.etcd.types import KV
 from coordinator.limits import MAX_TIME_LIMIT_S
@@ -50,6 +51,13 @@ def test_resolve_default_maximum_and_warning() -> None:
     with pytest.raises(errors.InvalidArgument) as info:
         resolve(601, 0, 0, 600, 120)
     assert info.value.field == "time_limit_seconds" and "maximum" in str(info.value)
+    # A minimum runtime (teams) is at most the limit, the default's too.
+    assert resolve(600, 0, 0, 0, 120, min_runtime_s=600) == (600, 120)
+    assert resolve(0, 0, 0, 0, 120, min_runtime_s=1e6) == (0.0, 0.0)
+    for asked, default in ((600, 0), (0, 600)):
+        with pytest.raises(errors.InvalidArgument) as info:
+            resolve(asked, 0, default, 0, 120, min_runtime_s=601)
+        assert info.value.field == "min_runtime_seconds"
 
 
 @given(st.floats(0, 1e6), st.floats(0, 1e6), st.floats(0, 1e6), st.floats(0, 1e6), st.floats(0, 1e6))
@@ -144,3 +152,9 @@ def test_durations_of_the_command_line(text: str, seconds: float) -> None:
 def test_a_bad_duration_is_a_value_error(bad: str) -> None:
     with pytest.raises(ValueError, match="is not a duration"):
         duration(bad)
+
+
+def test_status_marks_a_lease_with_a_limit_and_the_time_left() -> None:
+    assert _time_limit({"time_limit_seconds": 60.0, "created_at": 100.0}, 130.0) == " time limit 60s, ends in 30s"
+    assert _time_limit({"time_limit_seconds": 60.0, "created_at": 100.0}, 190.0) == " time limit 60s, at its end"
+    assert _time_limit({"time_limit_seconds": 0.0, "created_at": 100.0}, 130.0) == ""
