@@ -61,7 +61,7 @@ def test_run_time_gets_sigterm_at_end_minus_signal_before_and_is_gone_after_the_
     assert died - before >= 4.0 and died >= term_at, (before, term_at, died)
     _, err = run.communicate(timeout=LIVENESS_S)
     assert run.returncode == 137, err
-    assert "time-limit" in err or "time limit" in err, err
+    assert "evicted by operator (time-limit): SIGTERM at the notice, SIGKILL at the eviction deadline" in err, err
 
 
 @pytest.mark.parametrize("flags", [("--time", "2x"), ("--time", "-5"), ("--signal-before", "soon"),
