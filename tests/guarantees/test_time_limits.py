@@ -133,3 +133,23 @@ def test_after_a_leader_change_the_new_leader_warns_and_revokes_never_early(clus
         assert time.monotonic() - before >= 6.0 - 1.0
         wait_for(lambda: not [x for x in cluster.leases() if x.id == held.id], LIVENESS_S, "the revoke")
         assert time.monotonic() - before >= 6.0
+
+
+def test_a_load_with_time_limits_over_two_replicas_keeps_every_guarantee(cluster: Cluster) -> None:
+    """8 agents over two replicas, half of them asking 1 s limits and holding up to 2 s, while a held lease with a
+    limit is never released: every call ends with a documented status, the held lease is revoked, and the history
+    checker (G1, G3, G5, G6 and the time-limit rule) replays it all."""
+    import asyncio
+
+    from tests.support.load import run_load
+
+    cluster.start_node("h1", "2x16GiB")
+    a, b = cluster.start_coordinator(time_limit_warning_s=0.5), cluster.start_coordinator(time_limit_warning_s=0.5)
+    limits = {f"agent-{i}": 1.0 for i in range(0, 8, 2)}
+    with Client([b, a], agent="holder", host="h1") as c:
+        held = c.acquire(2000, time_limit=2)
+        load = asyncio.run(run_load([[a, b], [b, a]] * 4, "h1", 8.0, seed=31, time_limits=limits))
+        assert not load.undocumented(), load.undocumented()[:5]
+        assert load.granted > 0
+        assert held.evicting.wait(LIVENESS_S) and held.notice is not None and held.notice.reason == "time-limit"
+        wait_for(lambda: not [x for x in cluster.leases() if x.id == held.id], LIVENESS_S, "the held lease's revoke")
