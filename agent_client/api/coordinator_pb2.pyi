@@ -520,7 +520,7 @@ class SessionResponse(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., details: _Optional[bytes] = ...) -> None: ...
 
 class Team(_message.Message):
-    __slots__ = ("name", "quota_mb", "has_limit", "limit_mb", "weight", "members", "quota_by_model_mb", "max_min_runtime_seconds")
+    __slots__ = ("name", "quota_mb", "has_limit", "limit_mb", "weight", "members", "quota_by_model_mb", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds")
     class QuotaByModelMbEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +536,8 @@ class Team(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BY_MODEL_MB_FIELD_NUMBER: _ClassVar[int]
     MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_mb: int
     has_limit: bool
@@ -544,7 +546,9 @@ class Team(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[str]
     quota_by_model_mb: _containers.ScalarMap[str, int]
     max_min_runtime_seconds: float
-    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ...) -> None: ...
+    max_time_limit_seconds: float
+    default_time_limit_seconds: float
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ...) -> None: ...
 
 class TeamUsage(_message.Message):
     __slots__ = ("used_mb", "borrowed_mb", "waiting_mb", "leases", "over_quota_leases", "waiting")
@@ -592,7 +596,7 @@ class TeamModelQuotas(_message.Message):
     def __init__(self, mb: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SetTeamRequest(_message.Message):
-    __slots__ = ("name", "quota_mb", "limit_mb", "weight", "members", "quota_by_model", "max_min_runtime_seconds")
+    __slots__ = ("name", "quota_mb", "limit_mb", "weight", "members", "quota_by_model", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     QUOTA_MB_FIELD_NUMBER: _ClassVar[int]
     LIMIT_MB_FIELD_NUMBER: _ClassVar[int]
@@ -600,6 +604,8 @@ class SetTeamRequest(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BY_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_mb: int
     limit_mb: int
@@ -607,7 +613,9 @@ class SetTeamRequest(_message.Message):
     members: TeamMembers
     quota_by_model: TeamModelQuotas
     max_min_runtime_seconds: float
-    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Union[TeamMembers, _Mapping]] = ..., quota_by_model: _Optional[_Union[TeamModelQuotas, _Mapping]] = ..., max_min_runtime_seconds: _Optional[float] = ...) -> None: ...
+    max_time_limit_seconds: float
+    default_time_limit_seconds: float
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Union[TeamMembers, _Mapping]] = ..., quota_by_model: _Optional[_Union[TeamModelQuotas, _Mapping]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ...) -> None: ...
 
 class SetTeamResponse(_message.Message):
     __slots__ = ("team", "created")

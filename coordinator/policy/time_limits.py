@@ -27,10 +27,13 @@ def resolve(asked_s: float, asked_warning_s: float, default_s: float, max_s: flo
             warning_s: float, min_runtime_s: float = 0.0) -> tuple[float, float]:
     """The (limit, warning) a new lease records, from what was asked (validated by ``check``) and the
     coordinator's ``default_time_limit_s``, ``max_time_limit_s`` (0: none) and ``time_limit_warning_s``.
-    No limit asked takes the default; a limit above the maximum is INVALID_ARGUMENT naming
+    ``default_s`` and ``max_s`` are the team's where it sets them (``team_limits``). No limit asked takes the
+    default (capped at the maximum); a limit above the maximum is INVALID_ARGUMENT naming
     ``time_limit_seconds``. The warning is the one asked (0: the coordinator's), capped at the limit; (0, 0)
     for a lease without a limit. A minimum runtime (teams) above the limit is INVALID_ARGUMENT naming
     ``min_runtime_seconds``: the lease could not run it."""
+    if max_s and default_s > max_s:
+        default_s = max_s   # (a fleet's default above a team's maximum)
     if max_s and asked_s > max_s:
         raise errors.InvalidArgument(f"{FIELD}: {asked_s:g} s is above this fleet's maximum time limit "
                                      f"({max_s:g} s)", FIELD)
@@ -41,6 +44,14 @@ def resolve(asked_s: float, asked_warning_s: float, default_s: float, max_s: flo
         raise errors.InvalidArgument(f"min_runtime_seconds: {min_runtime_s:g} s is above the lease's time limit "
                                      f"({limit:g} s)", "min_runtime_seconds")
     return limit, min(asked_warning_s or warning_s, limit)
+
+
+def team_limits(fleet_default_s: float, fleet_max_s: float, team_default_s: float,
+                team_max_s: float) -> tuple[float, float]:
+    """The (default, maximum) for an agent: its team's where the team sets them, the tighter maximum of the two
+    (0: none)."""
+    maxima = [x for x in (fleet_max_s, team_max_s) if x]
+    return team_default_s or fleet_default_s, min(maxima) if maxima else 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from coordinator.policy import time_limits
 from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
 from coordinator.replica.cordons import Cordons
 from coordinator.replica.service import CoordinatorService
-from coordinator.replica.teams import Teams
+from coordinator.replica.teams import Teams, mirror_membership
 from coordinator.rpc import certificates, validate
 from coordinator.rpc import teams as team_rpcs
 from coordinator.rpc.forward import Forwarder, forwarded_by
@@ -101,11 +101,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                  grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke,
                                  reclaim_team=record.reclaim, withdrawn=record.withdrawn)
     def _time_limit(self, request: pb.AcquireRequest) -> tuple[float, float]:
-        """The new lease's (limit, warning): as asked, or the fleet's default; above its maximum: INVALID_ARGUMENT."""
+        """The new lease's (limit, warning): as asked, or the default (its team's, else the fleet's); above the
+        maximum (the fleet's or its team's, the tighter): INVALID_ARGUMENT."""
         c = self.svc.config
-        return time_limits.resolve(request.time_limit_seconds, request.time_limit_warning_seconds,
-                                   c.default_time_limit_s, c.max_time_limit_s, c.time_limit_warning_s,
-                                   request.min_runtime_seconds)
+        membership = mirror_membership(self.svc.ctx.mirror)
+        team = membership.team(membership.team_of(request.session.agent)) if membership is not None else None
+        default, most = time_limits.team_limits(c.default_time_limit_s, c.max_time_limit_s,
+                                                team.default_time_limit_s if team is not None else 0.0,
+                                                team.max_time_limit_s if team is not None else 0.0)
+        return time_limits.resolve(request.time_limit_seconds, request.time_limit_warning_seconds, default, most,
+                                   c.time_limit_warning_s, request.min_runtime_seconds)
 
     async def _session(self, ref: pb.SessionRef) -> SessionInfo:
         """The session a call names, once the call's own fields are valid: its fields, then the lookup."""

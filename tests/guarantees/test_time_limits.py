@@ -153,3 +153,24 @@ def test_a_load_with_time_limits_over_two_replicas_keeps_every_guarantee(cluster
         assert load.granted > 0
         assert held.evicting.wait(LIVENESS_S) and held.notice is not None and held.notice.reason == "time-limit"
         wait_for(lambda: not [x for x in cluster.leases() if x.id == held.id], LIVENESS_S, "the held lease's revoke")
+
+
+def test_a_teams_maximum_and_default_apply_to_its_agents_only(fleet: tuple[Cluster, Any, str]) -> None:
+    """The fleet: a 600 s maximum, no default. Team ``short`` (agent-s): at most 60 s, 30 s by default."""
+    cluster, stub, addr = fleet
+    resp = stub.SetTeam(pb.SetTeamRequest(name="short", members=pb.TeamMembers(patterns=["agent-s"]),
+                                          max_time_limit_seconds=60, default_time_limit_seconds=30), timeout=10)
+    assert (resp.team.max_time_limit_seconds, resp.team.default_time_limit_seconds) == (60.0, 30.0)
+    stored = json.loads(cluster.get_prefix(cluster.keys.team("short"))[0].value)
+    assert (stored["max_time_limit_s"], stored["default_time_limit_s"]) == (60.0, 30.0)
+    expect_refused(cluster, lambda: stub.SetTeam(pb.SetTeamRequest(name="short", default_time_limit_seconds=61),
+                                                 timeout=10), C.INVALID_ARGUMENT, "default_time_limit_s")
+    with Client(addr, agent="agent-s", host="h1") as s, Client(addr, agent="agent-o", host="h1") as o:
+        # (the replica's mirror follows the team's write: poll until the default shows)
+        wait_for(lambda: s.acquire(100).time_limit == 30.0, LIVENESS_S, "the team's default")
+        assert s.acquire(100, time_limit=60).time_limit == 60.0
+        with pytest.raises(errors.InvalidArgument) as info:
+            s.acquire(100, time_limit=61)
+        assert info.value.field == "time_limit_seconds"
+        assert o.acquire(100).time_limit == 0.0                    # another team: the fleet's (no default)
+        assert o.acquire(100, time_limit=600).time_limit == 600.0  # and the fleet's maximum

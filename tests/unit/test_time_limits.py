@@ -17,7 +17,16 @@ from coordinator.cli.render import _time_limit
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.etcd.types import KV
 from coordinator.limits import MAX_TIME_LIMIT_S
-from coordinator.policy.time_limits import MIN_GRACE_S, Limited, check, due, resolve
+from coordinator.policy.team_fields import TeamError
+from coordinator.policy.teams import Team
+from coordinator.policy.time_limits import (
+    MIN_GRACE_S,
+    Limited,
+    check,
+    due,
+    resolve,
+    team_limits,
+)
 from coordinator.records import InvalidRecord, QueueEntry, VramLease
 
 pytestmark = pytest.mark.unit
@@ -158,3 +167,29 @@ def test_status_marks_a_lease_with_a_limit_and_the_time_left() -> None:
     assert _time_limit({"time_limit_seconds": 60.0, "created_at": 100.0}, 130.0) == " time limit 60s, ends in 30s"
     assert _time_limit({"time_limit_seconds": 60.0, "created_at": 100.0}, 190.0) == " time limit 60s, at its end"
     assert _time_limit({"time_limit_seconds": 0.0, "created_at": 100.0}, 130.0) == ""
+
+
+def test_a_teams_limits_win_over_the_fleets_and_the_tighter_maximum_applies() -> None:
+    assert team_limits(0, 0, 0, 0) == (0, 0.0)
+    assert team_limits(600, 0, 0, 0) == (600, 0.0)           # the fleet's default
+    assert team_limits(600, 0, 30, 0) == (30, 0.0)           # the team's default wins
+    assert team_limits(0, 3600, 0, 60) == (0, 60)            # the tighter maximum
+    assert team_limits(0, 60, 0, 3600) == (0, 60)
+    # A fleet's default above a team's maximum is capped at it; a request above it is refused.
+    assert resolve(0, 0, *team_limits(600, 0, 0, 60), 120) == (60, 60)
+    with pytest.raises(errors.InvalidArgument):
+        resolve(61, 0, *team_limits(0, 0, 0, 60), 120)
+
+
+def test_a_teams_time_limits_are_stored_only_when_set_and_checked() -> None:
+    plain = Team(name="research")
+    assert "max_time_limit_s" not in plain.to_json() and "default_time_limit_s" not in plain.to_json()
+    team = plain.changed({"max_time_limit_s": 7200.0, "default_time_limit_s": 3600.0})
+    assert (team.max_time_limit_s, team.default_time_limit_s) == (7200.0, 3600.0)
+    assert Team.from_json(team.to_json(), "research") == team
+    for changes, field in (({"max_time_limit_s": -1}, "max_time_limit_s"),
+                           ({"default_time_limit_s": MAX_TIME_LIMIT_S + 1}, "default_time_limit_s"),
+                           ({"max_time_limit_s": 60, "default_time_limit_s": 61}, "default_time_limit_s")):
+        with pytest.raises(TeamError) as info:
+            plain.changed(changes)
+        assert info.value.field == field
