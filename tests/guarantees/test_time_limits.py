@@ -167,7 +167,11 @@ def test_a_teams_maximum_and_default_apply_to_its_agents_only(fleet: tuple[Clust
                                                  timeout=10), C.INVALID_ARGUMENT, "default_time_limit_s")
     with Client(addr, agent="agent-s", host="h1") as s, Client(addr, agent="agent-o", host="h1") as o:
         # (the replica's mirror follows the team's write: poll until the default shows)
-        wait_for(lambda: s.acquire(100).time_limit == 30.0, LIVENESS_S, "the team's default")
+        def default_shows() -> bool:
+            lease = s.acquire(100)
+            lease.release()
+            return lease.time_limit == 30.0
+        wait_for(default_shows, LIVENESS_S, "the team's default")
         assert s.acquire(100, time_limit=60).time_limit == 60.0
         with pytest.raises(errors.InvalidArgument) as info:
             s.acquire(100, time_limit=61)
