@@ -214,12 +214,17 @@ class AsyncClient:
     async def acquire(self, vram_mb: int = 0, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
                       wait: float = 0.0, request_id: str | None = None, *, gpu_count: int = 1,
                       exclusive: bool = False, topology: str = "any",
-                      gpus: Sequence[int | str] = (), min_runtime: float = 0.0) -> AsyncLease:
+                      gpus: Sequence[int | str] = (), min_runtime: float = 0.0, time_limit: float = 0.0,
+                      time_limit_warning: float = 0.0) -> AsyncLease:
         """Acquire ``vram_mb`` MiB on one GPU, or a gang: ``vram_mb`` on each of ``gpu_count`` GPUs (whole
         GPUs with ``exclusive``, ``vram_mb`` 0), joined by ``topology`` (``any``, ``numa``, ``nvlink``), or the
         exact ``gpus``; all granted together or not at all, as one lease (``lease.gpus``). Raises
         ResourceExhausted when it does not fit (after ``wait``). ``min_runtime``: seconds the lease runs before
-        another team may reclaim it while it is over its team's quota (capped by the team's maximum)."""
+        another team may reclaim it while it is over its team's quota (capped by the team's maximum).
+        ``time_limit``: seconds after the grant at which the lease is revoked (0: none, or the fleet's default;
+        at most 30 days and the fleet's maximum, else InvalidArgument naming ``time_limit_seconds``), with an
+        eviction notice (reason ``time-limit``) ``time_limit_warning`` seconds before (0: the fleet's warning;
+        capped at the limit). README "Time limits"."""
         if self.done.is_set():
             # The same reason and field as the coordinator's answer for a gone session: which of the two the
             # caller meets first (the keepalive stream's or its own call's) is a matter of speed.
@@ -236,7 +241,8 @@ class AsyncClient:
                                      priority=priority, preemptible=preemptible, request_id=request_id,
                                      wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0,
                                      gpu_count=gpu_count, exclusive=exclusive, topology=topology,
-                                     gpus=[str(g) for g in gpus], min_runtime_seconds=min_runtime)
+                                     gpus=[str(g) for g in gpus], min_runtime_seconds=min_runtime,
+                                     time_limit_seconds=time_limit, time_limit_warning_seconds=time_limit_warning)
         resp = await self._call("Acquire", request, retry_for=max(self.retry_for, wait),
                                 wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
         # Host ownership: the next acquires go straight to the replica that admits on our host, saving

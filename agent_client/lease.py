@@ -79,6 +79,8 @@ class _LeaseBase:
         # Teams: over its team's quota when granted (borrowed), and its declared minimum runtime.
         self.over_quota: bool = msg.over_quota
         self.min_runtime: float = msg.min_runtime_seconds
+        # Time limits: the limit it was granted with (0: none); it ends time_limit seconds after its grant.
+        self.time_limit: float = msg.time_limit_seconds
         self.evicting = threading.Event()
         self.notice: EvictionNotice | None = None
         self.released = False

@@ -78,7 +78,8 @@ class SessionClient(Protocol):
     async def acquire(self, vram_mb: int = 0, gpu: int | str | None = None, priority: int = 0,
                       preemptible: bool = True, wait: float = 0.0, request_id: str | None = None, *,
                       gpu_count: int = 1, exclusive: bool = False, topology: str = "any",
-                      gpus: Sequence[int | str] = (), min_runtime: float = 0.0) -> AsyncLease: ...
+                      gpus: Sequence[int | str] = (), min_runtime: float = 0.0, time_limit: float = 0.0,
+                      time_limit_warning: float = 0.0) -> AsyncLease: ...
 
     async def partition(self) -> dict[str, object]: ...
 
@@ -107,6 +108,8 @@ class CommandOptions(TypedDict, total=False):
     exclusive: bool
     topology: str
     min_runtime: float
+    time_limit: float
+    time_limit_warning: float
     kill_after: float | None
     cgroup_root: str | None
     env: Mapping[str, str] | None
@@ -144,7 +147,9 @@ class AsyncBoundProcess(Supervised):
     as proc: await proc.wait()``; see the module's docstring for what binds it.
 
     Options: ``gpu``, ``priority``, ``preemptible``, ``wait``, ``request_id``, ``gpu_count``, ``exclusive``,
-    ``topology``, ``min_runtime`` (as ``acquire``; a gang's GPUs all go into ``CUDA_VISIBLE_DEVICES``);
+    ``topology``, ``min_runtime``, ``time_limit``, ``time_limit_warning`` (as ``acquire``; a gang's GPUs all go
+    into ``CUDA_VISIBLE_DEVICES``; the time limit's notice is an eviction notice like any other: SIGTERM, then
+    SIGKILL at its deadline, the lease's end);
     ``kill_after`` (seconds from SIGTERM to SIGKILL on eviction, never past the deadline; and on
     ``stop()``); ``cgroup_root``; ``env`` (default: this process's), ``cwd``, ``stdin``, ``stdout``,
     ``stderr`` (as ``subprocess.Popen``); ``check_interval`` (how often the lease's existence is
@@ -161,14 +166,15 @@ class AsyncBoundProcess(Supervised):
                  stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None, check_interval: float | None = None,
                  say: Callable[[str], None] | None = None, foreground: bool = False,
                  gpu_count: int = 1, exclusive: bool = False, topology: str = "any",
-                 min_runtime: float = 0.0) -> None:
+                 min_runtime: float = 0.0, time_limit: float = 0.0, time_limit_warning: float = 0.0) -> None:
         if not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError("cmd: a non-empty list of strings is needed")
         if kill_after is not None and not 0 <= kill_after <= 3600:
             raise ValueError("kill_after: must be within [0, 3600] seconds")
         self.client, self.cmd, self.vram_mb = client, list(cmd), vram_mb
         self._acquire = dict(gpu=gpu, priority=priority, preemptible=preemptible, wait=wait, request_id=request_id,
-                             gpu_count=gpu_count, exclusive=exclusive, topology=topology, min_runtime=min_runtime)
+                             gpu_count=gpu_count, exclusive=exclusive, topology=topology, min_runtime=min_runtime,
+                             time_limit=time_limit, time_limit_warning=time_limit_warning)
         self.kill_after, self.cgroup_root = kill_after, cgroup_root
         self._env = dict(os.environ if env is None else env)
         self._popen = dict(cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)

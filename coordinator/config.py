@@ -12,7 +12,7 @@ import tomllib
 from typing import TYPE_CHECKING, Any, Mapping
 
 from coordinator.keys import DEFAULT_PREFIX
-from coordinator.limits import MAX_KILL_MARGIN_S, MAX_TTL_S, MIN_TTL_S
+from coordinator.limits import MAX_KILL_MARGIN_S, MAX_TIME_LIMIT_S, MAX_TTL_S, MIN_TTL_S
 
 # Config sits above security (and security imports nothing of config). Its imports of security are made
 # where they are used: they load grpc and aetcd, which the pure policy (importing config) must not load.
@@ -44,6 +44,12 @@ class CoordinatorConfig:
     # A lease under an eviction notice is revoked by force this long after its deadline, and the VRAM of
     # a process-bound lease counts as held until then unless its processes are gone first (README, G3).
     eviction_kill_margin_s: float = 2.0
+    # Time limits (README "Time limits"): the warning notice goes this long before a lease's end (capped at its
+    # limit; a request may ask another), a request with no limit gets the default (0: none), and no limit may
+    # be above the maximum (0: only MAX_TIME_LIMIT_S).
+    time_limit_warning_s: float = 120.0
+    default_time_limit_s: float = 0.0
+    max_time_limit_s: float = 0.0
     # Usage accounting (README, "Usage accounting"): raw records are kept this long after their lease ended,
     # hourly rollups this many days.
     usage_retention_s: float = 7 * 86400.0
@@ -117,6 +123,11 @@ class CoordinatorConfig:
         if not 0 <= self.eviction_kill_margin_s <= MAX_KILL_MARGIN_S:
             raise ConfigError("eviction_kill_margin_s", f"must be within [0, {MAX_KILL_MARGIN_S:g}] seconds, got "
                                                         f"{self.eviction_kill_margin_s}")
+        for name in ("time_limit_warning_s", "default_time_limit_s", "max_time_limit_s"):
+            if not 0 <= getattr(self, name) <= MAX_TIME_LIMIT_S:
+                raise ConfigError(name, f"must be within [0, {MAX_TIME_LIMIT_S:g}] seconds, got {getattr(self, name)}")
+        if self.max_time_limit_s and self.default_time_limit_s > self.max_time_limit_s:
+            raise ConfigError("default_time_limit_s", "must be <= max_time_limit_s")
         if not 0 < self.usage_retention_s < float("inf"):
             raise ConfigError("usage_retention_s", f"must be a finite number of seconds > 0, got {self.usage_retention_s}")
         if self.usage_rollup_days < 1:

@@ -22,7 +22,10 @@ MAX_STORED_INT = 2**62
 # during a rolling upgrade; a record of a format above ``FORMAT`` is refused (``NewerFormat``). Format 3
 # (teams' reclaim, issue 22) adds ``min_runtime_s`` (a lease's and a waiting request's minimum runtime before
 # it may be reclaimed) and a lease's ``over_quota`` mark; only records that carry one of them are written in it.
-FORMAT = 3
+# Format 4 (time limits, issue 31) adds ``time_limit_s`` and ``time_limit_warning_s`` (a lease's limit, its end
+# being ``created_at`` + the limit, and how long before it its holder is warned); only records with a limit
+# are written in it, and a record without them (an earlier release's) has no limit.
+FORMAT = 4
 
 
 class InvalidRecord(ValueError):
@@ -58,6 +61,14 @@ def num_of(d: object, field: str, default: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise fail(field, f"expected a finite number, got {type(v).__name__}")
     return float(v)
+
+
+def seconds_of(d: dict[str, object], field: str) -> float:
+    """A record's duration field (0 when absent): seconds, at least 0."""
+    v = num_of(d, field, 0.0)
+    if v < 0:
+        raise fail(field, "expected seconds, at least 0")
+    return v
 
 
 def str_of(d: object, field: str, default: str | None = None, name: bool = False) -> str:

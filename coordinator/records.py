@@ -26,6 +26,7 @@ from coordinator.record_fields import (
     load_record,
     loads,
     num_of,
+    seconds_of,
     str_of,
     unknown_fields,
 )
@@ -95,6 +96,10 @@ class VramLease:
     # classifies the live leases again, oldest first).
     min_runtime_s: float = 0.0
     over_quota: bool | None = None
+    # Time limits (issue 31), format 4: revoked time_limit_s after its grant (0: no limit), with an eviction
+    # notice (reason ``time-limit``) time_limit_warning_s before (``replica/time_limits.py``).
+    time_limit_s: float = 0.0
+    time_limit_warning_s: float = 0.0
     etcd_lease: int = 0
     mod_revision: int = 0
 
@@ -105,6 +110,8 @@ class VramLease:
 
     @property
     def format(self) -> int:
+        if self.time_limit_s:
+            return 4
         if self.min_runtime_s or self.over_quota is not None:
             return 3
         return 2 if self.gang or self.exclusive or self.topology != "any" else 1
@@ -120,6 +127,8 @@ class VramLease:
             d["min_runtime_s"] = self.min_runtime_s
             if self.over_quota is not None:
                 d["over_quota"] = self.over_quota
+        if self.format > 3:
+            d.update(time_limit_s=self.time_limit_s, time_limit_warning_s=self.time_limit_warning_s)
         return d
 
     @classmethod
@@ -127,7 +136,8 @@ class VramLease:
         """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
         version = format_of(d, "lease")
-        unknown_fields(d, _LEASE_KEYS if version > 2 else _LEASE_KEYS_V2 if version > 1 else _LEASE_KEYS_V1)
+        unknown_fields(d, _LEASE_KEYS if version > 3 else _LEASE_KEYS_V3 if version > 2 else _LEASE_KEYS_V2
+                       if version > 1 else _LEASE_KEYS_V1)
         gpu_uuid = str_of(d, "gpu_uuid")
         gang, exclusive, topology = gang_of(d, gpu_uuid)
         return cls(id=str_of(d, "id", name=True), host=str_of(d, "host"), gpu_uuid=gpu_uuid,
@@ -137,16 +147,9 @@ class VramLease:
                    request_id=str_of(d, "request_id"), token=int_of(d, "token"), created_at=num_of(d, "created_at"),
                    pids=ints_of(d, "pids", 1 << 32, "process ids"), pgid=int_of(d, "pgid", hi=1 << 32, default=0),
                    gang=gang, exclusive=exclusive, topology=topology,
-                   min_runtime_s=min_runtime_of(d), over_quota=bool_of(d, "over_quota") if "over_quota" in d else None,
+                   min_runtime_s=seconds_of(d, "min_runtime_s"), over_quota=bool_of(d, "over_quota") if "over_quota" in d else None,
+                   time_limit_s=seconds_of(d, "time_limit_s"), time_limit_warning_s=seconds_of(d, "time_limit_warning_s"),
                    etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
-
-
-def min_runtime_of(d: dict[str, object]) -> float:
-    """A record's ``min_runtime_s`` (format 3; 0 when absent): seconds, at least 0."""
-    v = num_of(d, "min_runtime_s", 0.0)
-    if v < 0:
-        raise fail("min_runtime_s", "expected seconds, at least 0")
-    return v
 
 
 def gang_of(d: dict[str, object], gpu_uuid: str) -> tuple[tuple[str, ...], bool, str]:
@@ -164,10 +167,12 @@ def gang_of(d: dict[str, object], gpu_uuid: str) -> tuple[tuple[str, ...], bool,
 
 _LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease)
                       if f.name not in ("etcd_lease", "mod_revision", "pids", "pgid", "gang", "exclusive",
-                                        "topology", "min_runtime_s", "over_quota"))
+                                        "topology", "min_runtime_s", "over_quota", "time_limit_s",
+                                        "time_limit_warning_s"))
 _LEASE_KEYS_V1 = frozenset(_LEASE_FIELDS) | {"pids", "pgid"}
 _LEASE_KEYS_V2 = _LEASE_KEYS_V1 | {"format", "gang", "exclusive", "topology"}
-_LEASE_KEYS = _LEASE_KEYS_V2 | {"min_runtime_s", "over_quota"}
+_LEASE_KEYS_V3 = _LEASE_KEYS_V2 | {"min_runtime_s", "over_quota"}
+_LEASE_KEYS = _LEASE_KEYS_V3 | {"time_limit_s", "time_limit_warning_s"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,10 +226,14 @@ class QueueEntry:
     topology: str = "any"
     gpus: tuple[str, ...] = ()      # the exact GPUs asked for (indexes or uuids), () for any
     min_runtime_s: float = 0.0      # format 3: the minimum runtime its lease declares (teams' reclaim)
+    time_limit_s: float = 0.0       # format 4: its lease's time limit and warning (as on VramLease)
+    time_limit_warning_s: float = 0.0
     mod_revision: int = 0
 
     @property
     def format(self) -> int:
+        if self.time_limit_s:
+            return 4
         if self.min_runtime_s:
             return 3
         return 2 if self.gpu_count != 1 or self.exclusive or self.topology != "any" or self.gpus else 1
@@ -241,6 +250,8 @@ class QueueEntry:
                 d.pop(f)
         if self.format < 3:
             d.pop("min_runtime_s")
+        if self.format < 4:
+            d.pop("time_limit_s"), d.pop("time_limit_warning_s")
         return d
 
     @classmethod
@@ -248,8 +259,9 @@ class QueueEntry:
         """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
         version = format_of(d, "queue")
-        unknown_fields(d, _QUEUE_KEYS if version > 2 else _QUEUE_KEYS - _QUEUE_V3 if version > 1
-                       else _QUEUE_KEYS - _QUEUE_V2 - _QUEUE_V3 - {"format"})
+        unknown_fields(d, _QUEUE_KEYS if version > 3 else _QUEUE_KEYS - _QUEUE_V4 if version > 2
+                       else _QUEUE_KEYS - _QUEUE_V3 - _QUEUE_V4 if version > 1
+                       else _QUEUE_KEYS - _QUEUE_V2 - _QUEUE_V3 - _QUEUE_V4 - {"format"})
         victims = list_of(d, "victims", [])
         gpus = list_of(d, "gpus", [])
         if not all(isinstance(v, str) for v in victims):
@@ -269,11 +281,13 @@ class QueueEntry:
                    replica=str_of(d, "replica"), victims=tuple(str(v) for v in victims),
                    wait_s=num_of(d, "wait_s", 0.0), gpu_count=int_of(d, "gpu_count", 1, 1024, default=1),
                    exclusive=exclusive, topology=topology, gpus=tuple(str(g) for g in gpus),
-                   min_runtime_s=min_runtime_of(d), mod_revision=kv.mod_revision)
+                   min_runtime_s=seconds_of(d, "min_runtime_s"), time_limit_s=seconds_of(d, "time_limit_s"),
+                   time_limit_warning_s=seconds_of(d, "time_limit_warning_s"), mod_revision=kv.mod_revision)
 
 
 _QUEUE_V2 = frozenset({"gpu_count", "exclusive", "topology", "gpus"})
 _QUEUE_V3 = frozenset({"min_runtime_s"})
+_QUEUE_V4 = frozenset({"time_limit_s", "time_limit_warning_s"})
 _QUEUE_KEYS = frozenset(f.name for f in dataclasses.fields(QueueEntry)) - {"rank", "mod_revision"} | {"format"}
 
 

@@ -21,6 +21,8 @@ revision checks:
   priority rule does not apply to it); with teams stored, eviction by priority stays within the requester's team;
 * cordons (issue 31, tests/support/history_cordons.py): no lease is created on a host in a revision after
   which its ``cordons/<host>`` key exists;
+* time limits (issue 31, tests/support/history_time_limits.py): no lease with a ``time_limit_s`` is live after a
+  revision whose records' wall times are past its end + the kill margin + a slack;
 * one registration per host (G9, issue 29): ``hosts/<host>`` is put only while it is absent or on the same
   etcd lease (a second daemon, or a coordinator registering for one, never takes over a live
   registration), and ``usage/<host>`` is put only on the etcd lease ``hosts/<host>`` is on;
@@ -45,6 +47,7 @@ from coordinator.txn import Range
 from tests.support.history_cordons import CordonRules
 from tests.support.history_notices import NoticeRules
 from tests.support.history_teams import TeamRules
+from tests.support.history_time_limits import TimeLimitRules
 
 SENTINEL = b"zz-history-sentinel"    # the key a history read writes under its prefix to mark "now"
 
@@ -101,6 +104,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     registrations: dict[str, int] = {}            # host -> the etcd lease hosts/<host> is on
     notice_rules = NoticeRules()
     cordon_rules = CordonRules()
+    time_limit_rules = TimeLimitRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         if not ev.kv.key.endswith(SENTINEL):      # an earlier history read's mark (under leases/, teams/...)
@@ -119,6 +123,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             teams.event(kind, parts, ev)
             notice_rules.event(kind, parts, ev)
             cordon_rules.event(kind, parts, ev)
+            time_limit_rules.event(kind, parts, ev)
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     notices[parts[0]] = json.loads(ev.kv.value)
@@ -273,6 +278,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
                     rep.violations.append(f"rev {rev}: G3 lease {lease_id} admitted while its victims {still} live")
         rep.violations += notice_rules.check(rev)
         rep.violations += cordon_rules.check(rev)
+        rep.violations += time_limit_rules.check(rev)
         # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id); it repeats
         # only on the GPUs of one gang, each record listing them all.
         seen: dict[tuple[str, str, str], tuple[str, ...]] = {}

@@ -87,7 +87,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology", "min_runtime_seconds", "over_quota")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology", "min_runtime_seconds", "over_quota", "time_limit_seconds")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class Lease(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVER_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -130,7 +131,8 @@ class Lease(_message.Message):
     topology: str
     min_runtime_seconds: float
     over_quota: bool
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., min_runtime_seconds: _Optional[float] = ..., over_quota: _Optional[bool] = ...) -> None: ...
+    time_limit_seconds: float
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., min_runtime_seconds: _Optional[float] = ..., over_quota: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ...) -> None: ...
 
 class LeaseGpu(_message.Message):
     __slots__ = ("index", "uuid", "token", "vram_mb")
@@ -145,7 +147,7 @@ class LeaseGpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., token: _Optional[int] = ..., vram_mb: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds", "gpu_count", "exclusive", "topology", "gpus", "min_runtime_seconds")
+    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds", "gpu_count", "exclusive", "topology", "gpus", "min_runtime_seconds", "time_limit_seconds", "time_limit_warning_seconds")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,8 @@ class AcquireRequest(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_WARNING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     vram_mb: int
     gpu: str
@@ -170,7 +174,9 @@ class AcquireRequest(_message.Message):
     topology: str
     gpus: _containers.RepeatedScalarFieldContainer[str]
     min_runtime_seconds: float
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ..., min_runtime_seconds: _Optional[float] = ...) -> None: ...
+    time_limit_seconds: float
+    time_limit_warning_seconds: float
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ..., min_runtime_seconds: _Optional[float] = ..., time_limit_seconds: _Optional[float] = ..., time_limit_warning_seconds: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease", "owner")
@@ -514,7 +520,7 @@ class SessionResponse(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., details: _Optional[bytes] = ...) -> None: ...
 
 class Team(_message.Message):
-    __slots__ = ("name", "quota_mb", "has_limit", "limit_mb", "weight", "members", "quota_by_model_mb", "max_min_runtime_seconds")
+    __slots__ = ("name", "quota_mb", "has_limit", "limit_mb", "weight", "members", "quota_by_model_mb", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds")
     class QuotaByModelMbEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -530,6 +536,8 @@ class Team(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BY_MODEL_MB_FIELD_NUMBER: _ClassVar[int]
     MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_mb: int
     has_limit: bool
@@ -538,7 +546,9 @@ class Team(_message.Message):
     members: _containers.RepeatedScalarFieldContainer[str]
     quota_by_model_mb: _containers.ScalarMap[str, int]
     max_min_runtime_seconds: float
-    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ...) -> None: ...
+    max_time_limit_seconds: float
+    default_time_limit_seconds: float
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ...) -> None: ...
 
 class TeamUsage(_message.Message):
     __slots__ = ("used_mb", "borrowed_mb", "waiting_mb", "leases", "over_quota_leases", "waiting")
@@ -586,7 +596,7 @@ class TeamModelQuotas(_message.Message):
     def __init__(self, mb: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SetTeamRequest(_message.Message):
-    __slots__ = ("name", "quota_mb", "limit_mb", "weight", "members", "quota_by_model", "max_min_runtime_seconds")
+    __slots__ = ("name", "quota_mb", "limit_mb", "weight", "members", "quota_by_model", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     QUOTA_MB_FIELD_NUMBER: _ClassVar[int]
     LIMIT_MB_FIELD_NUMBER: _ClassVar[int]
@@ -594,6 +604,8 @@ class SetTeamRequest(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BY_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_mb: int
     limit_mb: int
@@ -601,7 +613,9 @@ class SetTeamRequest(_message.Message):
     members: TeamMembers
     quota_by_model: TeamModelQuotas
     max_min_runtime_seconds: float
-    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Union[TeamMembers, _Mapping]] = ..., quota_by_model: _Optional[_Union[TeamModelQuotas, _Mapping]] = ..., max_min_runtime_seconds: _Optional[float] = ...) -> None: ...
+    max_time_limit_seconds: float
+    default_time_limit_seconds: float
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Union[TeamMembers, _Mapping]] = ..., quota_by_model: _Optional[_Union[TeamModelQuotas, _Mapping]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ...) -> None: ...
 
 class SetTeamResponse(_message.Message):
     __slots__ = ("team", "created")

@@ -30,6 +30,25 @@ EXIT_UNREACHABLE = 3    # a coordinator, etcd or the GPUs (NVML) could not be re
 EXIT_HOST_TAKEN = 4     # gpucoord node: another live daemon serves this host
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(text: str) -> float:
+    """A duration as the CLI takes it (README "Time limits"): seconds (``90``, ``1.5``) or a number with a unit
+    ``s``, ``m``, ``h`` or ``d`` (``90s``, ``5m``, ``2h``). ValueError for anything else (argparse says which flag)."""
+    raw = text.strip().lower()
+    scale = _UNITS.get(raw[-1:], 0.0)
+    number = raw[:-1] if scale else raw
+    scale = scale or 1.0
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration (90, 90s, 5m, 2h)") from None
+    if value != value or value < 0 or value == float("inf"):
+        raise ValueError(f"{text!r} is not a duration (90, 90s, 5m, 2h)")
+    return value
+
+
 class CliError(Exception):
     """A failure that the CLI reports as one line, ``gpucoord: error: MESSAGE; HINT``, and an exit code.
 

@@ -32,6 +32,7 @@ from coordinator.cli.common import (
     CliError,
     UsageError,
     _env,
+    duration,
 )
 from coordinator.cli.run_cmd import cmd_run
 
@@ -163,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--eviction-kill-margin", type=float, default=None, metavar="SECONDS",
                     help="a lease still held this long after its eviction deadline is revoked by force; until "
                          "then the VRAM of a lease bound to processes is free only once they are gone (default 2)")
+    co.add_argument("--max-time-limit", type=duration, default=None, metavar="DURATION",
+                    help="the longest time limit a request may ask (default: 30 days)")
+    co.add_argument("--default-time-limit", type=duration, default=None, metavar="DURATION",
+                    help="the time limit of a request that asks none (default: none)")
+    co.add_argument("--time-limit-warning", type=duration, default=None, metavar="DURATION",
+                    help="how long before a lease's time limit its holder gets the notice (default 120 s)")
     co.add_argument("--untracked-vram", choices=("on", "off"), default=None)
     co.add_argument("--config", default=None, help="TOML file with a [coordinator] table (and [tls])")
     co.add_argument("--max-sessions-per-agent", type=int, default=None)
@@ -265,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--min-runtime", type=float, default=0.0, metavar="SECONDS",
                     help="teams: run this long before another team may reclaim the lease while it is over its "
                          "team's quota (capped by the team's maximum)")
+    ru.add_argument("--time", type=duration, default=0.0, metavar="DURATION", dest="time_limit",
+                    help="time limit: the lease is revoked this long after its grant (90, 90s, 5m, 2h; default: "
+                         "none, or the fleet's default)")
+    ru.add_argument("--signal-before", type=duration, default=0.0, metavar="DURATION",
+                    help="with --time: the eviction notice (SIGTERM to CMD) comes this long before the end "
+                         "(default: the fleet's time_limit_warning_s, 120 s)")
     ru.add_argument("--no-preemptible", action="store_true", help="never evict this lease for another request")
     ru.add_argument("--wait", type=float, default=0.0, help="queue up to this many seconds for the VRAM")
     ru.add_argument("--kill-after", type=float, default=None,

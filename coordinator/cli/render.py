@@ -13,6 +13,16 @@ _PROCESSES = {"stopping": "processes stopping (still on the GPU)", "gone": "proc
               "unknown": "processes not visible to the node"}
 
 
+def _time_limit(lease: dict[str, Any], now: float) -> str:
+    """The mark of a lease with a time limit: the limit and the time left to its end (by this machine's clock
+    against the granting replica's ``created_at``: for people, not what the leader enforces)."""
+    limit = float(lease.get("time_limit_seconds", 0) or 0)
+    if not limit:
+        return ""
+    left = float(lease.get("created_at", now)) + limit - now
+    return f" time limit {limit:g}s, " + (f"ends in {left:.0f}s" if left > 0 else "at its end")
+
+
 def _eviction(notice: dict[str, Any] | None, now: float) -> str:
     """The mark of a lease under an eviction notice: who asks, the time left before the deadline, and how
     its processes stand (a lease bound to processes is revoked once they are gone, or at the kill margin)."""
@@ -110,7 +120,7 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                              f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
                              f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
                              f"{lease.get('ttl_remaining', '?'):>4}{' over quota' if lease.get('over_quota') else ''}"
-                             f"{_eviction(lease.get('eviction'), now)}")
+                             f"{_time_limit(lease, now)}{_eviction(lease.get('eviction'), now)}")
         else:
             lines.append("  no leases")
         for q in h.get("queue", []):

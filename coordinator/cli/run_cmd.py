@@ -33,6 +33,10 @@ def _check_run_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--wait: must be within [0, {MAX_WAIT_S:g}] seconds")
     if not 0 <= args.min_runtime <= MAX_MIN_RUNTIME_S:
         raise ValueError(f"--min-runtime: must be within [0, {MAX_MIN_RUNTIME_S:g}] seconds")
+    from coordinator.limits import MAX_TIME_LIMIT_S
+    for flag, value in (("--time", args.time_limit), ("--signal-before", args.signal_before)):
+        if value > MAX_TIME_LIMIT_S:
+            raise ValueError(f"{flag}: must be at most {MAX_TIME_LIMIT_S:g} seconds (30 days)")
     if args.ttl is not None and not MIN_TTL_S <= args.ttl <= MAX_TTL_S:
         raise ValueError(f"--ttl: must be within [{MIN_TTL_S}, {MAX_TTL_S}] seconds")
     if args.gpu is not None and args.gpus > 1:
@@ -71,6 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return asyncio.run(run_command(
         args.coordinator, args.agent, host, cmd, vram_mb, ttl=args.ttl, gpu=args.gpu, priority=args.priority,
         gpu_count=args.gpus, exclusive=args.exclusive, topology=args.topology, min_runtime=args.min_runtime,
+        time_limit=args.time_limit, time_limit_warning=args.signal_before,
         preemptible=not args.no_preemptible, wait=args.wait, kill_after=args.kill_after,
         cgroup_root=args.cgroup_root, tls_ca=tls.ca if tls else None, tls_cert=tls.cert if tls else None,
         tls_key=tls.key if tls else None))

@@ -11,6 +11,7 @@ from coordinator.cli.common import (
     _client_tls,
     _stub,
     check_name,
+    duration,
     rpc_error,
 )
 from coordinator.limits import quote
@@ -36,6 +37,10 @@ def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> No
                     help="a guarantee on one GPU model (repeatable; replaces them all; 'none' clears them)")
     se.add_argument("--max-min-runtime", type=float, default=None, metavar="SECONDS",
                     help="the longest minimum runtime before reclaim that its leases may declare (default 0)")
+    se.add_argument("--max-time-limit", type=duration, default=None, metavar="DURATION",
+                    help="the longest time limit its agents may ask (90, 5m, 2h; 0: the fleet's maximum)")
+    se.add_argument("--default-time-limit", type=duration, default=None, metavar="DURATION",
+                    help="the time limit of its requests that ask none (0: the fleet's default)")
     se.add_argument("--json", action="store_true")
     sh = command(tsub, "show", uses, help="one team, with its usage")
     sh.add_argument("name")
@@ -115,11 +120,16 @@ def set_request(args: argparse.Namespace) -> Any:
             req.quota_by_model.mb[model] = mb
     if args.max_min_runtime is not None:
         req.max_min_runtime_seconds = changes["max_min_runtime_s"] = args.max_min_runtime
+    if args.max_time_limit is not None:
+        req.max_time_limit_seconds = changes["max_time_limit_s"] = args.max_time_limit
+    if args.default_time_limit is not None:
+        req.default_time_limit_seconds = changes["default_time_limit_s"] = args.default_time_limit
     try:
         check_changes(changes)
     except TeamError as e:
         flag = {"quota_mb": "--quota", "limit_mb": "--limit", "weight": "--weight", "members": "--members",
-                "max_min_runtime_s": "--max-min-runtime"}.get(e.field, "--model-quota")
+                "max_min_runtime_s": "--max-min-runtime", "max_time_limit_s": "--max-time-limit",
+                "default_time_limit_s": "--default-time-limit"}.get(e.field, "--model-quota")
         raise UsageError(f"{flag}: {e.message}", _HELP) from None
     return req
 
@@ -139,7 +149,9 @@ def describe(team: dict[str, Any]) -> str:
         f"weight {float(team.get('weight', 1.0)):g}",
         "members " + (", ".join(team.get("members", [])) or "none"),
     ] + ([f"max min runtime {float(team['max_min_runtime_seconds']):g}s"]
-         if team.get("max_min_runtime_seconds") else []))
+         if team.get("max_min_runtime_seconds") else [])
+      + [f"{what} time limit {float(team[f'{what}_time_limit_seconds']):g}s" for what in ("max", "default")
+         if team.get(f"{what}_time_limit_seconds")])
 
 
 def render_teams(rows: list[dict[str, Any]]) -> str:

@@ -37,6 +37,8 @@ class Request:
     topology: str = "any"
     gpus: tuple[str, ...] = ()   # the exact GPUs (indexes or uuids), () for any
     min_runtime_s: float = 0.0   # teams: before another team may reclaim its lease
+    time_limit_s: float = 0.0    # time limits: its lease's limit (0: none) and warning
+    time_limit_warning_s: float = 0.0
 
     @property
     def is_gang(self) -> bool:
@@ -51,13 +53,14 @@ class Request:
     @classmethod
     def of_entry(cls, e: QueueEntry) -> Request:
         return cls(e.agent, e.lease_id, e.request_id, int(e.vram_mb), int(e.priority), bool(e.preemptible), e.gpu,
-                   e.gpu_count, e.exclusive, e.topology, e.gpus, e.min_runtime_s)
+                   e.gpu_count, e.exclusive, e.topology, e.gpus, e.min_runtime_s, e.time_limit_s,
+                   e.time_limit_warning_s)
 
     @classmethod
     def of_call(cls, c: Caller) -> Request:
         return cls(c.session.agent, c.lease_id, c.request_id, int(c.vram_mb), int(c.priority),
                    bool(c.preemptible), c.gpu_ref or "", c.gpu_count, c.exclusive, c.topology, tuple(c.gpus),
-                   float(c.min_runtime_s))
+                   float(c.min_runtime_s), float(c.time_limit_s), float(c.time_limit_warning_s))
 
 
 @dataclasses.dataclass

@@ -50,6 +50,10 @@ class Caller(Protocol):
     def gpus(self) -> tuple[str, ...]: ...   # the exact GPUs asked for, () for any
     @property
     def min_runtime_s(self) -> float: ...    # teams: before another team may reclaim its lease
+    @property
+    def time_limit_s(self) -> float: ...     # time limits: its lease's limit (0: none) and warning
+    @property
+    def time_limit_warning_s(self) -> float: ...
 
 
 C = TypeVar("C", bound=Caller)

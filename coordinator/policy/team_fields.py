@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from coordinator.limits import quote
+from coordinator.limits import MAX_TIME_LIMIT_S, quote
 from coordinator.policy.partition.caps import valid_pattern
 
 MAX_TEAM_MEMBERS = 256          # member patterns of one team
@@ -17,7 +17,9 @@ MAX_WEIGHT = 1_000_000.0
 MAX_MIN_RUNTIME_S = 7 * 86400.0
 MAX_MODEL_NAME_LEN = 128
 
-_FIELDS = ("quota_mb", "quota_by_model", "limit_mb", "weight", "members", "max_min_runtime_s")
+_FIELDS = ("quota_mb", "quota_by_model", "limit_mb", "weight", "members", "max_min_runtime_s", "max_time_limit_s",
+           "default_time_limit_s")
+TIME_LIMIT_FIELDS = ("max_time_limit_s", "default_time_limit_s")   # stored only when set (README "Time limits")
 
 
 class TeamError(ValueError):
@@ -102,5 +104,8 @@ def check_changes(changes: Mapping[str, Any]) -> None:
         _models(changes["quota_by_model"])
     if "max_min_runtime_s" in changes:
         _number(changes["max_min_runtime_s"], "max_min_runtime_s", 0.0, MAX_MIN_RUNTIME_S)
+    for field in TIME_LIMIT_FIELDS:
+        if field in changes:
+            _number(changes[field], field, 0.0, MAX_TIME_LIMIT_S)
 
 

@@ -32,7 +32,7 @@ import fnmatch
 from typing import Any, Collection, Iterable, Mapping
 
 from coordinator.keys import last_segment, valid_name
-from coordinator.limits import quote
+from coordinator.limits import MAX_TIME_LIMIT_S, quote
 from coordinator.policy.charges import Charge as Charge
 from coordinator.policy.partition.caps import PATTERN_CHARS
 from coordinator.policy.team_fields import (
@@ -44,6 +44,7 @@ from coordinator.policy.team_fields import (
     MAX_TEAM_MODELS,
     MAX_WEIGHT,
     MIN_WEIGHT,
+    TIME_LIMIT_FIELDS,
     TeamError,
     _amount,
     _members,
@@ -71,6 +72,10 @@ class Team:
     members: tuple[str, ...] = ()
     quota_by_model: tuple[tuple[str, int], ...] = ()   # (GPU model, MiB), sorted by model
     max_min_runtime_s: float = 0.0
+    # Time limits (issue 31): the longest limit its agents may ask, and the limit of a request that asks none
+    # (0: the fleet's); stored only when set, so that a replica of the previous release reads the others.
+    max_time_limit_s: float = 0.0
+    default_time_limit_s: float = 0.0
     mod_revision: int = 0
 
     def model_quota(self, model: str) -> int | None:
@@ -79,7 +84,8 @@ class Team:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "quota_mb": self.quota_mb, "limit_mb": self.limit_mb, "weight": self.weight,
                 "members": list(self.members), "quota_by_model": dict(self.quota_by_model),
-                "max_min_runtime_s": self.max_min_runtime_s}
+                "max_min_runtime_s": self.max_min_runtime_s,
+                **{f: getattr(self, f) for f in TIME_LIMIT_FIELDS if getattr(self, f)}}
 
     @classmethod
     def from_json(cls, doc: Any, name: str, mod_revision: int = 0) -> Team:
@@ -113,8 +119,12 @@ class Team:
             raise TeamError("members", f"the {DEFAULT_TEAM!r} team holds every agent no other team names: it "
                                        "takes no members")
         min_runtime = _number(doc.get("max_min_runtime_s", 0.0), "max_min_runtime_s", 0.0, MAX_MIN_RUNTIME_S)
+        most, default = (_number(doc.get(f, 0.0), f, 0.0, MAX_TIME_LIMIT_S) for f in TIME_LIMIT_FIELDS)
+        if most and default > most:
+            raise TeamError("default_time_limit_s", f"{default:g} s is above the team's max_time_limit_s ({most:g} s)")
         return cls(name=name, quota_mb=quota, limit_mb=limit, weight=weight, members=tuple(sorted(patterns)),
-                   quota_by_model=tuple(by_model), max_min_runtime_s=min_runtime, mod_revision=mod_revision)
+                   quota_by_model=tuple(by_model), max_min_runtime_s=min_runtime, max_time_limit_s=most,
+                   default_time_limit_s=default, mod_revision=mod_revision)
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> Team:

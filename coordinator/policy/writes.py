@@ -275,7 +275,8 @@ class Round(Generic[C]):
             preemptible=req.preemptible, request_id=req.request_id, token=gpu.seq, created_at=self.ctx.wall,
             gang=gang, exclusive=req.exclusive, topology=req.topology, min_runtime_s=self._min_runtime(req.agent,
                                                                                                     req.min_runtime_s),
-            over_quota=over_quota, etcd_lease=etcd_lease)
+            over_quota=over_quota, time_limit_s=req.time_limit_s, time_limit_warning_s=req.time_limit_warning_s,
+            etcd_lease=etcd_lease)
         gpu.leases.append(lease)
         self.view.leases[lease.id] = lease
         return lease
@@ -332,7 +333,8 @@ class Round(Generic[C]):
                           lease_id=c.lease_id, deadline_unix=self.ctx.wall + max(0.0, c.deadline - self.now),
                           replica=self.ctx.replica_id, victims=victims, wait_s=max(0.0, c.deadline - self.now),
                           gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology, gpus=tuple(c.gpus),
-                          min_runtime_s=float(c.min_runtime_s))
+                          min_runtime_s=float(c.min_runtime_s), time_limit_s=float(c.time_limit_s),
+                          time_limit_warning_s=float(c.time_limit_warning_s))
 
     def _leaves(self, entry: QueueEntry, call: C | None, err: errors.GpucoordError | None) -> None:
         """The entry leaves the queue in this transaction (if nobody changed it since the snapshot); its

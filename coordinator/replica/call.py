@@ -34,6 +34,8 @@ class AcquireCall:
     topology: str = "any"
     gpus: tuple[str, ...] = ()
     min_runtime_s: float = 0.0    # teams: how long its lease runs before another team may reclaim it
+    time_limit_s: float = 0.0     # time limits: its lease's limit and warning, resolved (0: no limit)
+    time_limit_warning_s: float = 0.0
     parts: tuple[VramLease, ...] = ()   # once granted: each GPU's record (a gang's), set before the future
     # Queued and held back by its team's limit alone as of its last round (G11): why ("team: ..."); "" when it
     # waits for room. Its wait then ends naming ``team``, and a drop of its team's use wakes its host's rounds.

@@ -91,8 +91,8 @@ class Follower:
                     self.observed.forget(ev.kv.key)
             self._on_events(batch)
 
-    _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing")
-    _BY_CREATION = ("evictions", "departing")
+    _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing", "leases")
+    _BY_CREATION = ("evictions", "departing", "leases")   # a lease's time limit runs from its creation
 
     def _observe(self, kvs: Iterable[KV], reset: bool = False) -> None:
         """Note when we first saw each usage report and queue entry (by mod_revision), and each eviction

@@ -263,10 +263,12 @@ class CoordinatorService(Follower):
     # -- acquire -------------------------------------------------------------------------------
     async def acquire(self, info: SessionInfo, vram_mb: int, gpu: str, priority: int, preemptible: bool,
                       request_id: str, wait_s: float, forwarded: bool = False, capped: bool = True,
-                      gang: Gang = SINGLE, min_runtime_s: float = 0.0) -> tuple[VramLease, ...]:
+                      gang: Gang = SINGLE, min_runtime_s: float = 0.0,
+                      time_limit: tuple[float, float] = (0.0, 0.0)) -> tuple[VramLease, ...]:
         """The lease granted: each GPU's record, in index order (one for a single GPU; a gang's all).
         ``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
-        operator's own acquire. The fields are validated by the caller (``coordinator.rpc.validate``)."""
+        operator's own acquire. ``time_limit``: the lease's (limit, warning), resolved by the caller
+        (``policy.time_limits.resolve``). The fields are validated by the caller (``coordinator.rpc.validate``)."""
         if self._closed:
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         self.reach.check()
@@ -280,7 +282,8 @@ class CoordinatorService(Follower):
                            lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future(),
                            forwarded=forwarded, capped=capped, gpu_count=gang.gpu_count,
                            exclusive=gang.exclusive, topology=gang.topology, gpus=gang.gpus,
-                           min_runtime_s=min_runtime_s)
+                           min_runtime_s=min_runtime_s, time_limit_s=time_limit[0],
+                           time_limit_warning_s=time_limit[1])
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host,

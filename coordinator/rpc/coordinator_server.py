@@ -21,10 +21,11 @@ from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import ChannelFactory
 from coordinator.limits import quote
 from coordinator.metrics_http import MetricsGate
+from coordinator.policy import time_limits
 from coordinator.records import EvictionRecord, Gang, SessionInfo, VramLease
 from coordinator.replica.cordons import Cordons
 from coordinator.replica.service import CoordinatorService
-from coordinator.replica.teams import Teams
+from coordinator.replica.teams import Teams, mirror_membership
 from coordinator.rpc import certificates, validate
 from coordinator.rpc import teams as team_rpcs
 from coordinator.rpc.forward import Forwarder, forwarded_by
@@ -99,6 +100,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                  requested_by=record.requested_by, deadline_unix=record.deadline_unix,
                                  grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke,
                                  reclaim_team=record.reclaim, withdrawn=record.withdrawn)
+    def _time_limit(self, request: pb.AcquireRequest) -> tuple[float, float]:
+        """The new lease's (limit, warning): as asked, or the default (its team's, else the fleet's); above the
+        maximum (the fleet's or its team's, the tighter): INVALID_ARGUMENT."""
+        c = self.svc.config
+        membership = mirror_membership(self.svc.ctx.mirror)
+        team = membership.team(membership.team_of(request.session.agent)) if membership is not None else None
+        default, most = time_limits.team_limits(c.default_time_limit_s, c.max_time_limit_s,
+                                                team.default_time_limit_s if team is not None else 0.0,
+                                                team.max_time_limit_s if team is not None else 0.0)
+        return time_limits.resolve(request.time_limit_seconds, request.time_limit_warning_seconds, default, most,
+                                   c.time_limit_warning_s, request.min_runtime_seconds)
+
     async def _session(self, ref: pb.SessionRef) -> SessionInfo:
         """The session a call names, once the call's own fields are valid: its fields, then the lookup."""
         validate.session_ref(ref)
@@ -135,6 +148,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         try:
             # Fields first, then the session: a bad request costs no etcd read.
             validate.acquire(request)
+            time_limit = self._time_limit(request)
             info = await self._session(request.session)
             wait_s = request.wait_seconds
             owner = self.svc.owner(info.host)
@@ -154,6 +168,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             parts = await self.svc.acquire(info, request.vram_mb, request.gpu, request.priority, preemptible,
                                            request.request_id, wait_s, forwarded=bool(forwarded_by(context)),
                                            capped=not operator, min_runtime_s=request.min_runtime_seconds,
+                                           time_limit=time_limit,
                                            gang=Gang(max(request.gpu_count, 1), request.exclusive,
                                                      request.topology or "any", tuple(request.gpus)))
             return pb.AcquireResponse(lease=lease_pb(parts[0], parts=parts), owner=owner[1] if owner is not None else "")

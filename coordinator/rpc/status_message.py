@@ -24,7 +24,7 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease
                     gpus=[pb.LeaseGpu(index=x.gpu_index, uuid=x.gpu_uuid, token=x.token, vram_mb=x.vram_mb)
                           for x in parts],
                     exclusive=first.exclusive, topology=first.topology, min_runtime_seconds=first.min_runtime_s,
-                    over_quota=bool(first.over_quota))
+                    over_quota=bool(first.over_quota), time_limit_seconds=first.time_limit_s)
 
 
 def status_response(report: StatusReport,

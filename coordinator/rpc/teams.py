@@ -34,13 +34,17 @@ def team_changes(request: pb.SetTeamRequest) -> dict[str, Any]:
         changes["quota_by_model"] = dict(request.quota_by_model.mb)
     if request.HasField("max_min_runtime_seconds"):
         changes["max_min_runtime_s"] = request.max_min_runtime_seconds
+    for field in ("max_time_limit", "default_time_limit"):
+        if request.HasField(f"{field}_seconds"):
+            changes[f"{field}_s"] = getattr(request, f"{field}_seconds")
     return changes
 
 
 def team_pb(team: Team) -> pb.Team:
     return pb.Team(name=team.name, quota_mb=team.quota_mb, has_limit=team.limit_mb is not None,
                    limit_mb=team.limit_mb or 0, weight=team.weight, members=list(team.members),
-                   quota_by_model_mb=dict(team.quota_by_model), max_min_runtime_seconds=team.max_min_runtime_s)
+                   quota_by_model_mb=dict(team.quota_by_model), max_min_runtime_seconds=team.max_min_runtime_s,
+                   max_time_limit_seconds=team.max_time_limit_s, default_time_limit_seconds=team.default_time_limit_s)
 
 
 def team_status_pb(team: Team, usage: Usage, stored: bool) -> pb.TeamStatus:

@@ -31,6 +31,7 @@ from coordinator.limits import (
     MIN_TTL_S,
     quote,
 )
+from coordinator.policy import time_limits
 from coordinator.policy.partition import PartitionError, PartitionSpec, parse_spec
 from coordinator.policy.teams import MAX_MIN_RUNTIME_S
 from coordinator.records import TOPOLOGIES, dumps
@@ -62,6 +63,8 @@ def acquire(request: pb.AcquireRequest) -> None:
     validate_acquire(request.vram_mb if not request.exclusive else 1, request.gpu, request.priority,
                      request.request_id, request.wait_seconds)
     validate_min_runtime(request.min_runtime_seconds)
+    time_limits.check(request.time_limit_seconds)
+    time_limits.check(request.time_limit_warning_seconds, "time_limit_warning_seconds")
 
 
 def release(request: pb.ReleaseRequest) -> None:

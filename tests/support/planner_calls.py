@@ -47,6 +47,8 @@ class Call:
     topology: str = "any"
     gpus: tuple[str, ...] = ()
     min_runtime_s: float = 0.0
+    time_limit_s: float = 0.0
+    time_limit_warning_s: float = 0.0
 
 
 def session(agent: str) -> SessionInfo:
