@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import pathlib
+import signal
 import sys
 import time
 from typing import Any, Iterator, Protocol
@@ -246,3 +247,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker == "unit" and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
             marker = "property"   # a Hypothesis property: hundreds of examples, its own tier
         item.add_marker(getattr(pytest.mark, marker))
+
+
+@pytest.fixture
+def started() -> Iterator[list[int]]:
+    """PIDs a test started (``gpucoord run`` wrappers and their commands); whatever still runs at the end is
+    SIGKILLed by PID."""
+    from tests.support.processes import ProcessGone
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if not ProcessGone.now_gone(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass    # it went meanwhile

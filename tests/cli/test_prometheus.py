@@ -8,9 +8,7 @@ line. About 30 s."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -68,19 +66,6 @@ def prometheus_tools() -> tuple[str, str]:
         pytest.skip("prometheus: not available (no prometheus and promtool on PATH or in $GPUCOORD_PROMETHEUS_DIR;"
                     " .ci/prometheus fetches Debian's): the dashboard was not run against a real Prometheus")
     return found
-
-
-@pytest.fixture
-def started() -> Iterator[list[int]]:
-    """PIDs of ``gpucoord run`` wrappers and their commands; whatever still runs at the end is SIGKILLed."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        if not ProcessGone.now_gone(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture
