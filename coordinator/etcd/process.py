@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -148,7 +149,32 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+_handed_out: set[int] = set()
+_LOWEST = 10000
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port free now, for a server that is told its port (etcd) rather than binding port 0.
+
+    Chosen below the kernel's ephemeral range: the kernel hands ports of that range to every outgoing
+    connection on the machine, so a port picked there (as binding port 0 does) can be taken by some
+    client's socket between the choice and etcd's bind ("address already in use" on a busy machine). A
+    port is handed out once per process."""
+    top = _ephemeral_start()
+    rng = random.Random()
+    if top - _LOWEST > 1000:
+        for _ in range(200):
+            port = rng.randrange(_LOWEST, top)
+            if port not in _handed_out and port_is_free(port):
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -274,6 +300,10 @@ class EtcdMember:
             return False
 
 
+class _PortTaken(RuntimeError):
+    """An etcd member exited because a port it was to listen on was taken."""
+
+
 class EtcdCluster:
     """N etcd members on loopback with temporary (or given) data directories."""
 
@@ -283,6 +313,7 @@ class EtcdCluster:
         self._own_dir = base_dir is None
         self.base_dir = pathlib.Path(base_dir or tempfile.mkdtemp(prefix="gpucoord-etcd-"))
         self.binary = binary or choose_etcd().path
+        self._ports_given = client_port != 0
         self.members = [EtcdMember(f"m{i}", self.base_dir / f"m{i}.etcd", client_port=client_port if i == 0 else 0,
                                    binary=self.binary, options=options, client_tls=client_tls)
                         for i in range(size)]
@@ -295,15 +326,35 @@ class EtcdCluster:
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
-    def start(self, timeout: float = 30.0) -> EtcdCluster:
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> EtcdCluster:
+        """Start every member and wait until all are healthy. A new cluster whose member could not bind a
+        port it was not given (taken by another process since it was chosen) starts again, on fresh
+        ports and empty data dirs, up to ``attempts`` times."""
+        fresh = not self._ports_given and not any(m.data_dir.exists() for m in self.members)
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except _PortTaken:
+                if attempt == attempts - 1 or not fresh:
+                    raise
+                for m in self.members:
+                    m.kill()
+                    shutil.rmtree(m.data_dir, ignore_errors=True)
+                    m.log_path.unlink(missing_ok=True)
+                    m.client_port, m.peer_port, m.metrics_port = free_port(), free_port(), free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> EtcdCluster:
         for m in self.members:
             m.start(self.initial_cluster)
         deadline = time.monotonic() + timeout
         while not all(m.healthy() for m in self.members):
             for m in self.members:
                 if m.proc is not None and m.proc.poll() is not None:
-                    raise RuntimeError(f"etcd member {m.name} exited with {m.proc.returncode}; "
-                                       f"log: {m.log_path}\n{m.log_path.read_text()[-2000:]}")
+                    log = m.log_path.read_text()[-2000:]
+                    kind = _PortTaken if "address already in use" in log else RuntimeError
+                    raise kind(f"etcd member {m.name} exited with {m.proc.returncode}; "
+                               f"log: {m.log_path}\n{log}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"etcd did not become healthy within {timeout}s; logs in {self.base_dir}")
             time.sleep(0.05)
