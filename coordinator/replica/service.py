@@ -100,7 +100,7 @@ class CoordinatorService(Follower):
 
     async def stop(self) -> None:
         self._closed = True
-        for a in self._admitters.values():
+        for a in list(self._admitters.values()):   # an idle admitter retires (leaves the dict) meanwhile
             await a.stop()
         for q in [q for qs in self._streams.values() for q in qs]:
             q.put_nowait(errors.Unavailable("coordinator is shutting down; reconnect to another replica"))
