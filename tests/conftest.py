@@ -262,3 +262,13 @@ def started() -> Iterator[list[int]]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass    # it went meanwhile
+
+
+@pytest.fixture
+def victim_py(tmp_path: pathlib.Path) -> str:
+    """``tests/support/run_victim.CHILD`` as a file: ``python victim.py MODE`` (the command the eviction and drain
+    tests put under a ``gpucoord run`` lease)."""
+    from tests.support.run_victim import CHILD
+    path = tmp_path / "victim.py"
+    path.write_text(CHILD)
+    return str(path)

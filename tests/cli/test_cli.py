@@ -12,6 +12,7 @@ from agent_client import Client
 from tests.support import REPO
 from tests.support.cluster import Cluster
 from tests.support.processes import child_env
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +82,9 @@ sys.stdin.read()
 """
 
 
-def test_up_with_a_short_session_ttl_reclaims_a_killed_client_within_4_s(tmp_path: Path) -> None:
+def test_up_with_a_short_session_ttl_reclaims_a_killed_client(tmp_path: Path) -> None:
+    """``up --session-ttl 3`` gives the client a TTL of 3 s and a keepalive interval of 1 s, and a killed client's
+    lease goes (G4's TTL + 1 s is measured by ``gpucoord bench``; here it is a liveness deadline and a print)."""
     import signal
     import time
 
@@ -110,9 +113,8 @@ def test_up_with_a_short_session_ttl_reclaims_a_killed_client_within_4_s(tmp_pat
 
         def leases() -> list[str]:
             return [x["id"] for h in fetch_status(addr)["hosts"] for x in h.get("leases", [])]
-        while lease_id in leases():
-            assert time.monotonic() - killed < 4.0, "the killed client's lease outlived TTL + 1 s"
-            time.sleep(0.05)
+        wait_for(lambda: lease_id not in leases(), LIVENESS_S, "the killed client's lease to go")
+        print(f"the killed client's lease went {time.monotonic() - killed:.2f} s after the kill (TTL 3 s)")
     finally:
         if holder is not None and holder.poll() is None:
             holder.kill()

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from tests.faultlink import FaultLink, _Net
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_a_one_way_cut_lets_requests_through_and_holds_the_answers(link: FaultLi
     s = established(link)
     link.cut_one_way("answers")
     s.sendall(b"ping")
-    wait_for(lambda: b"".join(received) == b"hiping", 5, "the request to arrive")
+    wait_for(lambda: b"".join(received) == b"hiping", LIVENESS_S, "the request to arrive")
     assert quiet(s)
     link.heal()
     s.settimeout(5)
@@ -165,11 +165,11 @@ def test_both_ends_reset_at_once_leave_no_task_error_unretrieved() -> None:
             held.set()
             release.wait(5)
         _Net.get().loop.call_soon_threadsafe(hold)
-        assert held.wait(5)
+        assert held.wait(LIVENESS_S)
         _rst(client)
         _rst(server)
         release.set()
-        wait_for(lambda: link.connections == 0, 5, "the relay to end")
+        wait_for(lambda: link.connections == 0, LIVENESS_S, "the relay to end")
         gc.collect()
     finally:
         link.close()

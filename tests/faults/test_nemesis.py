@@ -18,7 +18,10 @@ one); ``GPUCOORD_NEMESIS_S`` sets the length (default 60 s); ``GPUCOORD_NEMESIS_
 teams in: the even agents in team ``ta`` (a quota of a quarter of the fleet), the odd ones in ``tb`` (a quota of
 half, a limit of three quarters), so that grants are charged, limits hold requests back and reclaim takes over-
 quota leases under the faults, and the history checker's team and notice rules apply. An operator cordons, drains
-and uncordons the hosts meanwhile (tests/support/cordon_load.py: the history checker's cordon rule). A last line ``nemesis summary`` gives the seed, the
+and uncordons the hosts meanwhile (tests/support/cordon_load.py: the history checker's cordon rule). One agent in five
+asks its leases with a time limit of 2 to 4 s (``TIME_LIMITS``) and holds them up to twice as long, one in four
+``HOLD_PAST_LIMIT_S`` past it, so that only the leader's revoke ends them in time: the history checker's time-limit
+rule (no lease outlives its limit + grace + kill margin) applies under every fault. A last line ``nemesis summary`` gives the seed, the
 faults, the calls, the violations and the leaks in one line.
 """
 from __future__ import annotations
@@ -52,6 +55,9 @@ FAULT_EVERY_S = 4.0
 FAULT_LASTS_S = 2.5
 LONG_CUT_S = TTL + 2.0    # a replica cut off from etcd for longer than the session TTL
 HOSTS = ("h1", "h2")
+# Agents n-1, n-6, n-11... ask time limits of 2, 3 and 4 s in turn (n-16 and n-36 for gangs).
+TIME_LIMITS = {f"n-{i}": float(2 + k % 3) for k, i in enumerate(range(1, 40, 5))}
+HOLD_PAST_LIMIT_S = 12.0   # past the rule's bound (limit + kill margin + slack: tests/support/history_time_limits.py)
 
 
 class Replicas:
@@ -195,7 +201,8 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         async def scenario() -> LoadReport:
             report = LoadReport()
             load = asyncio.create_task(run_load([[a, b], [b, a]] * 20, list(HOSTS), duration, seed=seed,
-                                                report=report, ttl=TTL, agent_prefix="n", gang_every=4))
+                                                report=report, ttl=TTL, agent_prefix="n", gang_every=4,
+                                                time_limits=TIME_LIMITS, hold_past_limit=HOLD_PAST_LIMIT_S))
             operator = asyncio.create_task(run_cordons([a, b], list(HOSTS), duration - FAULT_EVERY_S, seed, cordons))
             loop = asyncio.get_running_loop()
             end = loop.time() + duration - FAULT_EVERY_S
@@ -239,15 +246,18 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         print(f"nemesis seed {seed}: usage records {usage.records}, leases ended {usage.ended} (+{usage.pending} "
               f"after the last cursor), violations {len(usage.violations)}: {usage.violations[:3]}")
         gangs = [x for x in report.calls if x.gpu_count > 1]
+        limited = [x for x in report.calls if x.time_limit and x.outcome == "ok"]
         print(f"nemesis summary: seed={seed} faults={len(injected)} network={sum(n in _NETWORK for n in injected)} "
               f"calls={len(report.calls)} gang_calls={len(gangs)} gangs_granted={sum(x.outcome == 'ok' for x in gangs)} "
-              f"exclusive_granted={sum(x.outcome == 'ok' and x.exclusive for x in gangs)} undocumented={len(report.undocumented())} expired={len(report.expired)} "
+              f"exclusive_granted={sum(x.outcome == 'ok' and x.exclusive for x in gangs)} "
+              f"time_limited_granted={len(limited)} undocumented={len(report.undocumented())} expired={len(report.expired)} "
               f"violations={len(history.violations)} leaks={len(leaks)}")
     assert not report.undocumented(), report.undocumented()[:5]
     print(f"nemesis seed {seed}: operator calls {len(cordons.calls)}, cordons {cordons.done('cordon')}, drains "
           f"{cordons.done('drain')}, uncordons {cordons.done('uncordon')}")
     assert not cordons.undocumented(), cordons.undocumented()[:5]
     assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
+    assert limited, "no lease with a time limit was granted: the load did not mix time limits in"
     history.assert_ok()
     usage.assert_ok()
     for r in reps.reps:      # no replica died inside, or left an error nobody handled

@@ -3,7 +3,6 @@ pending; a waiter keeps its place when the replica serving it, or the one that f
 replica is killed (or stopped) and restarted on its address, within its clients' TTL. Every test ends with the history checker."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -18,35 +17,15 @@ from coordinator.cli.common import fetch_status
 from coordinator.records import QueueEntry
 from tests.history import check_store
 from tests.support.cluster import Cluster
-from tests.support.processes import spawn_agent, spawn_coordinator
+from tests.support.processes import replica_processes, spawn_agent, spawn_coordinator
 from tests.support.waiting import LIVENESS_S, pass_time, wait_for
 
 
 @pytest.fixture
 def replicas(cluster: Cluster, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """Two coordinator processes; maps replica id -> (process, address)."""
-    procs = []
-    for i in range(2):
-        proc, port = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / f"c{i}.log"),
-                                       extra=["--grace", "3"])
-        procs.append((proc, f"127.0.0.1:{port}"))
-    by_id: dict[str, Any] = {}
-
-    def registered() -> bool:
-        for kv in cluster.get_prefix(cluster.keys.coordinators()):
-            info = json.loads(kv.value)
-            for proc, addr in procs:
-                if info["address"].endswith(addr.rsplit(":", 1)[1]) and info["address"] == addr:
-                    by_id[info["replica"]] = (proc, addr)
-        return len(by_id) == 2
-    wait_for(registered, 10, "both replicas to register")
-    try:
+    """Two coordinator processes; maps replica id -> (process, address). The history checker runs at the end."""
+    with replica_processes(cluster, tmp_path, extra=["--grace", "3"]) as by_id:
         yield by_id
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(10)
     cluster.lt.run(check_store(cluster.store, cluster.keys)).assert_ok()
 
 

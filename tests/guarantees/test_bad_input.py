@@ -14,7 +14,7 @@ from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from tests.support.cluster import Cluster
 from tests.support.rpcs import expect_refused
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 C = grpc.StatusCode
 
@@ -118,4 +118,4 @@ def test_a_refused_connect_leaves_no_client_thread_behind(cluster: Cluster) -> N
         with pytest.raises(errors.NotFound):
             with Client(addr, agent="leaky", host="no-such-host"):
                 pass
-    wait_for(lambda: leaked() == [], 5, "the loop threads of the refused clients to stop")
+    wait_for(lambda: leaked() == [], LIVENESS_S, "the loop threads of the refused clients to stop")

@@ -8,7 +8,7 @@ from agent_client import Client
 from agent_client.api import node_pb2 as npb
 from agent_client.api import node_pb2_grpc as npb_grpc
 from tests.support.cluster import Cluster
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 
 def test_check_token_accepts_a_gpu_index_and_refuses_what_is_neither(cluster: Cluster) -> None:
@@ -27,14 +27,14 @@ def test_check_token_accepts_a_gpu_index_and_refuses_what_is_neither(cluster: Cl
     with Client(addr, agent="agent-a", host="h1") as c:
         lease = c.acquire(1000, gpu=1)
         assert lease.gpu_index == 1
-        wait_for(lambda: check(lease.gpu_uuid, lease.token).live, 5, "the node to see the lease")
+        wait_for(lambda: check(lease.gpu_uuid, lease.token).live, LIVENESS_S, "the node to see the lease")
         by_index = check("1", lease.token)
         assert (by_index.live, by_index.lease_id, by_index.highest_token) == (True, lease.id, lease.token)
         # The other GPU has no lease: an index names that GPU, not the first one found.
         other = check("0", lease.token)
         assert (other.live, other.highest_token) == (False, 0)
         lease.release()
-        wait_for(lambda: not check("1", lease.token).live, 5, "the node to see the release")
+        wait_for(lambda: not check("1", lease.token).live, LIVENESS_S, "the node to see the release")
         assert check("1", lease.token).highest_token == lease.token
 
     # Well formed, but this host has no such GPU: NOT_FOUND.

@@ -19,7 +19,7 @@ from agent_client.api import coordinator_pb2 as pb
 from tests.support.cluster import Cluster, queue
 from tests.support.patching import patch_commit
 from tests.support.rpcs import acquire_req, coordinator_stub
-from tests.support.waiting import LoopThread, wait_for
+from tests.support.waiting import LIVENESS_S, LoopThread, wait_for
 
 
 @pytest.mark.usefixtures("history_checked")
@@ -44,7 +44,7 @@ def test_more_waiters_than_one_transaction_holds_are_all_granted_after_a_release
             wait_for(lambda: len(queue(cluster)) == n, 10, f"{n} waiters to be queued")
             blocker.release()
             # 70 x 100 MiB fit in 8 GiB at once: all should be granted within a few seconds.
-            wait_for(lambda: queue(cluster) == [], 5, "the queue to drain after the release")
+            wait_for(lambda: queue(cluster) == [], LIVENESS_S, "the queue to drain after the release")
             results = fut.result(20)
             assert all(not isinstance(r, BaseException) for r in results), \
                 {type(r).__name__ for r in results if isinstance(r, BaseException)}
@@ -86,9 +86,9 @@ def test_a_round_of_many_sessions_on_a_many_gpu_host_is_answered(cluster: Cluste
     undo = patch_commit(cluster, svc, hook)
     try:
         first = s.Acquire.future(acquire_req(f"a{n}", sids[n], 100, f"r{n}"), timeout=20)   # a round in flight,
-        assert held.wait(5)                                                              # so the others form one batch
+        assert held.wait(LIVENESS_S)                                                              # so the others form one batch
         calls = [s.Acquire.future(acquire_req(f"a{i}", sids[i], 100, f"r{i}"), timeout=10) for i in range(n)]
-        wait_for(lambda: len(svc._admitters["h1"]._pending) == n, 5, f"{n} calls to be pending")
+        wait_for(lambda: len(svc._admitters["h1"]._pending) == n, LIVENESS_S, f"{n} calls to be pending")
         hold.set()
         first.result()
         outcomes = []

@@ -24,7 +24,7 @@ import pytest
 
 from agent_client import Client, errors
 from tests.support.cluster import Cluster, queue
-from tests.support.waiting import Background, wait_for
+from tests.support.waiting import LIVENESS_S, Background, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -167,13 +167,13 @@ def test_waiters_are_served_by_priority_then_fifo(cluster: Cluster) -> None:
                     return lease
                 waiters[name] = Background(take)
                 n = len(waiters)
-                wait_for(lambda: len(queue(cluster)) == n, 5, f"{name} to be queued")  # noqa: B023 - polled within this iteration
+                wait_for(lambda: len(queue(cluster)) == n, LIVENESS_S, f"{name} to be queued")  # noqa: B023 - polled within this iteration
             # Rank order in etcd already says 5, 5, 1.
             assert [e.agent for e in queue(cluster)] == ["p5-first", "p5-second", "p1"]
             blocker.release()
             for name in ("p5-first", "p5-second", "p1"):
                 lease = waiters[name].result()
-                wait_for(lambda: len(order) >= 1, 5, "a grant")
+                wait_for(lambda: len(order) >= 1, LIVENESS_S, "a grant")
                 lease.release()
             assert order == ["p5-first", "p5-second", "p1"]
         finally:
@@ -187,7 +187,7 @@ def test_a_later_request_does_not_overtake_waiters(cluster: Cluster) -> None:
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(6000, preemptible=False)
         waiter = Background(b.acquire, 4000, priority=3, wait=10)
-        wait_for(lambda: len(queue(cluster)) == 1, 5, "b to be queued")
+        wait_for(lambda: len(queue(cluster)) == 1, LIVENESS_S, "b to be queued")
         # 2000 would fit now, but b (priority 3) waits on this GPU: equal or lower priority must queue.
         with pytest.raises(errors.ResourceExhausted, match="overtaking"):
             a.acquire(1000, priority=3)
@@ -204,7 +204,7 @@ def test_queue_length_is_bounded(cluster: Cluster) -> None:
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
         waiters = [Background(b.acquire, 1000, wait=20) for _ in range(2)]
-        wait_for(lambda: len(queue(cluster)) == 2, 5, "two waiters")
+        wait_for(lambda: len(queue(cluster)) == 2, LIVENESS_S, "two waiters")
         with pytest.raises(errors.ResourceExhausted, match="queue"):
             b.acquire(1000, wait=5)
         b.close()

@@ -21,7 +21,7 @@ from agent_client.api import coordinator_pb2 as pb
 from tests.support.cluster import Cluster
 from tests.support.patching import patch_method
 from tests.support.rpcs import coordinator_stub
-from tests.support.waiting import Background, wait_for
+from tests.support.waiting import LIVENESS_S, Background, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -87,7 +87,7 @@ def test_operator_evict_and_revoke(cluster: Cluster) -> None:
         got = threading.Event()
         one.on_evict(lambda n: got.set())
         stub.EvictLease(pb.EvictLeaseRequest(lease_id=one.id, grace_seconds=30, reason="maintenance"), timeout=5)
-        assert got.wait(5) and one.notice.requested_by == "operator" and one.notice.reason == "maintenance"
+        assert got.wait(LIVENESS_S) and one.notice.requested_by == "operator" and one.notice.reason == "maintenance"
         two = a.acquire(1000)
         assert stub.RevokeLease(pb.RevokeLeaseRequest(lease_id=two.id), timeout=5).revoked
         assert {x.id for x in cluster.leases()} == {one.id}
@@ -127,7 +127,7 @@ def test_a_release_on_another_host_does_not_cancel_an_eviction(cluster: Cluster)
         other = a2.acquire(1000, priority=0, request_id="weights")
         assert victim.id != other.id          # lease ids are host-qualified: the notices cannot collide
         waiter = Background(high.acquire, 6000, priority=5, wait=8)
-        wait_for(lambda: victim.evicting.is_set(), 5, "the eviction notice on h1")
+        wait_for(lambda: victim.evicting.is_set(), LIVENESS_S, "the eviction notice on h1")
         other.release()                        # on h2: must leave the h1 notice alone
         lease = waiter.result(12)
         assert lease.vram_mb == 6000
@@ -145,7 +145,7 @@ def test_an_operators_eviction_stands_when_a_requester_that_evicted_the_same_lea
     with Client(addr, agent="low", host="h1") as low, Client(addr, agent="high", host="h1") as high:
         victim = low.acquire(8000, priority=0)
         waiter = Background(high.acquire, 6000, priority=5, wait=2)
-        wait_for(lambda: victim.evicting.is_set(), 5, "the requester's eviction notice")
+        wait_for(lambda: victim.evicting.is_set(), LIVENESS_S, "the requester's eviction notice")
         t0 = time.time()
         resp = coordinator_stub(addr).EvictLease(
             pb.EvictLeaseRequest(lease_id=victim.id, grace_seconds=1, reason="drain"), timeout=10)
@@ -190,7 +190,7 @@ def test_the_leader_does_not_revoke_a_victim_whose_notice_was_withdrawn_meanwhil
             assert entered.wait(10), "the leader did not act on the deadline"
             with pytest.raises(errors.ResourceExhausted):
                 waiter.result(10)
-            wait_for(lambda: cluster.get_prefix(cluster.keys.evictions()) == [], 5, "the notice to be withdrawn")
+            wait_for(lambda: cluster.get_prefix(cluster.keys.evictions()) == [], LIVENESS_S, "the notice to be withdrawn")
             gate.set()
             assert finished.wait(10), "the leader's revoke did not finish"
             assert [x.id for x in cluster.leases()] == [victim.id], "revoked after its notice was withdrawn"

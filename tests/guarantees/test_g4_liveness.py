@@ -16,7 +16,7 @@ from agent_client import Client, errors
 from tests.support.cluster import Cluster, queue
 from tests.support.patching import is_put, patch_commit
 from tests.support.rpcs import acquire_req, coordinator_stub
-from tests.support.waiting import Background, pass_time, wait_for
+from tests.support.waiting import LIVENESS_S, Background, pass_time, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -58,10 +58,10 @@ def test_cancelled_waiter_leaves_the_queue(cluster: Cluster) -> None:
         a.acquire(8000, preemptible=False)
         call = coordinator_stub(addr).Acquire.future(acquire_req("b", b.session_id, 1000, "cancel-me", wait=60),
                                                      timeout=120)
-        wait_for(lambda: len(queue(cluster)) == 1, 5, "the waiter to be queued")
+        wait_for(lambda: len(queue(cluster)) == 1, LIVENESS_S, "the waiter to be queued")
         call.cancel()
         # The session lives on (TTL 30 s), yet the entry goes as soon as the caller has gone.
-        wait_for(lambda: queue(cluster) == [], 5, "the cancelled waiter's entry to go")
+        wait_for(lambda: queue(cluster) == [], LIVENESS_S, "the cancelled waiter's entry to go")
 
 
 def test_a_waiter_whose_caller_leaves_during_the_round_that_queues_it_leaves_the_queue(cluster: Cluster) -> None:
@@ -84,10 +84,10 @@ def test_a_waiter_whose_caller_leaves_during_the_round_that_queues_it_leaves_the
         try:
             call = coordinator_stub(addr).Acquire.future(acquire_req("b", b.session_id, 1000, "gone", wait=60),
                                                          timeout=90)
-            assert in_commit.wait(5)
+            assert in_commit.wait(LIVENESS_S)
             call.cancel()
             # The entry may be written (the slow commit) and removed again before a poll would see it.
-            wait_for(lambda: queue(cluster) == [], 5, "the cancelled caller's entry to leave the queue")
+            wait_for(lambda: queue(cluster) == [], LIVENESS_S, "the cancelled caller's entry to leave the queue")
         finally:
             undo()
             b.close()
@@ -115,11 +115,11 @@ def test_a_grant_whose_caller_left_during_its_commit_is_given_back(cluster: Clus
         undo = patch_commit(cluster, cluster.service(addr), hook)
         try:
             call = coordinator_stub(addr).Acquire.future(acquire_req("b", b.session_id, 1000, "gone"), timeout=30)
-            assert in_commit.wait(5)
+            assert in_commit.wait(LIVENESS_S)
             call.cancel()
-            wait_for(lambda: call.done(), 5, "the cancel")
-            assert committed.wait(5)              # granted after the caller left
-            wait_for(lambda: cluster.leases() == [], 5, "the orphaned lease to go")
+            wait_for(lambda: call.done(), LIVENESS_S, "the cancel")
+            assert committed.wait(LIVENESS_S)              # granted after the caller left
+            wait_for(lambda: cluster.leases() == [], LIVENESS_S, "the orphaned lease to go")
         finally:
             undo()
 
@@ -155,7 +155,7 @@ def test_waiters_of_a_host_that_is_gone_are_swept(cluster: Cluster, mode: str) -
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
         a.acquire(8000, preemptible=False)
         waiter = Background(b.acquire, 4000, wait=30)
-        wait_for(lambda: len(queue(cluster)) == 1, 5, "b to be queued")
+        wait_for(lambda: len(queue(cluster)) == 1, LIVENESS_S, "b to be queued")
         cluster.stop_node("h1")               # the node daemon goes: hosts/h1 is gone
         with pytest.raises(errors.FailedPrecondition, match="queue|host"):
             waiter.result(timeout=10)

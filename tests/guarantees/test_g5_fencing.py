@@ -17,7 +17,7 @@ from coordinator import errors as cerrors
 from coordinator.etcd.store import WatchBatch
 from tests.support.cluster import Cluster
 from tests.support.rpcs import node_stub
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -76,7 +76,7 @@ def test_check_token_follows_releases_and_grants_after_an_etcd_error_in_the_node
     with Client(addr, agent="a", host="h1") as a:
         arm["resync"] = True
         first = a.acquire(1000)                 # its event carries the injected resync, then the failure
-        wait_for(lambda: not arm["resync"] and not arm["fail"], 5, "the injected resync and failure")
+        wait_for(lambda: not arm["resync"] and not arm["fail"], LIVENESS_S, "the injected resync and failure")
         first.release()
         second = a.acquire(1000)
         wait_for(lambda: live(first) is False and live(second) is True, 5,

@@ -21,7 +21,7 @@ from coordinator.replica.call import ORPHAN_GRACE_S
 from tests.support.cluster import Cluster, queue
 from tests.support.patching import is_delete, is_put, patch_commit, patch_method
 from tests.support.rpcs import acquire_req, coordinator_stub
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -71,12 +71,12 @@ def test_two_calls_with_one_request_id_in_one_round_get_one_queue_entry_and_the_
             # A round in flight (its commit held), so that the two duplicates land in the next batch together.
             blocker = s.Acquire.future(acquire_req("a", a.session_id, 8000, "blocker", preemptible=False),
                                        timeout=10)
-            assert slow.wait(5)
+            assert slow.wait(LIVENESS_S)
             req = acquire_req("b", b.session_id, 1000, "dup", wait=20)
             first, second = s.Acquire.future(req, timeout=8), s.Acquire.future(req, timeout=8)
-            wait_for(lambda: len(svc._admitters["h1"]._pending) == 2, 5, "both duplicates to be pending")
+            wait_for(lambda: len(svc._admitters["h1"]._pending) == 2, LIVENESS_S, "both duplicates to be pending")
             release_commit.set()
-            wait_for(lambda: len(queue(cluster)) >= 1, 5, "the duplicates to be queued")
+            wait_for(lambda: len(queue(cluster)) >= 1, LIVENESS_S, "the duplicates to be queued")
             blocker.result(5)
             entries = queue(cluster)
             a.release(blocker.result().lease.id)
@@ -117,7 +117,7 @@ def test_a_retry_claims_the_lease_its_cancelled_first_call_was_granted(cluster: 
             s = coordinator_stub(addr)
             req = acquire_req("b", b.session_id, 1000, "x")
             first = s.Acquire.future(req, timeout=30)
-            assert in_commit.wait(5)
+            assert in_commit.wait(LIVENESS_S)
             admitter = svc._admitters["h1"]
             orig_give_back = admitter._give_back
 
@@ -128,9 +128,9 @@ def test_a_retry_claims_the_lease_its_cancelled_first_call_was_granted(cluster: 
                     gave_back.set()
             undo_give_back = patch_method(cluster, admitter, "_give_back", give_back)
             first.cancel()                      # the caller gives up (a client-side deadline, a cancelled task)
-            wait_for(lambda: first.done(), 5, "the cancel")
+            wait_for(lambda: first.done(), LIVENESS_S, "the cancel")
             retry = s.Acquire.future(req, timeout=10)   # ... and retries with the same request_id
-            wait_for(lambda: len(admitter._pending) == 1, 5, "the retry to be pending")
+            wait_for(lambda: len(admitter._pending) == 1, LIVENESS_S, "the retry to be pending")
             release_commit.set()
             lease = retry.result().lease
             # The give-back of the cancelled call runs ORPHAN_GRACE_S after the commit, claimed or not.

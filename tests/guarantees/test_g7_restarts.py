@@ -17,7 +17,7 @@ from coordinator import errors as cerrors
 from coordinator.etcd.store import WatchBatch
 from tests.support.cluster import Cluster, queue, session_alive
 from tests.support.rpcs import acquire_req, coordinator_stub
-from tests.support.waiting import Background, pass_time, wait_for
+from tests.support.waiting import LIVENESS_S, Background, pass_time, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -47,7 +47,7 @@ def test_shutdown_answers_waiters_unavailable_and_keeps_their_entries(cluster: C
         held = a.acquire(8000, preemptible=False)
         request = acquire_req("b", b.session_id, 1000, "survivor", wait=60)
         call = coordinator_stub(first).Acquire.future(request, timeout=120)
-        wait_for(lambda: len(queue(cluster)) == 1, 5, "the waiter to be queued")
+        wait_for(lambda: len(queue(cluster)) == 1, LIVENESS_S, "the waiter to be queued")
         rank = queue(cluster)[0].rank
         cluster.stop_coordinator(first)
         with pytest.raises(grpc.RpcError) as info:
@@ -56,7 +56,7 @@ def test_shutdown_answers_waiters_unavailable_and_keeps_their_entries(cluster: C
         assert [e.rank for e in queue(cluster)] == [rank]
         # The caller retries through another replica with the same request_id: same place, then granted.
         retry = coordinator_stub(second).Acquire.future(request, timeout=120)
-        wait_for(lambda: queue(cluster) and queue(cluster)[0].replica != "", 5, "the retry to attach")
+        wait_for(lambda: queue(cluster) and queue(cluster)[0].replica != "", LIVENESS_S, "the retry to attach")
         a.release(held.id)
         assert retry.result(timeout=10).lease.vram_mb == 1000
 
@@ -117,9 +117,9 @@ def test_the_replicas_watch_survives_an_etcd_error_during_a_resync(cluster: Clus
         held = a.acquire(8000, preemptible=False)
         arm["resync"] = True
         a.acquire(100).release()               # any event: the injected resync follows it
-        wait_for(lambda: not arm["resync"] and not arm["fail"], 5, "the injected resync and failure")
+        wait_for(lambda: not arm["resync"] and not arm["fail"], LIVENESS_S, "the injected resync and failure")
         waiter = Background(b.acquire, 4000, wait=6)
-        wait_for(lambda: len(queue(cluster)) == 1, 5, "b to be queued")
+        wait_for(lambda: len(queue(cluster)) == 1, LIVENESS_S, "b to be queued")
         held.release()
         lease = waiter.result(10)
         assert lease.vram_mb == 4000

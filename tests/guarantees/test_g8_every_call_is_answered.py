@@ -17,7 +17,7 @@ from coordinator import errors as cerrors
 from tests.support.cluster import Cluster, queue
 from tests.support.patching import is_delete, is_put, patch_commit
 from tests.support.rpcs import acquire_req, coordinator_stub
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -67,7 +67,7 @@ def test_a_retry_with_no_wait_of_a_waiting_request_is_answered_at_once(cluster: 
         a.acquire(8000, preemptible=False)
         s = coordinator_stub(addr)
         first = s.Acquire.future(acquire_req("b", b.session_id, 1000, "same", wait=60), timeout=90)
-        wait_for(lambda: len(queue(cluster)) == 1, 5, "the first call to be queued")
+        wait_for(lambda: len(queue(cluster)) == 1, LIVENESS_S, "the first call to be queued")
         try:
             s.Acquire(acquire_req("b", b.session_id, 1000, "same", wait=0), timeout=4)
             outcome = "granted"
@@ -105,6 +105,6 @@ def test_a_wait_that_ends_while_etcd_fails_is_answered_and_leaves_the_queue(clus
                 outcome = e.code().name
             assert failed, "the fault was not injected"
             assert outcome != "DEADLINE_EXCEEDED", (outcome, time.monotonic() - t0)
-            wait_for(lambda: queue(cluster) == [], 3, "the expired waiter's entry to leave the queue")
+            wait_for(lambda: queue(cluster) == [], LIVENESS_S, "the expired waiter's entry to leave the queue")
         finally:
             undo()

@@ -26,7 +26,7 @@ from coordinator.txn import Put
 from tests.support.cluster import Cluster
 from tests.support.patching import is_delete, patch_commit
 from tests.support.rpcs import acquire_req, coordinator_stub
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.usefixtures("history_checked")
 
@@ -77,7 +77,7 @@ def test_a_retry_through_the_same_replica_is_not_answered_before_its_wait_ends(c
             undo()
         with pytest.raises(grpc.RpcError) as info:
             second.result()
-        wait_for(lambda: answered, 5, "the retry's answer to be recorded")
+        wait_for(lambda: answered, LIVENESS_S, "the retry's answer to be recorded")
         assert answered[0] >= until - EARLY_SLACK_S, (
             f"the retry was answered {until - answered[0]:.2f} s before its wait ended: "
             f"{info.value.code().name}: {info.value.details()}")

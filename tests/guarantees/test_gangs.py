@@ -19,7 +19,7 @@ from tests.support import REPO
 from tests.support.cluster import Cluster
 from tests.support.processes import child_env
 from tests.support.rpcs import coordinator_stub, expect_refused
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 QUADS = ({0, 1, 2, 3}, {4, 5, 6, 7})
@@ -144,7 +144,7 @@ def test_a_gang_revoked_by_the_leader_at_its_deadline_goes_whole(cluster: Cluste
         a.acquire(vram_mb=12_000, gpu_count=2, priority=0)
         got = b.acquire(vram_mb=12_000, gpu_count=2, priority=5, wait=20)   # the holder ignores its notice
         assert sorted(g.index for g in got.gpus) == [0, 1]
-        wait_for(lambda: len(lease_keys(cluster)) == 2, 5, "only the new gang's records")
+        wait_for(lambda: len(lease_keys(cluster)) == 2, LIVENESS_S, "only the new gang's records")
 
 
 def test_status_shows_a_gang_as_one_lease_over_its_gpus(cluster: Cluster) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from agent_client import Client, errors
 from tests.support.cluster import Cluster
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 LOOP_S = float(os.environ.get("GPUCOORD_GANG_LOOP_S", "30"))   # the 30 s; lower it for a quick run
@@ -112,7 +112,7 @@ def test_an_exclusive_four_gpu_request_is_not_starved_by_a_stream_of_one_gpu_req
             assert waited <= hold_s + 2.0, f"the exclusive gang waited {waited:.2f} s"
             assert len(lease.gpus) == 4 and lease.exclusive
             # Once the gang holds its 4 GPUs, the stream runs on the other 4 beside it.
-            wait_for(lambda: any(x > granted for x in held), 5, "the stream to run beside the gang")
+            wait_for(lambda: any(x > granted for x in held), LIVENESS_S, "the stream to run beside the gang")
             lease.release()
     finally:
         stop.set()

@@ -16,7 +16,7 @@ from agent_client import Client, errors
 from coordinator.keys import etcd_lease_from_session_id
 from coordinator.records import FORMAT, dumps
 from tests.support.cluster import Cluster
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "records_v1.json"
@@ -75,7 +75,7 @@ def test_a_record_of_a_newer_format_fails_its_host_closed(cluster: Cluster) -> N
         cluster.lt.run(cluster.store.put((cluster.prefix + record["key"]).encode(), dumps(newer),
                                          etcd_lease_from_session_id(a.session_id)))
         with pytest.raises(errors.FailedPrecondition, match="host") as e:
-            wait_for(lambda: a.acquire(vram_mb=1000, gpu=0) and None, 5, "the newer record to be seen")
+            wait_for(lambda: a.acquire(vram_mb=1000, gpu=0) and None, LIVENESS_S, "the newer record to be seen")
         assert "format" in str(e.value) and "newer" in str(e.value), e.value
         assert other.acquire(vram_mb=1000).gpu_index == 0        # another host carries on
         status = a.status("h1")

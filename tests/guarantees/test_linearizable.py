@@ -14,7 +14,7 @@ from agent_client import Client
 from coordinator.etcd.store import Snapshot
 from tests.support.cluster import Cluster, queue
 from tests.support.patching import patch_method
-from tests.support.waiting import Background, wait_for
+from tests.support.waiting import LIVENESS_S, Background, wait_for
 
 
 def _lagging_reads(cluster: Cluster, svc: Any, lag_rev: int) -> Callable[[], None]:
@@ -36,7 +36,7 @@ def _waiter_on_gpu1(cluster: Cluster, addr: str) -> tuple[Client, Client, Backgr
     holder.acquire(8000, gpu=1, preemptible=False)
     w = Client(addr, agent="w", host="h1", ttl=30).connect()
     waiter = Background(w.acquire, 4000, gpu=1, wait=30)
-    wait_for(lambda: len(queue(cluster)) == 1, 5, "the waiter to be queued")
+    wait_for(lambda: len(queue(cluster)) == 1, LIVENESS_S, "the waiter to be queued")
     return holder, w, waiter
 
 

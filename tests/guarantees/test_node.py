@@ -26,7 +26,7 @@ from tests.support.fake_nvml import FakeDevice, FakeNvml
 from tests.support.patching import patch_commit
 from tests.support.processes import child_env
 from tests.support.rpcs import node_stub
-from tests.support.waiting import LoopThread, wait_for
+from tests.support.waiting import LIVENESS_S, LoopThread, wait_for
 
 
 def test_node_publishes_inventory_and_usage_under_its_etcd_lease(cluster: Cluster) -> None:
@@ -43,7 +43,8 @@ def test_node_publishes_inventory_and_usage_under_its_etcd_lease(cluster: Cluste
 
 
 def test_usage_is_written_when_it_changes_and_untracked_vram_is_subtracted(cluster: Cluster) -> None:
-    cluster.start_node("h1", "1x16GiB")
+    # A heartbeat far longer than the test: each new usage is the change's write, not the heartbeat's, at any speed.
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=600.0)
     _, _, source = cluster.nodes["h1"]
     addr = cluster.start_coordinator()
     source.set_used(0, 10000, (GpuProcess(pid=4242, used_mb=10000),))
@@ -51,7 +52,7 @@ def test_usage_is_written_when_it_changes_and_untracked_vram_is_subtracted(clust
     def used() -> int:
         (kv,) = cluster.get_prefix(cluster.keys.usage("h1"))
         return int(json.loads(kv.value)["gpus"][0]["vram_used_mb"])
-    wait_for(lambda: used() == 10000, 5, "the node to publish the new usage")
+    wait_for(lambda: used() == 10000, LIVENESS_S, "the node to publish the new usage")
     with Client(addr, agent="agent-a", host="h1") as c:
         # 16384 - 10000 untracked leaves 6384.
         from agent_client import errors
@@ -60,7 +61,7 @@ def test_usage_is_written_when_it_changes_and_untracked_vram_is_subtracted(clust
         lease = c.acquire(6000)
         # NVML now sees the lease's own 6000 as well: it is not counted twice.
         source.set_used(0, 16000)
-        wait_for(lambda: used() == 16000, 5, "usage 16000")
+        wait_for(lambda: used() == 16000, LIVENESS_S, "usage 16000")
         status = c.status("h1")
         g = status.hosts[0].gpus[0]
         assert (g.leased_mb, g.used_mb, g.untracked_mb, g.free_mb) == (6000, 16000, 10000, 384)
@@ -86,11 +87,11 @@ def test_get_inventory_and_check_token(cluster: Cluster) -> None:
     with Client(addr, agent="agent-a", host="h1") as c:
         lease = c.acquire(1000, gpu=0)
         check = lambda t: stub.CheckToken(npb.CheckTokenRequest(gpu_uuid=lease.gpu_uuid, token=t), timeout=5)
-        wait_for(lambda: check(lease.token).live, 5, "the node to see the lease")
+        wait_for(lambda: check(lease.token).live, LIVENESS_S, "the node to see the lease")
         assert check(lease.token).lease_id == lease.id
         assert not check(lease.token + 1).live
         lease.release()
-        wait_for(lambda: not check(lease.token).live, 5, "the node to see the release")
+        wait_for(lambda: not check(lease.token).live, LIVENESS_S, "the node to see the release")
         assert check(lease.token).highest_token == lease.token
         with pytest.raises(grpc.RpcError) as e:
             stub.CheckToken(npb.CheckTokenRequest(gpu_uuid="GPU-nope", token=1), timeout=5)
@@ -100,7 +101,7 @@ def test_get_inventory_and_check_token(cluster: Cluster) -> None:
 def test_dead_node_daemon_takes_its_host_away(cluster: Cluster) -> None:
     cluster.start_node("h1", "1x16GiB", ttl=2)
     cluster.stop_node("h1", revoke=False)  # as if killed: its etcd_lease must expire by itself
-    wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")) == [], 4, "hosts/h1 to expire")
+    wait_for(lambda: cluster.get_prefix(cluster.keys.host("h1")) == [], LIVENESS_S, "hosts/h1 to expire")
     assert cluster.get_prefix(cluster.keys.usage("h1")) == []
 
 
@@ -175,7 +176,7 @@ def test_a_slow_nvml_call_stalls_neither_the_nodes_grpc_nor_its_registration(clu
         node = node_stub(daemon.address)
         node.GetInventory(npb.GetInventoryRequest(), timeout=5)
         stall.set()
-        wait_for(lambda: not stall.is_set(), 5, "the scan to reach the slow call")
+        wait_for(lambda: not stall.is_set(), LIVENESS_S, "the scan to reach the slow call")
         t0 = time.monotonic()
         try:
             node.GetInventory(npb.GetInventoryRequest(), timeout=1)

@@ -13,7 +13,7 @@ from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from tests.support.cluster import Cluster
 from tests.support.rpcs import coordinator_stub
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 
@@ -69,7 +69,7 @@ def test_a_victim_back_in_quota_during_its_grace_is_not_revoked_and_the_requeste
         t.join(GRACE_S)
         assert "value" in out, f"oth was not granted the free GPU within the grace: {out}"
         assert [g.index for g in out["value"].gpus] == [1], "oth waited for the victim instead of the free GPU"
-        wait_for(lambda: not _notices(cluster), 5, "the notice withdrawn")
+        wait_for(lambda: not _notices(cluster), LIVENESS_S, "the notice withdrawn")
         assert victim.id in {x.id for x in cluster.leases()}
 
 

@@ -25,7 +25,7 @@ from tests.support import REPO
 from tests.support.cluster import Cluster
 from tests.support.patching import patch_method
 from tests.support.processes import child_env
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 
 def spawn_node(cluster: Cluster, host: str, fake_gpus: str, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
@@ -173,7 +173,7 @@ def test_a_daemon_that_lost_its_host_to_another_stays_a_standby(cluster: Cluster
 
     old_lease = a.etcd_lease
     cluster.lt.run(cluster.store.revoke(old_lease))              # as if A's etcd_lease expired
-    wait_for(lambda: host_kv(cluster) is None, 5, "hosts/h1 to go with A's etcd_lease")
+    wait_for(lambda: host_kv(cluster) is None, LIVENESS_S, "hosts/h1 to go with A's etcd_lease")
     b, b_server = start_daemon(cluster, "h1", "1x80GiB")
     try:
         owned = host_kv(cluster)
@@ -189,7 +189,7 @@ def test_a_daemon_that_lost_its_host_to_another_stays_a_standby(cluster: Cluster
         undo_grant()
         stop_daemon(cluster, b, b_server)
     # B is gone: A, the standby, takes the host back at once.
-    back = wait_for(lambda: host_kv(cluster), 5, "A to register h1 again")
+    back = wait_for(lambda: host_kv(cluster), LIVENESS_S, "A to register h1 again")
     undo_publish()
     assert back.etcd_lease == a.etcd_lease != 0
     assert json.loads(back.value)["inventory"]["gpus"][0]["vram_total_mb"] == 16384

@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -19,7 +19,7 @@ from coordinator.cli.main import main as cli_main
 from tests.history import check_store, read_history
 from tests.support.cluster import Cluster
 from tests.support.history_usage import UsageReport, check_usage
-from tests.support.processes import spawn_coordinator
+from tests.support.processes import replica_processes
 from tests.support.waiting import wait_for
 
 
@@ -185,28 +185,10 @@ def test_the_export_survives_a_leader_change_with_no_gap_and_no_duplicate(cluste
 
 
 @pytest.fixture
-def two_replicas(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+def two_replicas(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setenv("GPUCOORD_USAGE_EXPORT_DIR", str(tmp_path / "export"))   # both replicas': one directory
-    procs = []
-    for i in range(2):
-        proc, port = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / f"c{i}.log"),
-                                       extra=["--grace", "1"])
-        procs.append((proc, f"127.0.0.1:{port}"))
-    by_id: dict[str, Any] = {}
-
-    def registered() -> bool:
-        for kv in cluster.get_prefix(cluster.keys.coordinators()):
-            info = json.loads(kv.value)
-            for proc, addr in procs:
-                if info["address"] == addr:
-                    by_id[info["replica"]] = (proc, addr)
-        return len(by_id) == 2
-    wait_for(registered, 20, "both replicas to register")
-    yield by_id
-    for proc, _ in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(10)
+    with replica_processes(cluster, tmp_path, extra=["--grace", "1"]) as by_id:
+        yield by_id
 
 
 def test_records_stay_exactly_once_when_the_leader_is_killed(cluster: Cluster, two_replicas: dict[str, Any],

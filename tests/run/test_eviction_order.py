@@ -43,7 +43,7 @@ from tests.support.noise import assert_no_asyncio_noise
 from tests.support.processes import ProcessGone, child_env, write_fake_processes
 from tests.support.rpcs import coordinator_stub
 from tests.support.run_victim import GRACE_S, start_victim
-from tests.support.waiting import Background, wait_for
+from tests.support.waiting import LIVENESS_S, Background, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 
@@ -257,7 +257,7 @@ def test_a_lease_whose_processes_the_node_no_longer_reports_is_revoked_after_its
             proc.wait()
             lease = request.result(timeout=20)
             created = lease_created_at(cluster, lease.id)
-            assert created > gone.wait(5)
+            assert created > gone.wait(LIVENESS_S)
             assert created < deadline + 10, "revoked at the margin, not when the node reported the process gone"
             lease.release()
     finally:

@@ -28,7 +28,7 @@ from tests.support import REPO
 from tests.support.cluster import Cluster
 from tests.support.pki import Pki, coordinator_tls, secure_cluster
 from tests.support.processes import child_env, spawn_coordinator, stop_process
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -70,7 +70,7 @@ def test_an_identity_holds_at_most_max_streams_open(cluster: Cluster, pki: Pki) 
         other = b.Session(iter([]), timeout=10)
         assert list(other) == []                       # agent-b opens (and ends) its own stream
         held.pop().cancel()
-        wait_for(lambda: _opens(a, ref), 5, "a place to free up once a stream is closed")
+        wait_for(lambda: _opens(a, ref), LIVENESS_S, "a place to free up once a stream is closed")
     finally:
         for ch in chans:
             ch.close()

@@ -6,13 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-import ssl
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -25,24 +22,13 @@ from coordinator import metrics
 from coordinator.etcd.process import free_port
 from coordinator.metrics_http import MetricsGate
 from coordinator.rpc.coordinator_server import create_server
-from coordinator.security.tls import TlsFiles
 from tests.support import REPO
 from tests.support.cluster import Cluster, EtcdEndpoint
-from tests.support.pki import Pki, coordinator_tls
+from tests.support.pki import Pki, coordinator_tls, scrape
 from tests.support.processes import child_env
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def scrape(port: int, files: TlsFiles, ca: str) -> tuple[int, str]:
-    ctx = ssl.create_default_context(cafile=ca)
-    ctx.load_cert_chain(files.cert, files.key)
-    try:
-        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 @pytest.fixture
@@ -65,12 +51,12 @@ def test_metrics_take_a_live_operator_or_metrics_certificate(guarded: tuple[Clus
     before = caplog.records[:]
     refused_before = metrics.REGISTRY.get_sample_value("gpucoord_metrics_refusals_total", {"why": "role"}) or 0.0
     for who in ("agent-a", "node"):
-        status, body = scrape(port, pki[who], pki.ca)
+        status, body = scrape(port, pki.ca, pki[who])
         assert status == 403 and "gpucoord_" not in body, (who, status, body[:200])
     assert metrics.REGISTRY.get_sample_value("gpucoord_metrics_refusals_total", {"why": "role"}) == refused_before + 2
     assert [r for r in caplog.records if r not in before and "metrics" in r.getMessage()] == []
     for who in ("operator", "metrics"):
-        status, body = scrape(port, pki[who], pki.ca)
+        status, body = scrape(port, pki.ca, pki[who])
         assert status == 200 and "gpucoord_releases_total" in body, (who, status)
 
     # Revoked: refused from the moment the server's deny list has it (no restart).
@@ -81,10 +67,10 @@ def test_metrics_take_a_live_operator_or_metrics_certificate(guarded: tuple[Clus
                           capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
-    wait_for(lambda: scrape(port, pki["metrics"], pki.ca)[0] == 403, 5.0, "the revoked certificate refused")
-    status, body = scrape(port, pki["metrics"], pki.ca)
+    wait_for(lambda: scrape(port, pki.ca, pki["metrics"])[0] == 403, LIVENESS_S, "the revoked certificate refused")
+    status, body = scrape(port, pki.ca, pki["metrics"])
     assert status == 403 and "revoked" in body
-    assert scrape(port, pki["operator"], pki.ca)[0] == 200
+    assert scrape(port, pki.ca, pki["operator"])[0] == 200
 
 
 def _hammer(address: str, ca: bytes, seconds: float, threads: int = 32) -> int:
@@ -145,7 +131,7 @@ def test_certificate_less_connections_are_counted_not_logged_one_line_each(etcd:
 
 
 def _handshake_failures(port: int, pki: Pki) -> float:
-    status, body = scrape(port, pki["operator"], pki.ca)
+    status, body = scrape(port, pki.ca, pki["operator"])
     assert status == 200
     m = re.search(r"^gpucoord_tls_handshake_failures_total (\S+)$", body, re.M)
     return float(m.group(1)) if m else 0.0

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import os
 import re
-import ssl
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -19,29 +16,14 @@ from typing import Iterator
 import pytest
 
 from coordinator.etcd.process import free_port
-from coordinator.security.tls import TlsFiles
 from tests.support import REPO
 from tests.support.cluster import Cluster, EtcdEndpoint
-from tests.support.pki import Pki, coordinator_tls
+from tests.support.pki import Pki, coordinator_tls, scrape
 from tests.support.processes import child_env
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.integration
 HOST = "h1"   # the node certificate of the pki fixture is gpucoord://node/h1
-
-
-def _scrape(port: int, ca: str, files: TlsFiles | None) -> tuple[int, str]:
-    """(HTTP status, body) of one scrape; the status is 0 when the TLS handshake (or the first read) failed."""
-    ctx = ssl.create_default_context(cafile=ca)
-    if files is not None:
-        ctx.load_cert_chain(files.cert, files.key)
-    try:
-        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except (urllib.error.URLError, ssl.SSLError, ConnectionError) as e:
-        return 0, str(e)
 
 
 class NodeProcess:
@@ -92,25 +74,25 @@ def test_node_metrics_serve_only_a_live_operator_or_metrics_certificate(
     port = daemon.metrics_port
     # Every scrape is 403 until the node has read the deny list through its coordinator; then the operator's
     # certificate reads the node's own families, and no coordinator family.
-    wait_for(lambda: _scrape(port, pki.ca, pki["operator"])[0] == 200, 30, "the node's /metrics to serve the operator")
-    status, body = _scrape(port, pki.ca, pki["operator"])
+    wait_for(lambda: scrape(port, pki.ca, pki["operator"])[0] == 200, 30, "the node's /metrics to serve the operator")
+    status, body = scrape(port, pki.ca, pki["operator"])
     assert status == 200 and "gpucoord_node_vram_used_bytes" in body, body[:500]
     assert "gpucoord_releases_total" not in body and "gpucoord_leases" not in body.replace("gpucoord_node_", "")
     roles_before = _refusals(body, "role")
     log_before = daemon.log_path.read_text()
 
     for who in ("agent-a", "node", "coordinator"):
-        status, body = _scrape(port, pki.ca, pki[who])
+        status, body = scrape(port, pki.ca, pki[who])
         assert status == 403 and "gpucoord_" not in body and "(role)" in body, (who, status, body[:200])
     for who in ("expired", "other-ca"):   # the handshake refuses them: no HTTP answer at all
-        status, why = _scrape(port, pki.ca, pki[who])
+        status, why = scrape(port, pki.ca, pki[who])
         assert status == 0, (who, status, why[:200])
-    status, why = _scrape(port, pki.ca, None)   # no client certificate
+    status, why = scrape(port, pki.ca, None)   # no client certificate
     assert status == 0, (status, why[:200])
-    status, body = _scrape(port, pki.ca, pki["metrics"])
+    status, body = scrape(port, pki.ca, pki["metrics"])
     assert status == 200 and "gpucoord_node_vram_used_bytes" in body, (status, body[:200])
     # Counted, never logged per refused scrape.
-    assert _refusals(_scrape(port, pki.ca, pki["operator"])[1], "role") == roles_before + 3
+    assert _refusals(scrape(port, pki.ca, pki["operator"])[1], "role") == roles_before + 3
     added = daemon.log_path.read_text()[len(log_before):]
     assert not re.search(r"403|forbidden|metrics", added, re.I), added[-2000:]
 
@@ -123,8 +105,8 @@ def test_node_metrics_serve_only_a_live_operator_or_metrics_certificate(
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     # (The deny list is this test's prefix's: other tests' clusters do not see it.)
-    wait_for(lambda: _scrape(port, pki.ca, pki["metrics"])[0] == 403, 5.0, "the node to refuse the revoked certificate")
-    status, body = _scrape(port, pki.ca, pki["metrics"])
+    wait_for(lambda: scrape(port, pki.ca, pki["metrics"])[0] == 403, LIVENESS_S, "the node to refuse the revoked certificate")
+    status, body = scrape(port, pki.ca, pki["metrics"])
     assert status == 403 and "(revoked)" in body, (status, body)
-    assert _scrape(port, pki.ca, pki["operator"])[0] == 200
+    assert scrape(port, pki.ca, pki["operator"])[0] == 200
     assert [kv.key for kv in cluster.get_prefix(cluster.keys.revocations())], "no revocation was written"

@@ -1,5 +1,5 @@
 """Certificates for the security tests: ``make_pki``/``Pki``; ``coordinator_tls`` (a coordinator's TLS settings)
-and ``secure_cluster`` (a Cluster whose node serves TLS)."""
+and ``secure_cluster`` (a Cluster whose node serves TLS); ``scrape`` (one HTTPS scrape of a /metrics)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +7,9 @@ import dataclasses
 import datetime
 import os
 import pathlib
+import ssl
+import urllib.error
+import urllib.request
 import uuid
 from typing import TYPE_CHECKING, Iterator
 
@@ -72,3 +75,18 @@ def secure_cluster(endpoints: list[str], pki: Pki, name: str, host: str = "h1",
         yield c
     finally:
         c.close()
+
+
+def scrape(port: int, ca: str, files: TlsFiles | None) -> tuple[int, str]:
+    """(HTTP status, body) of one scrape of ``https://127.0.0.1:PORT/metrics`` with the client certificate
+    ``files`` (None: none); the status is 0 when the TLS handshake (or the first read) failed."""
+    ctx = ssl.create_default_context(cafile=ca)
+    if files is not None:
+        ctx.load_cert_chain(files.cert, files.key)
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ssl.SSLError, ConnectionError) as e:
+        return 0, str(e)

@@ -1,19 +1,22 @@
 """Child processes for kill and restart tests: ``spawn_coordinator``, ``spawn_node``, ``spawn_agent``,
-``LinkedReplica`` (a coordinator process behind FaultLinks), ``stop_process``, ``child_env``; bound processes:
+``replica_processes`` (N coordinator processes, by replica id), ``LinkedReplica`` (a coordinator process behind
+FaultLinks), ``stop_process``, ``child_env``; bound processes:
 ``gpucoord_run`` and ``command_pid``, ``write_fake_processes``, ``ProcessGone`` (when a process exited)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from tests.faultlink import FaultLink
 from tests.support import REPO
 from tests.support.cluster import Cluster
+from tests.support.waiting import LIVENESS_S, wait_for
 
 
 def child_env() -> dict[str, str]:
@@ -111,6 +114,31 @@ def spawn_coordinator(endpoints: list[str], prefix: str, listen: str, log_path: 
         proc.kill()
         raise AssertionError(f"coordinator did not start: {line!r}; see {log_path}")
     return proc, int(line.split("port=")[1])
+
+
+@contextlib.contextmanager
+def replica_processes(cluster: Cluster, log_dir: pathlib.Path, extra: Sequence[str] = (),
+                      count: int = 2) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], str]]]:
+    """``count`` coordinator processes on ``cluster`` (logs ``c0.log``... in ``log_dir``), once each has registered
+    under ``coordinators/``: replica id -> (process, address). At the end the live ones are stopped, by PID."""
+    procs = []
+    try:
+        for i in range(count):
+            proc, port = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0",
+                                           str(log_dir / f"c{i}.log"), extra=list(extra))
+            procs.append((proc, f"127.0.0.1:{port}"))
+        by_id: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+
+        def registered() -> bool:
+            addresses = cluster.replicas()
+            by_id.update({replica: (proc, addr) for replica, address in addresses.items()
+                          for proc, addr in procs if addr == address})
+            return len(by_id) == count
+        wait_for(registered, LIVENESS_S, f"the {count} replicas to register")
+        yield by_id
+    finally:
+        for proc, _ in procs:
+            stop_process(proc)
 
 
 class LinkedReplica:

@@ -1,5 +1,5 @@
 """The command the eviction tests of ``gpucoord run`` put under a lease (``CHILD``, written to a file by the
-``victim_py`` fixture of tests/run/conftest.py), the eviction grace they run with, and ``start_victim``."""
+``victim_py`` fixture of tests/conftest.py), the eviction grace they run with, and ``start_victim``."""
 from __future__ import annotations
 
 import subprocess
