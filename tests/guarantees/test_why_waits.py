@@ -145,14 +145,12 @@ def test_position_the_request_ahead_a_cordon_and_the_cli(cluster: Cluster) -> No
         _, (eb, _) = _entries(addr)
         assert eb.blockers[0].kind == "cordon" and "driver upgrade" in eb.reason and not eb.has_estimate
         stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
-        held.release()
+        held.release()            # both fit then (8 + 8 GiB), granted in any order
         first.join(LIVENESS_S)
-        wait_for(lambda: len(got) == 1, LIVENESS_S, "b's grant")
-        assert not isinstance(got[0], Exception), got
-        got[0].release()
         second.join(LIVENESS_S)
-        assert len(got) == 2 and not isinstance(got[1], Exception), got
-        got[1].release()
+        assert len(got) == 2 and not any(isinstance(x, Exception) for x in got), got
+        for x in got:
+            x.release()
 
 
 def test_a_request_its_teams_limit_holds_back_names_the_team(cluster: Cluster) -> None:
