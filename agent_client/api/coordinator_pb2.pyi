@@ -331,7 +331,7 @@ class AgentUse(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., allocation_json: _Optional[str] = ..., leased_mb: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class QueueEntry(_message.Message):
-    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id", "gpu_count", "exclusive", "gpus", "topology")
+    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id", "gpu_count", "exclusive", "gpus", "topology", "position", "reason", "blockers", "estimated_start_unix", "has_estimate")
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +342,11 @@ class QueueEntry(_message.Message):
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCKERS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_START_UNIX_FIELD_NUMBER: _ClassVar[int]
+    HAS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     rank: str
     agent: str
     vram_mb: int
@@ -352,7 +357,34 @@ class QueueEntry(_message.Message):
     exclusive: bool
     gpus: _containers.RepeatedScalarFieldContainer[str]
     topology: str
-    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ...) -> None: ...
+    position: int
+    reason: str
+    blockers: _containers.RepeatedCompositeFieldContainer[WaitBlocker]
+    estimated_start_unix: float
+    has_estimate: bool
+    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., position: _Optional[int] = ..., reason: _Optional[str] = ..., blockers: _Optional[_Iterable[_Union[WaitBlocker, _Mapping]]] = ..., estimated_start_unix: _Optional[float] = ..., has_estimate: _Optional[bool] = ...) -> None: ...
+
+class WaitBlocker(_message.Message):
+    __slots__ = ("kind", "detail", "lease_id", "agent", "gpus", "vram_mb", "ends_at_unix", "rank", "priority")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    ENDS_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    detail: str
+    lease_id: str
+    agent: str
+    gpus: _containers.RepeatedScalarFieldContainer[int]
+    vram_mb: int
+    ends_at_unix: float
+    rank: str
+    priority: int
+    def __init__(self, kind: _Optional[str] = ..., detail: _Optional[str] = ..., lease_id: _Optional[str] = ..., agent: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., vram_mb: _Optional[int] = ..., ends_at_unix: _Optional[float] = ..., rank: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class HostStatus(_message.Message):
     __slots__ = ("host", "address", "alive", "simulated", "usage_age_seconds", "gpus", "partition_mode", "agents", "leases", "queue", "cpu_count", "mem_bytes", "disk_bytes", "usage_stale", "invalid", "labels", "cordoned", "cordon", "draining")

@@ -102,6 +102,7 @@ def _resolve_globals(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from coordinator.cli.hosts import add_parsers as host_parsers
+    from coordinator.cli.queue import add_parsers as queue_parsers
     from coordinator.cli.security import add_parsers as security_parsers
     from coordinator.cli.teams import add_parsers as team_parsers
     from coordinator.cli.usage import add_parsers as usage_parsers
@@ -305,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     team_parsers(sub, _command)
     usage_parsers(sub, _command)
     host_parsers(sub, _command)
+    queue_parsers(sub, _command)
     return p
 
 

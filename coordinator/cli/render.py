@@ -124,7 +124,8 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
         else:
             lines.append("  no leases")
         for q in h.get("queue", []):
-            lines.append(f"  waiting: {q['agent']} {_shape(q)} priority {q['priority']}")
+            lines.append(f"  waiting: {q['agent']} {_shape(q)} priority {q['priority']}"
+                         + (f"\n    {q['reason']}" if q.get("reason") else ""))
     if not doc.get("hosts"):
         lines.append("no hosts registered")
     if doc.get("teams"):

@@ -6,13 +6,17 @@ import asyncio
 import dataclasses
 from typing import Any
 
+from coordinator import clock
 from coordinator.etcd.types import KV
 from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
+from coordinator.policy.waiting import WaitReason
 from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.teams import mirror_team_state
 from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view, read_host
+from coordinator.replica.waits import host_waits
 from coordinator.txn import Range
 
 
@@ -20,13 +24,15 @@ from coordinator.txn import Range
 class StatusReport:
     """Every host's view at one revision (``views``, and as plain JSON in ``doc``), the remaining TTL of each
     session's etcd_lease (``ttls``), the eviction notices by lease id (read just after the snapshot, shown
-    next to the leases they are about) and the leader's replica id ("" when unknown)."""
+    next to the leases they are about), the leader's replica id ("" when unknown) and why each queue entry
+    waits (``waits``: host -> rank -> ``WaitReason``, README "Why a request waits")."""
 
     revision: int
     views: list[HostView]
     ttls: dict[int, int]
     notices: dict[str, EvictionRecord]
     leader: str = ""
+    waits: dict[str, dict[str, WaitReason]] = dataclasses.field(default_factory=dict)
 
     @property
     def doc(self) -> dict[str, Any]:
@@ -44,7 +50,12 @@ async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> 
         except InvalidRecord:
             continue
         notices[notice.lease_id] = notice
-    return StatusReport(revision, views, ttls, notices, leader)
+    teams = None
+    if ctx.mirror.ready and ctx.mirror.items("teams"):
+        teams = mirror_team_state(ctx.mirror)
+    now = clock.wall()
+    waits = {v.host: host_waits(v, notices, teams, now, ctx.config.eviction_kill_margin_s) for v in views if v.entries}
+    return StatusReport(revision, views, ttls, notices, leader, waits)
 
 
 async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:

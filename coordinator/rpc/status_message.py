@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.host_records import CordonRecord
 from coordinator.policy.departing import process_state
+from coordinator.policy.waiting import WaitReason
 from coordinator.records import EvictionRecord, VramLease
 from coordinator.replica.status import StatusReport
 
@@ -25,6 +26,16 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease
                           for x in parts],
                     exclusive=first.exclusive, topology=first.topology, min_runtime_seconds=first.min_runtime_s,
                     over_quota=bool(first.over_quota), time_limit_seconds=first.time_limit_s)
+
+
+def wait_pb(entry: pb.QueueEntry, wait: WaitReason) -> None:
+    """Why the entry waits, on its message (README "Why a request waits")."""
+    entry.position, entry.reason = wait.position, wait.reason
+    entry.has_estimate = wait.estimated_start is not None
+    entry.estimated_start_unix = wait.estimated_start or 0.0
+    for b in wait.blockers:
+        entry.blockers.add(kind=b.kind, detail=b.detail, lease_id=b.lease_id, agent=b.agent, gpus=list(b.gpus),
+                           vram_mb=b.vram_mb, ends_at_unix=b.ends_at or 0.0, rank=b.rank, priority=b.priority)
 
 
 def status_response(report: StatusReport,
@@ -76,6 +87,9 @@ def status_response(report: StatusReport,
                          priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
                          gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
                          gpus=q.get("gpus", []), topology=q.get("topology", "any"))
+            wait = report.waits.get(h["host"], {}).get(q["rank"])
+            if wait is not None:
+                wait_pb(hs.queue[-1], wait)
         hs.cordoned, hs.draining = h["cordoned"], h["draining"]
         if view.cordon is not None:
             hs.cordon.CopyFrom(cordon_pb(view.cordon))

@@ -30,6 +30,7 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["node", *e, "--fake-gpus", "1x16GiB", "--label", "rack=r1", "--label", "rack=r2"],
         ["status", *c, "--host", "bad/name"],
         ["status", *c, "--watch", "0"],
+        ["queue", *c, "--host", "bad/name"],
         ["keys", *e, "--etcd-cert", str(tmp / "c.pem")],
         ["partition", "apply", str(bad_spec), *c],
         ["partition", "show", "bad/name", *c],

@@ -1,0 +1,61 @@
+"""``gpucoord queue [--host H] [--json]``: every waiting request, its place in its host's queue, why it waits and
+its estimated start (README "Why a request waits"). One ``GetStatus`` call: the reasons are fields of the
+status's queue entries (``QueueEntry.position``, ``reason``, ``blockers``, ``estimated_start_unix``,
+``has_estimate``), computed by the coordinator at the status's revision."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable
+
+from coordinator.cli.common import _client_tls, check_name, fetch_status, rpc_error
+
+_TLS = ("tls-ca", "tls-cert", "tls-key")
+
+
+def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
+    """``queue`` on ``sub``; ``command(sub, name, uses, **kw)`` makes a subcommand (coordinator.cli.main)."""
+    qu = command(sub, "queue", ("coordinator", *_TLS),
+                 help="waiting requests: position, why they wait, estimated start")
+    qu.add_argument("--host", default=None, help="only this host's queue")
+    qu.add_argument("--json", action="store_true", help="one JSON document: {revision, waiting: [...]}")
+    qu.set_defaults(fn=cmd_queue)
+
+
+def queue_doc(status: dict[str, Any]) -> dict[str, Any]:
+    """The waiting requests of a status document, host by host in rank order."""
+    waiting = []
+    for h in status.get("hosts", []):
+        for q in h.get("queue", []):
+            waiting.append({"host": h["host"], **q,
+                            "estimated_start_unix": q.get("estimated_start_unix") if q.get("has_estimate") else None})
+    return {"revision": status.get("revision", 0), "waiting": waiting}
+
+
+def render_queue(doc: dict[str, Any], now: float) -> str:
+    """One line per waiting request, then its reason; ``now``: to show the estimate as a time from now."""
+    if not doc["waiting"]:
+        return "no request waits"
+    lines = [f"{'host':<16} {'pos':>3} {'agent':<14} {'vram':>9} {'prio':>5} {'estimated start':<16}"]
+    for q in doc["waiting"]:
+        start = q.get("estimated_start_unix")
+        when = f"in {max(0.0, start - now):.1f} s" if start is not None else "unknown"
+        what = "whole GPUs" if q.get("exclusive") else f"{int(q.get('vram_mb', 0))} MiB"
+        lines.append(f"{q['host']:<16} {q.get('position', 0):>3} {q.get('agent', ''):<14} {what:>9} "
+                     f"{q.get('priority', 0):>5} {when:<16}")
+        lines.append(f"  {q.get('reason', '')}")
+    return "\n".join(lines)
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    import grpc
+    if args.host:
+        check_name("--host", args.host, "queue")
+    try:
+        status = fetch_status(args.coordinator, args.host or "", _client_tls(args))
+    except grpc.RpcError as e:
+        raise rpc_error(e, args.coordinator) from None
+    doc = queue_doc(status)
+    print(json.dumps(doc, indent=2) if args.json else render_queue(doc, time.time()))
+    return 0
