@@ -111,3 +111,26 @@ def test_status_json_and_the_teams_policy(cluster: Cluster, evicting: tuple[str,
         team = stub.GetTeam(pb.GetTeamRequest(name="calm"), timeout=10).team.team
         assert team.idle_action == "warn" and team.idle_after_seconds == 0
         lease.release()
+
+
+def test_a_load_over_two_replicas_with_idle_eviction_keeps_every_guarantee(cluster: Cluster,
+                                                                            tmp_path: pathlib.Path) -> None:
+    """8 agents over two replicas on GPUs at 0 %, with a 2 s window under ``evict``, while a held lease is never
+    released: every call ends with a documented status, the held lease gets its idle notice and is revoked, and the
+    history checker (G1, G3, G5, G6 and the idle rule) replays it all."""
+    import asyncio
+
+    from tests.support.load import run_load
+
+    procs = tmp_path / "procs.json"
+    procs.write_text(json.dumps({"utilization": {"0": 0, "1": 0}}))
+    cluster.start_node("h1", "2x16GiB", fake_processes=str(procs))
+    policy = {"idle_after_s": WINDOW_S, "idle_below_pct": 5.0, "idle_action": "evict", "eviction_grace_s": 1.0}
+    a, b = cluster.start_coordinator(**policy), cluster.start_coordinator(**policy)
+    with Client([b, a], agent="holder", host="h1") as c:
+        held = c.acquire(2000)
+        load = asyncio.run(run_load([[a, b], [b, a]] * 4, "h1", 8.0, seed=37))
+        assert not load.undocumented(), load.undocumented()[:5]
+        assert load.granted > 0
+        assert held.evicting.wait(LIVENESS_S) and held.notice is not None and held.notice.reason == "idle"
+        wait_for(lambda: not [x for x in cluster.leases() if x.id == held.id], LIVENESS_S, "the held lease's revoke")
