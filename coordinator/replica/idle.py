@@ -18,10 +18,12 @@ A replica that starts late or a new leader has no history: its judgment can come
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
 from coordinator import clock, errors, metrics
+from coordinator.etcd.types import KV
 from coordinator.policy.idle import (
     ACTIONS,
     REASON,
@@ -36,7 +38,7 @@ from coordinator.records import InvalidRecord, VramLease
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases, usage_report
 from coordinator.replica.teams import read_teams
-from coordinator.replica.view import usage_is_stale
+from coordinator.replica.view import STALE_INTERVALS
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +51,48 @@ def fleet_policy(ctx: ReplicaContext) -> IdlePolicy:
     return IdlePolicy(c.idle_after_s, c.idle_below_pct, c.idle_action)
 
 
+Parsed = tuple[float, tuple[tuple[str, int], ...]] | None
+"""A usage report as sampling reads it: its node's interval and (GPU uuid, percent or -1) per GPU; None when it is
+malformed."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(kv: KV) -> Parsed:
+    """(Cached by the KV itself, key, value and revisions: each version of a report is parsed once.)"""
+    doc = usage_report(kv)
+    if doc is None:
+        return None
+    rows = []
+    for g in doc.get("gpus", ()):
+        pct = g.get("utilization_pct", -1)
+        rows.append((str(g.get("uuid", "")), pct if isinstance(pct, int) and not isinstance(pct, bool) else -1))
+    return float(doc.get("interval_s", 5.0)), tuple(rows)
+
+
 def sample(ctx: ReplicaContext) -> None:
-    """Feed ``ctx.utilization`` with what the mirror's usage reports say now (see the module's docstring)."""
+    """Feed ``ctx.utilization`` with what the mirror's usage reports say now (see the module's docstring). Each
+    version of a report is parsed once; with idle reclaim off everywhere nothing is sampled (and the history is
+    dropped: turned on later, it starts then, late rather than early)."""
     history, seen = ctx.utilization, set()
+    if not any_policy_on(ctx):
+        history.keep_only(())
+        return
     now = clock.monotonic()
     for kv in ctx.mirror.items("usage"):
         at = ctx.observed.saw(kv.key, kv.mod_revision)
-        doc = usage_report(kv)
-        stale = doc is None or usage_is_stale(doc, ctx.usage_age(kv))
-        for g in (doc or {}).get("gpus", ()):
-            uuid = str(g.get("uuid", ""))
-            pct = g.get("utilization_pct", -1)
-            known = not stale and isinstance(pct, int) and not isinstance(pct, bool)
-            history.observe(uuid, now if stale else at, int(pct) if known else -1)
+        parsed = _parse(kv)
+        if parsed is None:
+            continue   # malformed: its GPUs are unknown (they get no points)
+        stale = ctx.usage_age(kv) > STALE_INTERVALS * parsed[0]
+        for uuid, pct in parsed[1]:
+            history.observe(uuid, now if stale else at, -1 if stale else pct)
             seen.add(uuid)
     history.keep_only(seen)   # a GPU whose report is gone has no points: unknown
+
+
+def any_policy_on(ctx: ReplicaContext) -> bool:
+    fleet, _, by_team = policies(ctx)
+    return fleet.on or any(p.on for p in by_team.values())
 
 
 def _leases(ctx: ReplicaContext) -> dict[str, tuple[VramLease, float, list[str]]]:
