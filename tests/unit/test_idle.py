@@ -168,3 +168,14 @@ def test_only_leases_idle_for_the_whole_window_are_chosen(per_gpu: dict[str, lis
     assert set(to_evict(judged, noticed)) == expected
     # A history cut short never chooses a lease early: what it chooses is idle in truth.
     assert set(to_evict(judged_short, noticed)) <= expected
+
+
+def test_status_marks_an_idle_lease_and_team_show_describes_the_policy() -> None:
+    from coordinator.cli.render import _idle
+    from coordinator.cli.teams import describe
+
+    assert _idle({"idle": False}, 100.0) == ""
+    assert _idle({"idle": True, "idle_since": 5.0, "idle_action": "evict"}, 100.0) == " IDLE for 95s (evict)"
+    line = describe({"quota_mb": 0, "members": [], "idle_after_seconds": 600.0, "idle_action": "warn"})
+    assert "idle warn after 600s below 0%" in line
+    assert "idle" not in describe({"quota_mb": 0, "members": []})
