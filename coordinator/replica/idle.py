@@ -7,7 +7,7 @@ the report is stale, gone, malformed or has no figure. ``judged`` then says, for
 it is idle under its policy: the fleet's (``idle_after_s``, ``idle_below_pct``, ``idle_action``), overridden by its
 agent's team where the team sets them. Status and the ``gpucoord_idle_leases`` gauge show that judgment.
 
-The leader's duty (``enforce``) sends each idle lease under ``evict`` an operator's eviction notice with the
+The leader's duty (``IdleReclaim.run``) sends each idle lease under ``evict`` an operator's eviction notice with the
 reason ``idle`` and the fleet's grace (``Leases.evict``); the leader's deadline enforcement then revokes it at the
 deadline, with the kill margin and G3's order for process-bound leases, as for any notice. Under ``warn`` nothing
 is written: the lease shows ``idle`` in status and in the gauge, and the leader logs it once per idle stretch.
