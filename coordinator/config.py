@@ -50,6 +50,11 @@ class CoordinatorConfig:
     time_limit_warning_s: float = 120.0
     default_time_limit_s: float = 0.0
     max_time_limit_s: float = 0.0
+    # Idle GPUs (README "Idle GPUs"): a lease whose GPUs all stay below idle_below_pct percent utilization for
+    # idle_after_s (0: off) is idle; idle_action warn shows it, evict sends it a notice (reason idle).
+    idle_after_s: float = 0.0
+    idle_below_pct: float = 5.0
+    idle_action: str = "warn"
     # Usage accounting (README, "Usage accounting"): raw records are kept this long after their lease ended,
     # hourly rollups this many days.
     usage_retention_s: float = 7 * 86400.0
@@ -128,6 +133,12 @@ class CoordinatorConfig:
                 raise ConfigError(name, f"must be within [0, {MAX_TIME_LIMIT_S:g}] seconds, got {getattr(self, name)}")
         if self.max_time_limit_s and self.default_time_limit_s > self.max_time_limit_s:
             raise ConfigError("default_time_limit_s", "must be <= max_time_limit_s")
+        if not 0 <= self.idle_after_s <= 30 * 86400:
+            raise ConfigError("idle_after_s", f"must be within [0, 30 days] seconds (0: off), got {self.idle_after_s}")
+        if not 0 <= self.idle_below_pct <= 100:
+            raise ConfigError("idle_below_pct", f"must be within [0, 100], got {self.idle_below_pct}")
+        if self.idle_action not in ("warn", "evict"):
+            raise ConfigError("idle_action", f"must be warn or evict, got {str(self.idle_action)[:32]!r}")
         if not 0 < self.usage_retention_s < float("inf"):
             raise ConfigError("usage_retention_s", f"must be a finite number of seconds > 0, got {self.usage_retention_s}")
         if self.usage_rollup_days < 1:

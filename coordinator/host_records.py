@@ -127,7 +127,9 @@ class GpuProcess:
 @dataclasses.dataclass(frozen=True)
 class GpuUsage:
     """Live VRAM use of one GPU, as NVML reports it. ``processes_visible``: ``processes`` is the GPU's whole
-    process list (NVML listed them; false when it cannot, and for simulated GPUs without processes)."""
+    process list (NVML listed them; false when it cannot, and for simulated GPUs without processes).
+    ``utilization_pct``: NVML's GPU utilization, -1 when unknown (never 0 for "cannot tell"); ``process_sm_pct``:
+    (pid, SM percent) per sampled process, None when the driver cannot tell (README "Idle GPUs")."""
 
     index: int
     uuid: str
@@ -135,6 +137,8 @@ class GpuUsage:
     vram_free_mb: int
     processes: tuple[GpuProcess, ...] = ()
     processes_visible: bool = True
+    utilization_pct: int = -1
+    process_sm_pct: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,12 @@ INVALID_RECORDS = Counter("gpucoord_invalid_records_total", "Malformed values re
                           "value once): their host is INVALID and gets no admission", ["kind"], registry=REGISTRY)
 NODE_WRITES = Counter("gpucoord_node_etcd_writes_total", "etcd writes by the node daemon", ["key"], registry=NODE_REGISTRY)
 NODE_VRAM_USED = Gauge("gpucoord_node_vram_used_bytes", "NVML used VRAM per GPU", ["gpu"], registry=NODE_REGISTRY)
+NODE_GPU_UTILIZATION = Gauge("gpucoord_node_gpu_utilization_percent", "NVML GPU utilization per GPU, -1 when unknown",
+                             ["gpu"], registry=NODE_REGISTRY)
+GPU_UTILIZATION = Gauge("gpucoord_gpu_utilization_percent", "GPU utilization from the node's last usage report, -1 "
+                        "when unknown or stale", ["host", "gpu"], registry=REGISTRY)
+IDLE_LEASES = Gauge("gpucoord_idle_leases", "Leases idle for their policy's window (README \"Idle GPUs\"), by team "
+                    "and action (warn, evict), as this replica tracks them", ["team", "action"], registry=REGISTRY)
 NODE_LEASE_VRAM_USED = Gauge("gpucoord_node_lease_vram_used_bytes", "VRAM used by the processes of each lease (NVML)",
                              ["gpu", "lease"], registry=NODE_REGISTRY)
 NODE_LEASE_OVER_USE = Gauge("gpucoord_node_lease_over_use_bytes",

@@ -164,6 +164,8 @@ def check_usage(doc: object) -> dict[str, object]:
                 int_of(g, "untracked_mb", hi=1 << 30)
             if "processes_visible" in g:
                 bool_of(g, "processes_visible")
+            if "utilization_pct" in g:
+                int_of(g, "utilization_pct", lo=-1, hi=100)
             if "processes_omitted" in g:
                 int_of(g, "processes_omitted", hi=1 << 32)
             for j, p in enumerate(list_of(g, "processes", [])):

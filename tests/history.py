@@ -23,6 +23,9 @@ revision checks:
   which its ``cordons/<host>`` key exists;
 * time limits (issue 31, tests/support/history_time_limits.py): no lease with a ``time_limit_s`` is live after a
   revision whose records' wall times are past its end + the kill margin + a slack;
+* idle GPUs (issue 31, tests/support/history_idle.py): an eviction notice with the reason ``idle`` is put only
+  for a lease granted a window before, while the host's usage reports over that window show each of its GPUs at
+  a known utilization below the threshold;
 * one registration per host (G9, issue 29): ``hosts/<host>`` is put only while it is absent or on the same
   etcd lease (a second daemon, or a coordinator registering for one, never takes over a live
   registration), and ``usage/<host>`` is put only on the etcd lease ``hosts/<host>`` is on;
@@ -45,6 +48,7 @@ from coordinator.keys import Keys
 from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.txn import Range
 from tests.support.history_cordons import CordonRules
+from tests.support.history_idle import IdleRules
 from tests.support.history_notices import NoticeRules
 from tests.support.history_teams import TeamRules
 from tests.support.history_time_limits import TimeLimitRules
@@ -105,6 +109,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     notice_rules = NoticeRules()
     cordon_rules = CordonRules()
     time_limit_rules = TimeLimitRules()
+    idle_rules = IdleRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         if not ev.kv.key.endswith(SENTINEL):      # an earlier history read's mark (under leases/, teams/...)
@@ -124,6 +129,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
             notice_rules.event(kind, parts, ev)
             cordon_rules.event(kind, parts, ev)
             time_limit_rules.event(kind, parts, ev)
+            idle_rules.event(kind, parts, ev)
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     notices[parts[0]] = json.loads(ev.kv.value)
@@ -279,6 +285,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
         rep.violations += notice_rules.check(rev)
         rep.violations += cordon_rules.check(rev)
         rep.violations += time_limit_rules.check(rev)
+        rep.violations += idle_rules.check(rev)
         # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id); it repeats
         # only on the GPUs of one gang, each record listing them all.
         seen: dict[tuple[str, str, str], tuple[str, ...]] = {}

@@ -87,7 +87,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology", "min_runtime_seconds", "over_quota", "time_limit_seconds")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology", "min_runtime_seconds", "over_quota", "time_limit_seconds", "idle", "idle_since", "idle_action")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,9 @@ class Lease(_message.Message):
     MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVER_QUOTA_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_ACTION_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -132,7 +135,10 @@ class Lease(_message.Message):
     min_runtime_seconds: float
     over_quota: bool
     time_limit_seconds: float
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., min_runtime_seconds: _Optional[float] = ..., over_quota: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ...) -> None: ...
+    idle: bool
+    idle_since: float
+    idle_action: str
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., min_runtime_seconds: _Optional[float] = ..., over_quota: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ..., idle: _Optional[bool] = ..., idle_since: _Optional[float] = ..., idle_action: _Optional[str] = ...) -> None: ...
 
 class LeaseGpu(_message.Message):
     __slots__ = ("index", "uuid", "token", "vram_mb")
@@ -261,7 +267,7 @@ class LeaseUse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., over_use: _Optional[bool] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GpuStatus(_message.Message):
-    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq", "processes", "lease_use", "numa_node", "nvlink_peers", "departing_mb", "departing")
+    __slots__ = ("index", "uuid", "name", "total_mb", "usable_mb", "leased_mb", "used_mb", "untracked_mb", "free_mb", "seq", "processes", "lease_use", "numa_node", "nvlink_peers", "departing_mb", "departing", "utilization_percent", "process_utilization")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +284,8 @@ class GpuStatus(_message.Message):
     NVLINK_PEERS_FIELD_NUMBER: _ClassVar[int]
     DEPARTING_MB_FIELD_NUMBER: _ClassVar[int]
     DEPARTING_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -294,7 +302,17 @@ class GpuStatus(_message.Message):
     nvlink_peers: _containers.RepeatedScalarFieldContainer[int]
     departing_mb: int
     departing: _containers.RepeatedCompositeFieldContainer[DepartingLease]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessUse, _Mapping]]] = ..., lease_use: _Optional[_Iterable[_Union[LeaseUse, _Mapping]]] = ..., numa_node: _Optional[int] = ..., nvlink_peers: _Optional[_Iterable[int]] = ..., departing_mb: _Optional[int] = ..., departing: _Optional[_Iterable[_Union[DepartingLease, _Mapping]]] = ...) -> None: ...
+    utilization_percent: int
+    process_utilization: _containers.RepeatedCompositeFieldContainer[IdleProcessUtilization]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., total_mb: _Optional[int] = ..., usable_mb: _Optional[int] = ..., leased_mb: _Optional[int] = ..., used_mb: _Optional[int] = ..., untracked_mb: _Optional[int] = ..., free_mb: _Optional[int] = ..., seq: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessUse, _Mapping]]] = ..., lease_use: _Optional[_Iterable[_Union[LeaseUse, _Mapping]]] = ..., numa_node: _Optional[int] = ..., nvlink_peers: _Optional[_Iterable[int]] = ..., departing_mb: _Optional[int] = ..., departing: _Optional[_Iterable[_Union[DepartingLease, _Mapping]]] = ..., utilization_percent: _Optional[int] = ..., process_utilization: _Optional[_Iterable[_Union[IdleProcessUtilization, _Mapping]]] = ...) -> None: ...
+
+class IdleProcessUtilization(_message.Message):
+    __slots__ = ("pid", "sm_percent")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    SM_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    sm_percent: int
+    def __init__(self, pid: _Optional[int] = ..., sm_percent: _Optional[int] = ...) -> None: ...
 
 class DepartingLease(_message.Message):
     __slots__ = ("lease_id", "agent", "vram_mb", "pids", "held", "forced", "requested_by", "reason", "revoke")
@@ -552,7 +570,7 @@ class SessionResponse(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAliveResponse, _Mapping]] = ..., details: _Optional[bytes] = ...) -> None: ...
 
 class Team(_message.Message):
-    __slots__ = ("name", "quota_mb", "has_limit", "limit_mb", "weight", "members", "quota_by_model_mb", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds")
+    __slots__ = ("name", "quota_mb", "has_limit", "limit_mb", "weight", "members", "quota_by_model_mb", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds", "idle_after_seconds", "idle_below_percent", "idle_action")
     class QuotaByModelMbEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -570,6 +588,9 @@ class Team(_message.Message):
     MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BELOW_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    IDLE_ACTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_mb: int
     has_limit: bool
@@ -580,7 +601,10 @@ class Team(_message.Message):
     max_min_runtime_seconds: float
     max_time_limit_seconds: float
     default_time_limit_seconds: float
-    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ...) -> None: ...
+    idle_after_seconds: float
+    idle_below_percent: float
+    idle_action: str
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ..., idle_after_seconds: _Optional[float] = ..., idle_below_percent: _Optional[float] = ..., idle_action: _Optional[str] = ...) -> None: ...
 
 class TeamUsage(_message.Message):
     __slots__ = ("used_mb", "borrowed_mb", "waiting_mb", "leases", "over_quota_leases", "waiting")
@@ -628,7 +652,7 @@ class TeamModelQuotas(_message.Message):
     def __init__(self, mb: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class SetTeamRequest(_message.Message):
-    __slots__ = ("name", "quota_mb", "limit_mb", "weight", "members", "quota_by_model", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds")
+    __slots__ = ("name", "quota_mb", "limit_mb", "weight", "members", "quota_by_model", "max_min_runtime_seconds", "max_time_limit_seconds", "default_time_limit_seconds", "idle_after_seconds", "idle_below_percent", "idle_action")
     NAME_FIELD_NUMBER: _ClassVar[int]
     QUOTA_MB_FIELD_NUMBER: _ClassVar[int]
     LIMIT_MB_FIELD_NUMBER: _ClassVar[int]
@@ -638,6 +662,9 @@ class SetTeamRequest(_message.Message):
     MAX_MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BELOW_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    IDLE_ACTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     quota_mb: int
     limit_mb: int
@@ -647,7 +674,10 @@ class SetTeamRequest(_message.Message):
     max_min_runtime_seconds: float
     max_time_limit_seconds: float
     default_time_limit_seconds: float
-    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Union[TeamMembers, _Mapping]] = ..., quota_by_model: _Optional[_Union[TeamModelQuotas, _Mapping]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ...) -> None: ...
+    idle_after_seconds: float
+    idle_below_percent: float
+    idle_action: str
+    def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Union[TeamMembers, _Mapping]] = ..., quota_by_model: _Optional[_Union[TeamModelQuotas, _Mapping]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ..., idle_after_seconds: _Optional[float] = ..., idle_below_percent: _Optional[float] = ..., idle_action: _Optional[str] = ...) -> None: ...
 
 class SetTeamResponse(_message.Message):
     __slots__ = ("team", "created")

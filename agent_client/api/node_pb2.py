@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61gent_client/api/node.proto\x12\x0bgpucoord.v1\"\x15\n\x13GetInventoryRequest\".\n\x0eNodeGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x0f\n\x07used_mb\x18\x02 \x01(\x03\"\xa7\x01\n\x07NodeGpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x15\n\rvram_total_mb\x18\x04 \x01(\x03\x12\x14\n\x0cvram_used_mb\x18\x05 \x01(\x03\x12\x14\n\x0cvram_free_mb\x18\x06 \x01(\x03\x12.\n\tprocesses\x18\x07 \x03(\x0b\x32\x1b.gpucoord.v1.NodeGpuProcess\"\xdc\x01\n\x14GetInventoryResponse\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tcpu_count\x18\x03 \x01(\x05\x12\x10\n\x08\x63ore_ids\x18\x04 \x03(\x05\x12\x11\n\tmem_bytes\x18\x05 \x01(\x03\x12\x11\n\tdisk_path\x18\x06 \x01(\t\x12\x12\n\ndisk_bytes\x18\x07 \x01(\x03\x12\"\n\x04gpus\x18\x08 \x03(\x0b\x32\x14.gpucoord.v1.NodeGpu\x12\x0f\n\x07version\x18\t \x01(\t\x12\x11\n\tsimulated\x18\n \x01(\x08\"4\n\x11\x43heckTokenRequest\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\"K\n\x12\x43heckTokenResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x15\n\rhighest_token\x18\x03 \x01(\x03\"U\n\x17\x43onfirmProcessesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04pids\x18\x02 \x03(\x03\x12\x0c\n\x04pgid\x18\x03 \x01(\x03\x12\x0c\n\x04peer\x18\x04 \x01(\t\"+\n\x18\x43onfirmProcessesResponse\x12\x0f\n\x07refused\x18\x01 \x03(\x03\x32\x8b\x02\n\x04Node\x12S\n\x0cGetInventory\x12 .gpucoord.v1.GetInventoryRequest\x1a!.gpucoord.v1.GetInventoryResponse\x12M\n\nCheckToken\x12\x1e.gpucoord.v1.CheckTokenRequest\x1a\x1f.gpucoord.v1.CheckTokenResponse\x12_\n\x10\x43onfirmProcesses\x12$.gpucoord.v1.ConfirmProcessesRequest\x1a%.gpucoord.v1.ConfirmProcessesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61gent_client/api/node.proto\x12\x0bgpucoord.v1\"\x15\n\x13GetInventoryRequest\".\n\x0eNodeGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x03\x12\x0f\n\x07used_mb\x18\x02 \x01(\x03\"\xc4\x01\n\x07NodeGpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x15\n\rvram_total_mb\x18\x04 \x01(\x03\x12\x14\n\x0cvram_used_mb\x18\x05 \x01(\x03\x12\x14\n\x0cvram_free_mb\x18\x06 \x01(\x03\x12.\n\tprocesses\x18\x07 \x03(\x0b\x32\x1b.gpucoord.v1.NodeGpuProcess\x12\x1b\n\x13utilization_percent\x18\x08 \x01(\x05\"\xdc\x01\n\x14GetInventoryResponse\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tcpu_count\x18\x03 \x01(\x05\x12\x10\n\x08\x63ore_ids\x18\x04 \x03(\x05\x12\x11\n\tmem_bytes\x18\x05 \x01(\x03\x12\x11\n\tdisk_path\x18\x06 \x01(\t\x12\x12\n\ndisk_bytes\x18\x07 \x01(\x03\x12\"\n\x04gpus\x18\x08 \x03(\x0b\x32\x14.gpucoord.v1.NodeGpu\x12\x0f\n\x07version\x18\t \x01(\t\x12\x11\n\tsimulated\x18\n \x01(\x08\"4\n\x11\x43heckTokenRequest\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x03\"K\n\x12\x43heckTokenResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x15\n\rhighest_token\x18\x03 \x01(\x03\"U\n\x17\x43onfirmProcessesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0c\n\x04pids\x18\x02 \x03(\x03\x12\x0c\n\x04pgid\x18\x03 \x01(\x03\x12\x0c\n\x04peer\x18\x04 \x01(\t\"+\n\x18\x43onfirmProcessesResponse\x12\x0f\n\x07refused\x18\x01 \x03(\x03\x32\x8b\x02\n\x04Node\x12S\n\x0cGetInventory\x12 .gpucoord.v1.GetInventoryRequest\x1a!.gpucoord.v1.GetInventoryResponse\x12M\n\nCheckToken\x12\x1e.gpucoord.v1.CheckTokenRequest\x1a\x1f.gpucoord.v1.CheckTokenResponse\x12_\n\x10\x43onfirmProcesses\x12$.gpucoord.v1.ConfirmProcessesRequest\x1a%.gpucoord.v1.ConfirmProcessesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEGPUPROCESS']._serialized_start=67
   _globals['_NODEGPUPROCESS']._serialized_end=113
   _globals['_NODEGPU']._serialized_start=116
-  _globals['_NODEGPU']._serialized_end=283
-  _globals['_GETINVENTORYRESPONSE']._serialized_start=286
-  _globals['_GETINVENTORYRESPONSE']._serialized_end=506
-  _globals['_CHECKTOKENREQUEST']._serialized_start=508
-  _globals['_CHECKTOKENREQUEST']._serialized_end=560
-  _globals['_CHECKTOKENRESPONSE']._serialized_start=562
-  _globals['_CHECKTOKENRESPONSE']._serialized_end=637
-  _globals['_CONFIRMPROCESSESREQUEST']._serialized_start=639
-  _globals['_CONFIRMPROCESSESREQUEST']._serialized_end=724
-  _globals['_CONFIRMPROCESSESRESPONSE']._serialized_start=726
-  _globals['_CONFIRMPROCESSESRESPONSE']._serialized_end=769
-  _globals['_NODE']._serialized_start=772
-  _globals['_NODE']._serialized_end=1039
+  _globals['_NODEGPU']._serialized_end=312
+  _globals['_GETINVENTORYRESPONSE']._serialized_start=315
+  _globals['_GETINVENTORYRESPONSE']._serialized_end=535
+  _globals['_CHECKTOKENREQUEST']._serialized_start=537
+  _globals['_CHECKTOKENREQUEST']._serialized_end=589
+  _globals['_CHECKTOKENRESPONSE']._serialized_start=591
+  _globals['_CHECKTOKENRESPONSE']._serialized_end=666
+  _globals['_CONFIRMPROCESSESREQUEST']._serialized_start=668
+  _globals['_CONFIRMPROCESSESREQUEST']._serialized_end=753
+  _globals['_CONFIRMPROCESSESRESPONSE']._serialized_start=755
+  _globals['_CONFIRMPROCESSESRESPONSE']._serialized_end=798
+  _globals['_NODE']._serialized_start=801
+  _globals['_NODE']._serialized_end=1068
 # @@protoc_insertion_point(module_scope)

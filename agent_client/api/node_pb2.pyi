@@ -19,7 +19,7 @@ class NodeGpuProcess(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., used_mb: _Optional[int] = ...) -> None: ...
 
 class NodeGpu(_message.Message):
-    __slots__ = ("index", "uuid", "name", "vram_total_mb", "vram_used_mb", "vram_free_mb", "processes")
+    __slots__ = ("index", "uuid", "name", "vram_total_mb", "vram_used_mb", "vram_free_mb", "processes", "utilization_percent")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class NodeGpu(_message.Message):
     VRAM_USED_MB_FIELD_NUMBER: _ClassVar[int]
     VRAM_FREE_MB_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -34,7 +35,8 @@ class NodeGpu(_message.Message):
     vram_used_mb: int
     vram_free_mb: int
     processes: _containers.RepeatedCompositeFieldContainer[NodeGpuProcess]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., vram_total_mb: _Optional[int] = ..., vram_used_mb: _Optional[int] = ..., vram_free_mb: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[NodeGpuProcess, _Mapping]]] = ...) -> None: ...
+    utilization_percent: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., vram_total_mb: _Optional[int] = ..., vram_used_mb: _Optional[int] = ..., vram_free_mb: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[NodeGpuProcess, _Mapping]]] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
 
 class GetInventoryResponse(_message.Message):
     __slots__ = ("host", "address", "cpu_count", "core_ids", "mem_bytes", "disk_path", "disk_bytes", "gpus", "version", "simulated")

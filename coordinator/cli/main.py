@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the time limit of a request that asks none (default: none)")
     co.add_argument("--time-limit-warning", type=duration, default=None, metavar="DURATION",
                     help="how long before a lease's time limit its holder gets the notice (default 120 s)")
+    co.add_argument("--idle-after", type=duration, default=None, metavar="DURATION", help="idle window (default: off)")
+    co.add_argument("--idle-below", type=float, default=None, metavar="PERCENT", help="idle threshold (default 5)")
+    co.add_argument("--idle-action", choices=("warn", "evict"), default=None, help="idle lease: warn (default)/evict")
     co.add_argument("--untracked-vram", choices=("on", "off"), default=None)
     co.add_argument("--config", default=None, help="TOML file with a [coordinator] table (and [tls])")
     co.add_argument("--max-sessions-per-agent", type=int, default=None)

@@ -23,6 +23,15 @@ def _time_limit(lease: dict[str, Any], now: float) -> str:
     return f" time limit {limit:g}s, " + (f"ends in {left:.0f}s" if left > 0 else "at its end")
 
 
+def _idle(lease: dict[str, Any], now: float) -> str:
+    """The mark of an idle lease (README "Idle GPUs"): since when its GPUs stayed below the threshold, and what
+    its policy does."""
+    if not lease.get("idle"):
+        return ""
+    since = now - float(lease.get("idle_since", now) or now)
+    return f" IDLE for {max(0.0, since):.0f}s ({lease.get('idle_action') or 'warn'})"
+
+
 def _eviction(notice: dict[str, Any] | None, now: float) -> str:
     """The mark of a lease under an eviction notice: who asks, the time left before the deadline, and how
     its processes stand (a lease bound to processes is revoked once they are gone, or at the kill margin)."""
@@ -86,6 +95,10 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                          f"{'n/a' if used < 0 else _mib(used):>8} {_mib(int(g['untracked_mb'])):>9} "
                          f"{_mib(int(g['free_mb'])):>8} {g.get('seq', 0):>6} {'?' if numa < 0 else numa:>4} "
                          f"{_ranges([int(x) for x in g.get('nvlink_peers', [])])}")
+        known = [f"GPU {g['index']} {int(g['utilization_percent'])}%" for g in h.get("gpus", [])
+                 if int(g.get("utilization_percent", -1)) >= 0]
+        if known:
+            lines.append("  utilization: " + ", ".join(known))
         for g in h.get("gpus", []):
             lines += _departing(g)
             for u in g.get("lease_use", []):
@@ -120,7 +133,7 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                              f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
                              f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
                              f"{lease.get('ttl_remaining', '?'):>4}{' over quota' if lease.get('over_quota') else ''}"
-                             f"{_time_limit(lease, now)}{_eviction(lease.get('eviction'), now)}")
+                             f"{_time_limit(lease, now)}{_idle(lease, now)}{_eviction(lease.get('eviction'), now)}")
         else:
             lines.append("  no leases")
         for q in h.get("queue", []):

@@ -41,6 +41,10 @@ def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> No
                     help="the longest time limit its agents may ask (90, 5m, 2h; 0: the fleet's maximum)")
     se.add_argument("--default-time-limit", type=duration, default=None, metavar="DURATION",
                     help="the time limit of its requests that ask none (0: the fleet's default)")
+    se.add_argument("--idle-after", type=duration, default=None, metavar="DURATION",
+                    help="its idle window (README 'Idle GPUs'; 0: the fleet's)")
+    se.add_argument("--idle-below", type=float, default=None, metavar="PERCENT", help="its idle threshold (0: the fleet's)")
+    se.add_argument("--idle-action", choices=("warn", "evict", ""), default=None, help="its idle action ('': the fleet's)")
     se.add_argument("--json", action="store_true")
     sh = command(tsub, "show", uses, help="one team, with its usage")
     sh.add_argument("name")
@@ -124,12 +128,19 @@ def set_request(args: argparse.Namespace) -> Any:
         req.max_time_limit_seconds = changes["max_time_limit_s"] = args.max_time_limit
     if args.default_time_limit is not None:
         req.default_time_limit_seconds = changes["default_time_limit_s"] = args.default_time_limit
+    if args.idle_after is not None:
+        req.idle_after_seconds = changes["idle_after_s"] = args.idle_after
+    if args.idle_below is not None:
+        req.idle_below_percent = changes["idle_below_pct"] = args.idle_below
+    if args.idle_action is not None:
+        req.idle_action = changes["idle_action"] = args.idle_action
     try:
         check_changes(changes)
     except TeamError as e:
         flag = {"quota_mb": "--quota", "limit_mb": "--limit", "weight": "--weight", "members": "--members",
                 "max_min_runtime_s": "--max-min-runtime", "max_time_limit_s": "--max-time-limit",
-                "default_time_limit_s": "--default-time-limit"}.get(e.field, "--model-quota")
+                "default_time_limit_s": "--default-time-limit", "idle_after_s": "--idle-after",
+                "idle_below_pct": "--idle-below", "idle_action": "--idle-action"}.get(e.field, "--model-quota")
         raise UsageError(f"{flag}: {e.message}", _HELP) from None
     return req
 
@@ -151,7 +162,10 @@ def describe(team: dict[str, Any]) -> str:
     ] + ([f"max min runtime {float(team['max_min_runtime_seconds']):g}s"]
          if team.get("max_min_runtime_seconds") else [])
       + [f"{what} time limit {float(team[f'{what}_time_limit_seconds']):g}s" for what in ("max", "default")
-         if team.get(f"{what}_time_limit_seconds")])
+         if team.get(f"{what}_time_limit_seconds")]
+      + ([f"idle {team.get('idle_action') or 'policy'} after {float(team.get('idle_after_seconds') or 0):g}s below "
+          f"{float(team.get('idle_below_percent') or 0):g}% (0: the fleet's)"]
+         if team.get("idle_after_seconds") or team.get("idle_below_percent") or team.get("idle_action") else []))
 
 
 def render_teams(rows: list[dict[str, Any]]) -> str:

@@ -195,10 +195,11 @@ class NodeDaemon:
             leased[lease.gpu_uuid] = leased.get(lease.gpu_uuid, 0) + lease.vram_mb
         gpus = [{"index": u.index, "uuid": u.uuid, "vram_used_mb": u.vram_used_mb, "vram_free_mb": u.vram_free_mb,
                  "untracked_mb": max(0, u.vram_used_mb - leased.get(u.uuid, 0)),
-                 "processes_visible": u.processes_visible,
+                 "processes_visible": u.processes_visible, **utilization_doc(u),
                  **bounded_usage(usage_doc(*attribution.for_gpu(u.uuid)))} for u in usage]
         for u in usage:
             metrics.NODE_VRAM_USED.labels(u.uuid).set(u.vram_used_mb * metrics.MIB)
+            metrics.NODE_GPU_UTILIZATION.labels(u.uuid).set(u.utilization_pct)
         now = clock.wall()
         changed = gpus != self._published
         # A process left the GPU: someone may be waiting for its VRAM (an evicted lease's processes, G3).
@@ -340,6 +341,16 @@ class NodeDaemon:
             if lease.gpu_uuid == gpu_uuid and lease.token == token:
                 return True, lease.id
         return False, ""
+
+
+def utilization_doc(u: GpuUsage) -> dict[str, Any]:
+    """A GPU's utilization in ``usage/<host>``: ``utilization_pct`` (-1: unknown) and, where the driver samples
+    processes, ``process_sm_pct`` ([{pid, sm_pct}], the busiest MAX_LISTED)."""
+    out: dict[str, Any] = {"utilization_pct": u.utilization_pct}
+    if u.process_sm_pct is not None:
+        rows = sorted(u.process_sm_pct, key=lambda x: -x[1])[:MAX_LISTED]
+        out["process_sm_pct"] = [{"pid": pid, "sm_pct": pct} for pid, pct in rows]
+    return out
 
 
 def _listed(gpus: Any) -> set[tuple[str, int]]:

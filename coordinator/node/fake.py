@@ -166,9 +166,32 @@ class FakeProcess:
         return now < self.until if self.until is not None else _process_alive(self.pid)
 
 
+UTILIZATION_KEY = "utilization"
+
+
+def parse_fake_utilization(doc: Any, gpu_count: int) -> dict[int, int]:
+    """The ``"utilization"`` entry of a ``--fake-processes`` document: ``{"<GPU index>": percent, ...}``, a whole
+    number 0..100 per simulated GPU (README "Idle GPUs"); a GPU it does not name keeps its utilization unknown
+    (-1), or what ``set_utilization`` gave it. Raises ValueError naming the bad entry."""
+    if not isinstance(doc, dict) or UTILIZATION_KEY not in doc:
+        return {}
+    rates = doc[UTILIZATION_KEY]
+    if not isinstance(rates, dict):
+        raise ValueError('utilization: expected an object {"<GPU index>": percent}')
+    out: dict[int, int] = {}
+    for key, pct in rates.items():
+        if not str(key).isdigit() or not 0 <= int(key) < gpu_count:
+            raise ValueError(f"utilization: GPU {key!r}: not a simulated GPU index (have 0..{gpu_count - 1})")
+        if isinstance(pct, bool) or not isinstance(pct, int) or not 0 <= pct <= 100:
+            raise ValueError(f"utilization: GPU {key}: expected a whole percent 0..100, got {pct!r}")
+        out[int(key)] = pct
+    return out
+
+
 def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[FakeProcess, ...]]:
     """A ``--fake-processes`` document: ``{"<GPU index>": {"<pid>": MiB, ...}, ...}``, where a MiB may also be
-    ``{"mib": MiB, "until": unix_seconds}``.
+    ``{"mib": MiB, "until": unix_seconds}``, and optionally ``"utilization": {"<GPU index>": percent}``
+    (``parse_fake_utilization``).
 
     Raises ValueError naming the bad entry.
     """
@@ -176,6 +199,8 @@ def parse_fake_processes(doc: Any, gpu_count: int) -> dict[int, tuple[FakeProces
         raise ValueError("expected a JSON object mapping GPU index to {pid: MiB}")
     out: dict[int, tuple[FakeProcess, ...]] = {}
     for key, procs in doc.items():
+        if key == UTILIZATION_KEY:
+            continue
         if not str(key).isdigit() or not 0 <= int(key) < gpu_count:
             raise ValueError(f"GPU {key!r}: not a simulated GPU index (have 0..{gpu_count - 1})")
         if not isinstance(procs, dict):
@@ -218,7 +243,8 @@ class FakeGpuSource:
     zombies) are dropped, as NVML would; a row ``{"mib": N, "until": T}`` is listed until the unix time T
     instead, whether its process runs or not. A file that is missing counts as empty; a malformed one is
     ignored with a warning. The GPUs' process lists count as visible (``processes_visible``) only with a
-    ``processes_file``: without one the simulator cannot tell which processes use them.
+    ``processes_file``: without one the simulator cannot tell which processes use them. A GPU's utilization is
+    unknown (-1) unless ``set_utilization`` or the file's ``"utilization": {"<GPU index>": percent}`` sets it.
     """
 
     simulated: bool = True
@@ -227,29 +253,32 @@ class FakeGpuSource:
         self._gpus = parse_fake_gpus(spec, host)
         self._lock = threading.Lock()  # the daemon's usage loop and a demo may run in different threads
         self._used: dict[int, tuple[int, tuple[GpuProcess, ...]]] = {g.index: (0, ()) for g in self._gpus}
+        self._utilization: dict[int, int] = {}   # index -> percent (absent: unknown)
         self.processes_file = processes_file
         self._file_error = ""
 
-    def _file_processes(self) -> dict[int, tuple[GpuProcess, ...]] | None:
-        """The file's processes now listed on each GPU; None when the file cannot be read (then the GPUs'
-        process lists are not known)."""
+    def _file_processes(self) -> tuple[dict[int, tuple[GpuProcess, ...]] | None, dict[int, int]]:
+        """The file's processes now listed on each GPU (None when the file cannot be read: then the GPUs'
+        process lists are not known) and the utilization it sets per GPU."""
         if not self.processes_file:
-            return None
+            return None, {}
         try:
             with open(self.processes_file, encoding="utf-8") as f:
                 doc = json.load(f)
             found = parse_fake_processes(doc, len(self._gpus))
+            rates = parse_fake_utilization(doc, len(self._gpus))
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except (OSError, ValueError) as e:
             why = f"--fake-processes {self.processes_file}: {e}; ignoring it"
             if why != self._file_error:
                 log.warning("%s", why)
                 self._file_error = why
-            return None
+            return None, {}
         self._file_error = ""
         now = clock.wall()
-        return {i: tuple(GpuProcess(p.pid, p.used_mb) for p in rows if p.listed(now)) for i, rows in found.items()}
+        return ({i: tuple(GpuProcess(p.pid, p.used_mb) for p in rows if p.listed(now)) for i, rows in found.items()},
+                rates)
 
     def gpus(self) -> tuple[GpuInfo, ...]:
         return self._gpus
@@ -264,10 +293,22 @@ class FakeGpuSource:
         with self._lock:
             self._used[index] = (int(used_mb), tuple(processes))
 
+    def set_utilization(self, index: int, pct: int) -> None:
+        """Simulate the GPU's utilization (0..100; -1: unknown, the default). The ``--fake-processes`` file's
+        ``"utilization"`` entry, where it names the GPU, wins."""
+        if index not in self._used:
+            raise ValueError(f"no simulated GPU with index {index} (have 0..{len(self._gpus) - 1})")
+        if not -1 <= pct <= 100:
+            raise ValueError(f"utilization {pct} is out of range -1..100 for GPU {index}")
+        with self._lock:
+            self._utilization[index] = int(pct)
+
     def usage(self) -> tuple[GpuUsage, ...]:
         with self._lock:
             used = dict(self._used)
-        listed = self._file_processes()
+            rates = dict(self._utilization)
+        listed, file_rates = self._file_processes()
+        rates.update(file_rates)
         extra = listed or {}
         out = []
         for g in self._gpus:
@@ -276,7 +317,7 @@ class FakeGpuSource:
             total = min(g.vram_total_mb, base + sum(p.used_mb for p in rows))
             out.append(GpuUsage(index=g.index, uuid=g.uuid, vram_used_mb=total,
                                 vram_free_mb=g.vram_total_mb - total, processes=procs + rows,
-                                processes_visible=listed is not None))
+                                processes_visible=listed is not None, utilization_pct=rates.get(g.index, -1)))
         return tuple(out)
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ import logging
 import threading
 from typing import Callable, Sequence, SupportsInt
 
+from coordinator import clock
 from coordinator.keys import valid_name
 from coordinator.node.nvml_api import (
     _DEFAULT_MAX_LINKS,
@@ -49,6 +50,7 @@ from coordinator.node.source import (
     NvmlScanError,
     NvmlUnavailable,
 )
+from coordinator.node.utilization import gpu_utilization, process_utilization
 from coordinator.records import GpuInfo, GpuProcess, GpuUsage
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class NvmlGpuSource:
         self._bad: dict[int, str] = {}  # index -> last error, so a lost GPU warns once, not every second
         self._no_procs: dict[int, str] = {}  # index -> why its process list is unavailable
         self._closed = False
+        self._sampled_us: dict[int, int] = {}   # index -> NVML time stamp of the last per-process sample read
 
     # -- scanning -----------------------------------------------------------------------------------
 
@@ -300,6 +303,9 @@ class NvmlGpuSource:
                 continue
             handle, info, mem = one
             processes, visible = self._processes(index, handle)
+            now_us = int(clock.wall() * 1e6)
+            per_process = process_utilization(self._nvml, handle, self._errors, self._sampled_us.get(index, 0))
+            self._sampled_us[index] = now_us
             out.append(
                 GpuUsage(
                     index=index,
@@ -308,6 +314,8 @@ class NvmlGpuSource:
                     vram_free_mb=_mib(mem.free),
                     processes=processes,
                     processes_visible=visible,
+                    utilization_pct=gpu_utilization(self._nvml, handle, self._errors),
+                    process_sm_pct=per_process,
                 )
             )
         return tuple(out)

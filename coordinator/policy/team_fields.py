@@ -18,8 +18,20 @@ MAX_MIN_RUNTIME_S = 7 * 86400.0
 MAX_MODEL_NAME_LEN = 128
 
 _FIELDS = ("quota_mb", "quota_by_model", "limit_mb", "weight", "members", "max_min_runtime_s", "max_time_limit_s",
-           "default_time_limit_s")
+           "default_time_limit_s", "idle_after_s", "idle_below_pct", "idle_action")
 TIME_LIMIT_FIELDS = ("max_time_limit_s", "default_time_limit_s")   # stored only when set (README "Time limits")
+IDLE_FIELDS = ("idle_after_s", "idle_below_pct", "idle_action")      # stored only when set (README "Idle GPUs")
+MAX_IDLE_AFTER_S = 30 * 86400.0
+
+
+def check_idle(doc: Mapping[str, Any]) -> tuple[float, float, str]:
+    """A team's idle policy (each field where set; 0 or "": the fleet's); TeamError naming the field."""
+    after = _number(doc.get("idle_after_s", 0.0), "idle_after_s", 0.0, MAX_IDLE_AFTER_S)
+    below = _number(doc.get("idle_below_pct", 0.0), "idle_below_pct", 0.0, 100.0)
+    action = doc.get("idle_action", "")
+    if action not in ("", "warn", "evict"):
+        raise TeamError("idle_action", f"expected warn or evict, got {quote(action)}")
+    return after, below, action
 
 
 class TeamError(ValueError):
@@ -107,5 +119,6 @@ def check_changes(changes: Mapping[str, Any]) -> None:
     for field in TIME_LIMIT_FIELDS:
         if field in changes:
             _number(changes[field], field, 0.0, MAX_TIME_LIMIT_S)
+    check_idle(changes)
 
 

@@ -37,6 +37,7 @@ from coordinator.policy.charges import Charge as Charge
 from coordinator.policy.partition.caps import PATTERN_CHARS
 from coordinator.policy.team_fields import (
     _FIELDS,
+    IDLE_FIELDS,
     MAX_MIN_RUNTIME_S,
     MAX_MODEL_NAME_LEN,
     MAX_TEAM_MB,
@@ -51,6 +52,7 @@ from coordinator.policy.team_fields import (
     _models,
     _number,
     check_changes,
+    check_idle,
     check_pattern,
 )
 from coordinator.records import InvalidRecord, StoredKV, load_record
@@ -76,6 +78,11 @@ class Team:
     # (0: the fleet's); stored only when set, so that a replica of the previous release reads the others.
     max_time_limit_s: float = 0.0
     default_time_limit_s: float = 0.0
+    # Idle GPUs (issue 31): the team's idle window, threshold and action (0 or "": the fleet's); stored only
+    # when set.
+    idle_after_s: float = 0.0
+    idle_below_pct: float = 0.0
+    idle_action: str = ""
     mod_revision: int = 0
 
     def model_quota(self, model: str) -> int | None:
@@ -85,7 +92,7 @@ class Team:
         return {"name": self.name, "quota_mb": self.quota_mb, "limit_mb": self.limit_mb, "weight": self.weight,
                 "members": list(self.members), "quota_by_model": dict(self.quota_by_model),
                 "max_min_runtime_s": self.max_min_runtime_s,
-                **{f: getattr(self, f) for f in TIME_LIMIT_FIELDS if getattr(self, f)}}
+                **{f: getattr(self, f) for f in (*TIME_LIMIT_FIELDS, *IDLE_FIELDS) if getattr(self, f)}}
 
     @classmethod
     def from_json(cls, doc: Any, name: str, mod_revision: int = 0) -> Team:
@@ -122,9 +129,11 @@ class Team:
         most, default = (_number(doc.get(f, 0.0), f, 0.0, MAX_TIME_LIMIT_S) for f in TIME_LIMIT_FIELDS)
         if most and default > most:
             raise TeamError("default_time_limit_s", f"{default:g} s is above the team's max_time_limit_s ({most:g} s)")
+        idle_after, idle_below, idle_action = check_idle(doc)
         return cls(name=name, quota_mb=quota, limit_mb=limit, weight=weight, members=tuple(sorted(patterns)),
                    quota_by_model=tuple(by_model), max_min_runtime_s=min_runtime, max_time_limit_s=most,
-                   default_time_limit_s=default, mod_revision=mod_revision)
+                   default_time_limit_s=default, idle_after_s=idle_after, idle_below_pct=idle_below,
+                   idle_action=idle_action, mod_revision=mod_revision)
 
     @classmethod
     def from_kv(cls, kv: StoredKV) -> Team:

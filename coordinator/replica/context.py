@@ -8,6 +8,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys
+from coordinator.policy.idle import UtilizationHistory
 from coordinator.records import EvictionRecord
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.observed import Observed
@@ -29,6 +30,8 @@ class ReplicaContext:
     # ages and deadlines are measured on our own monotonic clock from then, never against another
     # machine's wall clock.
     observed: Observed = dataclasses.field(default_factory=Observed)
+    # Each GPU's reported utilization over time, sampled by replica/idle.py (README "Idle GPUs").
+    utilization: UtilizationHistory = dataclasses.field(default_factory=UtilizationHistory)
     # Whether this replica can reach etcd (its candidacy's keepalives tell; replica/reach.py).
     reach: EtcdReach = dataclasses.field(default_factory=lambda: EtcdReach(""))
 

@@ -72,10 +72,15 @@ class MirrorGauges:
             for uuid in (set(old.gpus) - set(view.gpus)) if old is not None else ():
                 for kind in ("leased", "free"):
                     _remove(metrics.VRAM, host, uuid, kind)
+                _remove(metrics.GPU_UTILIZATION, host, uuid)
             metrics.LEASES.labels(host).set(len(view.leases))
+            reported = {str(x.get("uuid")): x for x in (view.usage or {}).get("gpus", ())}
             for g in view.gpus.values():
                 metrics.VRAM.labels(host, g.uuid, "leased").set(g.leased_mb * metrics.MIB)
                 metrics.VRAM.labels(host, g.uuid, "free").set(g.free_mb * metrics.MIB)
+                pct = reported.get(g.uuid, {}).get("utilization_pct", -1)
+                metrics.GPU_UTILIZATION.labels(host, g.uuid).set(-1 if view.usage_stale or not isinstance(pct, int)
+                                                                 else pct)
         teams_at = ctx.mirror.generation("teams")
         if changed or teams_at != self._teams_at:
             self._teams_at = teams_at
@@ -88,6 +93,7 @@ class MirrorGauges:
         for uuid in view.gpus if view is not None else ():
             for kind in ("leased", "free"):
                 _remove(metrics.VRAM, host, uuid, kind)
+            _remove(metrics.GPU_UTILIZATION, host, uuid)
 
     def _update_teams(self) -> None:
         teams, _ = read_teams(self.ctx.mirror.items("teams"))

@@ -18,7 +18,8 @@ The leader's duties, all restartable from etcd alone:
   replica is no longer there to remove them;
 * usage accounting: a usage record for every lease that ends (``replica/accountant.py``);
 * drains cut short are finished (``replica/cordons.py``), and leases with a time limit get their ``time-limit``
-  notice at their end minus the warning (``replica/time_limits.py``).
+  notice at their end minus the warning (``replica/time_limits.py``), and idle leases theirs under
+  ``idle_action evict`` (``replica/idle.py``).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from coordinator.replica.accountant import Accountant
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.cordons import Cordons
 from coordinator.replica.export import Exporter
+from coordinator.replica.idle import IdleReclaim
 from coordinator.replica.leases import Leases, usage_report
 from coordinator.replica.time_limits import TimeLimits
 from coordinator.txn import Absent, Delete, ModRevisionIs, Put, Range
@@ -73,6 +75,7 @@ class Leadership:
         self.exporter = Exporter(ctx)       # and their JSON-lines export
         self.cordons = Cordons(ctx, leases)  # drains cut short are finished (issue 31)
         self.time_limits = TimeLimits(ctx, leases)  # leases warned before their time limit (issue 31)
+        self.idle = IdleReclaim(ctx, leases)        # idle leases evicted under idle_action evict (issue 31)
         self.keys = ctx.keys
         self.election: Election | None = None
         self._session: EtcdSession | None = None
@@ -175,7 +178,8 @@ class Leadership:
         """The duties of one term. ``term`` is the candidacy that won: every write made as leader carries
         ``term.fence()``, a compare that fails once that candidacy is gone."""
         await asyncio.gather(self._enforce_deadlines(term), self._sweep_queue(term), self.accountant.run(term),
-                             self.exporter.run(term), self.cordons.finish_drains(), self.time_limits.run())
+                             self.exporter.run(term), self.cordons.finish_drains(), self.time_limits.run(),
+                             self.idle.run())
 
     async def _enforce_deadlines(self, term: Election) -> None:
         """Revoke every lease whose eviction deadline passed (at once for a lease bound to processes once the

@@ -39,6 +39,7 @@ from coordinator.replica.context import ReplicaContext
 from coordinator.replica.ends import LeaseEnds
 from coordinator.replica.follow import Follower, Outbox
 from coordinator.replica.gauges import MirrorGauges
+from coordinator.replica.idle import IdleReclaim
 from coordinator.replica.leader import Leadership
 from coordinator.replica.leases import Confirm, Leases
 from coordinator.replica.mirror import Mirror
@@ -94,6 +95,7 @@ class CoordinatorService(Follower):
         self._tasks.append(spawn(self._watch(), "watch"))
         await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
         self._tasks.append(spawn(MirrorGauges(self.ctx).run(), "the fleet gauges"))
+        self._tasks.append(spawn(IdleReclaim(self.ctx, self.leases).sample_forever(), "the GPUs' utilization"))
         if leader_duties:
             self.leadership = Leadership(self.ctx, self.leases)
             self._tasks.append(spawn(self.leadership.run(), "leadership"))

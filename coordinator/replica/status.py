@@ -14,6 +14,7 @@ from coordinator.policy.partition import default_partition
 from coordinator.policy.waiting import WaitReason
 from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.idle import status_fields as idle_fields
 from coordinator.replica.teams import mirror_team_state
 from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view, read_host
 from coordinator.replica.waits import host_waits
@@ -33,10 +34,11 @@ class StatusReport:
     notices: dict[str, EvictionRecord]
     leader: str = ""
     waits: dict[str, dict[str, WaitReason]] = dataclasses.field(default_factory=dict)
+    idle: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)   # lease id -> its idle fields
 
     @property
     def doc(self) -> dict[str, Any]:
-        return status_json(self.revision, self.views, self.ttls)
+        return status_json(self.revision, self.views, self.ttls, self.idle)
 
 
 async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> StatusReport:
@@ -55,7 +57,7 @@ async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> 
         teams = mirror_team_state(ctx.mirror)
     now = clock.wall()
     waits = {v.host: host_waits(v, notices, teams, now, ctx.config.eviction_kill_margin_s) for v in views if v.entries}
-    return StatusReport(revision, views, ttls, notices, leader, waits)
+    return StatusReport(revision, views, ttls, notices, leader, waits, idle_fields(ctx))
 
 
 async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
@@ -90,8 +92,21 @@ def departing_json(d: DepartingRecord, usage: dict[str, Any] | None, held: bool)
             "pids": list(reported_pids(usage, d.gpu_uuid, d.lease_id, d.pids))}
 
 
-def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> dict[str, Any]:
-    """The operator's view, as plain JSON (``gpucoord status --json``)."""
+NOT_IDLE = {"idle": False, "idle_since": 0.0, "idle_action": ""}
+
+
+def _utilization(report: dict[str, Any], stale: bool) -> dict[str, Any]:
+    """A GPU's utilization as status shows it: -1 when unknown or stale (README "Idle GPUs")."""
+    pct = report.get("utilization_pct", -1)
+    known = isinstance(pct, int) and not isinstance(pct, bool) and 0 <= pct <= 100 and not stale
+    return {"utilization_pct": pct if known else -1,
+            "process_utilization": [] if stale else list(report.get("process_sm_pct", ()))}
+
+
+def status_json(revision: int, views: list[HostView], ttls: dict[int, int],
+                idle: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The operator's view, as plain JSON (``gpucoord status --json``); ``idle``: each lease's idle fields."""
+    idle = idle or {}
     hosts = []
     for v in views:
         inv = v.inventory
@@ -111,10 +126,11 @@ def status_json(revision: int, views: list[HostView], ttls: dict[int, int]) -> d
                          "nvlink_peers": list(info.nvlink_peers) if info is not None else [],
                          "processes": list(reported.get(g.uuid, {}).get("processes", ())),
                          "lease_use": list(reported.get(g.uuid, {}).get("leases", ())),
-                         "departing_mb": g.departing_mb,
+                         "departing_mb": g.departing_mb, **_utilization(reported.get(g.uuid, {}), v.usage_stale),
                          "departing": [departing_json(d, v.usage, held) for d in v.departing
                                        if d.gpu_uuid == g.uuid for held in [d.lease_id in v.departing_held]]})
-        leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1)}
+        leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1),
+                   **idle.get(lease.id, NOT_IDLE)}
                   for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
         agents = []
         if part is not None and inv is not None:

@@ -66,7 +66,8 @@ class NodeServicer(pb_grpc.NodeServicer):  # type: ignore[misc]
         for g in inv.gpus:
             u = usage.get(g.uuid)
             gp = out.gpus.add(index=g.index, uuid=g.uuid, name=g.name, vram_total_mb=g.vram_total_mb,
-                              vram_used_mb=u.vram_used_mb if u else -1, vram_free_mb=u.vram_free_mb if u else -1)
+                              vram_used_mb=u.vram_used_mb if u else -1, vram_free_mb=u.vram_free_mb if u else -1,
+                              utilization_percent=u.utilization_pct if u else -1)
             for p in (u.processes if u else ()):
                 gp.processes.add(pid=p.pid, used_mb=p.used_mb)
         return out

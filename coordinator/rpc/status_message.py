@@ -64,6 +64,9 @@ def status_response(report: StatusReport,
                                  used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
                                  pids=[int(x) for x in u["pids"]])
             gs.departing_mb = int(g["departing_mb"])
+            gs.utilization_percent = int(g["utilization_pct"])
+            for p in g["process_utilization"]:
+                gs.process_utilization.add(pid=int(p["pid"]), sm_percent=int(p["sm_pct"]))
             for d in g["departing"]:
                 gs.departing.add(**d)
         for a in h["agents"]:
@@ -76,6 +79,9 @@ def status_response(report: StatusReport,
                 parts.setdefault(x.id, []).append(x)
         for lease in view.leases.values():
             msg = lease_pb(lease, report.ttls.get(lease.etcd_lease, -1), parts.get(lease.id, ()))
+            idle = report.idle.get(lease.id)
+            if idle is not None:
+                msg.idle, msg.idle_since, msg.idle_action = idle["idle"], idle["idle_since"], idle["idle_action"]
             notice = report.notices.get(lease.id)
             if notice is not None:
                 msg.eviction.CopyFrom(as_notice(notice))

@@ -37,6 +37,12 @@ def team_changes(request: pb.SetTeamRequest) -> dict[str, Any]:
     for field in ("max_time_limit", "default_time_limit"):
         if request.HasField(f"{field}_seconds"):
             changes[f"{field}_s"] = getattr(request, f"{field}_seconds")
+    if request.HasField("idle_after_seconds"):
+        changes["idle_after_s"] = request.idle_after_seconds
+    if request.HasField("idle_below_percent"):
+        changes["idle_below_pct"] = request.idle_below_percent
+    if request.HasField("idle_action"):
+        changes["idle_action"] = request.idle_action
     return changes
 
 
@@ -44,7 +50,9 @@ def team_pb(team: Team) -> pb.Team:
     return pb.Team(name=team.name, quota_mb=team.quota_mb, has_limit=team.limit_mb is not None,
                    limit_mb=team.limit_mb or 0, weight=team.weight, members=list(team.members),
                    quota_by_model_mb=dict(team.quota_by_model), max_min_runtime_seconds=team.max_min_runtime_s,
-                   max_time_limit_seconds=team.max_time_limit_s, default_time_limit_seconds=team.default_time_limit_s)
+                   max_time_limit_seconds=team.max_time_limit_s, default_time_limit_seconds=team.default_time_limit_s,
+                   idle_after_seconds=team.idle_after_s, idle_below_percent=team.idle_below_pct,
+                   idle_action=team.idle_action)
 
 
 def team_status_pb(team: Team, usage: Usage, stored: bool) -> pb.TeamStatus:

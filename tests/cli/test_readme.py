@@ -197,7 +197,7 @@ def check_synopsis(body: str) -> int:
             if not words or Path(words[0]).name != "gpucoord":   # gpucoord, or .venv/bin/gpucoord
                 continue
             command = [words[1]]
-            if len(words) > 2 and words[1] in ("partition", "lease") and not words[2].startswith("-"):
+            if len(words) > 2 and words[1] in ("partition", "lease", "team") and not words[2].startswith("-"):
                 command.append(words[2])
             text = _help(command)
             for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", alternative.split(" -- ")[0]):

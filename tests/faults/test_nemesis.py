@@ -21,7 +21,8 @@ quota leases under the faults, and the history checker's team and notice rules a
 and uncordons the hosts meanwhile (tests/support/cordon_load.py: the history checker's cordon rule). One agent in five
 asks its leases with a time limit of 2 to 4 s (``TIME_LIMITS``) and holds them up to twice as long, one in four
 ``HOLD_PAST_LIMIT_S`` past it, so that only the leader's revoke ends them in time: the history checker's time-limit
-rule (no lease outlives its limit + grace + kill margin) applies under every fault. A last line ``nemesis summary`` gives the seed, the
+rule (no lease outlives its limit + grace + kill margin) applies under every fault. The replicas run with idle eviction on (a 3 s window): h1's GPU 0 reports 0 %, the others 50 %, and an idle holder keeps a lease
+there until its notice (tests/support/idle_load.py: the history checker's idle rule). A last line ``nemesis summary`` gives the seed, the
 faults, the calls, the violations and the leaks in one line.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tests.support.cluster import Cluster, leaked, wait_no_leaks
 from tests.support.cordon_load import CordonReport, run_cordons
 from tests.support.etcd3 import Etcd3
 from tests.support.history_usage import check_usage
+from tests.support.idle_load import IdleReport, hold_idle
 from tests.support.load import LoadReport, run_load
 from tests.support.noise import unhandled_in_log
 from tests.support.processes import LinkedReplica
@@ -64,8 +66,9 @@ class Replicas:
     """Two coordinator processes, each behind its own links (to etcd, and from its clients)."""
 
     def __init__(self, endpoints: list[str], prefix: str, tmp: Path) -> None:
-        self.reps = [LinkedReplica(endpoints, prefix, str(tmp / f"c{i}.log"), extra=["--session-ttl", str(TTL)])
-                     for i in range(2)]
+        idle = ["--idle-after", "3", "--idle-below", "5", "--idle-action", "evict"]   # (README "Idle GPUs")
+        self.reps = [LinkedReplica(endpoints, prefix, str(tmp / f"c{i}.log"),
+                                   extra=["--session-ttl", str(TTL), *idle]) for i in range(2)]
         self.addrs = [r.address for r in self.reps]
 
     def close(self) -> None:
@@ -182,7 +185,9 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     rng = random.Random(seed)    # the scheduler's own: other code's use of random must not change its picks
     c = nemesis_cluster
     for host in HOSTS:
-        c.start_node(host, "2x16GiB", ttl=10, linked=True)
+        procs = tmp_path / f"procs-{host}.json"   # h1's GPU 0 idle, every other GPU busy
+        procs.write_text('{"utilization": {"0": %d, "1": 50}}' % (0 if host == HOSTS[0] else 50))
+        c.start_node(host, "2x16GiB", ttl=10, linked=True, fake_processes=str(procs))
     reps = Replicas(c.endpoints, c.prefix, tmp_path)
     injected: list[str] = []
     spans: list[tuple[float, float, str]] = []    # (injected at, healed at, name), time.monotonic()
@@ -197,6 +202,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
             _set_teams(a)
 
         cordons = CordonReport()
+        idle = IdleReport()
 
         async def scenario() -> LoadReport:
             report = LoadReport()
@@ -204,6 +210,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
                                                 report=report, ttl=TTL, agent_prefix="n", gang_every=4,
                                                 time_limits=TIME_LIMITS, hold_past_limit=HOLD_PAST_LIMIT_S))
             operator = asyncio.create_task(run_cordons([a, b], list(HOSTS), duration - FAULT_EVERY_S, seed, cordons))
+            idler = asyncio.create_task(hold_idle([a, b], HOSTS[0], duration - FAULT_EVERY_S, idle, TTL))
             loop = asyncio.get_running_loop()
             end = loop.time() + duration - FAULT_EVERY_S
             while loop.time() < end:
@@ -218,6 +225,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
                 spans.append((at, time.monotonic(), name))
             await load
             await operator
+            await idler
             return report
 
         report = asyncio.run(scenario())
@@ -256,6 +264,9 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     print(f"nemesis seed {seed}: operator calls {len(cordons.calls)}, cordons {cordons.done('cordon')}, drains "
           f"{cordons.done('drain')}, uncordons {cordons.done('uncordon')}")
     assert not cordons.undocumented(), cordons.undocumented()[:5]
+    print(f"nemesis seed {seed}: idle holder acquires {idle.outcomes.count('ok')} of {len(idle.outcomes)}, notices "
+          f"{idle.notices}")
+    assert not idle.undocumented(), idle.undocumented()[:5]
     assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
     assert limited, "no lease with a time limit was granted: the load did not mix time limits in"
     history.assert_ok()

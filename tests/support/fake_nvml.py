@@ -23,7 +23,8 @@ class FakeDevice:
     def __init__(self, uuid: str | bytes, name: str | bytes, total: int, used: int = 0,
                  procs: list[Any] | None = None, graphics: list[Any] | None = None,
                  bus_id: str | bytes | None = None, numa: int | None = None,
-                 links: list[tuple[int, str | bytes, int]] | None = None) -> None:
+                 links: list[tuple[int, str | bytes, int]] | None = None, utilization: int | None = None,
+                 process_util: list[tuple[int, int]] | None = None) -> None:
         self.uuid = uuid
         self.name = name
         self.total = total
@@ -33,6 +34,10 @@ class FakeDevice:
         self.bus_id = bus_id
         self.numa = numa
         self.links = links
+        # Utilization: nvmlDeviceGetUtilizationRates' .gpu (None: NotSupported); (pid, smUtil) samples of
+        # nvmlDeviceGetProcessUtilization (None: NotSupported; []: NotFound, no sample since the time stamp).
+        self.utilization = utilization
+        self.process_util = process_util
         # call name -> error code to raise from that call on this device
         self.fail: dict[str, int] = {}
 
@@ -96,6 +101,21 @@ class FakeNvml:
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
         return list(self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses").graphics)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetUtilizationRates")
+        if d.utilization is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return SimpleNamespace(gpu=d.utilization, memory=0)
+
+    def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list[Any]:
+        d = self._dev(handle, "nvmlDeviceGetProcessUtilization")
+        if d.process_util is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not d.process_util:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return [SimpleNamespace(pid=pid, timeStamp=timeStamp + 1, smUtil=sm, memUtil=0, encUtil=0, decUtil=0)
+                for pid, sm in d.process_util]
 
     def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
         d = self._dev(handle, "nvmlDeviceGetPciInfo")

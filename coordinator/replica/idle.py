@@ -1,0 +1,203 @@
+"""Idle GPUs (issue 31, README "Idle GPUs"): every replica tracks its GPUs' utilization; the leader acts on it.
+
+Every replica samples, each ``SAMPLE_S``, the nodes' usage reports in its mirror into ``ctx.utilization``
+(``policy.idle.UtilizationHistory``): each GPU's ``utilization_pct`` as seen at the moment this replica first saw
+the report (``ReplicaContext.observed``: its own monotonic clock, never a node's wall clock), -1 (unknown) when
+the report is stale, gone, malformed or has no figure. ``judged`` then says, for every lease in the mirror, whether
+it is idle under its policy: the fleet's (``idle_after_s``, ``idle_below_pct``, ``idle_action``), overridden by its
+agent's team where the team sets them. Status and the ``gpucoord_idle_leases`` gauge show that judgment.
+
+The leader's duty (``IdleReclaim.run``) sends each idle lease under ``evict`` an operator's eviction notice with the
+reason ``idle`` and the fleet's grace (``Leases.evict``); the leader's deadline enforcement then revokes it at the
+deadline, with the kill margin and G3's order for process-bound leases, as for any notice. Under ``warn`` nothing
+is written: the lease shows ``idle`` in status and in the gauge, and the leader logs it once per idle stretch.
+A lease that already has a notice (a drain's, a time limit's, a revoke's, a priority eviction's) keeps it.
+
+A replica that starts late or a new leader has no history: its judgment can come late, never early.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+from coordinator import clock, errors, metrics
+from coordinator.etcd.types import KV
+from coordinator.policy.idle import (
+    ACTIONS,
+    REASON,
+    IdlePolicy,
+    LeaseIdle,
+    judge,
+    team_policy,
+    to_evict,
+)
+from coordinator.policy.teams import Membership
+from coordinator.records import InvalidRecord, VramLease
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.leases import Leases, usage_report
+from coordinator.replica.teams import read_teams
+from coordinator.replica.view import STALE_INTERVALS
+
+log = logging.getLogger(__name__)
+
+SAMPLE_S = 1.0          # how often every replica samples the usage reports (and the leader looks for idle leases)
+ASKED_BY = "idle reclaim"   # the notices' asked_by
+
+
+def fleet_policy(ctx: ReplicaContext) -> IdlePolicy:
+    c = ctx.config
+    return IdlePolicy(c.idle_after_s, c.idle_below_pct, c.idle_action)
+
+
+Parsed = tuple[float, tuple[tuple[str, int], ...]] | None
+"""A usage report as sampling reads it: its node's interval and (GPU uuid, percent or -1) per GPU; None when it is
+malformed."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(kv: KV) -> Parsed:
+    """(Cached by the KV itself, key, value and revisions: each version of a report is parsed once.)"""
+    doc = usage_report(kv)
+    if doc is None:
+        return None
+    rows = []
+    for g in doc.get("gpus", ()):
+        pct = g.get("utilization_pct", -1)
+        rows.append((str(g.get("uuid", "")), pct if isinstance(pct, int) and not isinstance(pct, bool) else -1))
+    return float(doc.get("interval_s", 5.0)), tuple(rows)
+
+
+def sample(ctx: ReplicaContext) -> None:
+    """Feed ``ctx.utilization`` with what the mirror's usage reports say now (see the module's docstring). Each
+    version of a report is parsed once; with idle reclaim off everywhere nothing is sampled (and the history is
+    dropped: turned on later, it starts then, late rather than early)."""
+    history, seen = ctx.utilization, set()
+    if not any_policy_on(ctx):
+        history.keep_only(())
+        return
+    now = clock.monotonic()
+    for kv in ctx.mirror.items("usage"):
+        at = ctx.observed.saw(kv.key, kv.mod_revision)
+        parsed = _parse(kv)
+        if parsed is None:
+            continue   # malformed: its GPUs are unknown (they get no points)
+        stale = ctx.usage_age(kv) > STALE_INTERVALS * parsed[0]
+        for uuid, pct in parsed[1]:
+            history.observe(uuid, now if stale else at, -1 if stale else pct)
+            seen.add(uuid)
+    history.keep_only(seen)   # a GPU whose report is gone has no points: unknown
+
+
+def any_policy_on(ctx: ReplicaContext) -> bool:
+    fleet, _, by_team = policies(ctx)
+    return fleet.on or any(p.on for p in by_team.values())
+
+
+def _leases(ctx: ReplicaContext) -> dict[str, tuple[VramLease, float, list[str]]]:
+    """lease id -> (its first record, when this replica first saw it (a gang: its latest part), its GPUs)."""
+    out: dict[str, tuple[VramLease, float, list[str]]] = {}
+    for kv in ctx.mirror.all_host_items("leases"):
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord:
+            continue
+        seen = ctx.observed.saw(kv.key, kv.create_revision)
+        held = out.get(lease.id)
+        if held is None:
+            out[lease.id] = (lease, seen, [lease.gpu_uuid])
+        else:
+            out[lease.id] = (held[0], max(held[1], seen), [*held[2], lease.gpu_uuid])
+    return out
+
+
+def policies(ctx: ReplicaContext) -> tuple[IdlePolicy, Membership, dict[str, IdlePolicy]]:
+    """The fleet's policy, the teams' membership and each team's policy (only those that set something)."""
+    fleet = fleet_policy(ctx)
+    teams, _ = read_teams(ctx.mirror.items("teams"))
+    by_team = {name: team_policy(fleet, t.idle_after_s, t.idle_below_pct, t.idle_action)
+               for name, t in teams.items() if t.idle_after_s or t.idle_below_pct or t.idle_action}
+    return fleet, Membership(teams.values()), by_team
+
+
+def judged(ctx: ReplicaContext, now: float | None = None) -> dict[str, tuple[LeaseIdle, str]]:
+    """lease id -> (its idle judgment, its team), for every lease in the mirror."""
+    now = clock.monotonic() if now is None else now
+    fleet, membership, by_team = policies(ctx)
+    out: dict[str, tuple[LeaseIdle, str]] = {}
+    if not fleet.on and not any(p.on for p in by_team.values()):
+        return out   # idle reclaim is off: nothing to judge
+    for lease_id, (lease, seen, uuids) in _leases(ctx).items():
+        team = membership.team_of(lease.agent)
+        out[lease_id] = (judge(lease_id, seen, uuids, ctx.utilization, by_team.get(team, fleet), now), team)
+    return out
+
+
+def status_fields(ctx: ReplicaContext) -> dict[str, dict[str, Any]]:
+    """lease id -> the idle fields status shows: ``idle``, ``idle_since`` (unix seconds, 0: not below the
+    threshold now) and ``idle_action`` ("" when no policy applies)."""
+    mono, wall = clock.monotonic(), clock.wall()
+    out = {}
+    for lease_id, (j, _) in judged(ctx, mono).items():
+        out[lease_id] = {"idle": j.idle, "idle_since": wall - (mono - j.idle_since) if j.idle_since is not None else 0.0,
+                         "idle_action": j.action}
+    return out
+
+
+def update_gauge(found: dict[str, tuple[LeaseIdle, str]]) -> None:
+    counts: dict[tuple[str, str], int] = {}
+    for j, team in found.values():
+        if j.idle:
+            counts[(team, j.action)] = counts.get((team, j.action), 0) + 1
+    metrics.IDLE_LEASES.clear()
+    for team in {t for t, _ in counts} | {"default"}:
+        for action in ACTIONS:
+            metrics.IDLE_LEASES.labels(team, action).set(counts.get((team, action), 0))
+
+
+class IdleReclaim:
+    def __init__(self, ctx: ReplicaContext, leases: Leases) -> None:
+        self.ctx, self.leases = ctx, leases
+        self._warned: set[str] = set()
+
+    async def sample_forever(self) -> None:
+        """Every replica: keep the history and the gauge current (cheap: one pass over the usage reports)."""
+        while True:
+            if self.ctx.mirror.ready:
+                try:
+                    sample(self.ctx)
+                    update_gauge(judged(self.ctx))
+                except Exception:
+                    log.exception("sampling the GPUs' utilization failed; retrying")
+            await asyncio.sleep(SAMPLE_S)
+
+    async def sweep(self) -> list[str]:
+        """The leader: send the notices due now; the lease ids noticed."""
+        found = judged(self.ctx)
+        idle_now = {x for x, (j, _) in found.items() if j.idle}
+        for lease_id in sorted(idle_now - self._warned):
+            j, team = found[lease_id]
+            if j.action == "warn":
+                log.warning("lease %s (team %s) is idle: its GPUs stayed below the threshold for the window; "
+                            "warned only (idle_action warn)", lease_id, team)
+        self._warned = idle_now
+        sent = []
+        noticed = [x for x in found if self.ctx.mirror.get(self.ctx.keys.eviction(x)) is not None]
+        for lease_id in to_evict((j for j, _ in found.values()), noticed):
+            try:
+                await self.leases.evict(lease_id, 0.0, REASON, ASKED_BY)
+                log.info("lease %s is idle: eviction notice sent (reason idle)", lease_id)
+                sent.append(lease_id)
+            except errors.NotFound:
+                continue   # released meanwhile
+            except errors.GpucoordError as e:
+                log.warning("could not send the idle notice of lease %s: %s", lease_id, e)
+        return sent
+
+    async def run(self) -> None:
+        """The leader's duty, for as long as the term lasts."""
+        while True:
+            if self.ctx.mirror.ready:
+                await self.sweep()
+            await asyncio.sleep(SAMPLE_S)

@@ -1,0 +1,112 @@
+"""Idle GPUs (issue 31, README "Idle GPUs"), the replica's sampling (``coordinator/replica/idle.py``) over plain
+records, with no etcd: a fresh report's utilization is sampled as of when the replica first saw it, a stale or
+gone report makes the GPU unknown, and a team's policy overrides the fleet's for its agents."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.etcd.types import KV
+from coordinator.keys import Keys
+from coordinator.policy.idle import UNKNOWN, UtilizationHistory
+from coordinator.replica import idle
+
+pytestmark = pytest.mark.unit
+K = Keys("/t/")
+
+
+class FakeMirror:
+    def __init__(self) -> None:
+        self.kvs: dict[str, list[KV]] = {"usage": [], "leases": [], "teams": []}
+
+    def items(self, kind: str) -> list[KV]:
+        return list(self.kvs.get(kind, []))
+
+    def all_host_items(self, kind: str) -> list[KV]:
+        return self.items(kind)
+
+    def get(self, key: bytes) -> KV | None:
+        return None
+
+
+class FakeObserved:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.seen: dict[tuple[bytes, int], float] = {}
+
+    def saw(self, key: bytes, ident: int) -> float:
+        return self.seen.setdefault((key, ident), self.now)
+
+
+def ctx(**config: Any) -> Any:
+    observed = FakeObserved()
+    c = SimpleNamespace(config=CoordinatorConfig(**config), mirror=FakeMirror(), observed=observed, keys=K,
+                        utilization=UtilizationHistory(), age=0.0)
+    c.usage_age = lambda kv: c.age
+    return c
+
+
+def put_usage(c: Any, rev: int, pct: Any) -> None:
+    doc = {"ts": 0.0, "interval_s": 1.0, "gpus": [{"uuid": "GPU-0", "vram_used_mb": 0, "utilization_pct": pct}]}
+    c.mirror.kvs["usage"] = [KV(K.usage("h1"), json.dumps(doc).encode(), 1, rev, 1, 0)]
+
+
+def put_lease(c: Any, agent: str = "a", lease_id: str = "l1") -> None:
+    doc = {"id": lease_id, "host": "h1", "gpu_uuid": "GPU-0", "gpu_index": 0, "agent": agent, "session_id": "1f",
+           "vram_mb": 100, "priority": 0, "preemptible": True, "request_id": lease_id, "token": 1, "created_at": 0.0}
+    kv = KV(K.lease("h1", "GPU-0", lease_id), json.dumps(doc).encode(), 5, 5, 1, 0)
+    c.mirror.kvs["leases"].append(kv)
+    c.observed.saw(kv.key, kv.create_revision)   # (the replica's watch sees it now)
+
+
+def test_a_fresh_report_is_sampled_as_first_seen_and_a_stale_or_gone_one_is_unknown(monkeypatch: Any) -> None:
+    c = ctx(idle_after_s=10.0, idle_action="evict")
+    monkeypatch.setattr(idle.clock, "monotonic", lambda: c.observed.now)
+    put_usage(c, 2, 0)
+    put_lease(c)
+    idle.sample(c)
+    assert c.utilization.points("GPU-0") == ((100.0, 0),)
+    c.observed.now = 111.0
+    assert idle.judged(c)["l1"][0].idle
+    c.age = 10.0          # no new report for 10 of the node's 1 s intervals: stale
+    idle.sample(c)
+    assert c.utilization.current("GPU-0") == UNKNOWN and not idle.judged(c)["l1"][0].idle
+    c.age = 0.0
+    put_usage(c, 3, 1)
+    idle.sample(c)
+    assert c.utilization.points("GPU-0")[-1] == (111.0, 1)
+    c.mirror.kvs["usage"] = []   # the host's report is gone
+    idle.sample(c)
+    assert c.utilization.points("GPU-0") == () and not idle.judged(c)["l1"][0].idle
+
+
+def test_a_report_without_a_figure_is_unknown(monkeypatch: Any) -> None:
+    c = ctx(idle_after_s=1.0)
+    monkeypatch.setattr(idle.clock, "monotonic", lambda: c.observed.now)
+    for bad in (None, True, "0"):
+        put_usage(c, 2, bad)
+        idle.sample(c)
+        assert c.utilization.current("GPU-0") == UNKNOWN
+
+
+def test_a_teams_policy_overrides_the_fleets_for_its_agents(monkeypatch: Any) -> None:
+    c = ctx(idle_after_s=10.0, idle_action="evict")
+    monkeypatch.setattr(idle.clock, "monotonic", lambda: c.observed.now)
+    team = {"name": "calm", "members": ["b"], "idle_action": "warn", "idle_after_s": 50.0}
+    c.mirror.kvs["teams"] = [KV(K.team("calm"), json.dumps(team).encode(), 1, 1, 1, 0)]
+    put_usage(c, 2, 0)
+    put_lease(c, "a", "l1")
+    put_lease(c, "b", "l2")
+    idle.sample(c)
+    c.observed.now = 120.0
+    found = idle.judged(c)
+    assert found["l1"][0].idle and found["l1"][0].action == "evict" and found["l1"][1] == "default"
+    assert not found["l2"][0].idle and found["l2"][0].action == "warn" and found["l2"][1] == "calm"
+    c.observed.now = 151.0
+    assert idle.judged(c)["l2"][0].idle
+    off = ctx()   # the fleet's default: off, and no team sets a window
+    assert idle.judged(off) == {}
