@@ -51,6 +51,7 @@ from tests.support.history_cordons import CordonRules
 from tests.support.history_idle import IdleRules
 from tests.support.history_notices import NoticeRules
 from tests.support.history_teams import TeamRules
+from tests.support.history_time_limits import SLACK_S as TIME_LIMIT_SLACK_S
 from tests.support.history_time_limits import TimeLimitRules
 
 SENTINEL = b"zz-history-sentinel"    # the key a history read writes under its prefix to mark "now"
@@ -93,7 +94,7 @@ async def read_history(store: Store, prefix: bytes, ended: list[int] | None = No
     return events
 
 
-def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
+def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: float = TIME_LIMIT_SLACK_S) -> HistoryReport:
     rep = HistoryReport(events=len(events))
     leases: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)  # (host, gpu) -> id -> lease
     capacity: dict[tuple[str, str], int] = {}
@@ -108,7 +109,7 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     registrations: dict[str, int] = {}            # host -> the etcd lease hosts/<host> is on
     notice_rules = NoticeRules()
     cordon_rules = CordonRules()
-    time_limit_rules = TimeLimitRules()
+    time_limit_rules = TimeLimitRules(time_limit_slack_s)
     idle_rules = IdleRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
@@ -300,9 +301,10 @@ def check_history(events: list[WatchEvent], keys: Keys) -> HistoryReport:
     return rep
 
 
-async def check_store(store: Store, keys: Keys) -> HistoryReport:
+async def check_store(store: Store, keys: Keys, time_limit_slack_s: float = TIME_LIMIT_SLACK_S) -> HistoryReport:
+    """``time_limit_slack_s``: see ``TimeLimitRules`` (a fault test widens it by its leader failover)."""
     ended: list[int] = []
-    report = check_history(await read_history(store, keys.root(), ended), keys)
+    report = check_history(await read_history(store, keys.root(), ended), keys, time_limit_slack_s)
     await _confirm_capacity_violations(store, keys, report)
     await _confirm_replay(store, keys, report, ended[0])
     return report

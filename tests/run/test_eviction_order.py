@@ -249,7 +249,8 @@ def test_a_lease_whose_processes_the_node_no_longer_reports_is_revoked_after_its
             assert row["eviction"]["processes"] == "stopping"
             table = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--coordinator", addr],
                                    capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=30).stdout
-            (line,) = [x for x in table.splitlines() if victim.id in x]
+            # (the waiting request's reason line names the victim too)
+            (line,) = [x for x in table.splitlines() if victim.id in x and "EVICTING" in x]
             assert "EVICTING: deadline passed, asked by high/" in line, line
             assert line.endswith("; processes stopping (still on the GPU)"), line
             gone = ProcessGone(proc.pid)

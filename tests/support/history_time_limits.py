@@ -23,7 +23,11 @@ SLACK_S = 5.0
 
 
 class TimeLimitRules:
-    def __init__(self) -> None:
+    """``slack_s``: ``SLACK_S``, plus what the test's faults may add to a revoke's lateness (a leader stopped
+    or cut off: until the next leader holds the election, up to the longest cut; the nemesis passes it)."""
+
+    def __init__(self, slack_s: float = SLACK_S) -> None:
+        self.slack_s = slack_s
         self.bounds: dict[str, tuple[float, float, float]] = {}   # lease id -> (created_at, limit, bound)
         self.parts: dict[str, set[bytes]] = {}                  # lease id -> its live keys (a gang's, one per GPU)
         self.now = 0.0                                           # the latest wall time written so far
@@ -47,7 +51,7 @@ class TimeLimitRules:
             limit = doc.get("time_limit_s", 0) if doc is not None else 0
             if isinstance(limit, (int, float)) and limit > 0 and isinstance(doc.get("created_at"), (int, float)):
                 created = float(doc["created_at"])
-                self.bounds[lease_id] = (created, float(limit), created + limit + KILL_MARGIN_S + SLACK_S)
+                self.bounds[lease_id] = (created, float(limit), created + limit + KILL_MARGIN_S + self.slack_s)
                 self.parts.setdefault(lease_id, set()).add(ev.kv.key)
         elif lease_id in self.parts:
             self.parts[lease_id].discard(ev.kv.key)
