@@ -13,10 +13,10 @@ skews clocks must not turn idle reclaim on.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from coordinator.etcd.store import WatchEvent
+from tests.support.history_docs import MALFORMED, put_doc
 
 MIN_WINDOW_S = 2.0
 BELOW_PCT = 5
@@ -31,14 +31,9 @@ class IdleRules:
         self.found: list[str] = []
 
     def event(self, kind: str, parts: list[str], ev: WatchEvent) -> None:
-        doc: Any = None
-        if ev.kind == "PUT" and kind in ("leases", "evictions", "usage"):
-            try:
-                doc = json.loads(ev.kv.value)
-            except ValueError:
-                return   # (the G1 and INVALID rules report malformed values)
-            if not isinstance(doc, dict):
-                return
+        doc = put_doc(kind, ev)
+        if doc is MALFORMED:
+            return   # (the G1 and INVALID rules report malformed values)
         if kind == "leases" and len(parts) == 3:
             host, gpu, lease_id = parts
             if ev.kind == "PUT":

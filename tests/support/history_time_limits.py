@@ -13,10 +13,8 @@ leader may see a lease (the end is measured from when it first saw it) and a rev
 """
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from coordinator.etcd.store import WatchEvent
+from tests.support.history_docs import MALFORMED, put_doc
 
 KILL_MARGIN_S = 2.0   # the fleet's default eviction_kill_margin_s, what the tests run with
 SLACK_S = 5.0
@@ -33,17 +31,12 @@ class TimeLimitRules:
         self.now = 0.0                                           # the latest wall time written so far
 
     def event(self, kind: str, parts: list[str], ev: WatchEvent) -> None:
-        doc: Any = None
-        if ev.kind == "PUT" and kind in ("leases", "evictions", "usage"):
-            try:
-                doc = json.loads(ev.kv.value)
-            except ValueError:
-                return   # (the G1 and INVALID rules report malformed values)
-            if not isinstance(doc, dict):
-                return
-            for field in ("created_at", "ts"):
-                if isinstance(doc.get(field), (int, float)):
-                    self.now = max(self.now, float(doc[field]))
+        doc = put_doc(kind, ev)
+        if doc is MALFORMED:
+            return   # (the G1 and INVALID rules report malformed values)
+        for field in ("created_at", "ts"):
+            if doc is not None and isinstance(doc.get(field), (int, float)):
+                self.now = max(self.now, float(doc[field]))
         if kind != "leases" or len(parts) != 3:
             return
         lease_id = parts[2]
