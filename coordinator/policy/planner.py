@@ -304,8 +304,8 @@ class _Planner(Round[C]):
         """Whether ``ops`` more operations and ``compares`` more compares stay within etcd's limits."""
         plan, view = self.out, self.view
         used_ops = len(plan.ops) + len(plan.new_leases) + len(view.gpus)   # + one ledger put per GPU at most
-        # Guards: host, partition, cordon, queue, every ledger, and one per caller's session (+1 for this one).
-        guards = 4 + len(view.gpus) + len(plan.sessions) + 1
+        # Guards: host, leases, departing, partition, cordon, queue, every ledger, one per caller's session (+1).
+        guards = 6 + len(view.gpus) + len(plan.sessions) + 1
         if self.ctx.teams is not None:   # teams/ unchanged, and a ledger (compare and put) per charged team
             charged = len(charged_teams(self.ctx.teams, plan.new_leases)) + 1
             guards += 1 + charged

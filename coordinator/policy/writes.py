@@ -365,10 +365,17 @@ class Round(Generic[C]):
             plan.compares += self._guards(list(plan.sessions.values()), host_must_live=adds)
 
     def _guards(self, sessions: list[SessionInfo], host_must_live: bool) -> list[Compare]:
-        """What must still hold at commit: nothing admitted or queued on the host since the snapshot, and
-        the sessions of the new grants and entries still live."""
+        """What must still hold at commit: nothing admitted or queued on the host since the snapshot, none of
+        its records the round read rewritten since (one may now be malformed: the host INVALID, fail closed), and
+        the sessions of the new grants and entries still live. (Its usage report, rewritten every interval by its
+        node, is not compared: what it says is advisory, as of the snapshot.)"""
         keys, view, host = self.keys, self.view, self.host
-        out: list[Compare] = [Exists(keys.host(host))] if host_must_live else []
+        out: list[Compare] = []
+        if host_must_live:
+            out.append(ModRevisionIs(keys.host(host), view.host_kv.mod_revision) if view.host_kv is not None
+                       else Exists(keys.host(host)))
+            out.append(NothingWrittenSince(keys.leases(host), view.revision))
+            out.append(NothingWrittenSince(keys.departings(host), view.revision))
         out.append(ModRevisionIs(keys.partition(host), view.partition_kv.mod_revision if view.partition_kv else 0))
         # Not cordoned since the snapshot (issue 31): a cordon racing this round fails it, and it is decided again.
         out.append(ModRevisionIs(keys.cordon(host), view.cordon_kv.mod_revision if view.cordon_kv else 0))

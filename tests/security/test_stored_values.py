@@ -22,9 +22,9 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.records import dumps
-from coordinator.txn import Range
+from coordinator.txn import Put, Range
 from tests.support.cluster import Cluster
-from tests.support.waiting import pass_time, wait_for
+from tests.support.waiting import LIVENESS_S, pass_time, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -249,3 +249,39 @@ def test_fuzz_stored_values(world: World) -> None:
     # The node daemon of h1 still holds its host: its registration never left its etcd lease.
     daemon = world.cluster.nodes["h1"][0]
     assert world.get(keys.host("h1")).etcd_lease == daemon.etcd_lease
+
+
+def test_a_record_made_malformed_between_a_rounds_read_and_its_commit_fails_the_grant(world: World) -> None:
+    """The loaded CI run's finding: a grant decided from what the coordinator read (its mirror, or a snapshot) was
+    committed after one of the host's lease records had been made malformed, so granted on a host INVALID at the
+    commit. The grant compares that none of the records it read (the host's, its leases, its departing ones) was
+    written since: here the corruption is written by the commit's own hook, just before it, every time."""
+    from tests.support.patching import is_put, patch_commit
+
+    keys, cluster = world.cluster.keys, world.cluster
+    held = world.acquire("h1")
+    key = keys.lease("h1", held.gpu_uuid, held.id)
+    original = world.get(key)
+    svc = cluster.service(world.addr)
+    real_commit = svc.store.commit
+    corrupted: list[int] = []
+
+    async def hook(compares: Any, success: Any, commit: Any) -> Any:
+        if any(is_put(op, b"/leases/h1/") for op in success) and not corrupted:
+            res = await real_commit([], [Put(key, b'{"id": "trunc', original.etcd_lease)])
+            corrupted.append(res.revision)
+        return await commit()
+
+    undo = patch_commit(cluster, svc, hook)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            world.acquire("h1")
+        assert corrupted, "the hook never saw a grant"
+        assert refused.value.code() == C.FAILED_PRECONDITION, refused.value.details()
+        assert world.status()["h1"].invalid
+    finally:
+        undo()
+        world.put(key, original.value, original.etcd_lease)
+    wait_for(lambda: not world.status()["h1"].invalid, LIVENESS_S, "h1 valid again once the record is rewritten")
+    world.release("h1", held)
+    world.release("h2", world.acquire("h2"))
