@@ -151,10 +151,10 @@ def choose_victims(vram_mb: int, priority: int, agent: str, gpu: GpuView, cap_mb
 
 
 def plan_eviction(gpus: list[GpuView], caps: dict[str, int], vram: int, priority: int, agent: str,
-                   evicting: set[str]) -> list[VramLease]:
+                   evicting: set[str], idle: Collection[str] = ()) -> list[VramLease]:
     """G3 over every allowed GPU, counting leases that are already being evicted as gone: the preemptible
     leases of priority < ``priority`` on all of them, taken in G3's order over all of them (lowest priority
-    first, then newest first) until the request fits on one GPU, then every victim that can be spared dropped
+    first, then the leases judged ``idle`` before the others, then newest first) until the request fits on one GPU, then every victim that can be spared dropped
     in that order (a lease over several GPUs is one victim, freeing each of its records). [] when nothing
     needs evicting (or nothing would help). ``victims.choose_gang_victims`` makes the same choice over slots."""
     after = [g.without(evicting) for g in gpus if g.uuid in caps]
@@ -168,7 +168,7 @@ def plan_eviction(gpus: list[GpuView], caps: dict[str, int], vram: int, priority
         return []   # pending evictions will make room: wait for them
     order: dict[str, VramLease] = {}
     for lease in sorted((x for g in after for x in g.leases if x.preemptible and x.priority < priority),
-                        key=lambda x: (x.priority, -x.created_at, -x.token)):
+                        key=lambda x: (x.priority, x.id not in idle, -x.created_at, -x.token)):
         order.setdefault(lease.id, lease)    # a lease over several GPUs: one victim, its newest record
     victims: list[VramLease] = []
     for lease in order.values():

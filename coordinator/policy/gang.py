@@ -35,8 +35,10 @@ def slots_from_views(gpus: Iterable[GpuView], agent: str, inventory: HostInvento
     return tuple(out)
 
 
-def holders_from_views(gpus: Iterable[GpuView], evicting: Collection[str] = ()) -> tuple[Holder, ...]:
-    """The leases of a host snapshot as holders: the records of one lease id on several GPUs are one gang."""
+def holders_from_views(gpus: Iterable[GpuView], evicting: Collection[str] = (),
+                       idle: Collection[str] = ()) -> tuple[Holder, ...]:
+    """The leases of a host snapshot as holders: the records of one lease id on several GPUs are one gang;
+    ``idle``: the lease ids judged idle (G3 takes them first among leases of one priority)."""
     parts: dict[str, list[tuple[GpuView, int]]] = {}
     for g in gpus:
         for n, lease in enumerate(g.leases):
@@ -48,7 +50,7 @@ def holders_from_views(gpus: Iterable[GpuView], evicting: Collection[str] = ()) 
         first = leases[0]
         out.append(Holder(id=lease_id, agent=first.agent, priority=first.priority, preemptible=first.preemptible,
                           created_at=first.created_at, token=max(x.token for x in leases),
-                          vram=tuple((g.index, g.leases[n].vram_mb) for g, n in where)))
+                          vram=tuple((g.index, g.leases[n].vram_mb) for g, n in where), idle=lease_id in idle))
     return tuple(out)
 
 

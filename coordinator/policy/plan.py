@@ -130,3 +130,5 @@ class Context:
     # This host's eviction notices as the replica's mirror shows them: lease id -> (the notice's mod_revision,
     # the notice). A round withdraws the notices a request no longer needs comparing these (``policy/notices``).
     notices: Mapping[str, tuple[int, EvictionRecord]] = dataclasses.field(default_factory=dict)
+    # The lease ids this replica judges idle (replica/idle.py): eviction and reclaim take them first among equals.
+    idle: Collection[str] = frozenset()

@@ -217,7 +217,7 @@ class _Planner(Round[C]):
         g3 = own_team_only(ctx.teams, req.agent, gpus)
         choice = choose_gang_victims(slots_from_views(g3, req.agent, self.view.inventory, self.evicting),
                                      decision.gang or req.gang(decision.caps), req.priority, req.agent,
-                                     holders_from_views(g3, self.evicting),
+                                     holders_from_views(g3, self.evicting, self.ctx.idle),
                                      {g.index for g in gpus if g.uuid in self.blocked}, room)
         if choice is None or (decision.victims_pending and choice.victims):
             return False          # nothing to evict, or its victims first: it waits for its team
@@ -357,19 +357,21 @@ class _Planner(Round[C]):
         blocked = {g.index for g in gpus if g.uuid in self.blocked}
         if w.gang is None:
             g3 = own_team_only(teams, req.agent, w.free_of_queue)
-            new = plan_eviction(list(g3), w.caps, req.vram_mb, req.priority, req.agent, self.evicting)
+            new = plan_eviction(list(g3), w.caps, req.vram_mb, req.priority, req.agent, self.evicting, self.ctx.idle)
             if new or teams is None or self._fits_once_evicted(req, w):
                 return new, ""
         else:
             g3 = own_team_only(teams, req.agent, gpus)
             choice = choose_gang_victims(slots_from_views(g3, req.agent, self.view.inventory, self.evicting), w.gang,
-                                         req.priority, req.agent, holders_from_views(g3, self.evicting), blocked,
+                                         req.priority, req.agent, holders_from_views(g3, self.evicting, self.ctx.idle),
+                                         blocked,
                                          self._team_room(req, going=True) if req.exclusive else None)
             if choice is not None or teams is None:
                 return ([self.parts(h.id)[0] for h in choice.victims] if choice is not None else []), ""
         # This round's grants are not reclaimed in it (their leases are not in etcd yet): in the next one they can be.
         reclaim = choose_reclaim_victims(teams, self.view, req, w.free_of_queue, w.caps, self.evicting, self.ctx.wall,
-                                         blocked, self._fleet_charges, {x.id for x in self.out.new_leases})
+                                         blocked, self._fleet_charges, {x.id for x in self.out.new_leases},
+                                         self.ctx.idle)
         if reclaim is None and self._charges is not None:
             # Maybe held back only by a minimum runtime: decide again once the first one ends.
             until = protected_until(teams, self.view, req, self._charges, self.ctx.wall, self.evicting)

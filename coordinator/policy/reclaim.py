@@ -106,12 +106,13 @@ def choose_reclaim_victims(state: TeamState, view: HostView, req: Request, candi
                            caps: Mapping[str, int], evicting: Collection[str], wall: float,
                            unavailable: Collection[int] = (),
                            charges: Callable[[], list[Charge]] | None = None,
-                           fresh: Collection[str] = ()) -> ReclaimChoice | None:
+                           fresh: Collection[str] = (), idle: Collection[str] = ()) -> ReclaimChoice | None:
     """What ``req`` reclaims (see the module's docstring), or None when its team may not reclaim or no
     placement can be freed by reclaim. ``candidates``: the single-GPU request's GPUs that no request ranked
     before it waits for; ``unavailable``: for a gang, the indexes of those GPUs that one does; ``evicting``:
     leases already being evicted (they count as gone); ``charges``: gives ``fleet_charges`` (built once a round
-    by the caller, only when a request gets that far); ``fresh``: leases granted in this round (not taken)."""
+    by the caller, only when a request gets that far); ``fresh``: leases granted in this round (not taken); ``idle``:
+    the leases judged idle (taken first of their team)."""
     team_name = state.membership.team_of(req.agent)
     team = state.membership.team(team_name)
     usable = {g.uuid: g.usable_mb for g in view.gpus.values()}
@@ -129,7 +130,7 @@ def choose_reclaim_victims(state: TeamState, view: HostView, req: Request, candi
             model = models.get(u, "")
             by_model[model] = by_model.get(model, 0) + (usable[u] if req.exclusive else req.vram_mb)
         victims = choose_reclaim(team_name, sum(by_model.values()), need, fleet, state.membership, wall,
-                                 exclude={*evicting, *fresh}, by_model=by_model)
+                                 exclude={*evicting, *fresh}, by_model=by_model, idle=idle)
         if victims is None:
             continue
         choice = ReclaimChoice(team_name, tuple(v.id for v in victims), gpus)

@@ -324,17 +324,17 @@ def reclaimable(requester: str, charges: Iterable[Charge], membership: Membershi
 
 
 def reclaim_order(requester: str, candidates: Iterable[Charge], charges: Iterable[Charge],
-                  membership: Membership) -> list[Charge]:
+                  membership: Membership, idle: Collection[str] = ()) -> list[Charge]:
     """``candidates`` (from ``reclaimable``) in the order reclaim takes them: each time from the team
     furthest over its weighted share as it stands once the leases before are gone (ties: the team's name),
-    and of that team its newest lease."""
+    and of that team its newest lease judged ``idle`` if it has one, else its newest lease."""
     used = used_by_team(charges)
     left: dict[str, list[Charge]] = {}
     for c in candidates:
         if c.team != requester:
             left.setdefault(c.team, []).append(c)
     for held in left.values():
-        held.sort(key=Charge.age_order)   # the newest last: popped first
+        held.sort(key=lambda c: (c.id in idle, Charge.age_order(c)))   # the idle, the newest last: popped first
     order: list[Charge] = []
     while left:
         name = min(left, key=lambda n: (-over_share(membership.team(n), used.get(n, 0)), n))
@@ -356,14 +356,15 @@ def _short(shortfall: Mapping[str, int], victims: Iterable[Charge]) -> bool:
 
 def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int], charges: Iterable[Charge],
                    membership: Membership, now: float, model: str = "",
-                   exclude: Collection[str] = (), by_model: Mapping[str, int] | None = None) -> list[Charge] | None:
+                   exclude: Collection[str] = (), by_model: Mapping[str, int] | None = None,
+                   idle: Collection[str] = ()) -> list[Charge] | None:
     """The leases to reclaim for a request of team ``requester`` charging ``charge_mb`` that lacks
     ``shortfall[gpu]`` MiB on each GPU it is placed on (``by_model``: what it charges each GPU model): [] when
     nothing is short; None when the team would not
     stay within its quota with the request (it may not reclaim), or when even every reclaimable lease would not
     make it fit.
 
-    Victims are taken in ``reclaim_order`` (weighted share, then newest first), skipping leases on no GPU
+    Victims are taken in ``reclaim_order`` (weighted share, then idle, then newest first), skipping leases on no GPU
     still short, until the request fits; then every victim that can be spared is dropped, in that same order:
     the set is minimal (no victim can be spared), the order rule winning over the smallest count."""
     if not _short(shortfall, ()):
@@ -374,7 +375,7 @@ def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int],
     useful = [c for c in reclaimable(requester, charges, membership, now)   # ``exclude``: already going
               if set(c.gpus) & set(shortfall) and c.id not in exclude]
     victims: list[Charge] = []
-    for c in reclaim_order(requester, useful, charges, membership):
+    for c in reclaim_order(requester, useful, charges, membership, idle):
         if not _short(shortfall, victims):
             break
         if _short({g: n for g, n in shortfall.items() if g in c.gpus}, victims):

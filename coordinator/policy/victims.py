@@ -7,7 +7,8 @@ Victims (G3 over all candidates)
 possibly a gang over several GPUs: it is one victim, of its own priority and age, and evicting it frees its
 VRAM on every one of them (each GPU's own record). The candidates are the preemptible holders of lower
 priority, over every GPU of the host; they are taken in G3's order over all of them, lowest priority first,
-then newest first (``created_at``, then ``token``), until the request would fit on some candidate set (every
+then the leases this replica judges idle (``Holder.idle``, README "Idle GPUs") before the others, then newest
+first (``created_at``, then ``token``), until the request would fit on some candidate set (every
 set of allowed, available GPUs that could ever hold it and satisfies the topology): its VRAM and the agent's
 cap on every GPU of the set (exclusive: every holder on the set goes and each GPU comes free whole); then
 every victim that can be spared is dropped, in that same order. The result is minimal (no victim can be
@@ -53,6 +54,7 @@ class Holder:
     created_at: float
     token: int                         # the highest fencing token among its GPUs: newer is larger
     vram: tuple[tuple[int, int], ...]  # (GPU index, MiB) per GPU it holds
+    idle: bool = False                 # judged idle by this replica (README "Idle GPUs"): taken first of its priority
 
     def on(self, index: int) -> int:
         return sum(mb for i, mb in self.vram if i == index)
@@ -66,9 +68,9 @@ class VictimChoice:
 
 # -- victims -----------------------------------------------------------------------------------------------
 
-def g3_order(h: Holder) -> tuple[int, float, int]:
-    """G3's order: lowest priority first, then newest first."""
-    return (h.priority, -h.created_at, -h.token)
+def g3_order(h: Holder) -> tuple[int, bool, float, int]:
+    """G3's order: lowest priority first, then idle leases before busy ones, then newest first."""
+    return (h.priority, not h.idle, -h.created_at, -h.token)
 
 
 def choose_gang_victims(slots: Sequence[GpuSlot], request: GangRequest, priority: int, agent: str,

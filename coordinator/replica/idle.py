@@ -13,6 +13,10 @@ deadline, with the kill margin and G3's order for process-bound leases, as for a
 is written: the lease shows ``idle`` in status and in the gauge, and the leader logs it once per idle stretch.
 A lease that already has a notice (a drain's, a time limit's, a revoke's, a priority eviction's) keeps it.
 
+The judgment (whatever the action) also orders G3 where a replica decides: among the candidates of one priority,
+priority eviction takes the idle leases first, and reclaim takes a team's idle leases first (``Holder.idle``,
+``teams.reclaim_order``), as judged when the round first asks (``IdleNow``: the same judgment status shows).
+
 A replica that starts late or a new leader has no history: its judgment can come late, never early.
 """
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+from typing import Any, Collection, Iterator
 
 from coordinator import clock, errors, metrics
 from coordinator.etcd.types import KV
@@ -154,6 +158,29 @@ def update_gauge(found: dict[str, tuple[LeaseIdle, str]]) -> None:
     for team in {t for t, _ in counts} | {"default"}:
         for action in ACTIONS:
             metrics.IDLE_LEASES.labels(team, action).set(counts.get((team, action), 0))
+
+
+class IdleNow(Collection[str]):
+    """The ids of the leases judged idle now, judged once, when a round first asks (only a round choosing victims
+    does): ``Context.idle`` of every round."""
+
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self._ctx: ReplicaContext = ctx
+        self._ids: frozenset[str] | None = None
+
+    def _judged(self) -> frozenset[str]:
+        if self._ids is None:
+            self._ids = frozenset(x for x, (j, _) in judged(self._ctx).items() if j.idle)
+        return self._ids
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._judged()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._judged())
+
+    def __len__(self) -> int:
+        return len(self._judged())
 
 
 class IdleReclaim:

@@ -19,6 +19,7 @@ from coordinator.policy.planner import plan_round
 from coordinator.records import EvictionRecord, VramLease
 from coordinator.replica.admitter_state import AdmitterState
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
+from coordinator.replica.idle import IdleNow
 from coordinator.replica.teams import team_state
 from coordinator.replica.view import host_view, invalid_host, read_host
 from coordinator.txn import Delete, ModRevisionIs
@@ -84,7 +85,7 @@ class AdmissionRound(AdmitterState):
                 rep, snap.revision, min(0.5, max(0.0, deadline - asyncio.get_running_loop().time())), attempt > 0)
             ctx = Context(self.keys, rep.config, rep.replica_id, frozenset(rep.evictions), time.monotonic(),
                           clock.wall(), self._overdue(), teams, no_teams_since=teams_read_at if teams is None else 0,
-                          notices=self._notices(snap.revision))
+                          notices=self._notices(snap.revision), idle=IdleNow(rep))
             plan = plan_round(view, batch, self._waiting, live, ctx)
             self._teams_revision = teams.revision if teams is not None else 0
             if use_mirror:

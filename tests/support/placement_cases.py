@@ -54,15 +54,16 @@ class Case:
     a request; with the brute-force oracle of the module's rule."""
 
     def __init__(self, views: list[GpuView], inventory: HostInventory, agent: str, request: GangRequest,
-                 priority: int, unavailable: frozenset[int], evicting: frozenset[str]) -> None:
+                 priority: int, unavailable: frozenset[int], evicting: frozenset[str],
+                 idle: frozenset[str] = frozenset()) -> None:
         self.views, self.inventory, self.agent, self.request = views, inventory, agent, request
-        self.priority, self.unavailable, self.evicting = priority, unavailable, evicting
+        self.priority, self.unavailable, self.evicting, self.idle = priority, unavailable, evicting, idle
         self.info = {g.index: g for g in inventory.gpus}
         self.n = len(views)
 
     def __repr__(self) -> str:
         return (f"Case(request={self.request}, priority={self.priority}, agent={self.agent!r}, "
-                f"unavailable={set(self.unavailable)}, evicting={set(self.evicting)},\n  gpus=" + "\n    ".join(
+                f"unavailable={set(self.unavailable)}, evicting={set(self.evicting)}, idle={set(self.idle)},\n  gpus=" + "\n    ".join(
                     f"{v.index}: usable={v.usable_mb} free={v.free_mb} numa={self.info[v.index].numa_node} "
                     f"peers={self.info[v.index].nvlink_peers} leases="
                     + str([(x.id, x.agent, x.vram_mb, x.priority, x.preemptible, x.created_at, x.token)
@@ -134,7 +135,7 @@ class Case:
 
     # victims, written again from the docstring
     def holders(self) -> dict[str, Holder]:
-        return {h.id: h for h in holders_from_views(self.views, self.evicting)}
+        return {h.id: h for h in holders_from_views(self.views, self.evicting, self.idle)}
 
     def after_views(self) -> list[GpuView]:
         # Leases being evicted are gone with their processes' memory: what NVML reports beside the leases stays
@@ -161,7 +162,7 @@ class Case:
         """The preemptible holders of lower priority on the set, in G3's order."""
         return sorted((h for h in self.holders().values()
                        if any(i in chosen for i, _ in h.vram) and h.preemptible and h.priority < self.priority),
-                      key=lambda h: (h.priority, -h.created_at, -h.token))
+                      key=lambda h: (h.priority, h.id not in self.idle, -h.created_at, -h.token))
 
     def g3_victims(self) -> tuple[tuple[int, ...], list[Holder]] | None:
         """G3 over all candidates, written again from the docstring: every preemptible holder of lower
@@ -169,7 +170,7 @@ class Case:
         then each spared that can be, in that order; with the set of lowest indexes they free."""
         sets = [s for s in self.ever_sets() if not set(s) & self.unavailable]
         cands = sorted((h for h in self.holders().values() if h.preemptible and h.priority < self.priority),
-                       key=lambda h: (h.priority, -h.created_at, -h.token))
+                       key=lambda h: (h.priority, h.id not in self.idle, -h.created_at, -h.token))
 
         def somewhere(vs: list[Holder]) -> list[tuple[int, ...]]:
             return [s for s in sets if self.sufficient(s, vs)]
@@ -335,7 +336,8 @@ def cases(draw: st.DrawFn, mode: str = "mixed") -> Case:
     evicting = (frozenset(draw(st.sets(st.sampled_from(all_ids), max_size=2))) if all_ids and k.evicting
                 else frozenset())
     request = GangRequest(count, vram, capv, exclusive=exclusive, topology=topology, gpus=exact)
-    return Case(views, inventory, agent, request, draw(st.integers(*k.priority)), unavailable, evicting)
+    idle = frozenset(draw(st.sets(st.sampled_from(all_ids), max_size=3))) if all_ids else frozenset()
+    return Case(views, inventory, agent, request, draw(st.integers(*k.priority)), unavailable, evicting, idle)
 
 
 any_case = st.one_of(cases("mixed"), cases("roomy"), cases("placing"), cases("placing"), cases("blocks"),

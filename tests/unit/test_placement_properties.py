@@ -68,7 +68,7 @@ def test_prop_victims_are_minimal_in_g3_order_over_all_candidates(case: Case) ->
     got = choose_gang_victims(slots, case.request, case.priority, case.agent, list(holders.values()),
                               case.unavailable)
     after = Case(case.after_views(), case.inventory, case.agent, case.request, case.priority, case.unavailable,
-                 frozenset())
+                 frozenset(), case.idle)
     if case.allowed() is None or not case.ever_sets():
         assert got is None
         return
@@ -124,8 +124,8 @@ def test_prop_one_gpu_chooses_as_admission_best_fit(case: Case) -> None:
 def test_prop_one_gpu_victims_are_admission_plan_evictions(case: Case) -> None:
     free_of_queue = [v for v in case.views if v.index not in case.unavailable]
     old = plan_eviction(free_of_queue, dict(case.request.caps), case.request.vram_mb, case.priority, case.agent,
-                        set(case.evicting))
+                        set(case.evicting), case.idle)
     slots = slots_from_views(case.views, case.agent, case.inventory, case.evicting)
     got = choose_gang_victims(slots, case.request, case.priority, case.agent,
-                              holders_from_views(case.views, case.evicting), case.unavailable)
+                              holders_from_views(case.views, case.evicting, case.idle), case.unavailable)
     assert [v.id for v in old] == ([v.id for v in got.victims] if got is not None else [])

@@ -103,6 +103,13 @@ def test_reclaim_takes_first_from_the_team_furthest_over_its_weighted_share() ->
     assert [v.id for v in choose_reclaim("c", 30, {"g0": 30}, leases, m, now=10) or []] == ["l4"]
 
 
+def test_reclaim_takes_an_idle_lease_of_the_team_before_its_newer_busy_ones() -> None:
+    m = Membership([Team("a", weight=2), Team("b", weight=1), Team("c", quota_mb=100)])
+    leases = [_charge(1, "a", 50), _charge(2, "a", 50), _charge(3, "b", 30), _charge(4, "b", 30)]
+    assert [c.id for c in reclaim_order("c", leases, leases, m, {"l3"})] == ["l3", "l2", "l4", "l1"]
+    assert [v.id for v in choose_reclaim("c", 30, {"g0": 30}, leases, m, now=10, idle={"l3"}) or []] == ["l3"]
+
+
 # -- properties -----------------------------------------------------------------------------------------------
 
 @st.composite
@@ -213,14 +220,14 @@ def test_reclaim_is_minimal_and_found_whenever_one_exists(fleet: Fleet,
 
 
 @PROPS
-@given(fleets(), late_requests)
-def test_reclaim_takes_the_team_furthest_over_its_weighted_share_first_newest_first(
-        fleet: Fleet, r: tuple[str, str, int, float, bool]) -> None:
+@given(fleets(), late_requests, st.sets(st.integers(0, 24)).map(lambda s: frozenset(f"l{i}" for i in s)))
+def test_reclaim_takes_the_team_furthest_over_its_weighted_share_first_idle_first_then_newest_first(
+        fleet: Fleet, r: tuple[str, str, int, float, bool], idle: frozenset[str]) -> None:
     team, gpu, vram = r[:3]
     m = fleet.membership
 
     def check_order(candidates: list[Charge]) -> list[Charge]:
-        order = reclaim_order(team, candidates, fleet.leases, m)
+        order = reclaim_order(team, candidates, fleet.leases, m, idle)
         assert sorted(c.id for c in order) == sorted(c.id for c in candidates)
         used = used_by_team(fleet.leases)
         for i, c in enumerate(order):
@@ -228,14 +235,16 @@ def test_reclaim_takes_the_team_furthest_over_its_weighted_share_first_newest_fi
             # The weighted share, computed here the long way: VRAM borrowed per unit of weight.
             shares = {x.team: max(0, used[x.team] - m.team(x.team).quota_mb) / m.team(x.team).weight for x in rest}
             assert shares[c.team] == max(shares.values()), f"{c.team} taken before a team further over its share"
-            assert c.age_order() == max(x.age_order() for x in rest if x.team == c.team), "not its team's newest"
+            assert (c.id in idle, c.age_order()) == max((x.id in idle, x.age_order()) for x in rest
+                                                        if x.team == c.team), "not its team's newest (idle first)"
             used[c.team] -= c.charge_mb
         return order
 
     everywhere = reclaimable(team, fleet.leases, m, fleet.clock)
     check_order(everywhere)
     order = check_order([c for c in everywhere if gpu in c.gpus])
-    victims = choose_reclaim(team, vram, {gpu: vram - fleet.free(gpu)}, fleet.leases, m, fleet.clock) or []
+    victims = choose_reclaim(team, vram, {gpu: vram - fleet.free(gpu)}, fleet.leases, m, fleet.clock,
+                             idle=idle) or []
     positions = [next(i for i, c in enumerate(order) if c.id == v.id) for v in victims]
     assert positions == sorted(positions), "victims out of the reclaim order"
 
