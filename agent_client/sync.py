@@ -16,6 +16,30 @@ from agent_client.run import AsyncBoundProcess, LoopRunner, RunOptions
 T = TypeVar("T")
 
 
+class _ClientLoop(asyncio.SelectorEventLoop):
+    """The private loop of one sync ``Client``: once closed, it drops what another thread hands it.
+
+    gRPC's asyncio layer completes a cancelled call (a closed client's keepalive stream, say) a moment after
+    the call was cancelled, from whichever loop of the process polls gRPC's completion queue, by handing the
+    completion to the call's own loop with ``call_soon_threadsafe``. When the client has closed its loop by
+    then, asyncio raises "Event loop is closed" inside that other loop's poller, which logs a traceback (the
+    bench's main loop, a test's loop). Nothing waits for such a completion: the call was cancelled and its
+    loop is gone, so it is dropped instead. How long gRPC takes to deliver it is not ours to wait for.
+    """
+
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any,
+                             context: Any = None) -> asyncio.Handle:
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if not self.is_closed():
+                raise
+            # A handle that was never scheduled: cancelled at once, as a closed loop will never run it.
+            handle = asyncio.Handle(callback, args, self, context)
+            handle.cancel()
+            return handle
+
+
 class Lease:
     """A VRAM lease held through the sync ``Client``; a context manager that releases on exit.
 
@@ -61,7 +85,7 @@ class Client:
 
     def __init__(self, addresses: str | Sequence[str], agent: str, host: str, ttl: int | None = None,
                  **kw: Unpack[ClientOptions]) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = _ClientLoop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"gpucoord-{agent}", daemon=True)
         self._thread.start()
         self._async: AsyncClient = self._run(self._make(addresses, agent, host, ttl, kw))

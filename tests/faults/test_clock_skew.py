@@ -36,7 +36,10 @@ def test_eviction_grace_and_usage_freshness_hold_with_skewed_clocks(cluster: Clu
         procs.append(other)
         a, b = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"
         wait_for(lambda: len(cluster.replicas()) == 2, LIVENESS_S, "both replicas to register")
-        assert fetch_status(b)["leader"] == fetch_status(a)["leader"] != ""
+        # Both replicas name the same leader, once each has seen the election (the second may answer before
+        # its watch has: polled, as any view that only time brings).
+        wait_for(lambda: fetch_status(b)["leader"] == fetch_status(a)["leader"] != "", LIVENESS_S,
+                 "both replicas to name the same leader")
 
         # The node's reports carry a timestamp two minutes in the past: still fresh, as both replicas see
         # (judged by the node's timestamp, they would stay stale for ever). Polled: on a loaded machine a

@@ -173,8 +173,8 @@ def test_the_export_survives_a_leader_change_with_no_gap_and_no_duplicate(cluste
         for _ in range(10):
             a.acquire(1000).release()
         wait_for(lambda: len(exported(export)) >= 10, 30, "the first leader's lines")
-        leader = fetch_status(second)["leader"]
-        assert leader == cluster.service(first).replica_id
+        leader = cluster.service(first).replica_id
+        wait_for(lambda: fetch_status(second)["leader"] == leader, 30, "the second replica to see the first lead")
         cluster.stop_coordinator(first)        # the leader steps down: the other one leads and exports
         wait_for(lambda: fetch_status(second)["leader"] not in ("", leader), 30, "the next leader")
         for _ in range(10):
