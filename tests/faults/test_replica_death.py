@@ -15,6 +15,7 @@ import pytest
 from agent_client import Client
 from coordinator.cli.common import fetch_status
 from coordinator.records import QueueEntry
+from tests.faultlink import FaultLink
 from tests.history import check_store
 from tests.support.cluster import Cluster
 from tests.support.processes import replica_processes, spawn_agent, spawn_coordinator
@@ -144,36 +145,64 @@ def test_coordinator_restart_keeps_the_lease_and_the_client_goes_on(cluster: Clu
         proc.wait()
 
 
+# A session kept through the outage must have had time left when its replica was back: enough for the client's
+# reconnect (its backoff is at most 1 s) and one keepalive. What a slow restart spent of a session's TTL is the
+# machine's speed, not a defect: such a session is counted and printed, not asserted on.
+KEEP_MARGIN_S = 2
+
+
 @pytest.mark.usefixtures("history_checked")
 def test_sessions_survive_a_coordinator_outage_shorter_than_their_ttl(cluster: Cluster, tmp_path: Path) -> None:
     """16 agent processes keep their sessions and leases (TTL 10 s) through a coordinator killed and
-    restarted on its address ~6.3 s later: the client reconnects as soon as the replica is back. One
-    client survives or not by the luck of gRPC's reconnect jitter (shared between the channels of one
-    process), hence 16 processes: each survived with p ~ 0.7 before the fix, all 16 by chance < 1 %.
+    restarted on its address, the agents cut from it for 6.3 s (from just after it refreshed their
+    etcd_leases): the client reconnects as soon as the replica is back. Each session is judged by what its etcd_lease had left when the
+    new replica served (etcd's own LeaseTimeToLive, read then): one with KEEP_MARGIN_S or more must be kept.
     (Review finding R2: gRPC's default reconnect backoff, 1 s x 1.6 per failure, kept a client away until
-    ~7.4-11 s into the outage, past many TTLs.)"""
+    ~7.4-11 s into the outage, past many TTLs; each survived with p ~ 0.7, all 16 by chance < 1 %. Before this
+    test judged each session by its time left, a loaded machine that took long to restart the replica failed
+    it: the sessions had expired before the replica was back.)"""
     cluster.start_node("h1", "1x16GiB")
     proc, port = spawn_coordinator(cluster.endpoints, cluster.prefix, "127.0.0.1:0", str(tmp_path / "c1.log"))
     addr = f"127.0.0.1:{port}"
-    agents = [spawn_agent(addr, "h1", f"a{i}", 1000, 10, log_path=str(tmp_path / f"a{i}.log"), read_answer=False)[0]
+    # The agents reach the replica over a link that is down (connections reset, as to a dead host) for the
+    # whole outage: the new process starts on the same address meanwhile, so that how long a loaded machine
+    # takes to start it does not lengthen the outage the clients see (unless it takes longer than the outage).
+    link = FaultLink(addr, "agents to the replica")
+    agents = [spawn_agent(link.endpoint, "h1", f"a{i}", 1000, 10, log_path=str(tmp_path / f"a{i}.log"),
+                          read_answer=False)[0]
               for i in range(16)]
     try:
         for a in agents:
             assert a.stdout is not None and a.stdout.readline().startswith(b"GRANTED")
+        sessions = {kv.key: kv.etcd_lease for kv in cluster.get_prefix(cluster.keys.sessions())}
+        assert len(sessions) == 16
+        # Killed just after a refresh: the outage then leaves every session about TTL - 6.3 s.
+        some = next(iter(sessions.values()))
+        wait_for(lambda: cluster.lt.run(cluster.store.time_to_live(some)) >= 9, LIVENESS_S, "a fresh refresh")
+        link.cut(loud=True)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         down_at = time.monotonic()
-        pass_time(6.3, "an outage well within the TTL")
         proc, port2 = spawn_coordinator(cluster.endpoints, cluster.prefix, addr, str(tmp_path / "c2.log"))
         assert port2 == port
+        pass_time(max(0.0, 6.3 - (time.monotonic() - down_at)), "an outage well within the TTL")
+        left = {key: cluster.lt.run(cluster.store.time_to_live(etcd_lease)) for key, etcd_lease in sessions.items()}
+        link.heal()
         back_after = time.monotonic() - down_at
         pass_time(max(0.0, 12.0 - (time.monotonic() - down_at)), "the TTL to pass since the outage began")
-        sessions = len(cluster.get_prefix(cluster.keys.sessions()))
-        assert sessions == 16 and len(cluster.leases()) == 16, \
-            f"{16 - sessions} of 16 sessions lost although the coordinator was back {back_after:.1f}s into a 10s TTL"
+        kept = {kv.key for kv in cluster.get_prefix(cluster.keys.sessions())}
+        judged = {key for key, ttl in left.items() if ttl >= KEEP_MARGIN_S}
+        print(f"replica back {back_after:.1f}s into the outage; time left then (s): {sorted(left.values())}; "
+              f"{len(judged)} sessions had >= {KEEP_MARGIN_S}s left, {len(kept)} of 16 kept")
+        lost = sorted(k.decode() for k in judged - kept)
+        assert not lost, f"sessions lost although each had >= {KEEP_MARGIN_S}s of its TTL left when the replica " \
+                         f"was back {back_after:.1f}s into the outage: {lost}"
+        # Every kept session keeps its lease (and no lease outlives its session: the history checker).
+        assert len(cluster.leases()) == len(kept)
     finally:
         for a in agents:
             a.kill()
             a.wait()
         proc.terminate()
         proc.wait(10)
+        link.close()
