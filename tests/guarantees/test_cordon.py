@@ -19,7 +19,7 @@ from coordinator.limits import MAX_REASON_BYTES
 from coordinator.records import dumps
 from tests.support.cluster import Cluster
 from tests.support.rpcs import expect_refused
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
 C = grpc.StatusCode
@@ -92,7 +92,7 @@ def test_a_drain_sends_each_lease_a_drain_notice_and_no_grant_follows(env: tuple
     resp = stub.CordonHost(pb.CordonHostRequest(host="h1", reason="reboot", drain=True, grace_seconds=30),
                            timeout=10)
     assert resp.created and resp.leases == 3 and resp.notices == 3 and resp.cordon.drain
-    assert all(x.evicting.wait(20) for x in leases)
+    assert all(x.evicting.wait(LIVENESS_S) for x in leases)
     assert {x.notice.reason for x in leases if x.notice} == {"drain"}
     hs = _status(stub)
     assert hs.cordoned and hs.draining and {x.eviction.reason for x in hs.leases} == {"drain"}
@@ -112,7 +112,7 @@ def test_a_drain_cut_short_after_its_cordon_is_finished_by_the_leader(env: tuple
     leases = [c.acquire(1000) for _ in range(2)]
     record = CordonRecord(host="h1", reason="reboot", drain=True, grace_s=30.0, asked_by="ops", created_at=time.time())
     cluster.lt.run(cluster.store.put(cluster.keys.cordon("h1"), dumps(record.to_json())))
-    assert all(x.evicting.wait(20) for x in leases), "the leader sent no notice to the drain's leases"
+    assert all(x.evicting.wait(LIVENESS_S) for x in leases), "the leader sent no notice to the drain's leases"
     assert {x.notice.reason for x in leases if x.notice} == {"drain"}
     notices = [json.loads(kv.value) for kv in cluster.get_prefix(cluster.keys.evictions())]
     assert sorted(n["lease_id"] for n in notices) == sorted(x.id for x in leases)

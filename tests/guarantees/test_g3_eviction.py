@@ -187,12 +187,12 @@ def test_the_leader_does_not_revoke_a_victim_whose_notice_was_withdrawn_meanwhil
         with Client(addr, agent="low", host="h1") as low, Client(addr, agent="high", host="h1") as high:
             victim = low.acquire(8000, priority=0)
             waiter = Background(high.acquire, 6000, priority=5, wait=3)
-            assert entered.wait(10), "the leader did not act on the deadline"
+            assert entered.wait(LIVENESS_S), "the leader did not act on the deadline"
             with pytest.raises(errors.ResourceExhausted):
                 waiter.result(10)
             wait_for(lambda: cluster.get_prefix(cluster.keys.evictions()) == [], LIVENESS_S, "the notice to be withdrawn")
             gate.set()
-            assert finished.wait(10), "the leader's revoke did not finish"
+            assert finished.wait(LIVENESS_S), "the leader's revoke did not finish"
             assert [x.id for x in cluster.leases()] == [victim.id], "revoked after its notice was withdrawn"
     finally:
         gate.set()

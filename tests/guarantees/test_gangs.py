@@ -126,11 +126,11 @@ def test_a_two_gpu_gang_is_evicted_whole_for_a_higher_priority_two_gpu_request(c
                 result["error"] = e
         t = threading.Thread(target=high, daemon=True)
         t.start()
-        assert low.evicting.wait(10), "the gang got no eviction notice"
+        assert low.evicting.wait(LIVENESS_S), "the gang got no eviction notice"
         assert "lease" not in result, "granted before its victim was gone"
         assert len(lease_keys(cluster)) == 2            # both GPUs still held by the victim
         low.release()
-        t.join(15)
+        t.join(LIVENESS_S)
         got = result.get("lease")
         assert got is not None, result
         assert sorted(g.index for g in got.gpus) == [0, 1]  # type: ignore[attr-defined]

@@ -116,4 +116,4 @@ def test_an_exclusive_four_gpu_request_is_not_starved_by_a_stream_of_one_gpu_req
             lease.release()
     finally:
         stop.set()
-        t.join(10)
+        t.join(LIVENESS_S)

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 from tests.faultlink import FaultLink
 from tests.support import REPO
 from tests.support.cluster import Cluster
-from tests.support.waiting import LIVENESS_S, wait_for
+from tests.support.waiting import LIVENESS_S, liveness, wait_for
 
 
 def child_env() -> dict[str, str]:
@@ -78,6 +78,8 @@ class ProcessGone:
             self.at = float(first)
 
     def wait(self, timeout: float) -> float:
+        """When it went (wall time), waiting at least ``LIVENESS_S`` (a deadline only tells a defect from a pass)."""
+        timeout = liveness(timeout)
         if self.at is None:
             try:
                 out, _ = self._proc.communicate(timeout=timeout)
