@@ -284,11 +284,44 @@ def test_message_size_agent_count_and_nesting_of_a_spec(env: Any) -> None:
     assert not writes_since(cluster, before)
 
 
+def _session_counts(cluster: Cluster, agent: str, after: int, until: int) -> tuple[int, int, int]:
+    """From etcd's history of ``sessions/<agent>/`` between revisions ``after`` and ``until``: the sessions created,
+    the sessions ended, and the most that were open at once (at any revision)."""
+    prefix = cluster.keys.sessions(agent)
+
+    async def collect() -> list[tuple[str, int]]:
+        seen: list[tuple[str, int]] = []
+        if until <= after:
+            return seen
+        # The whole keyspace is watched so that the event at ``until`` (any key's) ends the read.
+        async for batch in cluster.store.watch(b"/", start_revision=after + 1):
+            seen += [(ev.kind, ev.kv.mod_revision) for ev in batch.events if ev.kv.key.startswith(prefix)]
+            if batch.events and batch.events[-1].kv.mod_revision >= until:
+                break
+        return seen
+    events = [e for e in cluster.lt.run(collect()) if e[1] <= until]
+    open_now = most = created = ended = 0
+    for kind, _ in events:
+        if kind == "PUT":
+            created += 1
+            open_now += 1
+        else:
+            ended += 1
+            open_now -= 1
+        most = max(most, open_now)
+    return created, ended, most
+
+
 def test_ten_thousand_open_sessions_leave_at_most_the_cap(env: Any) -> None:
+    """At no revision has the agent more than the cap open, every session answered OK is one that etcd created,
+    and the cap is reached. Judged over etcd's history, not only the end: a flood that a loaded machine makes
+    last longer than the sessions' TTL sees early sessions expire and later ones take their place (which is
+    right), so the end state alone cannot tell the OKs from the cap."""
     cluster, stub, _ = env
     addr, _ = _addresses(cluster)
     cap = CoordinatorConfig().max_sessions_per_agent
     assert cap == 64
+    before = revision(cluster)
 
     async def flood() -> dict[str, int]:
         codes: dict[str, int] = {}
@@ -299,7 +332,7 @@ def test_ten_thousand_open_sessions_leave_at_most_the_cap(env: Any) -> None:
             async def one() -> None:
                 async with sem:
                     try:
-                        await stub.OpenSession(pb.OpenSessionRequest(agent="flood", host="h1", ttl_seconds=60),
+                        await stub.OpenSession(pb.OpenSessionRequest(agent="flood", host="h1", ttl_seconds=MAX_TTL_S),
                                                timeout=30)
                         code = "OK"
                     except grpc.aio.AioRpcError as e:
@@ -313,9 +346,15 @@ def test_ten_thousand_open_sessions_leave_at_most_the_cap(env: Any) -> None:
 
     codes = asyncio.run(flood())
     sessions = cluster.get_prefix(cluster.keys.sessions("flood"))
-    assert len(sessions) == codes.get("OK", 0) <= cap, codes
-    assert len(sessions) == cap, codes   # the cap is reached, not undershot
-    print(f"10,000 OpenSession calls: {codes}; {len(sessions)} sessions in etcd (cap {cap})")
+    created, ended, most = _session_counts(cluster, "flood", before, revision(cluster))
+    assert most <= cap, (most, codes)
+    # No OK without its session; a session created beyond the OKs is one whose answer was UNAVAILABLE (its commit's
+    # outcome unknown to the replica, which then revoked its etcd_lease: ended in the history too).
+    assert codes.get("OK", 0) <= created <= codes.get("OK", 0) + codes.get("UNAVAILABLE", 0), (created, codes)
+    assert len(sessions) == created - ended <= cap, (len(sessions), created, ended, codes)
+    assert most == cap, (most, codes)   # the cap is reached, not undershot
+    print(f"10,000 OpenSession calls: {codes}; {created} sessions created, {ended} ended, at most {most} open "
+          f"at once, {len(sessions)} in etcd at the end (cap {cap})")
     # Another agent is not affected by this one's cap.
     assert stub.OpenSession(pb.OpenSessionRequest(agent="calm", host="h1"), timeout=10)
 
