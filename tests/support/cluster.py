@@ -23,6 +23,7 @@ from coordinator.rpc.coordinator_server import create_server
 from coordinator.rpc.node_server import create_node_server
 from coordinator.txn import Range
 from tests.faultlink import FaultLink
+from tests.history import empty_at
 from tests.support.waiting import LoopThread, wait_for
 
 
@@ -57,6 +58,10 @@ class Cluster:
         self.etcd_channel = etcd_channel
         self.store = Store(endpoints, channel=etcd_channel)
         self.lt.run(self.store.connect())
+        # A new prefix holds nothing yet: its history checks start here, not at the shared etcd's revision 1.
+        snap = self.lt.run(self.store.snapshot([Range(self.keys.root(), prefix=True, keys_only=True)]))
+        if not snap.ranges[0]:
+            empty_at(self.keys.root(), snap.revision)
         self.coordinators: dict[str, tuple[Any, Any]] = {}
         self.nodes: dict[str, tuple[NodeDaemon, Any, FakeGpuSource]] = {}
         # Network faults: the link of a linked coordinator's (by its address) or node's (by host) etcd
