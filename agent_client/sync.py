@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import threading
-from typing import Any, Awaitable, Callable, Sequence, TypeVar, Unpack
+from typing import Any, Awaitable, Callable, Sequence, TypeVar, TypeVarTuple, Unpack
 
 from agent_client import errors
 from agent_client.api import coordinator_pb2 as pb
@@ -14,6 +15,7 @@ from agent_client.lease import AsyncLease, EvictionNotice
 from agent_client.run import AsyncBoundProcess, LoopRunner, RunOptions
 
 T = TypeVar("T")
+_Ts = TypeVarTuple("_Ts")
 
 
 class _ClientLoop(asyncio.SelectorEventLoop):
@@ -27,8 +29,8 @@ class _ClientLoop(asyncio.SelectorEventLoop):
     loop is gone, so it is dropped instead. How long gRPC takes to deliver it is not ours to wait for.
     """
 
-    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any,
-                             context: Any = None) -> asyncio.Handle:
+    def call_soon_threadsafe(self, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
+                             context: contextvars.Context | None = None) -> asyncio.Handle:
         try:
             return super().call_soon_threadsafe(callback, *args, context=context)
         except RuntimeError:
