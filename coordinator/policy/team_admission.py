@@ -74,10 +74,13 @@ def grant_charge_mb(gpus: Sequence[GpuView], vram_mb: int, exclusive: bool) -> i
 
 def team_use(state: TeamState, view: HostView, team: str) -> int:
     """The team's use over the fleet: the teams' copy, and every GPU record of this host's leases that copy
-    has not counted (newer ones, this round's grants)."""
+    has not counted because it is newer (written after the copy's revision, or this round's grant). A record
+    of the host's snapshot that the copy, read later, no longer has ended in between: it is not counted (it
+    made a grant's quota mark ``true`` though the team was within its quota, in the 24-client race)."""
     return state.used.get(team, 0) + sum(
         x.vram_mb for g in view.gpus.values() for x in g.leases
-        if x.id not in state.counted and state.membership.team_of(x.agent) == team)
+        if x.id not in state.counted and (x.mod_revision == 0 or x.mod_revision > state.revision)
+        and state.membership.team_of(x.agent) == team)
 
 
 def least_charge_mb(candidates: Sequence[GpuView], vram_mb: int, gpu_count: int, exclusive: bool) -> int:
