@@ -89,13 +89,14 @@ def test_a_requester_that_its_team_limit_blocks_after_choosing_victims_withdraws
     with Client(addr, agent="b-1", host="h1") as b1, Client(addr, agent="a-2", host="h1") as a2, \
             Client(addr, agent="a-3", host="h2") as a3:
         low = b1.acquire(12288)
-        t, out = _background(lambda: a2.acquire(8192, wait=GRACE_S - 2))
+        # Its wait outlasts the notice's deadline: a notice kept for it would be carried out (b's lease revoked).
+        t, out = _background(lambda: a2.acquire(8192, wait=GRACE_S * 2))
         wait_for(low.evicting.is_set, 10, "the reclaim notice to team b's lease")
         a3.acquire(16384)
         wait_for(lambda: not _notices(cluster), GRACE_S - 3, "the notice withdrawn")
-        t.join(GRACE_S)
+        wait_for(lambda: not t.is_alive(), GRACE_S * 3, "the requester's wait to end, past the notice's deadline")
         assert isinstance(out.get("error"), errors.ResourceExhausted), out
-        assert low.id in {x.id for x in cluster.leases()}
+        assert low.id in {x.id for x in cluster.leases()}, "b's lease was revoked for a request its limit held back"
 
 
 def test_when_the_requesters_wait_ends_its_notices_are_withdrawn_and_the_victim_hears_it(cluster: Cluster) -> None:
