@@ -31,6 +31,7 @@ from coordinator.policy.plan import C, Context, Plan, Wait
 from coordinator.policy.team_admission import (
     fleet_charges,
     grant_charge_mb,
+    least_charge_mb,
     over_quota_mark,
     team_use,
 )
@@ -196,7 +197,8 @@ class Round(Generic[C]):
             team = teams.membership.team(teams.membership.team_of(req.agent))
             charges = fleet_charges(teams, self.view)
             marks = in_quota(charges, teams.membership)
-            least = req.vram_mb * req.gpu_count if not req.exclusive else 0
+            # The least its grant could be charged (an exclusive request: its host's smallest whole GPUs).
+            least = least_charge_mb(list(self.view.gpus.values()), req.vram_mb, req.gpu_count, req.exclusive)
             over = self.team_used(team.name) + least > team.quota_mb
             invalid = {v for v in reclaimed if over or marks.get(v, False)}
         unavailable = {g.index for g in self.view.gpus.values() if g.uuid in self.blocked}
