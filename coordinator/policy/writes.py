@@ -238,7 +238,8 @@ class Round(Generic[C]):
             req = it.req
             gpus = g.gang or ((g.gpu,) if g.gpu is not None else ())
             over = over_quota_mark(self.ctx.teams, self.view, req.agent,
-                                   grant_charge_mb(gpus, req.vram_mb, req.exclusive), self.team_used)
+                                   grant_charge_mb(gpus, req.vram_mb, req.exclusive), self.team_used,
+                                   self._by_model(gpus, req.vram_mb, req.exclusive))
             if g.gang:
                 # All or nothing: every GPU's record in this one transaction, each with its GPU's next token.
                 gang = tuple(x.uuid for x in g.gang) if len(g.gang) > 1 else ()
@@ -258,6 +259,15 @@ class Round(Generic[C]):
         if it.entry is not None:
             self._withdraw(it.entry, it.entry.victims)    # granted on room it found free: its notices go
             self._leaves(it.entry, None, None)
+
+    def _by_model(self, gpus: Sequence[GpuView], vram_mb: int, exclusive: bool) -> dict[str, int]:
+        """What a grant on ``gpus`` charges each GPU model (each GPU's charge to its own model)."""
+        models = {g.uuid: g.name for g in self.view.inventory.gpus} if self.view.inventory is not None else {}
+        out: dict[str, int] = {}
+        for g in gpus:
+            model = models.get(g.uuid, "")
+            out[model] = out.get(model, 0) + (g.usable_mb if exclusive else vram_mb)
+        return out
 
     def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = (),
                over_quota: bool | None = None) -> VramLease:
