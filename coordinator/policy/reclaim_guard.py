@@ -5,7 +5,8 @@ A victim of reclaim is over its team's quota because of the leases of its team t
 team's leases fill its quota oldest first (``teams.in_quota``), so the victim stays over quota for as long as
 enough of its team's older leases live, whatever else is granted (a grant is always newer) or ends (a newer
 lease). Its **witness** is the fewest of those older leases whose charges alone keep it over its team's quota
-(or its quota of the victim's GPU model, whichever takes fewer): the largest first. The round's transaction
+(or its quota of one of the victim's GPU models, counting what each lease holds on GPUs of that model: a
+gang's GPUs may differ; whichever takes fewer): the largest first. The round's transaction
 compares that each witness lease is still the record it read (its first GPU record's mod_revision: a lease
 that ended, by a release, a revoke or its session's expiry, which no transaction of ours sees, fails it), that
 no team changed since the teams' copy was read (a quota raised, members moved), and the requesting team's
@@ -15,7 +16,7 @@ that reclaims pays one compare per witness lease, plus two.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from coordinator.keys import Keys
 from coordinator.policy.host import HostView
@@ -25,16 +26,17 @@ from coordinator.records import VramLease
 from coordinator.txn import Compare, ModRevisionIs, NothingWrittenSince
 
 
-def _largest_past(candidates: Iterable[Charge], room_mb: int) -> list[Charge] | None:
-    """The fewest of ``candidates`` (largest first) whose charges sum to more than ``room_mb``; [] when
-    ``room_mb`` is below 0; None when even all of them do not."""
+def _largest_past(candidates: Iterable[Charge], room_mb: int,
+                  weight: Callable[[Charge], int] = lambda c: c.charge_mb) -> list[Charge] | None:
+    """The fewest of ``candidates`` (largest ``weight`` first) whose weights sum to more than ``room_mb``; []
+    when ``room_mb`` is below 0; None when even all of them do not."""
     out: list[Charge] = []
     total = 0
-    for c in sorted(candidates, key=lambda c: (-c.charge_mb, c.age_order())):
+    for c in sorted(candidates, key=lambda c: (-weight(c), c.age_order())):
         if total > room_mb:
             break
         out.append(c)
-        total += c.charge_mb
+        total += weight(c)
     return out if total > room_mb else None
 
 
@@ -45,9 +47,12 @@ def quota_witness(victim: Charge, charges: Sequence[Charge], membership: Members
     older = [c for c in charges if c.team == victim.team and c.id != victim.id
              and c.age_order() < victim.age_order()]
     options = [_largest_past(older, team.quota_mb - victim.charge_mb)]
-    model_quota = team.model_quota(victim.model)
-    if model_quota is not None:
-        options.append(_largest_past((c for c in older if c.model == victim.model), model_quota - victim.charge_mb))
+    for model, mb in victim.by_model().items():      # each of its GPUs' models, charged per GPU (a gang's differ)
+        model_quota = team.model_quota(model)
+        if model_quota is not None:
+            def on_model(c: Charge, model: str = model) -> int:
+                return c.by_model().get(model, 0)
+            options.append(_largest_past([c for c in older if on_model(c)], model_quota - mb, on_model))
     found = [o for o in options if o is not None]
     return min(found, key=len) if found else None
 

@@ -74,10 +74,13 @@ def grant_charge_mb(gpus: Sequence[GpuView], vram_mb: int, exclusive: bool) -> i
 
 def team_use(state: TeamState, view: HostView, team: str) -> int:
     """The team's use over the fleet: the teams' copy, and every GPU record of this host's leases that copy
-    has not counted (newer ones, this round's grants)."""
+    has not counted because it is newer (written after the copy's revision, or this round's grant). A record
+    of the host's snapshot that the copy, read later, no longer has ended in between: it is not counted (it
+    made a grant's quota mark ``true`` though the team was within its quota, in the 24-client race)."""
     return state.used.get(team, 0) + sum(
         x.vram_mb for g in view.gpus.values() for x in g.leases
-        if x.id not in state.counted and state.membership.team_of(x.agent) == team)
+        if x.id not in state.counted and (x.mod_revision == 0 or x.mod_revision > state.revision)
+        and state.membership.team_of(x.agent) == team)
 
 
 def least_charge_mb(candidates: Sequence[GpuView], vram_mb: int, gpu_count: int, exclusive: bool) -> int:
@@ -121,14 +124,34 @@ def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int,
 
 
 def over_quota_mark(state: TeamState | None, view: HostView, agent: str, charge_mb: int,
-                    used: Callable[[str], int] | None = None) -> bool | None:
+                    used: Callable[[str], int] | None = None, by_model: Mapping[str, int] | None = None) -> bool | None:
     """The quota mark of a new grant charging ``charge_mb`` to ``agent``: whether its team's use over the
-    fleet, counting it, passes the team's quota (``quota_mb``; per-model quotas are left to reclaim's
-    classification, ``teams.in_quota``). None (unmarked) without teams."""
+    fleet, counting it, passes the team's quota (``quota_mb``), or, on a GPU model the team has a quota for,
+    its use of that model counting what the grant charges that model (``by_model``: each GPU's charge to its
+    own model), passes that quota: what ``teams.in_quota`` would say of it as the newest lease. None
+    (unmarked) without teams."""
     if state is None:
         return None
-    team = state.membership.team_of(agent)
-    return (used(team) if used else team_use(state, view, team)) + charge_mb > state.membership.team(team).quota_mb
+    name = state.membership.team_of(agent)
+    team = state.membership.team(name)
+    if (used(name) if used else team_use(state, view, name)) + charge_mb > team.quota_mb:
+        return True
+    quotas = {m: mb for m, mb in (by_model or {}).items() if team.model_quota(m) is not None}
+    if not quotas:
+        return False
+    models = dict(state.models)
+    if view.inventory is not None:
+        models.update((g.uuid, g.name) for g in view.inventory.gpus)
+    # The copy's records, and this host's that the copy has not counted because they are newer (as team_use).
+    records = [*state.records(), *(x for g in view.gpus.values() for x in g.leases if x.id not in state.counted
+                                   and (x.mod_revision == 0 or x.mod_revision > state.revision))]
+    held: dict[str, int] = {}
+    for parts in by_lease(records):
+        c = charge_of(parts, state.membership, models)
+        if c.team == name:
+            for m, mb in c.by_model().items():
+                held[m] = held.get(m, 0) + mb
+    return any(held.get(m, 0) + mb > (team.model_quota(m) or 0) for m, mb in quotas.items())
 
 
 def charge_of(parts: Sequence[VramLease], membership: Membership, models: Mapping[str, str] | str = "") -> Charge:

@@ -31,6 +31,7 @@ from coordinator.policy.plan import C, Context, Plan, Wait
 from coordinator.policy.team_admission import (
     fleet_charges,
     grant_charge_mb,
+    least_charge_mb,
     over_quota_mark,
     team_use,
 )
@@ -196,7 +197,8 @@ class Round(Generic[C]):
             team = teams.membership.team(teams.membership.team_of(req.agent))
             charges = fleet_charges(teams, self.view)
             marks = in_quota(charges, teams.membership)
-            least = req.vram_mb * req.gpu_count if not req.exclusive else 0
+            # The least its grant could be charged (an exclusive request: its host's smallest whole GPUs).
+            least = least_charge_mb(list(self.view.gpus.values()), req.vram_mb, req.gpu_count, req.exclusive)
             over = self.team_used(team.name) + least > team.quota_mb
             invalid = {v for v in reclaimed if over or marks.get(v, False)}
         unavailable = {g.index for g in self.view.gpus.values() if g.uuid in self.blocked}
@@ -236,7 +238,8 @@ class Round(Generic[C]):
             req = it.req
             gpus = g.gang or ((g.gpu,) if g.gpu is not None else ())
             over = over_quota_mark(self.ctx.teams, self.view, req.agent,
-                                   grant_charge_mb(gpus, req.vram_mb, req.exclusive), self.team_used)
+                                   grant_charge_mb(gpus, req.vram_mb, req.exclusive), self.team_used,
+                                   self._by_model(gpus, req.vram_mb, req.exclusive))
             if g.gang:
                 # All or nothing: every GPU's record in this one transaction, each with its GPU's next token.
                 gang = tuple(x.uuid for x in g.gang) if len(g.gang) > 1 else ()
@@ -256,6 +259,15 @@ class Round(Generic[C]):
         if it.entry is not None:
             self._withdraw(it.entry, it.entry.victims)    # granted on room it found free: its notices go
             self._leaves(it.entry, None, None)
+
+    def _by_model(self, gpus: Sequence[GpuView], vram_mb: int, exclusive: bool) -> dict[str, int]:
+        """What a grant on ``gpus`` charges each GPU model (each GPU's charge to its own model)."""
+        models = {g.uuid: g.name for g in self.view.inventory.gpus} if self.view.inventory is not None else {}
+        out: dict[str, int] = {}
+        for g in gpus:
+            model = models.get(g.uuid, "")
+            out[model] = out.get(model, 0) + (g.usable_mb if exclusive else vram_mb)
+        return out
 
     def _grant(self, it: Item[C], gpu: GpuView, gang: tuple[str, ...] = (),
                over_quota: bool | None = None) -> VramLease:

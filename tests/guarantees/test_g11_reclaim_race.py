@@ -8,6 +8,7 @@ need for it (``tests/support/history_notices.py``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.txn import Delete
+from tests.history import read_history
 from tests.support.cluster import Cluster
 from tests.support.load import LoadReport, run_load
 from tests.support.patching import is_put, patch_commit
@@ -66,9 +68,37 @@ def test_reclaim_under_a_24_client_race_over_two_replicas_never_takes_an_in_quot
         for proc, _ in procs:
             stop_process(proc)
     report = LoadReport(calls=[*reports[0].calls, *reports[1].calls])
-    print(f"reclaim race: {len(report.calls)} calls, outcomes {report.outcomes()}")
+    reclaims, withdrawn = _reclaim_notices(cluster)
+    print(f"reclaim race: {len(report.calls)} calls, outcomes {report.outcomes()}, {reclaims} reclaim notices, "
+          f"{withdrawn} withdrawn")
     assert report.granted > 0
     assert not report.undocumented(), report.undocumented()[:5]
+    assert reclaims > 0, "the race made no reclaim decision: it proves nothing about G11"
+
+
+def _reclaim_notices(cluster: Cluster) -> tuple[int, int]:
+    """How many reclaim notices the run wrote, and how many of them were withdrawn (deleted while their lease
+    lived on), from etcd's history."""
+    events = cluster.lt.run(read_history(cluster.store, cluster.keys.root()), timeout=120)
+    evictions, leases = cluster.keys.evictions(), cluster.keys.kind("leases")
+    made, withdrawn = 0, 0
+    live: set[str] = set()
+    by_rev: dict[int, list[Any]] = {}
+    for ev in events:
+        by_rev.setdefault(ev.kv.mod_revision, []).append(ev)
+    for _, batch in sorted(by_rev.items()):
+        deleted = []
+        for ev in batch:       # the whole revision first: a notice deleted with its lease was not withdrawn
+            key = ev.kv.key
+            if key.startswith(leases):
+                lease_id = key.rsplit(b"/", 1)[-1].decode()
+                (live.add if ev.kind == "PUT" else live.discard)(lease_id)
+            elif key.startswith(evictions) and ev.kind == "PUT" and json.loads(ev.kv.value).get("reclaim"):
+                made += 1
+            elif key.startswith(evictions) and ev.kind == "DELETE" and ev.prev_kv is not None:
+                deleted.append(json.loads(ev.prev_kv.value))
+        withdrawn += sum(1 for rec in deleted if rec.get("reclaim") and rec.get("lease_id") in live)
+    return made, withdrawn
 
 
 def test_a_reclaim_notice_does_not_commit_once_an_older_lease_of_the_victims_team_ends(cluster: Cluster) -> None:

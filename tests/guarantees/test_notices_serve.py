@@ -89,13 +89,14 @@ def test_a_requester_that_its_team_limit_blocks_after_choosing_victims_withdraws
     with Client(addr, agent="b-1", host="h1") as b1, Client(addr, agent="a-2", host="h1") as a2, \
             Client(addr, agent="a-3", host="h2") as a3:
         low = b1.acquire(12288)
-        t, out = _background(lambda: a2.acquire(8192, wait=GRACE_S - 2))
+        # Its wait outlasts the notice's deadline: a notice kept for it would be carried out (b's lease revoked).
+        t, out = _background(lambda: a2.acquire(8192, wait=GRACE_S * 2))
         wait_for(low.evicting.is_set, 10, "the reclaim notice to team b's lease")
         a3.acquire(16384)
         wait_for(lambda: not _notices(cluster), GRACE_S - 3, "the notice withdrawn")
-        t.join(GRACE_S)
+        wait_for(lambda: not t.is_alive(), GRACE_S * 3, "the requester's wait to end, past the notice's deadline")
         assert isinstance(out.get("error"), errors.ResourceExhausted), out
-        assert low.id in {x.id for x in cluster.leases()}
+        assert low.id in {x.id for x in cluster.leases()}, "b's lease was revoked for a request its limit held back"
 
 
 def test_when_the_requesters_wait_ends_its_notices_are_withdrawn_and_the_victim_hears_it(cluster: Cluster) -> None:
@@ -115,3 +116,55 @@ def test_when_the_requesters_wait_ends_its_notices_are_withdrawn_and_the_victim_
         assert not low.evicting.is_set() and low.notice is None
         assert not _notices(cluster)
         assert low.id in {x.id for x in cluster.leases()}
+
+
+def test_a_reclaim_victim_back_in_quota_is_not_revoked_while_its_requester_still_waits(cluster: Cluster) -> None:
+    """Team big (quota: one GPU) holds h2's GPU (its oldest lease) and h1's; oth reclaims h1's. Within the grace
+    big's lease on h2 ends: the victim is big's only lease, in quota, and may not be reclaimed any more. oth's
+    request (for h1, where nothing is free) keeps waiting, past the notice's deadline: the notice is withdrawn,
+    the victim is not revoked, and oth's wait ends without a grant."""
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
+    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    usable = _usable(addr)
+    stub = coordinator_stub(addr)
+    for team, quota in (("big", usable), ("oth", 2 * usable)):
+        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=quota, members=pb.TeamMembers(patterns=[f"{team}-*"])),
+                     timeout=10)
+    with Client(addr, agent="big-1", host="h2") as b1, Client(addr, agent="big-2", host="h1") as b2, \
+            Client(addr, agent="oth-1", host="h1") as o:
+        oldest = b1.acquire(0, exclusive=True)
+        victim = b2.acquire(0, exclusive=True)
+        t, out = _background(lambda: o.acquire(0, exclusive=True, wait=GRACE_S * 2))
+        wait_for(victim.evicting.is_set, 10, "the reclaim notice to big's newer lease")
+        oldest.release()
+        wait_for(lambda: not _notices(cluster), GRACE_S - 3, "the notice withdrawn")
+        wait_for(lambda: not t.is_alive(), GRACE_S * 3, "oth's wait to end, past the notice's deadline")
+        assert isinstance(out.get("error"), errors.ResourceExhausted), out
+        assert victim.id in {x.id for x in cluster.leases()}, "an in-quota lease was revoked for another team"
+
+
+def test_an_exclusive_requester_whose_team_passes_its_quota_meanwhile_withdraws_its_reclaim(cluster: Cluster) -> None:
+    """Team oth (quota: one GPU's usable VRAM) asks for h1's GPU whole (charged all of it: within its quota) and
+    reclaims team b's lease there (b has no quota). Within the grace oth takes 4 GiB on h2: counting its
+    exclusive request (at least a whole GPU) it is over its quota, so it may not reclaim; the notice is withdrawn,
+    b's lease is not revoked, and oth's request waits until its wait ends. (Counted as 0 MiB, an exclusive
+    request stayed "within its quota" and the reclaim was carried out.)"""
+    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
+    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    usable = _usable(addr)
+    stub = coordinator_stub(addr)
+    stub.SetTeam(pb.SetTeamRequest(name="oth", quota_mb=usable, members=pb.TeamMembers(patterns=["oth-*"])),
+                 timeout=10)
+    stub.SetTeam(pb.SetTeamRequest(name="b", quota_mb=0, members=pb.TeamMembers(patterns=["b-*"])), timeout=10)
+    with Client(addr, agent="b-1", host="h1") as b1, Client(addr, agent="oth-1", host="h1") as o1, \
+            Client(addr, agent="oth-2", host="h2") as o2:
+        low = b1.acquire(12288)
+        t, out = _background(lambda: o1.acquire(0, exclusive=True, wait=GRACE_S * 2))
+        wait_for(low.evicting.is_set, 10, "the reclaim notice to team b's lease")
+        o2.acquire(4096)
+        wait_for(lambda: not _notices(cluster), GRACE_S - 3, "the notice withdrawn")
+        wait_for(lambda: not t.is_alive(), GRACE_S * 3, "oth's wait to end, past the notice's deadline")
+        assert isinstance(out.get("error"), errors.ResourceExhausted), out
+        assert low.id in {x.id for x in cluster.leases()}, "b's lease was reclaimed for a team over its quota"

@@ -7,7 +7,8 @@ lease record through the replay of tests/history.check_history and checks, at ea
 * **quota marks** of a lease created with ``over_quota`` (format 3; leases without it, or granted while no team
   is stored, are not checked): ``false`` -> T's usage before the revision plus the lease is within T's quota;
   ``true`` -> T's usage as it stood after T's previous grant (or the last change of the teams), plus what the
-  revision grants T, is above the quota. A grant counts its team's use from a copy that saw the team's previous
+  revision grants T, is above the quota, or so is its usage of a GPU model T has a quota for (each GPU record
+  to its GPU's model, from the hosts' registrations). A grant counts its team's use from a copy that saw the team's previous
   grant (its ledger serializes them), and the use only falls until the next one: releases since then may make
   a mark ``true`` though the team is within its quota when the grant lands; nothing else can.
 * **reclaim notices** (``evictions/<id>`` with ``reclaim``: the requesting team): the victim is of another team
@@ -56,6 +57,7 @@ class TeamRules:
         self.hosts: dict[bytes, KV] = {}            # host registrations: GPU models, for quotas per model
         self.agent_mb: dict[str, int] = defaultdict(int)   # agent -> MiB of its live lease records
         self.since_grant: dict[str, int] = {}       # team -> its usage after its last grant or the last team change
+        self.since_grant_models: dict[str, dict[str, int]] = {}   # the same, per GPU model (quotas per model)
         self._changed = False
         self._created: list[dict[str, Any]] = []
         self._deleted: list[dict[str, Any]] = []
@@ -105,8 +107,11 @@ class TeamRules:
         if not self.teams:
             return self._reclaims(rev, notices, leases)   # a reclaim without teams is still checked
         after = self.usage()
+        by_model = any(t.quota_by_model for t in self.teams.values())
+        models_after = self._model_usage(leases) if by_model and (changed or created) else {}
         if changed:
             self.since_grant = dict(after)
+            self.since_grant_models = dict(models_after)
         if not created and not notices:
             return []
         team_of = self.membership.team_of
@@ -131,12 +136,15 @@ class TeamRules:
                 out.append(f"rev {rev}: G11 lease {lease_id} marked in quota, but team {team.name!r} held "
                            f"{before[team.name]} MiB + {charge} MiB > its quota of {team.quota_mb} MiB")
             peak = self.since_grant.get(team.name, 0)
-            if mark is True and peak + granted[team.name] <= team.quota_mb:
+            if mark is True and peak + granted[team.name] <= team.quota_mb and not self._over_model_quota(
+                    team, created):
                 out.append(f"rev {rev}: G11 lease {lease_id} marked over quota, but team {team.name!r} held at most "
                            f"{peak} MiB since its last grant, + {granted[team.name]} MiB granted <= its quota of "
                            f"{team.quota_mb} MiB")
         for name in granted:
             self.since_grant[name] = after[name]
+            if by_model:
+                self.since_grant_models[name] = models_after.get(name, {})
         return out + self._reclaims(rev, notices, leases) + self._within_team(rev, notices, leases)
 
     def _reclaims(self, rev: int, notices: list[dict[str, Any]], leases: Leases) -> list[str]:
@@ -173,6 +181,29 @@ class TeamRules:
                 out.append(f"rev {rev}: G3 lease {victim['id']} of team {theirs!r} evicted by priority for "
                            f"{rec['requested_by']} of team {mine!r}")
         return out
+
+    def _model_usage(self, leases: Leases) -> dict[str, dict[str, int]]:
+        """Team -> GPU model -> what its live leases hold on GPUs of that model (each GPU to its own model)."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self._charges(leases):
+            mine = out.setdefault(c.team, {})
+            for model, mb in c.by_model().items():
+                mine[model] = mine.get(model, 0) + mb
+        return out
+
+    def _over_model_quota(self, team: Team, created: list[dict[str, Any]]) -> bool:
+        """Whether the team's use of some GPU model it has a quota for, as it stood after its previous grant,
+        plus what this revision grants it on that model, passes that quota (a mark ``true`` for it is right)."""
+        if not team.quota_by_model:
+            return False
+        models = gpu_models(self.hosts.values())
+        granted: dict[str, int] = defaultdict(int)
+        for x in created:
+            if self.membership.team_of(x["agent"]) == team.name:
+                granted[models.get(x["gpu_uuid"], "")] += int(x["vram_mb"])
+        peak = self.since_grant_models.get(team.name, {})
+        return any(peak.get(m, 0) + mb > q for m, mb in granted.items()
+                   if (q := team.model_quota(m)) is not None)
 
     def _charges(self, leases: Leases) -> list[Charge]:
         """Every live lease as the teams see it, the way admission builds them (``team_admission.charge_of``)."""

@@ -202,3 +202,34 @@ def test_the_marks_of_earlier_history_reads_under_leases_and_teams_are_not_state
     victim = h.lease("a-1", "r1", 4000, priority=1)
     _evict(h, victim, "b-1/r1", requester_priority=20)     # no team is stored: G3 crosses agents freely
     assert check(h).violations == []
+
+
+def _two_models(quota_mb: int, model_quota_mb: int) -> History:
+    """GPU-0 of model S16, GPU-1 of model S32 (the host's registration); team a with a quota of S16."""
+    h = History()
+    h.ledger(G0)
+    h.ledger(G1)
+    gpus = [{"index": i, "uuid": u, "name": m, "vram_total_mb": mb, "numa_node": None, "nvlink_peers": []}
+            for i, (u, m, mb) in enumerate(((G0, "S16", 16384), (G1, "S32", 32768)))]
+    h.put(K.host(HOST), {"address": "127.0.0.1:7071", "inventory": {
+        "host": HOST, "address": "", "cpu_count": 8, "core_ids": list(range(8)), "mem_bytes": 1 << 34,
+        "disk_path": "/", "disk_bytes": 1 << 40, "gpus": gpus, "version": "", "simulated": True, "labels": {}}})
+    h.put(K.team("a"), {"name": "a", "quota_mb": quota_mb, "limit_mb": None, "weight": 1.0, "members": ["a-*"],
+                        "quota_by_model": {"S16": model_quota_mb}, "max_min_runtime_s": 0.0})
+    return h
+
+
+def test_a_lease_marked_over_its_models_quota_within_the_fleets_quota_passes() -> None:
+    """Team a: 64 GiB over the fleet, 8 GiB of model S16. 4 GiB then 8 GiB on the S16 GPU: the second passes the
+    model's quota (12 > 8), so its mark ``true`` is right though the fleet's quota is far."""
+    h = _two_models(65536, 8192)
+    h.lease("a-1", "r1", 4096, G0, extra=_format3(False))
+    h.lease("a-1", "r2", 8192, G0, extra=_format3(True))
+    assert check(h).violations == []
+
+
+def test_a_lease_marked_over_quota_within_both_quotas_is_detected() -> None:
+    h = _two_models(65536, 8192)
+    h.lease("a-1", "r1", 4096, G0, extra=_format3(False))
+    h.lease("a-1", "r2", 8192, G1, extra=_format3(True))      # on S32: no model quota there
+    assert_one_violation(check(h), "marked over quota", "<= its quota of 65536 MiB")

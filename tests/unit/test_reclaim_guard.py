@@ -51,3 +51,52 @@ def test_with_its_witness_alive_a_victim_stays_over_quota_whatever_else_ends(siz
                                   len(charges) > len(keep) else st.nothing()))
         left = [c for c in charges if c.id not in ended]
         assert not in_quota(left, TEAMS)[victim.id]
+
+
+def _gang(i: int, parts: list[tuple[int, str]]) -> Charge:
+    """A lease over ``parts`` ((MiB, model) per GPU): a gang over GPUs of different models when more than one."""
+    gpus = tuple(f"g{i}.{n}" for n in range(len(parts)))
+    return Charge(id=f"l{i}", team="a", vram_mb=parts[0][0], gpus=gpus, created_at=float(i), model=parts[0][1],
+                  per_gpu=tuple((g, mb, model) for g, (mb, model) in zip(gpus, parts)))
+
+
+def test_a_gang_over_two_models_is_witnessed_by_its_own_models_charges() -> None:
+    """Model "big" has a quota of 6 (the team's quota, 100, is roomy). l0, a gang, holds 2 on "big" and 8 on
+    another model (10 in all); l1 holds 2 on "big"; l2 (3 on "big") is over the model's quota while both
+    live (7 > 6): its witness is both. Counting l0's 10 in all as "big" (its first GPU's model), l0 alone
+    was the witness, and with l1 gone l2 is in quota (5 <= 6) though the witness still stood."""
+    teams = Membership([Team("a", quota_mb=100, members=("a-*",), quota_by_model=(("big", 6),))])
+    charges = [_gang(0, [(2, "big"), (8, "")]), _gang(1, [(2, "big")]), _gang(2, [(3, "big")])]
+    assert not in_quota(charges, teams)["l2"]
+    assert sorted(c.id for c in quota_witness(charges[2], charges, teams) or []) == ["l0", "l1"]
+    assert in_quota([charges[0], charges[2]], teams)["l2"]
+
+
+def test_a_gang_over_quota_on_its_second_gpus_model_has_a_witness() -> None:
+    """l1 is a gang whose first GPU is of a model without a quota and whose second is "big": it is over the
+    model's quota (6) because of l0 (5 on "big"), so l0 is its witness (not None, as if it were in quota)."""
+    teams = Membership([Team("a", quota_mb=100, members=("a-*",), quota_by_model=(("big", 6),))])
+    charges = [_gang(0, [(5, "big")]), _gang(1, [(2, ""), (2, "big")])]
+    assert not in_quota(charges, teams)["l1"]
+    assert [c.id for c in quota_witness(charges[1], charges, teams) or []] == ["l0"]
+
+
+PARTS = st.lists(st.tuples(st.integers(1, 8), st.sampled_from(["", "big"])), min_size=1, max_size=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(leases=st.lists(PARTS, min_size=1, max_size=8), data=st.data())
+def test_with_its_witness_alive_a_gang_over_models_stays_over_quota_whatever_else_ends(
+        leases: list[list[tuple[int, str]]], data: st.DataObject) -> None:
+    charges = [_gang(i, parts) for i, parts in enumerate(leases)]
+    marks = in_quota(charges, TEAMS)
+    for victim in charges:
+        witness = quota_witness(victim, charges, TEAMS)
+        assert (witness is None) == marks[victim.id]
+        if witness is None:
+            continue
+        keep = {c.id for c in witness} | {victim.id}
+        ended = data.draw(st.sets(st.sampled_from([c.id for c in charges if c.id not in keep]) if
+                                  len(charges) > len(keep) else st.nothing()))
+        left = [c for c in charges if c.id not in ended]
+        assert not in_quota(left, TEAMS)[victim.id]

@@ -12,6 +12,7 @@ from coordinator.policy.planner import plan_round
 from coordinator.policy.team_admission import TeamState, fleet_charges
 from coordinator.policy.teams import Membership, Team, in_quota
 from coordinator.records import VramLease
+from tests.support.gang_scenarios import wants
 from tests.support.planner_calls import HOST, KEYS, NOW, WALL, Call, session
 from tests.support.planner_calls import host_view as _host
 
@@ -73,3 +74,36 @@ def test_reclaiming_an_exclusive_gang_frees_each_gpus_own_record() -> None:
     assert [charge.on(u) for u in charge.gpus] == [16384, 32768]
     plan = _ask(view, state, 20480)
     assert [(r.lease_id, r.reclaim) for r in plan.evictions] == [("gang", "y")]
+
+
+def _grant_marks(spec: str, held: list[VramLease], team: Team, vram_mb: int, count: int = 1,
+                 exclusive: bool = False) -> list[bool | None]:
+    """The quota marks of the records a round grants agent a (of ``team``) on a host of ``spec``."""
+    view = _host(spec, held)
+    state = _state(view, team, Team("y", members=("b",)))
+    a = session("a")
+    call = Call(a, vram_mb, None, 0, True, "new", lease_id_for("a", "new", HOST), 0.0, 2000, NOW,
+                **wants(count, exclusive, "any", ()))
+    ctx = Context(KEYS, CoordinatorConfig().validate(), "r1", frozenset(), NOW, WALL, teams=state)
+    plan = plan_round(view, [call], {}, {a.session_id}, ctx)
+    assert plan.new_leases, plan.refusals
+    return [x.over_quota for x in plan.new_leases]
+
+
+def test_a_grant_past_its_teams_quota_of_its_gpus_model_is_marked_over_quota() -> None:
+    """Team x has 48 GiB over the fleet but 8 GiB of the 16 GiB model: 12 GiB on the 16 GiB GPU is within the
+    first and past the second, so the lease is over quota (what reclaim and ``team list`` say of it), and
+    ``lease.over_quota`` says so; 4 GiB there is in quota. Before, the mark counted the fleet's quota alone."""
+    x = Team("x", quota_mb=49152, quota_by_model=((M16, 8192),), members=("a",))
+    assert _grant_marks("1x16GiB", [], x, 12288) == [True]
+    assert _grant_marks("1x16GiB", [], x, 4096) == [False]
+
+
+def test_an_exclusive_gang_over_two_models_is_marked_by_each_gpus_own_model() -> None:
+    """An exclusive gang over a 32 GiB and a 16 GiB GPU charges 32 GiB to the first model and 16 GiB to the
+    second: in quota with quotas of exactly that, over quota when the 16 GiB model's quota is 8 GiB."""
+    both = ((M16, 16384), (M32, 32768))
+    x = Team("x", quota_mb=49152, quota_by_model=both, members=("a",))
+    assert _grant_marks("1x32GiB,1x16GiB", [], x, 0, count=2, exclusive=True) == [False, False]
+    tight = Team("x", quota_mb=49152, quota_by_model=((M16, 8192), (M32, 32768)), members=("a",))
+    assert _grant_marks("1x32GiB,1x16GiB", [], tight, 0, count=2, exclusive=True) == [True, True]

@@ -11,11 +11,13 @@ from hypothesis import strategies as st
 
 from coordinator.etcd.types import KV, WatchBatch, WatchEvent
 from coordinator.keys import Keys
-from coordinator.policy.team_admission import TeamState
-from coordinator.policy.teams import DEFAULT_TEAM, Team
+from coordinator.policy.team_admission import TeamState, over_quota_mark, team_use
+from coordinator.policy.teams import DEFAULT_TEAM, Membership, Team
 from coordinator.records import InvalidRecord, VramLease, dumps
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.teams import build_team_state, membership_of, mirror_team_state
+from tests.support.planner_calls import HOST, session
+from tests.support.planner_calls import host_view as _host
 
 KEYS = Keys("/t/")
 
@@ -164,3 +166,21 @@ def test_the_team_state_kept_between_rounds_is_the_one_read_afresh(ops: list[tup
             everything = [kv for (_, _), bucket in etcd.mirror._buckets.items() for kv in bucket.values()]
             etcd.mirror.reset([*everything, *etcd.mirror._flat.values()], etcd.revision)
         assert _seen(mirror_team_state(etcd.mirror)) == _seen(_from_scratch(etcd.mirror))
+
+
+def test_a_lease_of_the_hosts_snapshot_that_the_later_teams_copy_no_longer_has_is_not_counted() -> None:
+    """The round's host snapshot (older) still holds lease ``gone`` (written at revision 50) of team t; the
+    teams' copy, read at revision 100, no longer has it: it ended in between, and t's use is the copy's. A
+    record written after the copy (revision 150) and this round's grant (no revision yet) are counted."""
+    def lease(lid: str, gpu: int, mb: int, mod_revision: int) -> VramLease:
+        s = session("a")
+        return VramLease(id=lid, host=HOST, gpu_uuid=f"GPU-sim-{HOST}-{gpu}", gpu_index=gpu, agent="a",
+                         session_id=s.session_id, vram_mb=mb, priority=0, preemptible=True, request_id=lid, token=1,
+                         created_at=1.0, etcd_lease=s.etcd_lease, mod_revision=mod_revision)
+    state = TeamState(Membership([Team("t", quota_mb=8192, members=("a",))]), {"t": 4096}, frozenset({"held"}),
+                      {"t": (90, 3)}, 100)
+    view = _host("2x16GiB", [lease("held", 0, 4096, 40), lease("gone", 1, 8192, 50)])
+    assert team_use(state, view, "t") == 4096
+    assert over_quota_mark(state, view, "a", 4096) is False
+    view = _host("2x16GiB", [lease("held", 0, 4096, 40), lease("newer", 1, 2048, 150), lease("granted", 1, 1024, 0)])
+    assert team_use(state, view, "t") == 4096 + 2048 + 1024
