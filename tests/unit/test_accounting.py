@@ -89,9 +89,16 @@ def test_a_clock_behind_the_grant_counts_zero_not_negative() -> None:
 def test_hours_split_the_time_exactly(start: float, length: float) -> None:
     pieces = split_by_hour(start, start + length)
     assert abs(sum(s for _, s in pieces) - seconds(start, start + length)) < 1e-6
-    assert pieces[0][0] == hour_of(start)
+    # The first piece is the hour it started in; a lease of no time (to the millisecond) is one piece of 0 s in
+    # the hour it ended, where its count goes (a start 0.4 ms before an hour's end is in the hour before).
+    assert pieces[0][0] == (hour_of(start) if seconds(start, start + length) > 0 else hour_of(start + length))
     assert len({h for h, _ in pieces}) == len(pieces)
     assert all(0 <= s <= 3600 for _, s in pieces)
+
+
+def test_a_lease_of_no_time_across_an_hour_boundary_is_one_piece_in_the_hour_it_ended() -> None:
+    hour = 3600.0 * 490_000                      # an hour boundary (2025-11-24T16)
+    assert split_by_hour(hour - 0.0004, hour) == [(hour_of(hour), 0.0)]
 
 
 def record(start: float, end: float, reason: str = "release", agent: str = "a", gpus: int = 1) -> UsageRecord:
