@@ -4,6 +4,7 @@ got past the command's own checks would meet exit 3 there); the line says "nothi
 the commands that change something, never for a read."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,11 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["run", "--agent", "a", "--exclusive", "--min-runtime", "-5", *c, "--", "true"],
         ["run", "--agent", "a", "--vram", "1GiB", "--ttl", "1", *c, "--", "true"],
         ["bench", "acquire", "--n", "0"],
+        ["certs", "init", "--dir", str(tmp / "pki2"), "--days", "0"],
+        ["certs", "init", "--dir", str(tmp / "pki"), "--days", "99999999"],
         ["certs", "issue", "--dir", str(tmp / "pki"), "--role", "agent", "--name", "a/b"],
+        ["certs", "issue", "--dir", str(tmp / "pki"), "--role", "agent", "--name", "a", "--days", "99999999"],
+        ["certs", "list", "--dir", str(tmp / "pki"), "--etcd-user", "root", *c],
         ["certs", "revoke", "not-a-serial", *e],
         ["certs", "revoke", "not-a-serial", *c],
         ["etcd-setup", *e, "--etcd-cert", str(tmp / "c.pem")],
@@ -75,8 +80,12 @@ def test_every_command_exits_2_on_a_bad_value_saying_nothing_was_changed_only_wh
         assert len(err) == 1 and err[0].startswith("gpucoord: error: ") and "; " in err[0], (argv, err)
         writes = command_words(argv) in WRITE_COMMANDS
         assert ("nothing was changed" in err[0]) == writes, (argv, err)
-        walked.add(command_words(argv)[0])
-    commands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+        walked.add(command_words(argv))
+    assert not (tmp_path / "pki2").exists(), "a refused certs init made its directory"
+    commands = set()
+    for name, sub in build_parser()._subparsers._group_actions[0].choices.items():  # type: ignore[union-attr]
+        groups = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        commands |= {(name, word) for word in groups[0].choices} if groups else {(name, "")}
     assert commands <= walked, f"commands the walk leaves out: {sorted(commands - walked)}"
 
 
