@@ -56,7 +56,7 @@ def test_streams_and_health_checks_over_the_rate_are_resource_exhausted_naming_r
 
 
 def _over_the_rate(info: pytest.ExceptionInfo[grpc.RpcError]) -> bool:
-    return info.value.code() == C.RESOURCE_EXHAUSTED and info.value.details().startswith("rate: ")
+    return bool(info.value.code() == C.RESOURCE_EXHAUSTED and info.value.details().startswith("rate: "))
 
 
 def test_keepalive_and_register_streams_and_unary_calls_over_the_rate_are_resource_exhausted_naming_rate(
