@@ -41,7 +41,10 @@ def parse_when(text: str, flag: str, now: float) -> float:
     """A duration ago (``7d``) or a UTC time (``2026-12-01``, ``2026-12-01T19``, ``2026-12-01T19:30``)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw])", text.strip())
     if m:
-        return now - float(m.group(1)) * _UNITS[m.group(2)]
+        when = now - float(m.group(1)) * _UNITS[m.group(2)]
+        if not when >= 0:   # also -inf, from a duration too long to be a number
+            raise UsageError(f"{flag}: {text[:32]!r} reaches back before 1970", _HINT)
+        return when
     for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%dT%H", "%Y-%m-%d"):
         try:
             import calendar

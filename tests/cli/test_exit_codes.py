@@ -64,6 +64,7 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["team", "list", "--bogus", *c],
         ["usage", *e, "--since", "last week"],
         ["usage", *e, "--since", "1d", "--until", "2d"],
+        ["usage", *e, "--since", "99999999d"],
         ["usage", *e, "--by", "gpu"],
         ["usage", *e, "--lease", "bad/id"],
         ["host", "drain", "h1", "--grace", "-1", *c],
