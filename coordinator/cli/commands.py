@@ -125,6 +125,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             MAX_TTL_S,
             MIN_HEARTBEAT_S,
             MIN_TTL_S,
+            quote,
         )
         from coordinator.node.enforce import Enforcer
         from coordinator.policy.partition import PartitionError, parse_mib
@@ -133,12 +134,13 @@ def cmd_node(args: argparse.Namespace) -> int:
         except PartitionError as e:
             raise ValueError(str(e)) from None
         if not 0 <= args.untracked_grace < math.inf:
-            raise ValueError(f"--untracked-grace: must be a finite number of seconds >= 0, got {args.untracked_grace}")
+            raise ValueError("--untracked-grace: must be a finite number of seconds >= 0, "
+                             f"got {quote(args.untracked_grace)}")
         if not MIN_TTL_S <= args.ttl <= MAX_TTL_S:
-            raise ValueError(f"--ttl: must be within [{MIN_TTL_S}, {MAX_TTL_S}] seconds, got {args.ttl}")
+            raise ValueError(f"--ttl: must be within [{MIN_TTL_S}, {MAX_TTL_S}] seconds, got {quote(args.ttl)}")
         if not MIN_HEARTBEAT_S <= args.heartbeat <= MAX_HEARTBEAT_S:
             raise ValueError(f"--heartbeat: must be within [{MIN_HEARTBEAT_S:g}, {MAX_HEARTBEAT_S:g}] seconds, "
-                             f"got {args.heartbeat}")
+                             f"got {quote(args.heartbeat)}")
         enforcer = Enforcer(args.enforce, tolerance_mb, args.untracked_grace)
     except ValueError as e:
         raise UsageError(str(e), "see 'gpucoord node --help'") from e

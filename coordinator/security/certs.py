@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from coordinator.keys import valid_name
+from coordinator.limits import quote
 from coordinator.security.identity import ROLES, Identity
 
 # "etcd" is etcd's own server certificate, and "etcd-root" the etcd administrator's client certificate
@@ -118,7 +119,7 @@ def init_ca(directory: str | os.PathLike[str], days: int = CA_DAYS, name: str = 
 
 def _check_days(days: int) -> None:
     if not 1 <= days <= MAX_DAYS:
-        raise ValueError(f"days: must be within 1..{MAX_DAYS}, got {days}")
+        raise ValueError(f"days: must be within 1..{MAX_DAYS}, got {quote(days)}")
 
 
 def _make_ca(files: IssuedFiles, days: int, name: str) -> None:
