@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 from coordinator.cli.common import EXIT_UNREACHABLE, CliError, UsageError
+from coordinator.limits import quote
 
 _HINT = "see 'gpucoord usage --help'"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -71,7 +72,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.lease is not None:
         from coordinator.keys import valid_name
         if not valid_name(args.lease):
-            raise UsageError(f"--lease: {args.lease!r} is not a lease id", _HINT)
+            raise UsageError(f"--lease: {quote(args.lease)} is not a lease id", _HINT)
         return asyncio.run(_lease(args, security))
     rows = asyncio.run(_read(args, security, since, until))
     _print(args, rows, since, until)

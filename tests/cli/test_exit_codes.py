@@ -98,3 +98,19 @@ def test_command_words_reads_past_global_options() -> None:
     assert command_words(["-v", "status", "--host", "h"]) == ("status", "")
     assert command_words(["run", "--agent", "a", "--", "team"]) == ("run", "")
     assert command_words([]) == ("", "")
+
+
+def test_a_refusal_quotes_at_most_32_characters_of_a_long_value(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A 200-digit value is refused (exit 2) quoting a prefix of it, never the whole (G9: 32 characters)."""
+    long = "1" + "0" * 199
+    c, e = ["--coordinator", NOWHERE], ["--etcd", NOWHERE]
+    for argv in (["run", "--agent", "a", "--vram", "1GiB", "--gpu", long, *c, "--", "true"],
+                 ["coordinator", *e, "--session-ttl", long], ["bench", "acquire", "--n", long],
+                 ["usage", *e, "--lease", long], ["node", *e, "--fake-gpus", "1x16GiB", "--ttl", long],
+                 ["node", *e, "--fake-gpus", "1x16GiB", "--heartbeat", long],
+                 ["certs", "init", "--dir", str(tmp_path / "pki"), "--days", long]):
+        rc = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.startswith("gpucoord: error: "), (argv[:2], rc, err[:300])
+        assert long[:33] not in err, (argv[:2], err[:300])
