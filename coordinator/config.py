@@ -12,7 +12,13 @@ import tomllib
 from typing import TYPE_CHECKING, Any, Mapping
 
 from coordinator.keys import DEFAULT_PREFIX
-from coordinator.limits import MAX_KILL_MARGIN_S, MAX_TIME_LIMIT_S, MAX_TTL_S, MIN_TTL_S
+from coordinator.limits import (
+    MAX_KILL_MARGIN_S,
+    MAX_TIME_LIMIT_S,
+    MAX_TTL_S,
+    MIN_TTL_S,
+    quote,
+)
 
 # Config sits above security (and security imports nothing of config). Its imports of security are made
 # where they are used: they load grpc and aetcd, which the pure policy (importing config) must not load.
@@ -92,7 +98,7 @@ class CoordinatorConfig:
         """The checked config, with the values left at 0 derived from the session TTL (so a short TTL works
         without setting them)."""
         if not MIN_TTL_S <= self.session_ttl_s <= MAX_TTL_S:
-            raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {self.session_ttl_s}")
+            raise ConfigError("session_ttl_s", f"must be within [{MIN_TTL_S}, {MAX_TTL_S}], got {quote(self.session_ttl_s)}")
         derived: dict[str, Any] = {name: min(3.0, self.session_ttl_s / 3)
                                    for name in ("keepalive_interval_s", "etcd_timeout_s") if getattr(self, name) == 0}
         if derived:

@@ -10,6 +10,7 @@ from __future__ import annotations
 # host, GPU) by ``keys.valid_name`` (<= 128 characters of a safe alphabet), and the free-text fields below.
 MIN_TTL_S = 2
 MAX_TTL_S = 300
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.1, 3600.0   # a node daemon's --heartbeat (its usage rewritten this often)
 MAX_PRIORITY = 1_000_000
 MAX_VRAM_MB = 1 << 30  # 1 PiB in MiB: anything above is a typo
 MAX_REQUEST_ID_LEN = 128          # characters (so at most 512 bytes of UTF-8); no '/' or NUL

@@ -10,11 +10,12 @@ import time
 from coordinator.bench.report import Figures, side_by_side
 from coordinator.bench.runner import QUICK, Sizes, run
 from coordinator.cli.common import UsageError
+from coordinator.limits import quote
 
 
 def main(args: argparse.Namespace) -> int:
     if not 1 <= args.n <= 100_000:
-        raise UsageError(f"--n: must be within [1, 100000], got {args.n}", "see 'gpucoord bench --help'")
+        raise UsageError(f"--n: must be within [1, 100000], got {quote(args.n)}", "see 'gpucoord bench --help'")
     sizes = QUICK if args.quick else Sizes(n=args.n)
     out: Figures = {"quick": bool(args.quick), "cores": os.cpu_count()}
     started = time.time()

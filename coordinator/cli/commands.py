@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import socket
 import sys
 import time
@@ -119,14 +120,27 @@ def cmd_node(args: argparse.Namespace) -> int:
         overrides["labels"] = parse_labels(args.label)
         if args.label and args.fake_hosts:
             raise ValueError("--label: not with --fake-hosts (the benchmarks' simulated hosts carry no labels)")
+        from coordinator.limits import (
+            MAX_HEARTBEAT_S,
+            MAX_TTL_S,
+            MIN_HEARTBEAT_S,
+            MIN_TTL_S,
+            quote,
+        )
         from coordinator.node.enforce import Enforcer
         from coordinator.policy.partition import PartitionError, parse_mib
         try:
             tolerance_mb = parse_mib(args.over_use_tolerance, "--over-use-tolerance")
         except PartitionError as e:
             raise ValueError(str(e)) from None
-        if args.untracked_grace < 0:
-            raise ValueError("--untracked-grace: must be >= 0")
+        if not 0 <= args.untracked_grace < math.inf:
+            raise ValueError("--untracked-grace: must be a finite number of seconds >= 0, "
+                             f"got {quote(args.untracked_grace)}")
+        if not MIN_TTL_S <= args.ttl <= MAX_TTL_S:
+            raise ValueError(f"--ttl: must be within [{MIN_TTL_S}, {MAX_TTL_S}] seconds, got {quote(args.ttl)}")
+        if not MIN_HEARTBEAT_S <= args.heartbeat <= MAX_HEARTBEAT_S:
+            raise ValueError(f"--heartbeat: must be within [{MIN_HEARTBEAT_S:g}, {MAX_HEARTBEAT_S:g}] seconds, "
+                             f"got {quote(args.heartbeat)}")
         enforcer = Enforcer(args.enforce, tolerance_mb, args.untracked_grace)
     except ValueError as e:
         raise UsageError(str(e), "see 'gpucoord node --help'") from e

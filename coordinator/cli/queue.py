@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 from coordinator.cli.common import _client_tls, check_name, fetch_status, rpc_error
+from coordinator.policy.partition.units import show_mib
 
 _TLS = ("tls-ca", "tls-cert", "tls-key")
 
@@ -37,12 +38,15 @@ def render_queue(doc: dict[str, Any], now: float) -> str:
     """One line per waiting request, then its reason; ``now``: to show the estimate as a time from now."""
     if not doc["waiting"]:
         return "no request waits"
-    lines = [f"{'host':<16} {'pos':>3} {'agent':<14} {'vram':>9} {'prio':>5} {'estimated start':<16}"]
+    lines = [f"{'host':<16} {'pos':>3} {'agent':<14} {'asks':>14} {'prio':>5} {'estimated start':<16}"]
     for q in doc["waiting"]:
         start = q.get("estimated_start_unix")
         when = f"in {max(0.0, start - now):.1f} s" if start is not None else "unknown"
-        what = "whole GPUs" if q.get("exclusive") else f"{int(q.get('vram_mb', 0))} MiB"
-        lines.append(f"{q['host']:<16} {q.get('position', 0):>3} {q.get('agent', ''):<14} {what:>9} "
+        count = int(q.get("gpu_count") or 1)
+        # Sizes by the one display rule (README "Sizes"); a gang's shape as status shows it.
+        what = (f"{count} whole GPU{'s' if count > 1 else ''}" if q.get("exclusive")
+                else show_mib(int(q.get("vram_mb", 0))) + (f" x {count}" if count > 1 else ""))
+        lines.append(f"{q['host']:<16} {q.get('position', 0):>3} {q.get('agent', ''):<14} {what:>14} "
                      f"{q.get('priority', 0):>5} {when:<16}")
         lines.append(f"  {q.get('reason', '')}")
     return "\n".join(lines)

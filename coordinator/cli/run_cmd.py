@@ -7,6 +7,7 @@ import asyncio
 import socket
 
 from coordinator.cli.common import UsageError, _client_tls, _setup_logging
+from coordinator.limits import quote
 
 
 def _vram_mb(text: str) -> int:
@@ -63,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         host = args.host or socket.gethostname()
         for field, value in (("--agent", args.agent), ("--host", host), ("--gpu", args.gpu or "0")):
             if not valid_name(value):
-                raise ValueError(f"{field}: {value!r} is not a valid name")
+                raise ValueError(f"{field}: {quote(value)} is not a valid name")
         if args.kill_after is not None and not 0 <= args.kill_after <= 3600:
             raise ValueError("--kill-after: must be within [0, 3600] seconds")
         _check_run_numbers(args)

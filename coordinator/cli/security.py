@@ -41,7 +41,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
         return _certs_list(args) if args.certs_cmd == "list" else _certs_revoke(args)
     try:
         if args.certs_cmd == "init":
-            files = certs.init_ca(args.dir, days=args.days or certs.CA_DAYS, force=args.force)
+            files = certs.init_ca(args.dir, days=certs.CA_DAYS if args.days is None else args.days, force=args.force)
             print(f"gRPC CA: {files.cert} (key {files.key}, keep it private): signs every identity's certificate")
             print(f"etcd CA: {files.etcd_cert} (key {files.etcd_key}, keep it private): signs etcd's server and "
                   "its clients (coordinators; root for break glass), never an agent, an operator or a node; give "

@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 from coordinator.cli.common import EXIT_UNREACHABLE, CliError, UsageError
+from coordinator.limits import quote
 
 _HINT = "see 'gpucoord usage --help'"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -41,7 +42,10 @@ def parse_when(text: str, flag: str, now: float) -> float:
     """A duration ago (``7d``) or a UTC time (``2026-12-01``, ``2026-12-01T19``, ``2026-12-01T19:30``)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw])", text.strip())
     if m:
-        return now - float(m.group(1)) * _UNITS[m.group(2)]
+        when = now - float(m.group(1)) * _UNITS[m.group(2)]
+        if not when >= 0:   # also -inf, from a duration too long to be a number
+            raise UsageError(f"{flag}: {text[:32]!r} reaches back before 1970", _HINT)
+        return when
     for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%dT%H", "%Y-%m-%d"):
         try:
             import calendar
@@ -68,7 +72,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.lease is not None:
         from coordinator.keys import valid_name
         if not valid_name(args.lease):
-            raise UsageError(f"--lease: {args.lease!r} is not a lease id", _HINT)
+            raise UsageError(f"--lease: {quote(args.lease)} is not a lease id", _HINT)
         return asyncio.run(_lease(args, security))
     rows = asyncio.run(_read(args, security, since, until))
     _print(args, rows, since, until)

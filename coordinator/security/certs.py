@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from coordinator.keys import valid_name
+from coordinator.limits import quote
 from coordinator.security.identity import ROLES, Identity
 
 # "etcd" is etcd's own server certificate, and "etcd-root" the etcd administrator's client certificate
@@ -56,6 +57,7 @@ ETCD_ONLY_KINDS = ("etcd", "etcd-root")                    # come from the etcd 
 DEFAULT_DAYS = {"agent": 7, "operator": 7, "node": 90, "coordinator": 90, "metrics": 90, "viewer": 7, "etcd": 90,
                 "etcd-root": 7}
 CA_DAYS = 5 * 365
+MAX_DAYS = 36_500    # 100 years: a lifetime beyond (--days 99999999) is no date a certificate can carry
 GRPC_CA, ETCD_CA = "ca", "etcd-ca"     # the file stems of the two CAs
 INDEX = "issued.jsonl"
 
@@ -105,15 +107,19 @@ def init_ca(directory: str | os.PathLike[str], days: int = CA_DAYS, name: str = 
     d = pathlib.Path(directory)
     grpc_ca = IssuedFiles(d / "ca.crt", d / "ca.key")
     etcd_ca = IssuedFiles(d / "etcd-ca.crt", d / "etcd-ca.key")
+    _check_days(days)
     if grpc_ca.cert.exists() and etcd_ca.cert.exists() and not force:
         raise FileExistsError(f"{grpc_ca.cert} exists (a CA is already there)")
-    if days < 1:
-        raise ValueError("days: must be >= 1")
     if force or not grpc_ca.cert.exists():
         _make_ca(grpc_ca, days, name)
     if force or not etcd_ca.cert.exists():
         _make_ca(etcd_ca, days, f"{name} for etcd")
     return IssuedFiles(grpc_ca.cert, grpc_ca.key, etcd_ca.cert, etcd_ca.key)
+
+
+def _check_days(days: int) -> None:
+    if not 1 <= days <= MAX_DAYS:
+        raise ValueError(f"days: must be within 1..{MAX_DAYS}, got {quote(days)}")
 
 
 def _make_ca(files: IssuedFiles, days: int, name: str) -> None:
@@ -152,8 +158,7 @@ def issue(directory: str | os.PathLike[str], kind: str, name: str, hosts: Sequen
     if not valid_name(name):
         raise ValueError(f"name: {name!r} is not a valid name (letters, digits, '.', '_', ':', '@', '-')")
     days = DEFAULT_DAYS[kind] if days is None else days
-    if days < 1:
-        raise ValueError("days: must be >= 1")
+    _check_days(days)
     d = pathlib.Path(directory)
     if etcd_client and kind not in ETCD_CLIENT_KINDS + LEGACY_ETCD_CLIENT_KINDS:
         raise ValueError(f"etcd_client: a {kind} never talks to etcd")

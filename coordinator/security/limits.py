@@ -3,8 +3,8 @@ service under a flood").
 
 * a token bucket of calls per identity: ``calls_per_s`` tokens a second, at most ``burst`` saved up; every
   unary call, every stream's opening and every message of a stream takes its cost in tokens (``COSTS``:
-  1, and more for the calls that read or write much: a GetStatus or an OpenSession takes 10). Health
-  checks take none.
+  1, and more for the calls that read or write much: a GetStatus or an OpenSession takes 10); a health
+  check takes 1, like any call.
 * a cap on the KeepAlive and Session streams one identity holds open at once.
 
 A refusal is RESOURCE_EXHAUSTED naming the limit (``rate`` or ``streams``) and costs no etcd read, no

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -19,7 +21,9 @@ from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator import metrics
 from coordinator.deploy import DASHBOARD
+from tests.support import REPO
 from tests.support.cluster import Cluster
+from tests.support.processes import child_env
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -123,6 +127,40 @@ def test_every_end_counts_and_the_gauges_follow_the_watch(cluster: Cluster) -> N
     assert delta() == {"revoke": 1, "release": 1, "close": 2, "expiry": 1}, delta()
 
 
+def test_an_eviction_and_a_reclaim_count_by_their_reason(cluster: Cluster) -> None:
+    """The leader's two ends at a notice's deadline: a priority eviction counts as ``eviction``, a team's
+    reclaim of another team's over-quota lease as ``reclaim`` (the holders ignore their notices)."""
+    cluster.start_node("h1", "2x16GiB", heartbeat_s=3600)
+    addr = cluster.start_coordinator(eviction_grace_s=1.0, eviction_kill_margin_s=0.5)
+    before = releases()
+
+    def delta() -> dict[str, float]:
+        now = releases()
+        return {r: now[r] - before[r] for r in now if now[r] != before[r]}
+
+    with Client(addr, agent="low", host="h1") as low, Client(addr, agent="high", host="h1") as high:
+        victims = [low.acquire(16000, gpu=i, priority=0) for i in (0, 1)]
+        granted = high.acquire(10000, priority=5, wait=30)
+        assert sum(v.evicting.is_set() for v in victims) == 1
+        wait_for(lambda: delta() == {"eviction": 1}, timeout=30, what=f"the eviction counted, not {delta()}")
+        granted.release()
+    wait_for(lambda: delta() == {"eviction": 1, "release": 1, "close": 1}, timeout=30,
+             what=f"the release and the close counted, not {delta()}")
+
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+    for team in ("a", "b"):
+        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=USABLE_MB, limit_mb=2 * USABLE_MB,
+                                       members=pb.TeamMembers(patterns=[f"{team}-*"])), timeout=10)
+    with Client(addr, agent="a-1", host="h1") as a, Client(addr, agent="b-1", host="h1") as b:
+        held = [a.acquire(0, gpu=i, exclusive=True, priority=9) for i in (0, 1)]
+        assert [x.over_quota for x in held] == [False, True]
+        b.acquire(0, exclusive=True, wait=30)
+        assert held[1].evicting.is_set() and held[1].notice.reclaim_team == "b", held[1].notice
+        wait_for(lambda: delta().get("reclaim") == 1, timeout=30, what=f"the reclaim counted, not {delta()}")
+    wait_for(lambda: delta() == {"eviction": 1, "release": 1, "close": 3, "reclaim": 1}, timeout=30,
+             what=f"the closes counted, not {delta()}")
+
+
 def test_an_unknown_host_is_not_found_and_makes_no_series(cluster: Cluster) -> None:
     cluster.start_node("h1", "1x16GiB")
     addr = cluster.start_coordinator()
@@ -132,6 +170,13 @@ def test_an_unknown_host_is_not_found_and_makes_no_series(cluster: Cluster) -> N
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details().startswith("host: "), \
         info.value.details()
     assert stub.GetStatus(pb.GetStatusRequest(host="h1"), timeout=10).hosts[0].host == "h1"
+    # The command: exit 1 with one line naming the field, nothing on stdout.
+    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--host", "nosuch", "--coordinator",
+                           addr], capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+    assert len(lines) == 1 and lines[0].startswith("gpucoord: error: NOT_FOUND: host: "), lines
     assert not [s for s in scrape() if s[1].get("host") == "nosuch"]
 
 

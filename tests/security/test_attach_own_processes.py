@@ -61,12 +61,17 @@ def _scans(cluster: Cluster, host: str, n: int) -> None:
     wait_for(another, timeout=30, what=f"{n} scans of the node")
 
 
+@pytest.mark.parametrize("mode", ["registry", "etcd"])
 def test_an_agent_cannot_make_the_node_kill_a_process_it_does_not_own(cluster: Cluster, tmp_path: Path,
-                                                                       stranger: int) -> None:
+                                                                       stranger: int, mode: str) -> None:
+    """With the node in the registry mode (no etcd connection: this release's) and in the etcd mode (an
+    earlier release's, during a rolling upgrade)."""
     procs = tmp_path / "procs.json"
     write_fake_processes(procs, {0: {stranger: 2000}})    # the stranger uses GPU 0: untracked
-    cluster.start_node("h1", "1x16GiB", fake_processes=str(procs), enforce="kill")
     addr = cluster.start_coordinator()
+    daemon = cluster.start_node("h1", "1x16GiB", fake_processes=str(procs), enforce="kill",
+                                via=[addr] if mode == "registry" else [])
+    assert daemon.reads_etcd == (mode == "etcd")
     pgid = os.getpgid(stranger)
     with Client([addr], agent="agent-a", host="h1") as c:
         lease = c.acquire(1000)

@@ -60,7 +60,7 @@ class Up:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator.cli", "up", "--secure", "--demo", "--keep", "--host", "sec-host",
              "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--node-listen", "127.0.0.1:0",
-             "--fake-gpus", "1x16GiB"],
+             "--metrics-listen", "127.0.0.1:0", "--node-metrics-listen", "127.0.0.1:0", "--fake-gpus", "1x16GiB"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
 
     def output(self) -> str:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from coordinator import errors
 from coordinator.cli.common import UsageError
 from coordinator.cli.main import build_parser
+from coordinator.cli.queue import render_queue
 from coordinator.cli.render import render_status
 from coordinator.cli.teams import describe, render_teams, set_request
 from coordinator.config import CoordinatorConfig
@@ -191,6 +192,17 @@ def test_a_waiting_gang_shows_its_shape() -> None:
     assert "waiting: b 4GiB x 2 GPUs gpus=0,1 priority 1" in table
     assert "waiting: c 1GiB gpu=1 priority 2" in table
     assert "0M" not in table
+
+
+def test_the_queue_table_shows_sizes_by_the_display_rule_and_a_gangs_shape() -> None:
+    doc = {"revision": 1, "waiting": [
+        {"host": "h", "position": 1, "agent": "a", "vram_mb": 16384, "priority": 0, "reason": "r"},
+        {"host": "h", "position": 2, "agent": "b", "vram_mb": 4096, "gpu_count": 2, "priority": 0, "reason": "r"},
+        {"host": "h", "position": 3, "agent": "c", "vram_mb": 0, "gpu_count": 2, "exclusive": True, "priority": 0,
+         "reason": "r"}]}
+    rows = render_queue(doc, 0.0).splitlines()[1::2]    # the reason lines between them left out
+    assert " 16GiB " in rows[0] and " 4GiB x 2 " in rows[1] and " 2 whole GPUs " in rows[2], rows
+    assert "MiB" not in "".join(rows), rows
 
 
 def test_a_request_its_teams_limit_could_never_let_in_is_refused_at_once_even_with_a_wait() -> None:
