@@ -3,7 +3,10 @@
 ``tests/cli/test_readme.py`` runs every fenced block of these files against one ``gpucoord up``, README.md's
 first and then each page's, in this order, which is the order their text had when it was all one README:
 a block may use what an earlier one made (a file it wrote, the second node, a team), so a page moves in this
-list only with its blocks checked against the pages around it. Every ``docs/*.md`` must be listed here (the
+list only with its blocks checked against the pages around it. Two blocks run later than they did there, both
+read-only: cli.md's (a refused ``lease revoke``, once before "Metrics") and the key schema's ``gpucoord keys``
+and ``etcdctl`` reads (once before "Running securely", now after "Production: etcd" in etcd.md). README.md's
+own blocks of an operator's first hour only read (``status``) or check flags (``synopsis``). Every ``docs/*.md`` must be listed here (the
 README test fails on one that is not), and docs/README.md lists the pages in the same order.
 """
 from __future__ import annotations
