@@ -224,7 +224,7 @@ class AsyncClient:
         ``time_limit``: seconds after the grant at which the lease is revoked (0: none, or the fleet's default;
         at most 30 days and the fleet's maximum, else InvalidArgument naming ``time_limit_seconds``), with an
         eviction notice (reason ``time-limit``) ``time_limit_warning`` seconds before (0: the fleet's warning;
-        capped at the limit). README "Time limits"."""
+        capped at the limit). docs/policies.md "Time limits"."""
         if self.done.is_set():
             # The same reason and field as the coordinator's answer for a gone session: which of the two the
             # caller meets first (the keepalive stream's or its own call's) is a matter of speed.

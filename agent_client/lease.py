@@ -59,7 +59,7 @@ class EvictionNotice:
 
 
 class _LeaseBase:
-    """What a granted VRAM lease carries. ``token`` is the fencing token (see README, "Fencing")."""
+    """What a granted VRAM lease carries. ``token`` is the fencing token (see docs/agents.md, "Fencing")."""
 
     def __init__(self, msg: pb.Lease) -> None:
         self.id: str = msg.id

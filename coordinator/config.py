@@ -48,20 +48,20 @@ class CoordinatorConfig:
     election_ttl_s: int = 5
     eviction_grace_s: float = 10.0
     # A lease under an eviction notice is revoked by force this long after its deadline, and the VRAM of
-    # a process-bound lease counts as held until then unless its processes are gone first (README, G3).
+    # a process-bound lease counts as held until then unless its processes are gone first (docs/guarantees.md, G3).
     eviction_kill_margin_s: float = 2.0
-    # Time limits (README "Time limits"): the warning notice goes this long before a lease's end (capped at its
+    # Time limits (docs/policies.md "Time limits"): the warning notice goes this long before a lease's end (capped at its
     # limit; a request may ask another), a request with no limit gets the default (0: none), and no limit may
     # be above the maximum (0: only MAX_TIME_LIMIT_S).
     time_limit_warning_s: float = 120.0
     default_time_limit_s: float = 0.0
     max_time_limit_s: float = 0.0
-    # Idle GPUs (README "Idle GPUs"): a lease whose GPUs all stay below idle_below_pct percent utilization for
+    # Idle GPUs (docs/policies.md "Idle GPUs"): a lease whose GPUs all stay below idle_below_pct percent utilization for
     # idle_after_s (0: off) is idle; idle_action warn shows it, evict sends it a notice (reason idle).
     idle_after_s: float = 0.0
     idle_below_pct: float = 5.0
     idle_action: str = "warn"
-    # Usage accounting (README, "Usage accounting"): raw records are kept this long after their lease ended,
+    # Usage accounting (docs/teams.md, "Usage accounting"): raw records are kept this long after their lease ended,
     # hourly rollups this many days.
     usage_retention_s: float = 7 * 86400.0
     usage_rollup_days: int = 400
@@ -77,12 +77,12 @@ class CoordinatorConfig:
     # closed with RESOURCE_EXHAUSTED naming ``stream``.
     stream_answers_max: int = 1024
     stream_answer_bytes_max: int = 1 << 20
-    # Per verified identity (TLS only; README "Fair service"): a token bucket of calls (each stream message
+    # Per verified identity (TLS only; docs/security.md "Fair service"): a token bucket of calls (each stream message
     # counts as a call; 0 turns it off) and a cap on open KeepAlive and Session streams.
     calls_per_s_per_identity: float = 100.0
     call_burst_per_identity: int = 200
     max_streams_per_identity: int = 128
-    # Identity (README "Running securely"): mTLS for clients, TLS and auth towards etcd.
+    # Identity (docs/security.md "Running securely"): mTLS for clients, TLS and auth towards etcd.
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""

@@ -129,7 +129,7 @@ class GpuUsage:
     """Live VRAM use of one GPU, as NVML reports it. ``processes_visible``: ``processes`` is the GPU's whole
     process list (NVML listed them; false when it cannot, and for simulated GPUs without processes).
     ``utilization_pct``: NVML's GPU utilization, -1 when unknown (never 0 for "cannot tell"); ``process_sm_pct``:
-    (pid, SM percent) per sampled process, None when the driver cannot tell (README "Idle GPUs")."""
+    (pid, SM percent) per sampled process, None when the driver cannot tell (docs/policies.md "Idle GPUs")."""
 
     index: int
     uuid: str
@@ -206,7 +206,7 @@ class HostInventory:
 
 @dataclasses.dataclass(frozen=True)
 class CordonRecord:
-    """``cordons/<host>``: the host gets no new grant while the key exists (README "Cordon and drain").
+    """``cordons/<host>``: the host gets no new grant while the key exists (docs/policies.md "Cordon and drain").
     ``drain``: it was cordoned by ``host drain``, whose eviction notices (reason ``drain``, ``grace_s``) went to
     every lease the host held then."""
 

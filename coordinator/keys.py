@@ -50,7 +50,7 @@ key                                    value                                    
 ``accounting/cursor``                  the accountant's watch cursor: revision (every deletion up  nothing (durable)     the leader's accountant            every write compares its mod_revision (0 to         never
                                        to it is accounted), skip (records of the next revision                                                              create) and the leader's fence: records and
                                        already written), at                                                                                                 rollups go in the same transaction
-``accounting/records/<lease_id>@<rev>`` one ended lease's usage record (README, "Usage                nothing (durable)     the leader's accountant            written with the cursor (above); <rev>: the         the leader, past ``usage_retention_s``
+``accounting/records/<lease_id>@<rev>`` one ended lease's usage record (docs/teams.md, "Usage      nothing (durable)     the leader's accountant            written with the cursor (above); <rev>: the         the leader, past ``usage_retention_s``
                                        accounting"); <rev> is the lease's create_revision                                                                   lease's create_revision
 ``accounting/hours/<hour>/<team>``     a team's usage in one UTC hour (``2026-12-04T19``): gpu_s,  nothing (durable)     the leader's accountant            written with the cursor (above)                     the leader, past ``usage_rollup_days``
                                        vram_mib_s, evictions, leases; per agent the same

@@ -1,5 +1,5 @@
 """Protocol limits: the documented bounds of what a request may carry and of what the coordinator stores
-(README "Limits"), and ``quote()`` for the messages that refuse a value past them.
+(docs/guarantees.md "Limits"), and ``quote()`` for the messages that refuse a value past them.
 
 Not settings (``config.py`` holds those): these are the same for every deployment. The bottom of the
 package: it imports nothing of it, so every layer (security, config, policy, the servers) may use it.

@@ -241,7 +241,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetTeam(self, request, context):
-        """-- Teams (operator only; README "Teams"): the teams that share the fleet, stored under teams/<team>.
+        """-- Teams (operator only; docs/teams.md "Teams"): the teams that share the fleet, stored under teams/<team>.
         Creates or changes a team in one transaction; fields not given keep their values (a new team's: their
         defaults). Refused with FAILED_PRECONDITION naming `members` when another team claims one of its patterns.
         """
@@ -271,7 +271,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RevokeCertificate(self, request, context):
-        """-- Certificates (operator only; README "Revoking a certificate"): the deny list, revoked/<serial>, that
+        """-- Certificates (operator only; docs/security.md "Revoking a certificate"): the deny list, revoked/<serial>, that
         every replica and node daemon follows. Operators write it through a coordinator, never to etcd.
         Writes revoked/<serial> unless it exists (then created=false and the first record stays).
         """
@@ -287,7 +287,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CordonHost(self, request, context):
-        """-- Hosts (operator only; README "Cordon and drain"): a cordoned host gets no new grant (cordons/<host>).
+        """-- Hosts (operator only; docs/policies.md "Cordon and drain"): a cordoned host gets no new grant (cordons/<host>).
         Cordons a host in one transaction; with drain, then sends an eviction notice (reason `drain`, the grace
         given) to every lease the host holds. Again on a cordoned host: the reason is replaced, and a drain sends
         the notices still missing. NOT_FOUND naming `host` for a host gpucoord has never seen.

@@ -1,4 +1,4 @@
-"""``gpucoord bench``: every performance target (README, "Performance") as a ratio to a baseline measured in
+"""``gpucoord bench``: every performance target (docs/performance.md, "Performance") as a ratio to a baseline measured in
 the same run.
 
 Each phase starts what it needs on loopback (its own etcd, coordinator, node daemons), as subprocesses,

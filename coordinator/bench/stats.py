@@ -11,7 +11,7 @@ def percentile(values: list[float], q: float) -> float:
     p99 of fewer than 100 values is the largest. NaN when there are no values.
 
     Not ``statistics.quantiles``: it interpolates between neighbours, so its p99 of 20 samples is not a
-    latency that was observed, and the bench's figures (the README's recorded run included) are ranks.
+    latency that was observed, and the bench's figures (docs/performance.md's recorded run included) are ranks.
     """
     if not values:
         return float("nan")

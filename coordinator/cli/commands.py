@@ -101,7 +101,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             if error:
                 raise ValueError(error)
     except ValueError as e:
-        raise UsageError(str(e), "see 'gpucoord node --help' and README, \"Running securely\"") from e
+        raise UsageError(str(e), "see 'gpucoord node --help' and docs/security.md, \"Running securely\"") from e
     host = args.host or socket.gethostname()
     if not valid_name(host):
         raise UsageError(f"--host {quote_prefix(host)} is not a valid host name",
@@ -149,7 +149,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     if not coordinators:
         logging.getLogger("gpucoord.node").warning(
             "this node daemon talks to etcd directly (--etcd), as nodes of earlier releases did; run it with "
-            "--coordinator ADDR[,ADDR...] and no etcd credentials (README \"Upgrading node daemons\")")
+            "--coordinator ADDR[,ADDR...] and no etcd credentials (docs/etcd.md \"Upgrading node daemons\")")
         store = Store((args.etcd or _env("ETCD", DEFAULT_ETCD)).split(","), timeout=3.0, security=etcd_security)
         if args.fake_hosts:
             return _fake_hosts(args, store, host)

@@ -22,7 +22,7 @@ DEFAULT_COORDINATOR = "127.0.0.1:7070"
 DEFAULT_ETCD = "127.0.0.1:2379"
 DEFAULT_PREFIX = "/gpucoord/"
 
-# Exit codes of every command (README, "Exit codes"). ``gpucoord run`` passes its command's status through and
+# Exit codes of every command (docs/cli.md, "Exit codes"). ``gpucoord run`` passes its command's status through and
 # so keeps the 125/126/127 convention of env(1) and docker run for its own failures.
 EXIT_REFUSED = 1        # the operation was refused (bad input, not found, does not fit, ...) or failed
 EXIT_USAGE = 2          # the command line is wrong
@@ -34,7 +34,7 @@ _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def duration(text: str) -> float:
-    """A duration as the CLI takes it (README "Time limits"): seconds (``90``, ``1.5``) or a number with a unit
+    """A duration as the CLI takes it (docs/policies.md "Time limits"): seconds (``90``, ``1.5``) or a number with a unit
     ``s``, ``m``, ``h`` or ``d`` (``90s``, ``5m``, ``2h``). ValueError for anything else (argparse says which flag)."""
     raw = text.strip().lower()
     scale = _UNITS.get(raw[-1:], 0.0)
@@ -135,7 +135,7 @@ _HINTS = {
     "NOT_FOUND": "'gpucoord status' lists the live hosts and leases",
     "FAILED_PRECONDITION": "what the message names must change first",
     "RESOURCE_EXHAUSTED": "it does not fit now: retry later, or wait in the queue",
-    "PERMISSION_DENIED": "this identity may not do that (README, \"Running securely\")",
+    "PERMISSION_DENIED": "this identity may not do that (docs/security.md, \"Running securely\")",
 }
 
 

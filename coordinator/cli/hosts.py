@@ -1,5 +1,5 @@
-"""``gpucoord host cordon|uncordon|drain HOST``: take a host out of service and back (operator only; README
-"Cordon and drain"). Each is one call to the coordinator (``CordonHost``, ``UncordonHost``); ``drain --wait``
+"""``gpucoord host cordon|uncordon|drain HOST``: take a host out of service and back (operator only;
+docs/policies.md "Cordon and drain"). Each is one call to the coordinator (``CordonHost``, ``UncordonHost``); ``drain --wait``
 then polls the host's status until no lease is left on it."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``gpucoord``: up, coordinator, node, status, partition, lease, keys, run, bench, certs, etcd-setup, team, usage, host.
 
-Conventions of every command (README, "Command-line conventions"): the global options (``--coordinator``,
+Conventions of every command (docs/cli.md, "Command-line conventions"): the global options (``--coordinator``,
 ``--etcd``, ``--prefix``, ``--tls-ca/--tls-cert/--tls-key``, ``-v``) go before or after the subcommand; a
 failure prints one line ``gpucoord: error: ...; hint`` and exits 2 (usage), 1 (refused) or 3 (unreachable),
 with a traceback only under ``-v``; a reader that closes the pipe (``gpucoord keys | head``) ends the
@@ -42,7 +42,7 @@ GLOBAL_OPTIONS = {
                    f"{DEFAULT_COORDINATOR})",
     "etcd": f"etcd endpoints, comma-separated (default $GPUCOORD_ETCD or {DEFAULT_ETCD})",
     "prefix": f"the key prefix of this gpucoord installation in etcd (default $GPUCOORD_PREFIX or {DEFAULT_PREFIX})",
-    # mTLS (README, "Running securely"): all three or none; none means plaintext, loopback only for servers.
+    # mTLS (docs/security.md, "Running securely"): all three or none; none means plaintext, loopback only for servers.
     "tls-ca": "the CA certificate that signs every gpucoord certificate (default $GPUCOORD_TLS_CA)",
     "tls-cert": "this process's certificate (default $GPUCOORD_TLS_CERT)",
     "tls-key": "its private key (default $GPUCOORD_TLS_KEY)",
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.set_defaults(fn=cmd_coordinator)
 
     # --coordinator: the registry mode (no etcd credentials); --etcd: the etcd-direct mode of earlier
-    # releases, kept for a rolling upgrade (README "Upgrading node daemons").
+    # releases, kept for a rolling upgrade (docs/etcd.md "Upgrading node daemons").
     no = _command(sub, "node", ("coordinator", "etcd", "prefix", *_TLS), help="run the node daemon of this host")
     no.add_argument("--host", default=None, help="host name (default: the hostname)")
     no.add_argument("--listen", default="127.0.0.1:7170")
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _insecure_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure", action="store_true", default=None,
-                   help="allow plaintext on a non-loopback address (logged as a warning; README, \"Running securely\")")
+                   help="allow plaintext on a non-loopback address (logged as a warning; docs/security.md, \"Running securely\")")
 
 
 def _quiet_stdout() -> None:
@@ -329,7 +329,7 @@ def _quiet_stdout() -> None:
         pass
 
 
-# The commands that change something (README, "Exit codes"): only their refusals and bad command lines say
+# The commands that change something (docs/cli.md, "Exit codes"): only their refusals and bad command lines say
 # "nothing was changed". The others read, or run a server or a program.
 WRITE_COMMANDS = frozenset({("team", "set"), ("team", "delete"), ("partition", "apply"), ("lease", "evict"),
                             ("lease", "revoke"), ("certs", "init"), ("certs", "issue"), ("certs", "revoke"),

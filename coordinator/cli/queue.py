@@ -1,5 +1,5 @@
 """``gpucoord queue [--host H] [--json]``: every waiting request, its place in its host's queue, why it waits and
-its estimated start (README "Why a request waits"). One ``GetStatus`` call: the reasons are fields of the
+its estimated start (docs/policies.md "Why a request waits"). One ``GetStatus`` call: the reasons are fields of the
 status's queue entries (``QueueEntry.position``, ``reason``, ``blockers``, ``estimated_start_unix``,
 ``has_estimate``), computed by the coordinator at the status's revision."""
 from __future__ import annotations

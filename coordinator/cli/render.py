@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from coordinator.policy.partition.units import show_bytes, show_mib
 
-_mib = show_mib   # the one display rule of sizes (README, "Sizes"): binary units, at most 4 significant digits
+_mib = show_mib   # the one display rule of sizes (docs/cli.md, "Sizes"): binary units, at most 4 significant digits
 
 
 _PROCESSES = {"stopping": "processes stopping (still on the GPU)", "gone": "processes gone",
@@ -24,7 +24,7 @@ def _time_limit(lease: dict[str, Any], now: float) -> str:
 
 
 def _idle(lease: dict[str, Any], now: float) -> str:
-    """The mark of an idle lease (README "Idle GPUs"): since when its GPUs stayed below the threshold, and what
+    """The mark of an idle lease (docs/policies.md "Idle GPUs"): since when its GPUs stayed below the threshold, and what
     its policy does."""
     if not lease.get("idle"):
         return ""
@@ -171,7 +171,7 @@ def _ranges(ids: Sequence[int]) -> str:
 
 
 def render_partition(doc: dict[str, Any]) -> str:
-    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps (sizes as README "Sizes" shows them)."""
+    """One line per agent: cores, memory, disk, whole GPUs and VRAM caps (sizes as docs/cli.md "Sizes" shows them)."""
     lines = [f"host {doc['host']}: mode {doc['mode']}, VRAM headroom {_mib(int(doc.get('headroom_mb', 0)))} per GPU"]
     for a in doc.get("allocations", []):
         whole = ", ".join(a["whole_gpus"]) or "none"

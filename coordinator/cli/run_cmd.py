@@ -11,7 +11,7 @@ from coordinator.limits import quote
 
 
 def _vram_mb(text: str) -> int:
-    """``--vram``: a size (README, "Sizes": ``1GiB``, ``4096MiB``, ``1.5GB``; a number without a unit is bytes),
+    """``--vram``: a size (docs/cli.md, "Sizes": ``1GiB``, ``4096MiB``, ``1.5GB``; a number without a unit is bytes),
     rounded up to whole MiB; 0 and anything under 1 MiB are refused."""
     from coordinator.policy.partition import PartitionError, parse_mib
     try:
@@ -24,7 +24,7 @@ def _vram_mb(text: str) -> int:
 
 
 def _check_run_numbers(args: argparse.Namespace) -> None:
-    """``run``'s numbers within the bounds the coordinator holds them to (README, "Limits"): ValueError
+    """``run``'s numbers within the bounds the coordinator holds them to (docs/guarantees.md, "Limits"): ValueError
     naming the flag, before anything is sent."""
     from coordinator.limits import MAX_PRIORITY, MAX_TTL_S, MAX_WAIT_S, MIN_TTL_S
     from coordinator.policy.team_fields import MAX_MIN_RUNTIME_S

@@ -65,7 +65,7 @@ _BREAK_GLASS_HINT = ("--etcd writes etcd directly, the break-glass path: it need
 
 
 def _break_glass(args: argparse.Namespace) -> bool:
-    """Whether ``certs list|revoke`` talks to etcd itself: only with ``--etcd`` given (README "Running
+    """Whether ``certs list|revoke`` talks to etcd itself: only with ``--etcd`` given (docs/security.md "Running
     securely": break glass, with etcd's root). Otherwise it calls a coordinator (``--coordinator``, default
     $GPUCOORD_COORDINATOR) with the operator's certificate, and etcd credentials are refused."""
     if args.etcd is not None and args.coordinator is not None:
@@ -223,7 +223,7 @@ def _certs_revoke(args: argparse.Namespace) -> int:
         what = f" ({e.get('role')} {e.get('name')}, {e.get('ca', '?')} CA)" if e.get("name") else ""
         print(f"{'revoked' if new else 'already revoked'}: {e['serial']}{what}")
     print("every coordinator and node refuses it from now on (they watch revoked/); etcd itself does not read "
-          "this list: see the README on revoking an etcd client certificate")
+          "this list: see docs/security.md on revoking an etcd client certificate")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``gpucoord team set|show|list|delete``: the teams that share the fleet (operator only; README "Teams")."""
+"""``gpucoord team set|show|list|delete``: the teams that share the fleet (operator only; docs/teams.md "Teams")."""
 from __future__ import annotations
 
 import argparse
@@ -42,7 +42,7 @@ def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> No
     se.add_argument("--default-time-limit", type=duration, default=None, metavar="DURATION",
                     help="the time limit of its requests that ask none (0: the fleet's default)")
     se.add_argument("--idle-after", type=duration, default=None, metavar="DURATION",
-                    help="its idle window (README 'Idle GPUs'; 0: the fleet's)")
+                    help="its idle window (docs/policies.md 'Idle GPUs'; 0: the fleet's)")
     se.add_argument("--idle-below", type=float, default=None, metavar="PERCENT", help="its idle threshold (0: the fleet's)")
     se.add_argument("--idle-action", choices=("warn", "evict", ""), default=None, help="its idle action ('': the fleet's)")
     se.add_argument("--json", action="store_true")
@@ -60,7 +60,7 @@ _HELP = "see 'gpucoord team set --help'"
 
 
 def size_mb(text: str, flag: str) -> int:
-    """A size (README, "Sizes": ``320GiB``, ``4096MiB``; a number without a unit is bytes, ``0`` is none) in
+    """A size (docs/cli.md, "Sizes": ``320GiB``, ``4096MiB``; a number without a unit is bytes, ``0`` is none) in
     whole MiB, rounded down; under 1 MiB but not 0 is refused."""
     from coordinator.policy.partition import PartitionError, parse_mib
     try:

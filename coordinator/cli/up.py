@@ -175,7 +175,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                   "certificate")
         print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
         print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
-              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see the README)")
+              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see docs/etcd.md)")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", listen, "--metrics-listen", metrics_listen,
                                       "--session-ttl", str(args.session_ttl), *coord_extra],

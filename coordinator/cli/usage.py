@@ -1,5 +1,5 @@
 """``gpucoord usage``: GPU-hours, VRAM-GiB-hours and evictions of the leases that ended, by team, agent or host
-(README, "Usage accounting"). It reads etcd (like ``keys``): the hourly rollups for ``--by team|agent``, the
+(docs/teams.md, "Usage accounting"). It reads etcd (like ``keys``): the hourly rollups for ``--by team|agent``, the
 raw records for ``--by host``."""
 from __future__ import annotations
 

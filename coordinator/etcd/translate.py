@@ -14,7 +14,7 @@ def translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
         return errors.EtcdNoSpace(
             "etcd is out of space (alarm NOSPACE, \"database space exceeded\"): it refuses every write until an "
             "operator frees space: etcdctl compact <current revision>, etcdctl defrag (every member), then "
-            "etcdctl alarm disarm; or raise --quota-backend-bytes (see the README, \"Production: etcd\")")
+            "etcdctl alarm disarm; or raise --quota-backend-bytes (see docs/etcd.md, \"Production: etcd\")")
     if "lease not found" in details:
         return errors.SessionGone(f"etcd: {details}")
     if "compacted" in details:

@@ -24,7 +24,7 @@ KNOWN_CRASH_BUGS: tuple[tuple[Version, Version, str], ...] = (
                            "(etcd-io/etcd#14891, fixed in 3.5.7)"),
 )
 
-# The oldest releases gpucoord recommends for production, per minor line (the README says the same).
+# The oldest releases gpucoord recommends for production, per minor line (docs/etcd.md says the same).
 MINIMUM_PRODUCTION = "3.5.7 (or 3.4.23 on the 3.4 line)"
 
 _VERSION = re.compile(r"(?<![\d.])v?(\d+)\.(\d+)\.(\d+)")

@@ -171,7 +171,7 @@ UTILIZATION_KEY = "utilization"
 
 def parse_fake_utilization(doc: Any, gpu_count: int) -> dict[int, int]:
     """The ``"utilization"`` entry of a ``--fake-processes`` document: ``{"<GPU index>": percent, ...}``, a whole
-    number 0..100 per simulated GPU (README "Idle GPUs"); a GPU it does not name keeps its utilization unknown
+    number 0..100 per simulated GPU (docs/policies.md "Idle GPUs"); a GPU it does not name keeps its utilization unknown
     (-1), or what ``set_utilization`` gave it. Raises ValueError naming the bad entry."""
     if not isinstance(doc, dict) or UTILIZATION_KEY not in doc:
         return {}

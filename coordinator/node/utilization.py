@@ -1,4 +1,4 @@
-"""GPU utilization through NVML (issue 31, README "Idle GPUs"): what the node reports so that idle leases can be
+"""GPU utilization through NVML (issue 31, docs/policies.md "Idle GPUs"): what the node reports so that idle leases can be
 told from busy ones.
 
 * ``nvmlDeviceGetUtilizationRates``: the percentage of the last sample period in which a kernel ran on the GPU

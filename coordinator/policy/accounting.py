@@ -45,7 +45,7 @@ class Deleted:
 
 @dataclasses.dataclass(frozen=True)
 class UsageRecord:
-    """``accounting/records/<lease_id>@<start_revision>``: one ended lease (README, "Usage accounting")."""
+    """``accounting/records/<lease_id>@<start_revision>``: one ended lease (docs/teams.md, "Usage accounting")."""
 
     lease_id: str
     agent: str

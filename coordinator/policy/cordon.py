@@ -1,4 +1,4 @@
-"""A cordoned host in an admission round (issue 31, README "Cordon and drain"): pure, no I/O.
+"""A cordoned host in an admission round (issue 31, docs/policies.md "Cordon and drain"): pure, no I/O.
 
 While ``cordons/<host>`` exists the host gets no new grant, at any revision: every round's transaction compares
 the key as its snapshot read it (``Round._guards``), so a cordon that commits between a round's snapshot and

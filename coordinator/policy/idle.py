@@ -1,4 +1,4 @@
-"""Idle GPUs (issue 31, README "Idle GPUs"): which leases compute nothing, from the nodes' utilization reports.
+"""Idle GPUs (issue 31, docs/policies.md "Idle GPUs"): which leases compute nothing, from the nodes' utilization reports.
 
 Pure: no I/O, no clock of its own (every time is given, on the caller's monotonic clock). A replica feeds
 ``UtilizationHistory`` with each GPU's utilization as the node reports it (``observe``), -1 when it is unknown:

@@ -32,7 +32,7 @@ Among the sets of ``gpu_count`` GPUs that can all hold the request now and satis
 the smallest key, compared left to right:
 
 1. the free VRAM left on the chosen GPUs after placing, summed (``Σ free − vram_mb``; exclusive: 0):
-   the README's best fit, "the least free VRAM left after placing", over the whole gang;
+   docs/agents.md's best fit, "the least free VRAM left after placing", over the whole gang;
 2. the number of the host's GPUs left *partly used*, neither idle (no lease, free = usable) nor full
    (free = 0): the fewest fragmented GPUs;
 3. minus the size of the largest NVLink block of idle GPUs left (a set of idle GPUs every pair of which is

@@ -19,8 +19,8 @@ MAX_MODEL_NAME_LEN = 128
 
 _FIELDS = ("quota_mb", "quota_by_model", "limit_mb", "weight", "members", "max_min_runtime_s", "max_time_limit_s",
            "default_time_limit_s", "idle_after_s", "idle_below_pct", "idle_action")
-TIME_LIMIT_FIELDS = ("max_time_limit_s", "default_time_limit_s")   # stored only when set (README "Time limits")
-IDLE_FIELDS = ("idle_after_s", "idle_below_pct", "idle_action")      # stored only when set (README "Idle GPUs")
+TIME_LIMIT_FIELDS = ("max_time_limit_s", "default_time_limit_s")   # stored only when set (docs/policies.md "Time limits")
+IDLE_FIELDS = ("idle_after_s", "idle_below_pct", "idle_action")      # stored only when set (docs/policies.md "Idle GPUs")
 MAX_IDLE_AFTER_S = 30 * 86400.0
 
 

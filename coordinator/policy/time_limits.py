@@ -1,4 +1,4 @@
-"""Time limits (issue 31, README "Time limits"): what a request's limit becomes, and when its lease is warned.
+"""Time limits (issue 31, docs/policies.md "Time limits"): what a request's limit becomes, and when its lease is warned.
 
 Pure: no I/O, no clock of its own. The replica resolves a request's limit at acquire (``resolve``) and stores the
 result on the lease (``time_limit_s``, ``time_limit_warning_s``); the leader's duty (``replica/time_limits.py``)

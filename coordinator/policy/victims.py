@@ -7,7 +7,7 @@ Victims (G3 over all candidates)
 possibly a gang over several GPUs: it is one victim, of its own priority and age, and evicting it frees its
 VRAM on every one of them (each GPU's own record). The candidates are the preemptible holders of lower
 priority, over every GPU of the host; they are taken in G3's order over all of them, lowest priority first,
-then the leases this replica judges idle (``Holder.idle``, README "Idle GPUs") before the others, then newest
+then the leases this replica judges idle (``Holder.idle``, docs/policies.md "Idle GPUs") before the others, then newest
 first (``created_at``, then ``token``), until the request would fit on some candidate set (every
 set of allowed, available GPUs that could ever hold it and satisfies the topology): its VRAM and the agent's
 cap on every GPU of the set (exclusive: every holder on the set goes and each GPU comes free whole); then
@@ -54,7 +54,7 @@ class Holder:
     created_at: float
     token: int                         # the highest fencing token among its GPUs: newer is larger
     vram: tuple[tuple[int, int], ...]  # (GPU index, MiB) per GPU it holds
-    idle: bool = False                 # judged idle by this replica (README "Idle GPUs"): taken first of its priority
+    idle: bool = False                 # judged idle by this replica (docs/policies.md "Idle GPUs"): taken first of its priority
 
     def on(self, index: int) -> int:
         return sum(mb for i, mb in self.vram if i == index)

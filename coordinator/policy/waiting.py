@@ -1,4 +1,4 @@
-"""Why a request waits, and until when (issue 31 point 5, README "Why a request waits"): pure, no I/O, no clock.
+"""Why a request waits, and until when (issue 31 point 5, docs/policies.md "Why a request waits"): pure, no I/O, no clock.
 
 ``explain(scene)`` answers, for every entry of a host's queue (``queue/<host>/<rank>``, in rank order), a
 ``WaitReason``: its position (1 = the head), the blockers that hold it back now, a one-line reason naming them,

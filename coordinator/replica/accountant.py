@@ -11,7 +11,7 @@ written in parts, the cursor counting the records of it already written).
 
 If etcd compacted its history past the cursor (no leader accounted for longer than etcd keeps history), the
 deletions in between are lost to it: the accountant logs it, counts ``gpucoord_usage_resyncs_total``, and goes
-on from the current revision (README, "Usage accounting": keep etcd's history longer than a leader gap).
+on from the current revision (docs/teams.md, "Usage accounting": keep etcd's history longer than a leader gap).
 
 It also deletes raw records past ``usage_retention_s`` and rollups past ``usage_rollup_days``.
 """

@@ -30,7 +30,7 @@ class ReplicaContext:
     # ages and deadlines are measured on our own monotonic clock from then, never against another
     # machine's wall clock.
     observed: Observed = dataclasses.field(default_factory=Observed)
-    # Each GPU's reported utilization over time, sampled by replica/idle.py (README "Idle GPUs").
+    # Each GPU's reported utilization over time, sampled by replica/idle.py (docs/policies.md "Idle GPUs").
     utilization: UtilizationHistory = dataclasses.field(default_factory=UtilizationHistory)
     # Whether this replica can reach etcd (its candidacy's keepalives tell; replica/reach.py).
     reach: EtcdReach = dataclasses.field(default_factory=lambda: EtcdReach(""))

@@ -1,4 +1,4 @@
-"""Cordon and drain (issue 31, README "Cordon and drain"): ``cordons/<host>`` and a drain's eviction notices.
+"""Cordon and drain (issue 31, docs/policies.md "Cordon and drain"): ``cordons/<host>`` and a drain's eviction notices.
 
 The cordon is one compare-and-set on its own key. Admission compares that key in every grant
 (``policy/cordon.py``), so once the cordon's transaction has committed no grant lands on the host at any later

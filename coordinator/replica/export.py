@@ -1,5 +1,5 @@
 """The usage export (issue 33): the leader appends every usage record to JSON-lines files a site ships to its
-own database (README, "Usage accounting").
+own database (docs/teams.md, "Usage accounting").
 
 ``usage_export_dir`` (empty: no export) holds one file per UTC day of the records' end, ``usage-YYYY-MM-DD.jsonl``:
 each line is a record's JSON plus ``record_revision``, the etcd revision that wrote the record. Lines are

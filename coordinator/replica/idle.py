@@ -1,4 +1,4 @@
-"""Idle GPUs (issue 31, README "Idle GPUs"): every replica tracks its GPUs' utilization; the leader acts on it.
+"""Idle GPUs (issue 31, docs/policies.md "Idle GPUs"): every replica tracks its GPUs' utilization; the leader acts on it.
 
 Every replica samples, each ``SAMPLE_S``, the nodes' usage reports in its mirror into ``ctx.utilization``
 (``policy.idle.UtilizationHistory``): each GPU's ``utilization_pct`` as seen at the moment this replica first saw

@@ -268,7 +268,7 @@ class CoordinatorService(Follower):
                       gang: Gang = SINGLE, min_runtime_s: float = 0.0,
                       time_limit: tuple[float, float] = (0.0, 0.0)) -> tuple[VramLease, ...]:
         """The lease granted: each GPU's record, in index order (one for a single GPU; a gang's all).
-        ``capped``: held to the agent's priority cap on the host (README "Priority caps"); False for an
+        ``capped``: held to the agent's priority cap on the host (docs/security.md "Priority caps"); False for an
         operator's own acquire. ``time_limit``: the lease's (limit, warning), resolved by the caller
         (``policy.time_limits.resolve``). The fields are validated by the caller (``coordinator.rpc.validate``)."""
         if self._closed:

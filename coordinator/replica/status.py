@@ -26,7 +26,7 @@ class StatusReport:
     """Every host's view at one revision (``views``, and as plain JSON in ``doc``), the remaining TTL of each
     session's etcd_lease (``ttls``), the eviction notices by lease id (read just after the snapshot, shown
     next to the leases they are about), the leader's replica id ("" when unknown) and why each queue entry
-    waits (``waits``: host -> rank -> ``WaitReason``, README "Why a request waits")."""
+    waits (``waits``: host -> rank -> ``WaitReason``, docs/policies.md "Why a request waits")."""
 
     revision: int
     views: list[HostView]
@@ -96,7 +96,7 @@ NOT_IDLE = {"idle": False, "idle_since": 0.0, "idle_action": ""}
 
 
 def _utilization(report: dict[str, Any], stale: bool) -> dict[str, Any]:
-    """A GPU's utilization as status shows it: -1 when unknown or stale (README "Idle GPUs")."""
+    """A GPU's utilization as status shows it: -1 when unknown or stale (docs/policies.md "Idle GPUs")."""
     pct = report.get("utilization_pct", -1)
     known = isinstance(pct, int) and not isinstance(pct, bool) and 0 <= pct <= 100 and not stale
     return {"utilization_pct": pct if known else -1,

@@ -1,4 +1,4 @@
-"""Time limits (issue 31, README "Time limits"): the leader's duty that warns a lease before its end.
+"""Time limits (issue 31, docs/policies.md "Time limits"): the leader's duty that warns a lease before its end.
 
 A lease granted with a time limit records it (``time_limit_s``, with ``time_limit_warning_s``: the warning,
 resolved at acquire by ``policy.time_limits.resolve``). Its end is measured on the leader's monotonic clock from

@@ -1,4 +1,4 @@
-"""Why each request of a host's queue waits, for the status (README "Why a request waits"): the scene that
+"""Why each request of a host's queue waits, for the status (docs/policies.md "Why a request waits"): the scene that
 ``policy.waiting.explain`` reads, built from the status's snapshot of the host (``HostView``, one revision),
 the eviction notices read with it and the teams' state of this replica's mirror.
 

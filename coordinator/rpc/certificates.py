@@ -1,7 +1,7 @@
 """The certificate RPCs (operator only): RevokeCertificate writes ``revoked/<serial>``, the deny list that
 every replica and node daemon follows (``coordinator.security.revocation``); ListRevokedCertificates reads
 it. ``gpucoord certs revoke`` and ``certs list`` call them, so an operator needs no etcd credentials: only
-coordinators talk to etcd (README "Running securely"; the break-glass path with etcd's root is
+coordinators talk to etcd (docs/security.md "Running securely"; the break-glass path with etcd's root is
 ``certs revoke --etcd``)."""
 from __future__ import annotations
 

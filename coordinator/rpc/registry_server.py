@@ -1,6 +1,6 @@
 """The Registry service of a coordinator replica: node daemons register their host, keep the registration
 alive, publish the host's usage and follow the host's leases and the revoked certificates through it, and
-never talk to etcd (README "Node daemons"; ``proto/gpucoord/v1/registry.proto``).
+never talk to etcd (docs/operations.md "Node daemons"; ``proto/gpucoord/v1/registry.proto``).
 
 One ``Register`` stream is one host's registration. Its etcd_lease is granted and refreshed by the replica
 that holds the stream, once per heartbeat of the node: a node whose daemon is gone (killed, stopped, cut

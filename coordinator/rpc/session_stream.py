@@ -81,7 +81,7 @@ class SessionStreams:
         self.handlers = handlers
 
     def _answers(self) -> AnswerQueue:
-        """A stream's queue of answers, bounded as configured (README "Limits")."""
+        """A stream's queue of answers, bounded as configured (docs/guarantees.md "Limits")."""
         cfg = self.svc.config
         return AnswerQueue(cfg.stream_answers_max, cfg.stream_answer_bytes_max)
 

@@ -29,7 +29,7 @@ def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease
 
 
 def wait_pb(entry: pb.QueueEntry, wait: WaitReason) -> None:
-    """Why the entry waits, on its message (README "Why a request waits")."""
+    """Why the entry waits, on its message (docs/policies.md "Why a request waits")."""
     entry.position, entry.reason = wait.position, wait.reason
     entry.has_estimate = wait.estimated_start is not None
     entry.estimated_start_unix = wait.estimated_start or 0.0

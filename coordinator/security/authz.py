@@ -70,9 +70,9 @@ REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1
 SESSION_RPCS = frozenset({"KeepAlive", "Acquire", "Release", "CloseSession", "AttachProcesses"})
 HOST_READ_RPCS = frozenset({"GetStatus", "GetPartition"})
 OPERATOR_RPCS = frozenset({"ApplyPartition", "EvictLease", "RevokeLease",
-                           "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",    # teams: README "Teams"
+                           "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",    # teams: docs/teams.md "Teams"
                            "RevokeCertificate", "ListRevokedCertificates",     # the deny list
-                           "CordonHost", "UncordonHost"})   # README "Cordon and drain"
+                           "CordonHost", "UncordonHost"})   # docs/policies.md "Cordon and drain"
 
 # The hosts on which an agent has a live session (read from etcd by the coordinator).
 AgentHosts = Callable[[str], Awaitable[set[str]]]
@@ -146,7 +146,7 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
                     agent_hosts: AgentHosts | None = None) -> None:
     """Raise ``Denied`` unless ``identity`` may call ``method`` with ``request``. Writes nothing."""
     if not tls:
-        return   # loopback dev mode: every caller is trusted, as the README says
+        return   # loopback dev mode: every caller is trusted, as docs/security.md says
     name = rpc_name(method)
     who = str(identity) if identity is not None else "a certificate without a gpucoord:// identity"
     action = f"call {name}" + (f" on {target_of(method, request)}" if request is not None else "")

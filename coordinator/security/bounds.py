@@ -1,7 +1,7 @@
 """Bounds that hold for a request as a whole, checked by the interceptor before any handler logic.
 
 Per-field rules (names, lengths, numbers) live with the handlers that own those fields; this module holds
-the limits on size and count that protect the servers themselves (README "Limits"):
+the limits on size and count that protect the servers themselves (docs/guarantees.md "Limits"):
 
 * gRPC messages: at most 1 MiB received (``tls.MAX_RECEIVE_BYTES``, a server option);
 * a partition spec: at most ``limits.MAX_SPEC_BYTES`` (64 KiB) of JSON, refused before it is parsed

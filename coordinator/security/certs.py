@@ -50,10 +50,10 @@ CERT_KINDS = (*ROLES, "etcd", "etcd-root")
 SERVER_KINDS = ("coordinator", "node", "etcd")
 ETCD_CLIENT_KINDS = ("coordinator",)   # also gets an etcd client certificate: only coordinators talk to etcd
 # A node of an earlier release talks to etcd itself: it gets an etcd client certificate only when asked
-# (``certs issue --role node --etcd-client``), until it is upgraded (README "Upgrading node daemons").
+# (``certs issue --role node --etcd-client``), until it is upgraded (docs/etcd.md "Upgrading node daemons").
 LEGACY_ETCD_CLIENT_KINDS = ("node",)
 ETCD_ONLY_KINDS = ("etcd", "etcd-root")                    # come from the etcd CA alone
-# Short by default: a certificate is renewed by issuing it again (README "Rotating certificates").
+# Short by default: a certificate is renewed by issuing it again (docs/security.md "Rotating certificates").
 DEFAULT_DAYS = {"agent": 7, "operator": 7, "node": 90, "coordinator": 90, "metrics": 90, "viewer": 7, "etcd": 90,
                 "etcd-root": 7}
 CA_DAYS = 5 * 365

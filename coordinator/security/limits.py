@@ -1,4 +1,4 @@
-"""Fair service: per-identity limits that the interceptor applies before any other work (README "Fair
+"""Fair service: per-identity limits that the interceptor applies before any other work (docs/security.md "Fair
 service under a flood").
 
 * a token bucket of calls per identity: ``calls_per_s`` tokens a second, at most ``burst`` saved up; every

@@ -1,6 +1,6 @@
 """The deny list of certificates: ``revoked/<serial>`` in etcd, followed by a watch in every coordinator
 replica and node daemon, so that a revoked certificate is refused within a moment of the write, without a
-restart (README "Revoking a certificate").
+restart (docs/security.md "Revoking a certificate").
 
 A coordinator writes the keys when an operator asks (``gpucoord certs revoke``, the RevokeCertificate RPC;
 ``coordinator.rpc.certificates``), or etcd's root does (break glass); the key's last segment is the certificate's serial number in lowercase hex, and that is all the

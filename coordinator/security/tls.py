@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 ENV = {"ca": "GPUCOORD_TLS_CA", "cert": "GPUCOORD_TLS_CERT", "key": "GPUCOORD_TLS_KEY"}
 FLAGS = {"ca": "--tls-ca", "cert": "--tls-cert", "key": "--tls-key"}
-MAX_RECEIVE_BYTES = 1 << 20   # gRPC's max receive size on both servers (README "Limits")
+MAX_RECEIVE_BYTES = 1 << 20   # gRPC's max receive size on both servers (docs/guarantees.md "Limits")
 
 
 class TlsError(ValueError):

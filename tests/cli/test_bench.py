@@ -1,7 +1,7 @@
 """``gpucoord bench all --quick`` runs end to end and produces every line of the performance table.
 
 A smoke test: it asserts that each target P1-P8 is measured and reported, never a timing (this machine's
-numbers say nothing; see the README's performance section for a full run)."""
+numbers say nothing; see docs/performance.md for a full run)."""
 from __future__ import annotations
 
 import asyncio

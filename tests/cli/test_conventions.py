@@ -1,4 +1,4 @@
-"""CLI conventions (README, "Command-line conventions"): global options before or after the subcommand; every
+"""CLI conventions (docs/cli.md, "Command-line conventions"): global options before or after the subcommand; every
 failure is one ``gpucoord: error:`` line with the documented exit code; quiet on a closed pipe; ``status
 --watch``; ``status --json`` numbers; the status table's partition and eviction marks."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The exit codes of README "Command-line conventions", walked over every command: a bad value exits 2 with
+"""The exit codes of docs/cli.md "Command-line conventions", walked over every command: a bad value exits 2 with
 one ``gpucoord: error:`` line, nothing sent (the coordinator and etcd named are a closed port: a value that
 got past the command's own checks would meet exit 3 there); the line says "nothing was changed" exactly for
 the commands that change something, never for a read."""

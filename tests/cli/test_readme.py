@@ -1,7 +1,10 @@
-"""The README runs as written. Every fenced block in README.md carries a marker, ``<!-- test: KIND [ARG] -->``,
-and is run here by its kind, in README order, against one ``gpucoord up`` started from the README's own
-command (on free ports: the README's default addresses are rewritten to them, and GPUCOORD_COORDINATOR and
-GPUCOORD_ETCD point the CLI's defaults there):
+"""The README and the docs/ pages run as written. Every fenced block in README.md and docs/*.md carries a
+marker, ``<!-- test: KIND [ARG] -->``, and is run here by its kind against one ``gpucoord up`` started from
+the README's own command. The order is ``tests.support.docs.DOCS``: README.md's blocks first, then each
+page's, in the order their text had when it was all one README (a block may use what an earlier one made);
+every docs/*.md must be in that list, so that none is skipped. The ``up`` runs on free ports: the README's
+default addresses are rewritten to them, and GPUCOORD_COORDINATOR and GPUCOORD_ETCD point the CLI's
+defaults there. The kinds:
 
 - ``up``: the command the module fixture starts; ``background``: a command started and kept running;
 - ``python``: run as a script; ``sh``: run with bash -e -o pipefail; ``file NAME``: written to the working
@@ -28,13 +31,13 @@ import pytest
 
 from coordinator.etcd.process import etcd_binary, free_port
 from tests.support import REPO
+from tests.support.docs import DOCS, ROOT, on_disk
 from tests.support.noise import assert_no_asyncio_noise
 from tests.support.processes import child_env
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
-README = Path(REPO) / "README.md"
 MARKER = re.compile(r"^(?P<indent> *)<!-- test: (?P<kind>[a-z]+)(?: (?P<arg>[^ ]+))? -->\n(?P=indent)```(?P<lang>\w*)\n"
                     r"(?P<body>.*?)^(?P=indent)```$", re.M | re.S)
 KINDS = {"up", "background", "python", "sh", "file", "output", "synopsis", "demo", "ci", "diagram", "measured"}
@@ -47,6 +50,7 @@ UP_FLAGS = ("--listen", "--metrics-listen", "--node-listen", "--node-metrics-lis
 
 @dataclasses.dataclass(frozen=True)
 class Block:
+    path: str          # README.md or docs/NAME.md
     kind: str
     arg: str
     lang: str
@@ -55,30 +59,56 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"L{self.line}-{self.kind}" + (f"-{self.arg}" if self.arg else "")
+        return f"{self.path}:L{self.line}-{self.kind}" + (f"-{self.arg}" if self.arg else "")
+
+    @property
+    def where(self) -> str:
+        return f"{self.path} line {self.line}"
 
 
-def blocks() -> list[Block]:
-    text = README.read_text()
+def file_blocks(path: str) -> list[Block]:
+    text = (ROOT / path).read_text()
     out = []
     for m in MARKER.finditer(text):
         body = "\n".join(x[len(m["indent"]):] for x in m["body"].splitlines()) + "\n"
-        out.append(Block(m["kind"], m["arg"] or "", m["lang"], body, text.count("\n", 0, m.start()) + 1))
+        out.append(Block(path, m["kind"], m["arg"] or "", m["lang"], body, text.count("\n", 0, m.start()) + 1))
     return out
 
 
-def test_every_code_block_of_the_readme_is_marked_and_run() -> None:
-    lines = README.read_text().splitlines()
+def blocks() -> list[Block]:
+    """Every block of README.md and docs/, in the order of ``DOCS``."""
+    return [b for path in DOCS for b in file_blocks(path)]
+
+
+def test_every_docs_page_is_run_in_its_place() -> None:
+    """No page is skipped: every docs/*.md (and README.md) is in ``DOCS``, once, and nothing listed is missing."""
+    assert len(set(DOCS)) == len(DOCS) and DOCS[0] == "README.md"
+    assert not on_disk() - set(DOCS), f"pages the README test does not run (add them to DOCS): {on_disk() - set(DOCS)}"
+    assert not set(DOCS) - on_disk(), f"DOCS lists files that do not exist: {set(DOCS) - on_disk()}"
+    index = (ROOT / "docs" / "README.md").read_text()
+    listed = re.findall(r"^\d+\. \[[^]]+\]\(([\w-]+\.md)\)", index, re.M)
+    assert ["docs/" + x for x in listed] == [x for x in DOCS if x not in ("README.md", "docs/README.md")], \
+        "docs/README.md lists the pages in another order than tests/support/docs.py's DOCS"
+
+
+@pytest.mark.parametrize("path", [*DOCS, *sorted(on_disk() - set(DOCS))])
+def test_every_code_block_is_marked_and_run(path: str) -> None:
+    lines = (ROOT / path).read_text().splitlines()
     fences = [i for i, x in enumerate(lines) if x.strip().startswith("```")]
     openings = fences[0::2]
-    assert len(fences) % 2 == 0
-    marked = {b.line for b in blocks()}
+    assert len(fences) % 2 == 0, f"{path}: a code block is not closed"
+    marked = {b.line for b in file_blocks(path)}
     for i in openings:
-        assert i in marked, f"README.md line {i + 1}: a code block without a '<!-- test: KIND -->' marker"
-    assert {b.kind for b in blocks()} <= KINDS
-    assert len(blocks()) == len(openings)
+        assert i in marked, f"{path} line {i + 1}: a code block without a '<!-- test: KIND -->' marker"
+    assert {b.kind for b in file_blocks(path)} <= KINDS
+    assert len(file_blocks(path)) == len(openings)
+
+
+def test_every_kind_of_block_is_run() -> None:
     for kind in ("up", "python", "sh", "output", "synopsis", "demo", "ci"):
-        assert any(b.kind == kind for b in blocks()), f"no README block of kind {kind}"
+        assert any(b.kind == kind for b in blocks()), f"no block of kind {kind} in README.md or docs/"
+    for kind in ("up", "demo", "ci"):
+        assert any(b.kind == kind for b in file_blocks("README.md")), f"README.md has no block of kind {kind}"
 
 
 @dataclasses.dataclass
@@ -127,7 +157,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                 break
         out = "".join(printed)
         assert "gpucoord is up" in out, out
-        # The production examples' etcd cluster (README, "Production: etcd") is this run's etcd.
+        # The production examples' etcd cluster (docs/etcd.md, "Production: etcd") is this run's etcd.
         addresses = {PRODUCTION_ETCD: ports["--etcd-listen"], PRODUCTION_ETCD.split(",")[0]: ports["--etcd-listen"]}
         addresses |= dict(zip(DEFAULT_ADDRESSES, [ports[f] for f in UP_FLAGS] + [f"127.0.0.1:{free_port()}"]))
         process_env = child_env() | {
@@ -166,7 +196,7 @@ def test_up_prints_every_address_and_its_metrics(env: Env) -> None:
 
 
 def _placeholders(env: Env, text: str) -> str:
-    """The README's <...> placeholders, filled with values of this run; an unknown one fails the test."""
+    """The <...> placeholders of README.md and docs/, filled with values of this run; an unknown one fails the test."""
     if "<etcd lease id in hex>" in text:
         keys = env.run("gpucoord keys").stdout
         lease = re.search(r"/gpucoord/hosts/gpu-node-1 +\(mod_revision=\d+ etcd_lease=([0-9a-f]+)\)", keys)
@@ -197,7 +227,7 @@ def check_synopsis(body: str) -> int:
             if not words or Path(words[0]).name != "gpucoord":   # gpucoord, or .venv/bin/gpucoord
                 continue
             command = [words[1]]
-            if len(words) > 2 and words[1] in ("partition", "lease", "team") and not words[2].startswith("-"):
+            if len(words) > 2 and words[1] in ("partition", "lease", "team", "host") and not words[2].startswith("-"):
                 command.append(words[2])
             text = _help(command)
             for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", alternative.split(" -- ")[0]):
@@ -208,7 +238,7 @@ def check_synopsis(body: str) -> int:
 
 @pytest.mark.parametrize("block", blocks(), ids=lambda b: b.id)
 def test_readme_block(block: Block, env: Env) -> None:
-    where = f"README.md line {block.line}"
+    where = block.where
     if block.kind == "diagram":
         assert not re.search(r"^\s*(\$|gpucoord |python)", block.body, re.M), f"{where}: a diagram with commands"
     elif block.kind == "measured":
@@ -227,7 +257,7 @@ def test_readme_block(block: Block, env: Env) -> None:
     elif block.kind == "file":
         (env.workdir / block.arg).write_text(block.body)
     elif block.kind == "python":
-        script = env.workdir / f"snippet_{block.line}.py"
+        script = env.workdir / f"snippet_{Path(block.path).stem}_{block.line}.py"
         script.write_text(env.rewrite(block.body))
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env.env,
                               cwd=env.workdir, timeout=180)
@@ -261,7 +291,7 @@ def _check_output(block: Block, env: Env) -> None:
     script = "exec 2>&1\n" + "\n".join(env.rewrite(c) for c in commands)
     proc = env.run(script)
     assert proc.stdout.splitlines() == expected, \
-        f"README.md line {block.line}: the output printed there is stale; now:\n{proc.stdout}"
+        f"{block.where}: the output printed there is stale; now:\n{proc.stdout}"
 
 
 def _run_demo(block: Block, env: Env) -> None:

@@ -1,5 +1,5 @@
 """A full etcd (alarm NOSPACE) is reported as a clear error and a metric, reads go on working, and the
-README's recovery (compact, defrag, alarm disarm) brings writes back."""
+docs/etcd.md's recovery (compact, defrag, alarm disarm) brings writes back."""
 from __future__ import annotations
 
 import json
@@ -64,7 +64,7 @@ def test_nospace_is_a_clear_error_a_metric_and_recoverable(tmp_path: pathlib.Pat
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "out of space" in (e.value.details() or "")
             assert _nospace_count() >= before + 2
 
-            # The README's recovery: delete what filled it (a plain delete is allowed under NOSPACE), compact
+            # docs/etcd.md's recovery: delete what filled it (a plain delete is allowed under NOSPACE), compact
             # to the current revision, defragment, disarm.
             _etcdctl(ep, "del", "--prefix", FILL.decode())
             status = json.loads(_etcdctl(ep, "endpoint", "status", "--write-out=json"))

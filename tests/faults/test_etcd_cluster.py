@@ -1,7 +1,7 @@
 """The 3-member etcd fault tier: real etcd processes, coordinators and node daemons against them, and each
 fault of the list in issue 7. Every test ends with the history checker over etcd's whole history.
 
-What each fault does, as observed here (the README's "etcd faults" lines say the same):
+What each fault does, as observed here (docs/guarantees.md's "etcd faults" lines say the same):
 
 * kill -9 of the etcd leader during a 50-client race: a new leader within about a second; calls in flight
   are retried (by the coordinator, or the client on UNAVAILABLE), clients carry on; no session lost.

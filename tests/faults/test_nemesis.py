@@ -72,7 +72,7 @@ class Replicas:
     """Two coordinator processes, each behind its own links (to etcd, and from its clients)."""
 
     def __init__(self, endpoints: list[str], prefix: str, tmp: Path) -> None:
-        idle = ["--idle-after", "3", "--idle-below", "5", "--idle-action", "evict"]   # (README "Idle GPUs")
+        idle = ["--idle-after", "3", "--idle-below", "5", "--idle-action", "evict"]   # (docs/policies.md "Idle GPUs")
         self.reps = [LinkedReplica(endpoints, prefix, str(tmp / f"c{i}.log"),
                                    extra=["--session-ttl", str(TTL), *idle]) for i in range(2)]
         self.addrs = [r.address for r in self.reps]

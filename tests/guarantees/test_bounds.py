@@ -1,7 +1,7 @@
 """Everything the coordinator stores in etcd is bounded, every request is bounded, and an over-bound value
 changes nothing.
 
-README "Limits" lists the bounds; ``coordinator/limits.py`` holds them. These tests check them against a
+docs/guarantees.md "Limits" lists the bounds; ``coordinator/limits.py`` holds them. These tests check them against a
 real etcd of the module's own (``own_etcd``: "nothing was written" compares etcd's revision):
 
 * 1,000 sessions opened with every string at its bound grow etcd's database (Maintenance Status dbSize)
@@ -51,7 +51,7 @@ def cluster(own_etcd: list[str], prefix: str) -> Iterator[Cluster]:
     finally:
         c.close()
 
-# README "Limits": what 1,000 sessions with every string at its bound may add to etcd's database.
+# docs/guarantees.md "Limits": what 1,000 sessions with every string at its bound may add to etcd's database.
 DB_GROWTH_PER_1000_SESSIONS = 8 << 20
 MB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""Cordon and drain (issue 31, README "Cordon and drain"): a cordoned host gets no new grant at any revision (the
+"""Cordon and drain (issue 31, docs/policies.md "Cordon and drain"): a cordoned host gets no new grant at any revision (the
 history checker's cordon rule runs after every test here); a call that asked for no wait is refused
 FAILED_PRECONDITION naming ``host`` and the reason; waiters stay queued until the uncordon; bad input is refused
 with the field named and changes nothing. The operator's role is checked by tests/security/test_matrix.py."""

@@ -1,4 +1,4 @@
-"""G3's order with idle leases (issue 31, README "Idle GPUs"): among the candidates of one priority, priority
+"""G3's order with idle leases (issue 31, docs/policies.md "Idle GPUs"): among the candidates of one priority, priority
 eviction takes a lease its replica judges idle before a busy one, although G3 alone would take the newest. Real
 etcd, a coordinator (idle action ``warn``: the idle lease is only judged, never noticed by idle reclaim itself) and
 a node whose simulated GPU 0 runs at 0 % and GPU 1 at 50 %. The history checker runs after each test (G3: the

@@ -1,4 +1,4 @@
-"""Idle GPUs (issue 31, README "Idle GPUs"): real etcd, a coordinator and a node with simulated GPUs whose
+"""Idle GPUs (issue 31, docs/policies.md "Idle GPUs"): real etcd, a coordinator and a node with simulated GPUs whose
 utilization the ``--fake-processes`` file sets. A lease on a GPU at 0 % for the idle window is evicted with the
 reason ``idle`` under ``evict``, only shown (status and ``gpucoord_idle_leases``) under ``warn``; a lease on a GPU
 at 50 % is never touched, nor one on a GPU whose utilization is unknown. Only the order is asserted (the notice

@@ -1,4 +1,4 @@
-"""Admission is linearizable (README "Guarantees"): an answer reflects every write acknowledged before the
+"""Admission is linearizable (docs/guarantees.md "Guarantees"): an answer reflects every write acknowledged before the
 request. A refusal, a wait or an unknown session is decided from a linearizable read, never from a
 serializable one that a lagging etcd member may serve.
 

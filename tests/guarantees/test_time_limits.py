@@ -1,4 +1,4 @@
-"""Time limits (issue 31, README "Time limits"): a lease granted with ``time_limit`` gets an eviction notice with
+"""Time limits (issue 31, docs/policies.md "Time limits"): a lease granted with ``time_limit`` gets an eviction notice with
 the reason ``time-limit`` at its end minus the warning, and is revoked at its end (the kill margin and G3's order
 as for any notice); a waiter for its GPU is granted once it is gone. Only the order is asserted (not before the end
 minus the warning, gone only after the end), with liveness deadlines and no upper time bound. The fleet's default

@@ -1,4 +1,4 @@
-"""Why a request waits, and until when (issue 31 point 5, README "Why a request waits"), against a real etcd, a
+"""Why a request waits, and until when (issue 31 point 5, docs/policies.md "Why a request waits"), against a real etcd, a
 coordinator and a simulated node: the status's queue entries carry their position, a reason naming what blocks
 them (the lease, with its end; the request ahead; the cordon; the team's limit) and, where the blocking lease
 has a time limit, an estimated start, compared with the grant observed in the same run. Every lease a reason

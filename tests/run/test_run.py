@@ -201,7 +201,7 @@ def split_host(cluster: Cluster) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _fake_cgroup_root(tmp_path: Path) -> Path:
-    """A directory shaped like a delegated cgroup v2 directory (NOT a real cgroup: see the README)."""
+    """A directory shaped like a delegated cgroup v2 directory (NOT a real cgroup: see docs/agents.md)."""
     root = tmp_path / "cgroup"
     root.mkdir()
     (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")

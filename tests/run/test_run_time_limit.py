@@ -1,4 +1,4 @@
-"""``gpucoord run --time 4 --signal-before 2 -- CMD`` (issue 31, README "Time limits"): the lease's time-limit
+"""``gpucoord run --time 4 --signal-before 2 -- CMD`` (issue 31, docs/policies.md "Time limits"): the lease's time-limit
 notice makes ``run`` SIGTERM its command (not before the end minus the warning), the command (which traps SIGTERM)
 is SIGKILLed at the notice's deadline, the lease's end, and the lease is gone; a request waiting for the GPU is
 granted after it. Only the order is asserted, with liveness deadlines, never an upper time bound. Bad durations are

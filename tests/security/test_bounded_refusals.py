@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 C = grpc.StatusCode
 HOST = "h1"
 BIG = "x" * 200_000      # a 200 kB field
-QUOTED = 32              # README "Limits": a message quotes at most 32 characters of a value
+QUOTED = 32              # docs/guarantees.md "Limits": a message quotes at most 32 characters of a value
 
 
 @pytest.fixture(scope="module")

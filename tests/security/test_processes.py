@@ -284,7 +284,7 @@ def test_up_secure_cli_uses_the_environment(up: Up) -> None:
 
 
 def test_up_secure_tls_flags_go_before_or_after_the_command(up: Up) -> None:
-    """--tls-ca/--tls-cert/--tls-key are global options (README, "Command-line conventions"): accepted
+    """--tls-ca/--tls-cert/--tls-key are global options (docs/cli.md, "Command-line conventions"): accepted
     before the command, between its words or after it, and they win over GPUCOORD_TLS_*."""
     addr = re.search(r"coordinator: +(127\.0\.0\.1:\d+)", up.output())
     assert addr is not None

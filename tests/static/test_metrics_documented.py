@@ -1,5 +1,6 @@
-"""Every metric is documented in the README with its type and labels, and the Grafana dashboard that ships
-with the package queries only metrics (and labels) that exist, and shows every one of them."""
+"""Every metric is documented with its type and labels (the table after ``<!-- test: metrics -->``, in
+docs/operations.md, "Metrics"), and the Grafana dashboard that ships with the package queries only metrics
+(and labels) that exist, and shows every one of them."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from coordinator import metrics
 from coordinator.deploy import DASHBOARD
 from tests.support import REPO
+from tests.support.docs import all_text, doc_with
 
 PROMQL_WORDS = {"sum", "max", "min", "avg", "by", "rate", "increase", "histogram_quantile", "le", "without"}
 
@@ -30,8 +32,9 @@ def exposed(name: str, kind: str) -> set[str]:
     return {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}
 
 
-def test_the_readme_lists_every_metric_with_its_type_and_labels() -> None:
-    text = (Path(REPO) / "README.md").read_text()
+def test_the_docs_list_every_metric_with_its_type_and_labels() -> None:
+    name, text = doc_with("<!-- test: metrics -->")
+    assert name == "docs/operations.md", name
     table = text.split("<!-- test: metrics -->", 1)[1].strip().split("\n\n", 1)[0]
     rows = {}
     for line in table.splitlines()[2:]:   # after the header and its rule
@@ -63,4 +66,4 @@ def test_the_dashboard_queries_only_metrics_and_labels_that_exist_and_shows_them
 def test_the_dashboard_ships_as_package_data() -> None:
     pyproject = (Path(REPO) / "pyproject.toml").read_text()
     assert '"deploy/*.json"' in pyproject and DASHBOARD.is_file()
-    assert DASHBOARD.relative_to(Path(REPO)).as_posix() in (Path(REPO) / "README.md").read_text()
+    assert DASHBOARD.relative_to(Path(REPO)).as_posix() in all_text()

@@ -1,4 +1,4 @@
-"""The history checker's cordon rule (issue 31, README "Cordon and drain"), fed by the replay of
+"""The history checker's cordon rule (issue 31, docs/policies.md "Cordon and drain"), fed by the replay of
 tests/history.check_history:
 
 * **no grant on a cordoned host**: a lease created (its record's version 1) in a revision after which

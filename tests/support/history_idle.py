@@ -1,4 +1,4 @@
-"""The history checker's idle rule (issue 31, README "Idle GPUs"), fed by the replay of tests/history.check_history:
+"""The history checker's idle rule (issue 31, docs/policies.md "Idle GPUs"), fed by the replay of tests/history.check_history:
 
 * **no idle notice without the reports showing the lease idle for the window**: an eviction notice with the reason
   ``idle`` is put only for a lease granted at least ``MIN_WINDOW_S`` before it (its record's ``created_at`` against

@@ -1,4 +1,4 @@
-"""The history checker's time-limit rule (issue 31, README "Time limits"), fed by the replay of
+"""The history checker's time-limit rule (issue 31, docs/policies.md "Time limits"), fed by the replay of
 tests/history.check_history:
 
 * **no lease outlives its time limit**: a lease whose record carries ``time_limit_s`` ends (its key deleted) by

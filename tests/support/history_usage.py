@@ -8,7 +8,7 @@ lease that never ended), and the record says what the history says:
   latest ``created_at`` of a lease created before it, the latest cursor time before it) and the cursor time of
   the transaction that wrote the record;
 * its GPU-seconds and VRAM-MiB-seconds: GPUs x (end - start) (x VRAM), to the millisecond;
-* how it ended, by the rule of the README (session key deleted in that revision: ``session``; else its
+* how it ended, by the rule of docs/teams.md (session key deleted in that revision: ``session``; else its
   notice deleted: ``revoke``/``reclaim``/``eviction`` by the notice's flags; else ``release``), written
   here again from the history rather than taken from the accountant's code;
 * the rollups, as they stand at the end, sum to the records per team (GPU-seconds, evictions, leases), when

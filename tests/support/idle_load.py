@@ -1,4 +1,4 @@
-"""An idle holder in the nemesis load (issue 31, README "Idle GPUs"): an agent that holds a lease on a GPU the
+"""An idle holder in the nemesis load (issue 31, docs/policies.md "Idle GPUs"): an agent that holds a lease on a GPU the
 node reports at 0 % until it gets a notice (or for at most ``HOLD_S``), releases it and asks again, while the
 replicas run with idle eviction on, so that the history checker's idle rule (no ``idle`` notice unless the usage
 reports over the window show the lease's GPUs known and below the threshold) is checked under every fault. Every

@@ -11,7 +11,7 @@ T = TypeVar("T")
 
 # The deadline of a liveness check ("it happens"), not of how soon: generous enough that no loaded machine
 # (a busy neighbour on 2 shared cores) misses it, while a defect that stops it still fails the test. How soon
-# it happened is printed by the test and measured, as a ratio, by ``gpucoord bench`` (README "Performance").
+# it happened is printed by the test and measured, as a ratio, by ``gpucoord bench`` (docs/performance.md "Performance").
 LIVENESS_S = 60.0
 
 

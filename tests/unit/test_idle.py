@@ -1,4 +1,4 @@
-"""Idle GPUs (issue 31, README "Idle GPUs"), the pure parts (``coordinator/policy/idle.py``): the utilization
+"""Idle GPUs (issue 31, docs/policies.md "Idle GPUs"), the pure parts (``coordinator/policy/idle.py``): the utilization
 history, which leases are idle, which get a notice, the policy's bounds, the team's fields and the fleet's config.
 
 The property: the leases chosen for eviction are exactly those whose every GPU reported a known utilization below

@@ -1,4 +1,4 @@
-"""Idle GPUs (issue 31, README "Idle GPUs"), the replica's sampling (``coordinator/replica/idle.py``) over plain
+"""Idle GPUs (issue 31, docs/policies.md "Idle GPUs"), the replica's sampling (``coordinator/replica/idle.py``) over plain
 records, with no etcd: a fresh report's utilization is sampled as of when the replica first saw it, a stale or
 gone report makes the GPU unknown, and a team's policy overrides the fleet's for its agents."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Time limits (issue 31, README "Time limits"), the pure parts: what a request's limit becomes
+"""Time limits (issue 31, docs/policies.md "Time limits"), the pure parts: what a request's limit becomes
 (``policy.time_limits.resolve``: the default, the maximum, the warning capped at the limit), when a lease is warned
 (``due``), and the lease and queue records that carry the limit (format 4; records without it, an earlier
 release's, have none)."""

@@ -1,4 +1,4 @@
-"""GPU utilization (issue 31, README "Idle GPUs"), the node's side: NVML faked at the pynvml function level (as
+"""GPU utilization (issue 31, docs/policies.md "Idle GPUs"), the node's side: NVML faked at the pynvml function level (as
 tests/unit/test_inventory.py does), the simulated GPUs' settable utilization (``--fake-processes``'s
 ``"utilization"`` entry and ``set_utilization``), and what ``usage/<host>`` carries. Unknown stays -1, never 0."""
 from __future__ import annotations

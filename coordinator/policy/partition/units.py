@@ -87,7 +87,7 @@ def parse_size(value: object, field: str) -> int:
 
 
 def parse_mib(value: object, field: str, round_up: bool = False) -> int:
-    """A size in whole MiB (README, "Sizes"): ``parse_size``'s grammar (a number without a unit is bytes),
+    """A size in whole MiB (docs/cli.md, "Sizes"): ``parse_size``'s grammar (a number without a unit is bytes),
     rounded down (``round_up``: up) to MiB. ``0`` is 0; any other size under 1 MiB is refused naming
     ``field``, never rounded to 0 (``100KiB``, ``100000``)."""
     n = parse_size(value, field)
