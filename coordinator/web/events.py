@@ -1,9 +1,9 @@
 """What happened between two status documents (pure), and the feed that reads them while a page watches.
 
 An event is what one document shows changed from the one before: a lease granted or ended, an eviction or
-revoke notice (with its reason), a host lost or back, a queue entry. The console sees what its reads show:
-a lease granted and ended between two reads is not seen, and a plain revoke (a lease bound to no process)
-reads as an ended lease.
+revoke notice (with its reason), a host lost or back, cordoned (or drained) or uncordoned, a queue entry. The
+console sees what its reads show: a lease granted and ended between two reads is not seen, and a plain revoke
+(a lease bound to no process) reads as an ended lease.
 """
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ def changes(old: Doc | None, new: Doc) -> list[Event]:
             add("host-lost", h["host"], f"host {h['host']} lost (its registration is gone)")
         elif h.get("alive") and not was.get("alive"):
             add("host", h["host"], f"host {h['host']} is back")
+        if was is not None and h.get("cordoned") and not was.get("cordoned"):
+            c = h.get("cordon") or {}
+            add("cordon", h["host"], f"host {h['host']} {'drained' if c.get('drain') else 'cordoned'}: "
+                f"{c.get('reason') or 'no reason given'} (by {c.get('asked_by') or '?'})")
+        elif was is not None and was.get("cordoned") and not h.get("cordoned"):
+            add("uncordon", h["host"], f"host {h['host']} uncordoned")
     old_leases, new_leases = _leases(old), _leases(new)
     for lid, lease in new_leases.items():
         who = f"{lease.get('agent', '')} on {lease.get('host', '')} {_gpus(lease)}"

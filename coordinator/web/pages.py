@@ -42,23 +42,53 @@ def gpu_bar(host: str, g: dict[str, Any]) -> str:
     leased, untracked = int(g.get("leased_mb", 0)), int(g.get("untracked_mb", 0))
     free = max(0, int(g.get("free_mb", 0)))
     used = int(g.get("used_mb", -1))
+    util = utilization(g)
     title = (f"GPU {g.get('index')} {g.get('name', '')}: leased {gib(leased)}, untracked {gib(untracked)}, "
-             f"free {gib(free)} of {gib(usable)} usable" + (f"; NVML used {gib(used)}" if used >= 0 else ""))
+             f"free {gib(free)} of {gib(usable)} usable" + (f"; NVML used {gib(used)}" if used >= 0 else "")
+             + f"; utilization {util}")
     return (f'<div class="gpu" data-host="{e(host)}" data-gpu="{e(g.get("index"))}" data-leased-mb="{leased}" '
-            f'data-untracked-mb="{untracked}" data-free-mb="{free}" title="{e(title)}">'
+            f'data-untracked-mb="{untracked}" data-free-mb="{free}" data-util="{e(util)}" title="{e(title)}">'
             f'<span class="seg leased" style="width:{_pct(leased, usable)}"></span>'
             f'<span class="seg untracked" style="width:{_pct(untracked, usable)}"></span>'
             f'<span class="seg free" style="width:{_pct(free, usable)}"></span>'
-            f'<span class="label">{e(g.get("index"))}: {gib(leased)} / {gib(usable)}</span></div>')
+            f'<span class="label">{e(g.get("index"))}: {gib(leased)} / {gib(usable)}</span>'
+            f'<span class="util">{e(util)}</span></div>')
+
+
+def utilization(g: dict[str, Any]) -> str:
+    """NVML's utilization of a GPU as status has it: ``-1`` (or absent) is unknown, never 0%."""
+    pct = int(g.get("utilization_percent", -1))
+    return f"{pct}%" if pct >= 0 else "unknown"
 
 
 def _host_state(h: dict[str, Any]) -> str:
+    return _liveness(h) + cordon_mark(h)
+
+
+def _liveness(h: dict[str, Any]) -> str:
     if h.get("invalid"):
         return f'<span class="state bad" title="{e(h["invalid"])}">invalid</span>'
     if not h.get("alive"):
         return '<span class="state bad">lost</span>'
     return '<span class="state ok">up</span>' + (' <span class="state warn">usage stale</span>'
                                                  if h.get("usage_stale") else "")
+
+
+def cordon_mark(h: dict[str, Any]) -> str:
+    """A host's cordon as status has it (``cordoned``, ``cordon``, ``draining``); "" when not cordoned."""
+    if not h.get("cordoned"):
+        return ""
+    c = h.get("cordon") or {}
+    state = "draining" if h.get("draining") else "drained" if c.get("drain") else "cordoned"
+    by = f" by {c['asked_by']}" if c.get("asked_by") else ""
+    return (f' <span class="state warn cordon" data-cordon="{state}" title="{e(state + by)}">'
+            f'{state}: {e(c.get("reason") or "no reason given")}</span>')
+
+
+def labels(h: dict[str, Any]) -> str:
+    """A host's labels (``gpucoord node --label``), one ``key=value`` mark each."""
+    marks = "".join(f'<span class="hostlabel">{e(k)}={e(v)}</span>' for k, v in sorted(h.get("labels", {}).items()))
+    return f'<div class="labels">{marks}</div>' if marks else ""
 
 
 def _host_link(name: str) -> str:
@@ -86,7 +116,7 @@ def summary(doc: Doc, events: list[dict[str, Any]]) -> str:
 
 
 def _host_rows(hosts: list[dict[str, Any]]) -> str:
-    rows = [[_host_link(h["host"]), _host_state(h), e(h.get("partition_mode", "")),
+    rows = [[_host_link(h["host"]) + labels(h), _host_state(h), e(h.get("partition_mode", "")),
              '<div class="gpus">' + "".join(gpu_bar(h["host"], g) for g in h.get("gpus", [])) + "</div>",
              str(len(h.get("leases", []))), str(len(h.get("queue", [])))] for h in hosts]
     return _table(("Host", "State", "Partition", "GPUs (leased / untracked / free)", "Leases", "Queue"), rows,
@@ -107,12 +137,41 @@ def _lease_rows(hosts: list[dict[str, Any]], with_host: bool) -> list[list[str]]
             notice = lease.get("eviction") or {}
             state = ("revoking" if notice.get("revoke") else "evicting: " + e(notice.get("reason", ""))) \
                 if notice.get("lease_id") and not notice.get("withdrawn") else "held"
-            created = time.strftime("%H:%M:%S", time.gmtime(float(lease.get("created_at", 0))))
+            state += idle_mark(lease)
             rows.append([*([_host_link(h["host"])] if with_host else []), e(lease["id"]), e(lease.get("agent", "")),
                          e(gpus), gib(int(lease.get("vram_mb", 0))), str(lease.get("priority", 0)),
                          "yes" if lease.get("over_quota") else "", state,
-                         e(",".join(str(p) for p in lease.get("pids", []))), created + " UTC"])
+                         e(",".join(str(p) for p in lease.get("pids", []))),
+                         _clock(float(lease.get("created_at", 0)))])
     return rows
+
+
+def _clock(unix: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(unix)) + " UTC"
+
+
+def idle_mark(lease: dict[str, Any]) -> str:
+    """A lease's idle mark as status has it (``idle``, ``idle_since``, ``idle_action``); "" when not idle."""
+    if not lease.get("idle"):
+        return ""
+    since = float(lease.get("idle_since") or 0)
+    action = lease.get("idle_action") or ""
+    return (f' <span class="state warn idle" data-idle-action="{e(action)}">idle'
+            f'{" since " + _clock(since) if since > 0 else ""}{" (" + e(action) + ")" if action else ""}</span>')
+
+
+def blockers(q: dict[str, Any]) -> str:
+    """Why a waiter waits: its reason line, then what holds it back (status's ``reason`` and ``blockers``)."""
+    items = "".join(f'<li data-kind="{e(b.get("kind", ""))}">{e(b.get("kind", ""))}: {e(b.get("detail", ""))}'
+                    f'{" (ends " + _clock(float(b["ends_at_unix"])) + ")" if b.get("ends_at_unix") else ""}</li>'
+                    for b in q.get("blockers", []))
+    return f'<span class="reason">{e(q.get("reason", ""))}</span>' + (f'<ul class="blockers">{items}</ul>'
+                                                                      if items else "")
+
+
+def estimate(q: dict[str, Any]) -> str:
+    """A waiter's estimated start: a time where status has one (``has_estimate``), else unknown."""
+    return _clock(float(q.get("estimated_start_unix", 0))) if q.get("has_estimate") else "unknown"
 
 
 def _queue_rows(hosts: list[dict[str, Any]], with_host: bool) -> list[list[str]]:
@@ -120,14 +179,15 @@ def _queue_rows(hosts: list[dict[str, Any]], with_host: bool) -> list[list[str]]
     for h in hosts:
         for position, q in enumerate(sorted(h.get("queue", []), key=lambda q: str(q.get("rank", ""))), 1):
             count = max(1, int(q.get("gpu_count", 1)))
-            rows.append([*([_host_link(h["host"])] if with_host else []), str(position), e(q.get("agent", "")),
-                         gib(int(q.get("vram_mb", 0))) + (f" x {count}" if count > 1 else ""),
-                         str(q.get("priority", 0)), e(q.get("gpu") or ",".join(q.get("gpus", [])) or "any")])
+            rows.append([*([_host_link(h["host"])] if with_host else []), str(q.get("position") or position),
+                         e(q.get("agent", "")), gib(int(q.get("vram_mb", 0))) + (f" x {count}" if count > 1 else ""),
+                         str(q.get("priority", 0)), e(q.get("gpu") or ",".join(q.get("gpus", [])) or "any"),
+                         blockers(q), estimate(q)])
     return rows
 
 
 LEASE_HEAD = ("Lease", "Agent", "GPUs", "VRAM each", "Priority", "Borrowed", "State", "Processes", "Granted")
-QUEUE_HEAD = ("Position", "Agent", "VRAM", "Priority", "GPU")
+QUEUE_HEAD = ("Position", "Agent", "VRAM", "Priority", "GPU", "Why it waits", "Estimated start")
 
 
 def leases(doc: Doc, events: list[dict[str, Any]]) -> str:
@@ -147,7 +207,7 @@ def host(doc: Doc, events: list[dict[str, Any]], name: str) -> str | None:
                gib(int(a.get("leased_mb", 0))), str(a.get("leases", 0))] for a in h.get("agents", [])]
     facts = (f'<p class="facts">{_host_state(h)} {e(h.get("address", ""))} · {e(h.get("cpu_count", 0))} CPUs · '
              f'{gib(int(h.get("mem_bytes", 0)) / 1048576)} memory · partition {e(h.get("partition_mode", ""))}'
-             f'{" · simulated GPUs" if h.get("simulated") else ""}</p>')
+             f'{" · simulated GPUs" if h.get("simulated") else ""}</p>{labels(h)}')
     bars = '<div class="gpus wide">' + "".join(gpu_bar(name, g) for g in h.get("gpus", [])) + "</div>"
     return (f"<h1>Host {e(name)}</h1>{facts}{bars}<h2>Leases</h2>"
             + _table(LEASE_HEAD, _lease_rows([h], False), "leases", "No lease is held here.")

@@ -89,3 +89,52 @@ def test_a_teams_bar_is_used_against_the_larger_of_quota_limit_and_use() -> None
     page = pages.main("/teams", d, "", [])
     assert page is not None and 'data-team="research" data-used-mb="4096" data-quota-mb="8192"' in page
     assert 'style="width:25.0%"' in page and 'class="mark quota" style="left:50.0%"' in page
+
+
+def test_hosts_show_labels_cordon_and_utilization_escaped_and_unknown_is_not_zero() -> None:
+    d = doc(lease("a"))
+    h = d["hosts"][0]
+    h.update(labels={"rack": "<b>r4</b>", "zone": "eu"}, cordoned=True, draining=True,
+             cordon={"reason": "<i>disk</i> swap", "drain": True, "asked_by": "op"})
+    h["gpus"][0]["utilization_percent"] = 37
+    h["gpus"].append({**h["gpus"][0], "index": 1, "utilization_percent": -1})
+    page = pages.main("/hosts", d, "", [])
+    assert page is not None and "<b>r4" not in page and "<i>disk" not in page
+    assert '<span class="hostlabel">rack=&lt;b&gt;r4&lt;/b&gt;</span>' in page and "zone=eu" in page
+    assert 'data-cordon="draining"' in page and "draining: &lt;i&gt;disk&lt;/i&gt; swap" in page
+    assert 'data-gpu="0"' in page and 'data-util="37%"' in page and 'data-util="unknown"' in page
+    assert 'data-util="0%"' not in page
+    h.update(draining=False)
+    assert 'data-cordon="drained"' in pages.cordon_mark(h)
+    h.update(cordon={"reason": "", "drain": False})
+    assert 'data-cordon="cordoned"' in pages.cordon_mark(h) and "no reason given" in pages.cordon_mark(h)
+    h.update(cordoned=False)
+    assert pages.cordon_mark(h) == "" and "data-cordon" not in (pages.main("/hosts/h1", d, "", []) or "x data-cordon")
+    assert pages.utilization({}) == "unknown"     # absent: unknown, never 0%
+
+
+def test_leases_show_idle_marks_and_the_queue_why_and_when() -> None:
+    idle = {**lease("a"), "idle": True, "idle_since": 3600.0, "idle_action": "<evict>"}
+    waiter = {"rank": "r1", "agent": "agent-b", "vram_mb": 2048, "position": 2, "reason": "waits for <GPU 0>",
+              "blockers": [{"kind": "lease", "detail": "lease a holds <4 GiB>", "ends_at_unix": 7200.0},
+                           {"kind": "ahead", "detail": "r0 is ahead"}],
+              "estimated_start_unix": 7200.0, "has_estimate": True}
+    unknown = {"rank": "r2", "agent": "agent-c", "vram_mb": 1024, "position": 3, "reason": "no GPU fits",
+               "blockers": [], "estimated_start_unix": 0.0, "has_estimate": False}
+    page = pages.main("/leases", doc(idle, lease("b"), queue=(waiter, unknown)), "", [])
+    assert page is not None and "<evict>" not in page and "<GPU 0>" not in page and "<4 GiB>" not in page
+    assert page.count('class="state warn idle"') == 1 and "idle since 01:00:00 UTC (&lt;evict&gt;)" in page
+    assert '<span class="reason">waits for &lt;GPU 0&gt;</span>' in page
+    assert '<li data-kind="lease">lease: lease a holds &lt;4 GiB&gt; (ends 02:00:00 UTC)</li>' in page
+    assert '<li data-kind="ahead">ahead: r0 is ahead</li>' in page
+    rows = page.split('<table class="queue">')[1].split("<tr>")[2:]
+    assert rows[0].startswith("<td>" + pages._host_link("h1") + "</td><td>2</td>") and "<td>02:00:00 UTC</td>" in rows[0]
+    assert "<td>3</td>" in rows[1] and rows[1].endswith("<td>unknown</td></tr></tbody></table></div>")
+
+
+def test_a_cordon_and_an_uncordon_are_events() -> None:
+    cordoned = doc()
+    cordoned["hosts"][0].update(cordoned=True, cordon={"reason": "disk swap", "drain": True, "asked_by": "op"})
+    events = changes(doc(), cordoned)
+    assert [e["kind"] for e in events] == ["cordon"] and events[0]["text"] == "host h1 drained: disk swap (by op)"
+    assert [e["kind"] for e in changes(cordoned, doc())] == ["uncordon"] and changes(cordoned, cordoned) == []
