@@ -62,7 +62,7 @@ def changes(old: Doc | None, new: Doc) -> list[Event]:
             add("host", h["host"], f"host {h['host']} is back")
         if was is not None and h.get("cordoned") and not was.get("cordoned"):
             c = h.get("cordon") or {}
-            add("cordon", h["host"], f"host {h['host']} {'drained' if c.get('drain') else 'cordoned'}: "
+            add("cordon", h["host"], f"host {h['host']} cordoned{' for a drain' if c.get('drain') else ''}: "
                 f"{c.get('reason') or 'no reason given'} (by {c.get('asked_by') or '?'})")
         elif was is not None and was.get("cordoned") and not h.get("cordoned"):
             add("uncordon", h["host"], f"host {h['host']} uncordoned")

@@ -52,7 +52,7 @@ def gpu_bar(host: str, g: dict[str, Any]) -> str:
             f'<span class="seg untracked" style="width:{_pct(untracked, usable)}"></span>'
             f'<span class="seg free" style="width:{_pct(free, usable)}"></span>'
             f'<span class="label">{e(g.get("index"))}: {gib(leased)} / {gib(usable)}</span>'
-            f'<span class="util">{e(util)}</span></div>')
+            f'<span class="util">util {e(util)}</span></div>')
 
 
 def utilization(g: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """The fleet console in a real browser (chromium, headless): a page follows the fleet over Server-Sent
-Events without reload (an acquire on its host's bar, an eviction in the events, a team's bar), and its pages
-lay out at 1400 and 800 pixels wide. Each test saves a screenshot under its tmp dir and prints its path.
+Events without reload (an acquire on its host's bar, an eviction in the events, a drain's mark on its host, a
+team's bar), and its pages lay out at 1400 and 800 pixels wide. Each test saves a screenshot under its tmp dir and prints its path.
 
 Every wait polls the page with a deadline (``WebDriverWait``); none sleeps.
 """
@@ -133,6 +133,34 @@ def test_an_eviction_appears_in_the_events_with_its_reason(browser: Any, fleet: 
         lease.release()
         until(browser, "the lease's end in the events", "return !!document.querySelector("
               f"'#recent li[data-kind=\"end\"][data-lease=\"{lease.id}\"]')")
+
+
+def test_a_drained_host_is_marked_without_reload(browser: Any, fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    """A drain through the API marks the host on the open hosts page (draining, with its reason), its lease's
+    notice shows as an eviction, and the mark goes with the uncordon: all pushed, none reloaded."""
+    browser.set_window_size(1400, 900)
+    mark = "var m = document.querySelector('table.hosts .cordon');"
+    with Client(fleet.addr, agent="agent-a", host="h1") as c:
+        lease = c.acquire(vram_mb=2048)
+        open_live(browser, fleet.web + "/hosts")
+        assert browser.execute_script(f"{mark} return m === null")
+        util = browser.execute_script("return document.querySelector('.gpu[data-gpu=\"0\"]').getAttribute('data-util')")
+        assert util == "unknown" or util.endswith("%"), util
+        fleet.stub.CordonHost(pb.CordonHostRequest(host="h1", reason="driver <upgrade>", drain=True,
+                                                   grace_seconds=60), timeout=10)
+        text = until(browser, "the host marked as draining",
+                     f"{mark} return m && m.getAttribute('data-cordon') === 'draining' && m.textContent;")
+        assert text == "draining: driver <upgrade>", text
+        until(browser, "the drain's notice in the events", "return !!document.querySelector("
+              f"'#recent li[data-kind=\"evict\"][data-lease=\"{lease.id}\"]')")
+        until(browser, "the drain in the events", "return !!document.querySelector('#recent li[data-kind=\"cordon\"]')")
+        not_reloaded(browser)
+        shot(browser, tmp_path, "hosts-draining")
+        lease.release()
+        until(browser, "the host marked as drained", f"{mark} return m && m.getAttribute('data-cordon') === 'drained'")
+        fleet.stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
+        until(browser, "the mark gone with the uncordon", f"{mark} return m === null")
+        not_reloaded(browser)
 
 
 def test_a_teams_bar_moves(browser: Any, fleet: Fleet, tmp_path: pathlib.Path) -> None:

@@ -103,7 +103,7 @@ def test_hosts_show_labels_cordon_and_utilization_escaped_and_unknown_is_not_zer
     assert '<span class="hostlabel">rack=&lt;b&gt;r4&lt;/b&gt;</span>' in page and "zone=eu" in page
     assert 'data-cordon="draining"' in page and "draining: &lt;i&gt;disk&lt;/i&gt; swap" in page
     assert 'data-gpu="0"' in page and 'data-util="37%"' in page and 'data-util="unknown"' in page
-    assert 'data-util="0%"' not in page
+    assert 'data-util="0%"' not in page and "util 37%</span>" in page and "util unknown</span>" in page
     h.update(draining=False)
     assert 'data-cordon="drained"' in pages.cordon_mark(h)
     h.update(cordon={"reason": "", "drain": False})
@@ -136,5 +136,5 @@ def test_a_cordon_and_an_uncordon_are_events() -> None:
     cordoned = doc()
     cordoned["hosts"][0].update(cordoned=True, cordon={"reason": "disk swap", "drain": True, "asked_by": "op"})
     events = changes(doc(), cordoned)
-    assert [e["kind"] for e in events] == ["cordon"] and events[0]["text"] == "host h1 drained: disk swap (by op)"
+    assert [e["kind"] for e in events] == ["cordon"] and events[0]["text"] == "host h1 cordoned for a drain: disk swap (by op)"
     assert [e["kind"] for e in changes(cordoned, doc())] == ["uncordon"] and changes(cordoned, cordoned) == []
