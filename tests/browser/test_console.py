@@ -1,6 +1,7 @@
 """The fleet console in a real browser (chromium, headless): a page follows the fleet over Server-Sent
 Events without reload (an acquire on its host's bar, an eviction in the events, a drain's mark on its host, a
-team's bar), and its pages lay out at 1400 and 800 pixels wide. Each test saves a screenshot under its tmp dir and prints its path.
+waiter and why it waits, a team's bar), and its pages lay out at 1400 and 800 pixels wide. Each test saves a
+screenshot under its tmp dir and prints its path.
 
 Every wait polls the page with a deadline (``WebDriverWait``); none sleeps.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 import time
 import urllib.request
 from typing import Any, Iterator
@@ -90,6 +92,18 @@ def leased_mb(browser: Any, gpu: int) -> int:
         "return b ? b.getAttribute('data-leased-mb') : -1;"))
 
 
+def wait_in_background(c: Client, got: list[Any]) -> threading.Thread:
+    """``c`` asks for 1 GiB and waits; its lease, or the error it got, is appended to ``got``."""
+    def wait() -> None:
+        try:
+            got.append(c.acquire(vram_mb=1024, wait=120.0))
+        except Exception as e:   # noqa: BLE001 - the test asserts what the thread got
+            got.append(e)
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    return waiter
+
+
 def test_an_acquire_appears_on_the_hosts_bar_without_reload(browser: Any, fleet: Fleet,
                                                             tmp_path: pathlib.Path) -> None:
     browser.set_window_size(1400, 900)
@@ -163,6 +177,28 @@ def test_a_drained_host_is_marked_without_reload(browser: Any, fleet: Fleet, tmp
         not_reloaded(browser)
 
 
+def test_a_waiter_shows_why_it_waits_in_the_queue(browser: Any, fleet: Fleet, tmp_path: pathlib.Path) -> None:
+    """h1 cordoned: a request waits; the open leases page shows it, pushed, with its position, the reason
+    status gives (naming the cordon's reason), its blocker and no estimated start; the uncordon grants it."""
+    browser.set_window_size(1400, 900)
+    fleet.stub.CordonHost(pb.CordonHostRequest(host="h1", reason="driver upgrade"), timeout=10)
+    open_live(browser, fleet.web + "/leases")
+    got: list[Any] = []
+    with Client(fleet.addr, agent="agent-b", host="h1") as c:
+        waiter = wait_in_background(c, got)
+        row = until(browser, "the waiter in the queue", "var r = document.querySelector('table.queue tbody tr');"
+                    " return r && Array.prototype.map.call(r.cells, function (c) { return c.textContent; });")
+        assert row[1:3] == ["1", "agent-b"], row
+        assert "driver upgrade" in row[6] and "cordon:" in row[6] and row[7] == "unknown", row
+        not_reloaded(browser)
+        shot(browser, tmp_path, "queue-waiting")
+        fleet.stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
+        until(browser, "the queue empty once granted", "return !!document.querySelector('p.empty.queue')")
+        waiter.join(60.0)
+        assert got and not isinstance(got[0], Exception), got
+        got[0].release()
+
+
 def test_a_teams_bar_moves(browser: Any, fleet: Fleet, tmp_path: pathlib.Path) -> None:
     fleet.stub.SetTeam(pb.SetTeamRequest(name="research", quota_mb=8192, limit_mb=16384,
                                          members=pb.TeamMembers(patterns=["research-*"])), timeout=10)
@@ -182,9 +218,15 @@ def test_a_teams_bar_moves(browser: Any, fleet: Fleet, tmp_path: pathlib.Path) -
 
 @pytest.mark.parametrize("width", [1400, 800])
 def test_every_page_lays_out_at_this_width(browser: Any, fleet: Fleet, tmp_path: pathlib.Path, width: int) -> None:
-    """No page scrolls sideways; the events sit beside the page when wide and below it when narrow."""
+    """No page scrolls sideways; the events sit beside the page when wide and below it when narrow. h1 holds a
+    lease and is cordoned, with a request waiting, so the cordon's mark and the queue's reasons are laid out."""
     browser.set_window_size(width, 900)
-    with Client(fleet.addr, agent="agent-a", host="h1") as c, c.acquire(vram_mb=1024):
+    got: list[Any] = []
+    with Client(fleet.addr, agent="agent-a", host="h1") as c, c.acquire(vram_mb=1024), \
+            Client(fleet.addr, agent="agent-b", host="h1") as b:
+        fleet.stub.CordonHost(pb.CordonHostRequest(host="h1", reason="driver upgrade in rack 4"), timeout=10)
+        waiter = wait_in_background(b, got)
+        wait_for(lambda: bool(fetch_status(fleet.addr)["hosts"][0]["queue"]), 15, "agent-b's request to wait")
         for path in ("/", "/hosts", "/hosts/h1", "/leases", "/teams", "/events"):
             open_live(browser, fleet.web + path)
             overflow = browser.execute_script("var d = document.documentElement; return d.scrollWidth - d.clientWidth")
@@ -198,6 +240,10 @@ def test_every_page_lays_out_at_this_width(browser: Any, fleet: Fleet, tmp_path:
             else:
                 assert aside["top"] >= main["bottom"], (path, main, aside)
             shot(browser, tmp_path, f"{path.strip('/').replace('/', '-') or 'summary'}-{width}")
+        fleet.stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
+        waiter.join(60.0)
+        assert got and not isinstance(got[0], Exception), got
+        got[0].release()
 
 
 def test_the_console_shows_what_status_json_shows(browser: Any, fleet: Fleet) -> None:
