@@ -259,7 +259,11 @@ def test_a_lease_whose_processes_the_node_no_longer_reports_is_revoked_after_its
             lease = request.result(timeout=20)
             created = lease_created_at(cluster, lease.id)
             assert created > gone.wait(LIVENESS_S)
-            assert created < deadline + 10, "revoked at the margin, not when the node reported the process gone"
+            # Revoked on the node's report, not at the margin (60 s past the deadline): how soon after the
+            # process went is the machine's speed (a loaded run took 10.6 s from the deadline), so the bound is
+            # half the margin, which only the margin's revoke passes.
+            assert created < deadline + 60 / 2, "revoked at the margin, not when the node reported the process gone"
+            print(f"granted {created - deadline:.2f}s after the deadline")
             lease.release()
     finally:
         holder.close()
