@@ -39,6 +39,23 @@ def _background(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]
     return t, out
 
 
+def _two_hosts(cluster: Cluster, h1_gpus: str = "1x16GiB") -> str:
+    """Nodes h1 (``h1_gpus``) and h2 (one 16 GiB GPU), reports only when leases change, and a coordinator with the
+    scenes' grace and kill margin: its address."""
+    cluster.start_node("h1", h1_gpus, heartbeat_s=3600)
+    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
+    return cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+
+
+def _big_and_oth(addr: str) -> None:
+    """Team big with a quota of one GPU's usable VRAM, team oth with two (members big-*, oth-*)."""
+    usable = _usable(addr)
+    stub = coordinator_stub(addr)
+    for team, quota in (("big", usable), ("oth", 2 * usable)):
+        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=quota, members=pb.TeamMembers(patterns=[f"{team}-*"])),
+                     timeout=10)
+
+
 def _notices(cluster: Cluster) -> list[Any]:
     return cluster.get_prefix(cluster.keys.evictions())
 
@@ -48,14 +65,8 @@ def test_a_victim_back_in_quota_during_its_grace_is_not_revoked_and_the_requeste
     """Team big (quota: one GPU) holds h2's GPU (its oldest lease) and both of h1's; oth reclaims the newest, on
     h1's GPU 0. Within the grace big's two older leases end: GPU 1 of h1 is free, and the victim is big's only
     lease, in quota. oth is granted GPU 1 at once, the notice is withdrawn, and the victim keeps its lease."""
-    cluster.start_node("h1", "2x16GiB", heartbeat_s=3600)
-    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
-    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
-    usable = _usable(addr)
-    stub = coordinator_stub(addr)
-    for team, quota in (("big", usable), ("oth", 2 * usable)):
-        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=quota, members=pb.TeamMembers(patterns=[f"{team}-*"])),
-                     timeout=10)
+    addr = _two_hosts(cluster, "2x16GiB")
+    _big_and_oth(addr)
     with Client(addr, agent="big-1", host="h2") as b1, Client(addr, agent="big-2", host="h1") as b2, \
             Client(addr, agent="oth-1", host="h1") as o:
         oldest = b1.acquire(0, exclusive=True)
@@ -79,9 +90,7 @@ def test_a_requester_that_its_team_limit_blocks_after_choosing_victims_withdraws
     its team's limit (and no longer within its quota), needs no victim, so the notice is withdrawn and b's
     lease stays; the wait ends naming the team. (A victim of the requester's own team would free room under
     the limit as well: G3 within a team, so the scene takes another team's lease.)"""
-    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
-    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
-    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    addr = _two_hosts(cluster)
     stub = coordinator_stub(addr)
     stub.SetTeam(pb.SetTeamRequest(name="a", quota_mb=16384, limit_mb=20480,
                                    members=pb.TeamMembers(patterns=["a-*"])), timeout=10)
@@ -123,14 +132,8 @@ def test_a_reclaim_victim_back_in_quota_is_not_revoked_while_its_requester_still
     big's lease on h2 ends: the victim is big's only lease, in quota, and may not be reclaimed any more. oth's
     request (for h1, where nothing is free) keeps waiting, past the notice's deadline: the notice is withdrawn,
     the victim is not revoked, and oth's wait ends without a grant."""
-    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
-    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
-    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
-    usable = _usable(addr)
-    stub = coordinator_stub(addr)
-    for team, quota in (("big", usable), ("oth", 2 * usable)):
-        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=quota, members=pb.TeamMembers(patterns=[f"{team}-*"])),
-                     timeout=10)
+    addr = _two_hosts(cluster)
+    _big_and_oth(addr)
     with Client(addr, agent="big-1", host="h2") as b1, Client(addr, agent="big-2", host="h1") as b2, \
             Client(addr, agent="oth-1", host="h1") as o:
         oldest = b1.acquire(0, exclusive=True)
@@ -150,9 +153,7 @@ def test_an_exclusive_requester_whose_team_passes_its_quota_meanwhile_withdraws_
     exclusive request (at least a whole GPU) it is over its quota, so it may not reclaim; the notice is withdrawn,
     b's lease is not revoked, and oth's request waits until its wait ends. (Counted as 0 MiB, an exclusive
     request stayed "within its quota" and the reclaim was carried out.)"""
-    cluster.start_node("h1", "1x16GiB", heartbeat_s=3600)
-    cluster.start_node("h2", "1x16GiB", heartbeat_s=3600)
-    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=KILL_MARGIN_S)
+    addr = _two_hosts(cluster)
     usable = _usable(addr)
     stub = coordinator_stub(addr)
     stub.SetTeam(pb.SetTeamRequest(name="oth", quota_mb=usable, members=pb.TeamMembers(patterns=["oth-*"])),

@@ -40,6 +40,12 @@ def test_a_model_quota_may_give_the_smaller_witness() -> None:
 def test_with_its_witness_alive_a_victim_stays_over_quota_whatever_else_ends(sizes: list[tuple[int, str]],
                                                                            data: st.DataObject) -> None:
     charges = [_c(i, mb, model) for i, (mb, model) in enumerate(sizes)]
+    _witness_keeps_each_victim_over_quota(charges, data)
+
+
+def _witness_keeps_each_victim_over_quota(charges: list[Charge], data: st.DataObject) -> None:
+    """A victim has a witness exactly when it is over quota, and while its witness lives it stays over quota
+    whatever else of its team ends."""
     marks = in_quota(charges, TEAMS)
     for victim in charges:
         witness = quota_witness(victim, charges, TEAMS)
@@ -89,14 +95,4 @@ PARTS = st.lists(st.tuples(st.integers(1, 8), st.sampled_from(["", "big"])), min
 def test_with_its_witness_alive_a_gang_over_models_stays_over_quota_whatever_else_ends(
         leases: list[list[tuple[int, str]]], data: st.DataObject) -> None:
     charges = [_gang(i, parts) for i, parts in enumerate(leases)]
-    marks = in_quota(charges, TEAMS)
-    for victim in charges:
-        witness = quota_witness(victim, charges, TEAMS)
-        assert (witness is None) == marks[victim.id]
-        if witness is None:
-            continue
-        keep = {c.id for c in witness} | {victim.id}
-        ended = data.draw(st.sets(st.sampled_from([c.id for c in charges if c.id not in keep]) if
-                                  len(charges) > len(keep) else st.nothing()))
-        left = [c for c in charges if c.id not in ended]
-        assert not in_quota(left, TEAMS)[victim.id]
+    _witness_keeps_each_victim_over_quota(charges, data)
