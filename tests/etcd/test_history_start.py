@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.txn import Range
 from tests.history import history_start, read_history
-from tests.support.cluster import Cluster, EtcdEndpoint
+from tests.support.cluster import Cluster, EtcdEndpoint, revision
 
 pytestmark = pytest.mark.integration
 
@@ -17,9 +16,9 @@ def test_a_new_prefix_is_read_from_where_it_was_empty_and_loses_no_event(etcd: E
     try:
         for i in range(20):                       # earlier history of the shared etcd, under another prefix
             elsewhere.lt.run(elsewhere.store.put(elsewhere.keys.root() + b"k%d" % i, b"{}"))
+        before = revision(elsewhere)
     finally:
         elsewhere.close()
-    before = revision_of(etcd)
     cluster = Cluster(etcd.endpoints, prefix + "mine/")
     try:
         root = cluster.keys.root()
@@ -47,10 +46,3 @@ def test_a_prefix_that_already_holds_keys_is_read_from_revision_1(etcd: EtcdEndp
     finally:
         again.close()
 
-
-def revision_of(etcd: EtcdEndpoint) -> int:
-    c = Cluster(etcd.endpoints, "/gpucoord-revision-probe/")
-    try:
-        return int(c.lt.run(c.store.snapshot([Range(b"/")])).revision)
-    finally:
-        c.close()

@@ -35,7 +35,7 @@ from coordinator.limits import (
     MAX_SPEC_BYTES,
     MAX_TTL_S,
 )
-from tests.support.cluster import Cluster, revision, writes_since
+from tests.support.cluster import Cluster, events_since, revision, writes_since
 from tests.support.patching import is_put, patch_commit
 from tests.support.waiting import LoopThread
 
@@ -284,22 +284,11 @@ def test_message_size_agent_count_and_nesting_of_a_spec(env: Any) -> None:
     assert not writes_since(cluster, before)
 
 
-def _session_counts(cluster: Cluster, agent: str, after: int, until: int) -> tuple[int, int, int]:
-    """From etcd's history of ``sessions/<agent>/`` between revisions ``after`` and ``until``: the sessions created,
-    the sessions ended, and the most that were open at once (at any revision)."""
+def _session_counts(cluster: Cluster, agent: str, after: int) -> tuple[int, int, int]:
+    """From etcd's history of ``sessions/<agent>/`` since revision ``after``: the sessions created, the sessions
+    ended, and the most that were open at once (at any revision)."""
     prefix = cluster.keys.sessions(agent)
-
-    async def collect() -> list[tuple[str, int]]:
-        seen: list[tuple[str, int]] = []
-        if until <= after:
-            return seen
-        # The whole keyspace is watched so that the event at ``until`` (any key's) ends the read.
-        async for batch in cluster.store.watch(b"/", start_revision=after + 1):
-            seen += [(ev.kind, ev.kv.mod_revision) for ev in batch.events if ev.kv.key.startswith(prefix)]
-            if batch.events and batch.events[-1].kv.mod_revision >= until:
-                break
-        return seen
-    events = [e for e in cluster.lt.run(collect()) if e[1] <= until]
+    events = [(kind, rev) for kind, key, rev in events_since(cluster, after) if key.startswith(prefix)]
     open_now = most = created = ended = 0
     for kind, _ in events:
         if kind == "PUT":
@@ -346,7 +335,7 @@ def test_ten_thousand_open_sessions_leave_at_most_the_cap(env: Any) -> None:
 
     codes = asyncio.run(flood())
     sessions = cluster.get_prefix(cluster.keys.sessions("flood"))
-    created, ended, most = _session_counts(cluster, "flood", before, revision(cluster))
+    created, ended, most = _session_counts(cluster, "flood", before)
     assert most <= cap, (most, codes)
     # No OK without its session; a session created beyond the OKs is one whose answer was UNAVAILABLE (its commit's
     # outcome unknown to the replica, which then revoked its etcd_lease: ended in the history too).

@@ -237,11 +237,8 @@ def revision(cluster: Cluster) -> int:
     return int(cluster.lt.run(cluster.store.snapshot([Range(b"/")])).revision)
 
 
-def writes_since(cluster: Cluster, before: int) -> list[str]:
-    """Keys written (put or deleted) after revision ``before``, other than the node daemon's own
-    ``hosts/`` and ``usage/`` (it republishes usage by itself when leases change) and the leader's
-    ``accounting/`` (usage records of leases that ended before, written moments later): on an etcd of the
-    module's own, an empty list means nothing that a request could have caused was written."""
+def events_since(cluster: Cluster, before: int) -> list[tuple[str, bytes, int]]:
+    """(kind, key, mod_revision) of every event after revision ``before`` up to etcd's current revision."""
     now = revision(cluster)
     if now == before:
         return []
@@ -253,6 +250,13 @@ def writes_since(cluster: Cluster, before: int) -> list[str]:
             if any(rev >= now for *_, rev in seen):
                 return seen
         return seen
-    events = cluster.lt.run(asyncio.wait_for(collect(), 10))
-    return [f"{kind} {key.decode(errors='replace')}" for kind, key, rev in events
-            if rev <= now and cluster.keys.parse(key)[0] not in ("hosts", "usage", "accounting")]
+    return [e for e in cluster.lt.run(asyncio.wait_for(collect(), 10)) if e[2] <= now]
+
+
+def writes_since(cluster: Cluster, before: int) -> list[str]:
+    """Keys written (put or deleted) after revision ``before``, other than the node daemon's own
+    ``hosts/`` and ``usage/`` (it republishes usage by itself when leases change) and the leader's
+    ``accounting/`` (usage records of leases that ended before, written moments later): on an etcd of the
+    module's own, an empty list means nothing that a request could have caused was written."""
+    return [f"{kind} {key.decode(errors='replace')}" for kind, key, rev in events_since(cluster, before)
+            if cluster.keys.parse(key)[0] not in ("hosts", "usage", "accounting")]
