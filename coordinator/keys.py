@@ -25,6 +25,9 @@ key                                    value                                    
 ``queue/<host>/<rank>``                a waiting request; rank sorts by priority (highest first),  waiter's session      coordinator                        created with version == 0; every admission compares the grant's transaction, a timed-out or
                                        then arrival                                                                                                             that no entry changed since its snapshot            cancelled waiter, session expiry, leader sweep,
                                                                                                                                                                                                                     an arrival that displaces it (full queue)
+``gangqueue/<rank>``                   a waiting multi-host gang (format 5: hosts, same, prefer);  waiter's session      the replica serving the waiting    created with version == 0; its grant compares it    the grant's transaction (with its
+                                       its reservation on each host is an entry of                                       RPC                                (and every ledger of every host it touches) and     reservations), a timed-out or cancelled
+                                       ``queue/<host>/<rank>`` (same rank) listing ``reserve``                                                              each host's queue condition                         waiter, session expiry
 ``evictions/<lease_id>``               who asked (and its priority), why, deadline                 victim's session      the deciding coordinator, or an    created with version == 0, comparing the victim's   release of the victim, leader at deadline +
                                                                                                                          operator; the leader enforces      mod_revision                                        the kill margin (or earlier once the node
                                                                                                                                                                                                                     reports none of its processes)
@@ -174,6 +177,13 @@ class Keys:
 
     def queue(self, host: str | None = None) -> bytes:
         return self._dir("queue", host) if host else self._dir("queue")
+
+    def gang_queue_entry(self, rank: str) -> bytes:
+        """``gangqueue/<rank>``: a waiting multi-host gang (issue 30), ranked as ``queue/<host>/<rank>``."""
+        return self._k("gangqueue", rank)
+
+    def gang_queue(self) -> bytes:
+        return self._dir("gangqueue")
 
     def eviction(self, lease_id: str) -> bytes:
         return self._k("evictions", lease_id)

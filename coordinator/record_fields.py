@@ -25,7 +25,10 @@ MAX_STORED_INT = 2**62
 # Format 4 (time limits, issue 31) adds ``time_limit_s`` and ``time_limit_warning_s`` (a lease's limit, its end
 # being ``created_at`` + the limit, and how long before it its holder is warned); only records with a limit
 # are written in it, and a record without them (an earlier release's) has no limit.
-FORMAT = 4
+# Format 5 (multi-host gangs, issue 30) adds a lease's ``hosts`` (every host's part, in rank order: [host,
+# [gpu uuids]]) and a queue entry's ``hosts``/``same``/``prefer``/``reserve`` (a multi-host gang's request and,
+# on a host's queue, the GPUs it reserves there); only multi-host records are written in it.
+FORMAT = 5
 
 
 class InvalidRecord(ValueError):

@@ -47,6 +47,15 @@ class Gang:
     exclusive: bool = False
     topology: str = "any"
     gpus: tuple[str, ...] = ()
+    # Multi-host gangs (issue 30): ``gpu_count`` GPUs on each of ``hosts`` distinct hosts; ``same``: a label key
+    # every host must share the value of; ``prefer``: a label key whose shared value is preferred.
+    hosts: int = 1
+    same: str = ""
+    prefer: str = ""
+
+
+# A multi-host gang's parts, in rank order: (host, the uuids of its GPUs there, in index order).
+Parts = tuple[tuple[str, tuple[str, ...]], ...]
 
 
 class StoredKV(Protocol):
@@ -100,16 +109,31 @@ class VramLease:
     # notice (reason ``time-limit``) time_limit_warning_s before (``replica/time_limits.py``).
     time_limit_s: float = 0.0
     time_limit_warning_s: float = 0.0
+    # Multi-host gangs (issue 30), format 5: every host's part, in rank order (this record's host among them;
+    # ``gang`` still lists this host's GPUs when it holds two or more). () for a lease of one host.
+    hosts: Parts = ()
     etcd_lease: int = 0
     mod_revision: int = 0
 
     @property
     def gpus(self) -> tuple[str, ...]:
-        """The uuids of every GPU the lease holds (this one alone for a single-GPU lease)."""
+        """The uuids of every GPU the lease holds on this record's host (this one alone for a single GPU)."""
         return self.gang or (self.gpu_uuid,)
 
     @property
+    def parts(self) -> Parts:
+        """Every host's part of the lease, in rank order (one part, this host's, for a lease of one host)."""
+        return self.hosts or ((self.host, self.gpus),)
+
+    @property
+    def rank(self) -> int:
+        """This record's host's rank in a multi-host gang (0 for a lease of one host)."""
+        return next((n for n, (h, _) in enumerate(self.hosts) if h == self.host), 0)
+
+    @property
     def format(self) -> int:
+        if self.hosts:
+            return 5
         if self.time_limit_s:
             return 4
         if self.min_runtime_s or self.over_quota is not None:
@@ -129,6 +153,8 @@ class VramLease:
                 d["over_quota"] = self.over_quota
         if self.format > 3:
             d.update(time_limit_s=self.time_limit_s, time_limit_warning_s=self.time_limit_warning_s)
+        if self.format > 4:
+            d["hosts"] = [[h, list(u)] for h, u in self.hosts]
         return d
 
     @classmethod
@@ -136,11 +162,13 @@ class VramLease:
         """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
         version = format_of(d, "lease")
-        unknown_fields(d, _LEASE_KEYS if version > 3 else _LEASE_KEYS_V3 if version > 2 else _LEASE_KEYS_V2
+        unknown_fields(d, _LEASE_KEYS if version > 4 else _LEASE_KEYS_V4 if version > 3 else _LEASE_KEYS_V3 if version > 2 else _LEASE_KEYS_V2
                        if version > 1 else _LEASE_KEYS_V1)
         gpu_uuid = str_of(d, "gpu_uuid")
         gang, exclusive, topology = gang_of(d, gpu_uuid)
-        return cls(id=str_of(d, "id", name=True), host=str_of(d, "host"), gpu_uuid=gpu_uuid,
+        host = str_of(d, "host")
+        hosts = parts_of(d, host, gang or (gpu_uuid,))
+        return cls(id=str_of(d, "id", name=True), host=host, gpu_uuid=gpu_uuid,
                    gpu_index=int_of(d, "gpu_index", hi=1 << 16), agent=str_of(d, "agent"),
                    session_id=str_of(d, "session_id"), vram_mb=int_of(d, "vram_mb", 1, 1 << 30),
                    priority=int_of(d, "priority", -(1 << 31), 1 << 31), preemptible=bool_of(d, "preemptible"),
@@ -149,7 +177,31 @@ class VramLease:
                    gang=gang, exclusive=exclusive, topology=topology,
                    min_runtime_s=seconds_of(d, "min_runtime_s"), over_quota=bool_of(d, "over_quota") if "over_quota" in d else None,
                    time_limit_s=seconds_of(d, "time_limit_s"), time_limit_warning_s=seconds_of(d, "time_limit_warning_s"),
-                   etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
+                   hosts=hosts, etcd_lease=kv.etcd_lease, mod_revision=kv.mod_revision)
+
+
+MAX_GANG_HOSTS = 64
+
+
+def parts_of(d: dict[str, object], host: str, own: tuple[str, ...]) -> Parts:
+    """A lease record's ``hosts`` (format 5): two hosts or more, distinct, this record's host among them with
+    exactly its own GPUs; () when absent."""
+    raw = list_of(d, "hosts", [])
+    if not raw:
+        return ()
+    if not 2 <= len(raw) <= MAX_GANG_HOSTS:
+        raise fail("hosts", f"expected 2 to {MAX_GANG_HOSTS} parts")
+    out = []
+    for part in raw:
+        if (not isinstance(part, list) or len(part) != 2 or not isinstance(part[0], str)
+                or not isinstance(part[1], list) or not 1 <= len(part[1]) <= 1024
+                or not all(isinstance(u, str) for u in part[1])):
+            raise fail("hosts", "expected [host, [gpu uuids]] parts")
+        out.append((part[0], tuple(str(u) for u in part[1])))
+    names = [h for h, _ in out]
+    if len(set(names)) != len(names) or dict(out).get(host) != tuple(own):
+        raise fail("hosts", "expected distinct hosts, this record's with its own GPUs")
+    return tuple(out)
 
 
 def gang_of(d: dict[str, object], gpu_uuid: str) -> tuple[tuple[str, ...], bool, str]:
@@ -168,11 +220,12 @@ def gang_of(d: dict[str, object], gpu_uuid: str) -> tuple[tuple[str, ...], bool,
 _LEASE_FIELDS = tuple(f.name for f in dataclasses.fields(VramLease)
                       if f.name not in ("etcd_lease", "mod_revision", "pids", "pgid", "gang", "exclusive",
                                         "topology", "min_runtime_s", "over_quota", "time_limit_s",
-                                        "time_limit_warning_s"))
+                                        "time_limit_warning_s", "hosts"))
 _LEASE_KEYS_V1 = frozenset(_LEASE_FIELDS) | {"pids", "pgid"}
 _LEASE_KEYS_V2 = _LEASE_KEYS_V1 | {"format", "gang", "exclusive", "topology"}
 _LEASE_KEYS_V3 = _LEASE_KEYS_V2 | {"min_runtime_s", "over_quota"}
-_LEASE_KEYS = _LEASE_KEYS_V3 | {"time_limit_s", "time_limit_warning_s"}
+_LEASE_KEYS_V4 = _LEASE_KEYS_V3 | {"time_limit_s", "time_limit_warning_s"}
+_LEASE_KEYS = _LEASE_KEYS_V4 | {"hosts"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,10 +281,23 @@ class QueueEntry:
     min_runtime_s: float = 0.0      # format 3: the minimum runtime its lease declares (teams' reclaim)
     time_limit_s: float = 0.0       # format 4: its lease's time limit and warning (as on VramLease)
     time_limit_warning_s: float = 0.0
+    # Format 5, a multi-host gang (issue 30): ``gpu_count`` GPUs on each of ``hosts`` hosts (``same``/``prefer``:
+    # label keys). Its request waits as ``gangqueue/<rank>``; under ``queue/<host>/<rank>`` an entry of it is its
+    # reservation there: ``reserve`` lists the GPUs (uuids) that no request ranked after it is granted (G2).
+    hosts: int = 1
+    same: str = ""
+    prefer: str = ""
+    reserve: tuple[str, ...] = ()
     mod_revision: int = 0
 
     @property
+    def multi_host(self) -> bool:
+        return self.hosts > 1
+
+    @property
     def format(self) -> int:
+        if self.hosts > 1:
+            return 5
         if self.time_limit_s:
             return 4
         if self.min_runtime_s:
@@ -252,6 +318,11 @@ class QueueEntry:
             d.pop("min_runtime_s")
         if self.format < 4:
             d.pop("time_limit_s"), d.pop("time_limit_warning_s")
+        if self.format < 5:
+            for f in _QUEUE_V5:
+                d.pop(f)
+        else:
+            d["reserve"] = list(self.reserve)
         return d
 
     @classmethod
@@ -259,9 +330,13 @@ class QueueEntry:
         """InvalidRecord (naming the field) for a malformed value; NewerFormat for a newer release's."""
         d = load_record(kv.value)
         version = format_of(d, "queue")
-        unknown_fields(d, _QUEUE_KEYS if version > 3 else _QUEUE_KEYS - _QUEUE_V4 if version > 2
-                       else _QUEUE_KEYS - _QUEUE_V3 - _QUEUE_V4 if version > 1
-                       else _QUEUE_KEYS - _QUEUE_V2 - _QUEUE_V3 - _QUEUE_V4 - {"format"})
+        below5 = _QUEUE_KEYS - _QUEUE_V5
+        unknown_fields(d, _QUEUE_KEYS if version > 4 else below5 if version > 3 else below5 - _QUEUE_V4 if version > 2
+                       else below5 - _QUEUE_V3 - _QUEUE_V4 if version > 1
+                       else below5 - _QUEUE_V2 - _QUEUE_V3 - _QUEUE_V4 - {"format"})
+        reserve = list_of(d, "reserve", [])
+        if len(reserve) > 1024 or not all(isinstance(v, str) for v in reserve):
+            raise fail("reserve", "expected a list of GPU uuids")
         victims = list_of(d, "victims", [])
         gpus = list_of(d, "gpus", [])
         if not all(isinstance(v, str) for v in victims):
@@ -282,12 +357,15 @@ class QueueEntry:
                    wait_s=num_of(d, "wait_s", 0.0), gpu_count=int_of(d, "gpu_count", 1, 1024, default=1),
                    exclusive=exclusive, topology=topology, gpus=tuple(str(g) for g in gpus),
                    min_runtime_s=seconds_of(d, "min_runtime_s"), time_limit_s=seconds_of(d, "time_limit_s"),
-                   time_limit_warning_s=seconds_of(d, "time_limit_warning_s"), mod_revision=kv.mod_revision)
+                   time_limit_warning_s=seconds_of(d, "time_limit_warning_s"),
+                   hosts=int_of(d, "hosts", 1, MAX_GANG_HOSTS, default=1), same=str_of(d, "same", ""),
+                   prefer=str_of(d, "prefer", ""), reserve=tuple(str(v) for v in reserve), mod_revision=kv.mod_revision)
 
 
 _QUEUE_V2 = frozenset({"gpu_count", "exclusive", "topology", "gpus"})
 _QUEUE_V3 = frozenset({"min_runtime_s"})
 _QUEUE_V4 = frozenset({"time_limit_s", "time_limit_warning_s"})
+_QUEUE_V5 = frozenset({"hosts", "same", "prefer", "reserve"})
 _QUEUE_KEYS = frozenset(f.name for f in dataclasses.fields(QueueEntry)) - {"rank", "mod_revision"} | {"format"}
 
 
