@@ -36,7 +36,7 @@ from tests.static.import_graph import REPO, cycles, graph
 BASE_LAYERS = {
     "limits": {"coordinator.limits"},
     "core": {"coordinator", "coordinator.keys", "coordinator.errors", "coordinator.clock", "coordinator.records",
-             "coordinator.record_fields", "coordinator.host_records",
+             "coordinator.record_fields", "coordinator.host_records", "coordinator.notice_records",
              "coordinator.aio", "coordinator.txn"},
     "security": set(),      # coordinator.security and its modules
     "config": {"coordinator.config", "coordinator.metrics", "coordinator.metrics_http"},
