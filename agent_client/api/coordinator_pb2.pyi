@@ -87,7 +87,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology", "min_runtime_seconds", "over_quota", "time_limit_seconds", "idle", "idle_since", "idle_action")
+    __slots__ = ("id", "host", "gpu_uuid", "gpu_index", "vram_mb", "priority", "preemptible", "token", "agent", "session_id", "request_id", "created_at", "ttl_remaining", "pids", "pgid", "eviction", "gpus", "exclusive", "topology", "min_runtime_seconds", "over_quota", "time_limit_seconds", "idle", "idle_since", "idle_action", "hosts")
     ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class Lease(_message.Message):
     IDLE_FIELD_NUMBER: _ClassVar[int]
     IDLE_SINCE_FIELD_NUMBER: _ClassVar[int]
     IDLE_ACTION_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     host: str
     gpu_uuid: str
@@ -138,22 +139,27 @@ class Lease(_message.Message):
     idle: bool
     idle_since: float
     idle_action: str
-    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., min_runtime_seconds: _Optional[float] = ..., over_quota: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ..., idle: _Optional[bool] = ..., idle_since: _Optional[float] = ..., idle_action: _Optional[str] = ...) -> None: ...
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., host: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., gpu_index: _Optional[int] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., token: _Optional[int] = ..., agent: _Optional[str] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., created_at: _Optional[float] = ..., ttl_remaining: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ..., pgid: _Optional[int] = ..., eviction: _Optional[_Union[EvictionNotice, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[LeaseGpu, _Mapping]]] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., min_runtime_seconds: _Optional[float] = ..., over_quota: _Optional[bool] = ..., time_limit_seconds: _Optional[float] = ..., idle: _Optional[bool] = ..., idle_since: _Optional[float] = ..., idle_action: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseGpu(_message.Message):
-    __slots__ = ("index", "uuid", "token", "vram_mb")
+    __slots__ = ("index", "uuid", "token", "vram_mb", "host", "rank")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     token: int
     vram_mb: int
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., token: _Optional[int] = ..., vram_mb: _Optional[int] = ...) -> None: ...
+    host: str
+    rank: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., token: _Optional[int] = ..., vram_mb: _Optional[int] = ..., host: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds", "gpu_count", "exclusive", "topology", "gpus", "min_runtime_seconds", "time_limit_seconds", "time_limit_warning_seconds")
+    __slots__ = ("session", "vram_mb", "gpu", "priority", "preemptible", "request_id", "wait_seconds", "gpu_count", "exclusive", "topology", "gpus", "min_runtime_seconds", "time_limit_seconds", "time_limit_warning_seconds", "hosts", "same", "prefer")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +174,9 @@ class AcquireRequest(_message.Message):
     MIN_RUNTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_WARNING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    SAME_FIELD_NUMBER: _ClassVar[int]
+    PREFER_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     vram_mb: int
     gpu: str
@@ -182,7 +191,10 @@ class AcquireRequest(_message.Message):
     min_runtime_seconds: float
     time_limit_seconds: float
     time_limit_warning_seconds: float
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ..., min_runtime_seconds: _Optional[float] = ..., time_limit_seconds: _Optional[float] = ..., time_limit_warning_seconds: _Optional[float] = ...) -> None: ...
+    hosts: int
+    same: str
+    prefer: str
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., vram_mb: _Optional[int] = ..., gpu: _Optional[str] = ..., priority: _Optional[int] = ..., preemptible: _Optional[bool] = ..., request_id: _Optional[str] = ..., wait_seconds: _Optional[float] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., topology: _Optional[str] = ..., gpus: _Optional[_Iterable[str]] = ..., min_runtime_seconds: _Optional[float] = ..., time_limit_seconds: _Optional[float] = ..., time_limit_warning_seconds: _Optional[float] = ..., hosts: _Optional[int] = ..., same: _Optional[str] = ..., prefer: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease", "owner")
@@ -349,7 +361,7 @@ class AgentUse(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., allocation_json: _Optional[str] = ..., leased_mb: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class QueueEntry(_message.Message):
-    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id", "gpu_count", "exclusive", "gpus", "topology", "position", "reason", "blockers", "estimated_start_unix", "has_estimate")
+    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id", "gpu_count", "exclusive", "gpus", "topology", "position", "reason", "blockers", "estimated_start_unix", "has_estimate", "hosts", "same", "prefer", "reserve")
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +377,10 @@ class QueueEntry(_message.Message):
     BLOCKERS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_START_UNIX_FIELD_NUMBER: _ClassVar[int]
     HAS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    SAME_FIELD_NUMBER: _ClassVar[int]
+    PREFER_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     rank: str
     agent: str
     vram_mb: int
@@ -380,7 +396,11 @@ class QueueEntry(_message.Message):
     blockers: _containers.RepeatedCompositeFieldContainer[WaitBlocker]
     estimated_start_unix: float
     has_estimate: bool
-    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., position: _Optional[int] = ..., reason: _Optional[str] = ..., blockers: _Optional[_Iterable[_Union[WaitBlocker, _Mapping]]] = ..., estimated_start_unix: _Optional[float] = ..., has_estimate: _Optional[bool] = ...) -> None: ...
+    hosts: int
+    same: str
+    prefer: str
+    reserve: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., position: _Optional[int] = ..., reason: _Optional[str] = ..., blockers: _Optional[_Iterable[_Union[WaitBlocker, _Mapping]]] = ..., estimated_start_unix: _Optional[float] = ..., has_estimate: _Optional[bool] = ..., hosts: _Optional[int] = ..., same: _Optional[str] = ..., prefer: _Optional[str] = ..., reserve: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WaitBlocker(_message.Message):
     __slots__ = ("kind", "detail", "lease_id", "agent", "gpus", "vram_mb", "ends_at_unix", "rank", "priority")
