@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any
 
 from coordinator.host_records import CordonRecord
+from coordinator.keys import Keys
 from coordinator.policy.admission import GpuView
 from coordinator.policy.partition import Partition, default_partition
 from coordinator.records import (
@@ -14,6 +15,7 @@ from coordinator.records import (
     StoredKV,
     VramLease,
 )
+from coordinator.txn import Compare, Exists, ModRevisionIs, NothingWrittenSince
 
 
 @dataclasses.dataclass
@@ -58,3 +60,23 @@ class HostView:
             return self.partition
         assert self.inventory is not None
         return default_partition(self.inventory)
+
+
+def host_guards(keys: Keys, view: HostView, host_must_live: bool = True) -> list[Compare]:
+    """What a transaction that admits or queues on ``view``'s host compares: nothing admitted or queued there since
+    the snapshot and none of the records it read rewritten (``Round._guards``; a multi-host gang's grant compares
+    this for each of its hosts)."""
+    host = view.host
+    out: list[Compare] = []
+    if host_must_live:
+        out.append(ModRevisionIs(keys.host(host), view.host_kv.mod_revision) if view.host_kv is not None
+                   else Exists(keys.host(host)))
+        out.append(NothingWrittenSince(keys.leases(host), view.revision))
+        out.append(NothingWrittenSince(keys.departings(host), view.revision))
+    out.append(ModRevisionIs(keys.partition(host), view.partition_kv.mod_revision if view.partition_kv else 0))
+    # Not cordoned since the snapshot (issue 31): a cordon racing this round fails it, and it is decided again.
+    out.append(ModRevisionIs(keys.cordon(host), view.cordon_kv.mod_revision if view.cordon_kv else 0))
+    out += [ModRevisionIs(keys.gpu(host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
+    # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
+    out.append(NothingWrittenSince(keys.queue(host), view.revision))
+    return out

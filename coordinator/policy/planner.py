@@ -135,6 +135,10 @@ class _Planner(Round[C]):
         for n, it in enumerate(self.items):
             if it.rank in self.displaced or self._leaving(it):
                 continue
+            if it.entry is not None and it.entry.multi_host:
+                # A multi-host gang's reservation (replica/fleet.py): its GPUs wait for it, G2 across hosts.
+                self.blocked |= set(it.entry.reserve)
+                continue
             # k lease puts, k ledger puts (counted for every GPU of the host in _fits_budget), the entry's delete.
             if not self._fits_budget(2 + it.req.gpu_count, 2):
                 # The rest waits for the next round: new callers go back to the front of the line.

@@ -19,7 +19,7 @@ from coordinator.policy.decide import (
     left_the_queue,
     wait_over,
 )
-from coordinator.policy.host import HostView
+from coordinator.policy.host import HostView, host_guards
 from coordinator.policy.notices import (
     fits_with_gone,
     own_notices,
@@ -49,7 +49,6 @@ from coordinator.txn import (
     Delete,
     Exists,
     ModRevisionIs,
-    NothingWrittenSince,
     Put,
 )
 
@@ -381,18 +380,5 @@ class Round(Generic[C]):
         its records the round read rewritten since (one may now be malformed: the host INVALID, fail closed), and
         the sessions of the new grants and entries still live. (Its usage report, rewritten every interval by its
         node, is not compared: what it says is advisory, as of the snapshot.)"""
-        keys, view, host = self.keys, self.view, self.host
-        out: list[Compare] = []
-        if host_must_live:
-            out.append(ModRevisionIs(keys.host(host), view.host_kv.mod_revision) if view.host_kv is not None
-                       else Exists(keys.host(host)))
-            out.append(NothingWrittenSince(keys.leases(host), view.revision))
-            out.append(NothingWrittenSince(keys.departings(host), view.revision))
-        out.append(ModRevisionIs(keys.partition(host), view.partition_kv.mod_revision if view.partition_kv else 0))
-        # Not cordoned since the snapshot (issue 31): a cordon racing this round fails it, and it is decided again.
-        out.append(ModRevisionIs(keys.cordon(host), view.cordon_kv.mod_revision if view.cordon_kv else 0))
-        out += [ModRevisionIs(keys.gpu(host, u), g.ledger.mod_revision) for u, g in sorted(view.gpus.items())]
-        # The queue condition: no entry was created or rewritten since the snapshot (G2 across replicas).
-        out.append(NothingWrittenSince(keys.queue(host), view.revision))
-        out += [Exists(keys.session(x.agent, x.session_id)) for x in sessions]
-        return out
+        return [*host_guards(self.keys, self.view, host_must_live),
+                *(Exists(self.keys.session(x.agent, x.session_id)) for x in sessions)]

@@ -16,6 +16,7 @@ from coordinator.keys import Keys
 from coordinator.records import EvictionRecord, InvalidRecord, SessionInfo
 from coordinator.replica.admitter import HostAdmitter
 from coordinator.replica.ends import LeaseEnds
+from coordinator.replica.fleet import FleetAdmitter
 from coordinator.replica.leader import Leadership
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.observed import Observed
@@ -43,6 +44,7 @@ class Follower:
     watch_ready: asyncio.Event
     _closed: bool
     _admitters: dict[str, HostAdmitter]
+    _fleet: FleetAdmitter | None
     _streams: dict[str, set[Outbox]]
     _sessions: dict[tuple[str, str], SessionInfo]
     ends: LeaseEnds
@@ -91,7 +93,7 @@ class Follower:
                     self.observed.forget(ev.kv.key)
             self._on_events(batch)
 
-    _OBSERVED_KINDS = ("usage", "evictions", "queue", "departing", "leases")
+    _OBSERVED_KINDS = ("usage", "evictions", "queue", "gangqueue", "departing", "leases")
     _BY_CREATION = ("evictions", "departing", "leases")   # a lease's time limit runs from its creation
 
     def _observe(self, kvs: Iterable[KV], reset: bool = False) -> None:
@@ -149,6 +151,8 @@ class Follower:
             elif kind == "sessions" and ev.kind == "DELETE" and len(parts) == 2:
                 # Closed or expired (its holder died): its cached identity goes with it.
                 self._sessions.pop((parts[0], parts[1]), None)
+        if woken and self._fleet is not None and self._fleet.has_calls:
+            self._fleet.notify()   # a multi-host gang may fit now, or its reservation must move
         for host in woken:
             admitter = self._admitters.get(host)
             if admitter is not None and admitter.has_waiters:

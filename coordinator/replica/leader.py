@@ -47,6 +47,7 @@ from coordinator.replica.accountant import Accountant
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.cordons import Cordons
 from coordinator.replica.export import Exporter
+from coordinator.replica.host_lost import HostLoss
 from coordinator.replica.idle import IdleReclaim
 from coordinator.replica.leases import Leases, usage_report
 from coordinator.replica.time_limits import TimeLimits
@@ -75,6 +76,7 @@ class Leadership:
         self.exporter = Exporter(ctx)       # and their JSON-lines export
         self.cordons = Cordons(ctx, leases)  # drains cut short are finished (issue 31)
         self.time_limits = TimeLimits(ctx, leases)  # leases warned before their time limit (issue 31)
+        self.host_loss = HostLoss(ctx, leases, SWEEP_GRACE_S, OVERDUE_S)  # multi-host gangs that lost a host (issue 30)
         self.idle = IdleReclaim(ctx, leases)        # idle leases evicted under idle_action evict (issue 31)
         self.keys = ctx.keys
         self.election: Election | None = None
@@ -179,7 +181,7 @@ class Leadership:
         ``term.fence()``, a compare that fails once that candidacy is gone."""
         await asyncio.gather(self._enforce_deadlines(term), self._sweep_queue(term), self.accountant.run(term),
                              self.exporter.run(term), self.cordons.finish_drains(), self.time_limits.run(),
-                             self.idle.run())
+                             self.idle.run(), self.host_loss.run(term))
 
     async def _enforce_deadlines(self, term: Election) -> None:
         """Revoke every lease whose eviction deadline passed (at once for a lease bound to processes once the

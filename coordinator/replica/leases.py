@@ -219,7 +219,8 @@ class Leases:
             if lease is not None and lease.session_id != info.session_id:
                 lease = None   # only the positive case is trusted from the mirror
             if lease is None:
-                lease = await self.find_lease(lease_id, info.host)
+                # A multi-host gang may hold no GPU on the session's own host: then it is found on any host.
+                lease = await self.find_lease(lease_id, info.host) or await self.find_lease(lease_id)
                 from_mirror = False
             if lease is None:
                 return False
@@ -265,15 +266,19 @@ class Leases:
                 return True
         raise errors.Unavailable("release: too much contention; retry")
 
-    async def _other_parts(self, lease: VramLease, from_mirror: bool) -> list[KV]:
-        """The records of a gang's other GPUs (none for a single-GPU lease): release, revoke and expiry take
-        the whole gang in one transaction, comparing each."""
+    async def _other_parts(self, lease: VramLease, from_mirror: bool, hosts: Sequence[str] | None = None) -> list[KV]:
+        """The records of a gang's other GPUs, on every host of a multi-host gang (none for a single-GPU lease):
+        release, revoke and expiry take the whole gang in one transaction, comparing each. ``hosts``: only the
+        records of these hosts."""
         out = []
-        for uuid_ in lease.gang:
-            if uuid_ != lease.gpu_uuid:
-                kv = await self._read(self.keys.lease(lease.host, uuid_, lease.id), from_mirror)
-                if kv is not None:
-                    out.append(kv)
+        for host, uuids in lease.parts:
+            if hosts is not None and host not in hosts:
+                continue
+            for uuid_ in uuids:
+                if (host, uuid_) != (lease.host, lease.gpu_uuid):
+                    kv = await self._read(self.keys.lease(host, uuid_, lease.id), from_mirror)
+                    if kv is not None:
+                        out.append(kv)
         return out
 
     async def _read(self, key: bytes, from_mirror: bool) -> KV | None:
@@ -292,7 +297,8 @@ class Leases:
             lease = await self.find_lease(lease_id, info.host)
             if lease is None:
                 raise errors.NotFound(f"lease_id: no live lease {lease_id}", "lease_id")
-            if lease.session_id != info.session_id or lease.agent != info.agent:
+            joined = bool(lease.hosts) and lease.session_id != info.session_id
+            if lease.agent != info.agent or (lease.session_id != info.session_id and not joined):
                 raise errors.NotOwner(f"lease_id: lease {lease_id} belongs to another session", "lease_id")
             if (lease.pids, lease.pgid) == (wanted, pgid):
                 return False
@@ -301,7 +307,10 @@ class Leases:
                 await confirm(lease)
                 confirmed = True
             # A gang: every GPU's record names the processes, in one transaction.
-            parts = [lease, *(VramLease.from_kv(kv) for kv in await self._other_parts(lease, False))]
+            # A multi-host gang: the records of the caller's host only (each host's part runs its own processes,
+            # bound by ``run --join`` through a session of the same agent on that host).
+            only = [info.host] if lease.hosts else None
+            parts = [lease, *(VramLease.from_kv(kv) for kv in await self._other_parts(lease, False, only))]
             res = await self.store.commit(
                 [ModRevisionIs(self.keys.lease(x.host, x.gpu_uuid, x.id), x.mod_revision) for x in parts],
                 [Put(self.keys.lease(x.host, x.gpu_uuid, x.id),
@@ -317,7 +326,7 @@ class Leases:
         if kv is None:
             return None
         lease = VramLease.from_kv(kv)
-        return lease if lease.host == host else None
+        return lease if lease.host == host or lease.hosts else None
 
     async def find_lease(self, lease_id: str, host: str | None = None) -> VramLease | None:
         prefix = self.keys.leases(host) if host else self.keys.leases()

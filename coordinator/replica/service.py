@@ -22,6 +22,7 @@ from coordinator.keys import (
     lease_id_for,
     session_id_from_etcd_lease,
 )
+from coordinator.policy.fleet import FleetRequest
 from coordinator.policy.partition import Partition, PartitionError, PartitionSpec
 from coordinator.records import (
     EvictionRecord,
@@ -37,6 +38,7 @@ from coordinator.replica.admitter import ADMITTER_IDLE_S, HostAdmitter
 from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.ends import LeaseEnds
+from coordinator.replica.fleet import FleetAdmitter
 from coordinator.replica.follow import Follower, Outbox
 from coordinator.replica.gauges import MirrorGauges
 from coordinator.replica.idle import IdleReclaim
@@ -75,6 +77,7 @@ class CoordinatorService(Follower):
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
         self.ends = LeaseEnds(keys, self.mirror)   # gpucoord_releases_total's close and expiry
         self._admitters: dict[str, HostAdmitter] = {}
+        self._fleet: FleetAdmitter | None = None   # multi-host gangs (replica/fleet.py), made at the first one
         self.admitter_idle_s = ADMITTER_IDLE_S
         self.ownership = Ownership(self.mirror)
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
@@ -104,6 +107,8 @@ class CoordinatorService(Follower):
         self._closed = True
         for a in list(self._admitters.values()):   # an idle admitter retires (leaves the dict) meanwhile
             await a.stop()
+        if self._fleet is not None:
+            await self._fleet.stop()
         for q in [q for qs in self._streams.values() for q in qs]:
             q.put_nowait(errors.Unavailable("coordinator is shutting down; reconnect to another replica"))
         if self.leadership is not None:
@@ -286,6 +291,13 @@ class CoordinatorService(Follower):
                            exclusive=gang.exclusive, topology=gang.topology, gpus=gang.gpus,
                            min_runtime_s=min_runtime_s, time_limit_s=time_limit[0],
                            time_limit_warning_s=time_limit[1])
+        if gang.hosts > 1:
+            if self._fleet is None:
+                self._fleet = FleetAdmitter(self.ctx)
+            req = FleetRequest(gang.hosts, gang.gpu_count, 0 if gang.exclusive else vram_mb, gang.exclusive,
+                               gang.topology, gang.same, gang.prefer)
+            await self._fleet.submit(call, req)
+            return call.parts
         admitter = self._admitters.get(info.host)
         if admitter is None:
             admitter = self._admitters[info.host] = HostAdmitter(self.ctx, self.leases, info.host,

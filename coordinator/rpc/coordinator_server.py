@@ -152,7 +152,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             info = await self._session(request.session)
             wait_s = request.wait_seconds
             owner = self.svc.owner(info.host)
-            if owner is not None and owner[0] != self.svc.replica_id and owner[1] \
+            if owner is not None and request.hosts <= 1 and owner[0] != self.svc.replica_id and owner[1] \
                     and self.forward and not forwarded_by(context) and self.forwarder.usable(owner[1]):
                 sent, owner_id = time.monotonic(), owner[0]
                 answer = await self.forwarder.acquire(
@@ -170,7 +170,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                            capped=not operator, min_runtime_s=request.min_runtime_seconds,
                                            time_limit=time_limit,
                                            gang=Gang(max(request.gpu_count, 1), request.exclusive,
-                                                     request.topology or "any", tuple(request.gpus)))
+                                                     request.topology or "any", tuple(request.gpus),
+                                                     hosts=max(request.hosts, 1), same=request.same,
+                                                     prefer=request.prefer))
             return pb.AcquireResponse(lease=lease_pb(parts[0], parts=parts), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)

@@ -4,7 +4,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy.fleet import FleetGrant, FleetHost, FleetRequest, FleetWait, plan_gang
+from coordinator.policy.fleet import (
+    FleetGrant,
+    FleetHost,
+    FleetRequest,
+    FleetWait,
+    plan_gang,
+)
 from coordinator.policy.gang import could_use
 from coordinator.policy.placement import GpuSlot, Refused
 

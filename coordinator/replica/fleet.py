@@ -1,0 +1,393 @@
+"""Multi-host gangs on one replica (issue 30, G12): decided where the acquire arrives, from one snapshot of the
+fleet, and committed in one etcd transaction.
+
+**Who decides.** The replica that serves the waiting RPC (no forwarding, no leader): every decision is one
+transaction that compares what it read on every host it touches (each host's registration, partition, cordon,
+every ledger, the lease and departing prefixes and the queue condition, as a host's own round does), so two
+replicas deciding at once cannot both win, and a replica SIGKILLed mid-decision leaves either the whole
+transaction or nothing. The client retries with the same request_id (its lease id is a function of it, G6),
+through any replica: that one finds the lease, or takes the waiting entry over.
+
+**Waiting.** A gang that does not fit waits as ``gangqueue/<rank>`` under its waiter's session, and reserves a
+set of hosts (``policy/fleet.py``): on each an entry ``queue/<host>/<rank>`` (the same rank) that lists the GPUs
+it reserves there. A host's own rounds never grant such an entry; they hold its GPUs back from every request
+ranked after it (G2 across hosts). The grant deletes the gang's entries in its transaction. A wait that ends
+removes them (or the leader's queue sweep, if this replica died and nobody retried), and a session that ends
+takes them with it.
+
+**Release, expiry, revoke** take every record on every host in one transaction (``Leases._other_parts``).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+from coordinator import clock, errors, metrics
+from coordinator.aio import cancel_and_wait, spawn
+from coordinator.etcd.types import KV
+from coordinator.keys import Keys
+from coordinator.policy.decide import wait_over
+from coordinator.policy.fleet import (
+    FleetGrant,
+    FleetHost,
+    FleetRequest,
+    FleetWait,
+    plan_gang,
+)
+from coordinator.policy.gang import could_use, slots_from_views
+from coordinator.policy.host import HostView, host_guards
+from coordinator.policy.placement import GangRequest, Refused
+from coordinator.policy.planner import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
+from coordinator.policy.team_admission import (
+    TeamState,
+    grant_charge_mb,
+    over_quota_mark,
+    team_limit,
+    team_writes,
+)
+from coordinator.records import InvalidRecord, QueueEntry, StoredKV, VramLease, dumps
+from coordinator.replica.call import AcquireCall
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.teams import team_state
+from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
+from coordinator.txn import (
+    Absent,
+    Compare,
+    Delete,
+    Exists,
+    ModRevisionIs,
+    NothingWrittenSince,
+    Op,
+    Put,
+    Range,
+)
+
+log = logging.getLogger(__name__)
+IDLE_WAKE_S = 1.0   # a waiting gang decides again at least this often (a safety net under the watch's wakes)
+
+
+@dataclasses.dataclass(eq=False)
+class GangCall:
+    call: AcquireCall
+    req: FleetRequest
+    rank: str
+
+
+@dataclasses.dataclass
+class Fleet:
+    """One snapshot of the whole fleet, host by host, and the waiting gangs."""
+
+    revision: int
+    views: dict[str, HostView]
+    gangs: dict[str, tuple[KV, QueueEntry]]    # lease id -> its gangqueue entry
+    sessions: set[str]                         # live session ids among the calls'
+
+
+class FleetAdmitter:
+    """The multi-host gangs this replica serves: decided one at a time, in rank order."""
+
+    def __init__(self, ctx: ReplicaContext) -> None:
+        self.ctx, self.keys = ctx, ctx.keys
+        self._calls: dict[str, GangCall] = {}
+        self._wake = asyncio.Event()
+        self._task = spawn(self._run(), "multi-host gangs")
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self._calls)
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    async def stop(self) -> None:
+        await cancel_and_wait([self._task])
+        for g in self._calls.values():
+            if not g.call.future.done():
+                g.call.future.set_exception(errors.Unavailable("coordinator is shutting down; retry on another replica"))
+
+    async def submit(self, call: AcquireCall, req: FleetRequest) -> VramLease:
+        if self._task.done():
+            raise errors.Unavailable("coordinator is shutting down; retry on another replica")
+        rank = Keys.queue_rank(call.priority, call.arrival_ns, call.lease_id)
+        prior = self._calls.get(call.lease_id)
+        if prior is not None and not prior.call.future.done():
+            prior.call.future.set_exception(errors.Unavailable("superseded by a retry of the same request"))
+        self._calls[call.lease_id] = GangCall(call, req, prior.rank if prior is not None else rank)
+        self._wake.set()
+        call.future.add_done_callback(lambda _: self._wake.set())
+        return await call.future
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if self._calls:
+                nearest = min(g.call.deadline for g in self._calls.values())
+                timeout = min(IDLE_WAKE_S, max(0.0, nearest - time.monotonic()))
+            else:
+                timeout = None
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if not self._calls:
+                continue
+            try:
+                await self._round()
+            except errors.GpucoordError as e:
+                log.warning("multi-host gangs: a round failed (%s); deciding again", e)
+                for g in list(self._calls.values()):
+                    if g.call.wait_s <= 0 and not g.call.future.done():
+                        g.call.future.set_exception(e)
+                await asyncio.sleep(0.05)
+                self._wake.set()
+            self._calls = {k: g for k, g in self._calls.items() if not g.call.future.done() or self._entries_left(g)}
+
+    def _entries_left(self, g: GangCall) -> bool:
+        """An answered call whose entries may still be in etcd stays until a round removes them."""
+        return g.call.rank is not None
+
+    async def _round(self) -> None:
+        for g in sorted(self._calls.values(), key=lambda x: x.rank):
+            for _ in range(self.ctx.config.commit_attempts):
+                fleet = await self._read([g])
+                done = await self._decide(g, fleet)
+                if done:
+                    break
+                metrics.CONFLICTS.inc()
+                await asyncio.sleep(0.005)
+
+    async def _read(self, calls: list[GangCall]) -> Fleet:
+        keys = self.keys
+        sessions = [keys.session(g.call.session.agent, g.call.session.session_id) for g in calls]
+        ranges = [Range(keys.kind(k), prefix=True) for k in HOST_KINDS]
+        snap = await self.ctx.store.snapshot([*ranges, Range(keys.gang_queue(), prefix=True),
+                                              *(Range(k, keys_only=True) for k in sessions)])
+        by_host: dict[str, dict[str, list[KV]]] = {}
+        for kind, kvs in zip(HOST_KINDS, snap.ranges):
+            for kv in kvs:
+                parts = keys.parse(kv.key)[1]
+                if parts:
+                    by_host.setdefault(parts[0], {}).setdefault(kind, []).append(kv)
+        views = {}
+        for host, by_kind in by_host.items():
+            if "hosts" not in by_kind and "queue" not in by_kind:
+                continue
+            views[host] = host_view(keys, host, host_snapshot_of(snap.revision, host, by_kind),
+                                    self.ctx.config.untracked_vram, self.ctx.usage_age)
+        gangs = {}
+        for kv in snap.ranges[len(HOST_KINDS)]:
+            try:
+                entry = QueueEntry.from_kv(kv)
+            except InvalidRecord:
+                continue
+            gangs[entry.lease_id] = (kv, entry)
+        live = {g.call.session.session_id for g, r in zip(calls, snap.ranges[len(HOST_KINDS) + 1:]) if r}
+        return Fleet(snap.revision, views, gangs, live)
+
+    # -- one call ----------------------------------------------------------------------------------------
+    async def _decide(self, g: GangCall, fleet: Fleet) -> bool:
+        """Decide ``g`` on ``fleet`` and commit what it needs; False when a compare failed (read again)."""
+        c = g.call
+        granted = _records(fleet, c.lease_id)
+        if granted:
+            return await self._leave(g, fleet, None, granted)
+        if c.future.done():
+            return await self._leave(g, fleet, None)
+        if c.session.session_id not in fleet.sessions:
+            return await self._leave(g, fleet, errors.SessionGone(
+                f"session: no live session {c.session.session_id} of agent {c.session.agent!r} (unknown or expired)",
+                "session"))
+        teams, no_teams_since = await team_state(self.ctx, fleet.revision, 0.5)
+        hosts = self._hosts(g, fleet)
+        reserved = sorted(v.host for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id)
+        decision = plan_gang(g.req, list(hosts.values()), reserved)
+        if isinstance(decision, Refused):
+            return await self._leave(g, fleet, decision.error)
+        if isinstance(decision, FleetGrant):
+            return await self._grant(g, fleet, decision, hosts, teams, no_teams_since)
+        if time.monotonic() >= c.deadline:
+            return await self._leave(g, fleet, wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive))
+        return await self._wait(g, fleet, decision, hosts)
+
+    def _hosts(self, g: GangCall, fleet: Fleet) -> dict[str, FleetHost]:
+        agent, out = g.call.session.agent, {}
+        for host, view in sorted(fleet.views.items()):
+            inv = view.inventory
+            never = ("gone" if not view.alive or inv is None else "INVALID" if view.invalid else "")
+            partition = view.effective_partition() if inv is not None else None
+            if not never and partition is not None and not partition.allows(agent):
+                never = "outside the agent's partition"
+            if never or inv is None or partition is None:
+                out[host] = FleetHost(host, {}, (), {}, never=never)
+                continue
+            slots = slots_from_views(view.gpus.values(), agent, inv)
+            by_uuid = {s.uuid: s.index for s in slots}
+            blocked: set[int] = set()
+            for e in view.entries:
+                if e.rank >= g.rank or e.lease_id == g.call.lease_id:
+                    continue
+                if e.multi_host:
+                    blocked |= {by_uuid[u] for u in e.reserve if u in by_uuid}
+                    continue
+                theirs = GangRequest(e.gpu_count, e.vram_mb, partition.gpu_caps(e.agent, inv), e.exclusive, e.topology,
+                                     e.gpus or ((e.gpu,) if e.gpu else None))
+                usable = could_use(slots_from_views(view.gpus.values(), e.agent, inv), theirs)
+                if not isinstance(usable, Refused):
+                    blocked |= set(usable)
+            out[host] = FleetHost(host, dict(inv.labels), slots, partition.gpu_caps(agent, inv),
+                                  frozenset(blocked), cordoned=view.cordon is not None)
+        return out
+
+    # -- writes ------------------------------------------------------------------------------------------
+    def _entry_ops(self, g: GangCall, fleet: Fleet, keep: dict[str, tuple[str, ...]] | None = None
+                   ) -> tuple[list[Compare], list[Op]]:
+        """Removing the gang's entries (its gangqueue entry, and its reservations except those ``keep`` lists
+        unchanged), each compared on its mod_revision."""
+        compares: list[Compare] = []
+        ops: list[Op] = []
+        gang = fleet.gangs.get(g.call.lease_id)
+        if gang is not None and keep is None:
+            compares.append(ModRevisionIs(gang[0].key, gang[0].mod_revision))
+            ops.append(Delete(gang[0].key))
+        for host, view in fleet.views.items():
+            for kv in view.queue:
+                e = _entry_of(kv)
+                if e is not None and e.lease_id == g.call.lease_id and (keep is None or keep.get(host) != e.reserve):
+                    compares.append(ModRevisionIs(kv.key, kv.mod_revision))
+                    ops.append(Delete(kv.key))
+        return compares, ops
+
+    async def _leave(self, g: GangCall, fleet: Fleet, err: errors.GpucoordError | None,
+                     granted: tuple[VramLease, ...] = ()) -> bool:
+        compares, ops = self._entry_ops(g, fleet)
+        if ops:
+            res = await self.ctx.store.commit(compares, ops)
+            if not res.succeeded:
+                return False
+        g.call.rank = None
+        if not g.call.future.done():
+            if granted:
+                g.call.parts = granted
+                g.call.future.set_result(granted[0])
+            else:
+                g.call.future.set_exception(err or errors.Unavailable("the request was cancelled; retry"))
+        return True
+
+    async def _grant(self, g: GangCall, fleet: Fleet, decision: FleetGrant, hosts: dict[str, FleetHost],
+                     teams: TeamState | None, no_teams_since: int) -> bool:
+        c, keys, wall = g.call, self.keys, clock.wall()
+        parts = tuple((host, tuple(s.uuid for s in hosts[host].slots if s.index in idx)) for host, idx in decision.parts)
+        first = fleet.views[parts[0][0]]
+        gpus = [fleet.views[h].gpus[u] for h, us in parts for u in us]
+        charge = grant_charge_mb(gpus, c.vram_mb, c.exclusive)
+        state = teams
+        if state is not None:
+            over = team_limit(state, first, c.session.agent, charge)
+            if over is not None:
+                if time.monotonic() >= c.deadline:
+                    return await self._leave(g, fleet, errors.CapacityError(over, "team"))
+                return True    # waits for its team (decided again at the next wake)
+        mark = over_quota_mark(state, first, c.session.agent, charge)
+        compares, ops = self._entry_ops(g, fleet)
+        new: list[VramLease] = []
+        for host, uuids in parts:
+            view = fleet.views[host]
+            compares += host_guards(keys, view)
+            for u in uuids:
+                gpu = view.gpus[u]
+                lease = VramLease(
+                    id=c.lease_id, host=host, gpu_uuid=u, gpu_index=gpu.index, agent=c.session.agent,
+                    session_id=c.session.session_id, vram_mb=gpu.usable_mb if c.exclusive else c.vram_mb,
+                    priority=c.priority, preemptible=c.preemptible, request_id=c.request_id, token=gpu.seq + 1,
+                    created_at=wall, gang=uuids if len(uuids) > 1 else (), exclusive=c.exclusive, topology=c.topology,
+                    over_quota=mark, time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
+                    hosts=parts, etcd_lease=c.session.etcd_lease)
+                new.append(lease)
+                ops.append(Put(keys.lease(host, u, c.lease_id), dumps(lease.to_json()), c.session.etcd_lease))
+                ops.append(Put(keys.gpu(host, u), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq + 1})))
+        compares.append(Exists(keys.session(c.session.agent, c.session.session_id)))
+        if state is not None:
+            tc, to = team_writes(state, keys, new)
+            compares += tc
+            ops += to
+        elif no_teams_since:
+            compares.append(NothingWrittenSince(keys.teams(), no_teams_since))
+        if len(ops) > TXN_OPS_BUDGET or len(compares) > TXN_COMPARES_BUDGET:
+            return await self._leave(g, fleet, errors.FailedPrecondition(
+                f"hosts: {len(parts)} hosts x {len(parts[0][1])} GPUs need {len(ops)} writes and {len(compares)} "
+                f"compares in one etcd transaction, above its limits ({TXN_OPS_BUDGET}, {TXN_COMPARES_BUDGET})", "hosts"))
+        res = await self.ctx.store.commit(compares, ops)
+        if not res.succeeded:
+            return False
+        metrics.ADMISSIONS.labels(parts[0][0]).inc()
+        g.call.rank = None
+        granted = tuple(dataclasses.replace(x, mod_revision=res.revision) for x in new)
+        if not c.future.done():
+            c.parts = granted
+            c.future.set_result(granted[0])
+        else:
+            log.info("multi-host gang %s granted after its caller left: it is kept for a retry or its session's end",
+                     c.lease_id)
+        return True
+
+    async def _wait(self, g: GangCall, fleet: Fleet, decision: FleetWait, hosts: dict[str, FleetHost]) -> bool:
+        c, keys = g.call, self.keys
+        if c.wait_s <= 0:
+            return await self._leave(g, fleet, wait_over(c.vram_mb, 0.0, c.gpu_count, c.exclusive))
+        wanted = {host: tuple(s.uuid for s in hosts[host].slots if s.index in idx) for host, idx in decision.reserve}
+        compares, ops = self._entry_ops(g, fleet, keep=wanted)
+        entry = self._entry(g)
+        gang = fleet.gangs.get(c.lease_id)
+        if gang is None:
+            compares.append(Absent(keys.gang_queue_entry(g.rank)))
+            ops.append(Put(keys.gang_queue_entry(g.rank), dumps(entry.to_json()), c.session.etcd_lease))
+        elif gang[1].replica != self.ctx.replica_id:
+            compares.append(ModRevisionIs(gang[0].key, gang[0].mod_revision))
+            ops.append(Put(gang[0].key, dumps(entry.to_json()), c.session.etcd_lease))
+        have = {v.host: e.reserve for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
+        for host, uuids in wanted.items():
+            if have.get(host) != uuids:
+                key = keys.queue_entry(host, g.rank)
+                if host not in have:
+                    compares.append(Absent(key))
+                ops.append(Put(key, dumps(dataclasses.replace(entry, reserve=uuids).to_json()), c.session.etcd_lease))
+        if ops:
+            compares.append(Exists(keys.session(c.session.agent, c.session.session_id)))
+            res = await self.ctx.store.commit(compares, ops)
+            if not res.succeeded:
+                return False
+            if wanted.keys() != have.keys():
+                log.info("multi-host gang %s of %s waits: %s", c.lease_id, c.session.agent, decision.reason)
+        c.rank = g.rank
+        return True
+
+    def _entry(self, g: GangCall) -> QueueEntry:
+        c = g.call
+        left = max(0.0, c.deadline - time.monotonic())
+        return QueueEntry(rank=g.rank, agent=c.session.agent, session_id=c.session.session_id,
+                          etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu="", priority=c.priority,
+                          preemptible=c.preemptible, request_id=c.request_id, lease_id=c.lease_id,
+                          deadline_unix=clock.wall() + left, replica=self.ctx.replica_id, wait_s=left,
+                          gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology,
+                          time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
+                          hosts=g.req.hosts, same=g.req.same, prefer=g.req.prefer)
+
+
+def _entry_of(kv: StoredKV) -> QueueEntry | None:
+    try:
+        return QueueEntry.from_kv(kv)
+    except InvalidRecord:
+        return None
+
+
+def _records(fleet: Fleet, lease_id: str) -> tuple[VramLease, ...]:
+    """Every record of a granted lease in the snapshot, in rank order then GPU index order."""
+    found = [x for v in fleet.views.values() for x in v.leases.values() if x.id == lease_id]
+    if not found:
+        return ()
+    out = [x for v in fleet.views.values() for g in v.gpus.values() for x in g.leases if x.id == lease_id]
+    order = {h: n for n, (h, _) in enumerate(found[0].parts)}
+    return tuple(sorted(out, key=lambda x: (order.get(x.host, 0), x.gpu_index)))

@@ -1,0 +1,89 @@
+"""Multi-host gangs end to end (issue 30, G12), against a real etcd, coordinators and node daemons with simulated
+GPUs: one lease over GPUs on several hosts, granted in one transaction, whole or absent at every revision (the
+history checker), placed by host labels, waiting with a reservation that later requests respect (G2 across
+hosts), released whole, and notified and released whole when one of its hosts is lost."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from agent_client import Client, errors
+from agent_client.api import coordinator_pb2 as pb
+from tests.support.cluster import Cluster, events_since, revision
+from tests.support.rpcs import coordinator_stub, expect_refused
+from tests.support.waiting import LIVENESS_S, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
+
+
+def gang(c: Client, agent: str, request_id: str, hosts: int = 2, gpus: int = 4, wait: float = 0.0,
+         **kw: object) -> pb.AcquireRequest:
+    return pb.AcquireRequest(session=pb.SessionRef(agent=agent, session_id=c.session_id), request_id=request_id,
+                             hosts=hosts, gpu_count=gpus, exclusive=True, wait_seconds=wait, **kw)  # type: ignore[arg-type]
+
+
+def parts(cluster: Cluster, lease_id: str) -> list[tuple[str, str]]:
+    out = []
+    for kv in cluster.get_prefix(cluster.keys.leases()):
+        _, p = cluster.keys.parse(kv.key)
+        if p[2] == lease_id:
+            out.append((p[0], p[1]))
+    return sorted(out)
+
+
+def racks(cluster: Cluster) -> None:
+    for host, rack in (("a", "r1"), ("b", "r1"), ("c", "r2")):
+        cluster.start_node(host, "4x16GiB", labels=(("rack", rack),))
+
+
+def test_same_rack_gets_the_two_hosts_of_one_rack_in_one_transaction_and_three_are_refused_naming_same(
+        cluster: Cluster) -> None:
+    racks(cluster)
+    addr = cluster.start_coordinator()
+    stub = coordinator_stub(addr)
+    with Client(addr, agent="agent-a", host="c") as c:
+        before = revision(cluster)
+        got = stub.Acquire(gang(c, "agent-a", "g1", same="rack"))
+        lease_id = got.lease.id
+        assert sorted({h for h, _ in parts(cluster, lease_id)}) == ["a", "b"]
+        assert len(parts(cluster, lease_id)) == 8
+        # One transaction wrote all eight records and their ledgers.
+        assert len({rev for kind, rev in _lease_puts(cluster, before, lease_id)}) == 1
+        expect_refused(cluster, lambda: stub.Acquire(gang(c, "agent-a", "g2", hosts=3, same="rack")),
+                       grpc.StatusCode.FAILED_PRECONDITION, "same")
+        assert stub.Release(pb.ReleaseRequest(session=pb.SessionRef(agent="agent-a", session_id=c.session_id),
+                                              lease_id=lease_id)).released
+        assert parts(cluster, lease_id) == []
+
+
+def _lease_puts(cluster: Cluster, before: int, lease_id: str) -> list[tuple[str, int]]:
+    return [(kind, rev) for kind, key, rev in events_since(cluster, before)
+            if kind == "PUT" and key.decode().endswith("/" + lease_id)]
+
+
+def test_a_waiting_gang_reserves_its_hosts_and_a_later_single_gpu_request_is_not_granted_on_them(
+        cluster: Cluster) -> None:
+    for host in ("a", "b"):
+        cluster.start_node(host, "2x16GiB")
+    addr = cluster.start_coordinator()
+    stub = coordinator_stub(addr)
+    with Client(addr, agent="agent-a", host="a") as holder, Client(addr, agent="agent-b", host="a") as g, \
+            Client(addr, agent="agent-c", host="b") as later:
+        held = holder.acquire(vram_mb=1024, gpu="0")
+        answers: list[object] = []
+        t = threading.Thread(target=lambda: answers.append(stub.Acquire(gang(g, "agent-b", "big", gpus=2, wait=30.0))))
+        t.start()
+        wait_for(lambda: len(cluster.get_prefix(cluster.keys.gang_queue())) == 1, LIVENESS_S, "the gang waits")
+        wait_for(lambda: len(cluster.get_prefix(cluster.keys.queue("b"))) == 1, LIVENESS_S, "b is reserved")
+        # A request ranked after the gang is not granted on host b's reserved GPUs, though they are free.
+        with pytest.raises(errors.ResourceExhausted):
+            later.acquire(vram_mb=1024, wait=0)
+        held.release()
+        t.join(LIVENESS_S)
+        assert answers, "the gang was granted once host a's GPU was free"
+        lease = answers[0].lease  # type: ignore[attr-defined]
+        assert sorted({h for h, _ in parts(cluster, lease.id)}) == ["a", "b"]
+        assert cluster.get_prefix(cluster.keys.gang_queue()) == []
+        assert cluster.get_prefix(cluster.keys.queue()) == []
