@@ -135,8 +135,7 @@ class _Planner(Round[C]):
         for n, it in enumerate(self.items):
             if it.rank in self.displaced or self._leaving(it):
                 continue
-            if it.entry is not None and it.entry.multi_host:
-                # A multi-host gang's reservation (replica/fleet.py): its GPUs wait for it, G2 across hosts.
+            if it.entry is not None and it.entry.multi_host:   # a multi-host gang's reservation (replica/fleet.py): G2
                 self.blocked |= set(it.entry.reserve)
                 continue
             # k lease puts, k ledger puts (counted for every GPU of the host in _fits_budget), the entry's delete.
