@@ -151,7 +151,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             time_limit = self._time_limit(request)
             info = await self._session(request.session)
             wait_s = request.wait_seconds
-            owner = self.svc.owner(info.host)
+            # A multi-host gang is no one host's: the replica that receives it decides it (no forwarding).
+            owner = self.svc.owner(info.host) if request.hosts <= 1 else None
             if owner is not None and owner[0] != self.svc.replica_id and owner[1] \
                     and self.forward and not forwarded_by(context) and self.forwarder.usable(owner[1]):
                 sent, owner_id = time.monotonic(), owner[0]
@@ -170,7 +171,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                                            capped=not operator, min_runtime_s=request.min_runtime_seconds,
                                            time_limit=time_limit,
                                            gang=Gang(max(request.gpu_count, 1), request.exclusive,
-                                                     request.topology or "any", tuple(request.gpus)))
+                                                     request.topology or "any", tuple(request.gpus),
+                                                     hosts=max(request.hosts, 1), same=request.same,
+                                                     prefer=request.prefer))
             return pb.AcquireResponse(lease=lease_pb(parts[0], parts=parts), owner=owner[1] if owner is not None else "")
         finally:
             metrics.ACQUIRE_LATENCY.observe(time.perf_counter() - t0)

@@ -1,0 +1,86 @@
+"""Multi-host gangs (issue 30) at the surface, the pure parts: a lease's message over its hosts (rank order,
+each GPU with its host and rank), the client's view of it (its parts, the part of a host), and a lease of
+one host answered as before."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.lease import AsyncLease, LeaseGpu, LeasePart
+from coordinator.records import VramLease
+from coordinator.rpc.status_message import lease_pb
+
+pytestmark = pytest.mark.unit
+
+PARTS = (("b", ("GPU-b0", "GPU-b1")), ("a", ("GPU-a0", "GPU-a1")))   # rank 0 on host b, rank 1 on host a
+
+
+def record(host: str, index: int, uuid: str, token: int, hosts: Any = PARTS, gang: tuple[str, ...] = ()) -> VramLease:
+    return VramLease(id="L1", host=host, gpu_uuid=uuid, gpu_index=index, agent="ag", session_id="s", vram_mb=1024,
+                     priority=0, preemptible=True, request_id="r", token=token, created_at=1.0,
+                     gang=gang or dict(hosts).get(host, ()) if hosts else gang, hosts=hosts)
+
+
+def gang_records() -> list[VramLease]:
+    return [record("a", 1, "GPU-a1", 7), record("b", 1, "GPU-b1", 5), record("a", 0, "GPU-a0", 6),
+            record("b", 0, "GPU-b0", 4)]
+
+
+def test_a_multi_host_lease_lists_its_hosts_and_gpus_in_rank_then_index_order() -> None:
+    records = gang_records()
+    msg = lease_pb(records[0], parts=records)
+    assert list(msg.hosts) == ["b", "a"]
+    assert [(g.host, g.rank, g.index, g.token) for g in msg.gpus] == [
+        ("b", 0, 0, 4), ("b", 0, 1, 5), ("a", 1, 0, 6), ("a", 1, 1, 7)]
+    assert (msg.host, msg.gpu_index, msg.gpu_uuid, msg.token) == ("b", 0, "GPU-b0", 4)   # rank 0's first GPU
+
+
+def test_a_lease_of_one_host_is_answered_as_before_with_its_host_on_each_gpu() -> None:
+    one = [record("h", 3, "GPU-3", 9, hosts=(), gang=("GPU-2", "GPU-3")),
+           record("h", 2, "GPU-2", 8, hosts=(), gang=("GPU-2", "GPU-3"))]
+    msg = lease_pb(one[0], parts=one)
+    assert not msg.hosts and (msg.host, msg.gpu_index, msg.token) == ("h", 2, 8)
+    assert [(g.index, g.host, g.rank) for g in msg.gpus] == [(2, "h", 0), (3, "h", 0)]
+
+
+class Holder:
+    async def release(self, lease_id: str) -> bool:
+        return True
+
+    async def attach_processes(self, lease_id: str, pids: Any, pgid: int = 0) -> bool:
+        return True
+
+
+def test_the_client_sees_each_rank_s_part_and_names_rank_0_in_its_single_gpu_fields() -> None:
+    records = gang_records()
+    lease = AsyncLease(Holder(), lease_pb(records[0], parts=records))
+    assert lease.hosts == ("b", "a")
+    assert lease.part(1) == LeasePart(1, "a", (LeaseGpu(0, "GPU-a0", 6, 1024), LeaseGpu(1, "GPU-a1", 7, 1024)))
+    assert (lease.host, lease.gpu_uuid, lease.gpu_index) == ("b", "GPU-b0", 0)
+    assert [g.uuid for g in lease.gpus] == ["GPU-b0", "GPU-b1"]    # its host's GPUs only, never another host's
+    assert lease.rank_of("a") == 1 and lease.rank_of("c") is None
+    with pytest.raises(IndexError):
+        lease.part(2)
+    with pytest.raises(IndexError):
+        lease.part(-1)
+
+
+def test_a_part_view_names_that_host_s_gpus_and_gets_the_lease_s_notices() -> None:
+    from agent_client.lease import EvictionNotice
+
+    records = gang_records()
+    lease = AsyncLease(Holder(), lease_pb(records[0], parts=records))
+    view = lease.on_part(1)
+    assert (view.id, view.host, view.gpu_uuid, view.token) == ("L1", "a", "GPU-a0", 6)
+    assert [g.uuid for g in view.gpus] == ["GPU-a0", "GPU-a1"] and view.hosts == ("b", "a")
+    lease._notify(EvictionNotice("L1", "GPU-b0", "host-lost", "x", 0.0, deadline=1.0))
+    assert view.evicting.is_set()
+
+
+def test_a_lease_of_one_host_has_one_part_its_own() -> None:
+    msg = pb.Lease(id="L", host="h", gpu_uuid="GPU-0", gpu_index=0, token=3, vram_mb=5)   # an older replica's
+    lease = AsyncLease(Holder(), msg)
+    assert lease.hosts == () and lease.parts == (LeasePart(0, "h", (LeaseGpu(0, "GPU-0", 3, 5),)),)
+    assert lease.rank_of("h") == 0
