@@ -84,3 +84,51 @@ def test_a_lease_of_one_host_has_one_part_its_own() -> None:
     lease = AsyncLease(Holder(), msg)
     assert lease.hosts == () and lease.parts == (LeasePart(0, "h", (LeaseGpu(0, "GPU-0", 3, 5),)),)
     assert lease.rank_of("h") == 0
+
+
+def test_run_of_a_multi_host_lease_says_each_rank_s_join_command() -> None:
+    from agent_client.command import announce
+
+    records = gang_records()
+    lease = AsyncLease(Holder(), lease_pb(records[0], parts=records))
+    said: list[str] = []
+    announce(lease, ["python", "train.py", "--lr", "1e-3 x"], said.append)
+    assert said == ["lease L1: hosts b,a (2x2 GPUs)",
+                    "rank 0 on b (GPUs 0,1): gpucoord run --join L1 --rank 0 -- python train.py --lr '1e-3 x'",
+                    "rank 1 on a (GPUs 0,1): gpucoord run --join L1 --rank 1 -- python train.py --lr '1e-3 x'"]
+
+
+def test_a_launcher_without_a_part_holds_the_lease_until_a_notice_then_releases_it() -> None:
+    import asyncio
+
+    from agent_client.command import hold
+    from agent_client.lease import EvictionNotice
+
+    class Session:
+        done = asyncio.Event()
+
+    released: list[str] = []
+
+    class Releasing(Holder):
+        async def release(self, lease_id: str) -> bool:
+            released.append(lease_id)
+            return True
+
+    async def scene() -> int:
+        records = gang_records()
+        lease = AsyncLease(Releasing(), lease_pb(records[0], parts=records))
+        asyncio.get_running_loop().call_later(0.05, lease._notify,
+                                              EvictionNotice("L1", "GPU-b0", "host-lost", "x", 0.0, deadline=1.0))
+        return await hold(lease, Session(), lambda msg: None)  # type: ignore[arg-type]
+
+    assert asyncio.run(scene()) == 0 and released == ["L1"]
+
+
+def test_run_without_multi_host_flags_parses_to_one_host() -> None:
+    from coordinator.cli.main import build_parser
+
+    args = build_parser().parse_args(["run", "--agent", "a", "--vram", "1GiB", "--", "true"])
+    assert (args.hosts, args.same, args.prefer) == (1, "", "")
+    args = build_parser().parse_args(["run", "--agent", "a", "--exclusive", "--gpus", "8", "--hosts", "4",
+                                      "--same", "rack", "--prefer", "example.com/block", "--", "true"])
+    assert (args.hosts, args.same, args.prefer) == (4, "rack", "example.com/block")
