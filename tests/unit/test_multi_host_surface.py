@@ -132,3 +132,70 @@ def test_run_without_multi_host_flags_parses_to_one_host() -> None:
     args = build_parser().parse_args(["run", "--agent", "a", "--exclusive", "--gpus", "8", "--hosts", "4",
                                       "--same", "rack", "--prefer", "example.com/block", "--", "true"])
     assert (args.hosts, args.same, args.prefer) == (4, "rack", "example.com/block")
+
+
+# -- display: status, queue, console -----------------------------------------------------------------------
+def _part(host: str, rank: int) -> dict[str, Any]:
+    return {"id": "L1", "host": host, "agent": "ag", "gpu_index": 0, "vram_mb": 0, "exclusive": True, "priority": 5,
+            "preemptible": True, "token": 3, "ttl_remaining": 9, "hosts": ["b", "a"],
+            "gpus": [{"index": i, "host": host, "rank": rank} for i in (0, 1)]}
+
+
+def _gpu(i: int) -> dict[str, Any]:
+    return {"index": i, "uuid": f"GPU-{i}", "total_mb": 16384, "usable_mb": 16384, "leased_mb": 0, "used_mb": -1,
+            "untracked_mb": 0, "free_mb": 16384}
+
+
+def status_doc() -> dict[str, Any]:
+    single = {"id": "S1", "host": "a", "agent": "solo", "gpu_index": 2, "vram_mb": 1024, "priority": 0,
+              "preemptible": True, "token": 1, "hosts": [], "gpus": [{"index": 2, "host": "a", "rank": 0}]}
+    reserving = {"rank": "r9", "agent": "big", "vram_mb": 0, "priority": 7, "gpu_count": 2, "exclusive": True,
+                 "hosts": 3, "same": "rack", "reserve": ["GPU-3", "GPU-2"], "reason": "r"}
+    waiting = {"rank": "r10", "agent": "c", "vram_mb": 1024, "priority": 1, "hosts": 1, "reserve": []}
+    return {"revision": 3, "hosts": [
+        {"host": "a", "alive": True, "gpus": [_gpu(i) for i in range(4)], "leases": [_part("a", 1), single],
+         "queue": [reserving, waiting]},
+        {"host": "b", "alive": True, "gpus": [_gpu(i) for i in range(2)], "leases": [_part("b", 0)], "queue": []}]}
+
+
+def test_status_shows_a_multi_host_lease_as_one_row_over_its_hosts_and_each_part_with_its_rank() -> None:
+    from coordinator.cli.render import render_status
+
+    table = render_status(status_doc(), now=0.0)
+    rows = table.splitlines()
+    assert rows[rows.index("multi-host leases:") + 1:] == [
+        "  L1                   ag             hosts b,a (2x2 GPUs), whole GPUs, priority 5"]
+    assert sum(1 for r in rows if r.startswith("  L1 ") and "rank 1 of hosts b,a (2x2 GPUs)" in r) == 1
+    assert sum(1 for r in rows if r.startswith("  L1 ") and "rank 0 of hosts b,a (2x2 GPUs)" in r) == 1
+    solo = next(r for r in rows if r.startswith("  S1 "))
+    assert "hosts" not in solo and "rank" not in solo
+
+
+def test_status_shows_a_reservation_of_a_multi_host_gang_with_its_hosts_and_gpu_indexes() -> None:
+    from coordinator.cli.render import render_status
+
+    table = render_status(status_doc(), now=0.0)
+    assert "reserved: big 2 whole GPUs gpus=any priority 7; reserves GPUs 3,2 for a 3-host gang (same rack)" in table
+    assert "waiting: c 1GiB gpu=any priority 1\n" in table + "\n"
+
+
+def test_the_queue_names_a_reservations_gpus_by_index() -> None:
+    from coordinator.cli.queue import queue_doc, render_queue
+
+    doc = queue_doc(status_doc())
+    assert doc["waiting"][0]["reserve_gpus"] == [3, 2] and "reserve_gpus" not in doc["waiting"][1]
+    table = render_queue(doc, 0.0)
+    assert "  reserves GPUs 3,2 for a 3-host gang (same rack)" in table.splitlines()
+
+
+def test_the_console_shows_a_multi_host_lease_once_over_its_hosts() -> None:
+    from coordinator.web import pages
+    from coordinator.web.events import changes
+
+    page = pages.leases(status_doc(), [])
+    assert page.count(">L1<") == 1 and "hosts b,a (2x2 GPUs)" in page
+    assert "reserves GPUs 3,2 for a 3-host gang (same rack)" in page
+    part = pages.host(status_doc(), [], "a")
+    assert part is not None and "0,1 (rank 1 of hosts b,a (2x2 GPUs))" in part
+    grant = changes({"hosts": []}, status_doc())
+    assert [e["text"] for e in grant if e["lease"] == "L1"] == ["granted L1: 0.0 GiB to ag on hosts b,a (2x2 GPUs)"]
