@@ -199,3 +199,48 @@ def test_the_console_shows_a_multi_host_lease_once_over_its_hosts() -> None:
     assert part is not None and "0,1 (rank 1 of hosts b,a (2x2 GPUs))" in part
     grant = changes({"hosts": []}, status_doc())
     assert [e["text"] for e in grant if e["lease"] == "L1"] == ["granted L1: 0.0 GiB to ag on hosts b,a (2x2 GPUs)"]
+
+
+def test_a_command_run_on_this_host_s_part_sees_that_part_s_gpus_and_its_end_releases_the_lease(
+        tmp_path: Any) -> None:
+    import asyncio
+    import sys
+
+    from agent_client.command import Granted
+    from agent_client.run import AsyncBoundProcess
+
+    released: list[str] = []
+    attached: list[str] = []
+
+    class Session(Holder):
+        agent, keepalive_interval, expired = "ag", 0.2, False
+
+        def __init__(self) -> None:
+            self.done = asyncio.Event()
+
+        async def release(self, lease_id: str) -> bool:
+            released.append(lease_id)
+            return True
+
+        async def attach_processes(self, lease_id: str, pids: Any, pgid: int = 0) -> bool:
+            attached.append(lease_id)
+            return True
+
+        async def partition(self) -> dict[str, object]:
+            return {}
+
+    async def scene() -> int:
+        session = Session()
+        records = gang_records()
+        lease = AsyncLease(session, lease_pb(records[0], parts=records))
+        out = tmp_path / "env"
+        with out.open("wb") as f:
+            proc = AsyncBoundProcess(Granted(session, lease.on_part(1)), [  # type: ignore[arg-type]
+                sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], "
+                "os.environ['GPUCOORD_TOKEN'])"], 0, stdout=f, say=lambda msg: None)
+            await proc.start()
+            return await proc.wait()
+
+    assert asyncio.run(scene()) == 0
+    assert (tmp_path / "env").read_text().split() == ["GPU-a0,GPU-a1", "6"]
+    assert released == ["L1"] and attached and set(attached) == {"L1"}
