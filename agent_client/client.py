@@ -215,7 +215,8 @@ class AsyncClient:
                       wait: float = 0.0, request_id: str | None = None, *, gpu_count: int = 1,
                       exclusive: bool = False, topology: str = "any",
                       gpus: Sequence[int | str] = (), min_runtime: float = 0.0, time_limit: float = 0.0,
-                      time_limit_warning: float = 0.0) -> AsyncLease:
+                      time_limit_warning: float = 0.0, hosts: int = 1, same: str = "",
+                      prefer: str = "") -> AsyncLease:
         """Acquire ``vram_mb`` MiB on one GPU, or a gang: ``vram_mb`` on each of ``gpu_count`` GPUs (whole
         GPUs with ``exclusive``, ``vram_mb`` 0), joined by ``topology`` (``any``, ``numa``, ``nvlink``), or the
         exact ``gpus``; all granted together or not at all, as one lease (``lease.gpus``). Raises
@@ -224,7 +225,12 @@ class AsyncClient:
         ``time_limit``: seconds after the grant at which the lease is revoked (0: none, or the fleet's default;
         at most 30 days and the fleet's maximum, else InvalidArgument naming ``time_limit_seconds``), with an
         eviction notice (reason ``time-limit``) ``time_limit_warning`` seconds before (0: the fleet's warning;
-        capped at the limit). docs/policies.md "Time limits"."""
+        capped at the limit). docs/policies.md "Time limits".
+        ``hosts``: a multi-host gang, ``gpu_count`` GPUs (``vram_mb`` each, or ``exclusive``, by ``topology``)
+        on each of ``hosts`` distinct hosts (1 to 64; this session's host need not be one), granted and ended
+        as one lease: ``lease.hosts`` names them in rank order, ``lease.part(rank)`` gives each one's GPUs.
+        ``same``: a host label key whose value every host shares; ``prefer``: one whose shared value is
+        preferred (both only with ``hosts`` of 2 or more; no ``gpu`` or ``gpus`` then). docs/agents.md."""
         if self.done.is_set():
             # The same reason and field as the coordinator's answer for a gone session: which of the two the
             # caller meets first (the keepalive stream's or its own call's) is a matter of speed.
@@ -242,12 +248,21 @@ class AsyncClient:
                                      wait_seconds=max(0.0, until - time.monotonic()) if wait else 0.0,
                                      gpu_count=gpu_count, exclusive=exclusive, topology=topology,
                                      gpus=[str(g) for g in gpus], min_runtime_seconds=min_runtime,
-                                     time_limit_seconds=time_limit, time_limit_warning_seconds=time_limit_warning)
+                                     time_limit_seconds=time_limit, time_limit_warning_seconds=time_limit_warning,
+                                     hosts=hosts, same=same, prefer=prefer)
         resp = await self._call("Acquire", request, retry_for=max(self.retry_for, wait),
                                 wait_left=lambda: max(0.0, until - time.monotonic()) if wait else 0.0)
         # Host ownership: the next acquires go straight to the replica that admits on our host, saving
-        # the hop through a replica that would forward them (any replica still would).
-        self._transport.owner = resp.owner
+        # the hop through a replica that would forward them (any replica still would). A multi-host gang's
+        # answer names no owner (it is no one host's): it leaves ours as it was.
+        if hosts <= 1:
+            self._transport.owner = resp.owner
+        if hosts > 1 and not resp.lease.hosts:
+            # A replica of a release before multi-host gangs ignores ``hosts``: it granted one host. Give it back.
+            await self.release(resp.lease.id)
+            raise errors.FailedPrecondition(
+                "hosts: the coordinator does not support multi-host gangs (a replica of an older release "
+                "answered); upgrade every replica first", "NOT_SUPPORTED", "hosts")
         if (gpu_count != 1 or exclusive or topology != "any" or gpus) and not resp.lease.gpus:
             # A replica of a release before gangs ignores their fields: it granted one plain GPU. Give it back.
             await self.release(resp.lease.id)

@@ -31,6 +31,14 @@ class LeaseGpu:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeasePart:
+    """One host's part of a multi-host lease: its rank (0 first), the host, and its GPUs there in index order."""
+    rank: int
+    host: str
+    gpus: tuple[LeaseGpu, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class EvictionNotice:
     """``deadline`` is on this process's ``time.monotonic()`` clock: the time left that the coordinator
     sent, added to ours when the notice came (``deadline_unix`` is the coordinator's wall clock, for
@@ -59,7 +67,12 @@ class EvictionNotice:
 
 
 class _LeaseBase:
-    """What a granted VRAM lease carries. ``token`` is the fencing token (see docs/agents.md, "Fencing")."""
+    """What a granted VRAM lease carries. ``token`` is the fencing token (see docs/agents.md, "Fencing").
+
+    A multi-host lease (``acquire(hosts=N)``): ``hosts`` names its hosts in rank order (() for a lease of one
+    host), ``part(rank)`` gives one host's part (``LeasePart``: rank, host, GPUs), ``rank_of(host)`` the rank
+    of a host (None when it holds no part). Its single-GPU fields, ``host`` and ``gpus`` name rank 0's part,
+    which need not be on this session's host."""
 
     def __init__(self, msg: pb.Lease) -> None:
         self.id: str = msg.id
@@ -71,9 +84,13 @@ class _LeaseBase:
         self.preemptible: bool = msg.preemptible
         self.token: int = msg.token
         self.request_id: str = msg.request_id
-        # Every GPU of the lease in index order (a gang's all; the fields above name the first).
-        self.gpus: tuple[LeaseGpu, ...] = tuple(LeaseGpu(g.index, g.uuid, g.token, g.vram_mb) for g in msg.gpus) or (
-            LeaseGpu(msg.gpu_index, msg.gpu_uuid, msg.token, msg.vram_mb),)
+        # Every GPU of the lease on its (first) host in index order (a gang's all; the fields above name the
+        # first). A multi-host lease's other hosts' GPUs are in its parts.
+        self.hosts: tuple[str, ...] = tuple(msg.hosts)
+        self._parts: tuple[LeasePart, ...] = _parts(msg)
+        self.gpus: tuple[LeaseGpu, ...] = next((p.gpus for p in self._parts if p.host == msg.host and p.gpus),
+                                               self._parts[0].gpus)
+        self._msg = msg
         self.exclusive: bool = msg.exclusive
         self.topology: str = msg.topology or "any"
         # Teams: over its team's quota when granted (borrowed), and its declared minimum runtime.
@@ -86,6 +103,21 @@ class _LeaseBase:
         self.released = False
         self._callbacks: list[Callable[[EvictionNotice], object]] = []
         self._withdrawn_callbacks: list[Callable[[EvictionNotice], object]] = []
+
+    @property
+    def parts(self) -> tuple[LeasePart, ...]:
+        """Every host's part in rank order (one, this lease's host's, for a lease of one host)."""
+        return self._parts
+
+    def part(self, rank: int) -> LeasePart:
+        """The part of rank ``rank`` (0 for a lease of one host); IndexError past the last."""
+        if rank < 0:
+            raise IndexError(f"rank {rank}: ranks are 0..{len(self._parts) - 1}")
+        return self._parts[rank]
+
+    def rank_of(self, host: str) -> int | None:
+        """The rank of ``host``'s part, or None when the lease holds nothing there."""
+        return next((p.rank for p in self._parts if p.host == host), None)
 
     def on_evict(self, callback: Callable[[EvictionNotice], object]) -> None:
         """Call ``callback(notice)`` when the coordinator asks for this lease back (at once if it already has),
@@ -127,10 +159,39 @@ class _LeaseBase:
                 f"token={self.token})")
 
 
+def _parts(msg: pb.Lease) -> tuple[LeasePart, ...]:
+    """The lease's parts from its message: its GPUs grouped by host in rank order (a message without
+    ``hosts``, of one host or from a release before multi-host gangs: one part, the lease's host's)."""
+    def gpu(g: pb.LeaseGpu) -> LeaseGpu:
+        return LeaseGpu(g.index, g.uuid, g.token, g.vram_mb)
+
+    if not msg.hosts:
+        gpus = tuple(gpu(g) for g in msg.gpus) or (LeaseGpu(msg.gpu_index, msg.gpu_uuid, msg.token, msg.vram_mb),)
+        return (LeasePart(0, msg.host, gpus),)
+    return tuple(LeasePart(n, host, tuple(gpu(g) for g in sorted(msg.gpus, key=lambda g: g.index)
+                                          if (g.host or msg.host) == host))
+                 for n, host in enumerate(msg.hosts))
+
+
 class AsyncLease(_LeaseBase):
     def __init__(self, client: LeaseHolder, msg: pb.Lease) -> None:
         super().__init__(msg)
         self._client = client
+
+    def on_part(self, rank: int) -> AsyncLease:
+        """This lease as its part of rank ``rank`` holds it: the same lease (``release`` ends all of it), whose
+        ``host``, single-GPU fields and ``gpus`` name that part's (what a command bound to that host's GPUs
+        needs); it gets this lease's notices. IndexError for a rank the lease does not have."""
+        part = self.part(rank)
+        first = part.gpus[0]
+        msg = pb.Lease()
+        msg.CopyFrom(self._msg)
+        msg.host, msg.gpu_index, msg.gpu_uuid, msg.token, msg.vram_mb = (part.host, first.index, first.uuid,
+                                                                         first.token, first.vram_mb)
+        view = AsyncLease(self._client, msg)
+        self.on_evict(view._notify)
+        self.on_withdrawn(view._notify)
+        return view
 
     async def release(self) -> bool:
         if self.released:

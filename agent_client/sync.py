@@ -126,13 +126,16 @@ class Client:
     def acquire(self, vram_mb: int = 0, gpu: int | str | None = None, priority: int = 0, preemptible: bool = True,
                 wait: float = 0.0, request_id: str | None = None, *, gpu_count: int = 1, exclusive: bool = False,
                 topology: str = "any", gpus: Sequence[int | str] = (), min_runtime: float = 0.0,
-                time_limit: float = 0.0, time_limit_warning: float = 0.0) -> Lease:
+                time_limit: float = 0.0, time_limit_warning: float = 0.0, hosts: int = 1, same: str = "",
+                prefer: str = "") -> Lease:
         """See ``AsyncClient.acquire``: one GPU, or a gang (``gpu_count``, ``exclusive``, ``topology``,
-        ``gpus``) as one lease over its GPUs (``lease.gpus``)."""
+        ``gpus``) as one lease over its GPUs (``lease.gpus``), on each of ``hosts`` hosts (``same``,
+        ``prefer``: label keys; ``lease.hosts``, ``lease.part(rank)``)."""
         inner = self._run(self._async.acquire(vram_mb, gpu, priority, preemptible, wait, request_id,
                                               gpu_count=gpu_count, exclusive=exclusive, topology=topology, gpus=gpus,
                                               min_runtime=min_runtime, time_limit=time_limit,
-                                              time_limit_warning=time_limit_warning))
+                                              time_limit_warning=time_limit_warning, hosts=hosts, same=same,
+                                              prefer=prefer))
         return Lease(self, inner)
 
     def release(self, lease_id: str) -> bool:

@@ -49,6 +49,11 @@ def duration(text: str) -> float:
     return value
 
 
+def _insecure_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="allow plaintext on a non-loopback address (logged as a warning; docs/security.md, \"Running securely\")")
+
+
 class CliError(Exception):
     """A failure that the CLI reports as one line, ``gpucoord: error: MESSAGE; HINT``, and an exit code.
 

@@ -32,6 +32,7 @@ from coordinator.cli.common import (
     CliError,
     UsageError,
     _env,
+    _insecure_arg,
     duration,
 )
 from coordinator.cli.run_cmd import cmd_run
@@ -101,6 +102,7 @@ def _resolve_globals(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from coordinator.cli.gangs import add_gang_flags
     from coordinator.cli.hosts import add_parsers as host_parsers
     from coordinator.cli.queue import add_parsers as queue_parsers
     from coordinator.cli.security import add_parsers as security_parsers
@@ -272,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--exclusive", action="store_true", help="whole GPUs, shared with no other lease (no --vram)")
     ru.add_argument("--topology", default="any", choices=("any", "numa", "nvlink"),
                     help="how the GPUs must be joined: any, numa (one NUMA node), nvlink (every pair)")
+    add_gang_flags(ru)
     ru.add_argument("--priority", type=int, default=0)
     ru.add_argument("--min-runtime", type=float, default=0.0, metavar="SECONDS",
                     help="teams: run this long before another team may reclaim the lease while it is over its "
@@ -311,11 +314,6 @@ def build_parser() -> argparse.ArgumentParser:
     host_parsers(sub, _command)
     queue_parsers(sub, _command)
     return p
-
-
-def _insecure_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--insecure", action="store_true", default=None,
-                   help="allow plaintext on a non-loopback address (logged as a warning; docs/security.md, \"Running securely\")")
 
 
 def _quiet_stdout() -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from coordinator.cli.common import _client_tls, check_name, fetch_status, rpc_error
 from coordinator.policy.partition.units import show_mib
+from coordinator.web.gangs import reservation
 
 _TLS = ("tls-ca", "tls-cert", "tls-key")
 
@@ -25,12 +26,16 @@ def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> No
 
 
 def queue_doc(status: dict[str, Any]) -> dict[str, Any]:
-    """The waiting requests of a status document, host by host in rank order."""
+    """The waiting requests of a status document, host by host in rank order. A multi-host gang's reservation
+    on a host also names its reserved GPUs by index (``reserve_gpus``; ``reserve`` has their uuids)."""
     waiting = []
     for h in status.get("hosts", []):
+        index_of = {g["uuid"]: g["index"] for g in h.get("gpus", [])}
         for q in h.get("queue", []):
             waiting.append({"host": h["host"], **q,
                             "estimated_start_unix": q.get("estimated_start_unix") if q.get("has_estimate") else None})
+            if q.get("reserve"):
+                waiting[-1]["reserve_gpus"] = [index_of.get(u, u) for u in q["reserve"]]
     return {"revision": status.get("revision", 0), "waiting": waiting}
 
 
@@ -49,6 +54,9 @@ def render_queue(doc: dict[str, Any], now: float) -> str:
         lines.append(f"{q['host']:<16} {q.get('position', 0):>3} {q.get('agent', ''):<14} {what:>14} "
                      f"{q.get('priority', 0):>5} {when:<16}")
         lines.append(f"  {q.get('reason', '')}")
+        held = reservation(q, dict(zip(q.get("reserve") or (), q.get("reserve_gpus") or ())))
+        if held:
+            lines.append(f"  {held}")
     return "\n".join(lines)
 
 

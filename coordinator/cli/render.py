@@ -5,6 +5,7 @@ import time
 from typing import Any, Sequence
 
 from coordinator.policy.partition.units import show_bytes, show_mib
+from coordinator.web.gangs import lease_hosts, lease_rank, reservation
 
 _mib = show_mib   # the one display rule of sizes (docs/cli.md, "Sizes"): binary units, at most 4 significant digits
 
@@ -133,18 +134,40 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
                              f"{_mib(int(lease['vram_mb'])):>8} {lease['priority']:>5} "
                              f"{'y' if lease['preemptible'] else 'n':>3} {lease['token']:>6} "
                              f"{lease.get('ttl_remaining', '?'):>4}{' over quota' if lease.get('over_quota') else ''}"
+                             f"{_part(lease)}"
                              f"{_time_limit(lease, now)}{_idle(lease, now)}{_eviction(lease.get('eviction'), now)}")
         else:
             lines.append("  no leases")
         for q in h.get("queue", []):
-            lines.append(f"  waiting: {q['agent']} {_shape(q)} priority {q['priority']}"
-                         + (f"\n    {q['reason']}" if q.get("reason") else ""))
+            held = reservation(q, index_of)
+            lines.append(f"  {'reserved' if held else 'waiting'}: {q['agent']} {_shape(q)} priority {q['priority']}"
+                         + (f"; {held}" if held else "") + (f"\n    {q['reason']}" if q.get("reason") else ""))
     if not doc.get("hosts"):
         lines.append("no hosts registered")
+    lines += _multi_host(doc)
     if doc.get("teams"):
         from coordinator.cli.teams import render_teams
         lines += ["teams:"] + ["  " + line for line in render_teams(doc["teams"]).splitlines()]
     return "\n".join(lines)
+
+
+def _part(lease: dict[str, Any]) -> str:
+    """The mark of a multi-host lease's part on a host: its rank and the lease's hosts."""
+    over = lease_hosts(lease)
+    return f" rank {lease_rank(lease)} of {over}" if over else ""
+
+
+def _multi_host(doc: dict[str, Any]) -> list[str]:
+    """Every multi-host lease as one row over its hosts (each host's section lists its part)."""
+    rows: dict[str, str] = {}
+    for h in doc.get("hosts", []):
+        for lease in h.get("leases", []):
+            over = lease_hosts(lease)
+            if over and lease["id"] not in rows:
+                rows[lease["id"]] = (f"  {lease['id']:<20} {lease['agent']:<14} {over}, "
+                                     f"{'whole GPUs' if lease.get('exclusive') else _mib(int(lease['vram_mb'])) + ' each'}"
+                                     f", priority {lease['priority']}")
+    return ["multi-host leases:", *rows.values()] if rows else []
 
 
 def _shape(q: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ import asyncio
 import socket
 
 from coordinator.cli.common import UsageError, _client_tls, _setup_logging
+from coordinator.cli.gangs import check_gang_flags
 from coordinator.limits import quote
 
 
@@ -68,6 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.kill_after is not None and not 0 <= args.kill_after <= 3600:
             raise ValueError("--kill-after: must be within [0, 3600] seconds")
         _check_run_numbers(args)
+        check_gang_flags(args)
     except ValueError as e:
         raise UsageError(str(e), "see 'gpucoord run --help'") from e
     tls = _client_tls(args)
@@ -79,4 +81,4 @@ def cmd_run(args: argparse.Namespace) -> int:
         time_limit=args.time_limit, time_limit_warning=args.signal_before,
         preemptible=not args.no_preemptible, wait=args.wait, kill_after=args.kill_after,
         cgroup_root=args.cgroup_root, tls_ca=tls.ca if tls else None, tls_cert=tls.cert if tls else None,
-        tls_key=tls.key if tls else None))
+        tls_key=tls.key if tls else None, hosts=args.hosts, same=args.same, prefer=args.prefer))

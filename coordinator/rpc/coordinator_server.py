@@ -151,8 +151,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             time_limit = self._time_limit(request)
             info = await self._session(request.session)
             wait_s = request.wait_seconds
-            owner = self.svc.owner(info.host)
-            if owner is not None and request.hosts <= 1 and owner[0] != self.svc.replica_id and owner[1] \
+            # A multi-host gang is no one host's: the replica that receives it decides it (no forwarding).
+            owner = self.svc.owner(info.host) if request.hosts <= 1 else None
+            if owner is not None and owner[0] != self.svc.replica_id and owner[1] \
                     and self.forward and not forwarded_by(context) and self.forwarder.usable(owner[1]):
                 sent, owner_id = time.monotonic(), owner[0]
                 answer = await self.forwarder.acquire(

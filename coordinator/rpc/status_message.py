@@ -15,17 +15,22 @@ from coordinator.replica.status import StatusReport
 
 def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease] = ()) -> pb.Lease:
     """The lease as a message: a gang (``parts``: every GPU's record) as one lease over its GPUs, whose
-    single-GPU fields name the first GPU."""
-    parts = sorted(parts or (lease,), key=lambda x: x.gpu_index)
+    single-GPU fields name the first GPU. A multi-host gang's (issue 30) ``hosts`` lists its hosts in rank
+    order, and its GPUs (those of ``parts``: every host's in an acquire's answer, one host's in a status)
+    come in rank order, then index order, each with its host and rank; the single-GPU fields name the
+    first of them (rank 0's first GPU when every part is given)."""
+    rank_of = {host: n for n, (host, _) in enumerate(lease.hosts)}
+    parts = sorted(parts or (lease,), key=lambda x: (rank_of.get(x.host, 0), x.gpu_index))
     first = parts[0]
     return pb.Lease(id=first.id, host=first.host, gpu_uuid=first.gpu_uuid, gpu_index=first.gpu_index,
                     vram_mb=first.vram_mb, priority=first.priority, preemptible=first.preemptible, token=first.token,
                     agent=first.agent, session_id=first.session_id, request_id=first.request_id,
                     created_at=first.created_at, ttl_remaining=ttl_remaining, pids=list(first.pids), pgid=first.pgid,
-                    gpus=[pb.LeaseGpu(index=x.gpu_index, uuid=x.gpu_uuid, token=x.token, vram_mb=x.vram_mb)
-                          for x in parts],
+                    gpus=[pb.LeaseGpu(index=x.gpu_index, uuid=x.gpu_uuid, token=x.token, vram_mb=x.vram_mb,
+                                      host=x.host, rank=rank_of.get(x.host, 0)) for x in parts],
                     exclusive=first.exclusive, topology=first.topology, min_runtime_seconds=first.min_runtime_s,
-                    over_quota=bool(first.over_quota), time_limit_seconds=first.time_limit_s)
+                    over_quota=bool(first.over_quota), time_limit_seconds=first.time_limit_s,
+                    hosts=[host for host, _ in lease.hosts])
 
 
 def wait_pb(entry: pb.QueueEntry, wait: WaitReason) -> None:
@@ -92,7 +97,8 @@ def status_response(report: StatusReport,
             hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
                          priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
                          gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
-                         gpus=q.get("gpus", []), topology=q.get("topology", "any"))
+                         gpus=q.get("gpus", []), topology=q.get("topology", "any"), hosts=q.get("hosts", 1),
+                         same=q.get("same", ""), prefer=q.get("prefer", ""), reserve=q.get("reserve", []))
             wait = report.waits.get(h["host"], {}).get(q["rank"])
             if wait is not None:
                 wait_pb(hs.queue[-1], wait)

@@ -13,6 +13,7 @@ import json
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors
+from coordinator.host_records import label_error
 from coordinator.keys import etcd_lease_from_session_id, valid_name
 from coordinator.limits import (
     MAX_ATTACHED_PIDS,
@@ -34,7 +35,7 @@ from coordinator.limits import (
 from coordinator.policy import time_limits
 from coordinator.policy.partition import PartitionError, PartitionSpec, parse_spec
 from coordinator.policy.teams import MAX_MIN_RUNTIME_S
-from coordinator.records import TOPOLOGIES, dumps
+from coordinator.records import MAX_GANG_HOSTS, TOPOLOGIES, dumps
 
 
 # -- requests -------------------------------------------------------------------------------------------
@@ -60,6 +61,7 @@ def session_ref(ref: pb.SessionRef) -> None:
 def acquire(request: pb.AcquireRequest) -> None:
     validate_gang(request.gpu_count, request.exclusive, request.topology, list(request.gpus), request.gpu,
                   request.vram_mb)
+    validate_hosts(request.hosts, request.same, request.prefer, request.gpu, list(request.gpus))
     validate_acquire(request.vram_mb if not request.exclusive else 1, request.gpu, request.priority,
                      request.request_id, request.wait_seconds)
     validate_min_runtime(request.min_runtime_seconds)
@@ -199,6 +201,26 @@ def validate_gang(gpu_count: int, exclusive: bool, topology: str, gpus: list[str
     if len(set(gpus)) != len(gpus) or len(gpus) != max(gpu_count, 1):
         raise errors.InvalidArgument(
             f"gpus: must name gpu_count ({max(gpu_count, 1)}) distinct GPUs, got {len(gpus)}", "gpus")
+
+
+def validate_hosts(hosts: int, same: str, prefer: str, gpu: str, gpus: list[str]) -> None:
+    """The multi-host fields of an acquire (issue 30): ``hosts`` within [0, MAX_GANG_HOSTS] (0 and 1: one
+    host); ``same``/``prefer`` label keys, and only for two hosts or more; no named GPU (``gpu``, ``gpus``:
+    indexes and uuids are a host's own). Whether some set of hosts could ever hold it is admission's."""
+    if not 0 <= hosts <= MAX_GANG_HOSTS:
+        raise errors.InvalidArgument(f"hosts: must be within [1, {MAX_GANG_HOSTS}] (0: 1), got {hosts}", "hosts")
+    for field, key in (("same", same), ("prefer", prefer)):
+        if not key:
+            continue
+        if hosts < 2:
+            raise errors.InvalidArgument(f"{field}: only with hosts of 2 or more (a label key the hosts share)",
+                                         field)
+        if label_error(key, "x"):
+            raise errors.InvalidArgument(f"{field}: {quote(key)} is not a label key (NAME or PREFIX/NAME)", field)
+    if hosts >= 2 and gpu:
+        raise errors.InvalidArgument(f"gpu: names one host's GPU, not with hosts ({hosts})", "gpu")
+    if hosts >= 2 and gpus:
+        raise errors.InvalidArgument(f"gpus: name one host's GPUs, not with hosts ({hosts})", "gpus")
 
 
 def validate_attach(lease_id: str, pids: list[int], pgid: int) -> None:

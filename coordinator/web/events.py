@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+from coordinator.web.gangs import lease_hosts
+
 Doc = dict[str, Any]
 Event = dict[str, Any]
 
@@ -68,7 +70,7 @@ def changes(old: Doc | None, new: Doc) -> list[Event]:
             add("uncordon", h["host"], f"host {h['host']} uncordoned")
     old_leases, new_leases = _leases(old), _leases(new)
     for lid, lease in new_leases.items():
-        who = f"{lease.get('agent', '')} on {lease.get('host', '')} {_gpus(lease)}"
+        who = f"{lease.get('agent', '')} on {lease_hosts(lease) or lease.get('host', '') + ' ' + _gpus(lease)}"
         if lid not in old_leases:
             add("grant", lease.get("host", ""), f"granted {lid}: {_gib(lease.get('vram_mb', 0))} to {who}", lid)
         notice, had = _notice(lease), _notice(old_leases.get(lid, {}))

@@ -10,6 +10,8 @@ import html
 import time
 from typing import Any, Iterable
 
+from coordinator.web.gangs import lease_hosts, lease_rank, reservation
+
 Doc = dict[str, Any]
 
 NAV = (("/", "Summary"), ("/hosts", "Hosts"), ("/leases", "Leases and queue"), ("/teams", "Teams"),
@@ -102,7 +104,7 @@ def summary(doc: Doc, events: list[dict[str, Any]]) -> str:
     leased = sum(int(g.get("leased_mb", 0)) for g in gpus)
     free = sum(max(0, int(g.get("free_mb", 0))) for g in gpus)
     idle = sum(1 for g in gpus if not int(g.get("leased_mb", 0)))
-    leases = sum(len(h.get("leases", [])) for h in hosts)
+    leases = len({lease["id"] for h in hosts for lease in h.get("leases", [])})   # a multi-host lease once
     queue = sum(len(h.get("queue", [])) for h in hosts)
     tiles = [("hosts-up", "Hosts up", f"{sum(1 for h in hosts if h.get('alive'))} / {len(hosts)}"),
              ("gpus", "GPUs", str(len(gpus))), ("gpus-idle", "GPUs idle (no lease)", str(idle)),
@@ -131,14 +133,24 @@ def hosts(doc: Doc, events: list[dict[str, Any]]) -> str:
 
 def _lease_rows(hosts: list[dict[str, Any]], with_host: bool) -> list[list[str]]:
     rows = []
+    shown: set[str] = set()   # a multi-host lease: one row over its hosts where hosts are shown
     for h in hosts:
         for lease in h.get("leases", []):
             gpus = ",".join(str(g.get("index")) for g in lease.get("gpus", [])) or str(lease.get("gpu_index"))
+            over = lease_hosts(lease)
+            if over and with_host:
+                if lease["id"] in shown:
+                    continue
+                shown.add(lease["id"])
+                gpus = over
+            elif over:
+                gpus += f" (rank {lease_rank(lease)} of {over})"
             notice = lease.get("eviction") or {}
             state = ("revoking" if notice.get("revoke") else "evicting: " + e(notice.get("reason", ""))) \
                 if notice.get("lease_id") and not notice.get("withdrawn") else "held"
             state += idle_mark(lease)
-            rows.append([*([_host_link(h["host"])] if with_host else []), e(lease["id"]), e(lease.get("agent", "")),
+            where = ", ".join(_host_link(x) for x in lease["hosts"]) if over else _host_link(h["host"])
+            rows.append([*([where] if with_host else []), e(lease["id"]), e(lease.get("agent", "")),
                          e(gpus), gib(int(lease.get("vram_mb", 0))), str(lease.get("priority", 0)),
                          "yes" if lease.get("over_quota") else "", state,
                          e(",".join(str(p) for p in lease.get("pids", []))),
@@ -177,11 +189,14 @@ def estimate(q: dict[str, Any]) -> str:
 def _queue_rows(hosts: list[dict[str, Any]], with_host: bool) -> list[list[str]]:
     rows = []
     for h in hosts:
+        index_of = {g.get("uuid"): g.get("index") for g in h.get("gpus", [])}
         for position, q in enumerate(sorted(h.get("queue", []), key=lambda q: str(q.get("rank", ""))), 1):
             count = max(1, int(q.get("gpu_count", 1)))
+            held = reservation(q, index_of)
             rows.append([*([_host_link(h["host"])] if with_host else []), str(q.get("position") or position),
                          e(q.get("agent", "")), gib(int(q.get("vram_mb", 0))) + (f" x {count}" if count > 1 else ""),
-                         str(q.get("priority", 0)), e(q.get("gpu") or ",".join(q.get("gpus", [])) or "any"),
+                         str(q.get("priority", 0)),
+                         e(held or q.get("gpu") or ",".join(q.get("gpus", [])) or "any"),
                          blockers(q), estimate(q)])
     return rows
 

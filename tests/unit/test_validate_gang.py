@@ -47,3 +47,39 @@ def test_a_bad_gang_field_is_refused_naming_it(fields: dict[str, Any], field: st
 ])
 def test_good_gang_fields_pass(fields: dict[str, Any]) -> None:
     validate.acquire(req(**fields))
+
+
+# -- multi-host gangs (issue 30) ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fields,field", [
+    ({"hosts": -1}, "hosts"),
+    ({"hosts": 65}, "hosts"),
+    ({"hosts": 2, "gpu": "0"}, "gpu"),                          # a GPU index or uuid is one host's
+    ({"hosts": 2, "gpus": ["0", "1"], "gpu_count": 2}, "gpus"),
+    ({"hosts": 1, "same": "rack"}, "same"),                     # a label key the hosts share: two hosts or more
+    ({"same": "rack"}, "same"),
+    ({"hosts": 0, "prefer": "rack"}, "prefer"),
+    ({"hosts": 2, "same": "Rack"}, "same"),
+    ({"hosts": 2, "same": "rack=r1"}, "same"),
+    ({"hosts": 2, "prefer": "-rack"}, "prefer"),
+    ({"hosts": 2, "prefer": "a" * 100}, "prefer"),
+    ({"hosts": 2, "same": "bad_prefix!/rack"}, "same"),
+])
+def test_a_bad_multi_host_field_is_refused_naming_it(fields: dict[str, Any], field: str) -> None:
+    with pytest.raises(errors.InvalidArgument) as e:
+        validate.acquire(req(**fields))
+    assert e.value.field == field and e.value.message.startswith(f"{field}: ")
+
+
+def test_a_refused_label_key_is_quoted_short() -> None:
+    with pytest.raises(errors.InvalidArgument) as e:
+        validate.acquire(req(hosts=2, same="X" * 10_000))
+    assert "X" * 33 not in e.value.message and "10000 characters" in e.value.message
+
+
+@pytest.mark.parametrize("fields", [
+    {"hosts": 0}, {"hosts": 1}, {"hosts": 2}, {"hosts": 64, "gpu_count": 8, "exclusive": True, "vram_mb": 0},
+    {"hosts": 2, "same": "rack"}, {"hosts": 3, "prefer": "topology.example.com/block", "topology": "nvlink"},
+    {"hosts": 2, "same": "rack", "prefer": "block", "gpu_count": 4},
+])
+def test_good_multi_host_fields_pass(fields: dict[str, Any]) -> None:
+    validate.acquire(req(**fields))
