@@ -15,15 +15,18 @@ from coordinator.replica.status import StatusReport
 
 def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease] = ()) -> pb.Lease:
     """The lease as a message: a gang (``parts``: every GPU's record) as one lease over its GPUs, whose
-    single-GPU fields name the first GPU."""
-    parts = sorted(parts or (lease,), key=lambda x: x.gpu_index)
+    single-GPU fields name the first GPU; a multi-host gang's with ``hosts`` (rank order) and each GPU's host
+    and rank (``parts`` may be one host's records: a host's status lists its own); a lease of one host's GPUs
+    name no host, as before multi-host gangs."""
+    parts = sorted(parts or (lease,), key=lambda x: (x.rank, x.gpu_index))
     first = parts[0]
     return pb.Lease(id=first.id, host=first.host, gpu_uuid=first.gpu_uuid, gpu_index=first.gpu_index,
                     vram_mb=first.vram_mb, priority=first.priority, preemptible=first.preemptible, token=first.token,
                     agent=first.agent, session_id=first.session_id, request_id=first.request_id,
                     created_at=first.created_at, ttl_remaining=ttl_remaining, pids=list(first.pids), pgid=first.pgid,
-                    gpus=[pb.LeaseGpu(index=x.gpu_index, uuid=x.gpu_uuid, token=x.token, vram_mb=x.vram_mb)
-                          for x in parts],
+                    gpus=[pb.LeaseGpu(index=x.gpu_index, uuid=x.gpu_uuid, token=x.token, vram_mb=x.vram_mb,
+                                      host=x.host if x.hosts else "", rank=x.rank) for x in parts],
+                    hosts=[h for h, _ in first.hosts],
                     exclusive=first.exclusive, topology=first.topology, min_runtime_seconds=first.min_runtime_s,
                     over_quota=bool(first.over_quota), time_limit_seconds=first.time_limit_s)
 
