@@ -246,8 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--json", action="store_true")
     pa.set_defaults(fn=cmd_partition)
 
-    le = _command(sub, "lease", ("coordinator", *_TLS), help="operator actions on VRAM leases")
-    lsub = le.add_subparsers(dest="lease_cmd", required=True, metavar="evict|revoke")
+    le = _command(sub, "lease", ("coordinator", *_TLS), help="show a lease (a multi-host one with its hostfile and ranks); operator actions on leases")
+    lsub = le.add_subparsers(dest="lease_cmd", required=True, metavar="show|evict|revoke")
+    _command(lsub, "show", ("coordinator", *_TLS), help="a lease's fields; a multi-host lease's hostfile and the "
+             "environment of each rank (gpucoord run --join)").add_argument("id")
     ev = _command(lsub, "evict", ("coordinator", *_TLS), help="send an eviction notice with a grace period")
     ev.add_argument("id")
     ev.add_argument("--grace", type=float, default=None)

@@ -42,6 +42,7 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["lease", "evict", "bad/id", *c],
         ["lease", "revoke", "bad/id", *c],
         ["lease", "revoke", "x", "--bogus", *c],
+        ["lease", "show", "bad/id", *c],
         ["run", "--agent", "a", "--vram", "1GiB", "--priority", "99999999", *c, "--", "true"],
         ["run", "--agent", "a", "--vram", "100KiB", *c, "--", "true"],
         ["run", "--agent", "a", "--exclusive", "--min-runtime", "-5", *c, "--", "true"],
