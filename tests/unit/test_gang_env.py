@@ -20,8 +20,8 @@ from agent_client.gang_env import (
 )
 from agent_client.join import AsyncJoinedProcess, JoinedLease, own_part
 from coordinator.cli.lease_show import lease_text
+from tests.support.join_fakes import H1, H2, LID, FakeJoiningClient, lease_msg
 
-LID = "0123456789abcdef0123"
 PARTS = (GangPart(0, "h1", ("GPU-a", "GPU-b")), GangPart(1, "h2", ("GPU-c", "GPU-d", "GPU-e")))
 
 
@@ -60,17 +60,6 @@ def test_a_rank_the_lease_does_not_have_is_refused_naming_rank() -> None:
         rank_env(LID, PARTS, 2, "h1")
 
 
-def msg(host: str, gpus: list[tuple[int, str]], hosts: tuple[str, ...] = ("h1", "h2"), rank: int = 0) -> pb.Lease:
-    return pb.Lease(id=LID, host=host, gpu_uuid=gpus[0][1], gpu_index=gpus[0][0], agent="a", vram_mb=1000,
-                    token=7, hosts=list(hosts), gpus=[pb.LeaseGpu(index=i, uuid=u, token=7, vram_mb=1000,
-                                                                  host=host if hosts else "", rank=rank)
-                                                      for i, u in gpus])
-
-
-H1 = msg("h1", [(0, "GPU-a"), (1, "GPU-b")])
-H2 = msg("h2", [(3, "GPU-e"), (1, "GPU-c"), (2, "GPU-d")], rank=1)
-
-
 def test_the_parts_come_from_each_hosts_status_in_rank_order_gpus_in_index_order() -> None:
     assert lease_parts([("h2", H2), ("h1", H1)]) == PARTS
     # One host's status alone: the other rank is known, its GPUs are not.
@@ -78,7 +67,7 @@ def test_the_parts_come_from_each_hosts_status_in_rank_order_gpus_in_index_order
 
 
 def test_a_lease_of_one_host_is_one_part() -> None:
-    single = msg("h1", [(2, "GPU-x")], hosts=())
+    single = lease_msg("h1", [(2, "GPU-x")], hosts=())
     assert lease_parts([("h1", single)]) == (GangPart(0, "h1", ("GPU-x",)),)
 
 
@@ -91,31 +80,8 @@ def test_own_part_keeps_the_hosts_gpus_only() -> None:
     assert list(part.hosts) == ["h1", "h2"]
 
 
-class FakeClient:
-    """The status of two hosts, h1 and h2, each listing the lease with its own GPUs; no session, no RPC."""
-
-    agent = "a"
-    keepalive_interval = 1.0
-    expired = False
-
-    def __init__(self, host: str, address: str = "10.0.0.5:7001") -> None:
-        self.host = host
-        self.done = asyncio.Event()
-        self._leases: dict[str, Any] = {}
-        self._early_notices: dict[str, Any] = {}
-        self.hosts = {"h1": pb.HostStatus(host="h1", address=address, leases=[H1]),
-                      "h2": pb.HostStatus(host="h2", address="10.0.0.6:7001", leases=[H2]),
-                      "h3": pb.HostStatus(host="h3")}
-
-    async def status(self, host: str | None = None) -> pb.GetStatusResponse:
-        return pb.GetStatusResponse(hosts=[h for n, h in self.hosts.items() if host in (None, n)])
-
-    async def release(self, lease_id: str) -> bool:
-        raise AssertionError("a joined part never releases the lease")
-
-
 def join(host: str, rank: int | None, **kw: Any) -> tuple[AsyncJoinedProcess, JoinedLease]:
-    proc = AsyncJoinedProcess(FakeClient(host, **kw), ["true"], LID, rank, env={"PATH": "/bin"})  # type: ignore[arg-type]
+    proc = AsyncJoinedProcess(FakeJoiningClient(host, **kw), ["true"], LID, rank, env={"PATH": "/bin"})  # type: ignore[arg-type]
     lease = asyncio.run(proc._lease())
     assert isinstance(lease, JoinedLease)
     return proc, lease
@@ -148,7 +114,7 @@ def test_join_refuses_a_rank_not_on_the_sessions_host(host: str, rank: int | Non
 
 
 def test_join_of_an_unknown_lease_is_not_found() -> None:
-    client = FakeClient("h1")
+    client = FakeJoiningClient("h1")
     proc = AsyncJoinedProcess(client, ["true"], "no-such-lease", 0)  # type: ignore[arg-type]
     with pytest.raises(errors.NotFound, match="lease_id: no live lease no-such-lease"):
         asyncio.run(proc._lease())
@@ -163,7 +129,7 @@ def test_lease_show_prints_a_hostfile_and_each_ranks_environment() -> None:
 
 
 def test_lease_show_of_a_lease_of_one_host_prints_its_fields_only() -> None:
-    single = msg("h1", [(2, "GPU-x")], hosts=())
+    single = lease_msg("h1", [(2, "GPU-x")], hosts=())
     text = lease_text([("h1", single)], {})
     assert text.startswith(f"lease {LID}\n") and "h1 GPU 2 GPU-x 1000 MiB token 7" in text
     assert "hostfile" not in text and "PET_" not in text
