@@ -7,11 +7,12 @@ import logging
 import shlex
 import signal
 import sys
-from typing import Callable, Sequence, Unpack
+from typing import Awaitable, Callable, Sequence, Unpack
 
 from agent_client import errors
 from agent_client._aio import first_of
 from agent_client.client import AsyncClient
+from agent_client.join import AsyncJoinedProcess
 from agent_client.lease import AsyncLease
 from agent_client.run import AsyncBoundProcess, CommandOptions
 
@@ -34,24 +35,63 @@ async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd
     Returns the command's exit status (128+N for signal N); 125 when gpucoord itself fails (no lease),
     126 or 127 when the command cannot be run.
     """
-    def say(msg: str) -> None:
-        print(f"gpucoord run: {msg}", file=sys.stderr, flush=True)
+    _quiet_library()
+    client = AsyncClient(addresses, agent=agent, host=host, ttl=ttl, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    if hosts <= 1:
+        return await _supervise(client, AsyncBoundProcess(client, cmd, vram_mb, say=_say, foreground=True, **options),
+                                "no lease")
+    held: list[AsyncLease] = []   # a multi-host lease held without a part here
 
+    async def launch() -> AsyncBoundProcess | int:
+        lease = await client.acquire(vram_mb, hosts=hosts, same=same, prefer=prefer,
+                                     **{k: v for k, v in options.items() if k in _ACQUIRE})  # type: ignore[arg-type]
+        announce(lease, cmd, _say)
+        rank = lease.rank_of(host)
+        if rank is None:
+            held.append(lease)
+            return await hold(lease, client, _say)
+        # Its acquire options are the lease's already: the part's client answers the lease granted.
+        return AsyncBoundProcess(Granted(client, lease.on_part(rank)), cmd, vram_mb,
+                                 say=_say, foreground=True, **options)
+    return await _supervise(client, None, "no lease", launch, held)
+
+
+async def join_command(addresses: str | Sequence[str], agent: str, host: str, cmd: Sequence[str], lease_id: str,
+                       rank: int | None, *, ttl: int | None = None, tls_ca: str | None = None,
+                       tls_cert: str | None = None, tls_key: str | None = None,
+                       kill_after: float | None = None, cgroup_root: str | None = None) -> int:
+    """``gpucoord run --join LEASE_ID --rank R``: a session of its own on ``host``, the command bound to rank R's
+    part of the lease (``agent_client.join``). Exit statuses as ``run_command``'s: 125 when gpucoord fails
+    before the command runs (no such lease, rank R not on ``host``, the attach refused)."""
+    _quiet_library()
+    client = AsyncClient(addresses, agent=agent, host=host, ttl=ttl, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    proc = AsyncJoinedProcess(client, cmd, lease_id, rank, say=_say, foreground=True, kill_after=kill_after,
+                              cgroup_root=cgroup_root)
+    return await _supervise(client, proc, f"cannot join lease {lease_id}")
+
+
+def _say(msg: str) -> None:
+    print(f"gpucoord run: {msg}", file=sys.stderr, flush=True)
+
+
+def _quiet_library() -> None:
     if not logging.getLogger().handlers:
         # Nobody asked for logs (no --verbose): what the library would warn about (a session that expired,
         # a release that failed) is said once, in the final line; Python's last-resort handler would print
         # it a second time, bare.
         logging.getLogger("agent_client").setLevel(logging.ERROR)
 
+
+async def _supervise(client: AsyncClient, proc: AsyncBoundProcess | None, failed: str,
+                     launch: Callable[[], Awaitable[AsyncBoundProcess | int]] | None = None,
+                     held: Sequence[AsyncLease] = ()) -> int:
+    """Start ``proc`` on ``client``'s new session, forward SIGINT/SIGTERM/SIGHUP to it, wait, close the session
+    and say the final line (``failed``: its words when gpucoord fails before the command runs). Without ``proc``,
+    ``launch()`` makes it once connected, or answers an exit status itself (a multi-host lease held here)."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     assert main is not None
-    client = AsyncClient(addresses, agent=agent, host=host, ttl=ttl, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
-    proc: AsyncBoundProcess | None = None
-    if hosts <= 1:
-        proc = AsyncBoundProcess(client, cmd, vram_mb, say=say, foreground=True, **options)
     interrupted: list[int] = []
-    held: list[AsyncLease] = []   # a multi-host lease held without a part here
 
     def on_signal(sig: int) -> None:
         if proc is not None and proc.started and not proc.finished:
@@ -67,16 +107,11 @@ async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd
     try:
         await client.connect()
         if proc is None:
-            lease = await client.acquire(vram_mb, hosts=hosts, same=same, prefer=prefer,
-                                         **{k: v for k, v in options.items() if k in _ACQUIRE})  # type: ignore[arg-type]
-            announce(lease, cmd, say)
-            rank = lease.rank_of(host)
-            if rank is None:
-                held.append(lease)
-                return await hold(lease, client, say)
-            # Its acquire options are the lease's already: the part's client answers the lease granted.
-            proc = AsyncBoundProcess(Granted(client, lease.on_part(rank)), cmd, vram_mb, say=say, foreground=True,
-                                     **options)
+            assert launch is not None
+            made = await launch()
+            if isinstance(made, int):
+                return made
+            proc = made
         await proc.start()
         status = await proc.wait()
         final = proc.message
@@ -88,7 +123,7 @@ async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd
             f"while holding lease {held[0].id}: closing the session ends it" if held else "before the command started")
         return 128 + interrupted[0]
     except errors.GpucoordError as e:
-        final = f"no lease: {type(e).__name__}: {e.message}"
+        final = f"{failed}: {type(e).__name__}: {e.message}"
         return 125
     except FileNotFoundError as e:
         final = str(e.strerror or e)
@@ -101,7 +136,7 @@ async def run_command(addresses: str | Sequence[str], agent: str, host: str, cmd
             loop.remove_signal_handler(sig)
         await client.close()
         if final:
-            say(final)
+            _say(final)
 
 
 def announce(lease: AsyncLease, cmd: Sequence[str], say: Callable[[str], None]) -> None:
@@ -154,4 +189,4 @@ class Granted:
         return await self._client.attach_processes(lease_id, pids, pgid)
 
 
-__all__ = ["run_command"]
+__all__ = ["join_command", "run_command"]

@@ -216,7 +216,7 @@ class AsyncBoundProcess(Supervised):
             return self
         if shutil.which(self.cmd[0], path=self._env.get("PATH", os.defpath)) is None:
             raise FileNotFoundError(errno.ENOENT, f"command not found or not executable: {self.cmd[0]!r}")
-        lease = await self.client.acquire(self.vram_mb, **self._acquire)  # type: ignore[arg-type]
+        lease = await self._lease()
         self.lease = lease
         go = -1
         try:
@@ -231,7 +231,7 @@ class AsyncBoundProcess(Supervised):
             try:
                 self._proc = subprocess.Popen(  # noqa: ASYNC220 - Popen returns once the child is forked; run waits on it asynchronously
                     [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(read_end), *self.cmd],
-                    pass_fds=(read_end,), process_group=0, env=child_env(self._env, lease),
+                    pass_fds=(read_end,), process_group=0, env=self._child_env(lease),
                     **self._popen)  # type: ignore[call-overload]
             finally:
                 os.close(read_end)
@@ -261,6 +261,14 @@ class AsyncBoundProcess(Supervised):
         # Held until it ends even if the caller drops this object: the command must stay supervised.
         self._task = spawn(self._supervise(), f"supervision of {self.cmd[0]} (pid {self.pid})")
         return self
+
+    async def _lease(self) -> AsyncLease:
+        """The lease the command runs under: a new one of the client's session (``agent_client.join``: one
+        that another session holds)."""
+        return await self.client.acquire(self.vram_mb, **self._acquire)  # type: ignore[arg-type]
+
+    def _child_env(self, lease: AsyncLease) -> dict[str, str]:
+        return child_env(self._env, lease)
 
     def _apply_limits(self) -> None:
         assert self.limits is not None

@@ -26,6 +26,8 @@ revision checks:
 * idle GPUs (issue 31, tests/support/history_idle.py): an eviction notice with the reason ``idle`` is put only
   for a lease granted a window before, while the host's usage reports over that window show each of its GPUs at
   a known utilization below the threshold;
+* multi-host gangs (G12, issue 30, tests/support/history_multihost.py): a lease whose records carry ``hosts``
+  has every (host, uuid) record its ``hosts`` lists, or none, at every revision, all with the same ``hosts``;
 * one registration per host (G9, issue 29): ``hosts/<host>`` is put only while it is absent or on the same
   etcd lease (a second daemon, or a coordinator registering for one, never takes over a live
   registration), and ``usage/<host>`` is put only on the etcd lease ``hosts/<host>`` is on;
@@ -49,6 +51,7 @@ from coordinator.policy.departing import reported_pids, still_reported
 from coordinator.txn import Range
 from tests.support.history_cordons import CordonRules
 from tests.support.history_idle import IdleRules
+from tests.support.history_multihost import MultiHostRules
 from tests.support.history_notices import NoticeRules
 from tests.support.history_teams import TeamRules
 from tests.support.history_time_limits import SLACK_S as TIME_LIMIT_SLACK_S
@@ -130,6 +133,7 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
     cordon_rules = CordonRules()
     time_limit_rules = TimeLimitRules(time_limit_slack_s)
     idle_rules = IdleRules()
+    multihost_rules = MultiHostRules()
     by_rev: dict[int, list[WatchEvent]] = defaultdict(list)
     for ev in events:
         if not ev.kv.key.endswith(SENTINEL):      # an earlier history read's mark (under leases/, teams/...)
@@ -150,6 +154,7 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
             cordon_rules.event(kind, parts, ev)
             time_limit_rules.event(kind, parts, ev)
             idle_rules.event(kind, parts, ev)
+            multihost_rules.event(kind, parts, ev)
             if kind == "evictions" and parts:
                 if ev.kind == "PUT":
                     notices[parts[0]] = json.loads(ev.kv.value)
@@ -306,6 +311,7 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
         rep.violations += cordon_rules.check(rev)
         rep.violations += time_limit_rules.check(rev)
         rep.violations += idle_rules.check(rev)
+        rep.violations += multihost_rules.check(rev)
         # G6 across every GPU of a host: the lease id is a function of (host, agent, request_id); it repeats
         # only on the GPUs of one gang, each record listing them all.
         seen: dict[tuple[str, str, str], tuple[str, ...]] = {}

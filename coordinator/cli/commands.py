@@ -322,6 +322,9 @@ def cmd_lease(args: argparse.Namespace) -> int:
     from agent_client.api import coordinator_pb2 as pb
     from coordinator.limits import MAX_GRACE_S, MAX_REASON_BYTES
     check_name("id", args.id, f"lease {args.lease_cmd}")
+    if args.lease_cmd == "show":
+        from coordinator.cli.lease_show import cmd_lease_show
+        return cmd_lease_show(args)
     if args.lease_cmd == "evict":
         if args.grace is not None and not 0 <= args.grace <= MAX_GRACE_S:
             raise UsageError(f"--grace: must be within [0, {MAX_GRACE_S:g}] seconds", "see 'gpucoord lease evict --help'")

@@ -35,7 +35,7 @@ from coordinator.cli.common import (
     _insecure_arg,
     duration,
 )
-from coordinator.cli.run_cmd import cmd_run
+from coordinator.cli.run_cmd import RUN_HELP, RUN_USAGE, add_run_arguments, cmd_run
 
 # The options every command accepts before or after its name, and what each one is for.
 GLOBAL_OPTIONS = {
@@ -102,7 +102,6 @@ def _resolve_globals(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from coordinator.cli.gangs import add_gang_flags
     from coordinator.cli.hosts import add_parsers as host_parsers
     from coordinator.cli.queue import add_parsers as queue_parsers
     from coordinator.cli.security import add_parsers as security_parsers
@@ -248,8 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--json", action="store_true")
     pa.set_defaults(fn=cmd_partition)
 
-    le = _command(sub, "lease", ("coordinator", *_TLS), help="operator actions on VRAM leases")
-    lsub = le.add_subparsers(dest="lease_cmd", required=True, metavar="evict|revoke")
+    le = _command(sub, "lease", ("coordinator", *_TLS), help="show a lease (a multi-host one with its hostfile and ranks); operator actions on leases")
+    lsub = le.add_subparsers(dest="lease_cmd", required=True, metavar="show|evict|revoke")
+    _command(lsub, "show", ("coordinator", *_TLS), help="a lease's fields; a multi-host lease's hostfile and the "
+             "environment of each rank (gpucoord run --join)").add_argument("id")
     ev = _command(lsub, "evict", ("coordinator", *_TLS), help="send an eviction notice with a grace period")
     ev.add_argument("id")
     ev.add_argument("--grace", type=float, default=None)
@@ -260,39 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     rv.add_argument("id")
     le.set_defaults(fn=cmd_lease)
 
-    ru = _command(sub, "run", ("coordinator", *_TLS),
-                  help="run a command under a VRAM lease: GPU by uuid, partition limits, SIGTERM on eviction notice, "
-                       "SIGKILL at the deadline or when the lease is lost",
-                  usage="gpucoord run --agent NAME [--host H] (--vram SIZE | --exclusive) [--gpus N] [options] -- "
-                        "CMD [ARGS...]")
-    ru.add_argument("--agent", required=True)
-    ru.add_argument("--host", default=None, help="this host's name in gpucoord (default: the hostname)")
-    ru.add_argument("--vram", default=None, help="VRAM to lease (per GPU), with a unit: 4096MiB, 24GiB")
-    ru.add_argument("--gpu", default=None, help="GPU index or uuid (default: best fit)")
-    ru.add_argument("--gpus", type=int, default=1, metavar="N",
-                    help="lease N GPUs at once, all or nothing (CUDA_VISIBLE_DEVICES lists their uuids)")
-    ru.add_argument("--exclusive", action="store_true", help="whole GPUs, shared with no other lease (no --vram)")
-    ru.add_argument("--topology", default="any", choices=("any", "numa", "nvlink"),
-                    help="how the GPUs must be joined: any, numa (one NUMA node), nvlink (every pair)")
-    add_gang_flags(ru)
-    ru.add_argument("--priority", type=int, default=0)
-    ru.add_argument("--min-runtime", type=float, default=0.0, metavar="SECONDS",
-                    help="teams: run this long before another team may reclaim the lease while it is over its "
-                         "team's quota (capped by the team's maximum)")
-    ru.add_argument("--time", type=duration, default=0.0, metavar="DURATION", dest="time_limit",
-                    help="time limit: the lease is revoked this long after its grant (90, 90s, 5m, 2h; default: "
-                         "none, or the fleet's default)")
-    ru.add_argument("--signal-before", type=duration, default=0.0, metavar="DURATION",
-                    help="with --time: the eviction notice (SIGTERM to CMD) comes this long before the end "
-                         "(default: the fleet's time_limit_warning_s, 120 s)")
-    ru.add_argument("--no-preemptible", action="store_true", help="never evict this lease for another request")
-    ru.add_argument("--wait", type=float, default=0.0, help="queue up to this many seconds for the VRAM")
-    ru.add_argument("--kill-after", type=float, default=None,
-                    help="on an eviction notice, SIGKILL this long after SIGTERM (never later than the deadline)")
-    ru.add_argument("--cgroup-root", default=None,
-                    help="a writable cgroup v2 directory (e.g. a delegated systemd slice) for memory.max and cpu.max")
-    ru.add_argument("--ttl", type=int, default=None, help="session TTL, seconds (default: the coordinator's)")
-    ru.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    ru = _command(sub, "run", ("coordinator", *_TLS), help=RUN_HELP, usage=RUN_USAGE)
+    add_run_arguments(ru)
     ru.set_defaults(fn=cmd_run)
 
     be = _command(sub, "bench", help="measure every performance target against baselines taken in the same run")
