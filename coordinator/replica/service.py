@@ -139,13 +139,31 @@ class CoordinatorService(Follower):
         return max(0.0, self.ctx.notice_deadline(kv, record) - clock.monotonic())
 
     def _deliver(self, record: EvictionRecord, only: Outbox | None = None) -> None:
-        for q in ([only] if only is not None else self._streams.get(record.session_id, ())):
-            q.put_nowait(record)
+        if only is not None:
+            only.put_nowait(record)
+            return
+        for session_id in (record.session_id, *self._joined(record)):
+            for q in self._streams.get(session_id, ()):
+                q.put_nowait(record)
+
+    def _joined(self, record: EvictionRecord) -> list[str]:
+        """The other sessions a multi-host gang's notice goes to: those of its agent on one of its hosts, which
+        ``run --join`` opens to run a part (issue 30); none for a lease of one host."""
+        kv = self.mirror.lease(record.lease_id)
+        if kv is None or b'"hosts":[[' not in kv.value:
+            return []
+        try:
+            hosts = {h for h, _ in VramLease.from_kv(kv).parts}
+        except InvalidRecord:
+            return []
+        return [sid for (agent, sid), info in list(self._sessions.items())
+                if agent == record.agent and info.host in hosts and sid != record.session_id]
 
     def _push_pending(self, session_id: str, only: Outbox | None = None) -> None:
         for record in list(self.evictions.values()):
-            if record.session_id == session_id:
-                self._deliver(record, only)
+            if record.session_id == session_id or session_id in self._joined(record):
+                for q in ([only] if only is not None else list(self._streams.get(session_id, ()))):
+                    q.put_nowait(record)
 
     # -- sessions ------------------------------------------------------------------------------
     async def open_session(self, agent: str, host: str, ttl_s: int, pid: int, client_version: str) -> tuple[str, int]:
