@@ -27,6 +27,13 @@ The rules
   ``gang.could_use``): no request ranked after it is granted on them (G2 across hosts). The cost: those GPUs'
   free room idles for later requests until the gang is granted.
 
+* **Evict** (G3 over host sets). A gang of priority P that cannot be granted now may evict: on each host that could
+  ever hold its part (not cordoned), ``victims.choose_gang_victims`` finds the minimal victims there (preemptible,
+  of priority < P, in G3's order over every GPU set of the host; none where it fits now). Over the hosts, the
+  set of ``hosts`` hosts of one group whose victims are lowest under G3's order: the smallest highest victim
+  priority, then the fewest victims, then the newest, then the names (``prefer`` first, as for a grant). Their
+  notices go with the reservation of that set; the gang is granted once they are gone.
+
 **No two gangs deadlock**: a request's choice depends only on requests ranked before it (``blocked``), so the
 highest-ranked waiting gang is blocked by nothing and is granted as soon as leases on some set it could ever
 get have gone (``tests/unit/test_fleet_placement.py`` proves it as a property).
@@ -39,6 +46,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from coordinator import errors
 from coordinator.policy.gang import could_use
 from coordinator.policy.placement import Chosen, GangRequest, GpuSlot, Refused, place
+from coordinator.policy.victims import Holder, choose_gang_victims, g3_order
 
 Parts = tuple[tuple[str, tuple[int, ...]], ...]   # (host, GPU indexes), in rank order
 
@@ -124,6 +132,47 @@ def plan_gang(req: FleetRequest, hosts: Sequence[FleetHost], reserved: Iterable[
                      f"waits for {req.hosts} hosts x {_shape(req)}; reserves {', '.join(chosen)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetEvict:
+    reserve: Parts                          # the hosts it reserves (every GPU it could use on each)
+    victims: tuple[tuple[str, Holder], ...]  # (host, victim) in G3's order, each lease once
+
+
+def plan_gang_eviction(req: FleetRequest, hosts: Sequence[FleetHost], holders: Mapping[str, Sequence[Holder]],
+                       priority: int, agent: str) -> FleetEvict | None:
+    """The victims over host sets of a gang that cannot be granted now (see the module's docstring); None when
+    no set of hosts can be freed by evicting."""
+    choices: dict[str, tuple[Holder, ...]] = {}
+    ever: dict[str, tuple[int, ...]] = {}
+    for h in hosts:
+        if h.never or h.cordoned:
+            continue
+        usable = could_use(h.slots, req.on(h))
+        if isinstance(usable, Refused) or not usable:
+            continue
+        choice = choose_gang_victims(h.slots, req.on(h), priority, agent, holders.get(h.host, ()), h.blocked)
+        if choice is not None:
+            choices[h.host], ever[h.host] = choice.victims, usable
+    if not any(choices[x] for x in choices):
+        return None
+
+    def cost(x: str) -> tuple[int, int]:
+        vs = choices[x]
+        return (max((v.priority for v in vs), default=-(1 << 31)), len(vs))
+    chosen = _best(req, _groups(req, [h for h in hosts if h.host in choices]), cost, worst=True)
+    if chosen is None:
+        return None
+    seen: set[str] = set()
+    victims = []
+    for host, v in sorted(((x, v) for x in chosen for v in choices[x]), key=lambda p: g3_order(p[1])):
+        if v.id not in seen:
+            seen.add(v.id)
+            victims.append((host, v))
+    if not victims:
+        return None
+    return FleetEvict(tuple((x, ever[x]) for x in chosen), tuple(victims))
+
+
 def _groups(req: FleetRequest, hosts: Sequence[FleetHost]) -> list[list[FleetHost]]:
     if not req.same:
         return [list(hosts)]
@@ -144,10 +193,10 @@ def _one_group(req: FleetRequest, hosts: Sequence[FleetHost], names: Sequence[st
 
 
 def _best(req: FleetRequest, groups: Sequence[Sequence[FleetHost]],
-          key: Callable[[str], tuple[int, int]]) -> tuple[str, ...] | None:
+          key: Callable[[str], tuple[int, int]], worst: bool = False) -> tuple[str, ...] | None:
     """The best ``req.hosts`` hosts of one group: with ``prefer``, of one value of that label when one has enough;
-    then the smallest sums of ``key`` (a host's (class, amount)) over the set, then the names. Sorted by name (the
-    ranks); None when no group has enough."""
+    then the smallest sums of ``key`` (a host's (class, amount)) over the set (``worst``: the largest class of the
+    set, not the sum), then the names. Sorted by name (the ranks); None when no group has enough."""
     k = req.hosts
     options: list[tuple[tuple[int, int, int, tuple[str, ...]], tuple[str, ...]]] = []
     for g in groups:
@@ -164,7 +213,8 @@ def _best(req: FleetRequest, groups: Sequence[Sequence[FleetHost]],
         for rank, hs in subgroups:
             picked = tuple(sorted(sorted((h.host for h in hs), key=lambda x: (key(x), x))[:k]))
             keys = [key(x) for x in picked]
-            options.append(((rank, sum(a for a, _ in keys), sum(b for _, b in keys), picked), picked))
+            first = max(a for a, _ in keys) if worst else sum(a for a, _ in keys)
+            options.append(((rank, first, sum(b for _, b in keys), picked), picked))
     if not options:
         return None
     return min(options)[1]

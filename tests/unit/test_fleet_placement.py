@@ -10,9 +10,11 @@ from coordinator.policy.fleet import (
     FleetRequest,
     FleetWait,
     plan_gang,
+    plan_gang_eviction,
 )
 from coordinator.policy.gang import could_use
 from coordinator.policy.placement import GpuSlot, Refused
+from coordinator.policy.victims import Holder
 
 GIB = 1024
 
@@ -149,3 +151,56 @@ def test_no_two_gangs_deadlock_the_first_ranked_is_granted_once_other_leases_go(
             assert isinstance(got, FleetGrant), got
         for host, indexes in (got.parts if isinstance(got, FleetGrant) else got.reserve):
             blocked[host] |= set(indexes)
+
+
+# -- eviction over host sets (G3) ----------------------------------------------------------------------------
+def _held(name: str, holders: list[tuple[str, int, tuple[int, ...]]]) -> tuple[FleetHost, list[Holder]]:
+    """A 4-GPU host whose GPUs the holders (id, priority, GPU indexes) hold whole."""
+    taken = {i for _, _, idx in holders for i in idx}
+    h = _host(name, free=tuple(0 if n in taken else 16 * GIB for n in range(4)))
+    return h, [Holder(id=i, agent="other", priority=p, preemptible=True, created_at=1.0, token=1,
+                      vram=tuple((n, 16 * GIB) for n in idx)) for i, p, idx in holders]
+
+
+def test_a_gang_evicts_on_the_hosts_whose_victims_are_lowest_under_g3() -> None:
+    a, va = _held("a", [("a1", 1, (0, 1, 2, 3))])
+    b, vb = _held("b", [("b1", 5, (0, 1, 2, 3))])
+    c, vc = _held("c", [("c1", 1, (0, 1)), ("c2", 1, (2, 3))])
+    req = FleetRequest(hosts=2, gpu_count=4, vram_mb=0, exclusive=True)
+    got = plan_gang_eviction(req, [a, b, c], {"a": va, "b": vb, "c": vc}, priority=9, agent="me")
+    assert got is not None and [h for h, _ in got.reserve] == ["a", "c"]
+    assert sorted(v.id for _, v in got.victims) == ["a1", "c1", "c2"]
+    # Nothing of priority 5 or more is evicted for a priority-5 gang: only a and c can be freed.
+    assert plan_gang_eviction(req, [a, b, c], {"a": va, "b": vb, "c": vc}, priority=1, agent="me") is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 9), st.booleans()), min_size=0, max_size=4), min_size=2, max_size=5),
+       st.integers(2, 3), st.integers(1, 4), st.integers(0, 10))
+def test_gang_victims_are_preemptible_lower_priority_and_on_the_hosts_reserved(
+        fleet: list[list[tuple[int, bool]]], hosts_n: int, gpus: int, priority: int) -> None:
+    hosts, holders = [], {}
+    for n, leases in enumerate(fleet):
+        name = f"h{n}"
+        slots = tuple(GpuSlot(index=i, uuid=f"{name}-g{i}", usable_mb=16 * GIB, free_mb=0 if i < len(leases) else 16 * GIB,
+                              leased=i < len(leases)) for i in range(4))
+        hosts.append(FleetHost(name, {}, slots, {s.uuid: 16 * GIB for s in slots}))
+        holders[name] = [Holder(id=f"{name}-l{i}", agent="x", priority=p, preemptible=pre, created_at=float(i), token=i,
+                                vram=((i, 16 * GIB),)) for i, (p, pre) in enumerate(leases)]
+    req = FleetRequest(hosts=hosts_n, gpu_count=gpus, vram_mb=0, exclusive=True)
+    got = plan_gang_eviction(req, hosts, holders, priority, "me")
+    if got is None:
+        return
+    reserved = {h for h, _ in got.reserve}
+    assert len(reserved) == hosts_n
+    for host, v in got.victims:
+        assert host in reserved and v.preemptible and v.priority < priority
+    # Once the victims are gone, the gang fits on the reserved hosts now.
+    gone = {v.id for _, v in got.victims}
+    freed = []
+    for h in hosts:
+        held = {i for x in holders[h.host] if x.id not in gone for i, _ in x.vram}
+        freed.append(FleetHost(h.host, {}, tuple(GpuSlot(s.index, s.uuid, s.usable_mb, 0 if s.index in held else s.usable_mb,
+                                                         s.index in held) for s in h.slots), h.caps))
+    granted = plan_gang(req, freed, reserved=sorted(reserved))
+    assert isinstance(granted, FleetGrant) and {h for h, _ in granted.parts} == reserved
