@@ -26,19 +26,19 @@ import time
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, spawn
-from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.policy.decide import wait_over
 from coordinator.policy.fleet import (
+    FleetEvict,
     FleetGrant,
     FleetHost,
     FleetRequest,
     FleetWait,
     plan_gang,
+    plan_gang_eviction,
 )
-from coordinator.policy.gang import could_use, slots_from_views
-from coordinator.policy.host import HostView, host_guards
-from coordinator.policy.placement import GangRequest, Refused
+from coordinator.policy.host import host_guards
+from coordinator.policy.placement import Refused
 from coordinator.policy.planner import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
 from coordinator.policy.team_admission import (
     TeamState,
@@ -47,11 +47,18 @@ from coordinator.policy.team_admission import (
     team_limit,
     team_writes,
 )
-from coordinator.records import InvalidRecord, QueueEntry, StoredKV, VramLease, dumps
+from coordinator.records import EvictionRecord, QueueEntry, VramLease, dumps
 from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.fleet_view import (
+    Fleet,
+    entry_of,
+    eviction_inputs,
+    fleet_hosts,
+    read_fleet,
+    records_of,
+)
 from coordinator.replica.teams import team_state
-from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
 from coordinator.txn import (
     Absent,
     Compare,
@@ -61,7 +68,6 @@ from coordinator.txn import (
     NothingWrittenSince,
     Op,
     Put,
-    Range,
 )
 
 log = logging.getLogger(__name__)
@@ -73,16 +79,6 @@ class GangCall:
     call: AcquireCall
     req: FleetRequest
     rank: str
-
-
-@dataclasses.dataclass
-class Fleet:
-    """One snapshot of the whole fleet, host by host, and the waiting gangs."""
-
-    revision: int
-    views: dict[str, HostView]
-    gangs: dict[str, tuple[KV, QueueEntry]]    # lease id -> its gangqueue entry
-    sessions: set[str]                         # live session ids among the calls'
 
 
 class FleetAdmitter:
@@ -152,46 +148,18 @@ class FleetAdmitter:
     async def _round(self) -> None:
         for g in sorted(self._calls.values(), key=lambda x: x.rank):
             for _ in range(self.ctx.config.commit_attempts):
-                fleet = await self._read([g])
+                fleet = await read_fleet(self.ctx, [g.call.session])
                 done = await self._decide(g, fleet)
                 if done:
                     break
                 metrics.CONFLICTS.inc()
                 await asyncio.sleep(0.005)
 
-    async def _read(self, calls: list[GangCall]) -> Fleet:
-        keys = self.keys
-        sessions = [keys.session(g.call.session.agent, g.call.session.session_id) for g in calls]
-        ranges = [Range(keys.kind(k), prefix=True) for k in HOST_KINDS]
-        snap = await self.ctx.store.snapshot([*ranges, Range(keys.gang_queue(), prefix=True),
-                                              *(Range(k, keys_only=True) for k in sessions)])
-        by_host: dict[str, dict[str, list[KV]]] = {}
-        for kind, kvs in zip(HOST_KINDS, snap.ranges):
-            for kv in kvs:
-                parts = keys.parse(kv.key)[1]
-                if parts:
-                    by_host.setdefault(parts[0], {}).setdefault(kind, []).append(kv)
-        views = {}
-        for host, by_kind in by_host.items():
-            if "hosts" not in by_kind and "queue" not in by_kind:
-                continue
-            views[host] = host_view(keys, host, host_snapshot_of(snap.revision, host, by_kind),
-                                    self.ctx.config.untracked_vram, self.ctx.usage_age)
-        gangs = {}
-        for kv in snap.ranges[len(HOST_KINDS)]:
-            try:
-                entry = QueueEntry.from_kv(kv)
-            except InvalidRecord:
-                continue
-            gangs[entry.lease_id] = (kv, entry)
-        live = {g.call.session.session_id for g, r in zip(calls, snap.ranges[len(HOST_KINDS) + 1:]) if r}
-        return Fleet(snap.revision, views, gangs, live)
-
     # -- one call ----------------------------------------------------------------------------------------
     async def _decide(self, g: GangCall, fleet: Fleet) -> bool:
         """Decide ``g`` on ``fleet`` and commit what it needs; False when a compare failed (read again)."""
         c = g.call
-        granted = _records(fleet, c.lease_id)
+        granted = records_of(fleet, c.lease_id)
         if granted:
             return await self._leave(g, fleet, None, granted)
         if c.future.done():
@@ -201,7 +169,7 @@ class FleetAdmitter:
                 f"session: no live session {c.session.session_id} of agent {c.session.agent!r} (unknown or expired)",
                 "session"))
         teams, no_teams_since = await team_state(self.ctx, fleet.revision, 0.5)
-        hosts = self._hosts(g, fleet)
+        hosts = fleet_hosts(fleet, c.session.agent, g.rank, c.lease_id)
         reserved = sorted(v.host for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id)
         decision = plan_gang(g.req, list(hosts.values()), reserved)
         if isinstance(decision, Refused):
@@ -211,35 +179,6 @@ class FleetAdmitter:
         if time.monotonic() >= c.deadline:
             return await self._leave(g, fleet, wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive))
         return await self._wait(g, fleet, decision, hosts)
-
-    def _hosts(self, g: GangCall, fleet: Fleet) -> dict[str, FleetHost]:
-        agent, out = g.call.session.agent, {}
-        for host, view in sorted(fleet.views.items()):
-            inv = view.inventory
-            never = ("gone" if not view.alive or inv is None else "INVALID" if view.invalid else "")
-            partition = view.effective_partition() if inv is not None else None
-            if not never and partition is not None and not partition.allows(agent):
-                never = "outside the agent's partition"
-            if never or inv is None or partition is None:
-                out[host] = FleetHost(host, {}, (), {}, never=never)
-                continue
-            slots = slots_from_views(view.gpus.values(), agent, inv)
-            by_uuid = {s.uuid: s.index for s in slots}
-            blocked: set[int] = set()
-            for e in view.entries:
-                if e.rank >= g.rank or e.lease_id == g.call.lease_id:
-                    continue
-                if e.multi_host:
-                    blocked |= {by_uuid[u] for u in e.reserve if u in by_uuid}
-                    continue
-                theirs = GangRequest(e.gpu_count, e.vram_mb, partition.gpu_caps(e.agent, inv), e.exclusive, e.topology,
-                                     e.gpus or ((e.gpu,) if e.gpu else None))
-                usable = could_use(slots_from_views(view.gpus.values(), e.agent, inv), theirs)
-                if not isinstance(usable, Refused):
-                    blocked |= set(usable)
-            out[host] = FleetHost(host, dict(inv.labels), slots, partition.gpu_caps(agent, inv),
-                                  frozenset(blocked), cordoned=view.cordon is not None)
-        return out
 
     # -- writes ------------------------------------------------------------------------------------------
     def _entry_ops(self, g: GangCall, fleet: Fleet, keep: dict[str, tuple[str, ...]] | None = None
@@ -254,7 +193,7 @@ class FleetAdmitter:
             ops.append(Delete(gang[0].key))
         for host, view in fleet.views.items():
             for kv in view.queue:
-                e = _entry_of(kv)
+                e = entry_of(kv)
                 if e is not None and e.lease_id == g.call.lease_id and (keep is None or keep.get(host) != e.reserve):
                     compares.append(ModRevisionIs(kv.key, kv.mod_revision))
                     ops.append(Delete(kv.key))
@@ -337,32 +276,74 @@ class FleetAdmitter:
         c, keys = g.call, self.keys
         if c.wait_s <= 0:
             return await self._leave(g, fleet, wait_over(c.vram_mb, 0.0, c.gpu_count, c.exclusive))
-        wanted = {host: tuple(s.uuid for s in hosts[host].slots if s.index in idx) for host, idx in decision.reserve}
-        compares, ops = self._entry_ops(g, fleet, keep=wanted)
-        entry = self._entry(g)
         gang = fleet.gangs.get(c.lease_id)
+        have = {v.host: e.reserve for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
+        live = {x.id for v in fleet.views.values() for x in v.leases.values()}
+        pending = tuple(v for v in (gang[1].victims if gang is not None else ()) if v in live)
+        compares: list[Compare] = []
+        ops: list[Op] = []
+        if pending and have:
+            wanted, victims = dict(have), pending   # its victims are still going: it keeps their hosts
+        else:
+            wanted = {host: uuids_of(hosts[host], idx) for host, idx in decision.reserve}
+            victims = ()
+            evict = plan_gang_eviction(g.req, *eviction_inputs(fleet, hosts, c.session.agent, set(self.ctx.evictions)),
+                                       c.priority, c.session.agent)
+            if evict is not None:
+                wanted = {host: uuids_of(hosts[host], idx) for host, idx in evict.reserve}
+                victims = tuple(v.id for _, v in evict.victims)
+                notice_compares, notice_ops = self._notices(g, fleet, evict)
+                compares += notice_compares
+                ops += notice_ops
+        entry = dataclasses.replace(self._entry(g), victims=victims)
+        changed = gang is None or gang[1].victims != victims or gang[1].replica != self.ctx.replica_id
+        drop_compares, drop_ops = self._entry_ops(g, fleet, keep=None if changed else wanted)
+        compares += [x for x in drop_compares if not _is_gang_key(keys, x)]
+        ops += [x for x in drop_ops if not _is_gang_key(keys, x)]
         if gang is None:
             compares.append(Absent(keys.gang_queue_entry(g.rank)))
             ops.append(Put(keys.gang_queue_entry(g.rank), dumps(entry.to_json()), c.session.etcd_lease))
-        elif gang[1].replica != self.ctx.replica_id:
+        elif changed:
             compares.append(ModRevisionIs(gang[0].key, gang[0].mod_revision))
             ops.append(Put(gang[0].key, dumps(entry.to_json()), c.session.etcd_lease))
-        have = {v.host: e.reserve for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
         for host, uuids in wanted.items():
-            if have.get(host) != uuids:
+            if changed or have.get(host) != uuids:
                 key = keys.queue_entry(host, g.rank)
-                if host not in have:
+                if not any(isinstance(x, Delete) and x.key == key for x in ops) and host not in have:
                     compares.append(Absent(key))
+                ops = [x for x in ops if not (isinstance(x, Delete) and x.key == key)]   # rewritten (still compared)
                 ops.append(Put(key, dumps(dataclasses.replace(entry, reserve=uuids).to_json()), c.session.etcd_lease))
         if ops:
             compares.append(Exists(keys.session(c.session.agent, c.session.session_id)))
             res = await self.ctx.store.commit(compares, ops)
             if not res.succeeded:
                 return False
-            if wanted.keys() != have.keys():
-                log.info("multi-host gang %s of %s waits: %s", c.lease_id, c.session.agent, decision.reason)
+            if wanted.keys() != have.keys() or victims:
+                log.info("multi-host gang %s of %s waits: %s%s", c.lease_id, c.session.agent, decision.reason,
+                         f"; evicts {', '.join(victims)}" if victims and not pending else "")
+            if victims and not pending:
+                metrics.EVICTIONS.labels("notice").inc(len(victims))
         c.rank = g.rank
         return True
+
+    def _notices(self, g: GangCall, fleet: Fleet, evict: FleetEvict) -> tuple[list[Compare], list[Op]]:
+        """The eviction notices of a gang's victims (G3), each compared on its records on its host."""
+        c, keys, wall = g.call, self.keys, clock.wall()
+        what = f"{g.req.hosts} hosts x {c.gpu_count} {'whole GPUs' if c.exclusive else f'GPUs with {c.vram_mb} MiB each'}"
+        compares: list[Compare] = []
+        ops: list[Op] = []
+        for host, v in evict.victims:
+            parts = [x for gpu in fleet.views[host].gpus.values() for x in gpu.leases if x.id == v.id]
+            first = parts[0]
+            record = EvictionRecord(
+                lease_id=v.id, host=host, gpu_uuid=first.gpu_uuid, agent=first.agent, session_id=first.session_id,
+                victim_priority=first.priority, requested_by=f"{c.session.agent}/{c.request_id}",
+                requester_priority=c.priority, reason=f"priority {c.priority} request for {what} needs the room",
+                deadline_unix=wall + self.ctx.config.eviction_grace_s, created_at=wall)
+            compares += [ModRevisionIs(keys.lease(host, x.gpu_uuid, x.id), x.mod_revision) for x in parts]
+            compares.append(Absent(keys.eviction(v.id)))
+            ops.append(Put(keys.eviction(v.id), dumps(record.to_json()), first.etcd_lease))
+        return compares, ops
 
     def _entry(self, g: GangCall) -> QueueEntry:
         c = g.call
@@ -376,18 +357,10 @@ class FleetAdmitter:
                           hosts=g.req.hosts, same=g.req.same, prefer=g.req.prefer)
 
 
-def _entry_of(kv: StoredKV) -> QueueEntry | None:
-    try:
-        return QueueEntry.from_kv(kv)
-    except InvalidRecord:
-        return None
+def uuids_of(host: FleetHost, indexes: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(s.uuid for s in host.slots if s.index in indexes)
 
 
-def _records(fleet: Fleet, lease_id: str) -> tuple[VramLease, ...]:
-    """Every record of a granted lease in the snapshot, in rank order then GPU index order."""
-    found = [x for v in fleet.views.values() for x in v.leases.values() if x.id == lease_id]
-    if not found:
-        return ()
-    out = [x for v in fleet.views.values() for g in v.gpus.values() for x in g.leases if x.id == lease_id]
-    order = {h: n for n, (h, _) in enumerate(found[0].parts)}
-    return tuple(sorted(out, key=lambda x: (order.get(x.host, 0), x.gpu_index)))
+def _is_gang_key(keys: Keys, x: object) -> bool:
+    key = getattr(x, "key", b"")
+    return isinstance(key, bytes) and key.startswith(keys.gang_queue())

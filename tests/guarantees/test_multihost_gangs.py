@@ -87,3 +87,33 @@ def test_a_waiting_gang_reserves_its_hosts_and_a_later_single_gpu_request_is_not
         assert sorted({h for h, _ in parts(cluster, lease.id)}) == ["a", "b"]
         assert cluster.get_prefix(cluster.keys.gang_queue()) == []
         assert cluster.get_prefix(cluster.keys.queue()) == []
+
+
+def test_a_priority_9_gang_evicts_the_minimal_victims_across_hosts_and_is_granted_once_they_are_gone(
+        cluster: Cluster) -> None:
+    for host in ("a", "b", "c"):
+        cluster.start_node(host, "2x16GiB")
+    addr = cluster.start_coordinator(eviction_grace_s=1.0)
+    stub = coordinator_stub(addr)
+    with Client(addr, agent="low", host="a") as la, Client(addr, agent="low", host="b") as lb, \
+            Client(addr, agent="mid", host="c") as mc, Client(addr, agent="big", host="a") as big:
+        a0 = la.acquire(vram_mb=1024, gpu="0", priority=1)
+        b0 = lb.acquire(vram_mb=1024, gpu="0", priority=1)
+        b1 = lb.acquire(vram_mb=1024, gpu="1", priority=2)
+        c0 = mc.acquire(vram_mb=1024, gpu="0", priority=5)
+        answers: list[object] = []
+        t = threading.Thread(target=lambda: answers.append(stub.Acquire(gang(big, "big", "g", gpus=2, wait=30.0,
+                                                                              priority=9))))
+        t.start()
+        # Hosts a and b: the highest victim priority there is 2, on c it would be 5. a has one victim, b two.
+        wait_for(lambda: a0.evicting.is_set() and b0.evicting.is_set() and b1.evicting.is_set(), LIVENESS_S,
+                 "the victims on a and b get their notices")
+        assert not c0.evicting.is_set()
+        assert parts(cluster, a0.id) and not answers, "the gang is not granted before its victims are gone"
+        for lease in (a0, b0, b1):
+            lease.release()
+        t.join(LIVENESS_S)
+        assert answers, "granted once its victims were gone"
+        lease = answers[0].lease  # type: ignore[attr-defined]
+        assert sorted({h for h, _ in parts(cluster, lease.id)}) == ["a", "b"]
+        assert parts(cluster, c0.id), "the priority-5 lease on c was never a victim"

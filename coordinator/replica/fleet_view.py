@@ -1,0 +1,127 @@
+"""One snapshot of the whole fleet as multi-host gangs see it (``replica/fleet.py``): every host's view (as a host's
+own round reads it), the waiting gangs (``gangqueue/``), and each host as ``policy/fleet.py`` plans on it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from coordinator.etcd.types import KV
+from coordinator.policy.fleet import FleetHost
+from coordinator.policy.gang import could_use, holders_from_views, slots_from_views
+from coordinator.policy.host import HostView
+from coordinator.policy.placement import GangRequest, Refused
+from coordinator.policy.victims import Holder
+from coordinator.records import (
+    InvalidRecord,
+    QueueEntry,
+    SessionInfo,
+    StoredKV,
+    VramLease,
+)
+from coordinator.replica.context import ReplicaContext
+from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
+from coordinator.txn import Range
+
+
+@dataclasses.dataclass
+class Fleet:
+    """One snapshot of the whole fleet, host by host, and the waiting gangs."""
+
+    revision: int
+    views: dict[str, HostView]
+    gangs: dict[str, tuple[KV, QueueEntry]]    # lease id -> its gangqueue entry
+    sessions: set[str]                         # live session ids among the calls'
+
+
+async def read_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fleet:
+    """The whole fleet and the waiting gangs in one snapshot, with which of ``sessions`` are live."""
+    keys = ctx.keys
+    session_keys = [keys.session(x.agent, x.session_id) for x in sessions]
+    ranges = [Range(keys.kind(k), prefix=True) for k in HOST_KINDS]
+    snap = await ctx.store.snapshot([*ranges, Range(keys.gang_queue(), prefix=True),
+                                          *(Range(k, keys_only=True) for k in session_keys)])
+    by_host: dict[str, dict[str, list[KV]]] = {}
+    for kind, kvs in zip(HOST_KINDS, snap.ranges):
+        for kv in kvs:
+            parts = keys.parse(kv.key)[1]
+            if parts:
+                by_host.setdefault(parts[0], {}).setdefault(kind, []).append(kv)
+    views = {}
+    for host, by_kind in by_host.items():
+        if "hosts" not in by_kind and "queue" not in by_kind:
+            continue
+        views[host] = host_view(keys, host, host_snapshot_of(snap.revision, host, by_kind),
+                                ctx.config.untracked_vram, ctx.usage_age)
+    gangs = {}
+    for kv in snap.ranges[len(HOST_KINDS)]:
+        try:
+            entry = QueueEntry.from_kv(kv)
+        except InvalidRecord:
+            continue
+        gangs[entry.lease_id] = (kv, entry)
+    live = {x.session_id for x, r in zip(sessions, snap.ranges[len(HOST_KINDS) + 1:]) if r}
+    return Fleet(snap.revision, views, gangs, live)
+
+
+def fleet_hosts(fleet: Fleet, agent: str, rank: str, lease_id: str) -> dict[str, FleetHost]:
+    """Every host as a multi-host gang of ``agent`` ranked ``rank`` sees it (``policy/fleet.FleetHost``): what
+    requests ranked before it wait for there (G2), cordoned, or never usable (gone, INVALID, not its partition)."""
+    out = {}
+    for host, view in sorted(fleet.views.items()):
+        inv = view.inventory
+        never = ("gone" if not view.alive or inv is None else "INVALID" if view.invalid else "")
+        partition = view.effective_partition() if inv is not None else None
+        if not never and partition is not None and not partition.allows(agent):
+            never = "outside the agent's partition"
+        if never or inv is None or partition is None:
+            out[host] = FleetHost(host, {}, (), {}, never=never)
+            continue
+        slots = slots_from_views(view.gpus.values(), agent, inv)
+        by_uuid = {s.uuid: s.index for s in slots}
+        blocked: set[int] = set()
+        for e in view.entries:
+            if e.rank >= rank or e.lease_id == lease_id:
+                continue
+            if e.multi_host:
+                blocked |= {by_uuid[u] for u in e.reserve if u in by_uuid}
+                continue
+            theirs = GangRequest(e.gpu_count, e.vram_mb, partition.gpu_caps(e.agent, inv), e.exclusive, e.topology,
+                                 e.gpus or ((e.gpu,) if e.gpu else None))
+            usable = could_use(slots_from_views(view.gpus.values(), e.agent, inv), theirs)
+            if not isinstance(usable, Refused):
+                blocked |= set(usable)
+        out[host] = FleetHost(host, dict(inv.labels), slots, partition.gpu_caps(agent, inv),
+                              frozenset(blocked), cordoned=view.cordon is not None)
+    return out
+
+
+def entry_of(kv: StoredKV) -> QueueEntry | None:
+    try:
+        return QueueEntry.from_kv(kv)
+    except InvalidRecord:
+        return None
+
+
+def records_of(fleet: Fleet, lease_id: str) -> tuple[VramLease, ...]:
+    """Every record of a granted lease in the snapshot, in rank order then GPU index order."""
+    found = [x for v in fleet.views.values() for x in v.leases.values() if x.id == lease_id]
+    if not found:
+        return ()
+    out = [x for v in fleet.views.values() for g in v.gpus.values() for x in g.leases if x.id == lease_id]
+    order = {h: n for n, (h, _) in enumerate(found[0].parts)}
+    return tuple(sorted(out, key=lambda x: (order.get(x.host, 0), x.gpu_index)))
+
+
+def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evicting: set[str]
+                    ) -> tuple[list[FleetHost], dict[str, list[Holder]]]:
+    """The hosts and their leases as G3 over host sets sees them (``policy/fleet.plan_gang_eviction``): the leases
+    already under a notice count as gone (as ``admission.plan_eviction`` counts them)."""
+    out, holders = [], {}
+    for name, h in hosts.items():
+        view = fleet.views[name]
+        if h.never or view.inventory is None:
+            out.append(h)
+            continue
+        out.append(dataclasses.replace(h, slots=slots_from_views(view.gpus.values(), agent, view.inventory, evicting)))
+        holders[name] = list(holders_from_views(view.gpus.values(), evicting))
+    return out, holders
