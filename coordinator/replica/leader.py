@@ -269,8 +269,8 @@ class Leadership:
         if lease is None and now < bound:
             return bound         # gone (its notice goes in the same transaction): nothing to decide early
         if lease is not None and now < bound:
-            if not (lease.pids or lease.pgid):
-                return bound     # a cooperative holder: it releases, or is revoked at the margin
+            if not (lease.pids or lease.pgid) or lease.hosts:
+                return bound     # a cooperative holder releases, or the margin (a multi-host gang: each host's part)
             usage_kv = self.ctx.mirror.get(self.keys.usage(record.host))
             usage = usage_report(usage_kv) if usage_kv is not None else None   # None too when malformed
             if (usage_kv is not None and usage is not None and self._published_after(usage_kv, usage, at, record)

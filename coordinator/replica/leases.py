@@ -128,12 +128,14 @@ class Leases:
             if usage_revision is not None:
                 compares.append(ModRevisionIs(usage_key, usage_revision))
             forced = False
-            if at_bound and (lease.pids or lease.pgid):
-                usage_kv = await self.store.get(usage_key)
+            all_parts = [lease, *(VramLease.from_kv(kv) for kv in others)]
+            if at_bound and any(p.pids or p.pgid for p in all_parts):
                 notice = _notice(await self.store.get(notice_key))
-                listed = _listed(usage_kv, [lease, *(VramLease.from_kv(kv) for kv in others)])
-                if usage_kv is not None and notice is not None and listed:
-                    compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision))
+                usage_kvs = {h: await self.store.get(self.keys.usage(h)) for h in sorted({p.host for p in all_parts})}
+                listed = [p for p in all_parts if _listed(usage_kvs[p.host], [p])]
+                if notice is not None and listed:
+                    compares += [ModRevisionIs(self.keys.usage(h), kv.mod_revision)
+                                 for h, kv in usage_kvs.items() if kv is not None]
                     for part in listed:   # a gang: every GPU whose report still lists its processes
                         record = self._departing(part, notice, bound_in_s=0.0)
                         ops.append(Put(self.keys.departing(part.host, part.gpu_uuid, part.id),
@@ -237,30 +239,34 @@ class Leases:
             ops: list[Op] = [Delete(key), Delete(notice_key), *(Delete(kv.key) for kv in others)]
             # (A malformed notice is set aside: it is deleted with the lease, as if there were none.)
             notice = _notice(notice_kv)
-            if notice_kv is not None and notice is not None and (lease.pids or lease.pgid):
-                usage_kv = await self._read(self.keys.usage(lease.host), from_mirror)
-                listed = _listed(usage_kv, [lease, *(VramLease.from_kv(kv) for kv in others)])
-                if usage_kv is not None and listed:
+            all_parts = [lease, *(VramLease.from_kv(kv) for kv in others)]
+            if notice_kv is not None and notice is not None and any(p.pids or p.pgid for p in all_parts):
+                # Each host's report for its own part (a multi-host gang's parts run on several hosts).
+                usage_kvs = {h: await self._read(self.keys.usage(h), from_mirror)
+                             for h in sorted({p.host for p in all_parts})}
+                listed = [p for p in all_parts if _listed(usage_kvs[p.host], [p])]
+                usage_compares: list[Compare] = [
+                    ModRevisionIs(self.keys.usage(h), kv.mod_revision) if kv is not None else Absent(self.keys.usage(h))
+                    for h, kv in usage_kvs.items()]
+                if listed:
                     bound = (self.ctx.notice_deadline(notice_kv, notice) + self.config.eviction_kill_margin_s
                              - clock.monotonic())
                     res = await self.store.commit(
-                        [*compares, ModRevisionIs(usage_kv.key, usage_kv.mod_revision)],
+                        [*compares, *usage_compares],
                         [*ops, *(Put(self.keys.departing(part.host, part.gpu_uuid, part.id),
                                      dumps(self._departing(part, notice, bound).to_json()))
                                  for part in listed)])
                     if res.succeeded:
                         metrics.RELEASES.labels("release").inc()
-                        log.info("lease %s released under its eviction notice while the node still reports its "
+                        log.info("lease %s released under its eviction notice while the nodes still report its "
                                  "processes %s: its VRAM stays held until they are gone (at most %.1f s)", lease.id,
                                  sorted({pid for part in listed for pid in reported_pids(
-                                     usage_report(usage_kv), part.gpu_uuid, part.id, part.pids)}),
-                                 max(0.0, bound))
+                                     usage_report(usage_kvs[part.host]), part.gpu_uuid, part.id,  # type: ignore[arg-type]
+                                     part.pids)}), max(0.0, bound))
                         return True
                     continue
-                # The report lists none of them: it must still say so when the lease goes.
-                usage_key = self.keys.usage(lease.host)
-                compares.append(ModRevisionIs(usage_key, usage_kv.mod_revision) if usage_kv is not None
-                                else Absent(usage_key))
+                # The reports list none of them: they must still say so when the lease goes.
+                compares += usage_compares
             if await self.release_commits.commit(compares, ops):
                 metrics.RELEASES.labels("release").inc()
                 return True
