@@ -1,0 +1,44 @@
+"""A host round and a multi-host gang's reservation on the host (issue 30, G2 across hosts; ``policy/planner.py``):
+the round never grants, rewrites or removes the reservation, and grants nothing on the GPUs it reserves to a
+request ranked after it, whatever the scenario."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordinator.keys import Keys
+from coordinator.policy.planner import plan_round
+from coordinator.records import QueueEntry
+from coordinator.txn import Delete, Put
+from tests.support.planner_calls import HOST, KEYS, WALL, session
+from tests.support.planner_scenarios import scenarios
+
+
+def _reservation(uuids: tuple[str, ...], priority: int) -> QueueEntry:
+    s = session("a")
+    rank = Keys.queue_rank(priority, 0, "gang-res")
+    return QueueEntry(rank=rank, agent="a", session_id=s.session_id, etcd_lease=s.etcd_lease, vram_mb=0, gpu="",
+                      priority=priority, preemptible=True, request_id="gang", lease_id="gang-res",
+                      deadline_unix=WALL + 30, replica="other", wait_s=30.0, gpu_count=len(uuids), exclusive=True,
+                      hosts=2, reserve=uuids, mod_revision=400)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.data())
+def test_a_round_grants_nothing_on_reserved_gpus_to_later_requests_and_leaves_the_reservation(
+        s: dict[str, Any], data: st.DataObject) -> None:
+    view = s["view"]
+    uuids = tuple(sorted(data.draw(st.sets(st.sampled_from(sorted(view.gpus)), min_size=1))))
+    entry = _reservation(uuids, data.draw(st.sampled_from([1_000_000, 3])))
+    view = dataclasses.replace(view, entries=tuple(sorted((*view.entries, entry), key=lambda e: e.rank)))
+    plan = plan_round(view, s["batch"], s["waiting"], {c.session.session_id for c in s["batch"]}, s["ctx"])
+    key = KEYS.queue_entry(HOST, entry.rank)
+    assert not any(isinstance(op, (Put, Delete)) and op.key == key for op in plan.ops), "the reservation is the gang's"
+    assert all(lease.id != entry.lease_id for _, lease in plan.grants)
+    for lease in plan.new_leases:
+        ranked = Keys.queue_rank(lease.priority, 0, "")   # every new request arrived after the reservation
+        if ranked > entry.rank or lease.priority <= entry.priority:
+            assert lease.gpu_uuid not in uuids, (lease, uuids)
