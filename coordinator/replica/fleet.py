@@ -278,7 +278,7 @@ class FleetAdmitter:
             return await self._leave(g, fleet, wait_over(c.vram_mb, 0.0, c.gpu_count, c.exclusive))
         gang = fleet.gangs.get(c.lease_id)
         have = {v.host: e.reserve for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
-        live = {x.id for v in fleet.views.values() for x in v.leases.values()}
+        live = set(fleet.leases)
         pending = tuple(v for v in (gang[1].victims if gang is not None else ()) if v in live)
         compares: list[Compare] = []
         ops: list[Op] = []

@@ -31,6 +31,7 @@ class Fleet:
     views: dict[str, HostView]
     gangs: dict[str, tuple[KV, QueueEntry]]    # lease id -> its gangqueue entry
     sessions: set[str]                         # live session ids among the calls'
+    leases: dict[str, list[VramLease]] = dataclasses.field(default_factory=dict)   # id -> every record (any host)
 
 
 async def read_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fleet:
@@ -46,10 +47,15 @@ async def read_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fl
             parts = keys.parse(kv.key)[1]
             if parts:
                 by_host.setdefault(parts[0], {}).setdefault(kind, []).append(kv)
+    leases: dict[str, list[VramLease]] = {}
+    for kv in snap.ranges[HOST_KINDS.index("leases")]:
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord:
+            continue   # (its host is INVALID: the host's view says so)
+        leases.setdefault(lease.id, []).append(lease)
     views = {}
     for host, by_kind in by_host.items():
-        if "hosts" not in by_kind and "queue" not in by_kind:
-            continue
         views[host] = host_view(keys, host, host_snapshot_of(snap.revision, host, by_kind),
                                 ctx.config.untracked_vram, ctx.usage_age)
     gangs = {}
@@ -60,7 +66,7 @@ async def read_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fl
             continue
         gangs[entry.lease_id] = (kv, entry)
     live = {x.session_id for x, r in zip(sessions, snap.ranges[len(HOST_KINDS) + 1:]) if r}
-    return Fleet(snap.revision, views, gangs, live)
+    return Fleet(snap.revision, views, gangs, live, leases)
 
 
 def fleet_hosts(fleet: Fleet, agent: str, rank: str, lease_id: str) -> dict[str, FleetHost]:
@@ -104,12 +110,11 @@ def entry_of(kv: StoredKV) -> QueueEntry | None:
 
 def records_of(fleet: Fleet, lease_id: str) -> tuple[VramLease, ...]:
     """Every record of a granted lease in the snapshot, in rank order then GPU index order."""
-    found = [x for v in fleet.views.values() for x in v.leases.values() if x.id == lease_id]
+    found = fleet.leases.get(lease_id, [])
     if not found:
         return ()
-    out = [x for v in fleet.views.values() for g in v.gpus.values() for x in g.leases if x.id == lease_id]
     order = {h: n for n, (h, _) in enumerate(found[0].parts)}
-    return tuple(sorted(out, key=lambda x: (order.get(x.host, 0), x.gpu_index)))
+    return tuple(sorted(found, key=lambda x: (order.get(x.host, 0), x.gpu_index)))
 
 
 def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evicting: set[str]
