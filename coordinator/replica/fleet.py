@@ -26,7 +26,7 @@ import time
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, spawn
-from coordinator.keys import Keys
+from coordinator.keys import Keys, last_segment
 from coordinator.policy.decide import wait_over
 from coordinator.policy.fleet import (
     FleetEvict,
@@ -159,6 +159,9 @@ class FleetAdmitter:
     async def _decide(self, g: GangCall, fleet: Fleet) -> bool:
         """Decide ``g`` on ``fleet`` and commit what it needs; False when a compare failed (read again)."""
         c = g.call
+        gang = fleet.gangs.get(c.lease_id)
+        if gang is not None:
+            g.rank = last_segment(gang[0].key)   # a retry (through any replica) keeps the place its entry holds
         granted = records_of(fleet, c.lease_id)
         if granted:
             return await self._leave(g, fleet, None, granted)

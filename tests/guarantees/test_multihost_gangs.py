@@ -117,3 +117,39 @@ def test_a_priority_9_gang_evicts_the_minimal_victims_across_hosts_and_is_grante
         lease = answers[0].lease  # type: ignore[attr-defined]
         assert sorted({h for h, _ in parts(cluster, lease.id)}) == ["a", "b"]
         assert parts(cluster, c0.id), "the priority-5 lease on c was never a victim"
+
+
+def test_a_waiting_gang_retried_through_another_replica_keeps_its_place_and_is_granted_there(
+        cluster: Cluster) -> None:
+    for host in ("a", "b"):
+        cluster.start_node(host, "2x16GiB")
+    first, second = cluster.start_coordinator(), cluster.start_coordinator()
+    with Client(second, agent="holder", host="a") as holder, Client(second, agent="big", host="b") as g:
+        held = holder.acquire(vram_mb=1024, gpu="0")
+        errs: list[BaseException] = []
+
+        def ask(addr: str, out: list[object]) -> None:
+            try:
+                out.append(coordinator_stub(addr).Acquire(gang(g, "big", "r", gpus=2, wait=30.0)))
+            except grpc.RpcError as e:
+                errs.append(e)
+        t1 = threading.Thread(target=ask, args=(first, []))
+        t1.start()
+        wait_for(lambda: len(cluster.get_prefix(cluster.keys.queue())) == 2, LIVENESS_S, "the gang reserves a and b")
+        before = sorted(kv.key for kv in cluster.get_prefix(cluster.keys.gang_queue())) + \
+            sorted(kv.key for kv in cluster.get_prefix(cluster.keys.queue()))
+        cluster.stop_coordinator(first)
+        t1.join(LIVENESS_S)
+        answers: list[object] = []
+        t2 = threading.Thread(target=ask, args=(second, answers))
+        t2.start()
+        owner = cluster.service(second).replica_id
+        wait_for(lambda: all(owner.encode() in kv.value for kv in cluster.get_prefix(cluster.keys.gang_queue())),
+                 LIVENESS_S, "the second replica serves the entry")
+        after = sorted(kv.key for kv in cluster.get_prefix(cluster.keys.gang_queue())) + \
+            sorted(kv.key for kv in cluster.get_prefix(cluster.keys.queue()))
+        assert after == before, "the retry keeps the gang's rank: its entry and reservations keep their keys"
+        held.release()
+        t2.join(LIVENESS_S)
+        assert answers, errs
+        assert sorted({h for h, _ in parts(cluster, answers[0].lease.id)}) == ["a", "b"]  # type: ignore[attr-defined]
