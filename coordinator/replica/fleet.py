@@ -48,7 +48,7 @@ from coordinator.policy.team_admission import (
     team_writes,
 )
 from coordinator.records import EvictionRecord, QueueEntry, VramLease, dumps
-from coordinator.replica.call import AcquireCall
+from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.fleet_view import (
     Fleet,
@@ -87,6 +87,8 @@ class FleetAdmitter:
     def __init__(self, ctx: ReplicaContext) -> None:
         self.ctx, self.keys = ctx, ctx.keys
         self._calls: dict[str, GangCall] = {}
+        self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
+        self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._task = spawn(self._run(), "multi-host gangs")
 
@@ -107,6 +109,7 @@ class FleetAdmitter:
         if self._task.done():
             raise errors.Unavailable("coordinator is shutting down; retry on another replica")
         rank = Keys.queue_rank(call.priority, call.arrival_ns, call.lease_id)
+        self._orphans.pop(call.lease_id, None)   # a retry claims a lease its cancelled first try got
         prior = self._calls.get(call.lease_id)
         if prior is not None and not prior.call.future.done():
             prior.call.future.set_exception(errors.Unavailable("superseded by a retry of the same request"))
@@ -271,9 +274,25 @@ class FleetAdmitter:
             c.parts = granted
             c.future.set_result(granted[0])
         else:
-            log.info("multi-host gang %s granted after its caller left: it is kept for a retry or its session's end",
-                     c.lease_id)
+            # Its caller went away while the grant was committed: nobody knows the lease, so it is given back
+            # unless a retry of the same request claims it first (as a host's round does, ``_give_back``).
+            self._orphans[c.lease_id] = res.revision
+            asyncio.get_running_loop().call_later(ORPHAN_GRACE_S, self._give_back, granted)
         return True
+
+    def _give_back(self, granted: tuple[VramLease, ...]) -> None:
+        revision = self._orphans.pop(granted[0].id, None)
+        if revision is None:
+            return    # claimed by a retry
+        keys = [self.keys.lease(x.host, x.gpu_uuid, x.id) for x in granted]
+
+        async def give_back() -> None:
+            try:
+                await self.ctx.store.commit([ModRevisionIs(k, revision) for k in keys], [Delete(k) for k in keys])
+            except errors.GpucoordError as e:
+                log.warning("could not give back lease %s of a caller that went away: %s", granted[0].id, e)
+        self._background.add(task := spawn(give_back(), f"giving back the orphaned lease {granted[0].id}"))
+        task.add_done_callback(self._background.discard)
 
     async def _wait(self, g: GangCall, fleet: Fleet, decision: FleetWait, hosts: dict[str, FleetHost]) -> bool:
         c, keys = g.call, self.keys
