@@ -289,6 +289,7 @@ class QueueEntry:
     same: str = ""
     prefer: str = ""
     reserve: tuple[str, ...] = ()
+    start_after: float = 0.0   # the gang's earliest start (unix s; 0: unknown): backfill (policy/backfill.py)
     mod_revision: int = 0
 
     @property
@@ -360,11 +361,12 @@ class QueueEntry:
                    min_runtime_s=seconds_of(d, "min_runtime_s"), time_limit_s=seconds_of(d, "time_limit_s"),
                    time_limit_warning_s=seconds_of(d, "time_limit_warning_s"),
                    hosts=int_of(d, "hosts", 1, MAX_GANG_HOSTS, default=1), same=str_of(d, "same", ""),
-                   prefer=str_of(d, "prefer", ""), reserve=tuple(str(v) for v in reserve), mod_revision=kv.mod_revision)
+                   prefer=str_of(d, "prefer", ""), reserve=tuple(str(v) for v in reserve),
+                   start_after=num_of(d, "start_after", 0.0), mod_revision=kv.mod_revision)
 
 
 _QUEUE_V2 = frozenset({"gpu_count", "exclusive", "topology", "gpus"})
 _QUEUE_V3 = frozenset({"min_runtime_s"})
 _QUEUE_V4 = frozenset({"time_limit_s", "time_limit_warning_s"})
-_QUEUE_V5 = frozenset({"hosts", "same", "prefer", "reserve"})
+_QUEUE_V5 = frozenset({"hosts", "same", "prefer", "reserve", "start_after"})
 _QUEUE_KEYS = frozenset(f.name for f in dataclasses.fields(QueueEntry)) - {"rank", "mod_revision"} | {"format"}

@@ -65,6 +65,7 @@ from typing import Collection, Mapping, Sequence
 from coordinator import errors
 from coordinator.keys import Keys
 from coordinator.policy.admission import plan_eviction, room_for
+from coordinator.policy.backfill import blocked_for, hold_for_gang
 from coordinator.policy.cordon import held_by_cordon, wait_for_cordon
 from coordinator.policy.decide import (
     Grant,
@@ -135,8 +136,8 @@ class _Planner(Round[C]):
         for n, it in enumerate(self.items):
             if it.rank in self.displaced or self._leaving(it):
                 continue
-            if it.entry is not None and it.entry.multi_host:   # a multi-host gang's reservation (replica/fleet.py): G2
-                self.blocked |= set(it.entry.reserve)
+            if it.entry is not None and it.entry.multi_host:   # a multi-host gang's reservation: G2, backfill
+                hold_for_gang(self, it.entry)
                 continue
             # k lease puts, k ledger puts (counted for every GPU of the host in _fits_budget), the entry's delete.
             if not self._fits_budget(2 + it.req.gpu_count, 2):
@@ -144,7 +145,8 @@ class _Planner(Round[C]):
                 plan.deferred = [x.call for x in self.items[n:] if x.call is not None and x.entry is None]
                 plan.more = True
                 break
-            decision = decide(it, self.view, self.ctx, self.departing_held, self.blocked, self.per_agent[it.agent],
+            decision = decide(it, self.view, self.ctx, self.departing_held, blocked_for(
+                self, it.req.time_limit_s, self.ctx.wall, self.cfg.eviction_kill_margin_s), self.per_agent[it.agent],
                               self._team_room(it.req) if it.req.exclusive else None)
             if held_by_cordon(self.view.cordon is not None, decision):
                 wait_for_cordon(self, n, it)   # issue 31: no grant on a cordoned host (``policy/cordon.py``)
@@ -172,9 +174,8 @@ class _Planner(Round[C]):
                         assert it.call is not None
                         plan.refusals.append((it.call, refusal))
                         continue
-                victims = self._plan_evictions(it, decision)
-                self.blocked |= {g.uuid for g in decision.candidates}
-                self._write_wait(it, victims)
+                self._write_wait(it, self._plan_evictions(it, decision))
+                self.block({g.uuid for g in decision.candidates})
         self._write_transaction()
         if self.ctx.teams is not None:
             compares, ops = team_writes(self.ctx.teams, self.keys, plan.new_leases)
@@ -230,9 +231,8 @@ class _Planner(Round[C]):
                 assert it.call is not None
                 self.out.refusals.append((it.call, refusal))
                 return True
-        victims = self._plan_evictions(it, decision, [self.parts(h.id)[0] for h in choice.victims])
-        self.blocked |= {g.uuid for g in decision.candidates}
-        self._write_wait(it, victims)
+        self._write_wait(it, self._plan_evictions(it, decision, [self.parts(h.id)[0] for h in choice.victims]))
+        self.block({g.uuid for g in decision.candidates})
         return True
 
     def _wait_for_team(self, n: int, it: Item[C], reason: str) -> None:

@@ -75,10 +75,17 @@ class Round(Generic[C]):
         self.items: list[Item[C]] = []
         self.attached_calls: set[int] = set()   # ids of the calls that retry a request already waiting
         self.blocked: set[str] = set()          # GPUs that a request ranked earlier is still waiting for
+        self.waited: set[str] = set()           # ... of them, those a host's own waiter waits for (``block``)
+        self.backfill: dict[str, float] = {}    # reserved GPUs: the gang's earliest start (``policy/backfill``)
         self.displaced: set[str] = set()        # ranks of entries this round displaces
         self.queued = 0                         # entries in the queue after what is decided so far
         self.per_agent: collections.Counter[str] = collections.Counter()
         self._used: dict[str, int] = {}         # team -> its use over the fleet (``team_used``)
+
+    def block(self, uuids: set[str]) -> None:
+        """A waiter of this host holds ``uuids`` back from every request ranked after it (G2; no backfill)."""
+        self.blocked |= uuids
+        self.waited |= uuids
 
     def team_used(self, team: str) -> int:
         """The team's use over the fleet as this round stands (``team_admission.team_use``, summed once a
@@ -152,7 +159,8 @@ class Round(Generic[C]):
         """The lowest-ranked entry of the queue among ``items[start:]`` (which rank below the arrival) that a
         higher-ranked arrival may displace."""
         for it in reversed(self.items[start:]):
-            if it.entry is not None and it.rank not in self.displaced and not self._leaving(it):
+            if (it.entry is not None and it.rank not in self.displaced and not self._leaving(it)
+                    and not it.entry.multi_host):   # a multi-host gang's reservation is never displaced
                 return it
         return None
 

@@ -57,6 +57,7 @@ from coordinator.replica.fleet_view import (
     fleet_hosts,
     read_fleet,
     records_of,
+    reservation_start,
 )
 from coordinator.replica.teams import team_state
 from coordinator.txn import (
@@ -71,6 +72,7 @@ from coordinator.txn import (
 )
 
 log = logging.getLogger(__name__)
+START_SLACK_S = 1.0   # a reservation's earliest start is rewritten when it moves by more than this
 IDLE_WAKE_S = 1.0   # a waiting gang decides again at least this often (a safety net under the watch's wakes)
 
 
@@ -317,8 +319,11 @@ class FleetAdmitter:
                 notice_compares, notice_ops = self._notices(g, fleet, evict)
                 compares += notice_compares
                 ops += notice_ops
-        entry = dataclasses.replace(self._entry(g), victims=victims)
-        changed = gang is None or gang[1].victims != victims or gang[1].replica != self.ctx.replica_id
+        start = reservation_start(fleet, wanted, self.ctx.evictions, self.ctx.config.eviction_kill_margin_s)
+        entry = dataclasses.replace(self._entry(g), victims=victims, start_after=start)
+        starts = {e.start_after for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
+        moved = any((x > 0) != (start > 0) or abs(x - start) > START_SLACK_S for x in starts)
+        changed = gang is None or gang[1].victims != victims or gang[1].replica != self.ctx.replica_id or moved
         drop_compares, drop_ops = self._entry_ops(g, fleet, keep=None if changed else wanted)
         compares += [x for x in drop_compares if not _is_gang_key(keys, x)]
         ops += [x for x in drop_ops if not _is_gang_key(keys, x)]

@@ -3,15 +3,18 @@ own round reads it), the waiting gangs (``gangqueue/``), and each host as ``poli
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from coordinator import clock
 from coordinator.etcd.types import KV
+from coordinator.policy.backfill import earliest_start
 from coordinator.policy.fleet import FleetHost
 from coordinator.policy.gang import could_use, holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.placement import GangRequest, Refused
 from coordinator.policy.victims import Holder
 from coordinator.records import (
+    EvictionRecord,
     InvalidRecord,
     QueueEntry,
     SessionInfo,
@@ -20,6 +23,7 @@ from coordinator.records import (
 )
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
+from coordinator.replica.waits import lease_ends
 from coordinator.txn import Range
 
 
@@ -130,3 +134,18 @@ def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evict
         out.append(dataclasses.replace(h, slots=slots_from_views(view.gpus.values(), agent, view.inventory, evicting)))
         holders[name] = list(holders_from_views(view.gpus.values(), evicting))
     return out, holders
+
+
+def reservation_start(fleet: Fleet, wanted: Mapping[str, tuple[str, ...]], notices: Mapping[str, EvictionRecord],
+                      margin_s: float) -> float:
+    """When the GPUs a gang reserves (``wanted``: host -> uuids) are all free at the latest: the latest known end of
+    their leases over every host (``policy/backfill.earliest_start``); 0 when unknown. What a backfill's lease must
+    be gone by."""
+    start, now = 0.0, clock.wall()
+    for host, uuids in wanted.items():
+        view = fleet.views[host]
+        at = earliest_start([view.gpus[u] for u in uuids if u in view.gpus], lease_ends(view, notices, margin_s), now)
+        if at <= 0:
+            return 0.0
+        start = max(start, at)
+    return start

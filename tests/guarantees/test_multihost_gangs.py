@@ -153,3 +153,32 @@ def test_a_waiting_gang_retried_through_another_replica_keeps_its_place_and_is_g
         t2.join(LIVENESS_S)
         assert answers, errs
         assert sorted({h for h, _ in parts(cluster, answers[0].lease.id)}) == ["a", "b"]  # type: ignore[attr-defined]
+
+
+def test_a_request_that_ends_before_the_gangs_earliest_start_backfills_its_reserved_gpus_and_others_wait(
+        cluster: Cluster) -> None:
+    for host in ("a", "b"):
+        cluster.start_node(host, "1x16GiB")
+    addr = cluster.start_coordinator()
+    stub = coordinator_stub(addr)
+    with Client(addr, agent="holder", host="b") as holder, Client(addr, agent="big", host="a") as g, \
+            Client(addr, agent="small", host="a") as small:
+        held = holder.acquire(vram_mb=16 * 1024, time_limit=600)   # host b is busy for 10 minutes at most
+        answers: list[object] = []
+        t = threading.Thread(target=lambda: answers.append(stub.Acquire(gang(g, "big", "g", gpus=1, wait=30.0))))
+        t.start()
+        wait_for(lambda: [kv for kv in cluster.get_prefix(cluster.keys.queue("a")) if b'"start_after":0.0' not in kv.value],
+                 LIVENESS_S, "the gang reserves host a with a known earliest start")
+        # Host a's GPU is free but reserved: a request without a time limit waits its turn ...
+        with pytest.raises(errors.ResourceExhausted):
+            small.acquire(vram_mb=1024, wait=0)
+        # ... one that is gone well before the gang can start is backfilled there.
+        backfill = small.acquire(vram_mb=1024, time_limit=60)
+        assert backfill.host == "a"
+        # One that would still run at the gang's start is not.
+        with pytest.raises(errors.ResourceExhausted):
+            small.acquire(vram_mb=1024, time_limit=3600, wait=0)
+        backfill.release()
+        held.release()
+        t.join(LIVENESS_S)
+        assert answers, "the gang is granted once host b is free"

@@ -9,11 +9,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.keys import Keys
+from coordinator.config import CoordinatorConfig
+from coordinator.keys import Keys, lease_id_for
+from coordinator.policy.plan import Context
 from coordinator.policy.planner import plan_round
 from coordinator.records import QueueEntry
 from coordinator.txn import Delete, Put
-from tests.support.planner_calls import HOST, KEYS, WALL, session
+from tests.support.planner_calls import HOST, KEYS, NOW, WALL, Call, host_view, session
 from tests.support.planner_scenarios import scenarios
 
 
@@ -42,3 +44,24 @@ def test_a_round_grants_nothing_on_reserved_gpus_to_later_requests_and_leaves_th
         ranked = Keys.queue_rank(lease.priority, 0, "")   # every new request arrived after the reservation
         if ranked > entry.rank or lease.priority <= entry.priority:
             assert lease.gpu_uuid not in uuids, (lease, uuids)
+
+
+def _call(agent: str, rid: str, time_limit_s: float = 0.0) -> Call:
+    return Call(session(agent), 1024, None, 0, True, rid, lease_id_for(agent, rid, HOST), 0.0, 1000, NOW,
+                time_limit_s=time_limit_s)
+
+
+def test_a_request_whose_time_limit_ends_before_the_gangs_earliest_start_backfills_a_reserved_gpu() -> None:
+    view = host_view("1x16GiB", [])
+    uuid_ = next(iter(view.gpus))
+    margin = CoordinatorConfig().validate().eviction_kill_margin_s
+    entry = dataclasses.replace(_reservation((uuid_,), 3), start_after=WALL + 100 + margin)
+    view = dataclasses.replace(view, entries=(entry,))
+    ctx = Context(KEYS, CoordinatorConfig().validate(), "r1", frozenset(), NOW, WALL)
+    short, long, none = _call("b", "short", 60.0), _call("c", "long", 200.0), _call("a", "none")
+    plan = plan_round(view, [short, long, none], {}, {x.session.session_id for x in (short, long, none)}, ctx)
+    assert [c.request_id for c, _ in plan.grants] == ["short"], "only the lease gone before the gang starts"
+    # Unknown start (a lease in the way has no known end): nothing is backfilled.
+    unknown = dataclasses.replace(view, entries=(dataclasses.replace(entry, start_after=0.0),))
+    plan = plan_round(unknown, [short], {}, {short.session.session_id}, ctx)
+    assert plan.grants == []
