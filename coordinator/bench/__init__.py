@@ -22,6 +22,8 @@ so that the coordinator's CPU can be read from its process alone:
 * P8: idle cost with 1,000 open sessions: coordinator CPU % and RSS, node daemon CPU %, etcd writes/s
   (raft proposals/s: every writer, not only the node).
 * GANG: 2-GPU NVLink gangs against two single leases a pair (``phases/gang.py``).
+* MULTIHOST: 2-host x 4-GPU exclusive gangs over 8 hosts against a 4-GPU gang on each host, host A then host B
+  (``phases/multihost.py``).
 * TEAMS: P1's acquire p50 and P4's pairs/s and CPU per pair with teams stored, against the same without, in
   alternating rounds (``phases/teams.py``): teams may cost at most 10 %.
 
@@ -35,7 +37,8 @@ The package, one concern a module:
 * ``load``: what agents do to gpucoord in a phase (timed acquires, acquire+release loops).
 * ``baselines``: what each target is measured against: an empty gRPC unary, raw etcd reads and
   compare-and-put txns, a raw etcd_lease holder, and a lock-based admission with keys of its own.
-* ``phases``: P1-P8, GANG and TEAMS, each phase a function that runs on its own rig and returns its report lines.
+* ``phases``: P1-P8, GANG, MULTIHOST and TEAMS, each phase a function that runs on its own rig and returns its
+  report lines.
 * ``stats``: the one percentile definition every figure uses.
 * ``report``: a line's verdict and rendering, the side-by-side table.
 * ``runner``: sizes (full and ``--quick``) and which phases a command runs.

@@ -9,6 +9,7 @@ from coordinator.bench.phases.contended import phase_contended
 from coordinator.bench.phases.gang import phase_gang
 from coordinator.bench.phases.idle_reclaim import phase_idle_and_reclaim
 from coordinator.bench.phases.latency import phase_latency
+from coordinator.bench.phases.multihost import phase_multihost
 from coordinator.bench.phases.notice import phase_p7
 from coordinator.bench.phases.scale import phase_p5
 from coordinator.bench.phases.teams import phase_teams
@@ -32,6 +33,7 @@ class Sizes:
     samples: int = 5
     p7_n: int = 100
     gang_agents: int = 8
+    multihost_agents: int = 4    # MULTIHOST: agents looping 2-host x 4-GPU gangs over 8 hosts
     teams_rounds: int = 3        # TEAMS: rounds of (no teams, teams), alternating which goes first
 
 
@@ -39,7 +41,7 @@ QUICK = Sizes(n=20, seconds=1.0, levels=(1, 16), p3_agents=16, p3_hosts=4, p5_ho
               idle_sessions=20, idle_s=1.0, ttl=2, samples=1, p7_n=5, teams_rounds=1)
 
 
-PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7", "gang", "teams")
+PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7", "gang", "multihost", "teams")
 
 
 def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
@@ -55,6 +57,7 @@ def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
         "reclaim": lambda: phase_idle_and_reclaim(sizes.idle_sessions, sizes.idle_s, sizes.ttl, sizes.samples, out),
         "p7": lambda: phase_p7(sizes.p7_n, out),
         "gang": lambda: phase_gang(sizes.seconds, sizes.gang_agents, out),
+        "multihost": lambda: phase_multihost(sizes.seconds, sizes.multihost_agents, out),
         "teams": lambda: phase_teams(sizes.n, sizes.seconds, sizes.levels[-1], sizes.teams_rounds, out),
     }
     wanted = {"all": PHASES, "acquire": ("latency",), "p7": ("p7",), "p4": ("contended",)}.get(what, (what,))

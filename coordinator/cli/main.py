@@ -266,11 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     ru.set_defaults(fn=cmd_run)
 
     be = _command(sub, "bench", help="measure every performance target against baselines taken in the same run")
-    be.add_argument("what", choices=("all", "acquire", "p3", "p4", "p5", "reclaim", "p7", "gang", "teams",
-                                      "contended", "latency"),
-                    help="all: P1-P8, gang and teams; acquire: P1 and P2; p4: the lock-based baseline side by side at "
-                         "1, 4 and 16 agents; p5; reclaim: P6 and P8; p7; gang: 2-GPU gangs against two single "
-                         "leases; teams: P1's acquire p50 and P4's pairs/s and CPU per pair with teams stored, "
+    be.add_argument("what", choices=("all", "acquire", "p3", "p4", "p5", "reclaim", "p7", "gang", "multihost",
+                                      "teams", "contended", "latency"),
+                    help="all: P1-P8, gang, multihost and teams; acquire: P1 and P2; p4: the lock-based baseline side "
+                         "by side at 1, 4 and 16 agents; p5; reclaim: P6 and P8; p7; gang: 2-GPU gangs against two "
+                         "single leases; multihost: 2-host x 4-GPU gangs against a gang per host in a fixed order; "
+                         "teams: P1's acquire p50 and P4's pairs/s and CPU per pair with teams stored, "
                          "against the same without")
     be.add_argument("--n", type=int, default=300, help="acquires to time for each latency figure")
     be.add_argument("--quick", action="store_true", help="every phase small (under a minute): a smoke test")

@@ -130,3 +130,56 @@ def test_format_1_records_may_not_carry_gang_fields() -> None:
     doc = {**of_kind("leases")[0]["value"], "gang": list(GANG)}
     with pytest.raises(InvalidRecord, match="^gang: unknown field"):
         VramLease.from_kv(kv_of({"key": of_kind("leases")[0]["key"], "value": doc}))
+
+
+# Multi-host gangs (issue 30): format 5. Only a multi-host record is written in it; a single-host record keeps
+# the format of the release that introduced what it carries, so a replica of the previous release (formats up
+# to 4) still reads it during a rolling upgrade.
+OTHER = ("GPU-sim-h2-0", "GPU-sim-h2-1")
+
+
+def test_a_multi_host_lease_round_trips_in_format_5() -> None:
+    part = lease(gang=GANG, exclusive=True, vram_mb=16000, hosts=(("h2", OTHER), ("h1", GANG)))
+    doc = part.to_json()
+    assert doc["format"] == 5 and doc["hosts"] == [["h2", list(OTHER)], ["h1", list(GANG)]]
+    back = VramLease.from_kv(stored(json.loads(json.dumps(doc))))
+    assert dataclasses.replace(back, mod_revision=0) == part
+    assert (back.rank, back.parts, back.gpus) == (1, (("h2", OTHER), ("h1", GANG)), GANG)
+
+
+def test_a_multi_host_queue_entry_and_its_reservation_round_trip_in_format_5() -> None:
+    plain = QueueEntry.from_kv(kv_of(of_kind("queue")[0]))
+    gang = dataclasses.replace(plain, gpu_count=2, exclusive=True, vram_mb=0, hosts=2, same="rack", prefer="block")
+    doc = gang.to_json()
+    assert doc["format"] == 5 and (doc["hosts"], doc["same"], doc["prefer"], doc["reserve"]) == (2, "rack", "block", [])
+    waiting = QueueEntry.from_kv(stored(doc, "gangqueue/" + plain.rank))
+    assert dataclasses.replace(waiting, mod_revision=0) == dataclasses.replace(gang, mod_revision=0)
+    assert waiting.multi_host and waiting.format == 5
+    # Its reservation on a host: the same entry under queue/<host>/<rank>, listing the GPUs it holds back.
+    reservation = dataclasses.replace(gang, reserve=GANG)
+    back = QueueEntry.from_kv(stored(reservation.to_json(), "queue/h1/" + plain.rank))
+    assert (back.rank, back.reserve, back.hosts, back.same) == (plain.rank, GANG, 2, "rack")
+
+
+def test_single_host_records_are_still_written_in_their_earlier_formats() -> None:
+    """A gang of one host stays format 2, one with a time limit format 4: no ``hosts`` field in either."""
+    for one_host, expected in ((lease(gang=GANG, exclusive=True, vram_mb=16000), 2),
+                               (lease(time_limit_s=60.0, time_limit_warning_s=10.0), 4)):
+        doc = one_host.to_json()
+        assert doc["format"] == expected and "hosts" not in doc
+        assert VramLease.from_kv(stored(doc)).hosts == ()
+    plain = QueueEntry.from_kv(kv_of(of_kind("queue")[0]))
+    doc = dataclasses.replace(plain, gpu_count=2, exclusive=True, vram_mb=0).to_json()
+    assert doc["format"] == 2 and not {"hosts", "same", "prefer", "reserve"} & set(doc)
+
+
+@pytest.mark.parametrize("kind", ["leases", "queue"])
+def test_a_record_below_format_5_may_not_carry_multi_host_fields(kind: str) -> None:
+    if kind == "leases":
+        doc = {**lease(time_limit_s=60.0).to_json(), "hosts": [["h1", [GANG[0]]], ["h2", [OTHER[0]]]]}
+        parse, key = VramLease.from_kv, "leases/h1/GPU-sim-h1-0/l1"
+    else:
+        record = of_kind("queue")[0]
+        doc, parse, key = {**record["value"], "hosts": 2}, QueueEntry.from_kv, record["key"]
+    with pytest.raises(InvalidRecord, match="^hosts: unknown field"):
+        parse(stored(doc, key))
