@@ -127,6 +127,11 @@ class Transport:
                 last = errors.DeadlineExceeded(f"{method}: coordinator {addr} stopped answering")
             now = time.monotonic()
             if code not in FAILOVER_CODES or now + delay > min(retry_until, give_up_at - 0.1):
+                if code == grpc.StatusCode.CANCELLED:
+                    # Every replica tried ended the call (stopping, or starved): past its time, the caller hears
+                    # that no answer came in time, a documented status, not a bare CANCELLED.
+                    raise errors.DeadlineExceeded(f"{method}: no replica answered in time (the last, {addr}: "
+                                                  f"{why[:200]})") from None
                 raise last from None
             log.info("%s: coordinator %s failed (%s); trying the next one", method, addr, why)
             if addr == self.owner:

@@ -60,3 +60,18 @@ def test_an_answer_that_is_the_callers_is_not_retried_elsewhere() -> None:
     with pytest.raises(errors.GpucoordError):
         asyncio.run(_release_through(first, second))
     assert (first.calls, second.calls) == (1, 0)
+
+
+def test_a_call_every_replica_ends_cancelled_is_answered_deadline_exceeded_when_its_time_is_up() -> None:
+    async def scene() -> None:
+        (s1, a1), (s2, a2) = (await _serve(_Replica(grpc.StatusCode.CANCELLED)),
+                              await _serve(_Replica(grpc.StatusCode.CANCELLED)))
+        t = Transport([a1, a2], None, rpc_timeout=20, attempt_timeout=5, retry_for=0.3, session_stream=False)
+        try:
+            with pytest.raises(errors.DeadlineExceeded, match="no replica answered in time"):
+                await t.call("Release", pb.ReleaseRequest(lease_id="x"))
+        finally:
+            await t.close()
+            await s1.stop(None)
+            await s2.stop(None)
+    asyncio.run(scene())
