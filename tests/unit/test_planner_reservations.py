@@ -65,3 +65,22 @@ def test_a_request_whose_time_limit_ends_before_the_gangs_earliest_start_backfil
     unknown = dataclasses.replace(view, entries=(dataclasses.replace(entry, start_after=0.0),))
     plan = plan_round(unknown, [short], {}, {short.session.session_id}, ctx)
     assert plan.grants == []
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.data())
+def test_a_backfill_never_outlives_the_gangs_earliest_start(s: dict[str, Any], data: st.DataObject) -> None:
+    """Whatever the scenario, a lease granted on a reserved GPU is a backfill: its time limit, plus the kill margin
+    by which the leader revokes it, ends by the gang's earliest start. So it never delays the gang."""
+    view, ctx = s["view"], s["ctx"]
+    margin = ctx.config.eviction_kill_margin_s
+    uuids = tuple(sorted(data.draw(st.sets(st.sampled_from(sorted(view.gpus)), min_size=1))))
+    start = WALL + data.draw(st.sampled_from([0.0, 30.0, 120.0, 600.0]))
+    entry = dataclasses.replace(_reservation(uuids, 1_000_000), start_after=start if start > WALL else 0.0)
+    view = dataclasses.replace(view, entries=tuple(sorted((*view.entries, entry), key=lambda e: e.rank)))
+    batch = [dataclasses.replace(c, time_limit_s=data.draw(st.sampled_from([0.0, 10.0, 100.0, 1000.0])))
+             for c in s["batch"]]
+    plan = plan_round(view, batch, s["waiting"], {c.session.session_id for c in batch}, ctx)
+    for lease in plan.new_leases:
+        if lease.gpu_uuid in uuids:
+            assert lease.time_limit_s > 0 and ctx.wall + lease.time_limit_s + margin <= entry.start_after, lease
