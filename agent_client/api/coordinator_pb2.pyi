@@ -361,7 +361,7 @@ class AgentUse(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., allocation_json: _Optional[str] = ..., leased_mb: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
 
 class QueueEntry(_message.Message):
-    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id", "gpu_count", "exclusive", "gpus", "topology", "position", "reason", "blockers", "estimated_start_unix", "has_estimate", "hosts", "same", "prefer", "reserve")
+    __slots__ = ("rank", "agent", "vram_mb", "priority", "gpu", "request_id", "gpu_count", "exclusive", "gpus", "topology", "position", "reason", "blockers", "estimated_start_unix", "has_estimate", "hosts", "same", "prefer", "reserve", "start_after_unix")
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     VRAM_MB_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +381,7 @@ class QueueEntry(_message.Message):
     SAME_FIELD_NUMBER: _ClassVar[int]
     PREFER_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
+    START_AFTER_UNIX_FIELD_NUMBER: _ClassVar[int]
     rank: str
     agent: str
     vram_mb: int
@@ -400,7 +401,8 @@ class QueueEntry(_message.Message):
     same: str
     prefer: str
     reserve: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., position: _Optional[int] = ..., reason: _Optional[str] = ..., blockers: _Optional[_Iterable[_Union[WaitBlocker, _Mapping]]] = ..., estimated_start_unix: _Optional[float] = ..., has_estimate: _Optional[bool] = ..., hosts: _Optional[int] = ..., same: _Optional[str] = ..., prefer: _Optional[str] = ..., reserve: _Optional[_Iterable[str]] = ...) -> None: ...
+    start_after_unix: float
+    def __init__(self, rank: _Optional[str] = ..., agent: _Optional[str] = ..., vram_mb: _Optional[int] = ..., priority: _Optional[int] = ..., gpu: _Optional[str] = ..., request_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., exclusive: _Optional[bool] = ..., gpus: _Optional[_Iterable[str]] = ..., topology: _Optional[str] = ..., position: _Optional[int] = ..., reason: _Optional[str] = ..., blockers: _Optional[_Iterable[_Union[WaitBlocker, _Mapping]]] = ..., estimated_start_unix: _Optional[float] = ..., has_estimate: _Optional[bool] = ..., hosts: _Optional[int] = ..., same: _Optional[str] = ..., prefer: _Optional[str] = ..., reserve: _Optional[_Iterable[str]] = ..., start_after_unix: _Optional[float] = ...) -> None: ...
 
 class WaitBlocker(_message.Message):
     __slots__ = ("kind", "detail", "lease_id", "agent", "gpus", "vram_mb", "ends_at_unix", "rank", "priority")

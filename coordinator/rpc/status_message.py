@@ -98,7 +98,8 @@ def status_response(report: StatusReport,
                          priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
                          gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
                          gpus=q.get("gpus", []), topology=q.get("topology", "any"), hosts=q.get("hosts", 1),
-                         same=q.get("same", ""), prefer=q.get("prefer", ""), reserve=q.get("reserve", []))
+                         same=q.get("same", ""), prefer=q.get("prefer", ""), reserve=q.get("reserve", []),
+                         start_after_unix=q.get("start_after", 0.0))
             wait = report.waits.get(h["host"], {}).get(q["rank"])
             if wait is not None:
                 wait_pb(hs.queue[-1], wait)

@@ -3,6 +3,7 @@ alike: a lease over its hosts as one phrase (``hosts a,b (2x4 GPUs)``), and a qu
 multi-host gang's reservation on a host (its ``reserve``: the GPUs no later-ranked request is granted)."""
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
 
@@ -33,7 +34,11 @@ def reservation(entry: Mapping[str, Any], index_of: Mapping[str, Any]) -> str:
         return ""
     gpus = ",".join(str(index_of.get(u, u)) for u in reserve)
     same = f" (same {entry['same']})" if entry.get("same") else ""
-    return f"reserves GPU{'s' if len(reserve) > 1 else ''} {gpus} for a {int(entry.get('hosts') or 2)}-host gang{same}"
+    start = float(entry.get("start_after") or entry.get("start_after_unix") or 0.0)
+    when = (f", starts by {time.strftime('%H:%M:%S', time.gmtime(start))} UTC (backfill until then)" if start > 0
+            else "")
+    return (f"reserves GPU{'s' if len(reserve) > 1 else ''} {gpus} for a {int(entry.get('hosts') or 2)}-host "
+            f"gang{same}{when}")
 
 
 __all__ = ["lease_hosts", "lease_rank", "reservation"]

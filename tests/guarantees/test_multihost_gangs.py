@@ -5,6 +5,7 @@ hosts), released whole, and notified and released whole when one of its hosts is
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -169,6 +170,9 @@ def test_a_request_that_ends_before_the_gangs_earliest_start_backfills_its_reser
         t.start()
         wait_for(lambda: [kv for kv in cluster.get_prefix(cluster.keys.queue("a")) if b'"start_after":0.0' not in kv.value],
                  LIVENESS_S, "the gang reserves host a with a known earliest start")
+        # status shows the reservation's earliest start: b's lease ends by its time limit (plus the margin).
+        entry, = stub.GetStatus(pb.GetStatusRequest(host="a")).hosts[0].queue
+        assert entry.hosts == 2 and list(entry.reserve) and entry.start_after_unix > time.time() + 500
         # Host a's GPU is free but reserved: a request without a time limit waits its turn ...
         with pytest.raises(errors.ResourceExhausted):
             small.acquire(vram_mb=1024, wait=0)

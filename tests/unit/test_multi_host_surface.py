@@ -244,3 +244,11 @@ def test_a_command_run_on_this_host_s_part_sees_that_part_s_gpus_and_its_end_rel
     assert asyncio.run(scene()) == 0
     assert (tmp_path / "env").read_text().split() == ["GPU-a0,GPU-a1", "6"]
     assert released == ["L1"] and attached and set(attached) == {"L1"}
+
+
+def test_a_reservation_with_a_known_earliest_start_says_when_the_gang_starts_and_that_it_backfills() -> None:
+    from coordinator.web.gangs import reservation
+    entry = {"reserve": ["u1"], "hosts": 2, "start_after": 3600.0}
+    assert reservation(entry, {"u1": 0}) == \
+        "reserves GPU 0 for a 2-host gang, starts by 01:00:00 UTC (backfill until then)"
+    assert reservation({**entry, "start_after": 0.0}, {"u1": 0}) == "reserves GPU 0 for a 2-host gang"
