@@ -204,3 +204,10 @@ def test_gang_victims_are_preemptible_lower_priority_and_on_the_hosts_reserved(
                                                          s.index in held) for s in h.slots), h.caps))
     granted = plan_gang(req, freed, reserved=sorted(reserved))
     assert isinstance(granted, FleetGrant) and {h for h, _ in granted.parts} == reserved
+
+
+def test_a_reservation_moves_off_a_host_that_is_cordoned() -> None:
+    """Issue 31: a waiter that could be placed elsewhere moves there: a gang's reservation leaves a cordoned host."""
+    hosts = [_host("a", free=(0, 0, 0, 0)), _host("b", free=(0, 0, 0, 0), cordoned=True), _host("c", free=(0,) * 4)]
+    got = plan_gang(FleetRequest(hosts=2, gpu_count=4, vram_mb=0, exclusive=True), hosts, reserved=("a", "b"))
+    assert isinstance(got, FleetWait) and [h for h, _ in got.reserve] == ["a", "c"]
