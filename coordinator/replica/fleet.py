@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import cancel_and_wait, spawn
@@ -47,7 +48,7 @@ from coordinator.policy.team_admission import (
     team_limit,
     team_writes,
 )
-from coordinator.records import EvictionRecord, QueueEntry, VramLease, dumps
+from coordinator.records import EvictionRecord, VramLease, dumps
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.fleet_view import (
@@ -55,6 +56,7 @@ from coordinator.replica.fleet_view import (
     entry_of,
     eviction_inputs,
     fleet_hosts,
+    gang_entry,
     read_fleet,
     records_of,
     reservation_start,
@@ -89,6 +91,7 @@ class FleetAdmitter:
     def __init__(self, ctx: ReplicaContext) -> None:
         self.ctx, self.keys = ctx, ctx.keys
         self._calls: dict[str, GangCall] = {}
+        self._writes = 0   # transactions sent: a round reads the fleet again after one
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
         self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -151,14 +154,26 @@ class FleetAdmitter:
         return g.call.rank is not None
 
     async def _round(self) -> None:
+        """Every call in rank order, from one snapshot of the fleet read again only after a write (or a lost
+        compare): a round of waiting gangs that nothing changed for costs one read."""
+        fleet: Fleet | None = None
         for g in sorted(self._calls.values(), key=lambda x: x.rank):
             for _ in range(self.ctx.config.commit_attempts):
-                fleet = await read_fleet(self.ctx, [g.call.session])
+                if fleet is None:
+                    fleet = await read_fleet(self.ctx, [x.call.session for x in self._calls.values()])
+                writes = self._writes
                 done = await self._decide(g, fleet)
+                if not done or self._writes != writes:
+                    fleet = None
                 if done:
                     break
                 metrics.CONFLICTS.inc()
                 await asyncio.sleep(0.005)
+
+    async def _commit(self, compares: list[Compare], ops: list[Op]) -> Any:
+        res = await self.ctx.store.commit(compares, ops)
+        self._writes += 1
+        return res
 
     # -- one call ----------------------------------------------------------------------------------------
     async def _decide(self, g: GangCall, fleet: Fleet) -> bool:
@@ -211,7 +226,7 @@ class FleetAdmitter:
                      granted: tuple[VramLease, ...] = ()) -> bool:
         compares, ops = self._entry_ops(g, fleet)
         if ops:
-            res = await self.ctx.store.commit(compares, ops)
+            res = await self._commit(compares, ops)
             if not res.succeeded:
                 return False
         g.call.rank = None
@@ -266,7 +281,7 @@ class FleetAdmitter:
             return await self._leave(g, fleet, errors.FailedPrecondition(
                 f"hosts: {len(parts)} hosts x {len(parts[0][1])} GPUs need {len(ops)} writes and {len(compares)} "
                 f"compares in one etcd transaction, above its limits ({TXN_OPS_BUDGET}, {TXN_COMPARES_BUDGET})", "hosts"))
-        res = await self.ctx.store.commit(compares, ops)
+        res = await self._commit(compares, ops)
         if not res.succeeded:
             return False
         metrics.ADMISSIONS.labels(parts[0][0]).inc()
@@ -320,7 +335,7 @@ class FleetAdmitter:
                 compares += notice_compares
                 ops += notice_ops
         start = reservation_start(fleet, wanted, self.ctx.evictions, self.ctx.config.eviction_kill_margin_s)
-        entry = dataclasses.replace(self._entry(g), victims=victims, start_after=start)
+        entry = dataclasses.replace(gang_entry(g.call, g.req, g.rank, self.ctx.replica_id), victims=victims, start_after=start)
         starts = {e.start_after for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
         moved = any((x > 0) != (start > 0) or abs(x - start) > START_SLACK_S for x in starts)
         changed = gang is None or gang[1].victims != victims or gang[1].replica != self.ctx.replica_id or moved
@@ -342,7 +357,7 @@ class FleetAdmitter:
                 ops.append(Put(key, dumps(dataclasses.replace(entry, reserve=uuids).to_json()), c.session.etcd_lease))
         if ops:
             compares.append(Exists(keys.session(c.session.agent, c.session.session_id)))
-            res = await self.ctx.store.commit(compares, ops)
+            res = await self._commit(compares, ops)
             if not res.succeeded:
                 return False
             if wanted.keys() != have.keys() or victims:
@@ -371,18 +386,6 @@ class FleetAdmitter:
             compares.append(Absent(keys.eviction(v.id)))
             ops.append(Put(keys.eviction(v.id), dumps(record.to_json()), first.etcd_lease))
         return compares, ops
-
-    def _entry(self, g: GangCall) -> QueueEntry:
-        c = g.call
-        left = max(0.0, c.deadline - time.monotonic())
-        return QueueEntry(rank=g.rank, agent=c.session.agent, session_id=c.session.session_id,
-                          etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu="", priority=c.priority,
-                          preemptible=c.preemptible, request_id=c.request_id, lease_id=c.lease_id,
-                          deadline_unix=clock.wall() + left, replica=self.ctx.replica_id, wait_s=left,
-                          gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology,
-                          time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
-                          hosts=g.req.hosts, same=g.req.same, prefer=g.req.prefer)
-
 
 def uuids_of(host: FleetHost, indexes: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(s.uuid for s in host.slots if s.index in indexes)

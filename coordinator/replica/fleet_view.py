@@ -3,12 +3,13 @@ own round reads it), the waiting gangs (``gangqueue/``), and each host as ``poli
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Mapping, Sequence
 
 from coordinator import clock
 from coordinator.etcd.types import KV
 from coordinator.policy.backfill import earliest_start
-from coordinator.policy.fleet import FleetHost
+from coordinator.policy.fleet import FleetHost, FleetRequest
 from coordinator.policy.gang import could_use, holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.placement import GangRequest, Refused
@@ -21,6 +22,7 @@ from coordinator.records import (
     StoredKV,
     VramLease,
 )
+from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
 from coordinator.replica.waits import lease_ends
@@ -149,3 +151,15 @@ def reservation_start(fleet: Fleet, wanted: Mapping[str, tuple[str, ...]], notic
             return 0.0
         start = max(start, at)
     return start
+
+
+def gang_entry(c: AcquireCall, req: FleetRequest, rank: str, replica_id: str) -> QueueEntry:
+    """A waiting multi-host gang's entry (``gangqueue/<rank>``; with ``reserve``, its reservation on a host)."""
+    left = max(0.0, c.deadline - time.monotonic())
+    return QueueEntry(rank=rank, agent=c.session.agent, session_id=c.session.session_id,
+                      etcd_lease=c.session.etcd_lease, vram_mb=c.vram_mb, gpu="", priority=c.priority,
+                      preemptible=c.preemptible, request_id=c.request_id, lease_id=c.lease_id,
+                      deadline_unix=clock.wall() + left, replica=replica_id, wait_s=left,
+                      gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology,
+                      time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
+                      hosts=req.hosts, same=req.same, prefer=req.prefer)
