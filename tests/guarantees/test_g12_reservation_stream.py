@@ -75,6 +75,8 @@ def test_a_waiting_two_host_gang_reserves_its_hosts_against_a_stream_and_is_gran
             # any request of the stream has room, so only the reservation refuses one).
             wait_for(lambda: set(reserved) <= {h for s, h in refused + [(s, h) for s, _, h in grants] if s > written},
                      LIVENESS_S, "the stream to ask on the reserved hosts after the reservation")
+            bad = reserved_grants(cluster, before, grants, written)
+            assert not bad, bad
             for lease in held:
                 lease.release()
             lease = gang.result(4 * LIVENESS_S)     # granted before its wait ended (ResourceExhausted otherwise)
