@@ -104,10 +104,11 @@ def test_the_host_lost_notice_the_holder_gets_names_the_host(cluster: Cluster) -
         assert "b" in (notices[0].requested_by, *notices[0].requested_by.split()), notices[0]
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: the leader's deadline enforcement (replica/leader.py, the early revoke "
-                   "on reports_none) and Leases.revoke(at_bound) read only the notice record's host's usage report: "
-                   "a multi-host gang whose part there stopped is freed whole while its part on another host still "
-                   "runs, with no departing/ record for that GPU (G3's order across hosts)")
+@pytest.mark.xfail(strict=True, reason="core bug: at the kill margin Leases.revoke(at_bound) (replica/leases.py) "
+                   "looks for the gang's still-running processes in the usage report of the notice record's host "
+                   "only (_listed(usage of lease.host, [lease, *others])): a part still running on another host "
+                   "gets no departing/ record, so its GPU is freed under it (G3's order across hosts); the "
+                   "leader's early revoke (replica/leader.py, reports_none) also reads that one host's report")
 def test_an_evicted_gang_whose_part_on_another_host_still_runs_is_not_freed_as_if_it_had_stopped(
         cluster: Cluster, started: list[int], tmp_path: Path) -> None:
     """G3's order across hosts: an operator's notice to a 2-host gang bound to a process on each host (the node
