@@ -1,9 +1,12 @@
-"""The nemesis run: 40 agents (one in four asking for 2-GPU gangs, a quarter of those for two whole GPUs) over
+"""The nemesis run: 40 agents (one in four asking for 2-GPU gangs, a quarter of those for two whole GPUs; four,
+``MULTI_HOST``, asking for 2-host gangs of one GPU on each host, a quarter of those whole, issue 30) over
 two hosts of 2 GPUs and two coordinator replicas (real processes) on a 3-member etcd, while a seeded
 scheduler injects one fault every few seconds and heals it.
 
 Process faults: kill -9 of the etcd leader, SIGSTOP of an etcd member, SIGSTOP of a replica, kill -9 of a
-replica (restarted on its port). Network faults, on the fault links (tests/faultlink.py) that every connection
+replica (restarted on its port), kill of a node daemon (it stops without deregistering, as SIGKILL leaves it;
+restarted at once, it takes over once the old registration runs out: meanwhile a multi-host gang with a part
+there is a gang on a lost host). Network faults, on the fault links (tests/faultlink.py) that every connection
 runs through (each replica's to etcd, each node daemon's to etcd, every client's to each replica, and every
 connection to each etcd member): a replica cut off from etcd silently, for a moment or past the session TTL;
 a replica's etcd connections reset; a replica whose answers to its clients are lost (one way); a node daemon
@@ -33,7 +36,7 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -58,6 +61,7 @@ FAULT_EVERY_S = 4.0
 FAULT_LASTS_S = 2.5
 LONG_CUT_S = TTL + 2.0    # a replica cut off from etcd for longer than the session TTL
 HOSTS = ("h1", "h2")
+MULTI_HOST = (5, 15, 25, 35)    # the agents (n-5...) that ask for 2-host gangs: no gang or time-limit agent
 # Agents n-1, n-6, n-11... ask time limits of 2, 3 and 4 s in turn (n-16 and n-36 for gangs).
 TIME_LIMITS = {f"n-{i}": float(2 + k % 3) for k, i in enumerate(range(1, 40, 5))}
 # The time-limit rule's slack here: a leader SIGSTOPped or cut off revokes late, until it is back or the next
@@ -85,7 +89,8 @@ class Replicas:
 Fault = tuple[Callable[[], object], Callable[[object], None], float]   # inject, heal(what inject returned), lasts
 
 
-def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng: random.Random) -> dict[str, Fault]:
+def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng: random.Random,
+            nodes: dict[str, dict[str, Any]]) -> dict[str, Fault]:
     def kill_leader() -> object:
         m = e.leader()
         e.kill(m)
@@ -130,6 +135,15 @@ def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng:
         assert isinstance(r, LinkedReplica)
         r.restart()
 
+    def kill_node() -> object:
+        host = rng.choice(HOSTS)
+        c.stop_node(host, revoke=False)     # no deregistration: hosts/<host> runs out by its TTL
+        return host
+
+    def restart_node(host: object) -> None:
+        assert isinstance(host, str)
+        c.start_node(host, **nodes[host])   # waits out the old registration, then takes over
+
     etcd_of_replica = lambda: reps.reps[rng.randrange(2)].etcd_link
     member = lambda: members[rng.randrange(3)]
     return {
@@ -138,6 +152,7 @@ def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng:
         "SIGSTOP etcd member": (stop_member, lambda m: e.cont(m), FAULT_LASTS_S),
         "SIGSTOP replica": (replica(stop), cont, FAULT_LASTS_S),
         "kill -9 replica": (replica(kill), restart, FAULT_LASTS_S),
+        "kill node daemon": (kill_node, restart_node, FAULT_LASTS_S),
         # the network
         "cut replica-etcd": (link_of(etcd_of_replica, lambda link: link.cut()), heal_link, FAULT_LASTS_S),
         "cut replica-etcd past the TTL": (link_of(etcd_of_replica, lambda link: link.cut()), heal_link, LONG_CUT_S),
@@ -190,15 +205,17 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
           f"teams: {seed % 2 == 0 or os.environ.get('GPUCOORD_NEMESIS_TEAMS') == '1'})")
     rng = random.Random(seed)    # the scheduler's own: other code's use of random must not change its picks
     c = nemesis_cluster
+    nodes: dict[str, dict[str, Any]] = {}
     for host in HOSTS:
         procs = tmp_path / f"procs-{host}.json"   # h1's GPU 0 idle, every other GPU busy
         procs.write_text('{"utilization": {"0": %d, "1": 50}}' % (0 if host == HOSTS[0] else 50))
-        c.start_node(host, "2x16GiB", ttl=10, linked=True, fake_processes=str(procs))
+        nodes[host] = {"fake_gpus": "2x16GiB", "ttl": 10, "linked": True, "fake_processes": str(procs)}
+        c.start_node(host, **nodes[host])
     reps = Replicas(c.endpoints, c.prefix, tmp_path)
     injected: list[str] = []
     spans: list[tuple[float, float, str]] = []    # (injected at, healed at, name), time.monotonic()
     try:
-        faults = _faults(etcd3, reps, member_links, c, rng)
+        faults = _faults(etcd3, reps, member_links, c, rng, nodes)
         kind = os.environ.get("GPUCOORD_NEMESIS_FAULTS", "all")
         if kind in ("process", "network"):
             faults = {n: f for n, f in faults.items() if (n in _NETWORK) == (kind == "network")}
@@ -214,7 +231,8 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
             report = LoadReport()
             load = asyncio.create_task(run_load([[a, b], [b, a]] * 20, list(HOSTS), duration, seed=seed,
                                                 report=report, ttl=TTL, agent_prefix="n", gang_every=4,
-                                                time_limits=TIME_LIMITS, hold_past_limit=HOLD_PAST_LIMIT_S))
+                                                time_limits=TIME_LIMITS, hold_past_limit=HOLD_PAST_LIMIT_S,
+                                                multi_host=MULTI_HOST))
             operator = asyncio.create_task(run_cordons([a, b], list(HOSTS), duration - FAULT_EVERY_S, seed, cordons))
             idler = asyncio.create_task(hold_idle([a, b], HOSTS[0], duration - FAULT_EVERY_S, idle, TTL))
             loop = asyncio.get_running_loop()
@@ -260,11 +278,14 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         print(f"nemesis seed {seed}: usage records {usage.records}, leases ended {usage.ended} (+{usage.pending} "
               f"after the last cursor), violations {len(usage.violations)}: {usage.violations[:3]}")
         gangs = [x for x in report.calls if x.gpu_count > 1]
+        multi = [x for x in report.calls if x.hosts > 1]
         limited = [x for x in report.calls if x.time_limit and x.outcome == "ok"]
         print(f"nemesis summary: seed={seed} faults={len(injected)} network={sum(n in _NETWORK for n in injected)} "
               f"calls={len(report.calls)} gang_calls={len(gangs)} gangs_granted={sum(x.outcome == 'ok' for x in gangs)} "
               f"exclusive_granted={sum(x.outcome == 'ok' and x.exclusive for x in gangs)} "
-              f"time_limited_granted={len(limited)} undocumented={len(report.undocumented())} expired={len(report.expired)} "
+              f"time_limited_granted={len(limited)} multihost_calls={len(multi)} "
+              f"multihost_granted={sum(x.outcome == 'ok' for x in multi)} "
+              f"node_kills={injected.count('kill node daemon')} undocumented={len(report.undocumented())} expired={len(report.expired)} "
               f"violations={len(history.violations)} leaks={len(leaks)}")
     assert not report.undocumented(), report.undocumented()[:5]
     print(f"nemesis seed {seed}: operator calls {len(cordons.calls)}, cordons {cordons.done('cordon')}, drains "
@@ -275,6 +296,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     assert not idle.undocumented(), idle.undocumented()[:5]
     assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
     assert limited, "no lease with a time limit was granted: the load did not mix time limits in"
+    assert any(x.outcome == "ok" for x in multi), "no multi-host gang was granted: the load did not mix them in"
     history.assert_ok()
     usage.assert_ok()
     for r in reps.reps:      # no replica died inside, or left an error nobody handled

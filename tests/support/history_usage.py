@@ -131,6 +131,15 @@ def _compare(rep: UsageReport, name: str, e: dict[str, Any], at_rev: int, rec: d
     n = len(gpus)
     want = {"agent": doc["agent"], "host": doc["host"], "gpus": gpus, "vram_mb": doc["vram_mb"],
             "end_revision": e["rev"], "start_unix": doc["created_at"], "reason": e["reason"]}
+    hosts = [str(h) for h, _ in doc.get("hosts") or ()]
+    if len(hosts) > 1:
+        # A multi-host gang (issue 30): the record names one host and lists its GPUs by index, the order between
+        # hosts' equal indexes left to the accountant (which host it names is not yet a rule): one of the gang's
+        # hosts, and the gang's GPUs in any order.
+        if rec.get("host") in hosts:
+            want["host"] = rec["host"]
+        if sorted(rec.get("gpus") or ()) == sorted(gpus):
+            want["gpus"] = rec["gpus"]
     for k, v in want.items():
         if rec.get(k) != v:
             rep.violations.append(f"usage record {name}: {k} is {rec.get(k)!r}, the history says {v!r}")

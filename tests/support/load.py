@@ -34,6 +34,7 @@ class LoadCall:
     gpu_count: int = 1        # a gang's GPUs
     exclusive: bool = False   # whole GPUs
     time_limit: float = 0.0   # the time limit it asked
+    hosts: int = 1            # a multi-host gang's hosts (gpu_count on each)
 
     @property
     def late_s(self) -> float:
@@ -78,32 +79,36 @@ class LoadReport:
 async def agent_loop(client: AsyncClient, report: LoadReport, until: float, rng: random.Random,
                      sizes: Sequence[int], waits: Sequence[float], hold_s: float,
                      low_priority: Collection[int] = (), gang: bool = False, base_priority: int = 0,
-                     time_limit: float = 0.0, hold_past_limit: float = 0.0) -> None:
+                     time_limit: float = 0.0, hold_past_limit: float = 0.0, hosts: int = 1) -> None:
     """Acquire/release cycles until ``until``; with ``gang``, each acquire is a 2-GPU gang: ``vram`` on each
     GPU, or one time in four two whole GPUs (``exclusive``, at priority -1, so that it waits behind the
     others instead of holding the queue's head). With ``time_limit``, each lease asks it and is held up to twice
     as long, so that about half of them are revoked at their limit (the release then finds them gone); with
     ``hold_past_limit`` too, one lease in four is held that long past its limit (only the revoke ends it in time:
-    the history checker's time-limit rule sees one that outlives it)."""
+    the history checker's time-limit rule sees one that outlives it). With ``hosts`` of 2 or more, each acquire is
+    a multi-host gang of one GPU on each of ``hosts`` hosts (``vram``, or one time in four a whole GPU, at priority
+    -1), always with a wait (the longest of ``waits``)."""
     while time.monotonic() < until:
         vram, wait = rng.choice(sizes), rng.choice(waits)
         gpu_count, exclusive = (2, rng.random() < 0.25) if gang else (1, False)
+        if hosts > 1:
+            gpu_count, exclusive, wait = 1, rng.random() < 0.25, max(waits)
         priority = base_priority + (-1 if vram in low_priority or exclusive else 0)
         t0 = time.monotonic()
         try:
             lease = await client.acquire(0 if exclusive else vram, wait=wait, priority=priority,
-                                         gpu_count=gpu_count, exclusive=exclusive, time_limit=time_limit)
+                                         gpu_count=gpu_count, exclusive=exclusive, time_limit=time_limit, hosts=hosts)
         except errors.GpucoordError as e:
             report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, type(e).__name__, client.host,
                                          time.monotonic(), gpu_count=gpu_count, exclusive=exclusive,
-                                         time_limit=time_limit))
+                                         time_limit=time_limit, hosts=hosts))
             if isinstance(e, errors.SessionExpired):
                 return
             if not isinstance(e, errors.ResourceExhausted):
                 await asyncio.sleep(0.05)    # a fault: do not spin while it lasts
             continue
         report.calls.append(LoadCall(client.agent, wait, time.monotonic() - t0, "ok", client.host, time.monotonic(),
-                                     lease.id, gpu_count, exclusive, time_limit))
+                                     lease.id, gpu_count, exclusive, time_limit, hosts))
         if time_limit and hold_past_limit and rng.random() < 0.25:
             await asyncio.sleep(time_limit + hold_past_limit)
         else:
@@ -120,13 +125,15 @@ async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str]
                    hold_s: float = 0.02, agent_prefix: str = "agent", ttl: int = 10,
                    report: LoadReport | None = None, low_priority: Collection[int] = (),
                    gang_every: int = 0, priorities: Mapping[str, int] | None = None,
-                   time_limits: Mapping[str, float] | None = None, hold_past_limit: float = 0.0) -> LoadReport:
+                   time_limits: Mapping[str, float] | None = None, hold_past_limit: float = 0.0,
+                   multi_host: Collection[int] = ()) -> LoadReport:
     """One agent per entry of ``addresses`` (the replicas that agent talks to), each on ``host`` (or the
     hosts in turn), for ``duration_s`` seconds. Sessions are closed at the end. Requests of the sizes in
     ``low_priority`` ask with priority -1 (they wait behind the others instead of blocking them). With
     ``gang_every`` N, every Nth agent (``0``, ``N``...) asks for 2-GPU gangs (its hosts need 2 GPUs).
     ``priorities``: a base priority by agent name (0 for the others); ``time_limits``: a time limit by agent name
-    (time limits, issue 31: see ``agent_loop``, as for ``hold_past_limit``)."""
+    (time limits, issue 31: see ``agent_loop``, as for ``hold_past_limit``); ``multi_host``: the indexes of the
+    agents that ask for 2-host gangs instead (issue 30: see ``agent_loop``; the fleet needs two hosts)."""
     report = report or LoadReport()
     hosts = [host] if isinstance(host, str) else list(host)
     rng = random.Random(seed)
@@ -145,7 +152,8 @@ async def run_load(addresses: Sequence[Sequence[str]], host: str | Sequence[str]
                                           low_priority, gang=bool(gang_every) and clients.index(c) % gang_every == 0,
                                           base_priority=(priorities or {}).get(c.agent, 0),
                                           time_limit=(time_limits or {}).get(c.agent, 0.0),
-                                          hold_past_limit=hold_past_limit)
+                                          hold_past_limit=hold_past_limit,
+                                          hosts=2 if clients.index(c) in multi_host else 1)
                                for c in connected))
     finally:
         for c in connected:
