@@ -97,7 +97,7 @@ class KeepAlive:
                         else n.deadline_unix - time.time())   # an older coordinator: wall clocks
                 self.session._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
                                                      n.deadline_unix, time.monotonic() + left, n.revoke,
-                                                     n.reclaim_team, n.withdrawn))
+                                                     n.reclaim_team, n.withdrawn, n.asked_by))
 
     async def _watchdog(self, opened: float) -> None:
         """Returns once no answer came for two intervals: a replica that hangs without closing its socket

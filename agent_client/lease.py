@@ -45,7 +45,8 @@ class EvictionNotice:
     people: the two machines' clocks need not agree). ``revoke``: an operator's revoke of a lease bound to
     processes, which are to be killed at once. ``reclaim_team``: the team that reclaims this lease, over its
     own team's quota ("" for an eviction by priority or by an operator). ``withdrawn``: the notice was
-    withdrawn (its requester no longer needs the lease): the lease is not revoked for it."""
+    withdrawn (its requester no longer needs the lease): the lease is not revoked for it. ``asked_by``: who
+    asked for an operator's or the leader's notice (``host b lost`` when a multi-host gang lost host b)."""
     lease_id: str
     gpu_uuid: str
     reason: str
@@ -55,6 +56,7 @@ class EvictionNotice:
     revoke: bool = False
     reclaim_team: str = ""
     withdrawn: bool = False
+    asked_by: str = ""
 
     def supersedes(self, other: EvictionNotice) -> bool:
         """Whether this notice changes what the holder must do after ``other``: it is a revoke, or it brings

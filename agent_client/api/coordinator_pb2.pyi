@@ -45,7 +45,7 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
 class EvictionNotice(_message.Message):
-    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds", "revoke", "processes", "reclaim_team", "withdrawn")
+    __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds", "revoke", "processes", "reclaim_team", "withdrawn", "asked_by")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class EvictionNotice(_message.Message):
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_TEAM_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
+    ASKED_BY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     gpu_uuid: str
     reason: str
@@ -66,7 +67,8 @@ class EvictionNotice(_message.Message):
     processes: str
     reclaim_team: str
     withdrawn: bool
-    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ..., revoke: _Optional[bool] = ..., processes: _Optional[str] = ..., reclaim_team: _Optional[str] = ..., withdrawn: _Optional[bool] = ...) -> None: ...
+    asked_by: str
+    def __init__(self, lease_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., reason: _Optional[str] = ..., requested_by: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., grace_left_seconds: _Optional[float] = ..., revoke: _Optional[bool] = ..., processes: _Optional[str] = ..., reclaim_team: _Optional[str] = ..., withdrawn: _Optional[bool] = ..., asked_by: _Optional[str] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("ttl_seconds", "notices")

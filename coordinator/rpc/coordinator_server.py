@@ -99,7 +99,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         return pb.EvictionNotice(lease_id=record.lease_id, gpu_uuid=record.gpu_uuid, reason=record.reason,
                                  requested_by=record.requested_by, deadline_unix=record.deadline_unix,
                                  grace_left_seconds=self.svc.grace_left(record), revoke=record.revoke,
-                                 reclaim_team=record.reclaim, withdrawn=record.withdrawn)
+                                 reclaim_team=record.reclaim, withdrawn=record.withdrawn, asked_by=record.asked_by)
     def _time_limit(self, request: pb.AcquireRequest) -> tuple[float, float]:
         """The new lease's (limit, warning): as asked, or the default (its team's, else the fleet's); above the
         maximum (the fleet's or its team's, the tighter): INVALID_ARGUMENT."""

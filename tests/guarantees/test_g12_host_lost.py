@@ -87,9 +87,6 @@ def test_a_lost_host_of_a_granted_gang_notifies_once_stops_the_other_part_first_
             pass       # the lease is gone: nothing to release
 
 
-@pytest.mark.xfail(strict=True, reason="core gap: the host-lost notice a session receives names no host: the "
-                   "leader's sweep (replica/host_lost.py) passes 'host b lost' as the record's asked_by, which "
-                   "status shows, but pb.EvictionNotice has no field for it (requested_by is 'operator')")
 def test_the_host_lost_notice_the_holder_gets_names_the_host(cluster: Cluster) -> None:
     addr = cluster.start_coordinator(eviction_grace_s=GRACE_S)
     for host in ("a", "b"):
@@ -101,14 +98,9 @@ def test_the_host_lost_notice_the_holder_gets_names_the_host(cluster: Cluster) -
         cluster.stop_node("b", revoke=False)
         wait_for(lambda: notices, NODE_TTL + LIVENESS_S, "the holder's notice")
         assert notices[0].reason == "host-lost"
-        assert "b" in (notices[0].requested_by, *notices[0].requested_by.split()), notices[0]
+        assert notices[0].asked_by == "host b lost", notices[0]
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: at the kill margin Leases.revoke(at_bound) (replica/leases.py) "
-                   "looks for the gang's still-running processes in the usage report of the notice record's host "
-                   "only (_listed(usage of lease.host, [lease, *others])): a part still running on another host "
-                   "gets no departing/ record, so its GPU is freed under it (G3's order across hosts); the "
-                   "leader's early revoke (replica/leader.py, reports_none) also reads that one host's report")
 def test_an_evicted_gang_whose_part_on_another_host_still_runs_is_not_freed_as_if_it_had_stopped(
         cluster: Cluster, started: list[int], tmp_path: Path) -> None:
     """G3's order across hosts: an operator's notice to a 2-host gang bound to a process on each host (the node
