@@ -135,7 +135,9 @@ def ended_in(revision: Sequence[Deleted], keys: Keys, team_of: Callable[[str], s
 
 def _record(lease_id: str, start_rev: int, end_rev: int, docs: list[dict[str, Any]], deleted: Mapping[bytes, bytes],
             keys: Keys, team_of: Callable[[str], str], end_unix: float) -> UsageRecord:
-    docs = sorted(docs, key=lambda d: int(d["gpu_index"]))
+    # A multi-host gang (its records carry ``hosts``): rank order, then GPU index; the record names rank 0's host.
+    ranks = {str(h[0]): n for n, h in enumerate(docs[0].get("hosts") or ()) if isinstance(h, list) and h}
+    docs = sorted(docs, key=lambda d: (ranks.get(str(d.get("host")), 0), int(d["gpu_index"])))
     first = docs[0]
     start = float(first["created_at"])
     if not math.isfinite(start):

@@ -56,6 +56,14 @@ def test_a_gang_is_one_record_over_its_gpus() -> None:
     assert r.gpu_seconds == 120.0
 
 
+def test_a_multi_host_gang_is_one_record_naming_its_rank_0_host_with_gpus_in_rank_order() -> None:
+    parts = [["h2", ["GPU-b0"]], ["h1", ["GPU-a0"]]]        # rank 0 on h2, whatever the deletion order says
+    docs = [{**lease(gpu=gpu, index=0), "host": host, "hosts": parts} for host, gpu in (("h1", "GPU-a0"), ("h2", "GPU-b0"))]
+    dels = [Deleted(K.lease(str(d["host"]), str(d["gpu_uuid"]), "l1"), json.dumps(d).encode(), 10, 50) for d in docs]
+    (r,) = records(*dels)
+    assert (r.host, r.gpus, r.gpu_seconds) == ("h2", ("GPU-b0", "GPU-a0"), 120.0)
+
+
 def test_the_end_reason_comes_from_what_else_the_revision_deleted() -> None:
     session = Deleted(K.session("a", "s1"), b"{}", 5, 50)
 
