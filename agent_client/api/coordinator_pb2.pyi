@@ -631,20 +631,22 @@ class Team(_message.Message):
     def __init__(self, name: _Optional[str] = ..., quota_mb: _Optional[int] = ..., has_limit: _Optional[bool] = ..., limit_mb: _Optional[int] = ..., weight: _Optional[float] = ..., members: _Optional[_Iterable[str]] = ..., quota_by_model_mb: _Optional[_Mapping[str, int]] = ..., max_min_runtime_seconds: _Optional[float] = ..., max_time_limit_seconds: _Optional[float] = ..., default_time_limit_seconds: _Optional[float] = ..., idle_after_seconds: _Optional[float] = ..., idle_below_percent: _Optional[float] = ..., idle_action: _Optional[str] = ...) -> None: ...
 
 class TeamUsage(_message.Message):
-    __slots__ = ("used_mb", "borrowed_mb", "waiting_mb", "leases", "over_quota_leases", "waiting")
+    __slots__ = ("used_mb", "borrowed_mb", "waiting_mb", "leases", "over_quota_leases", "waiting", "decayed_gpu_hours")
     USED_MB_FIELD_NUMBER: _ClassVar[int]
     BORROWED_MB_FIELD_NUMBER: _ClassVar[int]
     WAITING_MB_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     OVER_QUOTA_LEASES_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    DECAYED_GPU_HOURS_FIELD_NUMBER: _ClassVar[int]
     used_mb: int
     borrowed_mb: int
     waiting_mb: int
     leases: int
     over_quota_leases: int
     waiting: int
-    def __init__(self, used_mb: _Optional[int] = ..., borrowed_mb: _Optional[int] = ..., waiting_mb: _Optional[int] = ..., leases: _Optional[int] = ..., over_quota_leases: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    decayed_gpu_hours: float
+    def __init__(self, used_mb: _Optional[int] = ..., borrowed_mb: _Optional[int] = ..., waiting_mb: _Optional[int] = ..., leases: _Optional[int] = ..., over_quota_leases: _Optional[int] = ..., waiting: _Optional[int] = ..., decayed_gpu_hours: _Optional[float] = ...) -> None: ...
 
 class TeamStatus(_message.Message):
     __slots__ = ("team", "usage", "stored")

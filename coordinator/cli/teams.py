@@ -169,8 +169,9 @@ def describe(team: dict[str, Any]) -> str:
 
 
 def render_teams(rows: list[dict[str, Any]]) -> str:
-    """The teams table: quota, limit, used, borrowed (used above quota), waiting, weight and members."""
-    header = ("TEAM", "QUOTA", "LIMIT", "USED", "BORROWED", "WAITING", "WEIGHT", "MEMBERS")
+    """The teams table: quota, limit, used, borrowed (used above quota), waiting, weight, decayed usage (GPU-hours)
+    and members."""
+    header = ("TEAM", "QUOTA", "LIMIT", "USED", "BORROWED", "WAITING", "WEIGHT", "DECAYED", "MEMBERS")
     lines = [header]
     for row in rows:
         t, u = row.get("team", {}), row.get("usage", {})
@@ -184,6 +185,7 @@ def render_teams(rows: list[dict[str, Any]]) -> str:
             f"{_mib(int(u.get('borrowed_mb', 0)))} ({u.get('over_quota_leases', 0)})",
             f"{_mib(int(u.get('waiting_mb', 0)))} ({u.get('waiting', 0)})",
             f"{float(t.get('weight', 1.0)):g}",
+            f"{float(u.get('decayed_gpu_hours', 0.0)):.1f}h",
             ",".join(t.get("members", [])) or "-",
         ))
     widths = [max(len(r[i]) for r in lines) for i in range(len(header))]

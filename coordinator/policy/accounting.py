@@ -26,6 +26,8 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coordinator.keys import Keys
+from coordinator.policy.teams import Membership
+from coordinator.records import InvalidRecord, StoredKV, VramLease, load_record
 
 END_REASONS = ("release", "session", "eviction", "reclaim", "revoke")
 EVICTED = frozenset({"eviction", "reclaim", "revoke"})   # the reasons counted as evictions suffered
@@ -302,3 +304,42 @@ def totals_from_records(records: Iterable[UsageRecord], by: str, since: float, u
         name = r.host if by == "host" else r.team if by == "team" else r.agent
         out[name].add(n * secs, n * r.vram_mb * secs, int(ended_inside and r.reason in EVICTED), int(ended_inside))
     return dict(out)
+
+
+def decayed_gpu_seconds(rollups: Iterable[tuple[str, float]], live_starts: Iterable[float], now: float,
+                        half_life_s: float) -> float:
+    """A team's decayed usage (fair share over time, docs/teams.md "Decayed usage"): every GPU-second it used,
+    weighted by 2^(-age / half_life). ``rollups``: (hour, GPU-seconds) of its ended leases, each hour's charged at
+    the hour's end; ``live_starts``: when each GPU of its live leases was granted (unix s), its running time
+    integrated with the decay. A half-life of 0 is no memory: 0 (today's weight-only order)."""
+    if half_life_s <= 0:
+        return 0.0
+    total = 0.0
+    for hour, gpu_s in rollups:
+        age = max(0.0, now - (hour_start(hour) + 3600.0))
+        total += gpu_s * 0.5 ** (age / half_life_s)
+    k = math.log(2) / half_life_s
+    for start in live_starts:
+        total += -math.expm1(-k * max(0.0, now - start)) / k
+    return total
+
+
+def decayed_by_team(keys: Keys, membership: Membership, rollup_kvs: Iterable[StoredKV],
+                    records: Iterable[VramLease], half_life_s: float, now: float) -> dict[str, float]:
+    """Each team's decayed usage in GPU-seconds (``policy.accounting.decayed_gpu_seconds``): its hourly rollups
+    (``accounting/hours/<hour>/<team>``, malformed ones left out) and its live lease records (one per GPU)."""
+    rollups: dict[str, list[tuple[str, float]]] = {}
+    for kv in rollup_kvs:
+        parts = keys.parse(kv.key)[1]
+        try:
+            value = load_record(kv.value).get("gpu_s")
+        except InvalidRecord:
+            continue
+        gpu_s = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        if len(parts) == 3 and math.isfinite(gpu_s):
+            rollups.setdefault(parts[2], []).append((parts[1], gpu_s))
+    live: dict[str, list[float]] = {}
+    for lease in records:
+        live.setdefault(membership.team_of(lease.agent), []).append(lease.created_at)
+    return {team: decayed_gpu_seconds(rollups.get(team, ()), live.get(team, ()), now, half_life_s)
+            for team in set(rollups) | set(live)}

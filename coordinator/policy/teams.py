@@ -231,6 +231,7 @@ class Usage:
     over_quota_leases: int = 0
     waiting_mb: int = 0
     waiting: int = 0
+    decayed_gpu_s: float = 0.0    # its decayed usage (docs/teams.md "Decayed usage")
 
 
 def used_by_team(charges: Iterable[Charge]) -> dict[str, int]:

@@ -8,9 +8,10 @@ import logging
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from coordinator import errors
+from coordinator import clock, errors
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
+from coordinator.policy.accounting import decayed_by_team
 from coordinator.policy.host import HostView
 from coordinator.policy.team_admission import TeamState, by_lease, charge_of
 from coordinator.policy.teams import (
@@ -126,15 +127,19 @@ class Teams:
         membership = Membership(teams.values())
         charges, waiting = charges_from_views(views, membership)
         usage = usage_by_team(charges, membership, waiting)
-        return [(membership.team(n), usage.get(n, Usage()), n in teams)
-                for n in sorted(set(usage) | set(teams) | {DEFAULT_TEAM})]
+        rollups = (await self.store.get_prefix(self.keys.usage_rollups())).kvs
+        leases = [x for v in views for x in v.leases.values() for _ in x.gpus]   # one start per GPU
+        decayed = decayed_by_team(self.keys, membership, rollups, leases, self.config.usage_half_life_s, clock.wall())
+        return [(membership.team(n), dataclasses.replace(usage.get(n, Usage()), decayed_gpu_s=decayed.get(n, 0.0)),
+                 n in teams) for n in sorted(set(usage) | set(teams) | {DEFAULT_TEAM})]
 
     async def team_status(self, name: str = "") -> tuple[int, list[tuple[Team, Usage, bool]]]:
         """Teams (one, or every stored team and ``default``) with their usage, all read at one revision:
         (revision, [(team, usage, stored)]). A malformed team reads as absent (its agents are in ``default``)."""
         kinds = ("teams", "leases", "queue", "hosts", "partitions")
-        snap = await self.store.snapshot([Range(self.keys.kind(k), prefix=True) for k in kinds])
-        team_kvs, lease_kvs, queue_kvs, host_kvs, partition_kvs = snap.ranges
+        snap = await self.store.snapshot([*(Range(self.keys.kind(k), prefix=True) for k in kinds),
+                                          Range(self.keys.usage_rollups(), prefix=True)])
+        team_kvs, lease_kvs, queue_kvs, host_kvs, partition_kvs, rollup_kvs = snap.ranges
         teams, _ = read_teams(team_kvs)
         membership = Membership(teams.values())
         models = gpu_models(host_kvs)
@@ -155,8 +160,12 @@ class Teams:
             waiting.append((membership.team_of(entry.agent), waiting_charge_mb(
                 entry.vram_mb, entry.gpu_count, entry.exclusive, usable.get(self.keys.parse(kv.key)[1][0], ()))))
         usage = usage_by_team(charges, membership, waiting)
+        decayed = decayed_by_team(self.keys, membership, rollup_kvs, records, self.config.usage_half_life_s,
+                                  clock.wall())
         names = [name] if name else sorted(set(usage) | set(teams) | {DEFAULT_TEAM})
-        return snap.revision, [(membership.team(n), usage.get(n, Usage()), n in teams) for n in names]
+        return snap.revision, [(membership.team(n), dataclasses.replace(usage.get(n, Usage()),
+                                                                        decayed_gpu_s=decayed.get(n, 0.0)),
+                                n in teams) for n in names]
 
 
 # -- admission (G11): the teams' state a round is decided against ------------------------------------------------

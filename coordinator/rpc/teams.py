@@ -58,7 +58,8 @@ def team_pb(team: Team) -> pb.Team:
 def team_status_pb(team: Team, usage: Usage, stored: bool) -> pb.TeamStatus:
     return pb.TeamStatus(team=team_pb(team), stored=stored, usage=pb.TeamUsage(
         used_mb=usage.used_mb, borrowed_mb=usage.borrowed_mb, waiting_mb=usage.waiting_mb, leases=usage.leases,
-        over_quota_leases=usage.over_quota_leases, waiting=usage.waiting))
+        over_quota_leases=usage.over_quota_leases, waiting=usage.waiting,
+        decayed_gpu_hours=round(usage.decayed_gpu_s / 3600.0, 3)))
 
 
 async def set_team(teams: Teams, request: pb.SetTeamRequest) -> pb.SetTeamResponse:

@@ -63,9 +63,11 @@ def test_an_operator_sets_shows_lists_and_deletes_a_team(cluster: Cluster,
         rc, out, _ = _cli(capsys, "team", "show", "research", "--coordinator", addr)
         assert rc == 0
         assert out.split("\n")[0].split() == ["TEAM", "QUOTA", "LIMIT", "USED", "BORROWED", "WAITING", "WEIGHT",
-                                              "MEMBERS"]
-        assert out.split("\n")[1].split() == ["research", "16GiB", "24GiB", "4GiB", "(1)", "0MiB", "(0)", "0MiB",
-                                              "(0)", "3", "alice,research-*"]
+                                              "DECAYED", "MEMBERS"]
+        row = out.split("\n")[1].split()
+        assert row[:10] + row[11:] == ["research", "16GiB", "24GiB", "4GiB", "(1)", "0MiB", "(0)", "0MiB", "(0)", "3",
+                                      "alice,research-*"]
+        assert row[10].endswith("h") and float(row[10][:-1]) >= 0.0   # its live lease's decayed GPU-hours
 
     rc, out, _ = _cli(capsys, "team", "delete", "research", "--coordinator", addr)
     assert rc == 0 and _team(cluster, "research") is None
@@ -101,12 +103,16 @@ def test_status_shows_each_teams_quota_limit_use_borrowing_and_waiting(cluster: 
         wait_for(lambda: queue(cluster), 10, "bob's request to wait")
         rc, out, _ = _cli(capsys, "status", "--json", "--coordinator", addr)
         rows = {r["team"]["name"]: r for r in json.loads(out)["teams"]}
+        decayed = rows["a"]["usage"].pop("decayed_gpu_hours")   # its live leases' GPU-hours, decayed (a few seconds' worth)
+        assert 0 <= decayed < 1.0
         assert rows["a"]["usage"] == {"used_mb": 12288, "borrowed_mb": 6144, "waiting_mb": 0, "leases": 3,
                                       "over_quota_leases": 2, "waiting": 0}
         assert rows["default"]["usage"]["waiting_mb"] == 8192 and rows["default"]["usage"]["waiting"] == 1
         rc, out, _ = _cli(capsys, "status", "--coordinator", addr)
         table = out.split("teams:\n")[1].splitlines()
-        assert table[1].split() == ["a", "6GiB", "14GiB", "12GiB", "(3)", "6GiB", "(2)", "0MiB", "(0)", "1", "a-*"]
+        row = table[1].split()
+        assert row[:10] + row[11:] == ["a", "6GiB", "14GiB", "12GiB", "(3)", "6GiB", "(2)", "0MiB", "(0)", "1", "a-*"]
+        assert row[10].endswith("h")   # DECAYED: its decayed GPU-hours
         assert table[2].split()[:2] == ["default", "(no"] and table[2].split()[9:11] == ["8GiB", "(1)"]
         sample = metrics.REGISTRY.get_sample_value
         # The gauges follow the replica's watch (not the status reads above).

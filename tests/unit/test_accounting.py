@@ -164,3 +164,23 @@ def test_usage_windows_read_durations_ago_and_utc_times() -> None:
     assert parse_when("2025-12-04T19:30Z", "--until", 0) == T0 + 1800
     with pytest.raises(UsageError, match="--since"):
         parse_when("last week", "--since", T0)
+
+
+def test_decayed_usage_halves_each_half_life_and_a_zero_half_life_forgets_everything() -> None:
+    from coordinator.policy.accounting import decayed_gpu_seconds, hour_of
+    hour = hour_of(T0)                       # ends at T0 + 3600
+    day = 86400.0
+    assert decayed_gpu_seconds([(hour, 3600.0)], [], T0 + 3600, day) == 3600.0
+    assert abs(decayed_gpu_seconds([(hour, 3600.0)], [], T0 + 3600 + day, day) - 1800.0) < 1e-6
+    assert decayed_gpu_seconds([(hour, 3600.0)], [T0], T0 + 3600 + day, 0.0) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1.0, 1e6), st.floats(0.0, 1e6), st.floats(60.0, 1e7))
+def test_a_live_lease_counts_at_most_its_running_time_and_more_the_longer_it_runs(
+        ran: float, later: float, half_life: float) -> None:
+    from coordinator.policy.accounting import decayed_gpu_seconds
+    now = T0 + ran
+    d = decayed_gpu_seconds([], [T0], now, half_life)
+    assert 0.0 <= d <= ran * (1 + 1e-9)
+    assert decayed_gpu_seconds([], [T0], now + later, half_life) >= d - 1e-6
