@@ -82,3 +82,67 @@ def test_waiting_multi_host_gangs_are_bounded_per_agent(cluster: Cluster) -> Non
         held.release()
         assert waiting <= 2 and on_a <= 2, f"{waiting} gangs of one agent wait ({on_a} entries on host a), limit 2"
         assert len(refused_early) == 3
+
+
+def _gang_entries(cluster: Cluster) -> list[tuple[bytes, int, bytes]]:
+    return sorted((kv.key, kv.mod_revision, kv.value) for kv in
+                  [*cluster.get_prefix(cluster.keys.gang_queue()), *cluster.get_prefix(cluster.keys.queue())])
+
+
+@pytest.mark.xfail(strict=True, reason="a retry of a waiting multi-host gang through another replica while the "
+                   "first try is still open there: both FleetAdmitters serve it and each _wait finds "
+                   "gang[1].replica != its own replica_id ('changed'), so they take the entry back and forth, "
+                   "rewriting the gangqueue entry and every reservation (each rewrite fails the host rounds' queue "
+                   "compare) for as long as both wait")
+def test_a_retry_through_another_replica_does_not_make_two_replicas_rewrite_the_entry(cluster: Cluster) -> None:
+    for host in ("a", "b"):
+        cluster.start_node(host, "2x16GiB")
+    first, second = cluster.start_coordinator(), cluster.start_coordinator()
+    with Client(second, agent="holder", host="a") as holder, Client(second, agent="big", host="b") as g:
+        held = holder.acquire(vram_mb=1024, gpu="0")
+        one = coordinator_stub(first).Acquire.future(gang(g, "big", "r", gpus=2, wait=20.0))
+        wait_for(lambda: len(cluster.get_prefix(cluster.keys.queue())) == 2, LIVENESS_S, "the gang reserves a and b")
+        two = coordinator_stub(second).Acquire.future(gang(g, "big", "r", gpus=2, wait=20.0))
+        owner = cluster.service(second).replica_id.encode()
+        wait_for(lambda: all(owner in kv.value for kv in cluster.get_prefix(cluster.keys.gang_queue())),
+                 LIVENESS_S, "the second replica serves the entry")
+        revisions = set()
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            revisions |= {rev for key, rev, _ in _gang_entries(cluster) if key.startswith(cluster.keys.gang_queue())}
+            time.sleep(0.02)
+        one.cancel()
+        held.release()
+        got = two.result(timeout=LIVENESS_S)
+        assert got.lease.id
+        assert len(revisions) <= 2, f"the gang's entry was rewritten {len(revisions)} times in 4 s"
+
+
+@pytest.mark.xfail(strict=True, reason="FleetAdmitter._decide on the replica of a cancelled first try calls _leave, "
+                   "whose _entry_ops deletes the gang's gangqueue entry and reservations whatever replica now "
+                   "serves them (no check of entry.replica / a live retry): a retry waiting through another "
+                   "replica loses its entries (G2: reserved GPUs open to later requests until it rewrites them; "
+                   "its victims' notices lose their requester)")
+def test_a_cancelled_first_try_does_not_remove_the_entries_of_its_retry_on_another_replica(cluster: Cluster) -> None:
+    for host in ("a", "b"):
+        cluster.start_node(host, "2x16GiB")
+    first, second = cluster.start_coordinator(), cluster.start_coordinator()
+    with Client(second, agent="holder", host="a") as holder, Client(second, agent="big", host="b") as g:
+        held = holder.acquire(vram_mb=1024, gpu="0")
+        one = coordinator_stub(first).Acquire.future(gang(g, "big", "r", gpus=2, wait=20.0))
+        wait_for(lambda: len(cluster.get_prefix(cluster.keys.queue())) == 2, LIVENESS_S, "the gang reserves a and b")
+        two = coordinator_stub(second).Acquire.future(gang(g, "big", "r", gpus=2, wait=20.0))
+        owner = cluster.service(second).replica_id.encode()
+        wait_for(lambda: all(owner in kv.value for kv in cluster.get_prefix(cluster.keys.gang_queue())),
+                 LIVENESS_S, "the second replica serves the entry")
+        one.cancel()
+        missing = 0
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            if len(cluster.get_prefix(cluster.keys.gang_queue())) != 1 or len(cluster.get_prefix(cluster.keys.queue())) != 2:
+                missing += 1
+            time.sleep(0.01)
+        held.release()
+        got = two.result(timeout=LIVENESS_S)
+        assert got.lease.id
+        assert missing == 0, "the retry's entries vanished while it waited"
