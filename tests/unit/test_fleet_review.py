@@ -61,3 +61,20 @@ def test_one_multi_host_victim_is_counted_once() -> None:
     assert got is not None
     assert [v.id for _, v in got.victims] == ["gang"]
     assert [h for h, _ in got.reserve] == ["x", "y"]
+
+
+@pytest.mark.xfail(strict=True, reason="replica/fleet.py maps a plan's GPU indexes back to uuids by 'index in "
+                   "indexes' over the host's slots (_grant's parts, uuids_of): a stored inventory with two GPUs of one "
+                   "index (the registry refuses one, but HostInventory.from_json / the host view accept it from "
+                   "etcd: a malformed stored value that does not fail closed) turns one placed GPU into two records, the "
+                   "second never placed (G1: its free VRAM was never checked; G10: gpu_count exceeded)")
+def test_a_placed_gpu_index_maps_to_exactly_one_uuid() -> None:
+    from coordinator.policy.fleet import FleetGrant, plan_gang
+    from coordinator.replica.fleet import uuids_of
+    free = GpuSlot(index=0, uuid="GPU-free", usable_mb=16 * GIB, free_mb=16 * GIB, leased=False)
+    full = GpuSlot(index=0, uuid="GPU-full", usable_mb=16 * GIB, free_mb=0, leased=True)
+    hosts = [FleetHost(n, {}, (free, full), {"GPU-free": 16 * GIB, "GPU-full": 16 * GIB}) for n in ("a", "b")]
+    got = plan_gang(FleetRequest(hosts=2, gpu_count=1, vram_mb=GIB), hosts)
+    assert isinstance(got, FleetGrant)
+    for host, idx in got.parts:
+        assert uuids_of(hosts[0], idx) == ("GPU-free",)
