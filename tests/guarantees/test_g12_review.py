@@ -10,7 +10,7 @@ import pytest
 
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, events_since, revision
 from tests.support.rpcs import coordinator_stub
 from tests.support.waiting import LIVENESS_S, wait_for
 
@@ -135,17 +135,15 @@ def test_a_cancelled_first_try_does_not_remove_the_entries_of_its_retry_on_anoth
         owner = cluster.service(second).replica_id.encode()
         wait_for(lambda: all(owner in kv.value for kv in cluster.get_prefix(cluster.keys.gang_queue())),
                  LIVENESS_S, "the second replica serves the entry")
+        before = revision(cluster)
         one.cancel()
-        missing = 0
-        end = time.monotonic() + 3.0
-        while time.monotonic() < end:
-            if len(cluster.get_prefix(cluster.keys.gang_queue())) != 1 or len(cluster.get_prefix(cluster.keys.queue())) != 2:
-                missing += 1
-            time.sleep(0.01)
+        time.sleep(3.0)
+        deleted = [key for kind, key, _ in events_since(cluster, before)
+                   if kind == "DELETE" and (key.startswith(cluster.keys.gang_queue()) or key.startswith(cluster.keys.queue()))]
         held.release()
         got = two.result(timeout=LIVENESS_S)
         assert got.lease.id
-        assert missing == 0, "the retry's entries vanished while it waited"
+        assert not deleted, f"the retry's entries were deleted while it waited: {deleted}"
 
 
 @pytest.mark.xfail(strict=True, reason="FleetAdmitter._wait keeps every still-live victim while any is pending "
