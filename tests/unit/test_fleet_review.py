@@ -1,0 +1,80 @@
+"""Review of multi-host gangs as pure policy (``coordinator/policy/fleet.py``, G3 over host sets): defects found in
+review, each a strict xfail until fixed."""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.policy.fleet import FleetHost, FleetRequest, plan_gang_eviction
+from coordinator.policy.placement import GpuSlot
+from coordinator.policy.victims import Holder
+
+GIB = 1024
+
+
+def _one_gpu_host(name: str) -> FleetHost:
+    """A host with one 16 GiB GPU, held whole."""
+    slot = GpuSlot(index=0, uuid=f"{name}-g0", usable_mb=16 * GIB, free_mb=0, leased=True)
+    return FleetHost(name, {}, (slot,), {slot.uuid: 16 * GIB})
+
+
+def _holder(lease_id: str, priority: int = 1, created_at: float = 1.0, token: int = 1, idle: bool = False) -> Holder:
+    return Holder(id=lease_id, agent="other", priority=priority, preemptible=True, created_at=created_at,
+                  token=token, vram=((0, 16 * GIB),), idle=idle)
+
+
+REQ = FleetRequest(hosts=2, gpu_count=1, vram_mb=0, exclusive=True)
+
+
+@pytest.mark.xfail(strict=True, reason="plan_gang_eviction ranks host sets by (highest victim priority, victim "
+                   "count) then host NAME: G3's 'then newest first' (and idle first) is dropped across hosts, so an "
+                   "older lease is evicted while a newer one of the same priority is spared")
+def test_victims_over_host_sets_are_taken_newest_first() -> None:
+    hosts = [_one_gpu_host(n) for n in ("a", "b", "c")]
+    holders = {"a": [_holder("old", created_at=1.0, token=1)],
+               "b": [_holder("mid", created_at=5.0, token=5)],
+               "c": [_holder("new", created_at=9.0, token=9)]}
+    got = plan_gang_eviction(REQ, hosts, holders, priority=9, agent="me")
+    assert got is not None
+    # Same priority, one victim per host: G3 takes the newest first, so the oldest lease ("old", on a) is spared.
+    assert sorted(v.id for _, v in got.victims) == ["mid", "new"]
+
+
+@pytest.mark.xfail(strict=True, reason="plan_gang_eviction ranks host sets by (highest victim priority, victim "
+                   "count) then host NAME: G3's idle-before-busy order is dropped across hosts")
+def test_victims_over_host_sets_take_idle_leases_first() -> None:
+    hosts = [_one_gpu_host(n) for n in ("a", "b", "c")]
+    holders = {"a": [_holder("busy")], "b": [_holder("idle1", idle=True)], "c": [_holder("idle2", idle=True)]}
+    got = plan_gang_eviction(REQ, hosts, holders, priority=9, agent="me")
+    assert got is not None
+    assert sorted(v.id for _, v in got.victims) == ["idle1", "idle2"]
+
+
+@pytest.mark.xfail(strict=True, reason="plan_gang_eviction counts a multi-host victim once per host it holds "
+                   "(cost = per-host victim count summed over the set), so evicting one 2-host lease costs 2 and "
+                   "ties with two separate leases; the name tie-break then evicts two leases where one suffices "
+                   "(G3: minimal; a gang is one victim)")
+def test_one_multi_host_victim_is_counted_once() -> None:
+    hosts = [_one_gpu_host(n) for n in ("c", "d", "x", "y")]
+    holders = {"c": [_holder("c1")], "d": [_holder("d1")],
+               "x": [_holder("gang")], "y": [_holder("gang")]}   # one 2-host lease, its parts on x and y
+    got = plan_gang_eviction(REQ, hosts, holders, priority=9, agent="me")
+    assert got is not None
+    assert [v.id for _, v in got.victims] == ["gang"]
+    assert [h for h, _ in got.reserve] == ["x", "y"]
+
+
+@pytest.mark.xfail(strict=True, reason="replica/fleet.py maps a plan's GPU indexes back to uuids by 'index in "
+                   "indexes' over the host's slots (_grant's parts, uuids_of): a stored inventory with two GPUs of one "
+                   "index (the registry refuses one, but HostInventory.from_json / the host view accept it from "
+                   "etcd: a malformed stored value that does not fail closed) turns one placed GPU into two records, the "
+                   "second never placed (G1: its free VRAM was never checked; G10: gpu_count exceeded)")
+def test_a_placed_gpu_index_maps_to_exactly_one_uuid() -> None:
+    from coordinator.policy.fleet import FleetGrant, plan_gang
+    from coordinator.replica.fleet import uuids_of
+    free = GpuSlot(index=0, uuid="GPU-free", usable_mb=16 * GIB, free_mb=16 * GIB, leased=False)
+    full = GpuSlot(index=0, uuid="GPU-full", usable_mb=16 * GIB, free_mb=0, leased=True)
+    hosts = [FleetHost(n, {}, (free, full), {"GPU-free": 16 * GIB, "GPU-full": 16 * GIB}) for n in ("a", "b")]
+    got = plan_gang(FleetRequest(hosts=2, gpu_count=1, vram_mb=GIB), hosts)
+    assert isinstance(got, FleetGrant)
+    for host, idx in got.parts:
+        assert uuids_of(hosts[0], idx) == ("GPU-free",)
