@@ -30,7 +30,6 @@ from coordinator.aio import cancel_and_wait, spawn
 from coordinator.keys import Keys, last_segment
 from coordinator.policy.decide import wait_over
 from coordinator.policy.fleet import (
-    FleetEvict,
     FleetGrant,
     FleetHost,
     FleetRequest,
@@ -48,18 +47,23 @@ from coordinator.policy.team_admission import (
     team_limit,
     team_writes,
 )
-from coordinator.records import EvictionRecord, VramLease, dumps
+from coordinator.records import VramLease, dumps
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.fleet_view import (
     Fleet,
+    beyond_one_transaction,
     entry_of,
     eviction_inputs,
     fleet_hosts,
     gang_entry,
+    gang_notices,
+    is_gang_key,
     read_fleet,
     records_of,
+    requested_by,
     reservation_start,
+    uuids_of,
 )
 from coordinator.replica.teams import team_state
 from coordinator.txn import (
@@ -194,7 +198,9 @@ class FleetAdmitter:
         teams, no_teams_since = await team_state(self.ctx, fleet.revision, 0.5)
         hosts = fleet_hosts(fleet, c.session.agent, g.rank, c.lease_id)
         reserved = sorted(v.host for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id)
-        decision = plan_gang(g.req, list(hosts.values()), reserved)
+        too_big = beyond_one_transaction(g.req, hosts.values())
+        decision = plan_gang(g.req, list(hosts.values()), reserved) if not too_big else \
+            Refused(errors.FailedPrecondition(too_big, "hosts"))
         if isinstance(decision, Refused):
             return await self._leave(g, fleet, decision.error)
         if isinstance(decision, FleetGrant):
@@ -204,13 +210,16 @@ class FleetAdmitter:
         return await self._wait(g, fleet, decision, hosts)
 
     # -- writes ------------------------------------------------------------------------------------------
-    def _entry_ops(self, g: GangCall, fleet: Fleet, keep: dict[str, tuple[str, ...]] | None = None
-                   ) -> tuple[list[Compare], list[Op]]:
+    def _entry_ops(self, g: GangCall, fleet: Fleet, keep: dict[str, tuple[str, ...]] | None = None,
+                   own_only: bool = False) -> tuple[list[Compare], list[Op]]:
         """Removing the gang's entries (its gangqueue entry, and its reservations except those ``keep`` lists
-        unchanged), each compared on its mod_revision."""
+        unchanged), each compared on its mod_revision. ``own_only``: only while this replica serves them (a
+        cancelled try leaves the entries of its retry through another replica alone)."""
         compares: list[Compare] = []
         ops: list[Op] = []
         gang = fleet.gangs.get(g.call.lease_id)
+        if own_only and gang is not None and gang[1].replica != self.ctx.replica_id:
+            return compares, ops
         if gang is not None and keep is None:
             compares.append(ModRevisionIs(gang[0].key, gang[0].mod_revision))
             ops.append(Delete(gang[0].key))
@@ -224,7 +233,7 @@ class FleetAdmitter:
 
     async def _leave(self, g: GangCall, fleet: Fleet, err: errors.GpucoordError | None,
                      granted: tuple[VramLease, ...] = ()) -> bool:
-        compares, ops = self._entry_ops(g, fleet)
+        compares, ops = self._entry_ops(g, fleet, own_only=g.call.future.done() and not granted)
         if ops:
             res = await self._commit(compares, ops)
             if not res.succeeded:
@@ -254,6 +263,12 @@ class FleetAdmitter:
                 return True    # waits for its team (decided again at the next wake)
         mark = over_quota_mark(state, first, c.session.agent, charge)
         compares, ops = self._entry_ops(g, fleet)
+        gang = fleet.gangs.get(c.lease_id)
+        for victim in (gang[1].victims if gang is not None else ()):   # granted on room it found: its notices go
+            notice = self.ctx.mirror.get(keys.eviction(victim))
+            if victim in fleet.leases and notice is not None and requested_by(notice) == f"{c.session.agent}/{c.request_id}":
+                compares.append(ModRevisionIs(notice.key, notice.mod_revision))
+                ops.append(Delete(notice.key))
         new: list[VramLease] = []
         for host, uuids in parts:
             view = fleet.views[host]
@@ -316,6 +331,12 @@ class FleetAdmitter:
         if c.wait_s <= 0:
             return await self._leave(g, fleet, wait_over(c.vram_mb, 0.0, c.gpu_count, c.exclusive))
         gang = fleet.gangs.get(c.lease_id)
+        if gang is not None and gang[1].replica != self.ctx.replica_id and c.rank is not None:
+            # A retry through another replica took the entry over: that replica serves the request now.
+            c.rank = None
+            if not c.future.done():
+                c.future.set_exception(errors.Unavailable("superseded by a retry of the same request"))
+            return True
         have = {v.host: e.reserve for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
         live = set(fleet.leases)
         pending = tuple(v for v in (gang[1].victims if gang is not None else ()) if v in live)
@@ -331,7 +352,7 @@ class FleetAdmitter:
             if evict is not None:
                 wanted = {host: uuids_of(hosts[host], idx) for host, idx in evict.reserve}
                 victims = tuple(v.id for _, v in evict.victims)
-                notice_compares, notice_ops = self._notices(g, fleet, evict)
+                notice_compares, notice_ops = gang_notices(keys, fleet, c, g.req, evict, self.ctx.config.eviction_grace_s)
                 compares += notice_compares
                 ops += notice_ops
         start = reservation_start(fleet, wanted, self.ctx.evictions, self.ctx.config.eviction_kill_margin_s)
@@ -340,8 +361,8 @@ class FleetAdmitter:
         moved = any((x > 0) != (start > 0) or abs(x - start) > START_SLACK_S for x in starts)
         changed = gang is None or gang[1].victims != victims or gang[1].replica != self.ctx.replica_id or moved
         drop_compares, drop_ops = self._entry_ops(g, fleet, keep=None if changed else wanted)
-        compares += [x for x in drop_compares if not _is_gang_key(keys, x)]
-        ops += [x for x in drop_ops if not _is_gang_key(keys, x)]
+        compares += [x for x in drop_compares if not is_gang_key(keys, x)]
+        ops += [x for x in drop_ops if not is_gang_key(keys, x)]
         if gang is None:
             compares.append(Absent(keys.gang_queue_entry(g.rank)))
             ops.append(Put(keys.gang_queue_entry(g.rank), dumps(entry.to_json()), c.session.etcd_lease))
@@ -368,29 +389,3 @@ class FleetAdmitter:
         c.rank = g.rank
         return True
 
-    def _notices(self, g: GangCall, fleet: Fleet, evict: FleetEvict) -> tuple[list[Compare], list[Op]]:
-        """The eviction notices of a gang's victims (G3), each compared on its records on its host."""
-        c, keys, wall = g.call, self.keys, clock.wall()
-        what = f"{g.req.hosts} hosts x {c.gpu_count} {'whole GPUs' if c.exclusive else f'GPUs with {c.vram_mb} MiB each'}"
-        compares: list[Compare] = []
-        ops: list[Op] = []
-        for host, v in evict.victims:
-            parts = [x for gpu in fleet.views[host].gpus.values() for x in gpu.leases if x.id == v.id]
-            first = parts[0]
-            record = EvictionRecord(
-                lease_id=v.id, host=host, gpu_uuid=first.gpu_uuid, agent=first.agent, session_id=first.session_id,
-                victim_priority=first.priority, requested_by=f"{c.session.agent}/{c.request_id}",
-                requester_priority=c.priority, reason=f"priority {c.priority} request for {what} needs the room",
-                deadline_unix=wall + self.ctx.config.eviction_grace_s, created_at=wall)
-            compares += [ModRevisionIs(keys.lease(host, x.gpu_uuid, x.id), x.mod_revision) for x in parts]
-            compares.append(Absent(keys.eviction(v.id)))
-            ops.append(Put(keys.eviction(v.id), dumps(record.to_json()), first.etcd_lease))
-        return compares, ops
-
-def uuids_of(host: FleetHost, indexes: tuple[int, ...]) -> tuple[str, ...]:
-    return tuple(s.uuid for s in host.slots if s.index in indexes)
-
-
-def _is_gang_key(keys: Keys, x: object) -> bool:
-    key = getattr(x, "key", b"")
-    return isinstance(key, bytes) and key.startswith(keys.gang_queue())

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from coordinator import clock
 from coordinator.etcd.types import KV
+from coordinator.keys import Keys
 from coordinator.policy.backfill import earliest_start
-from coordinator.policy.fleet import FleetHost, FleetRequest
+from coordinator.policy.fleet import FleetEvict, FleetHost, FleetRequest
 from coordinator.policy.gang import could_use, holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.placement import GangRequest, Refused
@@ -21,12 +22,13 @@ from coordinator.records import (
     SessionInfo,
     StoredKV,
     VramLease,
+    dumps,
 )
 from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
 from coordinator.replica.waits import lease_ends
-from coordinator.txn import Range
+from coordinator.txn import Absent, Compare, ModRevisionIs, Op, Put, Range
 
 
 @dataclasses.dataclass
@@ -163,3 +165,53 @@ def gang_entry(c: AcquireCall, req: FleetRequest, rank: str, replica_id: str) ->
                       gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology,
                       time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
                       hosts=req.hosts, same=req.same, prefer=req.prefer)
+
+
+def uuids_of(host: FleetHost, indexes: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(s.uuid for s in host.slots if s.index in indexes)
+
+
+def is_gang_key(keys: Keys, x: object) -> bool:
+    key = getattr(x, "key", b"")
+    return isinstance(key, bytes) and key.startswith(keys.gang_queue())
+
+
+def requested_by(kv: KV) -> str:
+    try:
+        return EvictionRecord.from_kv(kv).requested_by
+    except InvalidRecord:
+        return ""
+
+
+def beyond_one_transaction(req: FleetRequest, hosts: Iterable[FleetHost]) -> str:
+    """Why no transaction can ever grant ``req`` (etcd's per-transaction limits, ``planner.TXN_*_BUDGET``): a
+    lease record and a ledger per GPU, a guard per host and per ledger of each host; "" when one can."""
+    from coordinator.policy.planner import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
+    widest = max((len(h.slots) for h in hosts if not h.never), default=0)
+    ops = 2 * req.hosts * req.gpu_count + req.hosts + 1
+    compares = req.hosts * (7 + widest) + 3
+    if ops <= TXN_OPS_BUDGET and compares <= TXN_COMPARES_BUDGET:
+        return ""
+    return (f"hosts: {req.hosts} hosts x {req.gpu_count} GPUs need {ops} writes and up to {compares} compares in one "
+            f"etcd transaction, above its limits ({TXN_OPS_BUDGET}, {TXN_COMPARES_BUDGET}): ask fewer hosts or GPUs")
+
+
+def gang_notices(keys: Keys, fleet: Fleet, c: AcquireCall, req: FleetRequest, evict: FleetEvict, grace_s: float
+                 ) -> tuple[list[Compare], list[Op]]:
+    """The eviction notices of a gang's victims (G3), each compared on its records on its host."""
+    wall = clock.wall()
+    what = f"{req.hosts} hosts x {c.gpu_count} {'whole GPUs' if c.exclusive else f'GPUs with {c.vram_mb} MiB each'}"
+    compares: list[Compare] = []
+    ops: list[Op] = []
+    for host, v in evict.victims:
+        parts = [x for gpu in fleet.views[host].gpus.values() for x in gpu.leases if x.id == v.id]
+        first = parts[0]
+        record = EvictionRecord(
+            lease_id=v.id, host=host, gpu_uuid=first.gpu_uuid, agent=first.agent, session_id=first.session_id,
+            victim_priority=first.priority, requested_by=f"{c.session.agent}/{c.request_id}",
+            requester_priority=c.priority, reason=f"priority {c.priority} request for {what} needs the room",
+            deadline_unix=wall + grace_s, created_at=wall)
+        compares += [ModRevisionIs(keys.lease(host, x.gpu_uuid, x.id), x.mod_revision) for x in parts]
+        compares.append(Absent(keys.eviction(v.id)))
+        ops.append(Put(keys.eviction(v.id), dumps(record.to_json()), first.etcd_lease))
+    return compares, ops

@@ -69,7 +69,8 @@ class HostLoss:
     async def sweep(self) -> None:
         for lease_id, host in self.stranded().items():
             try:
-                await self.leases.evict(lease_id, self.ctx.config.eviction_grace_s, REASON, f"host {host} lost")
+                await self.leases.evict(lease_id, self.ctx.config.eviction_grace_s, REASON, f"host {host} lost",
+                                        force=True)
                 log.warning("multi-host gang %s lost host %s: the whole gang goes (notice sent)", lease_id, host)
             except errors.NotFound:
                 continue

@@ -50,8 +50,10 @@ class Leases:
             if res.succeeded:
                 log.info("withdrew the eviction notice of lease %s: its requester left", victim)
 
-    async def evict(self, lease_id: str, grace_s: float, reason: str, asked_by: str = "") -> float:
-        """Send an eviction notice; the leader revokes the lease at the deadline if it is still held."""
+    async def evict(self, lease_id: str, grace_s: float, reason: str, asked_by: str = "", force: bool = False) -> float:
+        """Send an eviction notice; the leader revokes the lease at the deadline if it is still held. ``force``:
+        an operator's notice standing already takes this one's reason and, if earlier, its deadline (a multi-host
+        gang that lost a host goes, whatever notice it had)."""
         grace = grace_s or self.config.eviction_grace_s
         for _ in range(self.config.commit_attempts):
             lease = await self.find_lease(lease_id)
@@ -61,7 +63,7 @@ class Leases:
             existing = await self.store.get(self.keys.eviction(lease_id))
             if existing is not None:
                 record = EvictionRecord.from_kv(existing)
-                if record.requested_by == "operator":
+                if record.requested_by == "operator" and (not force or record.reason == reason):
                     return float(record.deadline_unix)
                 # A request's notice becomes the operator's: it must not be withdrawn if that request
                 # gives up, and the operator's grace may bring the deadline forward.

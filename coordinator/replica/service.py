@@ -77,7 +77,8 @@ class CoordinatorService(Follower):
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
         self.ends = LeaseEnds(keys, self.mirror)   # gpucoord_releases_total's close and expiry
         self._admitters: dict[str, HostAdmitter] = {}
-        self._fleet: FleetAdmitter | None = None   # multi-host gangs (replica/fleet.py), made at the first one
+        self._fleet: FleetAdmitter | None = None
+        self._widest = 1   # the most hosts a multi-host gang asked for through this replica (``_lease_id``)   # multi-host gangs (replica/fleet.py), made at the first one
         self.admitter_idle_s = ADMITTER_IDLE_S
         self.ownership = Ownership(self.mirror)
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
@@ -304,12 +305,13 @@ class CoordinatorService(Follower):
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         call = AcquireCall(info, vram_mb, gpu or None, priority, preemptible, request_id,
-                           lease_id_for(info.agent, request_id, info.host), wait_s, loop.create_future(),
+                           self._lease_id(info, request_id, gang), wait_s, loop.create_future(),
                            forwarded=forwarded, capped=capped, gpu_count=gang.gpu_count,
                            exclusive=gang.exclusive, topology=gang.topology, gpus=gang.gpus,
                            min_runtime_s=min_runtime_s, time_limit_s=time_limit[0],
                            time_limit_warning_s=time_limit[1])
         if gang.hosts > 1:
+            self._widest = max(self._widest, gang.hosts)
             if self._fleet is None:
                 self._fleet = FleetAdmitter(self.ctx)
             req = FleetRequest(gang.hosts, gang.gpu_count, 0 if gang.exclusive else vram_mb, gang.exclusive,
@@ -322,6 +324,18 @@ class CoordinatorService(Follower):
                                                                  self.admitter_idle_s, self._admitter_idle)
         lease = await admitter.submit(call)
         return call.parts or (lease,)
+
+    def _lease_id(self, info: SessionInfo, request_id: str, gang: Gang) -> str:
+        """The lease id of a request (G6). A multi-host gang's is of its own kind (its hosts count in it), so that
+        a request of another shape with the same request_id can never add records under a gang's id; one of one
+        host whose request_id names a live multi-host gang (as this replica's mirror knows it) is refused."""
+        if gang.hosts > 1:
+            return lease_id_for(info.agent, request_id, f"{info.host}/hosts={gang.hosts}")
+        for hosts in range(2, self._widest + 1) if self.mirror.ready else ():
+            if self.mirror.lease(lease_id_for(info.agent, request_id, f"{info.host}/hosts={hosts}")) is not None:
+                raise errors.FailedPrecondition(f"hosts: request_id {request_id[:32]!r} names a lease over {hosts} "
+                                                f"hosts; retry it with hosts={hosts}", "hosts")
+        return lease_id_for(info.agent, request_id, info.host)
 
     def _admitter_idle(self, admitter: HostAdmitter) -> None:
         if self._admitters.get(admitter.host) is admitter:

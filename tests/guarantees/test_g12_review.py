@@ -23,10 +23,6 @@ def gang(c: Client, agent: str, request_id: str, hosts: int = 2, gpus: int = 4, 
                              hosts=hosts, gpu_count=gpus, exclusive=True, wait_seconds=wait, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="a multi-host gang too large for one etcd transaction (2 hosts x 32 GPUs: "
-                   "128 puts > TXN_OPS_BUDGET) is checked only in FleetAdmitter._grant: it is accepted, waits, "
-                   "reserves its hosts and sends eviction notices (G3: evicts for a request that can never be "
-                   "admitted), and is refused FAILED_PRECONDITION only once its victims are gone")
 def test_a_gang_no_transaction_can_grant_is_refused_at_once_and_evicts_nobody(cluster: Cluster) -> None:
     for host in ("a", "b"):
         cluster.start_node(host, "32x16GiB")
@@ -89,11 +85,6 @@ def _gang_entries(cluster: Cluster) -> list[tuple[bytes, int, bytes]]:
                   [*cluster.get_prefix(cluster.keys.gang_queue()), *cluster.get_prefix(cluster.keys.queue())])
 
 
-@pytest.mark.xfail(strict=True, reason="a retry of a waiting multi-host gang through another replica while the "
-                   "first try is still open there: both FleetAdmitters serve it and each _wait finds "
-                   "gang[1].replica != its own replica_id ('changed'), so they take the entry back and forth, "
-                   "rewriting the gangqueue entry and every reservation (each rewrite fails the host rounds' queue "
-                   "compare) for as long as both wait")
 def test_a_retry_through_another_replica_does_not_make_two_replicas_rewrite_the_entry(cluster: Cluster) -> None:
     for host in ("a", "b"):
         cluster.start_node(host, "2x16GiB")
@@ -118,11 +109,6 @@ def test_a_retry_through_another_replica_does_not_make_two_replicas_rewrite_the_
         assert len(revisions) <= 2, f"the gang's entry was rewritten {len(revisions)} times in 4 s"
 
 
-@pytest.mark.xfail(strict=True, reason="FleetAdmitter._decide on the replica of a cancelled first try calls _leave, "
-                   "whose _entry_ops deletes the gang's gangqueue entry and reservations whatever replica now "
-                   "serves them (no check of entry.replica / a live retry): a retry waiting through another "
-                   "replica loses its entries (G2: reserved GPUs open to later requests until it rewrites them; "
-                   "its victims' notices lose their requester)")
 def test_a_cancelled_first_try_does_not_remove_the_entries_of_its_retry_on_another_replica(cluster: Cluster) -> None:
     for host in ("a", "b"):
         cluster.start_node(host, "2x16GiB")
@@ -177,11 +163,6 @@ def _lists(cluster: Cluster, lease_id: str) -> bool:
     return any(lease_id.encode() in kv.value for kv in cluster.get_prefix(cluster.keys.gang_queue()))
 
 
-@pytest.mark.xfail(strict=True, reason="HostLoss.sweep sends the host-lost notice through Leases.evict, which "
-                   "returns an existing operator notice unchanged (requested_by == 'operator': drain, time limit, "
-                   "idle, an operator's evict): a gang under a long operator notice that loses a host gets no "
-                   "host-lost notice and is not released within TTL + grace (and the sweep calls evict, a read "
-                   "of every lease, every 0.25 s until that deadline)")
 def test_a_lost_host_releases_a_gang_already_under_a_long_operator_notice(cluster: Cluster) -> None:
     addr = cluster.start_coordinator(eviction_grace_s=1.0)
     for host in ("a", "b"):

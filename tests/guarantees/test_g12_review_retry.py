@@ -23,10 +23,6 @@ def _records(cluster: Cluster, lease_id: str) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-@pytest.mark.xfail(strict=True, reason="lease_id_for(agent, request_id, session host) does not depend on hosts, "
-                   "and a retry without hosts goes to the session host's round (policy/decide.decide: no record of "
-                   "the id on that host): it is granted a second lease under the multi-host gang's id (G6: a "
-                   "second lease for one request_id; G12: a record its hosts list does not name)")
 def test_a_retry_without_hosts_of_a_granted_gang_gets_no_second_lease(cluster: Cluster) -> None:
     for host, rack in (("a", "r1"), ("b", "r1"), ("c", "r2")):
         cluster.start_node(host, "2x16GiB", labels=(("rack", rack),))
@@ -51,13 +47,9 @@ def test_a_retry_without_hosts_of_a_granted_gang_gets_no_second_lease(cluster: C
         assert after == gang, f"the retry ({answer}) added records under the gang's id: {after}"
 
 
-@pytest.mark.xfail(strict=True, reason="FleetAdmitter._grant deletes the gang's entries but not the notices of its "
-                   "victims still live: granted on room freed elsewhere, it leaves them under notice until the "
-                   "leader withdraws them at the deadline (a cooperative holder has quit by then; the history "
-                   "checker's G3 rule flags the grant: victims live and their notices not withdrawn in that "
-                   "revision)")
 def test_a_gang_granted_on_room_freed_elsewhere_withdraws_its_other_victims_notices(cluster: Cluster) -> None:
     import time
+
     from tests.support.waiting import LIVENESS_S, wait_for
     for host in ("a", "b", "c"):
         cluster.start_node(host, "1x16GiB")
