@@ -76,5 +76,5 @@ def test_a_placed_gpu_index_maps_to_exactly_one_uuid() -> None:
     hosts = [FleetHost(n, {}, (free, full), {"GPU-free": 16 * GIB, "GPU-full": 16 * GIB}) for n in ("a", "b")]
     got = plan_gang(FleetRequest(hosts=2, gpu_count=1, vram_mb=GIB), hosts)
     assert isinstance(got, FleetGrant)
-    for host, idx in got.parts:
+    for _host, idx in got.parts:
         assert uuids_of(hosts[0], idx) == ("GPU-free",)
