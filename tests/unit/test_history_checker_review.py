@@ -5,7 +5,7 @@ import pytest
 
 from coordinator.keys import Keys, lease_id_for
 from coordinator.records import QueueEntry
-from tests.support.history_builder import G0, HOST, K, History, check
+from tests.support.history_builder import G0, HOST, History, K, check
 
 
 @pytest.mark.xfail(strict=True, reason="the history checker has no rule for G12's reservation (G2 across hosts): a "
