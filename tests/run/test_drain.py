@@ -7,6 +7,7 @@ grants on h1, and a waiter queued during the cordon is granted then."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -94,7 +95,11 @@ def test_drain_with_wait_empties_the_host_child_first_while_other_hosts_grant_an
         assert ProcessGone.now_gone(child), "the drain returned while the run's child still ran"
         gone.wait(10)
         out = drained.stdout.splitlines()
-        assert out[0] == "host h1 cordoned: no new lease on it; 3 leases on it, 3 eviction notices sent (reason drain)"
+        # The run's lease and the two held, and the looping client's when the cordon caught one of its leases on
+        # h1 between its acquire and its release (which one a machine's speed decides).
+        first = re.fullmatch(r"host h1 cordoned: no new lease on it; ([34]) leases on it, \1 eviction notices sent "
+                             r"\(reason drain\)", out[0])
+        assert first is not None, out[0]
         assert out[1].startswith("draining h1: ") and out[-1] == "host h1 drained: no lease left", out
         assert all(x.evicting.is_set() and x.notice is not None and x.notice.reason == "drain" for x in held)
         assert not [x for x in cluster.leases() if x.host == "h1"]
