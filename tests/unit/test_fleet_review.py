@@ -25,9 +25,6 @@ def _holder(lease_id: str, priority: int = 1, created_at: float = 1.0, token: in
 REQ = FleetRequest(hosts=2, gpu_count=1, vram_mb=0, exclusive=True)
 
 
-@pytest.mark.xfail(strict=True, reason="plan_gang_eviction ranks host sets by (highest victim priority, victim "
-                   "count) then host NAME: G3's 'then newest first' (and idle first) is dropped across hosts, so an "
-                   "older lease is evicted while a newer one of the same priority is spared")
 def test_victims_over_host_sets_are_taken_newest_first() -> None:
     hosts = [_one_gpu_host(n) for n in ("a", "b", "c")]
     holders = {"a": [_holder("old", created_at=1.0, token=1)],
@@ -39,8 +36,6 @@ def test_victims_over_host_sets_are_taken_newest_first() -> None:
     assert sorted(v.id for _, v in got.victims) == ["mid", "new"]
 
 
-@pytest.mark.xfail(strict=True, reason="plan_gang_eviction ranks host sets by (highest victim priority, victim "
-                   "count) then host NAME: G3's idle-before-busy order is dropped across hosts")
 def test_victims_over_host_sets_take_idle_leases_first() -> None:
     hosts = [_one_gpu_host(n) for n in ("a", "b", "c")]
     holders = {"a": [_holder("busy")], "b": [_holder("idle1", idle=True)], "c": [_holder("idle2", idle=True)]}
@@ -49,10 +44,6 @@ def test_victims_over_host_sets_take_idle_leases_first() -> None:
     assert sorted(v.id for _, v in got.victims) == ["idle1", "idle2"]
 
 
-@pytest.mark.xfail(strict=True, reason="plan_gang_eviction counts a multi-host victim once per host it holds "
-                   "(cost = per-host victim count summed over the set), so evicting one 2-host lease costs 2 and "
-                   "ties with two separate leases; the name tie-break then evicts two leases where one suffices "
-                   "(G3: minimal; a gang is one victim)")
 def test_one_multi_host_victim_is_counted_once() -> None:
     hosts = [_one_gpu_host(n) for n in ("c", "d", "x", "y")]
     holders = {"c": [_holder("c1")], "d": [_holder("d1")],
