@@ -69,3 +69,18 @@ def test_a_placed_gpu_index_maps_to_exactly_one_uuid() -> None:
     assert isinstance(got, FleetGrant)
     for _host, idx in got.parts:
         assert uuids_of(hosts[0], idx) == ("GPU-free",)
+
+
+def test_a_stored_inventory_with_one_gpu_index_twice_is_refused_so_its_host_fails_closed() -> None:
+    """The fix of the defect above where it starts: such a ``hosts/<host>`` value does not parse, so the host is
+    INVALID (no admission there, a gang's included) until it is rewritten."""
+    from coordinator.host_records import GpuInfo, HostInventory
+    from coordinator.record_fields import InvalidRecord
+    good = HostInventory("h", "", 1, (0,), 1 << 30, "/", 1 << 30, (GpuInfo(0, "GPU-a", "sim", 16384),)).to_json()
+    gpu = good["gpus"][0]   # type: ignore[index]
+    doc = {**good, "gpus": [gpu, {**gpu, "uuid": "GPU-b"}]}
+    with pytest.raises(InvalidRecord, match="gpus"):
+        HostInventory.from_json(doc)
+    with pytest.raises(InvalidRecord, match="gpus"):
+        HostInventory.from_json({**doc, "gpus": [gpu, {**gpu, "index": 1}]})
+    assert len(HostInventory.from_json({**doc, "gpus": [gpu, {**gpu, "index": 1, "uuid": "GPU-b"}]}).gpus) == 2
