@@ -189,6 +189,8 @@ class HostInventory:
                 gpus.append(GpuInfo.from_json(g))
             except InvalidRecord as e:
                 raise fail(f"gpus[{i}]", str(e)) from None
+        if len({g.index for g in gpus}) != len(gpus) or len({g.uuid for g in gpus}) != len(gpus):
+            raise fail("gpus", "two GPUs with one index or one uuid")   # the host fails closed (INVALID)
         return cls(
             host=str_of(d, "host"),
             address=str_of(d, "address", ""),

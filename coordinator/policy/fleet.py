@@ -31,7 +31,8 @@ The rules
   ever hold its part (not cordoned), ``victims.choose_gang_victims`` finds the minimal victims there (preemptible,
   of priority < P, in G3's order over every GPU set of the host; none where it fits now). Over the hosts, the
   set of ``hosts`` hosts of one group whose victims are lowest under G3's order: the smallest highest victim
-  priority, then the fewest victims, then the newest, then the names (``prefer`` first, as for a grant). Their
+  priority, then busy before idle, then the oldest: G3's order from its last victim down, each lease once (a
+  victim on two hosts of the set counts once), fewer victims winning ties; then the names (``prefer`` first). Their
   notices go with the reservation of that set; the gang is granted once they are gone.
 
 **No two gangs deadlock**: a request's choice depends only on requests ranked before it (``blocked``), so the
@@ -41,6 +42,7 @@ get have gone (``tests/unit/test_fleet_placement.py`` proves it as a property).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Iterable, Mapping, Sequence
 
 from coordinator import errors
@@ -156,10 +158,7 @@ def plan_gang_eviction(req: FleetRequest, hosts: Sequence[FleetHost], holders: M
     if not any(choices[x] for x in choices):
         return None
 
-    def cost(x: str) -> tuple[int, int]:
-        vs = choices[x]
-        return (max((v.priority for v in vs), default=-(1 << 31)), len(vs))
-    chosen = _best(req, _groups(req, [h for h in hosts if h.host in choices]), cost, worst=True)
+    chosen = _least_victims(req, _groups(req, [h for h in hosts if h.host in choices]), choices)
     if chosen is None:
         return None
     seen: set[str] = set()
@@ -171,6 +170,42 @@ def plan_gang_eviction(req: FleetRequest, hosts: Sequence[FleetHost], holders: M
     if not victims:
         return None
     return FleetEvict(tuple((x, ever[x]) for x in chosen), tuple(victims))
+
+
+# At most this many sets of hosts are compared for one eviction (the hosts whose own victims come first in G3's
+# order, then every set of them): C(12, 4) = 495, C(14, 2) = 91.
+MAX_EVICTION_SETS = 5000
+
+
+def _least_victims(req: FleetRequest, groups: Sequence[Sequence[FleetHost]],
+                   choices: Mapping[str, tuple[Holder, ...]]) -> tuple[str, ...] | None:
+    """The set of ``req.hosts`` hosts of one group (``prefer`` first) whose victims, each lease once (a victim
+    holding parts on two hosts of the set counts once), come first under G3's order: compared from the last
+    victim G3 would take (the highest priority, then busy before idle, then the oldest) down, and a set that
+    takes fewer victims with the same ones first wins; then the names. Hosts are tried in the order of their own
+    victims (the best ``req.hosts`` + 8 of each group), every set of them up to ``MAX_EVICTION_SETS``."""
+    def order(victims: Iterable[Holder]) -> tuple[tuple[int, bool, float, int], ...]:
+        return tuple(sorted((g3_order(v) for v in {v.id: v for v in victims}.values()), reverse=True))
+    k = req.hosts
+    best: tuple[tuple[int, tuple[tuple[int, bool, float, int], ...], tuple[str, ...]], tuple[str, ...]] | None = None
+    for g in groups:
+        subgroups: list[tuple[int, list[str]]] = [(1, [h.host for h in g])]
+        if req.prefer:
+            by: dict[str, list[str]] = {}
+            for h in g:
+                value = h.labels.get(req.prefer)
+                if value is not None:
+                    by.setdefault(value, []).append(h.host)
+            subgroups += [(0, names) for _, names in sorted(by.items())]
+        for rank, names in subgroups:
+            if len(names) < k:
+                continue
+            tried = sorted(names, key=lambda x: (order(choices[x]), x))[:k + 8]
+            for combo in itertools.islice(itertools.combinations(sorted(tried), k), MAX_EVICTION_SETS):
+                key = (rank, order(v for x in combo for v in choices[x]), combo)
+                if best is None or key < best[0]:
+                    best = (key, combo)
+    return best[1] if best is not None else None
 
 
 def _groups(req: FleetRequest, hosts: Sequence[FleetHost]) -> list[list[FleetHost]]:

@@ -65,6 +65,7 @@ from coordinator.replica.fleet_view import (
     reservation_start,
     uuids_of,
 )
+from coordinator.replica.idle import IdleNow
 from coordinator.replica.teams import team_state
 from coordinator.txn import (
     Absent,
@@ -347,7 +348,8 @@ class FleetAdmitter:
         else:
             wanted = {host: uuids_of(hosts[host], idx) for host, idx in decision.reserve}
             victims = ()
-            evict = plan_gang_eviction(g.req, *eviction_inputs(fleet, hosts, c.session.agent, set(self.ctx.evictions)),
+            evict = plan_gang_eviction(g.req, *eviction_inputs(fleet, hosts, c.session.agent, set(self.ctx.evictions),
+                                                                        IdleNow(self.ctx)),
                                        c.priority, c.session.agent)
             if evict is not None:
                 wanted = {host: uuids_of(hosts[host], idx) for host, idx in evict.reserve}

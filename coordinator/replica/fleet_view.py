@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from coordinator import clock
 from coordinator.etcd.types import KV
@@ -125,8 +125,8 @@ def records_of(fleet: Fleet, lease_id: str) -> tuple[VramLease, ...]:
     return tuple(sorted(found, key=lambda x: (order.get(x.host, 0), x.gpu_index)))
 
 
-def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evicting: set[str]
-                    ) -> tuple[list[FleetHost], dict[str, list[Holder]]]:
+def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evicting: set[str],
+                    idle: Collection[str] = ()) -> tuple[list[FleetHost], dict[str, list[Holder]]]:
     """The hosts and their leases as G3 over host sets sees them (``policy/fleet.plan_gang_eviction``): the leases
     already under a notice count as gone (as ``admission.plan_eviction`` counts them)."""
     out, holders = [], {}
@@ -136,7 +136,7 @@ def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evict
             out.append(h)
             continue
         out.append(dataclasses.replace(h, slots=slots_from_views(view.gpus.values(), agent, view.inventory, evicting)))
-        holders[name] = list(holders_from_views(view.gpus.values(), evicting))
+        holders[name] = list(holders_from_views(view.gpus.values(), evicting, idle))
     return out, holders
 
 

@@ -25,9 +25,6 @@ def _holder(lease_id: str, priority: int = 1, created_at: float = 1.0, token: in
 REQ = FleetRequest(hosts=2, gpu_count=1, vram_mb=0, exclusive=True)
 
 
-@pytest.mark.xfail(strict=True, reason="plan_gang_eviction ranks host sets by (highest victim priority, victim "
-                   "count) then host NAME: G3's 'then newest first' (and idle first) is dropped across hosts, so an "
-                   "older lease is evicted while a newer one of the same priority is spared")
 def test_victims_over_host_sets_are_taken_newest_first() -> None:
     hosts = [_one_gpu_host(n) for n in ("a", "b", "c")]
     holders = {"a": [_holder("old", created_at=1.0, token=1)],
@@ -39,8 +36,6 @@ def test_victims_over_host_sets_are_taken_newest_first() -> None:
     assert sorted(v.id for _, v in got.victims) == ["mid", "new"]
 
 
-@pytest.mark.xfail(strict=True, reason="plan_gang_eviction ranks host sets by (highest victim priority, victim "
-                   "count) then host NAME: G3's idle-before-busy order is dropped across hosts")
 def test_victims_over_host_sets_take_idle_leases_first() -> None:
     hosts = [_one_gpu_host(n) for n in ("a", "b", "c")]
     holders = {"a": [_holder("busy")], "b": [_holder("idle1", idle=True)], "c": [_holder("idle2", idle=True)]}
@@ -49,10 +44,6 @@ def test_victims_over_host_sets_take_idle_leases_first() -> None:
     assert sorted(v.id for _, v in got.victims) == ["idle1", "idle2"]
 
 
-@pytest.mark.xfail(strict=True, reason="plan_gang_eviction counts a multi-host victim once per host it holds "
-                   "(cost = per-host victim count summed over the set), so evicting one 2-host lease costs 2 and "
-                   "ties with two separate leases; the name tie-break then evicts two leases where one suffices "
-                   "(G3: minimal; a gang is one victim)")
 def test_one_multi_host_victim_is_counted_once() -> None:
     hosts = [_one_gpu_host(n) for n in ("c", "d", "x", "y")]
     holders = {"c": [_holder("c1")], "d": [_holder("d1")],
@@ -78,3 +69,18 @@ def test_a_placed_gpu_index_maps_to_exactly_one_uuid() -> None:
     assert isinstance(got, FleetGrant)
     for _host, idx in got.parts:
         assert uuids_of(hosts[0], idx) == ("GPU-free",)
+
+
+def test_a_stored_inventory_with_one_gpu_index_twice_is_refused_so_its_host_fails_closed() -> None:
+    """The fix of the defect above where it starts: such a ``hosts/<host>`` value does not parse, so the host is
+    INVALID (no admission there, a gang's included) until it is rewritten."""
+    from coordinator.host_records import GpuInfo, HostInventory
+    from coordinator.record_fields import InvalidRecord
+    good = HostInventory("h", "", 1, (0,), 1 << 30, "/", 1 << 30, (GpuInfo(0, "GPU-a", "sim", 16384),)).to_json()
+    gpu = good["gpus"][0]   # type: ignore[index]
+    doc = {**good, "gpus": [gpu, {**gpu, "uuid": "GPU-b"}]}
+    with pytest.raises(InvalidRecord, match="gpus"):
+        HostInventory.from_json(doc)
+    with pytest.raises(InvalidRecord, match="gpus"):
+        HostInventory.from_json({**doc, "gpus": [gpu, {**gpu, "index": 1}]})
+    assert len(HostInventory.from_json({**doc, "gpus": [gpu, {**gpu, "index": 1, "uuid": "GPU-b"}]}).gpus) == 2
