@@ -19,6 +19,8 @@ from coordinator.record_fields import (
 
 
 class StoredKV(Protocol):
+    """What a record needs of a stored key: the store's ``KV`` has it (``coordinator.records`` re-exports it)."""
+
     @property
     def key(self) -> bytes: ...
     @property

@@ -6,11 +6,10 @@ satisfies it), and carries the etcd metadata that later compare-and-sets need. U
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
 
 from coordinator.host_records import GpuInfo, GpuProcess, GpuUsage, HostInventory
 from coordinator.keys import last_segment
-from coordinator.notice_records import DepartingRecord, EvictionRecord
+from coordinator.notice_records import DepartingRecord, EvictionRecord, StoredKV
 from coordinator.record_fields import (
     FORMAT,
     MAX_STORED_INT,
@@ -32,7 +31,7 @@ from coordinator.record_fields import (
     unknown_fields,
 )
 
-__all__ = ["FORMAT", "DepartingRecord", "EvictionRecord", "MAX_STORED_INT", "TOPOLOGIES", "GpuInfo", "GpuProcess", "GpuUsage", "HostInventory",
+__all__ = ["FORMAT", "DepartingRecord", "EvictionRecord", "StoredKV", "MAX_STORED_INT", "TOPOLOGIES", "GpuInfo", "GpuProcess", "GpuUsage", "HostInventory",
            "InvalidRecord", "NewerFormat", "check_usage", "dumps", "load_record", "loads"]
 
 # How the GPUs of a gang must be joined: ``any``; ``numa``: all on one NUMA node; ``nvlink``: every pair joined.
@@ -57,19 +56,6 @@ class Gang:
 
 # A multi-host gang's parts, in rank order: (host, the uuids of its GPUs there, in index order).
 Parts = tuple[tuple[str, tuple[str, ...]], ...]
-
-
-class StoredKV(Protocol):
-    """What a record needs of a stored key: the store's ``KV`` has it."""
-
-    @property
-    def key(self) -> bytes: ...
-    @property
-    def value(self) -> bytes: ...
-    @property
-    def mod_revision(self) -> int: ...
-    @property
-    def etcd_lease(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)

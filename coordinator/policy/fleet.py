@@ -228,10 +228,10 @@ def _one_group(req: FleetRequest, hosts: Sequence[FleetHost], names: Sequence[st
 
 
 def _best(req: FleetRequest, groups: Sequence[Sequence[FleetHost]],
-          key: Callable[[str], tuple[int, int]], worst: bool = False) -> tuple[str, ...] | None:
+          key: Callable[[str], tuple[int, int]]) -> tuple[str, ...] | None:
     """The best ``req.hosts`` hosts of one group: with ``prefer``, of one value of that label when one has enough;
-    then the smallest sums of ``key`` (a host's (class, amount)) over the set (``worst``: the largest class of the
-    set, not the sum), then the names. Sorted by name (the ranks); None when no group has enough."""
+    then the smallest sums of ``key`` (a host's (class, amount)) over the set, then the names. Sorted by name (the
+    ranks); None when no group has enough."""
     k = req.hosts
     options: list[tuple[tuple[int, int, int, tuple[str, ...]], tuple[str, ...]]] = []
     for g in groups:
@@ -248,8 +248,7 @@ def _best(req: FleetRequest, groups: Sequence[Sequence[FleetHost]],
         for rank, hs in subgroups:
             picked = tuple(sorted(sorted((h.host for h in hs), key=lambda x: (key(x), x))[:k]))
             keys = [key(x) for x in picked]
-            first = max(a for a, _ in keys) if worst else sum(a for a, _ in keys)
-            options.append(((rank, first, sum(b for _, b in keys), picked), picked))
+            options.append(((rank, sum(a for a, _ in keys), sum(b for _, b in keys), picked), picked))
     if not options:
         return None
     return min(options)[1]
