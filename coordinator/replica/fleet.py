@@ -53,17 +53,19 @@ from coordinator.replica.context import ReplicaContext
 from coordinator.replica.fleet_view import (
     Fleet,
     beyond_one_transaction,
-    entry_of,
+    entry_ops,
     eviction_inputs,
     fleet_hosts,
     gang_entry,
     gang_notices,
+    gang_queue_full,
     is_gang_key,
     read_fleet,
     records_of,
-    requested_by,
     reservation_start,
+    unneeded_victims,
     uuids_of,
+    withdrawals,
 )
 from coordinator.replica.idle import IdleNow
 from coordinator.replica.teams import team_state
@@ -211,30 +213,9 @@ class FleetAdmitter:
         return await self._wait(g, fleet, decision, hosts)
 
     # -- writes ------------------------------------------------------------------------------------------
-    def _entry_ops(self, g: GangCall, fleet: Fleet, keep: dict[str, tuple[str, ...]] | None = None,
-                   own_only: bool = False) -> tuple[list[Compare], list[Op]]:
-        """Removing the gang's entries (its gangqueue entry, and its reservations except those ``keep`` lists
-        unchanged), each compared on its mod_revision. ``own_only``: only while this replica serves them (a
-        cancelled try leaves the entries of its retry through another replica alone)."""
-        compares: list[Compare] = []
-        ops: list[Op] = []
-        gang = fleet.gangs.get(g.call.lease_id)
-        if own_only and gang is not None and gang[1].replica != self.ctx.replica_id:
-            return compares, ops
-        if gang is not None and keep is None:
-            compares.append(ModRevisionIs(gang[0].key, gang[0].mod_revision))
-            ops.append(Delete(gang[0].key))
-        for host, view in fleet.views.items():
-            for kv in view.queue:
-                e = entry_of(kv)
-                if e is not None and e.lease_id == g.call.lease_id and (keep is None or keep.get(host) != e.reserve):
-                    compares.append(ModRevisionIs(kv.key, kv.mod_revision))
-                    ops.append(Delete(kv.key))
-        return compares, ops
-
     async def _leave(self, g: GangCall, fleet: Fleet, err: errors.GpucoordError | None,
                      granted: tuple[VramLease, ...] = ()) -> bool:
-        compares, ops = self._entry_ops(g, fleet, own_only=g.call.future.done() and not granted)
+        compares, ops = entry_ops(fleet, g.call.lease_id, self.ctx.replica_id, own_only=g.call.future.done() and not granted)
         if ops:
             res = await self._commit(compares, ops)
             if not res.succeeded:
@@ -263,13 +244,12 @@ class FleetAdmitter:
                     return await self._leave(g, fleet, errors.CapacityError(over, "team"))
                 return True    # waits for its team (decided again at the next wake)
         mark = over_quota_mark(state, first, c.session.agent, charge)
-        compares, ops = self._entry_ops(g, fleet)
+        compares, ops = entry_ops(fleet, g.call.lease_id, self.ctx.replica_id)
         gang = fleet.gangs.get(c.lease_id)
-        for victim in (gang[1].victims if gang is not None else ()):   # granted on room it found: its notices go
-            notice = self.ctx.mirror.get(keys.eviction(victim))
-            if victim in fleet.leases and notice is not None and requested_by(notice) == f"{c.session.agent}/{c.request_id}":
-                compares.append(ModRevisionIs(notice.key, notice.mod_revision))
-                ops.append(Delete(notice.key))
+        wc, wo = withdrawals(keys, self.ctx.mirror.get, fleet, gang[1].victims if gang is not None else (),
+                             f"{c.session.agent}/{c.request_id}")   # granted on room it found: its notices go
+        compares += wc
+        ops += wo
         new: list[VramLease] = []
         for host, uuids in parts:
             view = fleet.views[host]
@@ -343,8 +323,12 @@ class FleetAdmitter:
         pending = tuple(v for v in (gang[1].victims if gang is not None else ()) if v in live)
         compares: list[Compare] = []
         ops: list[Op] = []
-        if pending and have:
-            wanted, victims = dict(have), pending   # its victims are still going: it keeps their hosts
+        if pending and have:   # its victims are still going: it keeps their hosts, and those it still needs
+            wanted = dict(have)
+            drop = unneeded_victims(fleet, {h: hosts[h] for h in have if h in hosts}, g.req, c.session.agent,
+                                    pending, self.ctx.evictions)
+            victims = tuple(v for v in pending if v not in drop)
+            compares, ops = withdrawals(keys, self.ctx.mirror.get, fleet, drop, f"{c.session.agent}/{c.request_id}")
         else:
             wanted = {host: uuids_of(hosts[host], idx) for host, idx in decision.reserve}
             victims = ()
@@ -357,16 +341,22 @@ class FleetAdmitter:
                 notice_compares, notice_ops = gang_notices(keys, fleet, c, g.req, evict, self.ctx.config.eviction_grace_s)
                 compares += notice_compares
                 ops += notice_ops
+        if gang is None:
+            cfg = self.ctx.config
+            full = gang_queue_full(fleet, c.session.agent, c.lease_id, wanted, cfg.max_queue_per_agent,
+                                   cfg.max_queue_per_host)
+            if full:
+                return await self._leave(g, fleet, errors.CapacityError(full, "queue"))
         start = reservation_start(fleet, wanted, self.ctx.evictions, self.ctx.config.eviction_kill_margin_s)
         entry = dataclasses.replace(gang_entry(g.call, g.req, g.rank, self.ctx.replica_id), victims=victims, start_after=start)
         starts = {e.start_after for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
         moved = any((x > 0) != (start > 0) or abs(x - start) > START_SLACK_S for x in starts)
         changed = gang is None or gang[1].victims != victims or gang[1].replica != self.ctx.replica_id or moved
-        drop_compares, drop_ops = self._entry_ops(g, fleet, keep=None if changed else wanted)
+        drop_compares, drop_ops = entry_ops(fleet, g.call.lease_id, self.ctx.replica_id, keep=None if changed else wanted)
         compares += [x for x in drop_compares if not is_gang_key(keys, x)]
         ops += [x for x in drop_ops if not is_gang_key(keys, x)]
-        if gang is None:
-            compares.append(Absent(keys.gang_queue_entry(g.rank)))
+        if gang is None:   # (the count of its agent's gangs holds at commit)
+            compares += [Absent(keys.gang_queue_entry(g.rank)), NothingWrittenSince(keys.gang_queue(), fleet.revision)]
             ops.append(Put(keys.gang_queue_entry(g.rank), dumps(entry.to_json()), c.session.etcd_lease))
         elif changed:
             compares.append(ModRevisionIs(gang[0].key, gang[0].mod_revision))

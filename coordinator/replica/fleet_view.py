@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from coordinator import clock
 from coordinator.etcd.types import KV
@@ -13,7 +13,7 @@ from coordinator.policy.backfill import earliest_start
 from coordinator.policy.fleet import FleetEvict, FleetHost, FleetRequest
 from coordinator.policy.gang import could_use, holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
-from coordinator.policy.placement import GangRequest, Refused
+from coordinator.policy.placement import Chosen, GangRequest, Refused, place
 from coordinator.policy.victims import Holder
 from coordinator.records import (
     EvictionRecord,
@@ -28,7 +28,7 @@ from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
 from coordinator.replica.waits import lease_ends
-from coordinator.txn import Absent, Compare, ModRevisionIs, Op, Put, Range
+from coordinator.txn import Absent, Compare, Delete, ModRevisionIs, Op, Put, Range
 
 
 @dataclasses.dataclass
@@ -116,6 +116,28 @@ def entry_of(kv: StoredKV) -> QueueEntry | None:
         return None
 
 
+def entry_ops(fleet: Fleet, lease_id: str, replica_id: str, keep: Mapping[str, tuple[str, ...]] | None = None,
+              own_only: bool = False) -> tuple[list[Compare], list[Op]]:
+    """Removing a gang's entries (its gangqueue entry, and its reservations except those ``keep`` lists
+    unchanged), each compared on its mod_revision. ``own_only``: only while replica ``replica_id`` serves them
+    (a cancelled try leaves the entries of its retry through another replica alone)."""
+    compares: list[Compare] = []
+    ops: list[Op] = []
+    gang = fleet.gangs.get(lease_id)
+    if own_only and gang is not None and gang[1].replica != replica_id:
+        return compares, ops
+    if gang is not None and keep is None:
+        compares.append(ModRevisionIs(gang[0].key, gang[0].mod_revision))
+        ops.append(Delete(gang[0].key))
+    for host, view in fleet.views.items():
+        for kv in view.queue:
+            e = entry_of(kv)
+            if e is not None and e.lease_id == lease_id and (keep is None or keep.get(host) != e.reserve):
+                compares.append(ModRevisionIs(kv.key, kv.mod_revision))
+                ops.append(Delete(kv.key))
+    return compares, ops
+
+
 def records_of(fleet: Fleet, lease_id: str) -> tuple[VramLease, ...]:
     """Every record of a granted lease in the snapshot, in rank order then GPU index order."""
     found = fleet.leases.get(lease_id, [])
@@ -165,6 +187,58 @@ def gang_entry(c: AcquireCall, req: FleetRequest, rank: str, replica_id: str) ->
                       gpu_count=c.gpu_count, exclusive=c.exclusive, topology=c.topology,
                       time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
                       hosts=req.hosts, same=req.same, prefer=req.prefer)
+
+
+def gang_queue_full(fleet: Fleet, agent: str, lease_id: str, hosts: Iterable[str], per_agent: int,
+                    per_host: int) -> str:
+    """Why a new multi-host gang may not wait (G9, every queue is bounded): its agent already has ``per_agent``
+    gangs waiting, or a host it would reserve has ``per_host`` waiting entries or ``per_agent`` of its agent's;
+    "" when it may. Nothing is displaced: a gang that finds a queue full is refused naming ``queue``."""
+    mine = sum(1 for lid, (_, e) in fleet.gangs.items() if e.agent == agent and lid != lease_id)
+    if mine >= per_agent:
+        return f"queue: agent {agent!r} already has {mine} multi-host gangs waiting (limit {per_agent} per agent)"
+    for host in sorted(hosts):
+        entries = [e for e in fleet.views[host].entries if e.lease_id != lease_id]
+        theirs = sum(1 for e in entries if e.agent == agent)
+        if len(entries) >= per_host:
+            return f"queue: host {host!r} already has {len(entries)} waiting requests (limit {per_host})"
+        if theirs >= per_agent:
+            return (f"queue: agent {agent!r} already has {theirs} waiting requests on host {host!r} "
+                    f"(limit {per_agent} per agent)")
+    return ""
+
+
+def unneeded_victims(fleet: Fleet, hosts: Mapping[str, FleetHost], req: FleetRequest, agent: str,
+                     pending: Sequence[str], evicting: Collection[str]) -> set[str]:
+    """The victims of a waiting gang it no longer needs (G3: a notice serves its requester only while it needs
+    the victim): each whose every host's part of the gang fits with that victim kept (the gang's other victims,
+    and every lease under a notice, counted gone), free of what requests ranked before it wait for."""
+    out = set()
+    for v in pending:
+        needed = False
+        for name, h in hosts.items():
+            view = fleet.views[name]
+            if view.inventory is None or not any(x.id == v for gpu in view.gpus.values() for x in gpu.leases):
+                continue
+            slots = slots_from_views(view.gpus.values(), agent, view.inventory, set(evicting) - {v})
+            needed = needed or h.never != "" or not isinstance(place(slots, req.on(h), h.blocked), Chosen)
+        if not needed:
+            out.add(v)
+    return out
+
+
+def withdrawals(keys: Keys, notice: Callable[[bytes], KV | None], fleet: Fleet, victims: Iterable[str], me: str
+                ) -> tuple[list[Compare], list[Op]]:
+    """Withdrawing the notices ``me`` (agent/request id) made to ``victims`` whose lease still lives, each compared
+    on its mod_revision (``notice``: a key's record in the replica's mirror of etcd)."""
+    compares: list[Compare] = []
+    ops: list[Op] = []
+    for victim in victims:
+        kv = notice(keys.eviction(victim))
+        if victim in fleet.leases and kv is not None and requested_by(kv) == me:
+            compares.append(ModRevisionIs(kv.key, kv.mod_revision))
+            ops.append(Delete(kv.key))
+    return compares, ops
 
 
 def uuids_of(host: FleetHost, indexes: tuple[int, ...]) -> tuple[str, ...]:

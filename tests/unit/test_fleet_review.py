@@ -1,5 +1,5 @@
 """Review of multi-host gangs as pure policy (``coordinator/policy/fleet.py``, G3 over host sets): defects found in
-review, each a strict xfail until fixed."""
+review, each kept as a test that fails without its fix."""
 from __future__ import annotations
 
 import pytest
@@ -54,26 +54,11 @@ def test_one_multi_host_victim_is_counted_once() -> None:
     assert [h for h, _ in got.reserve] == ["x", "y"]
 
 
-@pytest.mark.xfail(strict=True, reason="replica/fleet.py maps a plan's GPU indexes back to uuids by 'index in "
-                   "indexes' over the host's slots (_grant's parts, uuids_of): a stored inventory with two GPUs of one "
-                   "index (the registry refuses one, but HostInventory.from_json / the host view accept it from "
-                   "etcd: a malformed stored value that does not fail closed) turns one placed GPU into two records, the "
-                   "second never placed (G1: its free VRAM was never checked; G10: gpu_count exceeded)")
-def test_a_placed_gpu_index_maps_to_exactly_one_uuid() -> None:
-    from coordinator.policy.fleet import FleetGrant, plan_gang
-    from coordinator.replica.fleet import uuids_of
-    free = GpuSlot(index=0, uuid="GPU-free", usable_mb=16 * GIB, free_mb=16 * GIB, leased=False)
-    full = GpuSlot(index=0, uuid="GPU-full", usable_mb=16 * GIB, free_mb=0, leased=True)
-    hosts = [FleetHost(n, {}, (free, full), {"GPU-free": 16 * GIB, "GPU-full": 16 * GIB}) for n in ("a", "b")]
-    got = plan_gang(FleetRequest(hosts=2, gpu_count=1, vram_mb=GIB), hosts)
-    assert isinstance(got, FleetGrant)
-    for _host, idx in got.parts:
-        assert uuids_of(hosts[0], idx) == ("GPU-free",)
-
-
 def test_a_stored_inventory_with_one_gpu_index_twice_is_refused_so_its_host_fails_closed() -> None:
-    """The fix of the defect above where it starts: such a ``hosts/<host>`` value does not parse, so the host is
-    INVALID (no admission there, a gang's included) until it is rewritten."""
+    """A plan names GPUs by index and ``replica/fleet.py`` maps them back to uuids over the host's slots: a stored
+    inventory with two GPUs of one index would turn one placed GPU into two records, the second never placed (G1,
+    G10). Fixed where it starts: such a ``hosts/<host>`` value does not parse, so the host is INVALID (no
+    admission there, a gang's included) until it is rewritten."""
     from coordinator.host_records import GpuInfo, HostInventory
     from coordinator.record_fields import InvalidRecord
     good = HostInventory("h", "", 1, (0,), 1 << 30, "/", 1 << 30, (GpuInfo(0, "GPU-a", "sim", 16384),)).to_json()
