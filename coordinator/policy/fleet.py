@@ -101,7 +101,7 @@ def plan_gang(req: FleetRequest, hosts: Sequence[FleetHost], reserved: Iterable[
             why_not.append(f"{h.host}: {usable.reason}")
         elif usable:
             ever[h.host] = usable
-    groups = _groups(req, [h for h in hosts if h.host in ever])
+    groups = host_groups(req, [h for h in hosts if h.host in ever])
     if not any(len(g) >= req.hosts for g in groups):
         return _impossible(req, len(ever), why_not)
     now: dict[str, tuple[int, ...]] = {}
@@ -158,7 +158,7 @@ def plan_gang_eviction(req: FleetRequest, hosts: Sequence[FleetHost], holders: M
     if not any(choices[x] for x in choices):
         return None
 
-    chosen = _least_victims(req, _groups(req, [h for h in hosts if h.host in choices]), choices)
+    chosen = _least_victims(req, host_groups(req, [h for h in hosts if h.host in choices]), choices)
     if chosen is None:
         return None
     seen: set[str] = set()
@@ -208,7 +208,7 @@ def _least_victims(req: FleetRequest, groups: Sequence[Sequence[FleetHost]],
     return best[1] if best is not None else None
 
 
-def _groups(req: FleetRequest, hosts: Sequence[FleetHost]) -> list[list[FleetHost]]:
+def host_groups(req: FleetRequest, hosts: Sequence[FleetHost]) -> list[list[FleetHost]]:
     if not req.same:
         return [list(hosts)]
     by: dict[str, list[FleetHost]] = {}

@@ -35,7 +35,6 @@ from coordinator.policy.fleet import (
     FleetRequest,
     FleetWait,
     plan_gang,
-    plan_gang_eviction,
 )
 from coordinator.policy.host import host_guards
 from coordinator.policy.placement import Refused
@@ -50,24 +49,22 @@ from coordinator.policy.team_admission import (
 from coordinator.records import VramLease, dumps
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.fleet_victims import invalid_reclaims, new_victims
 from coordinator.replica.fleet_view import (
     Fleet,
     beyond_one_transaction,
     entry_ops,
-    eviction_inputs,
     fleet_hosts,
     gang_entry,
-    gang_notices,
     gang_queue_full,
     is_gang_key,
+    least_gang_charge,
     read_fleet,
     records_of,
     reservation_start,
     unneeded_victims,
-    uuids_of,
     withdrawals,
 )
-from coordinator.replica.idle import IdleNow
 from coordinator.replica.teams import team_state
 from coordinator.txn import (
     Absent,
@@ -210,7 +207,7 @@ class FleetAdmitter:
             return await self._grant(g, fleet, decision, hosts, teams, no_teams_since)
         if time.monotonic() >= c.deadline:
             return await self._leave(g, fleet, wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive))
-        return await self._wait(g, fleet, decision, hosts)
+        return await self._wait(g, fleet, decision, hosts, teams)
 
     # -- writes ------------------------------------------------------------------------------------------
     async def _leave(self, g: GangCall, fleet: Fleet, err: errors.GpucoordError | None,
@@ -307,7 +304,8 @@ class FleetAdmitter:
         self._background.add(task := spawn(give_back(), f"giving back the orphaned lease {granted[0].id}"))
         task.add_done_callback(self._background.discard)
 
-    async def _wait(self, g: GangCall, fleet: Fleet, decision: FleetWait, hosts: dict[str, FleetHost]) -> bool:
+    async def _wait(self, g: GangCall, fleet: Fleet, decision: FleetWait, hosts: dict[str, FleetHost],
+                    teams: TeamState | None) -> bool:
         c, keys = g.call, self.keys
         if c.wait_s <= 0:
             return await self._leave(g, fleet, wait_over(c.vram_mb, 0.0, c.gpu_count, c.exclusive))
@@ -327,20 +325,12 @@ class FleetAdmitter:
             wanted = dict(have)
             drop = unneeded_victims(fleet, {h: hosts[h] for h in have if h in hosts}, g.req, c.session.agent,
                                     pending, self.ctx.evictions)
+            drop |= invalid_reclaims(fleet, teams, c.session.agent, least_gang_charge(fleet, g.req, have), pending,
+                                     self.ctx.evictions)
             victims = tuple(v for v in pending if v not in drop)
             compares, ops = withdrawals(keys, self.ctx.mirror.get, fleet, drop, f"{c.session.agent}/{c.request_id}")
         else:
-            wanted = {host: uuids_of(hosts[host], idx) for host, idx in decision.reserve}
-            victims = ()
-            evict = plan_gang_eviction(g.req, *eviction_inputs(fleet, hosts, c.session.agent, set(self.ctx.evictions),
-                                                                        IdleNow(self.ctx)),
-                                       c.priority, c.session.agent)
-            if evict is not None:
-                wanted = {host: uuids_of(hosts[host], idx) for host, idx in evict.reserve}
-                victims = tuple(v.id for _, v in evict.victims)
-                notice_compares, notice_ops = gang_notices(keys, fleet, c, g.req, evict, self.ctx.config.eviction_grace_s)
-                compares += notice_compares
-                ops += notice_ops
+            wanted, victims, compares, ops = new_victims(self.ctx, fleet, hosts, c, g.req, decision, teams)
         if gang is None:
             cfg = self.ctx.config
             full = gang_queue_full(fleet, c.session.agent, c.lease_id, wanted, cfg.max_queue_per_agent,

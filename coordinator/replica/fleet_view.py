@@ -10,7 +10,7 @@ from coordinator import clock
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.policy.backfill import earliest_start
-from coordinator.policy.fleet import FleetEvict, FleetHost, FleetRequest
+from coordinator.policy.fleet import FleetHost, FleetRequest
 from coordinator.policy.gang import could_use, holders_from_views, slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.placement import Chosen, GangRequest, Refused, place
@@ -148,9 +148,13 @@ def records_of(fleet: Fleet, lease_id: str) -> tuple[VramLease, ...]:
 
 
 def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evicting: set[str],
-                    idle: Collection[str] = ()) -> tuple[list[FleetHost], dict[str, list[Holder]]]:
+                    idle: Collection[str] = (), team_of: Callable[[str], str] | None = None
+                    ) -> tuple[list[FleetHost], dict[str, list[Holder]]]:
     """The hosts and their leases as G3 over host sets sees them (``policy/fleet.plan_gang_eviction``): the leases
-    already under a notice count as gone (as ``admission.plan_eviction`` counts them)."""
+    already under a notice count as gone (as ``admission.plan_eviction`` counts them). With teams (``team_of``),
+    another team's lease is never a victim by priority (G11: G3 stays within a team; ``reclaim.own_team_only``)."""
+    def own(h: Holder) -> Holder:
+        return h if team_of is None or team_of(h.agent) == team_of(agent) else dataclasses.replace(h, preemptible=False)
     out, holders = [], {}
     for name, h in hosts.items():
         view = fleet.views[name]
@@ -158,7 +162,7 @@ def eviction_inputs(fleet: Fleet, hosts: dict[str, FleetHost], agent: str, evict
             out.append(h)
             continue
         out.append(dataclasses.replace(h, slots=slots_from_views(view.gpus.values(), agent, view.inventory, evicting)))
-        holders[name] = list(holders_from_views(view.gpus.values(), evicting, idle))
+        holders[name] = [own(x) for x in holders_from_views(view.gpus.values(), evicting, idle)]
     return out, holders
 
 
@@ -241,6 +245,15 @@ def withdrawals(keys: Keys, notice: Callable[[bytes], KV | None], fleet: Fleet, 
     return compares, ops
 
 
+def least_gang_charge(fleet: Fleet, req: FleetRequest, reserved: Mapping[str, tuple[str, ...]]) -> int:
+    """The least a waiting gang's grant on the hosts it reserves could be charged (G11): VRAM x GPUs x hosts, or,
+    exclusive, the usable VRAM of the ``gpu_count`` smallest GPUs it reserves on each host."""
+    if not req.exclusive:
+        return req.vram_mb * req.gpu_count * req.hosts
+    return sum(sum(sorted(fleet.views[h].gpus[u].usable_mb for u in uuids if u in fleet.views[h].gpus)[:req.gpu_count])
+               for h, uuids in reserved.items())
+
+
 def uuids_of(host: FleetHost, indexes: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(s.uuid for s in host.slots if s.index in indexes)
 
@@ -270,22 +283,25 @@ def beyond_one_transaction(req: FleetRequest, hosts: Iterable[FleetHost]) -> str
             f"etcd transaction, above its limits ({TXN_OPS_BUDGET}, {TXN_COMPARES_BUDGET}): ask fewer hosts or GPUs")
 
 
-def gang_notices(keys: Keys, fleet: Fleet, c: AcquireCall, req: FleetRequest, evict: FleetEvict, grace_s: float
-                 ) -> tuple[list[Compare], list[Op]]:
-    """The eviction notices of a gang's victims (G3), each compared on its records on its host."""
+def gang_notices(keys: Keys, fleet: Fleet, c: AcquireCall, req: FleetRequest, victims: Sequence[tuple[str, str]],
+                 grace_s: float, reclaim: str = "") -> tuple[list[Compare], list[Op]]:
+    """The eviction notices of a gang's victims (``victims``: (host, lease id)), each compared on its records on its
+    host: by priority (G3), or reclaimed by team ``reclaim`` (G11)."""
     wall = clock.wall()
     what = f"{req.hosts} hosts x {c.gpu_count} {'whole GPUs' if c.exclusive else f'GPUs with {c.vram_mb} MiB each'}"
+    reason = (f"team {reclaim!r} reclaims its quota for a request for {what}: this lease is over its team's quota"
+              if reclaim else f"priority {c.priority} request for {what} needs the room")
     compares: list[Compare] = []
     ops: list[Op] = []
-    for host, v in evict.victims:
-        parts = [x for gpu in fleet.views[host].gpus.values() for x in gpu.leases if x.id == v.id]
+    for host, lease_id in victims:
+        parts = [x for gpu in fleet.views[host].gpus.values() for x in gpu.leases if x.id == lease_id]
         first = parts[0]
         record = EvictionRecord(
-            lease_id=v.id, host=host, gpu_uuid=first.gpu_uuid, agent=first.agent, session_id=first.session_id,
+            lease_id=lease_id, host=host, gpu_uuid=first.gpu_uuid, agent=first.agent, session_id=first.session_id,
             victim_priority=first.priority, requested_by=f"{c.session.agent}/{c.request_id}",
-            requester_priority=c.priority, reason=f"priority {c.priority} request for {what} needs the room",
-            deadline_unix=wall + grace_s, created_at=wall)
+            requester_priority=c.priority, reason=reason, deadline_unix=wall + grace_s, created_at=wall,
+            reclaim=reclaim)
         compares += [ModRevisionIs(keys.lease(host, x.gpu_uuid, x.id), x.mod_revision) for x in parts]
-        compares.append(Absent(keys.eviction(v.id)))
-        ops.append(Put(keys.eviction(v.id), dumps(record.to_json()), first.etcd_lease))
+        compares.append(Absent(keys.eviction(lease_id)))
+        ops.append(Put(keys.eviction(lease_id), dumps(record.to_json()), first.etcd_lease))
     return compares, ops
