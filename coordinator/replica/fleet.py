@@ -59,12 +59,14 @@ from coordinator.replica.fleet_view import (
     gang_queue_full,
     is_gang_key,
     least_gang_charge,
+    mirror_fleet,
     read_fleet,
     records_of,
     reservation_start,
     unneeded_victims,
     withdrawals,
 )
+from coordinator.replica.round import MIRROR_WAIT_S
 from coordinator.replica.teams import team_state
 from coordinator.txn import (
     Absent,
@@ -96,6 +98,7 @@ class FleetAdmitter:
         self.ctx, self.keys = ctx, ctx.keys
         self._calls: dict[str, GangCall] = {}
         self._writes = 0   # transactions sent: a round reads the fleet again after one
+        self._last_commit = 0   # the revision of our last transaction (the mirror must have it to be used)
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
         self._background: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -151,37 +154,55 @@ class FleetAdmitter:
                         g.call.future.set_exception(e)
                 await asyncio.sleep(0.05)
                 self._wake.set()
-            self._calls = {k: g for k, g in self._calls.items() if not g.call.future.done() or self._entries_left(g)}
-
-    def _entries_left(self, g: GangCall) -> bool:
-        """An answered call whose entries may still be in etcd stays until a round removes them."""
-        return g.call.rank is not None
+            # An answered call whose entries may still be in etcd (a rank) stays until a round removes them.
+            self._calls = {k: g for k, g in self._calls.items() if not g.call.future.done() or g.call.rank is not None}
 
     async def _round(self) -> None:
         """Every call in rank order, from one snapshot of the fleet read again only after a write (or a lost
-        compare): a round of waiting gangs that nothing changed for costs one read."""
+        compare): a round of waiting gangs that nothing changed for costs one read. A new call is decided from
+        the replica's mirror first (no read); only a grant is committed from it (``mirror_fleet``)."""
         fleet: Fleet | None = None
+        etcd = False
         for g in sorted(self._calls.values(), key=lambda x: x.rank):
-            for _ in range(self.ctx.config.commit_attempts):
+            attempts = 0
+            while attempts < self.ctx.config.commit_attempts:
+                if fleet is not None and fleet.from_mirror and (etcd or g.call.rank is not None):
+                    fleet = None
                 if fleet is None:
-                    fleet = await read_fleet(self.ctx, [x.call.session for x in self._calls.values()])
+                    fleet = await self._read(not etcd and g.call.rank is None)
                 writes = self._writes
                 done = await self._decide(g, fleet)
+                if done is None:          # not a grant, decided from the mirror: again from etcd
+                    fleet, etcd = None, True
+                    continue
                 if not done or self._writes != writes:
                     fleet = None
                 if done:
                     break
+                attempts, etcd = attempts + 1, True
                 metrics.CONFLICTS.inc()
                 await asyncio.sleep(0.005)
+
+    async def _read(self, mirror_ok: bool) -> Fleet:
+        sessions = [x.call.session for x in self._calls.values()]
+        mirror = self.ctx.mirror
+        if mirror_ok and mirror.ready:
+            if mirror.revision < self._last_commit:    # our own last write is about a millisecond away
+                await mirror.caught_up(self._last_commit, MIRROR_WAIT_S)
+            if mirror.revision >= self._last_commit:
+                return mirror_fleet(self.ctx, sessions)
+        return await read_fleet(self.ctx, sessions)
 
     async def _commit(self, compares: list[Compare], ops: list[Op]) -> Any:
         res = await self.ctx.store.commit(compares, ops)
         self._writes += 1
+        self._last_commit = max(self._last_commit, res.revision)
         return res
 
     # -- one call ----------------------------------------------------------------------------------------
-    async def _decide(self, g: GangCall, fleet: Fleet) -> bool:
-        """Decide ``g`` on ``fleet`` and commit what it needs; False when a compare failed (read again)."""
+    async def _decide(self, g: GangCall, fleet: Fleet) -> bool | None:
+        """Decide ``g`` on ``fleet`` and commit what it needs; False when a compare failed (read again); None when
+        ``fleet`` is the mirror's and the decision is not a grant (decide again from etcd)."""
         c = g.call
         gang = fleet.gangs.get(c.lease_id)
         if gang is not None:
@@ -192,6 +213,8 @@ class FleetAdmitter:
         if c.future.done():
             return await self._leave(g, fleet, None)
         if c.session.session_id not in fleet.sessions:
+            if fleet.from_mirror:
+                return None
             return await self._leave(g, fleet, errors.SessionGone(
                 f"session: no live session {c.session.session_id} of agent {c.session.agent!r} (unknown or expired)",
                 "session"))
@@ -201,10 +224,12 @@ class FleetAdmitter:
         too_big = beyond_one_transaction(g.req, hosts.values())
         decision = plan_gang(g.req, list(hosts.values()), reserved) if not too_big else \
             Refused(errors.FailedPrecondition(too_big, "hosts"))
-        if isinstance(decision, Refused):
-            return await self._leave(g, fleet, decision.error)
         if isinstance(decision, FleetGrant):
             return await self._grant(g, fleet, decision, hosts, teams, no_teams_since)
+        if fleet.from_mirror:
+            return None
+        if isinstance(decision, Refused):
+            return await self._leave(g, fleet, decision.error)
         if time.monotonic() >= c.deadline:
             return await self._leave(g, fleet, wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive))
         return await self._wait(g, fleet, decision, hosts, teams)
@@ -227,7 +252,7 @@ class FleetAdmitter:
         return True
 
     async def _grant(self, g: GangCall, fleet: Fleet, decision: FleetGrant, hosts: dict[str, FleetHost],
-                     teams: TeamState | None, no_teams_since: int) -> bool:
+                     teams: TeamState | None, no_teams_since: int) -> bool | None:
         c, keys, wall = g.call, self.keys, clock.wall()
         parts = tuple((host, tuple(s.uuid for s in hosts[host].slots if s.index in idx)) for host, idx in decision.parts)
         first = fleet.views[parts[0][0]]
@@ -237,6 +262,8 @@ class FleetAdmitter:
         if state is not None:
             over = team_limit(state, first, c.session.agent, charge)
             if over is not None:
+                if fleet.from_mirror:
+                    return None
                 if time.monotonic() >= c.deadline:
                     return await self._leave(g, fleet, errors.CapacityError(over, "team"))
                 return True    # waits for its team (decided again at the next wake)

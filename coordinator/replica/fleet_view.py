@@ -40,6 +40,41 @@ class Fleet:
     gangs: dict[str, tuple[KV, QueueEntry]]    # lease id -> its gangqueue entry
     sessions: set[str]                         # live session ids among the calls'
     leases: dict[str, list[VramLease]] = dataclasses.field(default_factory=dict)   # id -> every record (any host)
+    from_mirror: bool = False   # the replica's watch-fed copy (only a grant is decided from it)
+
+
+def mirror_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fleet:
+    """The fleet as the replica's mirror has it, at its revision: exactly the snapshot etcd would serve there
+    (``replica/mirror.py``). A grant decided from it is validated by its transaction's compares; anything else is
+    decided again from ``read_fleet`` (a stale copy never refuses, reserves or evicts)."""
+    mirror, keys = ctx.mirror, ctx.keys
+    views = {host: host_view(keys, host, mirror.host_snapshot(host), ctx.config.untracked_vram, ctx.usage_age)
+             for host in sorted(mirror.hosts())}
+    return Fleet(mirror.revision, views, _gangs(mirror.items("gangqueue")),
+                 {x.session_id for x in sessions if mirror.get(keys.session(x.agent, x.session_id)) is not None},
+                 _leases(mirror.all_host_items("leases")), from_mirror=True)
+
+
+def _gangs(kvs: Iterable[KV]) -> dict[str, tuple[KV, QueueEntry]]:
+    gangs = {}
+    for kv in kvs:
+        try:
+            entry = QueueEntry.from_kv(kv)
+        except InvalidRecord:
+            continue
+        gangs[entry.lease_id] = (kv, entry)
+    return gangs
+
+
+def _leases(kvs: Iterable[KV]) -> dict[str, list[VramLease]]:
+    leases: dict[str, list[VramLease]] = {}
+    for kv in kvs:
+        try:
+            lease = VramLease.from_kv(kv)
+        except InvalidRecord:
+            continue   # (its host is INVALID: the host's view says so)
+        leases.setdefault(lease.id, []).append(lease)
+    return leases
 
 
 async def read_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fleet:
@@ -55,26 +90,13 @@ async def read_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fl
             parts = keys.parse(kv.key)[1]
             if parts:
                 by_host.setdefault(parts[0], {}).setdefault(kind, []).append(kv)
-    leases: dict[str, list[VramLease]] = {}
-    for kv in snap.ranges[HOST_KINDS.index("leases")]:
-        try:
-            lease = VramLease.from_kv(kv)
-        except InvalidRecord:
-            continue   # (its host is INVALID: the host's view says so)
-        leases.setdefault(lease.id, []).append(lease)
+    leases = _leases(snap.ranges[HOST_KINDS.index("leases")])
     views = {}
     for host, by_kind in by_host.items():
         views[host] = host_view(keys, host, host_snapshot_of(snap.revision, host, by_kind),
                                 ctx.config.untracked_vram, ctx.usage_age)
-    gangs = {}
-    for kv in snap.ranges[len(HOST_KINDS)]:
-        try:
-            entry = QueueEntry.from_kv(kv)
-        except InvalidRecord:
-            continue
-        gangs[entry.lease_id] = (kv, entry)
     live = {x.session_id for x, r in zip(sessions, snap.ranges[len(HOST_KINDS) + 1:]) if r}
-    return Fleet(snap.revision, views, gangs, live, leases)
+    return Fleet(snap.revision, views, _gangs(snap.ranges[len(HOST_KINDS)]), live, leases)
 
 
 def fleet_hosts(fleet: Fleet, agent: str, rank: str, lease_id: str) -> dict[str, FleetHost]:

@@ -209,6 +209,13 @@ class Mirror:
         number moves. Read-only: the mirror's own copy."""
         return self._lease_stamps
 
+    def hosts(self) -> set[str]:
+        """Every host some key names (its registration, usage, partition, cordon, or a per-host kind)."""
+        out = {host for _, host in self._buckets}
+        for kind in ("hosts", "usage", "partitions", "cordons"):
+            out |= {last_segment(k) for k in self._kinds.get(kind, {})}
+        return out
+
     def all_host_items(self, kind: str) -> list[KV]:
         """Every key of one per-host kind (e.g. ``departing``), over all hosts."""
         return [kv for (k, _), bucket in self._buckets.items() if k == kind for kv in bucket.values()]

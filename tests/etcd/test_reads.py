@@ -176,3 +176,35 @@ def test_the_server_version_is_read_and_a_crashing_one_is_warned_about(own_etcd:
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "3.5.1" in warning.getMessage() and "etcd-io/etcd#14110" in warning.getMessage()
     assert own_etcd.endpoints[0] in warning.getMessage()
+
+
+def test_a_multi_host_gang_that_fits_is_granted_from_the_mirror_without_reading_the_fleet(etcd: EtcdEndpoint,
+                                                                                          prefix: str) -> None:
+    """A new multi-host gang that fits is decided from the replica's watch-fed mirror (``fleet_view.mirror_fleet``):
+    no Range of the fleet (``gangqueue/`` is read only by a fleet snapshot) on the way to its grant; one that must
+    wait is decided again from etcd (a stale copy never reserves)."""
+    calls = record_etcd_calls()
+    cluster = Cluster(etcd.endpoints, prefix, etcd_channel=calls.channel)
+    gang_queue = cluster.keys.gang_queue()
+
+    def fleet_reads() -> int:
+        return sum(1 for r in calls.of("Range") if r.key == gang_queue)
+    try:
+        for host in ("h1", "h2", "h3"):
+            cluster.start_node(host, "2x8GiB")
+        addr = cluster.start_coordinator()
+        with Client(addr, agent="agent-a", host="h1") as c:
+            c.acquire(0, exclusive=True, gpu_count=2, hosts=2).release()   # (the mirror is ready once one ran)
+            before = fleet_reads()
+            for _ in range(3):
+                c.acquire(0, exclusive=True, gpu_count=2, hosts=2).release()
+            from_mirror = fleet_reads() - before
+            held = c.acquire(0, exclusive=True, gpu_count=2, hosts=3)
+            with pytest.raises(client_errors.ResourceExhausted):
+                c.acquire(0, exclusive=True, gpu_count=1, hosts=2, wait=0.5)
+            from_etcd = fleet_reads() - before - from_mirror
+            held.release()
+    finally:
+        cluster.close()
+    assert from_mirror == 0, f"{from_mirror} fleet snapshots read for three gangs that fit"
+    assert from_etcd >= 1, "a gang that had to wait was never decided from etcd"
