@@ -3,12 +3,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
+from typing import Sequence
 
+from coordinator import errors
+from coordinator.etcd.store import Store
 from coordinator.records import SessionInfo, VramLease
+from coordinator.txn import Delete, ModRevisionIs
+
+log = logging.getLogger(__name__)
 
 # A forwarded call whose caller went away keeps its place this long: its client retries at once.
 ORPHAN_GRACE_S = 2.0
+
+
+async def give_back(store: Store, keys: Sequence[bytes], revision: int, lease_id: str) -> None:
+    """Give back a lease granted to a caller that went away (no retry claimed it within ``ORPHAN_GRACE_S``): every
+    record of it, each compared on the revision its grant wrote them at (a host's round, or a multi-host gang's)."""
+    try:
+        await store.commit([ModRevisionIs(k, revision) for k in keys], [Delete(k) for k in keys])
+    except errors.GpucoordError as e:
+        log.warning("could not give back lease %s of a caller that went away: %s", lease_id, e)
 
 
 @dataclasses.dataclass(eq=False)

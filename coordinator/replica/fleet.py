@@ -20,6 +20,7 @@ takes them with it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -36,7 +37,6 @@ from coordinator.policy.fleet import (
     FleetWait,
     plan_gang,
 )
-from coordinator.policy.host import host_guards
 from coordinator.policy.placement import Refused
 from coordinator.policy.planner import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
 from coordinator.policy.team_admission import (
@@ -47,7 +47,7 @@ from coordinator.policy.team_admission import (
     team_writes,
 )
 from coordinator.records import VramLease, dumps
-from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
+from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall, give_back
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.fleet_victims import invalid_reclaims, new_victims
 from coordinator.replica.fleet_view import (
@@ -57,6 +57,7 @@ from coordinator.replica.fleet_view import (
     fleet_hosts,
     gang_entry,
     gang_queue_full,
+    grant_writes,
     is_gang_key,
     least_gang_charge,
     mirror_fleet,
@@ -82,6 +83,9 @@ from coordinator.txn import (
 log = logging.getLogger(__name__)
 START_SLACK_S = 1.0   # a reservation's earliest start is rewritten when it moves by more than this
 IDLE_WAKE_S = 1.0   # a waiting gang decides again at least this often (a safety net under the watch's wakes)
+# The watch wakes waiting gangs on any change of any host: their rounds are paced to at most one per this long,
+# so that a busy fleet (a thousand grants a second elsewhere) costs a few rounds, not one per change.
+WATCH_PACE_S = 0.02
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,7 +105,8 @@ class FleetAdmitter:
         self._last_commit = 0   # the revision of our last transaction (the mirror must have it to be used)
         self._orphans: dict[str, int] = {}   # lease id -> revision: granted to a caller that went away
         self._background: set[asyncio.Task[None]] = set()
-        self._wake = asyncio.Event()
+        self._wake, self._kicked = asyncio.Event(), asyncio.Event()
+        self._last_round = 0.0
         self._task = spawn(self._run(), "multi-host gangs")
 
     @property
@@ -109,6 +114,12 @@ class FleetAdmitter:
         return bool(self._calls)
 
     def notify(self) -> None:
+        """Something moved on some host (the watch): decided again, at most once per ``WATCH_PACE_S``."""
+        self._wake.set()
+
+    def _kick(self) -> None:
+        """A call came or ended: decided again at once."""
+        self._kicked.set()
         self._wake.set()
 
     async def stop(self) -> None:
@@ -126,8 +137,8 @@ class FleetAdmitter:
         if prior is not None and not prior.call.future.done():
             prior.call.future.set_exception(errors.Unavailable("superseded by a retry of the same request"))
         self._calls[call.lease_id] = GangCall(call, req, prior.rank if prior is not None else rank)
-        self._wake.set()
-        call.future.add_done_callback(lambda _: self._wake.set())
+        self._kick()
+        call.future.add_done_callback(lambda _: self._kick())
         return await call.future
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -141,10 +152,16 @@ class FleetAdmitter:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
-                pass
+                self._kicked.set()   # a deadline, or the safety net: at once
+            pause = self._last_round + WATCH_PACE_S - time.monotonic()
+            if pause > 0 and not self._kicked.is_set():
+                with contextlib.suppress(TimeoutError):   # the watch's wakes, paced (a call's own cut the pause)
+                    await asyncio.wait_for(self._kicked.wait(), pause)
             self._wake.clear()
+            self._kicked.clear()
             if not self._calls:
                 continue
+            self._last_round = time.monotonic()
             try:
                 await self._round()
             except errors.GpucoordError as e:
@@ -159,17 +176,17 @@ class FleetAdmitter:
 
     async def _round(self) -> None:
         """Every call in rank order, from one snapshot of the fleet read again only after a write (or a lost
-        compare): a round of waiting gangs that nothing changed for costs one read. A new call is decided from
-        the replica's mirror first (no read); only a grant is committed from it (``mirror_fleet``)."""
+        compare). Each call is decided from the replica's mirror first (no read): a grant is committed from it,
+        and a wait that writes nothing settled; anything else is decided again from etcd (``mirror_fleet``)."""
         fleet: Fleet | None = None
         etcd = False
         for g in sorted(self._calls.values(), key=lambda x: x.rank):
             attempts = 0
             while attempts < self.ctx.config.commit_attempts:
-                if fleet is not None and fleet.from_mirror and (etcd or g.call.rank is not None):
+                if fleet is not None and fleet.from_mirror and etcd:
                     fleet = None
                 if fleet is None:
-                    fleet = await self._read(not etcd and g.call.rank is None)
+                    fleet = await self._read(not etcd)
                 writes = self._writes
                 done = await self._decide(g, fleet)
                 if done is None:          # not a grant, decided from the mirror: again from etcd
@@ -226,11 +243,13 @@ class FleetAdmitter:
             Refused(errors.FailedPrecondition(too_big, "hosts"))
         if isinstance(decision, FleetGrant):
             return await self._grant(g, fleet, decision, hosts, teams, no_teams_since)
-        if fleet.from_mirror:
+        if fleet.from_mirror and not isinstance(decision, FleetWait):
             return None
         if isinstance(decision, Refused):
             return await self._leave(g, fleet, decision.error)
         if time.monotonic() >= c.deadline:
+            if fleet.from_mirror:
+                return None
             return await self._leave(g, fleet, wait_over(c.vram_mb, c.wait_s, c.gpu_count, c.exclusive))
         return await self._wait(g, fleet, decision, hosts, teams)
 
@@ -272,24 +291,9 @@ class FleetAdmitter:
         gang = fleet.gangs.get(c.lease_id)
         wc, wo = withdrawals(keys, self.ctx.mirror.get, fleet, gang[1].victims if gang is not None else (),
                              f"{c.session.agent}/{c.request_id}")   # granted on room it found: its notices go
-        compares += wc
-        ops += wo
-        new: list[VramLease] = []
-        for host, uuids in parts:
-            view = fleet.views[host]
-            compares += host_guards(keys, view)
-            for u in uuids:
-                gpu = view.gpus[u]
-                lease = VramLease(
-                    id=c.lease_id, host=host, gpu_uuid=u, gpu_index=gpu.index, agent=c.session.agent,
-                    session_id=c.session.session_id, vram_mb=gpu.usable_mb if c.exclusive else c.vram_mb,
-                    priority=c.priority, preemptible=c.preemptible, request_id=c.request_id, token=gpu.seq + 1,
-                    created_at=wall, gang=uuids if len(uuids) > 1 else (), exclusive=c.exclusive, topology=c.topology,
-                    over_quota=mark, time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
-                    hosts=parts, etcd_lease=c.session.etcd_lease)
-                new.append(lease)
-                ops.append(Put(keys.lease(host, u, c.lease_id), dumps(lease.to_json()), c.session.etcd_lease))
-                ops.append(Put(keys.gpu(host, u), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq + 1})))
+        compares, ops = compares + wc, ops + wo
+        new, gc, go = grant_writes(keys, fleet, c, parts, mark, wall)
+        compares, ops = compares + gc, ops + go
         compares.append(Exists(keys.session(c.session.agent, c.session.session_id)))
         if state is not None:
             tc, to = team_writes(state, keys, new)
@@ -298,7 +302,7 @@ class FleetAdmitter:
         elif no_teams_since:
             compares.append(NothingWrittenSince(keys.teams(), no_teams_since))
         if len(ops) > TXN_OPS_BUDGET or len(compares) > TXN_COMPARES_BUDGET:
-            return await self._leave(g, fleet, errors.FailedPrecondition(
+            return None if fleet.from_mirror else await self._leave(g, fleet, errors.FailedPrecondition(
                 f"hosts: {len(parts)} hosts x {len(parts[0][1])} GPUs need {len(ops)} writes and {len(compares)} "
                 f"compares in one etcd transaction, above its limits ({TXN_OPS_BUDGET}, {TXN_COMPARES_BUDGET})", "hosts"))
         res = await self._commit(compares, ops)
@@ -319,24 +323,22 @@ class FleetAdmitter:
 
     def _give_back(self, granted: tuple[VramLease, ...]) -> None:
         revision = self._orphans.pop(granted[0].id, None)
-        if revision is None:
-            return    # claimed by a retry
-        keys = [self.keys.lease(x.host, x.gpu_uuid, x.id) for x in granted]
-
-        async def give_back() -> None:
-            try:
-                await self.ctx.store.commit([ModRevisionIs(k, revision) for k in keys], [Delete(k) for k in keys])
-            except errors.GpucoordError as e:
-                log.warning("could not give back lease %s of a caller that went away: %s", granted[0].id, e)
-        self._background.add(task := spawn(give_back(), f"giving back the orphaned lease {granted[0].id}"))
-        task.add_done_callback(self._background.discard)
+        if revision is not None:    # (None: claimed by a retry)
+            keys = [self.keys.lease(x.host, x.gpu_uuid, x.id) for x in granted]
+            self._background.add(task := spawn(give_back(self.ctx.store, keys, revision, granted[0].id),
+                                               f"giving back the orphaned lease {granted[0].id}"))
+            task.add_done_callback(self._background.discard)
 
     async def _wait(self, g: GangCall, fleet: Fleet, decision: FleetWait, hosts: dict[str, FleetHost],
-                    teams: TeamState | None) -> bool:
+                    teams: TeamState | None) -> bool | None:
+        """Wait: the gang's entry, reservation and victims, written when they change. From the mirror, only a
+        wait that writes nothing is settled (anything else: None, decided again from etcd)."""
         c, keys = g.call, self.keys
+        gang = fleet.gangs.get(c.lease_id)
+        if fleet.from_mirror and (c.wait_s <= 0 or gang is None or gang[1].replica != self.ctx.replica_id):
+            return None
         if c.wait_s <= 0:
             return await self._leave(g, fleet, wait_over(c.vram_mb, 0.0, c.gpu_count, c.exclusive))
-        gang = fleet.gangs.get(c.lease_id)
         if gang is not None and gang[1].replica != self.ctx.replica_id and c.rank is not None:
             # A retry through another replica took the entry over: that replica serves the request now.
             c.rank = None
@@ -358,12 +360,8 @@ class FleetAdmitter:
             compares, ops = withdrawals(keys, self.ctx.mirror.get, fleet, drop, f"{c.session.agent}/{c.request_id}")
         else:
             wanted, victims, compares, ops = new_victims(self.ctx, fleet, hosts, c, g.req, decision, teams)
-        if gang is None:
-            cfg = self.ctx.config
-            full = gang_queue_full(fleet, c.session.agent, c.lease_id, wanted, cfg.max_queue_per_agent,
-                                   cfg.max_queue_per_host)
-            if full:
-                return await self._leave(g, fleet, errors.CapacityError(full, "queue"))
+        if gang is None and (full := gang_queue_full(fleet, c.session.agent, c.lease_id, wanted, self.ctx.config)):
+            return None if fleet.from_mirror else await self._leave(g, fleet, errors.CapacityError(full, "queue"))
         start = reservation_start(fleet, wanted, self.ctx.evictions, self.ctx.config.eviction_kill_margin_s)
         entry = dataclasses.replace(gang_entry(g.call, g.req, g.rank, self.ctx.replica_id), victims=victims, start_after=start)
         starts = {e.start_after for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id}
@@ -385,6 +383,8 @@ class FleetAdmitter:
                     compares.append(Absent(key))
                 ops = [x for x in ops if not (isinstance(x, Delete) and x.key == key)]   # rewritten (still compared)
                 ops.append(Put(key, dumps(dataclasses.replace(entry, reserve=uuids).to_json()), c.session.etcd_lease))
+        if ops and fleet.from_mirror:
+            return None
         if ops:
             compares.append(Exists(keys.session(c.session.agent, c.session.session_id)))
             res = await self._commit(compares, ops)

@@ -7,12 +7,13 @@ import time
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from coordinator import clock
+from coordinator.config import CoordinatorConfig
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.policy.backfill import earliest_start
 from coordinator.policy.fleet import FleetHost, FleetRequest
 from coordinator.policy.gang import could_use, holders_from_views, slots_from_views
-from coordinator.policy.host import HostView
+from coordinator.policy.host import HostView, host_guards
 from coordinator.policy.placement import Chosen, GangRequest, Refused, place
 from coordinator.policy.victims import Holder
 from coordinator.records import (
@@ -215,11 +216,11 @@ def gang_entry(c: AcquireCall, req: FleetRequest, rank: str, replica_id: str) ->
                       hosts=req.hosts, same=req.same, prefer=req.prefer)
 
 
-def gang_queue_full(fleet: Fleet, agent: str, lease_id: str, hosts: Iterable[str], per_agent: int,
-                    per_host: int) -> str:
+def gang_queue_full(fleet: Fleet, agent: str, lease_id: str, hosts: Iterable[str], cfg: CoordinatorConfig) -> str:
     """Why a new multi-host gang may not wait (G9, every queue is bounded): its agent already has ``per_agent``
     gangs waiting, or a host it would reserve has ``per_host`` waiting entries or ``per_agent`` of its agent's;
     "" when it may. Nothing is displaced: a gang that finds a queue full is refused naming ``queue``."""
+    per_agent, per_host = cfg.max_queue_per_agent, cfg.max_queue_per_host
     mine = sum(1 for lid, (_, e) in fleet.gangs.items() if e.agent == agent and lid != lease_id)
     if mine >= per_agent:
         return f"queue: agent {agent!r} already has {mine} multi-host gangs waiting (limit {per_agent} per agent)"
@@ -265,6 +266,31 @@ def withdrawals(keys: Keys, notice: Callable[[bytes], KV | None], fleet: Fleet, 
             compares.append(ModRevisionIs(kv.key, kv.mod_revision))
             ops.append(Delete(kv.key))
     return compares, ops
+
+
+def grant_writes(keys: Keys, fleet: Fleet, c: AcquireCall, parts: tuple[tuple[str, tuple[str, ...]], ...],
+                 mark: bool | None, wall: float) -> tuple[list[VramLease], list[Compare], list[Op]]:
+    """A gang's grant over ``parts`` (host -> GPU uuids, in rank order): a lease record and a bumped ledger per GPU,
+    and each host's guards (``policy/host.host_guards``, as a host's own round compares)."""
+    new: list[VramLease] = []
+    compares: list[Compare] = []
+    ops: list[Op] = []
+    for host, uuids in parts:
+        view = fleet.views[host]
+        compares += host_guards(keys, view)
+        for u in uuids:
+            gpu = view.gpus[u]
+            lease = VramLease(
+                id=c.lease_id, host=host, gpu_uuid=u, gpu_index=gpu.index, agent=c.session.agent,
+                session_id=c.session.session_id, vram_mb=gpu.usable_mb if c.exclusive else c.vram_mb,
+                priority=c.priority, preemptible=c.preemptible, request_id=c.request_id, token=gpu.seq + 1,
+                created_at=wall, gang=uuids if len(uuids) > 1 else (), exclusive=c.exclusive, topology=c.topology,
+                over_quota=mark, time_limit_s=c.time_limit_s, time_limit_warning_s=c.time_limit_warning_s,
+                hosts=parts, etcd_lease=c.session.etcd_lease)
+            new.append(lease)
+            ops.append(Put(keys.lease(host, u, c.lease_id), dumps(lease.to_json()), c.session.etcd_lease))
+            ops.append(Put(keys.gpu(host, u), dumps({"capacity_mb": gpu.total_mb, "seq": gpu.seq + 1})))
+    return new, compares, ops
 
 
 def least_gang_charge(fleet: Fleet, req: FleetRequest, reserved: Mapping[str, tuple[str, ...]]) -> int:

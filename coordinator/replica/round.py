@@ -18,11 +18,10 @@ from coordinator.policy.plan import Context, Plan
 from coordinator.policy.planner import plan_round
 from coordinator.records import EvictionRecord, VramLease
 from coordinator.replica.admitter_state import AdmitterState
-from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall
+from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall, give_back
 from coordinator.replica.idle import IdleNow
 from coordinator.replica.teams import team_state
 from coordinator.replica.view import host_view, invalid_host, read_host
-from coordinator.txn import Delete, ModRevisionIs
 
 log = logging.getLogger(__name__)
 
@@ -245,11 +244,8 @@ class AdmissionRound(AdmitterState):
         if revision is None:
             return   # claimed by a retry
         # A gang: every GPU's record, all written by the one grant's transaction (at ``revision``).
-        keys = [self.keys.lease(self.host, uuid_, lease.id) for uuid_ in lease.gpus]
-        try:
-            await self.ctx.store.commit([ModRevisionIs(k, revision) for k in keys], [Delete(k) for k in keys])
-        except errors.GpucoordError as e:
-            log.warning("could not give back lease %s of a caller that went away: %s", lease.id, e)
+        await give_back(self.ctx.store, [self.keys.lease(self.host, uuid_, lease.id) for uuid_ in lease.gpus],
+                        revision, lease.id)
 
 
 def _merge_duplicates(batch: list[AcquireCall]) -> list[AcquireCall]:

@@ -19,7 +19,7 @@ from coordinator.etcd.store import Store
 from coordinator.txn import Delete, Exists, Get, Put, Range, Txn
 from tests.support.cluster import Cluster, EtcdEndpoint
 from tests.support.etcd_calls import read_only, record_etcd_calls
-from tests.support.waiting import LoopThread
+from tests.support.waiting import LIVENESS_S, LoopThread, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -208,3 +208,35 @@ def test_a_multi_host_gang_that_fits_is_granted_from_the_mirror_without_reading_
         cluster.close()
     assert from_mirror == 0, f"{from_mirror} fleet snapshots read for three gangs that fit"
     assert from_etcd >= 1, "a gang that had to wait was never decided from etcd"
+
+
+def test_a_waiting_multi_host_gang_reads_no_fleet_snapshot_while_other_hosts_churn(etcd: EtcdEndpoint,
+                                                                                    prefix: str) -> None:
+    """A waiting gang is woken by every change of any host; decided from the mirror, a wait that writes nothing
+    is settled there: fifty grants and releases on a third host cost it no read of the fleet from etcd."""
+    calls = record_etcd_calls()
+    cluster = Cluster(etcd.endpoints, prefix, etcd_channel=calls.channel)
+    gang_queue = cluster.keys.gang_queue()
+    try:
+        for host, gpus in (("h1", "2x8GiB"), ("h2", "2x8GiB"), ("h3", "1x8GiB")):   # h3 never holds a part
+            cluster.start_node(host, gpus)
+        addr = cluster.start_coordinator()
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(addr))
+        with Client(addr, agent="holder", host="h1") as holder, Client(addr, agent="big", host="h2") as big, \
+                Client(addr, agent="churn", host="h3") as churn:
+            held = holder.acquire(1024, gpu=0)
+            waiting = stub.Acquire.future(pb.AcquireRequest(
+                session=pb.SessionRef(agent="big", session_id=big.session_id), request_id="g", hosts=2,
+                gpu_count=2, exclusive=True, wait_seconds=120.0))
+            wait_for(lambda: len(cluster.get_prefix(gang_queue)) == 1 and len(cluster.get_prefix(
+                cluster.keys.queue())) == 2, LIVENESS_S, "the gang waits, reserving h1 and h2")
+            churn.acquire(512).release()     # (the first settles what the entry's writing left behind)
+            before = sum(1 for r in calls.of("Range") if r.key == gang_queue)
+            for _ in range(50):
+                churn.acquire(512).release()
+            reads = sum(1 for r in calls.of("Range") if r.key == gang_queue) - before
+            held.release()
+            assert waiting.result(timeout=LIVENESS_S).lease.id
+    finally:
+        cluster.close()
+    assert reads <= 2, f"the waiting gang read the fleet from etcd {reads} times over 50 grants elsewhere"
