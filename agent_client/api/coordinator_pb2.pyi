@@ -478,16 +478,30 @@ class HostStatus(_message.Message):
     def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ..., invalid: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., cordoned: _Optional[bool] = ..., cordon: _Optional[_Union[Cordon, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("hosts", "revision", "leader", "teams")
+    __slots__ = ("hosts", "revision", "leader", "teams", "etcd_members")
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     TEAMS_FIELD_NUMBER: _ClassVar[int]
+    ETCD_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
     revision: int
     leader: str
     teams: _containers.RepeatedCompositeFieldContainer[TeamStatus]
-    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ..., teams: _Optional[_Iterable[_Union[TeamStatus, _Mapping]]] = ...) -> None: ...
+    etcd_members: _containers.RepeatedCompositeFieldContainer[EtcdMember]
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ..., teams: _Optional[_Iterable[_Union[TeamStatus, _Mapping]]] = ..., etcd_members: _Optional[_Iterable[_Union[EtcdMember, _Mapping]]] = ...) -> None: ...
+
+class EtcdMember(_message.Message):
+    __slots__ = ("name", "id", "client_urls", "leader")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_URLS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    id: str
+    client_urls: _containers.RepeatedScalarFieldContainer[str]
+    leader: bool
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[str] = ..., client_urls: _Optional[_Iterable[str]] = ..., leader: _Optional[bool] = ...) -> None: ...
 
 class ApplyPartitionRequest(_message.Message):
     __slots__ = ("spec_json", "dry_run", "evict")

@@ -57,7 +57,8 @@ def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
         "reclaim": lambda: phase_idle_and_reclaim(sizes.idle_sessions, sizes.idle_s, sizes.ttl, sizes.samples, out),
         "p7": lambda: phase_p7(sizes.p7_n, out),
         "gang": lambda: phase_gang(sizes.seconds, sizes.gang_agents, out),
-        "multihost": lambda: phase_multihost(sizes.seconds, sizes.multihost_agents, out),
+        "multihost": lambda: phase_multihost(sizes.seconds, sizes.multihost_agents, out, sizes.n, sizes.levels[-1],
+                                             sizes.teams_rounds),
         "teams": lambda: phase_teams(sizes.n, sizes.seconds, sizes.levels[-1], sizes.teams_rounds, out),
     }
     wanted = {"all": PHASES, "acquire": ("latency",), "p7": ("p7",), "p4": ("contended",)}.get(what, (what,))

@@ -70,6 +70,10 @@ def render_status(doc: dict[str, Any], now: float | None = None) -> str:
     ``now`` (unix seconds) is when the deadlines of eviction notices are counted from."""
     now = time.time() if now is None else now
     lines = [f"revision {doc.get('revision', 0)}  leader {doc.get('leader') or 'none'}"]
+    members = doc.get("etcd_members", [])
+    if members:
+        leader = next((m.get("name") or m.get("id") for m in members if m.get("leader")), "none")
+        lines.append(f"etcd {len(members)} member{'s' if len(members) != 1 else ''}  leader {leader}")
     for h in doc.get("hosts", []):
         age = float(h.get("usage_age_seconds", -1))
         state = "alive" if h.get("alive") else "GONE (no new admissions)"

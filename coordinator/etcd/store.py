@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-from typing import AsyncIterator, Awaitable, Iterable, Sequence, TypeVar
+from typing import AsyncIterator, Iterable, Sequence, TypeVar
 
 import aetcd
 import grpc
@@ -34,6 +33,7 @@ from coordinator import errors
 from coordinator.etcd import _compile
 from coordinator.etcd.auth import CHANNEL_OPTIONS, ChannelFactory, default_channel
 from coordinator.etcd.keepalive import KeepAliveStream
+from coordinator.etcd.server_info import ServerInfo, endpoint_target, gather_or_cancel
 from coordinator.etcd.translate import (
     future_revision,
     read_may_be_retried,
@@ -48,7 +48,6 @@ from coordinator.etcd.types import (
     WatchBatch,
     WatchEvent,
 )
-from coordinator.etcd.versions import log_versions
 from coordinator.etcd.watch import watch_batches
 from coordinator.security.etcd_auth import EtcdSecurity
 from coordinator.txn import Compare, Delete, Op, Put, Range, has_write
@@ -76,32 +75,13 @@ def _call_timeout(own: float, deadline: float | None) -> float:
     return min(own, left)
 
 
-def _target(endpoints: Sequence[str]) -> str:
-    """One endpoint as it is (gRPC resolves a name); several as gRPC's ``ipv4:`` list, which takes addresses
-    only: a name (``etcd-0:2379`` in docker-compose.yml) is resolved here. One that does not resolve (a stopped
-    container's) is left out while another does."""
-    eps = [e.removeprefix("http://") for e in endpoints]
-    if len(eps) == 1:
-        return eps[0]
-    resolved = [a for a in map(_ipv4, eps) if a]
-    return "ipv4:" + ",".join(resolved if resolved else eps)
-
-
-def _ipv4(endpoint: str) -> str:
-    host, _, port = endpoint.rpartition(":")
-    try:
-        return f"{socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]}:{port}"
-    except (OSError, UnicodeError):
-        return ""
-
-
 class _Client(aetcd.Client):  # type: ignore[misc]
     """aetcd's client, on a channel from the store's channel factory to a list of endpoints rather than one
     host:port."""
 
     def __init__(self, endpoints: Sequence[str], timeout: float, channel: ChannelFactory) -> None:
         super().__init__(host="unused", port=0, timeout=timeout)
-        self._gpucoord_target = _target(endpoints)
+        self._gpucoord_target = endpoint_target(endpoints)
         self._gpucoord_channel = channel
 
     async def connect(self) -> None:
@@ -115,19 +95,7 @@ class _Client(aetcd.Client):  # type: ignore[misc]
         self._connected.set()
 
 
-async def _gather(coros: Iterable[Awaitable[T]]) -> list[T]:
-    """``asyncio.gather`` that cancels (and waits for) the others when one fails."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-class Store:
+class Store(ServerInfo):
     """etcd as gpucoord uses it: the implementation of ``coordinator.etcd.contract.KVStore``."""
 
     def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, retry_for: float = 10.0,
@@ -224,7 +192,7 @@ class Store:
 
     async def _snapshot_once(self, reqs: list[rpc.RangeRequest], serializable: bool, deadline: float | None) -> Snapshot:
         first, revision = await self._read_range(reqs[0], 0, serializable, deadline)
-        rest = await _gather(self._read_range(r, revision, True, deadline) for r in reqs[1:])
+        rest = await gather_or_cancel(self._read_range(r, revision, True, deadline) for r in reqs[1:])
         return Snapshot(revision, (first, *(kvs for kvs, _ in rest)))
 
     async def read_at(self, rng: Range, revision: int) -> tuple[KV, ...]:
@@ -342,49 +310,6 @@ class Store:
         """Refresh an etcd_lease over the process's shared LeaseKeepAlive stream; 0 when it is gone."""
         assert self._keepalive is not None, "Store.connect() first"
         return await self._keepalive.refresh(etcd_lease, timeout)
-
-    # -- the server --------------------------------------------------------------------------
-    async def db_size(self) -> int:
-        """The size of etcd's database in bytes, as the member the call lands on reports it."""
-        try:
-            resp = await self._client.maintenancestub.Status(rpc.StatusRequest(), timeout=self.timeout,
-                                                             wait_for_ready=True)
-        except grpc.aio.AioRpcError as e:
-            raise translate(e, write=False) from e
-        return int(resp.dbSize)
-
-    async def lease_ids(self) -> set[int]:
-        """The id of every etcd_lease etcd holds."""
-        try:
-            resp = await self._client.leasestub.LeaseLeases(rpc.LeaseLeasesRequest(), timeout=self.timeout,
-                                                            wait_for_ready=True)
-        except grpc.aio.AioRpcError as e:
-            raise translate(e, write=False) from e
-        return {int(x.ID) for x in resp.leases}
-
-    async def server_versions(self) -> dict[str, str]:
-        """Each endpoint's etcd version, from its Maintenance Status ("" where it did not answer)."""
-        async def one(endpoint: str) -> str:
-            channel = self._channel(_target([endpoint]))
-            try:
-                resp = await rpc.MaintenanceStub(channel).Status(rpc.StatusRequest(), timeout=min(self.timeout, 5.0))
-                return str(resp.version)
-            except grpc.aio.AioRpcError as e:
-                log.info("etcd %s did not say its version: %s", endpoint, e.code().name)
-                return ""
-            finally:
-                await channel.close()
-        return dict(zip(self.endpoints, await _gather(one(ep) for ep in self.endpoints)))
-
-    async def check_server_version(self) -> dict[str, str]:
-        """Log every member's version, with a WARNING for versions with known crash bugs. Never raises."""
-        try:
-            versions = await self.server_versions()
-        except Exception as e:  # noqa: BLE001 - a check at start must not stop the start
-            log.warning("could not read the etcd server version: %r", e)
-            return {}
-        log_versions(versions, log)
-        return versions
 
     # -- watches -------------------------------------------------------------------------------
     def watch(self, key: bytes, *, prefix: bool = True, start_revision: int = 0,

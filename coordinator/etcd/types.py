@@ -94,3 +94,13 @@ class WatchBatch:
     revision: int
     events: tuple[WatchEvent, ...]
     resync: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdMember:
+    """One member of the etcd cluster as its member list says, and whether it is the raft leader."""
+
+    name: str
+    id: int
+    client_urls: tuple[str, ...]
+    leader: bool

@@ -236,6 +236,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         out = status_response(report, self._notice)
         if not host and teams:
             out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
+        if not host:
+            try:
+                members = await self.svc.ctx.store.members()
+            except errors.GpucoordError as e:    # the hosts were read: a member list that fails leaves it out
+                log.warning("status: could not list etcd's members: %s", e)
+                members = []
+            out.etcd_members.extend(pb.EtcdMember(name=m.name, id=f"{m.id:x}", client_urls=list(m.client_urls),
+                                                  leader=m.leader) for m in members)
         return out
 
     @_rpc

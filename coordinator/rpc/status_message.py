@@ -118,7 +118,8 @@ def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
     """What an agent may see of a host (G9): its own leases in full; of other agents' leases, neither the
     session id, the request id nor the processes (pids, pgid), nor who asked for an eviction. Of the GPUs'
     processes only its own leases' appear (of other agents' departing leases, neither their processes nor
-    who asked); the queue shows no other agent's request id."""
+    who asked); the queue shows no other agent's request id. The etcd cluster's members are not its concern."""
+    del status.etcd_members[:]
     for hs in status.hosts:
         if hs.HasField("cordon"):
             hs.cordon.asked_by = ""   # which operator cordoned it: the reason is enough

@@ -106,12 +106,16 @@ def summary(doc: Doc, events: list[dict[str, Any]]) -> str:
     idle = sum(1 for g in gpus if not int(g.get("leased_mb", 0)))
     leases = len({lease["id"] for h in hosts for lease in h.get("leases", [])})   # a multi-host lease once
     queue = sum(len(h.get("queue", [])) for h in hosts)
+    members = doc.get("etcd_members", [])
+    etcd_leader = next((m.get("name") or m.get("id") for m in members if m.get("leader")), "none")
     tiles = [("hosts-up", "Hosts up", f"{sum(1 for h in hosts if h.get('alive'))} / {len(hosts)}"),
+             ("hosts-cordoned", "Hosts cordoned or draining", str(sum(1 for h in hosts if h.get("cordoned")))),
              ("gpus", "GPUs", str(len(gpus))), ("gpus-idle", "GPUs idle (no lease)", str(idle)),
              ("leased", "VRAM leased", f"{gib(leased)} / {gib(usable)}"), ("free", "VRAM free", gib(free)),
              ("leases", "Leases", str(leases)), ("queue-depth", "Queue depth", str(queue)),
-             ("leader", "Replica leader", doc.get("leader") or "none"), ("revision", "etcd revision",
-                                                                        str(doc.get("revision", 0)))]
+             ("leader", "Replica leader", doc.get("leader") or "none"),
+             ("etcd", "etcd members (leader)", f"{len(members)} ({etcd_leader})"),
+             ("revision", "etcd revision", str(doc.get("revision", 0)))]
     cards = "".join(f'<div class="tile" id="tile-{k}"><div class="k">{e(label)}</div>'
                     f'<div class="v" data-value="{e(v)}">{e(v)}</div></div>' for k, label, v in tiles)
     return f'<h1>Fleet</h1><div class="tiles">{cards}</div><h2>Hosts</h2>{_host_rows(hosts)}'
@@ -235,6 +239,7 @@ def host(doc: Doc, events: list[dict[str, Any]], name: str) -> str | None:
 
 def teams(doc: Doc, events: list[dict[str, Any]]) -> str:
     rows = []
+    most = max((float(t.get("usage", {}).get("decayed_gpu_hours", 0.0)) for t in doc.get("teams", [])), default=0.0)
     for t in doc.get("teams", []):
         team, usage = t.get("team", {}), t.get("usage", {})
         quota, used = int(team.get("quota_mb", 0)), int(usage.get("used_mb", 0))
@@ -245,11 +250,16 @@ def teams(doc: Doc, events: list[dict[str, Any]]) -> str:
         bar = (f'<div class="teambar" data-team="{e(team.get("name", ""))}" data-used-mb="{used}" '
                f'data-quota-mb="{quota}" data-borrowed-mb="{int(usage.get("borrowed_mb", 0))}">'
                f'<span class="seg leased" style="width:{_pct(used, scale)}"></span>{marks}</div>')
+        decayed = float(usage.get("decayed_gpu_hours", 0.0))
+        dbar = (f'<div class="teambar decayed" data-team="{e(team.get("name", ""))}" '
+                f'data-decayed-gpu-hours="{decayed:g}" title="{decayed:.1f} GPU-hours, decayed">'
+                f'<span class="seg decayed" style="width:{_pct(decayed, most)}"></span></div>')
         rows.append([e(team.get("name", "")), gib(quota), gib(limit) if limit >= 0 else "none", gib(used),
                      gib(int(usage.get("borrowed_mb", 0))), f'{usage.get("leases", 0)} / {usage.get("waiting", 0)}',
-                     bar])
+                     bar, f"{decayed:.1f} h" + dbar])
     return "<h1>Teams</h1>" + _table(("Team", "Quota", "Limit", "Used", "Borrowed", "Leases / waiting",
-                                      "Used against quota (|) and limit (|)"), rows, "teams",
+                                      "Used against quota (|) and limit (|)",
+                                      "Decayed usage (GPU-hours, against the most)"), rows, "teams",
                                      "No team is configured ('gpucoord team set').")
 
 

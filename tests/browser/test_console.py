@@ -212,6 +212,9 @@ def test_a_teams_bar_moves(browser: Any, fleet: Fleet, tmp_path: pathlib.Path) -
                   f"return {bar}.getAttribute('data-used-mb') === '4096'")
             width = browser.execute_script(f"return {bar}.querySelector('.seg.leased').style.width")
             assert width == "25%", width    # 4 GiB against a scale of its 16 GiB limit
+            decayed = browser.execute_script("return document.querySelector("
+                                             "'.teambar.decayed[data-team=\"research\"]').getAttribute('data-decayed-gpu-hours')")
+            assert float(decayed) >= 0.0, decayed   # status's decayed_gpu_hours (nothing ended yet: ~0)
             not_reloaded(browser)
             shot(browser, tmp_path, "teams-used")
 
@@ -264,3 +267,15 @@ def test_the_console_shows_what_status_json_shows(browser: Any, fleet: Fleet) ->
                       " return v && v.getAttribute('data-value').indexOf('3.0 GiB') === 0 && v.textContent;")
         assert value == "3.0 GiB / 32.0 GiB"
         assert browser.execute_script("return document.querySelector('#tile-hosts-up .v').textContent") == "1 / 1"
+        members = cli["etcd_members"]
+        leader = next(m.get("name") or m.get("id") for m in members if m.get("leader"))
+        assert browser.execute_script("return document.querySelector('#tile-etcd .v').textContent") == \
+            f"{len(members)} ({leader})"
+        tile = "return document.querySelector('#tile-hosts-cordoned .v').textContent"
+        assert browser.execute_script(tile) == "0"
+        fleet.stub.CordonHost(pb.CordonHostRequest(host="h1", reason="rack power work"), timeout=10)
+        until(browser, "the cordoned host counted", "var v = document.querySelector('#tile-hosts-cordoned .v');"
+              " return v && v.textContent === '1'")
+        fleet.stub.UncordonHost(pb.UncordonHostRequest(host="h1"), timeout=10)
+        until(browser, "the count back to 0", "var v = document.querySelector('#tile-hosts-cordoned .v');"
+              " return v && v.textContent === '0'")

@@ -35,6 +35,9 @@ def test_status_and_keys(cluster: Cluster) -> None:
         assert table.returncode == 0, table.stderr
         assert "host h1 alive simulated" in table.stdout and lease.id in table.stdout
         doc = json.loads(_cli("status", "--coordinator", addr, "--json").stdout)
+        members = doc["etcd_members"]     # the suite's etcd: one member, its leader
+        assert len(members) == 1 and members[0]["leader"] and members[0]["client_urls"], members
+        assert f"etcd 1 member  leader {members[0]['name'] or members[0]['id']}" in table.stdout
         (host,) = [h for h in doc["hosts"] if h["host"] == "h1"]
         assert host["leases"][0]["id"] == lease.id and int(host["leases"][0]["ttl_remaining"]) > 0
         assert {int(g["leased_mb"]) for g in host["gpus"]} == {3000, 0}

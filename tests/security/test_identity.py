@@ -127,9 +127,10 @@ def test_an_agent_sees_other_agents_leases_without_session_request_or_processes(
 
 def test_an_agent_asks_for_every_host_and_gets_its_own_view(world: World) -> None:
     """``gpucoord status`` as an agent (issue 29): GetStatus without a host answers with the hosts the agent has
-    a live session on, redacted as for one host, and no teams (their use is the fleet's); an agent with no
-    session sees no host. The operator sees every host."""
+    a live session on, redacted as for one host, and no teams (their use is the fleet's) nor etcd's members; an
+    agent with no session sees no host. The operator sees every host and etcd's members."""
     mine = world.stubs("self").coord.GetStatus(pb.GetStatusRequest(), timeout=10)
-    assert [h.host for h in mine.hosts] == [HOST] and not mine.teams
+    assert [h.host for h in mine.hosts] == [HOST] and not mine.teams and not mine.etcd_members
     assert not world.stubs("other").coord.GetStatus(pb.GetStatusRequest(), timeout=10).hosts
-    assert HOST in [h.host for h in world.stubs("operator").coord.GetStatus(pb.GetStatusRequest(), timeout=10).hosts]
+    theirs = world.stubs("operator").coord.GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert HOST in [h.host for h in theirs.hosts] and theirs.etcd_members

@@ -8,17 +8,30 @@ session on each of its two hosts, a 4-GPU gang on host A and then one on host B 
 keeps), then both released, B first. Each agent's hosts are its own pair, and the hosts have 8 GPUs each
 (64 in all, at most 32 taken at once), so nothing waits for room on either side: the figures are the cost
 of the calls. The hosts are simulated by one process (``gpucoord node --fake-hosts``).
+
+Then what multi-host gangs cost everyone else (issue 30: P1 and P4 within 10 % of the run without them): P1's
+serial acquire p50 and P4's pairs/s and coordinator CPU per pair on two hosts of their own, with a 2-host gang
+held and an 8-host gang waiting (reserving every simulated host; the watch wakes it on every change P4 makes)
+against the same without either, alternating in the same run (``phases/sides.py``).
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from agent_client import AsyncClient
+import grpc
+
+from agent_client import AsyncClient, Client
+from agent_client.api import coordinator_pb2 as pb
+from agent_client.api import coordinator_pb2_grpc as pb_grpc
 from coordinator.bench import eventloop, load
+from coordinator.bench.phases.sides import alternate
 from coordinator.bench.report import Figures, Line, line
 from coordinator.bench.rig import rig
 from coordinator.bench.stats import percentile
+from coordinator.etcd.store import Store
+from coordinator.keys import Keys
 from coordinator.node.fake_hosts import fake_host_names
 
 HOSTS = 8
@@ -54,9 +67,11 @@ async def _loop(a_side: list[AsyncClient], b_side: list[AsyncClient], seconds: f
     return len(acq), acq
 
 
-def phase_multihost(seconds: float, agents: int, out: Figures) -> list[Line]:
-    """The MULTIHOST line: pairs/s and acquire p50 of 2-host x 4-GPU exclusive gangs against one 4-GPU gang
-    per host taken in a fixed host order, same agents, same run."""
+def phase_multihost(seconds: float, agents: int, out: Figures, n: int = 100, p4_agents: int = 16,
+                    rounds: int = 3) -> list[Line]:
+    """The MULTIHOST lines: pairs/s and acquire p50 of 2-host x 4-GPU exclusive gangs against one 4-GPU gang
+    per host taken in a fixed host order, same agents, same run; then P1 and P4 with multi-host gangs present
+    against without."""
     figures: dict[str, dict[str, float]] = {}
     with rig() as r:
         _coord, addr = r.coordinator()
@@ -81,11 +96,70 @@ def phase_multihost(seconds: float, agents: int, out: Figures) -> list[Line]:
         # Each side on fresh sessions with its own warm-up, the baseline first (as GANG).
         figures["per_host"] = eventloop.run(measure(False))
         figures["multihost"] = eventloop.run(measure(True))
-    out["multihost"] = {"agents": agents, "hosts": HOSTS, "gpus": GPUS, "gpus_per_host": PER_HOST, **figures}
+        coord = _coord
+        r.node(P1_HOST, "8x80GiB")
+        r.node(P4_HOST, "1x80GiB")
+        present = _Present(addr, r.ep, names)
+        sides = alternate(addr, coord.pid, P1_HOST, P4_HOST, n, seconds, p4_agents, rounds, present.enter,
+                          present.leave)
+    cost = {"none": sides[False].figures(), "gangs": sides[True].figures()}
+    out["multihost"] = {"agents": agents, "hosts": HOSTS, "gpus": GPUS, "gpus_per_host": PER_HOST, **figures,
+                        "p1_p4": cost}
     m, p = figures["multihost"], figures["per_host"]
+    g, b = cost["gangs"], cost["none"]
     return [
         line("MULTIHOST", f"pairs/s, {agents} agents, 2-host x {PER_HOST}-GPU gangs", m["pairs_s"], "/s",
              p["pairs_s"], "a gang per host, host A then B, same agents", ">= 1", lambda x: x >= 1),
         line("MULTIHOST", f"acquire p50, {agents} agents, 2-host x {PER_HOST}-GPU gang", m["acquire_p50_ms"], "ms",
              p["acquire_p50_ms"], "both of a gang per host, host A then B", "<= 1", lambda x: x <= 1),
+        line("MULTIHOST", "acquire p50 (P1), multi-host gangs held and waiting / none", g["acquire_p50_ms"], "ms",
+             b["acquire_p50_ms"], "same agent without them, same run", "<= 1.1", lambda x: x <= 1.1),
+        line("MULTIHOST", f"pairs/s, {p4_agents} agents on 1 GPU (P4), gangs / none", g["pairs_s"], "/s",
+             b["pairs_s"], "same agents without them, same run", ">= 0.9", lambda x: x >= 0.9),
+        line("MULTIHOST", f"coordinator CPU per pair, {p4_agents} agents (P4)", g["coordinator_cpu_ms_per_pair"],
+             "ms", b["coordinator_cpu_ms_per_pair"], "same without them, same run", "<= 1.1", lambda x: x <= 1.1),
     ]
+
+
+P1_HOST, P4_HOST = "mh-p1", "mh-p4"
+
+
+class _Present:
+    """The multi-host gangs of the measured side: a 2-host gang held, and an 8-host gang waiting that reserves
+    every simulated host (8 whole hosts, two of them held: it cannot fit, and evicts nobody at its priority)."""
+
+    def __init__(self, addr: str, ep: str, names: list[str]) -> None:
+        self.addr, self.ep, self.names = addr, ep, names
+        self._open: list[Any] = []
+
+    def enter(self, on: bool) -> None:
+        if not on:
+            return
+        holder = Client(self.addr, agent="mh-hold", host=self.names[0])
+        waiter = Client(self.addr, agent="mh-wait", host=self.names[1])
+        self._open += [holder, waiter]
+        self._open.append(holder.acquire(exclusive=True, gpu_count=8, hosts=2))
+        channel = grpc.insecure_channel(self.addr)
+        self._open.append(channel)
+        self._open.append(pb_grpc.CoordinatorStub(channel).Acquire.future(pb.AcquireRequest(
+            session=pb.SessionRef(agent="mh-wait", session_id=waiter.session_id), request_id="mh-wait",
+            hosts=len(self.names), gpu_count=8, exclusive=True, wait_seconds=600.0)))
+        eventloop.run(_until_waiting(self.ep))
+
+    def leave(self, on: bool) -> None:
+        for x in reversed(self._open):
+            for name in ("cancel", "release", "close"):
+                if hasattr(x, name):
+                    getattr(x, name)()
+                    break
+        self._open = []
+
+
+async def _until_waiting(ep: str) -> None:
+    """Until the waiting gang's entry is in etcd (at most a minute)."""
+    async with Store([ep]) as s:
+        for _ in range(600):
+            if (await s.get_prefix(Keys().gang_queue())).kvs:
+                return
+            await asyncio.sleep(0.1)
+    raise RuntimeError("the waiting multi-host gang never wrote its entry")
