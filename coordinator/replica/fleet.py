@@ -1,21 +1,15 @@
 """Multi-host gangs on one replica (issue 30, G12): decided where the acquire arrives, from one snapshot of the
-fleet, and committed in one etcd transaction.
-
-**Who decides.** The replica that serves the waiting RPC (no forwarding, no leader): every decision is one
-transaction that compares what it read on every host it touches (each host's registration, partition, cordon,
-every ledger, the lease and departing prefixes and the queue condition, as a host's own round does), so two
-replicas deciding at once cannot both win, and a replica SIGKILLed mid-decision leaves either the whole
-transaction or nothing. The client retries with the same request_id (its lease id is a function of it, G6),
-through any replica: that one finds the lease, or takes the waiting entry over.
+fleet (the mirror's first), and committed in one etcd transaction that compares what it read on every host it
+touches; a retry through any replica finds the lease or takes the waiting entry over (docs/guarantees.md G12,
+"Who decides, and races").
 
 **Waiting.** A gang that does not fit waits as ``gangqueue/<rank>`` under its waiter's session, and reserves a
 set of hosts (``policy/fleet.py``): on each an entry ``queue/<host>/<rank>`` (the same rank) that lists the GPUs
 it reserves there. A host's own rounds never grant such an entry; they hold its GPUs back from every request
 ranked after it (G2 across hosts). The grant deletes the gang's entries in its transaction. A wait that ends
 removes them (or the leader's queue sweep, if this replica died and nobody retried), and a session that ends
-takes them with it.
-
-**Release, expiry, revoke** take every record on every host in one transaction (``Leases._other_parts``).
+takes them with it. Release, expiry and revoke take every record on every host in one transaction
+(``Leases._other_parts``).
 """
 from __future__ import annotations
 
@@ -107,15 +101,21 @@ class FleetAdmitter:
         self._background: set[asyncio.Task[None]] = set()
         self._wake, self._kicked = asyncio.Event(), asyncio.Event()
         self._last_round = 0.0
+        # The hosts that could hold a part of a waiting gang (by their GPU count), as the last round saw them;
+        # None: every host (no round yet).
+        self._relevant: set[str] | None = None
         self._task = spawn(self._run(), "multi-host gangs")
 
     @property
     def has_calls(self) -> bool:
         return bool(self._calls)
 
-    def notify(self) -> None:
-        """Something moved on some host (the watch): decided again, at most once per ``WATCH_PACE_S``."""
-        self._wake.set()
+    def notify(self, hosts: set[str], reshaped: set[str], team_room: bool) -> None:
+        """Something moved on ``hosts`` (the watch; ``reshaped``: their registration, partition or cordon): the
+        waiting gangs decide again, at most once per ``WATCH_PACE_S``, when it may matter to them: a host that
+        could hold a part of one, a host reshaped, or room for a team."""
+        if team_room or reshaped or self._relevant is None or hosts & self._relevant:
+            self._wake.set()
 
     def _kick(self) -> None:
         """A call came or ended: decided again at once."""
@@ -180,6 +180,7 @@ class FleetAdmitter:
         and a wait that writes nothing settled; anything else is decided again from etcd (``mirror_fleet``)."""
         fleet: Fleet | None = None
         etcd = False
+        self._relevant, relevant = None, set()
         for g in sorted(self._calls.values(), key=lambda x: x.rank):
             attempts = 0
             while attempts < self.ctx.config.commit_attempts:
@@ -189,6 +190,7 @@ class FleetAdmitter:
                     fleet = await self._read(not etcd)
                 writes = self._writes
                 done = await self._decide(g, fleet)
+                relevant |= {h for h, v in fleet.views.items() if len(v.gpus) >= g.call.gpu_count}
                 if done is None:          # not a grant, decided from the mirror: again from etcd
                     fleet, etcd = None, True
                     continue
@@ -199,6 +201,7 @@ class FleetAdmitter:
                 attempts, etcd = attempts + 1, True
                 metrics.CONFLICTS.inc()
                 await asyncio.sleep(0.005)
+        self._relevant = relevant
 
     async def _read(self, mirror_ok: bool) -> Fleet:
         sessions = [x.call.session for x in self._calls.values()]
@@ -277,28 +280,24 @@ class FleetAdmitter:
         first = fleet.views[parts[0][0]]
         gpus = [fleet.views[h].gpus[u] for h, us in parts for u in us]
         charge = grant_charge_mb(gpus, c.vram_mb, c.exclusive)
-        state = teams
-        if state is not None:
-            over = team_limit(state, first, c.session.agent, charge)
-            if over is not None:
-                if fleet.from_mirror:
-                    return None
-                if time.monotonic() >= c.deadline:
-                    return await self._leave(g, fleet, errors.CapacityError(over, "team"))
-                return True    # waits for its team (decided again at the next wake)
-        mark = over_quota_mark(state, first, c.session.agent, charge)
+        over = team_limit(teams, first, c.session.agent, charge) if teams is not None else None
+        if over is not None:
+            if fleet.from_mirror:
+                return None
+            if time.monotonic() >= c.deadline:
+                return await self._leave(g, fleet, errors.CapacityError(over, "team"))
+            return True    # waits for its team (decided again at the next wake)
+        mark = over_quota_mark(teams, first, c.session.agent, charge)
         compares, ops = entry_ops(fleet, g.call.lease_id, self.ctx.replica_id)
         gang = fleet.gangs.get(c.lease_id)
         wc, wo = withdrawals(keys, self.ctx.mirror.get, fleet, gang[1].victims if gang is not None else (),
                              f"{c.session.agent}/{c.request_id}")   # granted on room it found: its notices go
-        compares, ops = compares + wc, ops + wo
         new, gc, go = grant_writes(keys, fleet, c, parts, mark, wall)
-        compares, ops = compares + gc, ops + go
+        compares, ops = compares + wc + gc, ops + wo + go
         compares.append(Exists(keys.session(c.session.agent, c.session.session_id)))
-        if state is not None:
-            tc, to = team_writes(state, keys, new)
-            compares += tc
-            ops += to
+        if teams is not None:
+            tc, to = team_writes(teams, keys, new)
+            compares, ops = compares + tc, ops + to
         elif no_teams_since:
             compares.append(NothingWrittenSince(keys.teams(), no_teams_since))
         if len(ops) > TXN_OPS_BUDGET or len(compares) > TXN_COMPARES_BUDGET:

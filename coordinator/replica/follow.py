@@ -113,6 +113,7 @@ class Follower:
 
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()
+        reshaped: set[str] = set()   # hosts whose registration, partition or cordon changed
         team_room = False    # a team's use over the fleet may have dropped, or a team changed (G11)
         fleet_moved = False  # a team's lease was granted on some host (its ledger moved)
         for ev in batch.events:
@@ -144,6 +145,8 @@ class Follower:
                             self._deliver(dataclasses.replace(gone, withdrawn=True))
             elif kind in ("leases", "queue", "partitions", "hosts", "usage", "gpus", "departing", "cordons") and parts:
                 woken.add(parts[0])
+                if kind in ("hosts", "partitions", "cordons"):
+                    reshaped.add(parts[0])
                 if kind in ("usage", "departing") and self.leadership is not None:
                     # A report without an evicted lease's processes, or a departing record: the leader's
                     # deadline duty may act now (G3).
@@ -151,8 +154,9 @@ class Follower:
             elif kind == "sessions" and ev.kind == "DELETE" and len(parts) == 2:
                 # Closed or expired (its holder died): its cached identity goes with it.
                 self._sessions.pop((parts[0], parts[1]), None)
-        if woken and self._fleet is not None and self._fleet.has_calls:
-            self._fleet.notify()   # a multi-host gang may fit now, or its reservation must move
+        if (woken or team_room) and self._fleet is not None and self._fleet.has_calls:
+            # A multi-host gang may fit now, or must move; a lease's end gives room only to a team, if any is stored.
+            self._fleet.notify(woken, reshaped, team_room and bool(self.mirror.items("teams")))
         for host in woken:
             admitter = self._admitters.get(host)
             if admitter is not None and admitter.has_waiters:

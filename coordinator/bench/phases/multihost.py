@@ -10,8 +10,8 @@ keeps), then both released, B first. Each agent's hosts are its own pair, and th
 of the calls. The hosts are simulated by one process (``gpucoord node --fake-hosts``).
 
 Then what multi-host gangs cost everyone else (issue 30: P1 and P4 within 10 % of the run without them): P1's
-serial acquire p50 and P4's pairs/s and coordinator CPU per pair on two hosts of their own, with a 2-host gang
-held and an 8-host gang waiting (reserving every simulated host; the watch wakes it on every change P4 makes)
+serial acquire p50 and P4's pairs/s and coordinator CPU per pair on two hosts of their own, with a 3-host gang
+held and a 7-host gang waiting (reserving seven simulated hosts; the watch wakes it on every change P4 makes)
 against the same without either, alternating in the same run (``phases/sides.py``).
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def phase_multihost(seconds: float, agents: int, out: Figures, n: int = 100, p4_
         figures["per_host"] = eventloop.run(measure(False))
         figures["multihost"] = eventloop.run(measure(True))
         coord = _coord
-        r.node(P1_HOST, "8x80GiB")
+        r.node(P1_HOST, "4x80GiB")     # (fewer GPUs than a part of the gangs: never one of their hosts)
         r.node(P4_HOST, "1x80GiB")
         present = _Present(addr, r.ep, names)
         sides = alternate(addr, coord.pid, P1_HOST, P4_HOST, n, seconds, p4_agents, rounds, present.enter,
@@ -125,41 +125,52 @@ P1_HOST, P4_HOST = "mh-p1", "mh-p4"
 
 
 class _Present:
-    """The multi-host gangs of the measured side: a 2-host gang held, and an 8-host gang waiting that reserves
-    every simulated host (8 whole hosts, two of them held: it cannot fit, and evicts nobody at its priority)."""
+    """The multi-host gangs of the measured side: a 3-host gang held, and a 7-host gang waiting that reserves
+    seven whole hosts (of the eight simulated ones, three held: it cannot fit, and evicts nobody at its priority;
+    seven hosts of 8 GPUs are as many as one etcd transaction can grant). P1's and P4's hosts have too few GPUs
+    to be any part's."""
 
     def __init__(self, addr: str, ep: str, names: list[str]) -> None:
         self.addr, self.ep, self.names = addr, ep, names
-        self._open: list[Any] = []
+        self._clients: list[Client] = []
+        self._leases: list[Any] = []
+        self._calls: list[Any] = []
+        self._channels: list[grpc.Channel] = []
+        self._rounds = 0
 
     def enter(self, on: bool) -> None:
         if not on:
             return
         holder = Client(self.addr, agent="mh-hold", host=self.names[0])
-        waiter = Client(self.addr, agent="mh-wait", host=self.names[1])
-        self._open += [holder, waiter]
-        self._open.append(holder.acquire(exclusive=True, gpu_count=8, hosts=2))
+        waiter = Client(self.addr, agent="mh-wait", host=self.names[1]).connect()   # (its session id)
+        self._clients += [holder, waiter]
+        self._leases.append(holder.acquire(exclusive=True, gpu_count=8, hosts=3))
         channel = grpc.insecure_channel(self.addr)
-        self._open.append(channel)
-        self._open.append(pb_grpc.CoordinatorStub(channel).Acquire.future(pb.AcquireRequest(
-            session=pb.SessionRef(agent="mh-wait", session_id=waiter.session_id), request_id="mh-wait",
-            hosts=len(self.names), gpu_count=8, exclusive=True, wait_seconds=600.0)))
-        eventloop.run(_until_waiting(self.ep))
+        self._channels.append(channel)
+        self._rounds += 1
+        waiting = pb_grpc.CoordinatorStub(channel).Acquire.future(pb.AcquireRequest(
+            session=pb.SessionRef(agent="mh-wait", session_id=waiter.session_id), request_id=f"mh-wait-{self._rounds}",
+            hosts=len(self.names) - 1, gpu_count=8, exclusive=True, wait_seconds=600.0))
+        self._calls.append(waiting)
+        eventloop.run(_until_waiting(self.ep, waiting))
 
     def leave(self, on: bool) -> None:
-        for x in reversed(self._open):
-            for name in ("cancel", "release", "close"):
-                if hasattr(x, name):
-                    getattr(x, name)()
-                    break
-        self._open = []
+        for call in self._calls:
+            call.cancel()
+        for lease in self._leases:
+            lease.release()
+        for x in [*self._channels, *self._clients]:
+            x.close()
+        self._clients, self._leases, self._calls, self._channels = [], [], [], []
 
 
-async def _until_waiting(ep: str) -> None:
+async def _until_waiting(ep: str, waiting: Any) -> None:
     """Until the waiting gang's entry is in etcd (at most a minute)."""
     async with Store([ep]) as s:
         for _ in range(600):
             if (await s.get_prefix(Keys().gang_queue())).kvs:
                 return
+            if waiting.done():
+                raise RuntimeError(f"the multi-host gang meant to wait was answered: {waiting.exception()!r}")
             await asyncio.sleep(0.1)
     raise RuntimeError("the waiting multi-host gang never wrote its entry")
