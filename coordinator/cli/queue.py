@@ -36,13 +36,16 @@ def queue_doc(status: dict[str, Any]) -> dict[str, Any]:
                             "estimated_start_unix": q.get("estimated_start_unix") if q.get("has_estimate") else None})
             if q.get("reserve"):
                 waiting[-1]["reserve_gpus"] = [index_of.get(u, u) for u in q["reserve"]]
-    return {"revision": status.get("revision", 0), "waiting": waiting}
+    return {"revision": status.get("revision", 0), "waiting": waiting, "gangs": list(status.get("gang_queue", []))}
 
 
 def render_queue(doc: dict[str, Any], now: float) -> str:
-    """One line per waiting request, then its reason; ``now``: to show the estimate as a time from now."""
+    """One line per waiting request, then its reason; ``now``: to show the estimate as a time from now. Then the
+    multi-host gangs waiting, each with the hosts it reserves."""
+    gangs = [f"multi-host gang {g.get('position', 0)}: {g.get('agent', '')} priority {g.get('priority', 0)}: "
+             f"{g.get('reason', '')}" for g in doc.get("gangs", [])]
     if not doc["waiting"]:
-        return "no request waits"
+        return "\n".join(gangs) if gangs else "no request waits"
     lines = [f"{'host':<16} {'pos':>3} {'agent':<14} {'asks':>14} {'prio':>5} {'estimated start':<16}"]
     for q in doc["waiting"]:
         start = q.get("estimated_start_unix")
@@ -57,7 +60,7 @@ def render_queue(doc: dict[str, Any], now: float) -> str:
         held = reservation(q, dict(zip(q.get("reserve") or (), q.get("reserve_gpus") or ())))
         if held:
             lines.append(f"  {held}")
-    return "\n".join(lines)
+    return "\n".join(lines + gangs)
 
 
 def cmd_queue(args: argparse.Namespace) -> int:

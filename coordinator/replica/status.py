@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -12,7 +13,12 @@ from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import default_partition
 from coordinator.policy.waiting import WaitReason
-from coordinator.records import DepartingRecord, EvictionRecord, InvalidRecord
+from coordinator.records import (
+    DepartingRecord,
+    EvictionRecord,
+    InvalidRecord,
+    QueueEntry,
+)
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.idle import status_fields as idle_fields
 from coordinator.replica.teams import mirror_team_state
@@ -35,6 +41,7 @@ class StatusReport:
     leader: str = ""
     waits: dict[str, dict[str, WaitReason]] = dataclasses.field(default_factory=dict)
     idle: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)   # lease id -> its idle fields
+    gangs: list[QueueEntry] = dataclasses.field(default_factory=list)   # the multi-host gangs waiting, by rank
 
     @property
     def doc(self) -> dict[str, Any]:
@@ -44,7 +51,7 @@ class StatusReport:
 async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> StatusReport:
     """The operator's view: ``read_status``, then the eviction notices (a malformed one is left out: the
     replica's watch has logged it)."""
-    revision, views, ttls = await read_status(ctx, host)
+    revision, views, ttls, gangs = await read_status(ctx, host)
     notices = {}
     for kv in (await ctx.store.get_prefix(ctx.keys.evictions())).kvs:
         try:
@@ -57,11 +64,14 @@ async def read_report(ctx: ReplicaContext, host: str = "", leader: str = "") -> 
         teams = mirror_team_state(ctx.mirror)
     now = clock.wall()
     waits = {v.host: host_waits(v, notices, teams, now, ctx.config.eviction_kill_margin_s) for v in views if v.entries}
-    return StatusReport(revision, views, ttls, notices, leader, waits, idle_fields(ctx))
+    return StatusReport(revision, views, ttls, notices, leader, waits, idle_fields(ctx), gangs)
 
 
-async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[HostView], dict[int, int]]:
-    """Every host's view at one revision, plus the remaining TTL of each session's etcd_lease."""
+async def read_status(ctx: ReplicaContext, host: str = ""
+                      ) -> tuple[int, list[HostView], dict[int, int], list[QueueEntry]]:
+    """Every host's view at one revision, the remaining TTL of each session's etcd_lease, and (every host asked
+    for) the multi-host gangs waiting."""
+    gangs: list[QueueEntry] = []
     if host:
         one = await read_host(ctx.store, ctx.keys, host)
         revision = one.revision
@@ -69,8 +79,12 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
     else:
         # Seven whole-prefix ranges in one transaction, whatever the number of hosts (a range per host
         # would pass etcd's limit of operations per transaction).
-        snap = await ctx.store.snapshot([Range(ctx.keys.kind(k), prefix=True) for k in HOST_KINDS])
+        snap = await ctx.store.snapshot([*(Range(ctx.keys.kind(k), prefix=True) for k in HOST_KINDS),
+                                         Range(ctx.keys.gang_queue(), prefix=True)])
         revision = snap.revision
+        for kv in snap.ranges[len(HOST_KINDS)]:
+            with contextlib.suppress(InvalidRecord):
+                gangs.append(QueueEntry.from_kv(kv))
         per_host: dict[str, dict[str, list[KV]]] = {}
         for kind, kvs in zip(HOST_KINDS, snap.ranges):
             for kv in kvs:
@@ -81,7 +95,7 @@ async def read_status(ctx: ReplicaContext, host: str = "") -> tuple[int, list[Ho
                  for h in sorted(per_host)]
     etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
     ttls = dict(zip(etcd_leases, await asyncio.gather(*(ctx.store.time_to_live(x) for x in etcd_leases))))
-    return revision, views, ttls
+    return revision, views, ttls, gangs
 
 
 def departing_json(d: DepartingRecord, usage: dict[str, Any] | None, held: bool) -> dict[str, Any]:

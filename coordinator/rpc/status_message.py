@@ -106,6 +106,14 @@ def status_response(report: StatusReport,
         hs.cordoned, hs.draining = h["cordoned"], h["draining"]
         if view.cordon is not None:
             hs.cordon.CopyFrom(cordon_pb(view.cordon))
+    for n, e in enumerate(sorted(report.gangs, key=lambda e: e.rank), 1):
+        held = sorted(v.host for v in report.views if any(x.lease_id == e.lease_id for x in v.entries))
+        shape = f"{e.hosts} hosts x {e.gpu_count} {'whole GPUs' if e.exclusive else f'GPUs with {e.vram_mb} MiB each'}"
+        out.gang_queue.add(rank=e.rank, agent=e.agent, vram_mb=e.vram_mb, priority=e.priority, request_id=e.request_id,
+                           gpu_count=e.gpu_count, exclusive=e.exclusive, topology=e.topology, hosts=e.hosts,
+                           same=e.same, prefer=e.prefer, start_after_unix=e.start_after, position=n,
+                           reason=f"waits for {shape}; " + (f"reserves {', '.join(held)}" if held else
+                                                             "reserves no host: every set it could get is cordoned"))
     return out
 
 
@@ -146,3 +154,6 @@ def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
         for entry in hs.queue:
             if entry.agent != agent:
                 entry.request_id = ""
+    for entry in status.gang_queue:
+        if entry.agent != agent:
+            entry.request_id = ""

@@ -211,8 +211,12 @@ QUEUE_HEAD = ("Position", "Agent", "VRAM", "Priority", "GPU", "Why it waits", "E
 
 def leases(doc: Doc, events: list[dict[str, Any]]) -> str:
     hs = doc.get("hosts", [])
+    gangs = [[str(g.get("position", 0)), e(g.get("agent", "")), str(g.get("priority", 0)),
+              f'<span class="reason">{e(g.get("reason", ""))}</span>'] for g in doc.get("gang_queue", [])]
     return ("<h1>Leases</h1>" + _table(("Host", *LEASE_HEAD), _lease_rows(hs, True), "leases", "No lease is held.")
-            + "<h2>Queue</h2>" + _table(("Host", *QUEUE_HEAD), _queue_rows(hs, True), "queue", "Nobody waits."))
+            + "<h2>Queue</h2>" + _table(("Host", *QUEUE_HEAD), _queue_rows(hs, True), "queue", "Nobody waits.")
+            + "<h2>Multi-host gangs waiting</h2>" + _table(("Position", "Agent", "Priority", "Reservation"), gangs,
+                                                           "gangqueue", "No multi-host gang waits."))
 
 
 def host(doc: Doc, events: list[dict[str, Any]], name: str) -> str | None:

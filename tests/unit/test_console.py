@@ -129,7 +129,8 @@ def test_leases_show_idle_marks_and_the_queue_why_and_when() -> None:
     assert '<li data-kind="ahead">ahead: r0 is ahead</li>' in page
     rows = page.split('<table class="queue">')[1].split("<tr>")[2:]
     assert rows[0].startswith("<td>" + pages._host_link("h1") + "</td><td>2</td>") and "<td>02:00:00 UTC</td>" in rows[0]
-    assert "<td>3</td>" in rows[1] and rows[1].endswith("<td>unknown</td></tr></tbody></table></div>")
+    assert "<td>3</td>" in rows[1] and rows[1].split("<h2>")[0].endswith("<td>unknown</td></tr></tbody></table></div>")
+    assert '<p class="empty gangqueue">No multi-host gang waits.</p>' in page
 
 
 def test_a_cordon_and_an_uncordon_are_events() -> None:

@@ -71,3 +71,12 @@ def test_an_agents_status_shows_other_agents_departing_leases_without_processes_
     assert (other.lease_id, other.vram_mb, other.held, list(other.pids), other.requested_by) == \
         ("a1", 100, True, [], ""), other
     assert (list(own.pids), own.requested_by) == ([21], "operator"), own
+
+
+def test_an_agent_sees_no_other_agents_request_id_among_the_waiting_gangs_nor_etcds_members() -> None:
+    status = pb.GetStatusResponse()
+    status.gang_queue.add(agent="agent-a", request_id="theirs", hosts=2)
+    status.gang_queue.add(agent="agent-b", request_id="mine", hosts=2)
+    status.etcd_members.add(name="etcd-0", leader=True)
+    redact_for_agent(status, "agent-b")
+    assert [x.request_id for x in status.gang_queue] == ["", "mine"] and not status.etcd_members
