@@ -42,12 +42,20 @@ get have gone (``tests/unit/test_fleet_placement.py`` proves it as a property).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Callable, Iterable, Mapping, Sequence
 
 from coordinator import errors
 from coordinator.policy.gang import could_use
-from coordinator.policy.placement import Chosen, GangRequest, GpuSlot, Refused, place
+from coordinator.policy.placement import (
+    Chosen,
+    GangRequest,
+    GpuSlot,
+    Placement,
+    Refused,
+    place,
+)
 from coordinator.policy.victims import Holder, choose_gang_victims, g3_order
 
 Parts = tuple[tuple[str, tuple[int, ...]], ...]   # (host, GPU indexes), in rank order
@@ -77,6 +85,36 @@ class FleetRequest:
     def on(self, host: FleetHost) -> GangRequest:
         return GangRequest(self.gpu_count, self.vram_mb, host.caps, self.exclusive, self.topology)
 
+    def could_use(self, host: FleetHost) -> Refused | tuple[int, ...]:
+        """``gang.could_use`` of its part on ``host``, remembered (the fleet's hosts mostly stay as they were
+        from one decision to the next)."""
+        return _could_use(host.slots, self._shape(), _caps(host))
+
+    def place(self, host: FleetHost) -> Placement:
+        """``placement.place`` of its part on ``host``, free of the host's blocked GPUs, remembered."""
+        return _place(host.slots, self._shape(), _caps(host), frozenset(host.blocked))
+
+    def _shape(self) -> tuple[int, int, bool, str]:
+        return self.gpu_count, self.vram_mb, self.exclusive, self.topology
+
+
+def _caps(host: FleetHost) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(host.caps.items()))
+
+
+# Placement is pure and a fleet's hosts mostly unchanged between two decisions: each host's answer is kept by
+# its exact inputs (the slots, the part's shape, the caps, the blocked GPUs).
+@functools.lru_cache(maxsize=4096)
+def _place(slots: tuple[GpuSlot, ...], shape: tuple[int, int, bool, str], caps: tuple[tuple[str, int], ...],
+           blocked: frozenset[int]) -> Placement:
+    return place(slots, GangRequest(shape[0], shape[1], dict(caps), shape[2], shape[3]), blocked)
+
+
+@functools.lru_cache(maxsize=4096)
+def _could_use(slots: tuple[GpuSlot, ...], shape: tuple[int, int, bool, str],
+               caps: tuple[tuple[str, int], ...]) -> Refused | tuple[int, ...]:
+    return could_use(slots, GangRequest(shape[0], shape[1], dict(caps), shape[2], shape[3]))
+
 
 @dataclasses.dataclass(frozen=True)
 class FleetGrant:
@@ -96,7 +134,7 @@ def plan_gang(req: FleetRequest, hosts: Sequence[FleetHost], reserved: Iterable[
     for h in hosts:
         if h.never:
             continue
-        usable = could_use(h.slots, req.on(h))
+        usable = req.could_use(h)
         if isinstance(usable, Refused):
             why_not.append(f"{h.host}: {usable.reason}")
         elif usable:
@@ -109,7 +147,7 @@ def plan_gang(req: FleetRequest, hosts: Sequence[FleetHost], reserved: Iterable[
     for h in hosts:
         if h.host not in ever or h.cordoned:
             continue
-        p = place(h.slots, req.on(h), h.blocked)
+        p = req.place(h)
         if isinstance(p, Chosen):
             now[h.host] = p.gpus
             by_index = {s.index: s for s in h.slots}
@@ -149,7 +187,7 @@ def plan_gang_eviction(req: FleetRequest, hosts: Sequence[FleetHost], holders: M
     for h in hosts:
         if h.never or h.cordoned:
             continue
-        usable = could_use(h.slots, req.on(h))
+        usable = req.could_use(h)
         if isinstance(usable, Refused) or not usable:
             continue
         choice = choose_gang_victims(h.slots, req.on(h), priority, agent, holders.get(h.host, ()), h.blocked)

@@ -46,6 +46,7 @@ from coordinator.replica.context import ReplicaContext
 from coordinator.replica.fleet_victims import invalid_reclaims, new_victims
 from coordinator.replica.fleet_view import (
     Fleet,
+    ViewCache,
     beyond_one_transaction,
     entry_ops,
     fleet_hosts,
@@ -101,9 +102,9 @@ class FleetAdmitter:
         self._background: set[asyncio.Task[None]] = set()
         self._wake, self._kicked = asyncio.Event(), asyncio.Event()
         self._last_round = 0.0
-        # The hosts that could hold a part of a waiting gang (by their GPU count), as the last round saw them;
-        # None: every host (no round yet).
+        # The hosts that could hold a part of a waiting gang (by GPU count) as the last round saw them; None: all.
         self._relevant: set[str] | None = None
+        self._views: ViewCache = {}   # each host's view from the mirror, kept while its keys stay as they were
         self._task = spawn(self._run(), "multi-host gangs")
 
     @property
@@ -210,7 +211,7 @@ class FleetAdmitter:
             if mirror.revision < self._last_commit:    # our own last write is about a millisecond away
                 await mirror.caught_up(self._last_commit, MIRROR_WAIT_S)
             if mirror.revision >= self._last_commit:
-                return mirror_fleet(self.ctx, sessions)
+                return mirror_fleet(self.ctx, sessions, self._views)
         return await read_fleet(self.ctx, sessions)
 
     async def _commit(self, compares: list[Compare], ops: list[Op]) -> Any:

@@ -27,7 +27,14 @@ from coordinator.records import (
 )
 from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view
+from coordinator.replica.view import (
+    HOST_KINDS,
+    HostSnapshot,
+    host_snapshot_of,
+    host_view,
+    lease_of,
+    usage_is_stale,
+)
 from coordinator.replica.waits import lease_ends
 from coordinator.txn import Absent, Compare, Delete, ModRevisionIs, Op, Put, Range
 
@@ -44,16 +51,38 @@ class Fleet:
     from_mirror: bool = False   # the replica's watch-fed copy (only a grant is decided from it)
 
 
-def mirror_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo]) -> Fleet:
+ViewCache = dict[str, tuple[HostSnapshot, HostView]]
+
+
+def mirror_fleet(ctx: ReplicaContext, sessions: Sequence[SessionInfo], cache: ViewCache | None = None) -> Fleet:
     """The fleet as the replica's mirror has it, at its revision: exactly the snapshot etcd would serve there
     (``replica/mirror.py``). A grant decided from it is validated by its transaction's compares; anything else is
-    decided again from ``read_fleet`` (a stale copy never refuses, reserves or evicts)."""
+    decided again from ``read_fleet`` (a stale copy never refuses, reserves or evicts). ``cache``: each host's view
+    as last built, used again while none of the host's keys changed and its usage report is as fresh or stale as
+    it was (its guards then compare from that view's revision: nothing was written there since)."""
     mirror, keys = ctx.mirror, ctx.keys
-    views = {host: host_view(keys, host, mirror.host_snapshot(host), ctx.config.untracked_vram, ctx.usage_age)
-             for host in sorted(mirror.hosts())}
+    views = {}
+    for host in sorted(mirror.hosts()):
+        snap = mirror.host_snapshot(host)
+        kept = cache.get(host) if cache is not None else None
+        if kept is not None and _same_keys(kept[0], snap) and usage_is_stale(
+                kept[1].usage, ctx.usage_age(snap.usage) if snap.usage else -1.0) == kept[1].usage_stale:
+            views[host] = kept[1]
+            continue
+        views[host] = host_view(keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)
+        if cache is not None:
+            cache[host] = (snap, views[host])
+    if cache is not None:
+        for gone in set(cache) - set(views):
+            del cache[gone]
     return Fleet(mirror.revision, views, _gangs(mirror.items("gangqueue")),
                  {x.session_id for x in sessions if mirror.get(keys.session(x.agent, x.session_id)) is not None},
                  _leases(mirror.all_host_items("leases")), from_mirror=True)
+
+
+def _same_keys(a: HostSnapshot, b: HostSnapshot) -> bool:
+    return (a.host, a.usage, a.partition, a.ledgers, a.leases, a.queue, a.departing, a.cordon) == \
+        (b.host, b.usage, b.partition, b.ledgers, b.leases, b.queue, b.departing, b.cordon)
 
 
 def _gangs(kvs: Iterable[KV]) -> dict[str, tuple[KV, QueueEntry]]:
@@ -71,7 +100,7 @@ def _leases(kvs: Iterable[KV]) -> dict[str, list[VramLease]]:
     leases: dict[str, list[VramLease]] = {}
     for kv in kvs:
         try:
-            lease = VramLease.from_kv(kv)
+            lease = lease_of(kv)
         except InvalidRecord:
             continue   # (its host is INVALID: the host's view says so)
         leases.setdefault(lease.id, []).append(lease)

@@ -119,6 +119,13 @@ def _inventory(value: bytes) -> HostInventory:
     return HostInventory.from_json(load_record(value).get("inventory"))  # type: ignore[arg-type]
 
 
+# A lease record is parsed once per version: every round of its host, and every multi-host decision over the
+# fleet, reads it again while it lives.
+@functools.lru_cache(maxsize=8192)
+def lease_of(kv: KV) -> VramLease:
+    return VramLease.from_kv(kv)
+
+
 @functools.lru_cache(maxsize=4096)
 def _partition(value: bytes) -> Partition:
     return Partition.from_json(load_record(value).get("partition"))  # type: ignore[arg-type]
@@ -198,7 +205,7 @@ def host_view(keys: Keys, host: str, snap: HostSnapshot, untracked: bool,
     leases = {}
     by_gpu: dict[str, list[VramLease]] = {}
     for kv in lease_kvs:
-        lease = _parsed(keys, kv, lambda kv=kv: VramLease.from_kv(kv), problems)   # type: ignore[misc]
+        lease = _parsed(keys, kv, lambda kv=kv: lease_of(kv), problems)   # type: ignore[misc]
         if lease is None:
             continue
         leases[lease.id] = lease
