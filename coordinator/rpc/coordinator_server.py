@@ -47,6 +47,7 @@ from coordinator.security.tls import add_port, check_listen, server_options
 from coordinator.web.app import console_app
 
 log = logging.getLogger(__name__)
+ETCD_MEMBERS_S = 1.0   # how long a fleet status waits for etcd's member list
 
 T = TypeVar("T")
 Req = TypeVar("Req")
@@ -227,7 +228,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         console's (``coordinator.web``). ``teams``: with the teams' usage (over the fleet: every host only)."""
         self.svc.reach.check()
         validate.status_host(host)
-        report = await self.svc.status(host)
+        members = None if host else asyncio.ensure_future(self._etcd_members())   # read beside the hosts
+        try:
+            report = await self.svc.status(host)
+        except BaseException:
+            if members is not None:
+                members.cancel()
+            raise
         if host and not any(v.inventory is not None or v.host_kv is not None or v.gpus or v.leases
                             or v.partition is not None or v.entries or v.departing or v.cordon is not None
                             for v in report.views):
@@ -236,15 +243,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         out = status_response(report, self._notice)
         if not host and teams:
             out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
-        if not host:
-            try:
-                members = await self.svc.ctx.store.members()
-            except errors.GpucoordError as e:    # the hosts were read: a member list that fails leaves it out
-                log.warning("status: could not list etcd's members: %s", e)
-                members = []
-            out.etcd_members.extend(pb.EtcdMember(name=m.name, id=f"{m.id:x}", client_urls=list(m.client_urls),
-                                                  leader=m.leader) for m in members)
+        if members is not None:
+            out.etcd_members.extend(await members)
         return out
+
+    async def _etcd_members(self) -> list[pb.EtcdMember]:
+        """etcd's members for the status, within a second: a member list that fails or takes longer (a member
+        out of reach) is left out, logged, and never holds the status back."""
+        try:
+            members = await asyncio.wait_for(self.svc.ctx.store.members(), ETCD_MEMBERS_S)
+        except (errors.GpucoordError, TimeoutError) as e:
+            log.warning("status: could not list etcd's members: %r", e)
+            return []
+        return [pb.EtcdMember(name=m.name, id=f"{m.id:x}", client_urls=list(m.client_urls), leader=m.leader)
+                for m in members]
 
     @_rpc
     async def ApplyPartition(self, request: pb.ApplyPartitionRequest,

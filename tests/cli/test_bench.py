@@ -24,7 +24,7 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
-EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4, "GANG": 2, "MULTIHOST": 2,
+EXPECTED = {"P1": 1, "P2": 2, "P3": 3, "P4": 4, "P5": 2, "P6": 2, "P7": 2, "P8": 4, "GANG": 2, "MULTIHOST": 5,
             "TEAMS": 3}
 
 
@@ -57,6 +57,9 @@ def test_quick_bench_reports_every_target() -> None:
     assert (doc["multihost"]["agents"], doc["multihost"]["hosts"], doc["multihost"]["gpus_per_host"]) == (4, 8, 4)
     for side in ("multihost", "per_host"):
         assert doc["multihost"][side]["pairs_s"] > 0 and doc["multihost"][side]["acquire_p50_ms"] > 0
+    # And P1/P4 with multi-host gangs held and waiting, and without.
+    for side in ("none", "gangs"):
+        assert doc["multihost"]["p1_p4"][side]["pairs_s"] > 0 and doc["multihost"]["p1_p4"][side]["acquire_p50_ms"] > 0
     # The teams line's two sides both ran, and with teams stored the grants took the limited team's path:
     # each round's transaction bumped the team's ledger.
     for side in ("none", "teams"):
@@ -66,16 +69,20 @@ def test_quick_bench_reports_every_target() -> None:
 
 def test_the_multihost_line_is_printed_with_its_fields() -> None:
     """``bench multihost --quick``: two MULTIHOST lines, pairs/s and acquire p50, each with its baseline (a
-    gang per host in a fixed host order) and a verdict; the figures themselves are not judged here."""
+    gang per host in a fixed host order) and a verdict, then three of P1 and P4 with multi-host gangs held and
+    waiting against none; the figures themselves are not judged here."""
     proc = subprocess.run([sys.executable, "-m", "coordinator.cli", "bench", "multihost", "--quick"],
                           capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_no_asyncio_noise(proc.stderr, "bench multihost --quick")
     lines = [x for x in proc.stdout.splitlines() if x.startswith("MULTIHOST")]
-    assert [("pairs/s" in x, "acquire p50" in x) for x in lines] == [(True, False), (False, True)], proc.stdout
-    for x in lines:
+    assert [("pairs/s" in x, "acquire p50" in x) for x in lines[:2]] == [(True, False), (False, True)], proc.stdout
+    for x in lines[:2]:
         assert ("PASS" in x or "FAIL" in x) and "ratio" in x and "baseline" in x and "host A then B" in x, x
         assert "2-host x 4-GPU" in x and "4 agents" in x, x
+    assert ["(P1)" in lines[2], "(P4)" in lines[3], "(P4)" in lines[4]] == [True, True, True], proc.stdout
+    for x in lines[2:]:
+        assert ("PASS" in x or "FAIL" in x) and "without them, same run" in x, x
 
 
 def test_text_output_has_one_line_per_figure() -> None:
