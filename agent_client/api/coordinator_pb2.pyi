@@ -478,20 +478,37 @@ class HostStatus(_message.Message):
     def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., simulated: _Optional[bool] = ..., usage_age_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., partition_mode: _Optional[str] = ..., agents: _Optional[_Iterable[_Union[AgentUse, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., cpu_count: _Optional[int] = ..., mem_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., usage_stale: _Optional[bool] = ..., invalid: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., cordoned: _Optional[bool] = ..., cordon: _Optional[_Union[Cordon, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("hosts", "revision", "leader", "teams", "etcd_members", "gang_queue")
+    __slots__ = ("hosts", "revision", "leader", "teams", "etcd_members", "gang_queue", "usage_days")
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     TEAMS_FIELD_NUMBER: _ClassVar[int]
     ETCD_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     GANG_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    USAGE_DAYS_FIELD_NUMBER: _ClassVar[int]
     hosts: _containers.RepeatedCompositeFieldContainer[HostStatus]
     revision: int
     leader: str
     teams: _containers.RepeatedCompositeFieldContainer[TeamStatus]
     etcd_members: _containers.RepeatedCompositeFieldContainer[EtcdMember]
     gang_queue: _containers.RepeatedCompositeFieldContainer[QueueEntry]
-    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ..., teams: _Optional[_Iterable[_Union[TeamStatus, _Mapping]]] = ..., etcd_members: _Optional[_Iterable[_Union[EtcdMember, _Mapping]]] = ..., gang_queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ...) -> None: ...
+    usage_days: _containers.RepeatedCompositeFieldContainer[UsageDay]
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostStatus, _Mapping]]] = ..., revision: _Optional[int] = ..., leader: _Optional[str] = ..., teams: _Optional[_Iterable[_Union[TeamStatus, _Mapping]]] = ..., etcd_members: _Optional[_Iterable[_Union[EtcdMember, _Mapping]]] = ..., gang_queue: _Optional[_Iterable[_Union[QueueEntry, _Mapping]]] = ..., usage_days: _Optional[_Iterable[_Union[UsageDay, _Mapping]]] = ...) -> None: ...
+
+class UsageDay(_message.Message):
+    __slots__ = ("day", "gpu_seconds")
+    class GpuSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    DAY_FIELD_NUMBER: _ClassVar[int]
+    GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    day: str
+    gpu_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, day: _Optional[str] = ..., gpu_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class EtcdMember(_message.Message):
     __slots__ = ("name", "id", "client_urls", "leader")

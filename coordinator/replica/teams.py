@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from coordinator import clock, errors
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
-from coordinator.policy.accounting import decayed_by_team
+from coordinator.policy.accounting import decayed_by_team, gpu_seconds_by_day, last_days
 from coordinator.policy.host import HostView
 from coordinator.policy.team_admission import TeamState, by_lease, charge_of
 from coordinator.policy.teams import (
@@ -118,20 +118,24 @@ class Teams:
         res = await self.store.commit([ModRevisionIs(key, snap.ranges[0][0].mod_revision)], [Delete(key)])
         return res.succeeded or await self.delete_team(name)
 
-    async def status_rows(self, views: Iterable[HostView]) -> list[tuple[Team, Usage, bool]]:
+    async def status_rows(self, views: Iterable[HostView]
+                          ) -> tuple[list[tuple[Team, Usage, bool]], dict[str, dict[str, float]]]:
         """The teams table of ``gpucoord status``: every stored team and ``default`` with their usage in
-        ``views`` (every host, from one snapshot); [] when no team is stored."""
+        ``views`` (every host, from one snapshot), and each team's GPU-seconds on each of the last days
+        (``accounting.gpu_seconds_by_day``); ([], {}) when no team is stored."""
         teams, _ = read_teams((await self.store.get_prefix(self.keys.teams())).kvs)
         if not teams:
-            return []
+            return [], {}
         membership = Membership(teams.values())
         charges, waiting = charges_from_views(views, membership)
         usage = usage_by_team(charges, membership, waiting)
         rollups = (await self.store.get_prefix(self.keys.usage_rollups())).kvs
         leases = [x for v in views for x in v.leases.values() for _ in x.gpus]   # one start per GPU
-        decayed = decayed_by_team(self.keys, membership, rollups, leases, self.config.usage_half_life_s, clock.wall())
+        now = clock.wall()
+        decayed = decayed_by_team(self.keys, membership, rollups, leases, self.config.usage_half_life_s, now)
         return [(membership.team(n), dataclasses.replace(usage.get(n, Usage()), decayed_gpu_s=decayed.get(n, 0.0)),
-                 n in teams) for n in sorted(set(usage) | set(teams) | {DEFAULT_TEAM})]
+                 n in teams) for n in sorted(set(usage) | set(teams) | {DEFAULT_TEAM})], \
+            gpu_seconds_by_day(self.keys, rollups, last_days(now))
 
     async def team_status(self, name: str = "") -> tuple[int, list[tuple[Team, Usage, bool]]]:
         """Teams (one, or every stored team and ``default``) with their usage, all read at one revision:

@@ -242,7 +242,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
             raise errors.NotFound(f"host: no host {quote(host)} ('gpucoord status' lists them)", "host")
         out = status_response(report, self._notice)
         if not host and teams:
-            out.teams.extend(await team_rpcs.status_teams(self.teams, report.views))
+            teams_pb, days = await team_rpcs.status_teams(self.teams, report.views)
+            out.teams.extend(teams_pb)
+            out.usage_days.extend(days)
         if members is not None:
             out.etcd_members.extend(await members)
         return out

@@ -128,6 +128,7 @@ def redact_for_agent(status: pb.GetStatusResponse, agent: str) -> None:
     processes only its own leases' appear (of other agents' departing leases, neither their processes nor
     who asked); the queue shows no other agent's request id. The etcd cluster's members are not its concern."""
     del status.etcd_members[:]
+    del status.usage_days[:]
     for hs in status.hosts:
         if hs.HasField("cordon"):
             hs.cordon.asked_by = ""   # which operator cordoned it: the reason is enough

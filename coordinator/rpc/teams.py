@@ -81,11 +81,11 @@ async def list_teams(teams: Teams) -> pb.ListTeamsResponse:
     return pb.ListTeamsResponse(teams=[team_status_pb(*row) for row in rows], revision=revision)
 
 
-async def status_teams(teams: Teams, views: Iterable[HostView]) -> list[pb.TeamStatus]:
-    """GetStatus's teams: every stored team and ``default`` with their usage in ``views``. (The per-team
-    gauges come from the watch: ``coordinator.replica.gauges``.)"""
-    rows = await teams.status_rows(views)
-    return [team_status_pb(*row) for row in rows]
+async def status_teams(teams: Teams, views: Iterable[HostView]) -> tuple[list[pb.TeamStatus], list[pb.UsageDay]]:
+    """GetStatus's teams: every stored team and ``default`` with their usage in ``views``, and the last days'
+    GPU-seconds per team. (The per-team gauges come from the watch: ``coordinator.replica.gauges``.)"""
+    rows, days = await teams.status_rows(views)
+    return [team_status_pb(*row) for row in rows], [pb.UsageDay(day=d, gpu_seconds=t) for d, t in days.items()]
 
 
 async def delete_team(teams: Teams, request: pb.DeleteTeamRequest) -> pb.DeleteTeamResponse:

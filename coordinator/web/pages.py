@@ -264,7 +264,29 @@ def teams(doc: Doc, events: list[dict[str, Any]]) -> str:
     return "<h1>Teams</h1>" + _table(("Team", "Quota", "Limit", "Used", "Borrowed", "Leases / waiting",
                                       "Used against quota (|) and limit (|)",
                                       "Decayed usage (GPU-hours, against the most)"), rows, "teams",
-                                     "No team is configured ('gpucoord team set').")
+                                     "No team is configured ('gpucoord team set').") + usage_chart(doc)
+
+
+def usage_chart(doc: Doc) -> str:
+    """GPU-hours per team per UTC day, the last days (status's ``usage_days``: the hourly rollups of the leases
+    that ended), as one column of bars a day, each bar against the largest of the chart."""
+    days = doc.get("usage_days", [])
+    if not days:
+        return ""
+    teams = sorted({t for d in days for t in d.get("gpu_seconds", {})})
+    most = max((float(s) for d in days for s in d.get("gpu_seconds", {}).values()), default=0.0)
+    cols = []
+    for d in days:
+        secs = d.get("gpu_seconds", {})
+        bars = "".join(f'<span class="bar t{n % 6}" data-team="{e(t)}" data-gpu-seconds="{float(secs.get(t, 0.0)):g}" '
+                       f'style="height:{_pct(float(secs.get(t, 0.0)), most)}" '
+                       f'title="{e(t)}: {float(secs.get(t, 0.0)) / 3600:.2f} GPU-hours"></span>'
+                       for n, t in enumerate(teams))
+        cols.append(f'<div class="day" data-day="{e(d.get("day", ""))}"><div class="bars">{bars}</div>'
+                    f'<div class="k">{e(str(d.get("day", ""))[5:])}</div></div>')
+    legend = "".join(f'<span class="bar t{n % 6}"></span> {e(t)} ' for n, t in enumerate(teams))
+    return (f'<h2>Usage, GPU-hours per day (UTC)</h2><p class="legend">{legend or "no lease has ended yet"}</p>'
+            f'<div class="usagechart">{"".join(cols)}</div>')
 
 
 def event_items(events: list[dict[str, Any]]) -> str:

@@ -217,6 +217,15 @@ def test_a_teams_bar_moves(browser: Any, fleet: Fleet, tmp_path: pathlib.Path) -
             assert float(decayed) >= 0.0, decayed   # status's decayed_gpu_hours (nothing ended yet: ~0)
             not_reloaded(browser)
             shot(browser, tmp_path, "teams-used")
+    # The lease ended: the leader's accountant charges its GPU-seconds to research's rollup of this hour, and the
+    # usage chart's bar of today (the last day) shows them, pushed.
+    today = "document.querySelector('.usagechart .day:last-child .bar[data-team=\"research\"]')"
+    secs = until(browser, "research's GPU-seconds of today on the usage chart",
+                 f"var b = {today}; return b && parseFloat(b.getAttribute('data-gpu-seconds')) > 0 && "
+                 "b.getAttribute('data-gpu-seconds');")
+    assert float(secs) > 0, secs
+    not_reloaded(browser)
+    shot(browser, tmp_path, "teams-usage-chart")
 
 
 @pytest.mark.parametrize("width", [1400, 800])

@@ -139,3 +139,14 @@ def test_a_cordon_and_an_uncordon_are_events() -> None:
     events = changes(doc(), cordoned)
     assert [e["kind"] for e in events] == ["cordon"] and events[0]["text"] == "host h1 cordoned for a drain: disk swap (by op)"
     assert [e["kind"] for e in changes(cordoned, doc())] == ["uncordon"] and changes(cordoned, cordoned) == []
+
+
+def test_the_usage_chart_draws_each_teams_gpu_seconds_a_day_against_the_largest() -> None:
+    doc = {"usage_days": [{"day": "2026-12-05", "gpu_seconds": {"<a>": 3600.0}},
+                          {"day": "2026-12-06", "gpu_seconds": {"<a>": 900.0, "b": 7200.0}}]}
+    chart = pages.usage_chart(doc)
+    assert chart.count('class="day"') == 2 and "&lt;a&gt;" in chart and "<a>" not in chart
+    assert 'data-team="b" data-gpu-seconds="7200" style="height:100.0%"' in chart
+    assert 'data-team="&lt;a&gt;" data-gpu-seconds="900" style="height:12.5%"' in chart
+    assert 'data-team="b" data-gpu-seconds="0" style="height:0.0%"' in chart      # no usage on the 5th
+    assert pages.usage_chart({}) == ""
