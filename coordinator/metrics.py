@@ -68,6 +68,9 @@ TEAM_VRAM_MIB_SECONDS = Counter("gpucoord_team_vram_mib_seconds", "VRAM MiB-seco
                                 "(usage records)", ["team"], registry=REGISTRY)
 TEAM_EVICTIONS_SUFFERED = Counter("gpucoord_team_evictions_suffered", "The team's leases that ended by an "
                                   "eviction, reclaim or revoke notice (usage records)", ["team"], registry=REGISTRY)
+TEAM_EVICTIONS_CAUSED = Counter("gpucoord_team_evictions_caused", "Leases of other agents (any team) that ended by "
+                                "a notice the team's requests asked for: eviction by priority or reclaim (usage "
+                                "records)", ["team"], registry=REGISTRY)
 USAGE_RECORDS = Counter("gpucoord_usage_records", "Usage records written, by how the lease ended: release, session, "
                         "eviction, reclaim, revoke", ["reason"], registry=REGISTRY)
 USAGE_RESYNCS = Counter("gpucoord_usage_resyncs", "Times the accountant found etcd's history compacted past its "

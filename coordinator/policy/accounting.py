@@ -65,6 +65,10 @@ class UsageRecord:
     gpu_seconds: float
     vram_mib_seconds: float
     format: int = RECORD_FORMAT
+    # Who caused its end, when a notice ended it: the requesting agent (``operator`` for an operator's, a drain's
+    # or a lost host's) and that agent's team ("" for the operator). Absent from the records of earlier releases.
+    caused_by: str = ""
+    caused_team: str = ""
 
     @property
     def key_name(self) -> str:
@@ -107,6 +111,22 @@ def end_reason(lease: Mapping[str, Any], deleted: Mapping[bytes, bytes], keys: K
     return "revoke" if doc.get("revoke") else "reclaim" if doc.get("reclaim") else "eviction"
 
 
+def caused_by(lease: Mapping[str, Any], deleted: Mapping[bytes, bytes], keys: Keys) -> str:
+    """Who asked for the notice that ended a lease (its ``requested_by``'s agent, or ``operator``); "" when no
+    notice ended it (a release, or its session's end)."""
+    if keys.session(str(lease.get("agent", "")), str(lease.get("session_id", ""))) in deleted:
+        return ""
+    notice = deleted.get(keys.eviction(str(lease.get("id", ""))))
+    try:
+        doc = json.loads(notice) if notice is not None else None
+    except ValueError:
+        return "operator"
+    if not isinstance(doc, dict):
+        return "" if notice is None else "operator"
+    asker = str(doc.get("requested_by") or "operator").split("/", 1)[0]
+    return asker or "operator"
+
+
 def ended_in(revision: Sequence[Deleted], keys: Keys, team_of: Callable[[str], str],
              end_unix: float) -> list[UsageRecord]:
     """The usage records of the leases that one revision's deletions ended, sorted by record name. A lease
@@ -147,12 +167,14 @@ def _record(lease_id: str, start_rev: int, end_rev: int, docs: list[dict[str, An
     dur = seconds(start, end_unix)
     n = len(docs)
     vram = int(first["vram_mb"])
+    causer = caused_by(first, deleted, keys)
     return UsageRecord(
         lease_id=lease_id, agent=str(first["agent"]), team=team_of(str(first["agent"])), host=str(first["host"]),
         gpus=tuple(str(d["gpu_uuid"]) for d in docs), gpu_indexes=tuple(int(d["gpu_index"]) for d in docs),
         vram_mb=vram, exclusive=bool(first.get("exclusive", False)), start_revision=start_rev, end_revision=end_rev,
         start_unix=start, end_unix=end_unix, reason=end_reason(first, deleted, keys),
-        gpu_seconds=round(n * dur, 3), vram_mib_seconds=round(n * vram * dur, 3))
+        gpu_seconds=round(n * dur, 3), vram_mib_seconds=round(n * vram * dur, 3), caused_by=causer,
+        caused_team=team_of(causer) if causer and causer != "operator" else "")
 
 
 # -- rollups ------------------------------------------------------------------------------------------------
@@ -188,7 +210,9 @@ def split_by_hour(start_unix: float, end_unix: float) -> list[tuple[str, float]]
 
 
 # A rollup: ``accounting/hours/<hour>/<team>`` = {"gpu_s", "vram_mib_s", "evictions", "leases",
-# "agents": {agent: [gpu_s, vram_mib_s, evictions, leases]}}.
+# "agents": {agent: [gpu_s, vram_mib_s, evictions, leases]}, "caused", "caused_agents": {agent: count}}: the last
+# two, the evictions the team's (and each agent's) requests caused in that hour, are absent from earlier releases'
+# rollups (read as 0).
 def empty_rollup() -> dict[str, Any]:
     return {"gpu_s": 0.0, "vram_mib_s": 0.0, "evictions": 0, "leases": 0, "agents": {}}
 
@@ -220,7 +244,22 @@ def charge(rollups: dict[tuple[str, str], dict[str, Any]], record: UsageRecord,
             a[2] += ev
             a[3] += 1
         touched.add(key)
+    if final and record.caused_team:   # the requester's team caused it, in the hour it ended
+        key = (pieces[-1][0], record.caused_team)
+        r = rollups.setdefault(key, empty_rollup())
+        r["caused"] = int(r.get("caused", 0)) + 1
+        by_agent = r.setdefault("caused_agents", {})
+        by_agent[record.caused_by] = int(by_agent.get(record.caused_by, 0)) + 1
+        touched.add(key)
     return touched
+
+
+def rollup_keys(record: UsageRecord, pieces: Sequence[tuple[str, float]], final: bool) -> set[tuple[str, str]]:
+    """The (hour, team) rollups ``charge`` touches for these pieces of ``record``."""
+    keys = {(h, record.team) for h, _ in pieces}
+    if final and record.caused_team and pieces:
+        keys.add((pieces[-1][0], record.caused_team))
+    return keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +281,7 @@ def plan_commit(records: Sequence[UsageRecord], i: int, part: int, budget: int) 
     while i < len(records):
         r = records[i]
         rest = pieces_of(r)[part:]
-        new = {(h, r.team) for h, _ in rest} - keys
+        new = rollup_keys(r, rest, True) - keys
         if len(keys) + len(new) + finals + 1 <= budget:
             units.append(Unit(r, tuple(rest), True))
             keys |= new
@@ -263,18 +302,21 @@ class Totals:
     vram_mib_s: float = 0.0
     evictions: int = 0
     leases: int = 0
+    caused: int = 0
 
-    def add(self, gpu_s: float, vram_mib_s: float, evictions: int, leases: int) -> None:
+    def add(self, gpu_s: float, vram_mib_s: float, evictions: int, leases: int, caused: int = 0) -> None:
         self.gpu_s += gpu_s
         self.vram_mib_s += vram_mib_s
         self.evictions += evictions
         self.leases += leases
+        self.caused += caused
 
     def row(self) -> dict[str, float | int]:
-        """GPU-hours, VRAM-GiB-hours (to 1/1000), evictions suffered, leases ended; and the exact seconds."""
+        """GPU-hours, VRAM-GiB-hours (to 1/1000), evictions suffered, leases ended, evictions caused; and the exact
+        seconds."""
         return {"gpu_hours": round(self.gpu_s / HOUR_S, 3),
                 "vram_gib_hours": round(self.vram_mib_s / 1024 / HOUR_S, 3),
-                "evictions": self.evictions, "leases": self.leases,
+                "evictions": self.evictions, "leases": self.leases, "evictions_caused": self.caused,
                 "gpu_seconds": round(self.gpu_s, 3), "vram_mib_seconds": round(self.vram_mib_s, 3)}
 
 
@@ -283,10 +325,13 @@ def totals_from_rollups(rollups: Iterable[tuple[str, str, Mapping[str, Any]]], b
     out: dict[str, Totals] = defaultdict(Totals)
     for _hour, team, r in rollups:
         if by == "team":
-            out[team].add(float(r["gpu_s"]), float(r["vram_mib_s"]), int(r["evictions"]), int(r["leases"]))
+            out[team].add(float(r["gpu_s"]), float(r["vram_mib_s"]), int(r["evictions"]), int(r["leases"]),
+                          int(r.get("caused", 0)))
         else:
             for agent, (g, v, e, n) in r["agents"].items():
                 out[agent].add(float(g), float(v), int(e), int(n))
+            for agent, c in (r.get("caused_agents") or {}).items():
+                out[agent].add(0.0, 0.0, 0, 0, int(c))
     return dict(out)
 
 

@@ -39,6 +39,7 @@ from coordinator.policy.accounting import (
     hour_of,
     hour_start,
     plan_commit,
+    rollup_keys,
 )
 from coordinator.records import dumps
 from coordinator.replica.context import ReplicaContext
@@ -167,7 +168,7 @@ class Accountant:
 
     async def _load_rollups(self, units: list[Unit]) -> None:
         """Read the rollups ``units`` charge that are not cached yet."""
-        missing = sorted({(h, u.record.team) for u in units for h, _ in u.pieces} - set(self._rollups))
+        missing = sorted({k for u in units for k in rollup_keys(u.record, u.pieces, u.final)} - set(self._rollups))
         if missing:
             snap = await self.ctx.store.snapshot([Range(self.keys.usage_rollup(h, t)) for h, t in missing])
             for (h, t), kvs in zip(missing, snap.ranges):
@@ -198,6 +199,8 @@ class Accountant:
             metrics.TEAM_VRAM_MIB_SECONDS.labels(r.team).inc(r.vram_mib_seconds)
             if r.reason in EVICTED:
                 metrics.TEAM_EVICTIONS_SUFFERED.labels(r.team).inc()
+            if r.caused_team:
+                metrics.TEAM_EVICTIONS_CAUSED.labels(r.caused_team).inc()
             metrics.USAGE_RECORDS.labels(r.reason).inc()
         return dataclasses.replace(after, mod_revision=res.revision)
 

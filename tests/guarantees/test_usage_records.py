@@ -58,6 +58,9 @@ def test_every_way_a_lease_ends_leaves_one_record(cluster: Cluster) -> None:
     for r in records(cluster).values():
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     assert reasons == {"release": 3, "session": 1, "eviction": 1}
+    # Who caused each end: the eviction, high's request (its team: default); nobody else's.
+    assert sorted((r["reason"], r["caused_by"], r["caused_team"]) for r in records(cluster).values()
+                  if r["caused_by"]) == [("eviction", "high", "default")]
     gang = [r for r in records(cluster).values() if len(r["gpus"]) == 2]
     assert len(gang) == 1 and gang[0]["exclusive"]
 
@@ -109,7 +112,8 @@ def test_usage_by_team_equals_the_history(cluster: Cluster, capsys: pytest.Captu
     assert cli_main(["usage", "--by", "agent", "--csv", "--etcd", ",".join(cluster.endpoints),
                      "--prefix", cluster.prefix]) == 0
     head, *lines = capsys.readouterr().out.splitlines()
-    assert head == "agent,GPU-hours [GPU*h],VRAM-GiB-hours [GiB*h],evictions suffered [count],leases ended [count]"
+    assert head == ("agent,GPU-hours [GPU*h],VRAM-GiB-hours [GiB*h],evictions suffered [count],leases ended [count],"
+                    "evictions caused [count]")
     assert sorted(line.split(",")[0] for line in lines) == ["t1-a", "t2-a", "t3-a"]
     gang = next(r for r in records(cluster).values() if r["agent"] == "t2-a")
     assert cli_main(["usage", "--lease", gang["lease_id"], "--etcd", ",".join(cluster.endpoints),
@@ -234,3 +238,43 @@ def test_records_stay_exactly_once_when_the_leader_is_killed(cluster: Cluster, t
     wait_for(lambda: len(exported(tmp_path / "export")) >= rep.records, 60, "every record exported")
     assert_export_matches(cluster, tmp_path / "export")
     cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=240).assert_ok()
+
+
+def test_a_reclaim_counts_as_caused_by_the_reclaiming_team_and_suffered_by_the_other(
+        cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """Team a fills two hosts (h2's GPUs over its quota); team b asks for h2's two GPUs and reclaims them. The
+    victims' records say reclaim, caused by b-1 of team b; ``usage --by team`` counts 2 evictions suffered by a
+    and 2 caused by b, ``--by agent`` 2 caused by b-1; the checker agrees with etcd's history."""
+    from agent_client.api import coordinator_pb2 as pb
+    from tests.support.rpcs import coordinator_stub
+    cluster.start_node("h1", "2x16GiB")
+    cluster.start_node("h2", "2x16GiB")
+    addr = cluster.start_coordinator(eviction_grace_s=0.5, eviction_kill_margin_s=0.5)
+    stub = coordinator_stub(addr)
+    usable = min(g.usable_mb for h in stub.GetStatus(pb.GetStatusRequest(), timeout=10).hosts for g in h.gpus)
+    for team in ("a", "b"):
+        stub.SetTeam(pb.SetTeamRequest(name=team, quota_mb=2 * usable, limit_mb=4 * usable,
+                                       members=pb.TeamMembers(patterns=[f"{team}-*"])), timeout=10)
+    wait_for(lambda: cursor_started(cluster), 20, "the accountant's cursor")
+    with Client(addr, agent="a-1", host="h1") as a1, Client(addr, agent="a-2", host="h2") as a2, \
+            Client(addr, agent="b-1", host="h2") as b1:
+        for c in (a1, a2):
+            for i in (0, 1):
+                c.acquire(0, gpu=i, exclusive=True, priority=9)
+        b1.acquire(0, gpu_count=2, exclusive=True, wait=30).release()
+    wait_for(lambda: sum(r["reason"] == "reclaim" for r in records(cluster).values()) == 2, 30,
+             "the two reclaimed leases' records")
+    wait_for(lambda: len(records(cluster)) >= 5, 30, "every lease's record")
+    rep = usage(cluster)
+    rep.assert_ok()
+    reclaimed = [r for r in records(cluster).values() if r["reason"] == "reclaim"]
+    assert {(r["agent"], r["caused_by"], r["caused_team"]) for r in reclaimed} == {("a-2", "b-1", "b")}
+    capsys.readouterr()
+    where = ["--etcd", ",".join(cluster.endpoints), "--prefix", cluster.prefix]
+    assert cli_main(["usage", "--by", "team", "--since", "1h", "--json", *where]) == 0
+    rows = {r["team"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert (rows["a"]["evictions"], rows["a"]["evictions_caused"]) == (2, 0)
+    assert (rows["b"]["evictions"], rows["b"]["evictions_caused"]) == (0, 2)
+    assert cli_main(["usage", "--by", "agent", "--since", "1h", "--json", *where]) == 0
+    rows = {r["agent"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["b-1"]["evictions_caused"] == 2 and rows["a-2"]["evictions"] == 2

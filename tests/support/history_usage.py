@@ -83,7 +83,8 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
                 doc = json.loads(ev.prev_kv.value)
                 name = f"{doc['id']}@{ev.prev_kv.create_revision}"
                 e = ended.setdefault(name, {"doc": doc, "gpus": [], "rev": rev, "wall": wall,
-                                            "reason": _reason(doc, gone, keys)})
+                                            "reason": _reason(doc, gone, keys),
+                                            "caused_by": _causer(doc, gone, keys)})
                 e["gpus"].append((doc["gpu_index"], doc["gpu_uuid"]))
                 if e["rev"] != rev:
                     rep.violations.append(f"lease {name}: its GPUs went at revisions {e['rev']} and {rev}")
@@ -114,6 +115,16 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
     return rep
 
 
+def _causer(doc: dict[str, Any], gone: dict[bytes, Any], keys: Keys) -> str:
+    """Who asked for the notice that ended the lease (its requested_by's agent, or operator); "" for none."""
+    if keys.session(doc["agent"], doc["session_id"]) in gone:
+        return ""
+    notice = gone.get(keys.eviction(doc["id"]))
+    if notice is None:
+        return ""
+    return str(json.loads(notice.value).get("requested_by") or "operator").split("/", 1)[0] or "operator"
+
+
 def _reason(doc: dict[str, Any], gone: dict[bytes, Any], keys: Keys) -> str:
     if keys.session(doc["agent"], doc["session_id"]) in gone:
         return "session"
@@ -130,7 +141,8 @@ def _compare(rep: UsageReport, name: str, e: dict[str, Any], at_rev: int, rec: d
     gpus = [u for _, u in sorted(e["gpus"])]
     n = len(gpus)
     want = {"agent": doc["agent"], "host": doc["host"], "gpus": gpus, "vram_mb": doc["vram_mb"],
-            "end_revision": e["rev"], "start_unix": doc["created_at"], "reason": e["reason"]}
+            "end_revision": e["rev"], "start_unix": doc["created_at"], "reason": e["reason"],
+            "caused_by": e.get("caused_by", "")}
     hosts = [str(h) for h, _ in doc.get("hosts") or ()]
     if len(hosts) > 1:
         # A multi-host gang (issue 30): the record names one host and lists its GPUs by index, the order between
@@ -140,6 +152,8 @@ def _compare(rep: UsageReport, name: str, e: dict[str, Any], at_rev: int, rec: d
             want["host"] = rec["host"]
         if sorted(rec.get("gpus") or ()) == sorted(gpus):
             want["gpus"] = rec["gpus"]
+    if "caused_by" not in rec:      # a record of an earlier release (format 1 without it)
+        del want["caused_by"]
     for k, v in want.items():
         if rec.get(k) != v:
             rep.violations.append(f"usage record {name}: {k} is {rec.get(k)!r}, the history says {v!r}")
@@ -160,19 +174,23 @@ def _compare(rep: UsageReport, name: str, e: dict[str, Any], at_rev: int, rec: d
 
 
 def _compare_rollups(rep: UsageReport, records: list[dict[str, Any]], rollups: dict[bytes, dict[str, Any]]) -> None:
-    from_records: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0])
+    from_records: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0, 0])
     for r in records:
         t = from_records[r["team"]]
         t[0] += r["gpu_seconds"]
         t[1] += r["reason"] in ("eviction", "reclaim", "revoke")
         t[2] += 1
-    from_rollups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0])
+        if r.get("caused_team"):
+            from_records[r["caused_team"]][3] += 1
+    from_rollups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0, 0])
     for key, r in rollups.items():
         t = from_rollups[key.decode().rsplit("/", 1)[1]]
         t[0] += r["gpu_s"]
         t[1] += r["evictions"]
         t[2] += r["leases"]
+        t[3] += r.get("caused", 0)
     for team in set(from_records) | set(from_rollups):
         a, b = from_records[team], from_rollups[team]
         if abs(a[0] - b[0]) > 0.01 * max(1, a[2]) or a[1:] != b[1:]:
-            rep.violations.append(f"team {team}: records sum to {a}, rollups to {b} (GPU-s, evictions, leases)")
+            rep.violations.append(f"team {team}: records sum to {a}, rollups to {b} (GPU-s, evictions, leases, "
+                                  "evictions caused)")
