@@ -87,6 +87,11 @@ class EvictionRecord:
 _EVICTION_KEYS = frozenset(f.name for f in dataclasses.fields(EvictionRecord))
 
 
+def requester_agent(requested_by: str) -> str:
+    """The agent of a notice's ``requested_by`` (``agent/request_id``), or ``operator`` (an operator's notice)."""
+    return requested_by.partition("/")[0] or "operator"
+
+
 @dataclasses.dataclass(frozen=True)
 class DepartingRecord:
     """``departing/<host>/<gpu_uuid>/<lease_id>``: a lease bound to processes that ended under an eviction

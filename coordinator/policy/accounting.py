@@ -26,6 +26,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coordinator.keys import Keys
+from coordinator.notice_records import requester_agent
 from coordinator.policy.teams import Membership
 from coordinator.records import InvalidRecord, StoredKV, VramLease, load_record
 
@@ -123,8 +124,7 @@ def caused_by(lease: Mapping[str, Any], deleted: Mapping[bytes, bytes], keys: Ke
         return "operator"
     if not isinstance(doc, dict):
         return "" if notice is None else "operator"
-    asker = str(doc.get("requested_by") or "operator").split("/", 1)[0]
-    return asker or "operator"
+    return requester_agent(str(doc.get("requested_by") or "operator"))
 
 
 def ended_in(revision: Sequence[Deleted], keys: Keys, team_of: Callable[[str], str],
@@ -389,31 +389,3 @@ def decayed_by_team(keys: Keys, membership: Membership, rollup_kvs: Iterable[Sto
     return {team: decayed_gpu_seconds(rollups.get(team, ()), live.get(team, ()), now, half_life_s)
             for team in set(rollups) | set(live)}
 
-
-USAGE_DAYS = 7   # the console's usage chart: today and the six UTC days before
-
-
-def last_days(now: float, n: int = USAGE_DAYS) -> list[str]:
-    """The ``n`` UTC days up to the one ``now`` falls in, oldest first, as ``2026-12-06``."""
-    import time
-    today = math.floor(now / 86400) * 86400
-    return [time.strftime("%Y-%m-%d", time.gmtime(today - 86400 * k)) for k in range(n - 1, -1, -1)]
-
-
-def gpu_seconds_by_day(keys: Keys, rollup_kvs: Iterable[StoredKV], days: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Each of ``days`` with each team's GPU-seconds in it (``day -> team -> seconds``), summed from the hourly
-    rollups of its 24 hours (malformed ones left out): what ``gpucoord usage --by team`` gives for that day's
-    window. A day without usage maps to {}."""
-    out: dict[str, dict[str, float]] = {d: {} for d in days}
-    for kv in rollup_kvs:
-        parts = keys.parse(kv.key)[1]
-        if len(parts) != 3 or parts[1][:10] not in out:
-            continue
-        try:
-            value = load_record(kv.value).get("gpu_s")
-        except InvalidRecord:
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            day = out[parts[1][:10]]
-            day[parts[2]] = round(day.get(parts[2], 0.0) + float(value), 3)
-    return out

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from coordinator import clock, errors
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys, last_segment
-from coordinator.policy.accounting import decayed_by_team, gpu_seconds_by_day, last_days
+from coordinator.policy.accounting import decayed_by_team
 from coordinator.policy.host import HostView
 from coordinator.policy.team_admission import TeamState, by_lease, charge_of
 from coordinator.policy.teams import (
@@ -25,6 +25,7 @@ from coordinator.policy.teams import (
     member_conflicts,
     usage_by_team,
 )
+from coordinator.policy.usage_days import gpu_seconds_by_day, last_days
 from coordinator.records import (
     HostInventory,
     InvalidRecord,

@@ -10,11 +10,8 @@ from hypothesis import strategies as st
 
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys
-from coordinator.policy.accounting import (
-    gpu_seconds_by_day,
-    last_days,
-    totals_from_rollups,
-)
+from coordinator.policy.accounting import totals_from_rollups
+from coordinator.policy.usage_days import gpu_seconds_by_day, last_days
 
 K = Keys("/t/")
 NOON = 1_796_558_400.0   # 2026-12-06T12:00:00Z
