@@ -193,11 +193,17 @@ def test_a_multi_host_gang_that_fits_is_granted_from_the_mirror_without_reading_
         for host in ("h1", "h2", "h3"):
             cluster.start_node(host, "2x8GiB")
         addr = cluster.start_coordinator()
+        mirror = cluster.service(addr).ctx.mirror
+
+        def released() -> None:   # the replica's mirror has seen the release (else it would rightly read etcd)
+            wait_for(lambda: not mirror.all_host_items("leases"), LIVENESS_S, "the release in the mirror")
         with Client(addr, agent="agent-a", host="h1") as c:
             c.acquire(0, exclusive=True, gpu_count=2, hosts=2).release()   # (the mirror is ready once one ran)
+            released()
             before = fleet_reads()
             for _ in range(3):
                 c.acquire(0, exclusive=True, gpu_count=2, hosts=2).release()
+                released()
             from_mirror = fleet_reads() - before
             held = c.acquire(0, exclusive=True, gpu_count=2, hosts=3)
             with pytest.raises(client_errors.ResourceExhausted):
