@@ -67,6 +67,8 @@ class CoordinatorConfig:
     usage_rollup_days: int = 400
     # Decayed usage (docs/teams.md "Decayed usage"): the half-life of a team's GPU-seconds (0: no memory).
     usage_half_life_s: float = 7 * 86400.0
+    # Fair share (docs/teams.md "Fair share"): how often each replica computes the teams' fair-share factors.
+    fair_share_every_s: float = 60.0
     usage_export_dir: str = ""           # the leader appends every record to JSON-lines files here (empty: off)
     max_queue_per_host: int = 1024      # waiting requests per host (a higher-priority arrival displaces)
     max_queue_per_agent: int = 64       # waiting requests per agent per host
@@ -151,6 +153,8 @@ class CoordinatorConfig:
             raise ConfigError("usage_retention_s", f"must be a finite number of seconds > 0, got {self.usage_retention_s}")
         if not 0 <= self.usage_half_life_s < float("inf"):
             raise ConfigError("usage_half_life_s", f"must be a finite number of seconds >= 0, got {self.usage_half_life_s}")
+        if not 0 < self.fair_share_every_s <= 86400:
+            raise ConfigError("fair_share_every_s", f"must be within (0, 86400] seconds, got {self.fair_share_every_s}")
         if self.usage_rollup_days < 1:
             raise ConfigError("usage_rollup_days", f"must be >= 1, got {self.usage_rollup_days}")
         _validate_security(self)

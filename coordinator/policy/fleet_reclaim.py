@@ -70,12 +70,14 @@ def _need(req: FleetRequest, h: FleetHost, members: Sequence[GpuSlot]) -> dict[s
 
 def plan_gang_reclaim(req: FleetRequest, hosts: Sequence[FleetHost], team: str, charges: Sequence[Charge],
                       membership: Membership, models: Mapping[str, str], now: float,
-                      exclude: Collection[str] = (), idle: Collection[str] = ()) -> FleetReclaim | None:
+                      exclude: Collection[str] = (), idle: Collection[str] = (),
+                      fair: Mapping[str, float] | None = None) -> FleetReclaim | None:
     """What the gang of team ``team`` reclaims (see the module's docstring), or None. ``hosts``: as G3 sees them
     (leases already going count as gone); ``charges``: every live lease of the fleet; ``models``: GPU uuid ->
-    model; ``exclude``: leases already going; ``idle``: leases judged idle (taken first of their team)."""
+    model; ``exclude``: leases already going; ``idle``: leases judged idle (taken first of their team); ``fair``:
+    each team's fair-share factor (``teams.fair_factors``)."""
     order = {c.id: n for n, c in enumerate(reclaim_order(team, reclaimable(team, charges, membership, now), charges,
-                                                         membership, idle))}
+                                                         membership, idle, fair))}
 
     def positions(victims: Sequence[Charge]) -> tuple[int, ...]:
         return tuple(sorted(order.get(v.id, len(order)) for v in victims))
@@ -92,7 +94,7 @@ def plan_gang_reclaim(req: FleetRequest, hosts: Sequence[FleetHost], team: str, 
             for s in members:
                 model = models.get(s.uuid, "")
                 per_model[model] = per_model.get(model, 0) + (s.usable_mb if req.exclusive else req.vram_mb)
-            alone = choose_reclaim(team, 0, need, charges, membership, now, exclude=exclude, idle=idle)
+            alone = choose_reclaim(team, 0, need, charges, membership, now, exclude=exclude, idle=idle, fair=fair)
             if alone is None:
                 continue
             part = _Part(h.host, tuple(s.index for s in members), need, per_model, positions(alone))
@@ -117,7 +119,7 @@ def plan_gang_reclaim(req: FleetRequest, hosts: Sequence[FleetHost], team: str, 
                 for model, mb in parts[x].by_model.items():
                     by_model[model] = by_model.get(model, 0) + mb
             victims = choose_reclaim(team, sum(by_model.values()), short, charges, membership, now,
-                                     exclude=exclude, by_model=by_model, idle=idle)
+                                     exclude=exclude, by_model=by_model, idle=idle, fair=fair)
             if victims is None:
                 continue
             values = {labels[x].get(req.prefer) for x in combo} if req.prefer else {None}

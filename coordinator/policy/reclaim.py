@@ -11,7 +11,8 @@ With teams stored:
   team's leases fill its quota oldest first, over the whole fleet), whatever their priority: preemptible ones,
   past their minimum runtime (``teams.protected``), taken from the team furthest over its weighted share,
   newest first, until the request fits, and then pruned until none can be spared (``teams.choose_reclaim``).
-  Over GPUs (or a gang's GPU sets) the choice with the fewest victims wins, then the lowest indexes. In-quota
+  Over GPUs (or a gang's GPU sets) the choice with the fewest victims wins, then the one whose victims reclaim's
+  order takes first (the team furthest over its fair share, its newest lease), then the lowest indexes. In-quota
   leases are never taken for another team. The victims get the usual notice and grace; the request waits in
   the queue for them to be gone (G3's evict-before-grant ordering, their processes included).
 """
@@ -25,7 +26,14 @@ from coordinator.policy.decide import Request
 from coordinator.policy.gang import slots_from_views
 from coordinator.policy.host import HostView
 from coordinator.policy.team_admission import TeamState, fleet_charges, team_use
-from coordinator.policy.teams import Charge, choose_reclaim, in_quota, protected
+from coordinator.policy.teams import (
+    Charge,
+    choose_reclaim,
+    in_quota,
+    protected,
+    reclaim_order,
+    reclaimable,
+)
 from coordinator.policy.victims import candidate_sets
 
 
@@ -120,23 +128,29 @@ def choose_reclaim_victims(state: TeamState, view: HostView, req: Request, candi
     if team_use(state, view, team_name) + smallest > team.quota_mb:
         return None          # over its quota with this request: it borrows, and may not reclaim
     models = {g.uuid: g.name for g in view.inventory.gpus} if view.inventory is not None else {}
-    best: tuple[tuple[int, tuple[int, ...]], ReclaimChoice] | None = None
+    best: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ReclaimChoice] | None = None
     fleet: list[Charge] | None = None
+    order: dict[str, int] = {}
     for need, gpus in _options(view, req, candidates, caps, evicting, unavailable):
         if fleet is None:
             fleet = charges() if charges is not None else fleet_charges(state, view)
+            order = {c.id: n for n, c in enumerate(reclaim_order(team_name, reclaimable(
+                team_name, fleet, state.membership, wall), fleet, state.membership, idle, state.fair))}
         by_model: dict[str, int] = {}    # what the request charges each GPU model: per GPU, by its own
         for u in gpus:
             model = models.get(u, "")
             by_model[model] = by_model.get(model, 0) + (usable[u] if req.exclusive else req.vram_mb)
         victims = choose_reclaim(team_name, sum(by_model.values()), need, fleet, state.membership, wall,
-                                 exclude={*evicting, *fresh}, by_model=by_model, idle=idle)
+                                 exclude={*evicting, *fresh}, by_model=by_model, idle=idle, fair=state.fair)
         if victims is None:
             continue
         choice = ReclaimChoice(team_name, tuple(v.id for v in victims), gpus)
         if not victims:
             return choice    # it fits once the leases already being evicted are gone
-        cost = (len(victims), tuple(view.gpus[u].index for u in gpus))
+        # The fewest victims, then those reclaim's order takes first (the team furthest over its fair share,
+        # its newest), then the lowest indexes.
+        cost = (len(victims), tuple(sorted(order.get(v.id, len(order)) for v in victims)),
+                tuple(view.gpus[u].index for u in gpus))
         if best is None or cost < best[0]:
             best = (cost, choice)
     return best[1] if best is not None else None

@@ -43,6 +43,9 @@ class TeamState:
     # quotas per model; {} when no team has one).
     records: Callable[[], Sequence[VramLease]] = tuple
     models: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Each team's fair-share factor over time (``teams.fair_factors``), as this replica last computed it from the
+    # decayed usage; {} (every factor 1: weight alone) until it has.
+    fair: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def limited(self, team: str) -> bool:
         return self.membership.team(team).limit_mb is not None

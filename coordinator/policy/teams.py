@@ -303,10 +303,11 @@ def stays_in_quota(team: Team, charges: Iterable[Charge], charge_mb: int, model:
     return True
 
 
-def over_share(team: Team, used_mb: int) -> float:
-    """How far a team is over its weighted share: the VRAM it borrows (used above its quota) per unit of
-    weight. Reclaim takes from the team with the largest first."""
-    return max(0, used_mb - team.quota_mb) / team.weight
+def over_share(team: Team, used_mb: int, factor: float = 1.0) -> float:
+    """How far a team is over its fair share: the VRAM it borrows (used above its quota) per unit of its
+    effective weight, its weight times its fair-share factor (``fair_factors``; 1 without usage history).
+    Reclaim takes from the team with the largest first."""
+    return max(0, used_mb - team.quota_mb) / (team.weight * factor)
 
 
 def protected(charge: Charge, team: Team, now: float) -> bool:
@@ -325,10 +326,13 @@ def reclaimable(requester: str, charges: Iterable[Charge], membership: Membershi
 
 
 def reclaim_order(requester: str, candidates: Iterable[Charge], charges: Iterable[Charge],
-                  membership: Membership, idle: Collection[str] = ()) -> list[Charge]:
+                  membership: Membership, idle: Collection[str] = (),
+                  fair: Mapping[str, float] | None = None) -> list[Charge]:
     """``candidates`` (from ``reclaimable``) in the order reclaim takes them: each time from the team
-    furthest over its weighted share as it stands once the leases before are gone (ties: the team's name),
-    and of that team its newest lease judged ``idle`` if it has one, else its newest lease."""
+    furthest over its fair share (``over_share``, with ``fair``: each team's fair-share factor, 1 when absent)
+    as it stands once the leases before are gone (ties: the team's name), and of that team its newest lease
+    judged ``idle`` if it has one, else its newest lease."""
+    fair = fair or {}
     used = used_by_team(charges)
     left: dict[str, list[Charge]] = {}
     for c in candidates:
@@ -338,7 +342,7 @@ def reclaim_order(requester: str, candidates: Iterable[Charge], charges: Iterabl
         held.sort(key=lambda c: (c.id in idle, Charge.age_order(c)))   # the idle, the newest last: popped first
     order: list[Charge] = []
     while left:
-        name = min(left, key=lambda n: (-over_share(membership.team(n), used.get(n, 0)), n))
+        name = min(left, key=lambda n: (-over_share(membership.team(n), used.get(n, 0), fair.get(n, 1.0)), n))
         c = left[name].pop()
         if not left[name]:
             del left[name]
@@ -358,7 +362,7 @@ def _short(shortfall: Mapping[str, int], victims: Iterable[Charge]) -> bool:
 def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int], charges: Iterable[Charge],
                    membership: Membership, now: float, model: str = "",
                    exclude: Collection[str] = (), by_model: Mapping[str, int] | None = None,
-                   idle: Collection[str] = ()) -> list[Charge] | None:
+                   idle: Collection[str] = (), fair: Mapping[str, float] | None = None) -> list[Charge] | None:
     """The leases to reclaim for a request of team ``requester`` charging ``charge_mb`` that lacks
     ``shortfall[gpu]`` MiB on each GPU it is placed on (``by_model``: what it charges each GPU model): [] when
     nothing is short; None when the team would not
@@ -376,7 +380,7 @@ def choose_reclaim(requester: str, charge_mb: int, shortfall: Mapping[str, int],
     useful = [c for c in reclaimable(requester, charges, membership, now)   # ``exclude``: already going
               if set(c.gpus) & set(shortfall) and c.id not in exclude]
     victims: list[Charge] = []
-    for c in reclaim_order(requester, useful, charges, membership, idle):
+    for c in reclaim_order(requester, useful, charges, membership, idle, fair):
         if not _short(shortfall, victims):
             break
         if _short({g: n for g, n in shortfall.items() if g in c.gpus}, victims):

@@ -32,6 +32,8 @@ class ReplicaContext:
     observed: Observed = dataclasses.field(default_factory=Observed)
     # Each GPU's reported utilization over time, sampled by replica/idle.py (docs/policies.md "Idle GPUs").
     utilization: UtilizationHistory = dataclasses.field(default_factory=UtilizationHistory)
+    # Each team's fair-share factor over time (replica/fair_share.py), as last computed: admission's reclaim order.
+    fair_share: dict[str, float] = dataclasses.field(default_factory=dict)
     # Whether this replica can reach etcd (its candidacy's keepalives tell; replica/reach.py).
     reach: EtcdReach = dataclasses.field(default_factory=lambda: EtcdReach(""))
 

@@ -74,7 +74,7 @@ def gang_reclaim(fleet: Fleet, hosts: list[FleetHost], state: TeamState, agent: 
     charges = fleet_charges_of(fleet, state)
     team = state.membership.team_of(agent)
     got = plan_gang_reclaim(req, hosts, team, charges, state.membership, fleet_models(fleet), now,
-                            exclude=evicting, idle=idle)
+                            exclude=evicting, idle=idle, fair=state.fair)
     return (got, charges) if got is not None and got.victims else None
 
 

@@ -34,6 +34,7 @@ from coordinator.records import (
     dumps,
     load_record,
 )
+from coordinator.replica import fair_share
 from coordinator.replica.admitter import ADMITTER_IDLE_S, HostAdmitter
 from coordinator.replica.call import AcquireCall
 from coordinator.replica.context import ReplicaContext
@@ -100,6 +101,7 @@ class CoordinatorService(Follower):
         await asyncio.wait_for(self.watch_ready.wait(), self.config.etcd_timeout_s * 3)
         self._tasks.append(spawn(MirrorGauges(self.ctx).run(), "the fleet gauges"))
         self._tasks.append(spawn(IdleReclaim(self.ctx, self.leases).sample_forever(), "the GPUs' utilization"))
+        self._tasks.append(spawn(fair_share.run(self.ctx), "the teams' fair shares"))
         if leader_duties:
             self.leadership = Leadership(self.ctx, self.leases)
             self._tasks.append(spawn(self.leadership.run(), "leadership"))

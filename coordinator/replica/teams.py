@@ -375,7 +375,9 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float,
         if await ctx.mirror.caught_up(revision, wait_s):
             if not ctx.mirror.items("teams"):
                 return None, ctx.mirror.revision
-            return mirror_team_state(ctx.mirror), ctx.mirror.revision
+            state = mirror_team_state(ctx.mirror)
+            return (dataclasses.replace(state, fair=ctx.fair_share) if state is not None and ctx.fair_share
+                    else state), ctx.mirror.revision
     keys = ctx.keys
     snap = await ctx.store.snapshot([Range(keys.teams(), prefix=True)])
     if not snap.ranges[0]:
@@ -388,5 +390,6 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float,
             leases.append(VramLease.from_kv(kv))
         except InvalidRecord:
             continue
-    return (build_team_state(membership_of(snap.ranges[0]), snap.ranges[1], leases, snap.revision,
-                             lambda: snap.ranges[3]), snap.revision)
+    built = build_team_state(membership_of(snap.ranges[0]), snap.ranges[1], leases, snap.revision,
+                             lambda: snap.ranges[3])
+    return (dataclasses.replace(built, fair=ctx.fair_share) if built is not None else None), snap.revision

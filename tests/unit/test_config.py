@@ -365,3 +365,10 @@ def test_advertise_is_host_and_port(address: str) -> None:
 @pytest.mark.parametrize("address", ["10.0.0.5", ":7070", "host:port", "host:0", "host:70000"])
 def test_a_bad_advertise_names_the_field(address: str) -> None:
     assert field_error(advertise=address) == "advertise"
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, 86401.0, float("inf"), float("nan")])
+def test_fair_share_every_s_must_be_a_positive_time_of_at_most_a_day(value: float) -> None:
+    with pytest.raises(ConfigError) as ei:
+        CoordinatorConfig(fair_share_every_s=value).validate()
+    assert ei.value.field == "fair_share_every_s"
