@@ -14,8 +14,8 @@ As for a request of one host (``policy/reclaim.py``), with the whole gang as the
 * **The set of hosts.** Over every set of ``hosts`` of those hosts of one group (``same``; the best ``hosts`` + 8
   of each by their own count, up to ``fleet.MAX_EVICTION_SETS`` sets), reclaim is chosen once for the whole
   gang (the union of what its parts lack, its whole charge): the set with ``prefer``'s one value first, then the
-  fewest victims, then the victims reclaim's order takes first, then the names. (A host's own round breaks a tie
-  of GPU sets by their indexes; over hosts, reclaim's order decides, so a gang takes the newest leases.) Victims are other teams' over-quota, preemptible leases past their minimum
+  fewest victims, then the victims reclaim's order takes first (as a host's own round breaks a tie of GPU sets),
+  then the names. Victims are other teams' over-quota, preemptible leases past their minimum
   runtime, in reclaim's order (weighted share, idle, newest); a victim holding parts on two hosts of the set
   counts once. In-quota leases are never taken.
 """
