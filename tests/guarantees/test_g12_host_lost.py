@@ -30,10 +30,13 @@ NODE_TTL = 3
 STUBBORN = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); "
             "time.sleep(600)")
 GRACE_S = 2.0
+# A part that stops at its notice's SIGTERM, as most do: the gang can go at the grace's end.
+OBEDIENT = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
 
 
+@pytest.mark.parametrize("part", [STUBBORN, OBEDIENT], ids=["part-ignores-sigterm", "part-stops-at-sigterm"])
 def test_a_lost_host_of_a_granted_gang_notifies_once_stops_the_other_part_first_and_takes_the_whole_gang_at_once(
-        cluster: Cluster, started: list[int]) -> None:
+        cluster: Cluster, started: list[int], part: str) -> None:
     addr = cluster.start_coordinator(eviction_grace_s=GRACE_S)
     for host in ("a", "b"):
         cluster.start_node(host, "2x16GiB", ttl=NODE_TTL, heartbeat_s=1.0)
@@ -41,7 +44,7 @@ def test_a_lost_host_of_a_granted_gang_notifies_once_stops_the_other_part_first_
         lease = holder.acquire(exclusive=True, gpu_count=2, hosts=2)
         notices: list[EvictionNotice] = []
         lease.on_evict(notices.append)
-        runs = {lease.part(r).host: join_part(addr, "agent-g", lease, r, STUBBORN) for r in (0, 1)}
+        runs = {lease.part(r).host: join_part(addr, "agent-g", lease, r, part) for r in (0, 1)}
         pids = {host: command_pid(run, started) for host, run in runs.items()}
         lease_keys = {kv.key for kv in cluster.get_prefix(cluster.keys.leases())}
         assert len(lease_keys) == 4
