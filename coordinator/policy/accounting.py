@@ -96,35 +96,23 @@ def seconds(start_unix: float, end_unix: float) -> float:
     return round(max(0.0, end_unix - start_unix), 3)
 
 
-def end_reason(lease: Mapping[str, Any], deleted: Mapping[bytes, bytes], keys: Keys) -> str:
-    """How a lease ended, from the keys deleted in the same revision (module docstring)."""
+def how_it_ended(lease: Mapping[str, Any], deleted: Mapping[bytes, bytes], keys: Keys) -> tuple[str, str]:
+    """How a lease ended, from the keys deleted in the same revision (module docstring), and who caused it: the
+    agent of the ending notice's ``requested_by``, or ``operator`` (a notice that does not say); "" when no
+    notice ended it (a release, or its session's end)."""
     if keys.session(str(lease.get("agent", "")), str(lease.get("session_id", ""))) in deleted:
-        return "session"
+        return "session", ""
     notice = deleted.get(keys.eviction(str(lease.get("id", ""))))
     if notice is None:
-        return "release"
+        return "release", ""
     try:
         doc = json.loads(notice)
     except ValueError:
-        return "eviction"
+        return "eviction", "operator"
     if not isinstance(doc, dict):
-        return "eviction"
-    return "revoke" if doc.get("revoke") else "reclaim" if doc.get("reclaim") else "eviction"
-
-
-def caused_by(lease: Mapping[str, Any], deleted: Mapping[bytes, bytes], keys: Keys) -> str:
-    """Who asked for the notice that ended a lease (its ``requested_by``'s agent, or ``operator``); "" when no
-    notice ended it (a release, or its session's end)."""
-    if keys.session(str(lease.get("agent", "")), str(lease.get("session_id", ""))) in deleted:
-        return ""
-    notice = deleted.get(keys.eviction(str(lease.get("id", ""))))
-    try:
-        doc = json.loads(notice) if notice is not None else None
-    except ValueError:
-        return "operator"
-    if not isinstance(doc, dict):
-        return "" if notice is None else "operator"
-    return requester_agent(str(doc.get("requested_by") or "operator"))
+        return "eviction", "operator"
+    reason = "revoke" if doc.get("revoke") else "reclaim" if doc.get("reclaim") else "eviction"
+    return reason, requester_agent(str(doc.get("requested_by") or "operator"))
 
 
 def ended_in(revision: Sequence[Deleted], keys: Keys, team_of: Callable[[str], str],
@@ -167,12 +155,12 @@ def _record(lease_id: str, start_rev: int, end_rev: int, docs: list[dict[str, An
     dur = seconds(start, end_unix)
     n = len(docs)
     vram = int(first["vram_mb"])
-    causer = caused_by(first, deleted, keys)
+    reason, causer = how_it_ended(first, deleted, keys)
     return UsageRecord(
         lease_id=lease_id, agent=str(first["agent"]), team=team_of(str(first["agent"])), host=str(first["host"]),
         gpus=tuple(str(d["gpu_uuid"]) for d in docs), gpu_indexes=tuple(int(d["gpu_index"]) for d in docs),
         vram_mb=vram, exclusive=bool(first.get("exclusive", False)), start_revision=start_rev, end_revision=end_rev,
-        start_unix=start, end_unix=end_unix, reason=end_reason(first, deleted, keys),
+        start_unix=start, end_unix=end_unix, reason=reason,
         gpu_seconds=round(n * dur, 3), vram_mib_seconds=round(n * vram * dur, 3), caused_by=causer,
         caused_team=team_of(causer) if causer and causer != "operator" else "")
 

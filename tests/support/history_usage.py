@@ -82,9 +82,9 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
                     and rev > began:
                 doc = json.loads(ev.prev_kv.value)
                 name = f"{doc['id']}@{ev.prev_kv.create_revision}"
+                reason, causer = _ended(doc, gone, keys)
                 e = ended.setdefault(name, {"doc": doc, "gpus": [], "rev": rev, "wall": wall,
-                                            "reason": _reason(doc, gone, keys),
-                                            "caused_by": _causer(doc, gone, keys)})
+                                            "reason": reason, "caused_by": causer})
                 e["gpus"].append((doc["gpu_index"], doc["gpu_uuid"]))
                 if e["rev"] != rev:
                     rep.violations.append(f"lease {name}: its GPUs went at revisions {e['rev']} and {rev}")
@@ -115,24 +115,17 @@ def check_usage(events: list[WatchEvent], keys: Keys) -> UsageReport:
     return rep
 
 
-def _causer(doc: dict[str, Any], gone: dict[bytes, Any], keys: Keys) -> str:
-    """Who asked for the notice that ended the lease (its requested_by's agent, or operator); "" for none."""
+def _ended(doc: dict[str, Any], gone: dict[bytes, Any], keys: Keys) -> tuple[str, str]:
+    """How the lease ended, and who asked for the notice that ended it (its requested_by's agent, or operator;
+    "" for none)."""
     if keys.session(doc["agent"], doc["session_id"]) in gone:
-        return ""
+        return "session", ""
     notice = gone.get(keys.eviction(doc["id"]))
     if notice is None:
-        return ""
-    return str(json.loads(notice.value).get("requested_by") or "operator").split("/", 1)[0] or "operator"
-
-
-def _reason(doc: dict[str, Any], gone: dict[bytes, Any], keys: Keys) -> str:
-    if keys.session(doc["agent"], doc["session_id"]) in gone:
-        return "session"
-    notice = gone.get(keys.eviction(doc["id"]))
-    if notice is None:
-        return "release"
+        return "release", ""
     n = json.loads(notice.value)
-    return "revoke" if n.get("revoke") else "reclaim" if n.get("reclaim") else "eviction"
+    reason = "revoke" if n.get("revoke") else "reclaim" if n.get("reclaim") else "eviction"
+    return reason, str(n.get("requested_by") or "operator").split("/", 1)[0] or "operator"
 
 
 def _compare(rep: UsageReport, name: str, e: dict[str, Any], at_rev: int, rec: dict[str, Any],
