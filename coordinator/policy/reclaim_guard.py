@@ -16,7 +16,7 @@ that reclaims pays one compare per witness lease, plus two.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from coordinator.keys import Keys
 from coordinator.policy.host import HostView
@@ -71,11 +71,13 @@ def _records(state: TeamState, view: HostView) -> dict[str, VramLease]:
     return out
 
 
-def reclaim_guards(state: TeamState, view: HostView, keys: Keys, requester: str, victims: Sequence[str],
-                   charges: Sequence[Charge]) -> list[Compare]:
+def reclaim_guards(state: TeamState, view: HostView | None, keys: Keys, requester: str, victims: Sequence[str],
+                   charges: Sequence[Charge], records: Mapping[str, VramLease] | None = None) -> list[Compare]:
     """The compares of a round that writes reclaim notices to ``victims`` (lease ids) for team ``requester``
     (see the module's docstring). A victim with no witness (in quota: never chosen so) compares nothing more
-    than its own record, which the notice's write compares already."""
+    than its own record, which the notice's write compares already. ``records``: the first GPU record of each
+    lease by id, where the caller has them (a multi-host gang's snapshot of the fleet); else this host's view
+    and the teams' copy."""
     by_id = {c.id: c for c in charges}
     witnesses: dict[str, Charge] = {}
     for lease_id in victims:
@@ -85,7 +87,8 @@ def reclaim_guards(state: TeamState, view: HostView, keys: Keys, requester: str,
         for c in quota_witness(victim, charges, state.membership) or ():
             if c.id not in victims:      # a victim's own record is compared by its notice's write
                 witnesses[c.id] = c
-    records = _records(state, view) if witnesses else {}
+    if records is None:
+        records = _records(state, view) if witnesses and view is not None else {}
     out: list[Compare] = [NothingWrittenSince(keys.teams(), state.revision),
                           ModRevisionIs(keys.team_ledger(requester), state.ledger(requester)[0])]
     for lease_id in sorted(witnesses):

@@ -1,14 +1,13 @@
 """The victims of a waiting multi-host gang (issue 30 point 4): by priority over host sets (G3,
 ``policy/fleet.plan_gang_eviction``), only of its own team when teams are stored, else by reclaim (G11,
 ``policy/fleet_reclaim.py``): the fleet's leases as the teams charge them, the compares that keep a reclaim
-decision true until it commits (as ``policy/reclaim_guard.py`` for a host's round), and the reclaim notices a
+decision true until it commits (``policy/reclaim_guard.py``, as for a host's round), and the reclaim notices a
 waiting gang may no longer keep."""
 from __future__ import annotations
 
 from typing import Collection, Iterable, Mapping
 
 from coordinator import clock
-from coordinator.keys import Keys
 from coordinator.policy.fleet import (
     FleetHost,
     FleetRequest,
@@ -16,7 +15,7 @@ from coordinator.policy.fleet import (
     plan_gang_eviction,
 )
 from coordinator.policy.fleet_reclaim import FleetReclaim, plan_gang_reclaim
-from coordinator.policy.reclaim_guard import quota_witness
+from coordinator.policy.reclaim_guard import reclaim_guards
 from coordinator.policy.team_admission import TeamState, charge_of
 from coordinator.policy.teams import Charge, in_quota, stays_in_quota
 from coordinator.records import EvictionRecord
@@ -29,7 +28,7 @@ from coordinator.replica.fleet_view import (
     uuids_of,
 )
 from coordinator.replica.idle import IdleNow
-from coordinator.txn import Compare, ModRevisionIs, NothingWrittenSince, Op
+from coordinator.txn import Compare, Op
 
 
 def new_victims(ctx: ReplicaContext, fleet: Fleet, hosts: dict[str, FleetHost], c: AcquireCall, req: FleetRequest,
@@ -53,7 +52,8 @@ def new_victims(ctx: ReplicaContext, fleet: Fleet, hosts: dict[str, FleetHost], 
     team = teams.membership.team_of(c.session.agent)
     compares, ops = gang_notices(keys, fleet, c, req, [(fleet.leases[v][0].host, v) for v in reclaim.victims],
                                  grace_s, reclaim=team)
-    compares += reclaim_guards(keys, fleet, teams, team, reclaim.victims, charges)
+    compares += reclaim_guards(teams, None, keys, team, reclaim.victims, charges,
+                               records={lease_id: parts[0] for lease_id, parts in fleet.leases.items() if parts})
     return {host: uuids_of(hosts[host], idx) for host, idx in reclaim.reserve}, reclaim.victims, compares, ops
 
 
@@ -76,24 +76,6 @@ def gang_reclaim(fleet: Fleet, hosts: list[FleetHost], state: TeamState, agent: 
     got = plan_gang_reclaim(req, hosts, team, charges, state.membership, fleet_models(fleet), now,
                             exclude=evicting, idle=idle, fair=state.fair)
     return (got, charges) if got is not None and got.victims else None
-
-
-def reclaim_guards(keys: Keys, fleet: Fleet, state: TeamState, team: str, victims: Iterable[str],
-                   charges: list[Charge]) -> list[Compare]:
-    """What a gang's reclaim notices compare: no team changed since the teams' copy, the requesting team's ledger,
-    and each victim's witnesses (the older leases of its team that keep it over quota) still live as read."""
-    victims = set(victims)
-    by_id = {c.id: c for c in charges}
-    witnesses: set[str] = set()
-    for v in victims:
-        if v in by_id:
-            witnesses |= {c.id for c in quota_witness(by_id[v], charges, state.membership) or () if c.id not in victims}
-    out: list[Compare] = [NothingWrittenSince(keys.teams(), state.revision),
-                          ModRevisionIs(keys.team_ledger(team), state.ledger(team)[0])]
-    for w in sorted(witnesses):
-        x = fleet.leases[w][0]
-        out.append(ModRevisionIs(keys.lease(x.host, x.gpu_uuid, x.id), x.mod_revision))
-    return out
 
 
 def invalid_reclaims(fleet: Fleet, state: TeamState | None, agent: str, charge_mb: int, pending: Iterable[str],
