@@ -228,7 +228,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         console's (``coordinator.web``). ``teams``: with the teams' usage (over the fleet: every host only)."""
         self.svc.reach.check()
         validate.status_host(host)
-        members = None if host else asyncio.ensure_future(self._etcd_members())   # read beside the hosts
+        # etcd's members, read beside the hosts, for an operator's view of every host (an agent's gets none)
+        members = None if host or not teams else asyncio.ensure_future(self._etcd_members())
         try:
             report = await self.svc.status(host)
         except BaseException:
