@@ -12,7 +12,7 @@ The same session tells the replica whether it can reach etcd at all (``replica/r
 The leader's duties, all restartable from etcd alone:
 
 * eviction deadlines: a lease still held when its notice's deadline passes is revoked, at once if it is
-  bound to processes that the node no longer reports, else at the kill margin past the deadline; and the
+  bound to processes that the nodes no longer report on any of its GPUs (``replica/stopped.py``), else at the kill margin past the deadline; and the
   ``departing/`` records of ended leases are deleted once the node reports none of their processes;
 * the queue sweep: entries of hosts that are gone, and entries past their waiter's deadline whose
   replica is no longer there to remove them;
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
 
 from coordinator import clock, errors, metrics
 from coordinator.aio import first_of, spawn
@@ -34,7 +33,7 @@ from coordinator.etcd.election import Election
 from coordinator.etcd.removals import Removal, remove_entries
 from coordinator.etcd.session import EtcdSession
 from coordinator.etcd.types import KV
-from coordinator.policy.departing import reports_none, still_reported
+from coordinator.policy.departing import still_reported
 from coordinator.records import (
     DepartingRecord,
     EvictionRecord,
@@ -50,6 +49,7 @@ from coordinator.replica.export import Exporter
 from coordinator.replica.host_lost import HostLoss
 from coordinator.replica.idle import IdleReclaim
 from coordinator.replica.leases import Leases, usage_report
+from coordinator.replica.stopped import stopped_everywhere
 from coordinator.replica.time_limits import TimeLimits
 from coordinator.txn import Absent, Delete, ModRevisionIs, Put, Range
 
@@ -239,9 +239,9 @@ class Leadership:
         """Act on one notice: None when it is settled (revoked, withdrawn, gone), else when to look again.
 
         Before the deadline nothing happens. After it, the request it was made for may have gone (then the
-        notice is withdrawn: nobody needs the room). Otherwise the lease is revoked: at once if it is bound
-        to processes and the node, in a usage report it published after the deadline, lists none of them on
-        the GPU; else at the kill margin past the deadline (``eviction_kill_margin_s``), when the holder has
+        notice is withdrawn: nobody needs the room). Otherwise the lease is revoked: at once if every GPU
+        of it is shown free of its processes, in usage reports published after the deadline, on every host
+        of a multi-host gang, a lost host's part settled by the loss (``replica/stopped.py``); else at the kill margin past the deadline (``eviction_kill_margin_s``), when the holder has
         had its chance to kill them and see them exit (G3)."""
         if now < at:
             return at
@@ -269,35 +269,19 @@ class Leadership:
         if lease is None and now < bound:
             return bound         # gone (its notice goes in the same transaction): nothing to decide early
         if lease is not None and now < bound:
-            if not (lease.pids or lease.pgid) or lease.hosts:
-                return bound     # a cooperative holder releases, or the margin (a multi-host gang: each host's part)
-            usage_kv = self.ctx.mirror.get(self.keys.usage(record.host))
-            usage = usage_report(usage_kv) if usage_kv is not None else None   # None too when malformed
-            if (usage_kv is not None and usage is not None and self._published_after(usage_kv, usage, at, record)
-                    and reports_none(usage, lease.gpu_uuid, lease.id, lease.pids)):
-                if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision,
-                                            fence=term, usage_revision=usage_kv.mod_revision, also=also,
-                                            reason=ended_by(record)):
-                    log.info("revoked lease %s of %s after its eviction deadline: the node reports none of its "
-                             "processes on the GPU", record.lease_id, record.agent)
-                    return None
+            decided = stopped_everywhere(self.ctx, record, lease, at)   # (None: a cooperative holder, or the margin)
+            if decided is not None and await self.leases.revoke(
+                    record.lease_id, record.host, notice_revision=kv.mod_revision, fence=term, decided_on=decided,
+                    also=also, reason=ended_by(record)):
+                log.info("revoked lease %s of %s after its eviction deadline: the node of each of its hosts reports "
+                         "none of its processes on its GPUs", record.lease_id, record.agent)
+                return None
             return bound
         if await self.leases.revoke(record.lease_id, record.host, notice_revision=kv.mod_revision, fence=term,
                                     at_bound=True, also=also, reason=ended_by(record)):
             log.info("revoked lease %s of %s at the kill margin past its eviction deadline", record.lease_id,
                      record.agent)
         return None
-
-    def _published_after(self, usage_kv: KV, usage: dict[str, Any], deadline: float, record: EvictionRecord) -> bool:
-        """Whether a usage report was published after a notice's deadline: this replica saw it first after
-        the deadline (its clock), and its node's clock says it was taken after the deadline (so a report that
-        was merely slow to arrive does not count)."""
-        seen = self.ctx.observed.saw(usage_kv.key, usage_kv.mod_revision)
-        try:
-            taken = float(usage.get("ts", 0.0))
-        except (TypeError, ValueError):
-            return False
-        return seen >= deadline and taken >= record.deadline_unix
 
     async def _departing(self, kv: KV, record: DepartingRecord, now: float, term: Election) -> float | None:
         """Settle one ``departing/`` record: delete it once the node reports none of its processes (or the

@@ -92,7 +92,7 @@ class Leases:
 
     async def revoke(self, lease_id: str, host: str | None = None, notice_revision: int | None = None,
                      fence: Election | None = None, *, at_bound: bool = False,
-                     usage_revision: int | None = None, also: Sequence[Compare] = (),
+                     decided_on: Sequence[Compare] = (), also: Sequence[Compare] = (),
                      reason: str = "revoke") -> bool:
         """Delete a lease now (the leader at an eviction deadline, or ``revoke_by_operator`` for a lease not
         bound to processes). False if it was gone.
@@ -100,8 +100,9 @@ class Leases:
         With ``notice_revision`` (the leader at a deadline) it happens only while that very notice still
         stands: a notice withdrawn meanwhile (its requester left) saves the lease. With ``fence`` (the
         leader) every write also compares the leader's candidacy, and a deposed leader gets NotOwner.
-        ``usage_revision``: the revoke was decided on that usage report of the host (it lists none of the
-        lease's processes): it happens only while the report is unchanged, else False (decide again).
+        ``decided_on``: the revoke was decided on these reads (the usage reports that list none of the lease's
+        processes, and the records as they were read): it happens only while they all hold, else False (decide
+        again).
         ``at_bound``: the kill margin past the deadline has passed; a lease bound to processes that the node
         still reports leaves a forced ``departing/`` record (G3: its VRAM counts as free from now on, and the
         history shows that the bound, not the processes' exit, ended it). ``also``: what else must hold (the
@@ -126,9 +127,7 @@ class Leases:
             ops: list[Op] = [Delete(key), Delete(notice_key), *(Delete(kv.key) for kv in others)]
             if notice_revision is not None:
                 compares.append(ModRevisionIs(notice_key, notice_revision))
-            usage_key = self.keys.usage(lease.host)
-            if usage_revision is not None:
-                compares.append(ModRevisionIs(usage_key, usage_revision))
+            compares += decided_on
             forced = False
             all_parts = [lease, *(VramLease.from_kv(kv) for kv in others)]
             if at_bound and any(p.pids or p.pgid for p in all_parts):
@@ -157,8 +156,8 @@ class Leases:
                 raise errors.NotOwner("leader: this replica is no longer the leader", "leader")
             if notice_revision is not None and (await self.store.get(notice_key)) is None:
                 return False   # withdrawn: nothing to enforce any more
-            if usage_revision is not None:
-                return False   # a new usage report: the caller decides again
+            if decided_on:
+                return False   # what it was decided on changed (a new usage report): the caller decides again
         raise errors.Unavailable("revoke: too much contention; retry")
 
     async def revoke_by_operator(self, lease_id: str, asked_by: str = "") -> tuple[bool, bool]:

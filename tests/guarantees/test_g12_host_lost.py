@@ -3,8 +3,10 @@ etcd, a coordinator and two node daemons: a granted 2-host gang whose parts run 
 each host; one host's node daemon is killed (it stops without deregistering, as SIGKILL leaves it). Its holder
 gets one ``host-lost`` notice naming the host; the part on the surviving host is stopped before the gang's
 records go (G3's order, judged by observation: never a moment when the records are gone and it still runs); the
-whole gang goes in one transaction (one revision deletes every part's record). How soon (the node's TTL + the
-grace) is printed, not asserted: the deadline of the test is a liveness one. The history checker ends it."""
+whole gang goes in one transaction (one revision deletes every part's record), as soon as the surviving node
+reports its part's processes gone after the deadline: not at the kill margin (set to 10 minutes here, so that a
+revoke that waited for it fails the test's liveness deadline). How soon (the node's TTL + the grace) is printed,
+not asserted. The history checker ends it."""
 from __future__ import annotations
 
 import json
@@ -17,6 +19,7 @@ import pytest
 from agent_client import Client, errors
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.lease import EvictionNotice
+from coordinator.limits import MAX_KILL_MARGIN_S
 from tests.support.cluster import Cluster, events_since, revision
 from tests.support.join_parts import join_part
 from tests.support.processes import ProcessGone, command_pid, write_fake_processes
@@ -36,16 +39,20 @@ OBEDIENT = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
 
 @pytest.mark.parametrize("part", [STUBBORN, OBEDIENT], ids=["part-ignores-sigterm", "part-stops-at-sigterm"])
 def test_a_lost_host_of_a_granted_gang_notifies_once_stops_the_other_part_first_and_takes_the_whole_gang_at_once(
-        cluster: Cluster, started: list[int], part: str) -> None:
-    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S)
-    for host in ("a", "b"):
-        cluster.start_node(host, "2x16GiB", ttl=NODE_TTL, heartbeat_s=1.0)
+        cluster: Cluster, started: list[int], part: str, tmp_path: Path) -> None:
+    addr = cluster.start_coordinator(eviction_grace_s=GRACE_S, eviction_kill_margin_s=MAX_KILL_MARGIN_S)
+    files = {h: tmp_path / f"procs-{h}.json" for h in ("a", "b")}
+    for host, path in files.items():      # the nodes list the parts' processes on their GPUs (as NVML does)
+        write_fake_processes(path, {})
+        cluster.start_node(host, "2x16GiB", ttl=NODE_TTL, heartbeat_s=1.0, fake_processes=str(path))
     with Client(addr, agent="agent-g", host="a") as holder:
         lease = holder.acquire(exclusive=True, gpu_count=2, hosts=2)
         notices: list[EvictionNotice] = []
         lease.on_evict(notices.append)
         runs = {lease.part(r).host: join_part(addr, "agent-g", lease, r, part) for r in (0, 1)}
         pids = {host: command_pid(run, started) for host, run in runs.items()}
+        for host, pid in pids.items():
+            write_fake_processes(files[host], {0: {pid: 1000}, 1: {pid: 1000}})
         lease_keys = {kv.key for kv in cluster.get_prefix(cluster.keys.leases())}
         assert len(lease_keys) == 4
         wait_for(lambda: all(b'"pids":[' in kv.value and b'"pids":[]' not in kv.value
@@ -65,7 +72,7 @@ def test_a_lost_host_of_a_granted_gang_notifies_once_stops_the_other_part_first_
             if not left and not ProcessGone.now_gone(pids["a"]):
                 order.append("the gang's records were gone while its part on a still ran")
             return not left
-        wait_for(gone, NODE_TTL + GRACE_S + LIVENESS_S, "the whole gang to go")
+        wait_for(gone, NODE_TTL + GRACE_S + LIVENESS_S, "the whole gang to go (before the kill margin)")
         print(f"the gang went {time.monotonic() - killed:.2f} s after host b's node daemon was killed "
               f"(TTL {NODE_TTL} s + grace {GRACE_S:g} s); notices {notices}")
         assert not order, order
@@ -110,11 +117,13 @@ def test_an_evicted_gang_whose_part_on_another_host_still_runs_is_not_freed_as_i
     lists each on its GPU); at the notice the part on the notice record's host stops, the other's keeps running.
     The gang may go only as a lease whose processes still run goes: at the kill margin, with a ``departing/``
     record for the GPU they hold (its VRAM counted as used by them), never as if every part had stopped."""
-    addr = cluster.start_coordinator(eviction_kill_margin_s=2.0)
+    # Reports every 0.5 s, well inside the margin: a revoke that took a report after the deadline as proof
+    # enough, without reading it, would free the gang before the margin (and write no departing record).
+    addr = cluster.start_coordinator(eviction_kill_margin_s=10.0)
     files = {h: tmp_path / f"procs-{h}.json" for h in ("a", "b")}
     for host, path in files.items():
         write_fake_processes(path, {})
-        cluster.start_node(host, "1x16GiB", fake_processes=str(path))
+        cluster.start_node(host, "1x16GiB", fake_processes=str(path), heartbeat_s=0.5)
     stub = coordinator_stub(addr)
     with Client(addr, agent="agent-g", host="a") as holder, Client(addr, agent="agent-g", host="b") as joined:
         lease = holder.acquire(exclusive=True, hosts=2)
