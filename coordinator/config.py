@@ -16,7 +16,9 @@ from coordinator.limits import (
     MAX_KILL_MARGIN_S,
     MAX_TIME_LIMIT_S,
     MAX_TTL_S,
+    MAX_TXN_OPS,
     MIN_TTL_S,
+    MIN_TXN_OPS,
     quote,
 )
 
@@ -50,6 +52,9 @@ class CoordinatorConfig:
     # A lease under an eviction notice is revoked by force this long after its deadline, and the VRAM of
     # a process-bound lease counts as held until then unless its processes are gone first (docs/guarantees.md, G3).
     eviction_kill_margin_s: float = 2.0
+    # etcd's --max-txn-ops (its default 128): the largest multi-host gang is one transaction of a record and a
+    # ledger per GPU, so a site that runs larger gangs raises both (docs/etcd.md; ``gpucoord up`` sets 1024).
+    etcd_max_txn_ops: int = 128
     # Time limits (docs/policies.md "Time limits"): the warning notice goes this long before a lease's end (capped at its
     # limit; a request may ask another), a request with no limit gets the default (0: none), and no limit may
     # be above the maximum (0: only MAX_TIME_LIMIT_S).
@@ -133,6 +138,9 @@ class CoordinatorConfig:
             raise ConfigError("etcd_timeout_s", "must be < session_ttl_s / 2")
         if self.election_ttl_s < MIN_TTL_S:
             raise ConfigError("election_ttl_s", f"must be >= {MIN_TTL_S}")
+        if not MIN_TXN_OPS <= self.etcd_max_txn_ops <= MAX_TXN_OPS:
+            raise ConfigError("etcd_max_txn_ops", f"must be within [{MIN_TXN_OPS}, {MAX_TXN_OPS}] (etcd's "
+                                                  f"--max-txn-ops), got {quote(self.etcd_max_txn_ops)}")
         if self.eviction_grace_s < 0:
             raise ConfigError("eviction_grace_s", "must be >= 0")
         if not 0 <= self.eviction_kill_margin_s <= MAX_KILL_MARGIN_S:

@@ -25,6 +25,7 @@ MAX_SPEC_BYTES = 64 * 1024        # a partition spec, as JSON
 MAX_PARTITION_BYTES = 256 * 1024  # the computed partition stored under partitions/<host>
 MAX_GRACE_S = 3600.0              # an operator's eviction grace
 MAX_KILL_MARGIN_S = 600.0         # eviction_kill_margin_s
+MIN_TXN_OPS, MAX_TXN_OPS = 128, 16384   # etcd_max_txn_ops (etcd's --max-txn-ops: its default, and a sane top)
 MAX_TIME_LIMIT_S = 30 * 86400.0   # a lease's time limit (and its warning)
 MAX_STREAM_CALLS = 256            # calls in flight on one Session stream
 QUOTE_CHARS = 32                  # an error message quotes at most this much of a bad value

@@ -47,6 +47,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
              "metrics_listen": args.metrics_listen,
              "session_ttl_s": args.session_ttl, "eviction_grace_s": args.grace,
              "eviction_kill_margin_s": args.eviction_kill_margin, "max_time_limit_s": args.max_time_limit,
+             "etcd_max_txn_ops": args.etcd_max_txn_ops,
              "default_time_limit_s": args.default_time_limit, "time_limit_warning_s": args.time_limit_warning,
              "idle_after_s": args.idle_after, "idle_below_pct": args.idle_below, "idle_action": args.idle_action,
              "untracked_vram": None if args.untracked_vram is None else args.untracked_vram == "on",

@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--eviction-kill-margin", type=float, default=None, metavar="SECONDS",
                     help="a lease still held this long after its eviction deadline is revoked by force; until "
                          "then the VRAM of a lease bound to processes is free only once they are gone (default 2)")
+    co.add_argument("--etcd-max-txn-ops", type=int, default=None, metavar="N",
+                    help="etcd's --max-txn-ops (default 128, etcd's own): bounds the largest multi-host gang, one "
+                         "transaction of a record and a ledger per GPU")
     co.add_argument("--max-time-limit", type=duration, default=None, metavar="DURATION",
                     help="the longest time limit a request may ask (default: 30 days)")
     co.add_argument("--default-time-limit", type=duration, default=None, metavar="DURATION",

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from coordinator.security.tls import TlsFiles
 
 
+# etcd's --max-txn-ops for the embedded etcd, and the coordinator's etcd_max_txn_ops: room for a multi-host gang
+# of up to 60 hosts x 8 GPUs in its one transaction (etcd's default, 128, holds about 7 x 8).
+UP_MAX_TXN_OPS = 1024
+
+
 class Child:
     """A child process that prints ``READY <kind> port=N`` once it serves."""
 
@@ -98,7 +103,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         binary = choose_etcd(args.etcd_binary)
         retention = args.etcd_auto_compaction_retention or ("5m" if args.etcd_auto_compaction_mode == "periodic"
                                                              else "10000")
-        options = EtcdOptions(args.etcd_auto_compaction_mode, retention, parse_size(args.etcd_quota, "--etcd-quota"))
+        options = EtcdOptions(args.etcd_auto_compaction_mode, retention, parse_size(args.etcd_quota, "--etcd-quota"),
+                              max_txn_ops=UP_MAX_TXN_OPS)
     except (FileNotFoundError, PartitionError, ValueError) as e:
         raise UsageError(str(e), "see 'gpucoord up --help'") from e
     print(f"etcd binary: {binary.describe()}")
@@ -175,10 +181,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                   "certificate")
         print(f"etcd:        {ep}   (etcdctl: {etcdctl} get --prefix /gpucoord/)")
         print(f"             auto-compaction {options.auto_compaction_mode} {options.auto_compaction_retention}, "
-              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see docs/etcd.md)")
+              f"quota {options.quota_backend_bytes} B (alarm NOSPACE past it: see docs/etcd.md), "
+              f"max-txn-ops {options.max_txn_ops}")
         coord = Child("coordinator", [py, "-m", "coordinator.cli", "coordinator", "--etcd", ep,
                                       "--listen", listen, "--metrics-listen", metrics_listen,
-                                      "--session-ttl", str(args.session_ttl), *coord_extra],
+                                      "--session-ttl", str(args.session_ttl),
+                                      "--etcd-max-txn-ops", str(UP_MAX_TXN_OPS), *coord_extra],
                       data_dir / "coordinator.log")
         children.append(coord)
         cport = coord.wait_ready(30)

@@ -124,6 +124,7 @@ class EtcdOptions:
     quota_backend_bytes: int | None = None
     unsafe_no_fsync: bool = False   # test clusters on a slow shared disk only: a crash may lose writes
     snapshot_count: int | None = None   # raft entries between snapshots (etcd's default: 100,000)
+    max_txn_ops: int | None = None      # operations (and compares) per transaction (etcd's default: 128)
 
     def args(self) -> list[str]:
         out: list[str] = ["--unsafe-no-fsync"] if self.unsafe_no_fsync else []
@@ -134,6 +135,8 @@ class EtcdOptions:
                     "--auto-compaction-retention", self.auto_compaction_retention or "0"]
         if self.quota_backend_bytes is not None:
             out += ["--quota-backend-bytes", str(self.quota_backend_bytes)]
+        if self.max_txn_ops is not None:
+            out += ["--max-txn-ops", str(self.max_txn_ops)]
         return out
 
 

@@ -28,6 +28,10 @@ def translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
         if write and code != grpc.StatusCode.UNAVAILABLE:
             return errors.OutcomeUnknown(f"etcd write interrupted, outcome unknown: {details}")
         return errors.Unavailable(f"etcd unavailable: {details}")
+    if "too many operations in txn request" in details:
+        return errors.FailedPrecondition(
+            f"etcd_max_txn_ops: etcd refused a transaction as too large ({details}): the coordinators' "
+            f"etcd_max_txn_ops is above etcd's --max-txn-ops; set them equal", "etcd_max_txn_ops")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.InvalidArgument(f"etcd rejected the request: {details}")
     return errors.Unavailable(f"etcd error {code.name}: {details}")

@@ -101,15 +101,14 @@ from coordinator.policy.team_admission import (
     team_writes,
 )
 from coordinator.policy.teams import Charge
+from coordinator.policy.txn_budget import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
 from coordinator.policy.victims import choose_gang_victims
 from coordinator.policy.writes import Round
 from coordinator.records import VramLease, dumps
 from coordinator.txn import Absent, ModRevisionIs, NothingWrittenSince, Put
 
 # etcd refuses a transaction with more than 128 compares, or 128 operations (--max-txn-ops). A round stops
-# deciding before it would pass these budgets; the rest is decided in the next round.
-TXN_OPS_BUDGET = 120
-TXN_COMPARES_BUDGET = 120
+# deciding before it would pass these budgets (``policy/txn_budget.py``); the rest is decided in the next round.
 
 
 def plan_round(view: HostView, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str],

@@ -8,8 +8,7 @@ set of hosts (``policy/fleet.py``): on each an entry ``queue/<host>/<rank>`` (th
 it reserves there. A host's own rounds never grant such an entry; they hold its GPUs back from every request
 ranked after it (G2 across hosts). The grant deletes the gang's entries in its transaction. A wait that ends
 removes them (or the leader's queue sweep, if this replica died and nobody retried), and a session that ends
-takes them with it. Release, expiry and revoke take every record on every host in one transaction
-(``Leases._other_parts``).
+takes them with it. Release, expiry and revoke take every record on every host in one transaction.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ from coordinator.policy.fleet import (
     plan_gang,
 )
 from coordinator.policy.placement import Refused
-from coordinator.policy.planner import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
 from coordinator.policy.team_admission import (
     TeamState,
     grant_charge_mb,
@@ -40,6 +38,7 @@ from coordinator.policy.team_admission import (
     team_limit,
     team_writes,
 )
+from coordinator.policy.txn_budget import too_large
 from coordinator.records import VramLease, dumps
 from coordinator.replica.call import ORPHAN_GRACE_S, AcquireCall, give_back
 from coordinator.replica.context import ReplicaContext
@@ -242,7 +241,7 @@ class FleetAdmitter:
         teams, no_teams_since = await team_state(self.ctx, fleet.revision, 0.5)
         hosts = fleet_hosts(fleet, c.session.agent, g.rank, c.lease_id)
         reserved = sorted(v.host for v in fleet.views.values() for e in v.entries if e.lease_id == c.lease_id)
-        too_big = beyond_one_transaction(g.req, hosts.values())
+        too_big = beyond_one_transaction(g.req, hosts.values(), self.ctx.config.etcd_max_txn_ops)
         decision = plan_gang(g.req, list(hosts.values()), reserved) if not too_big else \
             Refused(errors.FailedPrecondition(too_big, "hosts"))
         if isinstance(decision, FleetGrant):
@@ -301,11 +300,12 @@ class FleetAdmitter:
             compares, ops = compares + tc, ops + to
         elif no_teams_since:
             compares.append(NothingWrittenSince(keys.teams(), no_teams_since))
-        if len(ops) > TXN_OPS_BUDGET or len(compares) > TXN_COMPARES_BUDGET:
-            return None if fleet.from_mirror else await self._leave(g, fleet, errors.FailedPrecondition(
-                f"hosts: {len(parts)} hosts x {len(parts[0][1])} GPUs need {len(ops)} writes and {len(compares)} "
-                f"compares in one etcd transaction, above its limits ({TXN_OPS_BUDGET}, {TXN_COMPARES_BUDGET})", "hosts"))
-        res = await self._commit(compares, ops)
+        try:   # (etcd may refuse it as too large too: etcd_max_txn_ops set above its own --max-txn-ops)
+            if why := too_large(compares, ops, self.ctx.config.etcd_max_txn_ops):
+                raise errors.FailedPrecondition(f"hosts: {len(parts)} hosts x {len(parts[0][1])} GPUs need {why}", "hosts")
+            res = await self._commit(compares, ops)
+        except errors.FailedPrecondition as e:
+            return None if fleet.from_mirror else await self._leave(g, fleet, e)
         if not res.succeeded:
             return False
         metrics.ADMISSIONS.labels(parts[0][0]).inc()

@@ -347,17 +347,19 @@ def requested_by(kv: KV) -> str:
         return ""
 
 
-def beyond_one_transaction(req: FleetRequest, hosts: Iterable[FleetHost]) -> str:
-    """Why no transaction can ever grant ``req`` (etcd's per-transaction limits, ``planner.TXN_*_BUDGET``): a
-    lease record and a ledger per GPU, a guard per host and per ledger of each host; "" when one can."""
-    from coordinator.policy.planner import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
-    widest = max((len(h.slots) for h in hosts if not h.never), default=0)
+def beyond_one_transaction(req: FleetRequest, hosts: Iterable[FleetHost], max_txn_ops: int) -> str:
+    """Why no transaction can ever grant ``req`` (etcd's per-transaction limit ``max_txn_ops``, less
+    ``policy/txn_budget.py``): a lease record and a ledger per GPU, a guard per host and per ledger of each
+    host; "" when one can."""
+    from coordinator.policy.txn_budget import beyond, gang_txn_bytes
+    usable = [h for h in hosts if not h.never]
+    widest = max((len(h.slots) for h in usable), default=0)
     ops = 2 * req.hosts * req.gpu_count + req.hosts + 1
     compares = req.hosts * (7 + widest) + 3
-    if ops <= TXN_OPS_BUDGET and compares <= TXN_COMPARES_BUDGET:
-        return ""
-    return (f"hosts: {req.hosts} hosts x {req.gpu_count} GPUs need {ops} writes and up to {compares} compares in one "
-            f"etcd transaction, above its limits ({TXN_OPS_BUDGET}, {TXN_COMPARES_BUDGET}): ask fewer hosts or GPUs")
+    size = gang_txn_bytes(req.hosts, req.gpu_count, max((len(h.host) for h in usable), default=0),
+                          max((len(s.uuid) for h in usable for s in h.slots), default=0))
+    why = beyond(ops, compares, size, max_txn_ops)
+    return f"hosts: {req.hosts} hosts x {req.gpu_count} GPUs need up to {why}" if why else ""
 
 
 def gang_notices(keys: Keys, fleet: Fleet, c: AcquireCall, req: FleetRequest, victims: Sequence[tuple[str, str]],

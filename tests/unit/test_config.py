@@ -325,6 +325,13 @@ def test_the_eviction_kill_margin_defaults_to_2s_and_is_bounded() -> None:
         assert field_error(eviction_kill_margin_s=bad) == "eviction_kill_margin_s"
 
 
+def test_etcd_max_txn_ops_defaults_to_etcds_own_128_and_is_bounded() -> None:
+    assert load().etcd_max_txn_ops == 128
+    assert load(env={"GPUCOORD_ETCD_MAX_TXN_OPS": "1024"}).etcd_max_txn_ops == 1024
+    for bad in (127, 16385, 0):
+        assert field_error(etcd_max_txn_ops=bad) == "etcd_max_txn_ops"
+
+
 @pytest.mark.parametrize("field", ["batch_max", "commit_attempts"])
 def test_limit_errors_name_their_own_field(field: str) -> None:
     assert field_error(**{field: 0}) == field
