@@ -2,7 +2,7 @@
 against its weight. Pure: no I/O."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from coordinator.policy.teams import Membership
 
@@ -21,3 +21,12 @@ def fair_factors(decayed_s: Mapping[str, float], membership: Membership) -> dict
     weights = {n: membership.team(n).weight for n in names}
     wsum = sum(weights.values())
     return {n: 2.0 ** -min(60.0, (used[n] / total) / (weights[n] / wsum)) for n in names}
+
+
+def borrow_shares(membership: Membership, fair: Mapping[str, float], contenders: Iterable[str]) -> dict[str, float]:
+    """Each contender's share of the capacity beyond the quotas (docs/teams.md "Fair share"): its weight times
+    its factor, against the same over every team that borrows or waits to borrow, s = w·F / Σ w·F."""
+    names = sorted(set(contenders))
+    weighted = {n: membership.team(n).weight * fair.get(n, 1.0) for n in names}
+    total = sum(weighted.values())
+    return {n: (w / total if total > 0 else 1.0 / len(names)) for n, w in weighted.items()}

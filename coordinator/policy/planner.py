@@ -25,34 +25,37 @@ plan made from a stale snapshot fails as a whole and is made again.
 Guarantees, checked by the property tests in ``tests/unit/test_planner.py``:
 * G1: no GPU and no partition cap is over-committed by the grants.
 * G2: a request is only placed on GPUs that no request ranked before it is still waiting for.
-* Gangs (issue 21; ``policy/placement.py``, ``policy/gang.py``, ``policy/victims.py``): a request for several
-  GPUs, whole GPUs, a topology or exact GPUs is placed over GPU sets (best fit, topology, exclusive) and
-  granted all or nothing: one record per GPU with that GPU's next token, all in the round's transaction,
-  which compares every ledger of the host. **G2 with gangs**: a waiting request, gang or not, blocks every
-  GPU it could ever use (``gang.could_use``: every GPU of some set that could hold it once leases go and
-  meets its topology); no request ranked after it is granted on any of them. The rule's cost: the free room
-  of those GPUs idles for later requests until the gang is granted (a waiting ``any`` gang of 4 on an
-  8-GPU host holds back all 8 GPUs), and a round may grant less than it could; its gain: a big request is
-  never starved by a stream of small ones. A gang's victims are chosen over GPU sets
-  (``victims.choose_gang_victims``: G3's order over all candidates, minimal); a gang victim frees all its GPUs, and its
-  notice compares each of its records. ``_fits_budget`` counts a gang's k lease puts and k ledger puts.
-* **G2 with teams** (G11, ``_wait_for_team``): a request that its team's limit holds back (its grant would take
-  its team above its limit; for one that does not fit yet, even the least it could be charged would) waits
-  for its team alone: it holds no GPU back and chooses no victims, so the requests ranked after it, of every
-  team, are decided as if it were not there. It is not waiting for GPU room: blocking GPUs for it would idle
-  them for a request that cannot be granted anyway, and evicting for it would end leases for nothing. Its
-  own team's requests behind it are not held back either: one that the limit still allows (a smaller one)
-  is granted first, so the team's room goes to whichever of its requests fits first in rank order, and a
-  big request of a team at its limit may be passed by its team's smaller ones (the team's own business;
-  across teams nothing changes). Once its team has room it is decided as any request (it may then block
-  GPUs and choose victims). Unless its own team's lower-priority preemptible leases here free room under
-  the limit (``_evicts_for_team``: G3 within the team's limit): then it evicts them and waits as any waiter. A new call that asked for no wait is refused at once naming ``team`` and the
-  limit; a wait that ends while the limit holds it back is answered so too (``Plan.team_waits``).
-* G3: victims are preemptible, of lower priority, chosen over every GPU (``admission.plan_eviction``, the same
-  rule as ``victims.choose_gang_victims``: lowest priority first, then newest, over all candidates; minimal); a request with victims is admitted only once they are gone:
-  their leases, and the processes of those bound to processes while the node still reports them and the
-  kill margin has not passed (``HostView.departing``, whose VRAM also counts as held for everyone else).
-* etcd's limits: at most ``TXN_OPS_BUDGET`` operations and ``TXN_COMPARES_BUDGET`` compares.
+* Gangs (issue 21; ``policy/placement.py``, ``policy/gang.py``, ``policy/victims.py``): a request for several GPUs,
+  whole GPUs, a topology or exact GPUs is placed over GPU sets (best fit, topology, exclusive) and granted all or
+  nothing: one record per GPU with that GPU's next token, all in the round's transaction, which compares every ledger
+  of the host. **G2 with gangs**: a waiting request, gang or not, blocks every GPU it could ever use
+  (``gang.could_use``: every GPU of some set that could hold it once leases go and meets its topology); no request
+  ranked after it is granted on any of them. The rule's cost: the free room of those GPUs idles for later requests
+  until the gang is granted (a waiting ``any`` gang of 4 on an 8-GPU host holds back all 8 GPUs), and a round may
+  grant less than it could; its gain: a big request is never starved by a stream of small ones. A gang's victims are
+  chosen over GPU sets (``victims.choose_gang_victims``: G3's order over all candidates, minimal); a gang victim frees
+  all its GPUs, and its notice compares each of its records. ``_fits_budget`` counts a gang's k lease puts and k
+  ledger puts.
+* **G2 with teams** (G11, ``_wait_for_team``): a request that its team's limit holds back (its grant would take its
+  team above its limit; for one that does not fit yet, even the least it could be charged would) waits for its team
+  alone: it holds no GPU back and chooses no victims, so the requests ranked after it, of every team, are decided as
+  if it were not there. It is not waiting for GPU room: blocking GPUs for it would idle them for a request that cannot
+  be granted anyway, and evicting for it would end leases for nothing. Its own team's requests behind it are not held
+  back either: one that the limit still allows (a smaller one) is granted first, so the team's room goes to whichever
+  of its requests fits first in rank order, and a big request of a team at its limit may be passed by its team's
+  smaller ones (the team's own business; across teams nothing changes). Once its team has room it is decided as any
+  request (it may then block GPUs and choose victims). Unless its own team's lower-priority preemptible leases here
+  free room under the limit (``_evicts_for_team``: G3 within the team's limit): then it evicts them and waits as any
+  waiter. A new call that asked for no wait is refused at once naming ``team`` and the limit; a wait that ends while
+  the limit holds it back is answered so too (``Plan.team_waits``). A grant past its team's fair share of the idle
+  capacity while another team waits here waits so too (``team_holds.py``).
+* G3: victims are preemptible, of lower priority, chosen over every GPU (``admission.plan_eviction``, the same rule as
+  ``victims.choose_gang_victims``: lowest priority first, then newest, over all candidates; minimal); a request with
+  victims is admitted only once they are gone: their leases, and the processes of those bound to processes while the
+  node still reports them and the kill margin has not passed (``HostView.departing``, whose VRAM also counts as held
+  for everyone else).
+* etcd's limits: at most ``TXN_OPS_BUDGET`` operations and ``TXN_COMPARES_BUDGET`` compares
+  (``policy/txn_budget.py``); the rest is decided in the next round.
 
 It does no I/O and changes nothing it is given: it works on copies of the snapshot's GPUs and leases, and
 reads the calls (``Caller``) without touching them. Time comes in as arguments (``now``: the monotonic clock
@@ -95,20 +98,15 @@ from coordinator.policy.team_admission import (
     beyond_limit,
     charged_teams,
     fleet_charges,
-    grant_charge_mb,
-    least_charge_mb,
-    team_limit,
     team_writes,
 )
+from coordinator.policy.team_holds import over_share, over_team_limit
 from coordinator.policy.teams import Charge
 from coordinator.policy.txn_budget import TXN_COMPARES_BUDGET, TXN_OPS_BUDGET
 from coordinator.policy.victims import choose_gang_victims
 from coordinator.policy.writes import Round
 from coordinator.records import VramLease, dumps
 from coordinator.txn import Absent, ModRevisionIs, NothingWrittenSince, Put
-
-# etcd refuses a transaction with more than 128 compares, or 128 operations (--max-txn-ops). A round stops
-# deciding before it would pass these budgets (``policy/txn_budget.py``); the rest is decided in the next round.
 
 
 def plan_round(view: HostView, batch: Sequence[C], waiting: Mapping[str, C], live: Collection[str],
@@ -150,10 +148,13 @@ class _Planner(Round[C]):
             if held_by_cordon(self.view.cordon is not None, decision):
                 wait_for_cordon(self, n, it)   # issue 31: no grant on a cordoned host (``policy/cordon.py``)
                 continue
-            over = self._over_team_limit(it, decision)
+            over = over_team_limit(self, it, decision)
             if over is not None:
                 if not self._evicts_for_team(n, it, decision):
                     self._wait_for_team(n, it, over)
+                continue
+            if (share := over_share(self, it, decision)) is not None:
+                self._wait_for_team(n, it, share)    # its fair share of the idle capacity (docs/teams.md)
                 continue
             if isinstance(decision, Grant):
                 self._write_grant(it, decision)
@@ -183,22 +184,6 @@ class _Planner(Round[C]):
         elif self.ctx.no_teams_since and plan.new_leases:
             plan.compares.append(NothingWrittenSince(self.keys.teams(), self.ctx.no_teams_since))
         return plan
-
-    def _over_team_limit(self, it: Item[C], decision: object) -> str | None:
-        """Why this request waits for its team (G11; charged VRAM x GPUs), or None: a new grant would take its
-        team above its limit, or, for a request that does not fit yet, even the least it could be charged
-        would (``least_charge_mb``)."""
-        state, req = self.ctx.teams, it.req
-        if state is None:
-            return None
-        if isinstance(decision, Grant) and decision.existing is None:
-            gpus = decision.gang or ((decision.gpu,) if decision.gpu is not None else ())
-            charge = grant_charge_mb(gpus, req.vram_mb, req.exclusive)
-        elif isinstance(decision, Waits):
-            charge = least_charge_mb(decision.candidates, req.vram_mb, req.gpu_count, req.exclusive)
-        else:
-            return None
-        return team_limit(state, self.view, req.agent, charge, self.team_used)
 
     def _evicts_for_team(self, n: int, it: Item[C], decision: object) -> bool:
         """G3 within the team's limit: a request that its team's limit holds back evicts its own team's
@@ -366,8 +351,7 @@ class _Planner(Round[C]):
             g3 = own_team_only(teams, req.agent, gpus)
             choice = choose_gang_victims(slots_from_views(g3, req.agent, self.view.inventory, self.evicting), w.gang,
                                          req.priority, req.agent, holders_from_views(g3, self.evicting, self.ctx.idle),
-                                         blocked,
-                                         self._team_room(req, going=True) if req.exclusive else None)
+                                         blocked, self._team_room(req, going=True) if req.exclusive else None)
             if choice is not None or teams is None:
                 return ([self.parts(h.id)[0] for h in choice.victims] if choice is not None else []), ""
         # This round's grants are not reclaimed in it (their leases are not in etcd yet): in the next one they can be.

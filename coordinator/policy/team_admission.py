@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 from coordinator import errors
 from coordinator.keys import Keys
 from coordinator.limits import quote
+from coordinator.policy.fair_share import borrow_shares
 from coordinator.policy.teams import Charge, Membership, Team
 from coordinator.records import VramLease, dumps
 from coordinator.txn import Compare, ModRevisionIs, NothingWrittenSince, Op, Put
@@ -46,6 +47,9 @@ class TeamState:
     # Each team's fair-share factor over time (``teams.fair_factors``), as this replica last computed it from the
     # decayed usage; {} (every factor 1: weight alone) until it has.
     fair: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # The fleet's VRAM beyond the teams' quotas (its GPUs' VRAM less every quota, at least 0), shared by fair
+    # share while teams contend for it (``share_refusal``); None: not known (no share is held to).
+    borrowable_mb: int | None = None
 
     def limited(self, team: str) -> bool:
         return self.membership.team(team).limit_mb is not None
@@ -111,9 +115,44 @@ def beyond_limit(state: TeamState | None, view: HostView, agent: str, vram_mb: i
 
 
 def team_wait_over(reason: str, wait_s: float) -> errors.WaitTimeout:
-    """The answer to a request whose wait ended while it waited for its team's limit (``reason``, from
-    ``limit_refusal``): RESOURCE_EXHAUSTED naming ``team`` and the limit."""
-    return errors.WaitTimeout(f"{reason} (waited {round(wait_s, 1):g} s for its team's limit)", "team")
+    """The answer to a request whose wait ended while it waited for its team's limit or fair share (``reason``,
+    from ``limit_refusal`` or ``share_refusal``): RESOURCE_EXHAUSTED naming ``team`` and the limit."""
+    what = "fair share" if FAIR_SHARE_MARK in reason else "limit"
+    return errors.WaitTimeout(f"{reason} (waited {round(wait_s, 1):g} s for its team's {what})", "team")
+
+
+FAIR_SHARE_MARK = "its fair share of the idle capacity"
+
+
+def share_refusal(state: TeamState, team: str, used: Callable[[str], int], charge_mb: int,
+                  waiting: Mapping[str, int]) -> str | None:
+    """Why a grant charging ``charge_mb`` to ``team`` waits for its fair share of the idle capacity (docs/teams.md
+    "Fair share"), or None. While other teams wait to borrow on this host (``waiting``: team -> the least its
+    waiting request there would be charged), each team that borrows or waits to borrow may borrow (use above its
+    quota) at most its share ``w·F / Σ w·F`` of the fleet's VRAM beyond the quotas. Work-conserving: only a
+    waiting team that would borrow and whose waiting request fits within its own share holds another back (two
+    teams each a GPU short of their shares never both wait while a GPU idles)."""
+    if state.borrowable_mb is None:
+        return None
+    members = state.membership
+
+    def borrowed(name: str, extra: int = 0) -> int:
+        return max(0, used(name) + extra - members.team(name).quota_mb)
+    after = borrowed(team, charge_mb)
+    if after == 0:
+        return None         # within its quota: what a quota guarantees is never held back
+    contenders = {n for n in state.used if borrowed(n) > 0} | {team}
+    claims = {n: least for n, least in waiting.items() if n != team and borrowed(n, least) > 0}
+    shares = borrow_shares(members, state.fair, contenders | set(claims))
+
+    def within(name: str, mb: int) -> bool:      # (a relative slack: the share is a float)
+        return mb <= shares[name] * state.borrowable_mb * (1 + 1e-9) if state.borrowable_mb is not None else True
+    holders = sorted(n for n in claims if within(n, borrowed(n, claims[n])))
+    cap = round(shares[team] * state.borrowable_mb)
+    if not holders or within(team, after):
+        return None
+    return (f"team: team {quote(team)} would borrow {after} MiB, past {FAIR_SHARE_MARK} ({cap} of "
+            f"{state.borrowable_mb} MiB) while team {quote(holders[0])} waits")
 
 
 def team_limit(state: TeamState, view: HostView, agent: str, charge_mb: int,

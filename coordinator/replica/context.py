@@ -34,6 +34,8 @@ class ReplicaContext:
     utilization: UtilizationHistory = dataclasses.field(default_factory=UtilizationHistory)
     # Each team's fair-share factor over time (replica/fair_share.py), as last computed: admission's reclaim order.
     fair_share: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The fleet's GPU VRAM beyond the teams' quotas, as last computed with the factors (None: not yet).
+    borrowable_mb: int | None = None
     # Whether this replica can reach etcd (its candidacy's keepalives tell; replica/reach.py).
     reach: EtcdReach = dataclasses.field(default_factory=lambda: EtcdReach(""))
 

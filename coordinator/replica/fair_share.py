@@ -7,6 +7,7 @@ differently (which leases may be taken, and the compares that guard a reclaim, d
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from coordinator import clock, errors
@@ -24,7 +25,7 @@ async def refresh(ctx: ReplicaContext) -> dict[str, float]:
     """The factors now ({} without teams), also kept in ``ctx.fair_share``."""
     membership = mirror_membership(ctx.mirror) if ctx.mirror.ready else None
     if membership is None:
-        ctx.fair_share = {}
+        ctx.fair_share, ctx.borrowable_mb = {}, None
         return ctx.fair_share
     rollups = (await ctx.store.get_prefix(ctx.keys.usage_rollups())).kvs
     leases: list[VramLease] = []
@@ -35,7 +36,20 @@ async def refresh(ctx: ReplicaContext) -> dict[str, float]:
             continue
     decayed = decayed_by_team(ctx.keys, membership, rollups, leases, ctx.config.usage_half_life_s, clock.wall())
     ctx.fair_share = fair_factors(decayed, membership)
+    ctx.borrowable_mb = max(0, fleet_vram_mb(ctx) - sum(t.quota_mb for t in membership.teams.values()))
     return ctx.fair_share
+
+
+def fleet_vram_mb(ctx: ReplicaContext) -> int:
+    """The VRAM of every GPU of the registered hosts, as their inventories say (an unreadable one counts 0)."""
+    total = 0
+    for kv in ctx.mirror.items("hosts"):
+        try:
+            gpus = json.loads(kv.value)["inventory"]["gpus"]
+            total += sum(int(g["vram_total_mb"]) for g in gpus)
+        except (ValueError, TypeError, KeyError):
+            continue
+    return total
 
 
 async def run(ctx: ReplicaContext) -> None:

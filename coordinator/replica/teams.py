@@ -376,8 +376,7 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float,
             if not ctx.mirror.items("teams"):
                 return None, ctx.mirror.revision
             state = mirror_team_state(ctx.mirror)
-            return (dataclasses.replace(state, fair=ctx.fair_share) if state is not None and ctx.fair_share
-                    else state), ctx.mirror.revision
+            return with_shares(state, ctx), ctx.mirror.revision
     keys = ctx.keys
     snap = await ctx.store.snapshot([Range(keys.teams(), prefix=True)])
     if not snap.ranges[0]:
@@ -392,4 +391,10 @@ async def team_state(ctx: ReplicaContext, revision: int, wait_s: float,
             continue
     built = build_team_state(membership_of(snap.ranges[0]), snap.ranges[1], leases, snap.revision,
                              lambda: snap.ranges[3])
-    return (dataclasses.replace(built, fair=ctx.fair_share) if built is not None else None), snap.revision
+    return with_shares(built, ctx), snap.revision
+
+
+def with_shares(state: TeamState | None, ctx: ReplicaContext) -> TeamState | None:
+    """The state with this replica's fair-share factors and the fleet's VRAM beyond the quotas."""
+    shares = bool(ctx.fair_share) or ctx.borrowable_mb is not None
+    return dataclasses.replace(state, fair=ctx.fair_share, borrowable_mb=ctx.borrowable_mb) if state and shares else state

@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy.fair_share import fair_factors
+from coordinator.policy.fair_share import borrow_shares, fair_factors
+from coordinator.policy.team_admission import TeamState, share_refusal
 from coordinator.policy.teams import Charge, Membership, Team, reclaim_order
 
 TEAMS = Membership([Team("a", quota_mb=10, members=("a-*",)), Team("b", quota_mb=10, members=("b-*",)),
@@ -52,3 +53,70 @@ def test_more_usage_never_raises_a_teams_factor_and_every_factor_is_in_0_1(used:
 def test_scaling_every_teams_usage_leaves_the_factors_alone(used: dict[str, float], scale: float) -> None:
     a, b = fair_factors(used, TEAMS), fair_factors({t: u * scale for t, u in used.items()}, TEAMS)
     assert all(abs(a[t] - b[t]) <= 1e-9 for t in a)
+
+
+# -- the idle capacity beyond the quotas, shared by fair share (``team_admission.share_refusal``) ---------------
+TWO = Membership([Team("light", members=("light-*",)), Team("heavy", members=("heavy-*",))])
+GPU = 16384
+
+
+def _state(used: dict[str, int], fair: dict[str, float], borrowable: int | None = 10 * GPU) -> TeamState:
+    return TeamState(TWO, used, frozenset(), {}, 1, fair=fair, borrowable_mb=borrowable)
+
+
+def test_with_a_week_of_heavy_use_the_idle_capacity_splits_one_to_four_while_both_wait() -> None:
+    """Equal weights; heavy used everything (F = 1/4, light's F = 1): shares 1/5 and 4/5 of 10 GPUs."""
+    fair = fair_factors({"heavy": 3600.0 * 24 * 7}, TWO)
+    assert borrow_shares(TWO, fair, ["light", "heavy"]) == {"heavy": 0.2, "light": 0.8}
+    used = {"heavy": 2 * GPU, "light": 3 * GPU}
+    state = _state(used, fair)
+    waiting = {"light": GPU, "heavy": GPU}
+    held = share_refusal(state, "heavy", lambda t: used.get(t, 0), GPU, waiting)
+    assert held is not None and "heavy" in held and "light" in held and "32768 of 163840" in held
+    assert share_refusal(state, "light", lambda t: used.get(t, 0), GPU, waiting) is None   # 4 <= 8 GPUs
+    used8 = {"heavy": 1 * GPU, "light": 8 * GPU}       # light at its 8; heavy, below its 2, waits: light waits
+    assert share_refusal(_state(used8, fair), "light", lambda t: used8.get(t, 0), GPU, waiting) is not None
+    used8 = {"heavy": 2 * GPU, "light": 8 * GPU}       # heavy at its share: it holds nobody back
+    assert share_refusal(_state(used8, fair), "light", lambda t: used8.get(t, 0), GPU, waiting) is None
+
+
+def test_the_share_holds_nobody_back_without_another_team_that_waits_below_its_own_share() -> None:
+    fair = fair_factors({"heavy": 3600.0 * 24 * 7}, TWO)
+    used = {"heavy": 5 * GPU}
+    state = _state(used, fair)
+    assert share_refusal(state, "heavy", lambda t: used.get(t, 0), GPU, {}) is None                # nobody waits
+    assert share_refusal(state, "heavy", lambda t: used.get(t, 0), GPU, {"heavy": GPU}) is None    # only itself
+    over = {"heavy": 5 * GPU, "light": 9 * GPU}                                                     # light past 4/5
+    assert share_refusal(_state(over, fair), "heavy", lambda t: over.get(t, 0), GPU, {"light": GPU}) is None
+    assert share_refusal(_state(used, fair, None), "heavy", lambda t: used.get(t, 0), GPU, {"light": GPU}) is None
+
+
+def test_two_teams_each_a_gpu_short_of_their_shares_never_both_wait_while_a_gpu_idles() -> None:
+    """3 GPUs beyond the quotas, equal shares of 1.5 GPUs: each holds 1, one GPU is free. Neither waiter fits
+    within its own share, so neither holds the other back: the GPU goes to whichever is decided first."""
+    used = {"heavy": GPU, "light": GPU}
+    state = _state(used, {}, 3 * GPU)
+    for team in ("heavy", "light"):
+        assert share_refusal(state, team, lambda t: used.get(t, 0), GPU, {"heavy": GPU, "light": GPU}) is None
+
+
+def test_what_a_quota_guarantees_is_never_held_back_by_the_share() -> None:
+    quotas = Membership([Team("light", quota_mb=4 * GPU, members=("light-*",)),
+                         Team("heavy", quota_mb=4 * GPU, members=("heavy-*",))])
+    used = {"heavy": 3 * GPU, "light": 4 * GPU}
+    state = TeamState(quotas, used, frozenset(), {}, 1, fair={"heavy": 0.25, "light": 1.0}, borrowable_mb=2 * GPU)
+    assert share_refusal(state, "heavy", lambda t: used.get(t, 0), GPU, {"light": GPU}) is None      # 4 <= quota 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "r"]), st.floats(0.0, 1.0).filter(lambda f: f > 0), min_size=1),
+       st.lists(st.sampled_from(["a", "b", "r"]), min_size=1))
+def test_the_shares_of_the_contenders_sum_to_one_and_follow_weight_times_factor(fair: dict[str, float],
+                                                                                contenders: list[str]) -> None:
+    shares = borrow_shares(TEAMS, fair, contenders)
+    assert set(shares) == set(contenders)
+    assert abs(sum(shares.values()) - 1.0) <= 1e-9
+    for x in shares:
+        for y in shares:
+            wx, wy = TEAMS.team(x).weight * fair.get(x, 1.0), TEAMS.team(y).weight * fair.get(y, 1.0)
+            assert (shares[x] <= shares[y] + 1e-12) == (wx <= wy + 1e-12) or abs(wx - wy) < 1e-9
