@@ -71,6 +71,9 @@ TEAM_EVICTIONS_SUFFERED = Counter("gpucoord_team_evictions_suffered", "The team'
 TEAM_EVICTIONS_CAUSED = Counter("gpucoord_team_evictions_caused", "Leases of other agents (any team) that ended by "
                                 "a notice the team's requests asked for: eviction by priority or reclaim (usage "
                                 "records)", ["team"], registry=REGISTRY)
+TEAM_IDLE_GPU_SECONDS = Counter("gpucoord_team_idle_gpu_seconds", "GPU-seconds of the team's ended leases during "
+                                "which their GPUs stayed below the idle threshold (usage records' idle_gpu_seconds)",
+                                ["team"], registry=REGISTRY)
 USAGE_RECORDS = Counter("gpucoord_usage_records", "Usage records written, by how the lease ended: release, session, "
                         "eviction, reclaim, revoke", ["reason"], registry=REGISTRY)
 USAGE_RESYNCS = Counter("gpucoord_usage_resyncs", "Times the accountant found etcd's history compacted past its "

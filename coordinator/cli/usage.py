@@ -18,8 +18,8 @@ _HINT = "see 'gpucoord usage --help'"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 # The CSV header: each column's unit in brackets, so that a spreadsheet shows it.
 CSV_COLUMNS = ("GPU-hours [GPU*h]", "VRAM-GiB-hours [GiB*h]", "evictions suffered [count]", "leases ended [count]",
-               "evictions caused [count]")
-_FIELDS = ("gpu_hours", "vram_gib_hours", "evictions", "leases", "evictions_caused")
+               "evictions caused [count]", "idle GPU-hours [GPU*h]")
+_FIELDS = ("gpu_hours", "vram_gib_hours", "evictions", "leases", "evictions_caused", "idle_gpu_hours")
 
 
 def add_parsers(sub: Any, command: Callable[..., argparse.ArgumentParser]) -> None:
@@ -168,7 +168,7 @@ def _print(args: argparse.Namespace, rows: dict[str, dict[str, Any]], since: flo
         for name, row in rows.items():
             w.writerow([name, *(row[f] for f in _FIELDS)])
         return
-    header = [args.by.upper(), "GPU-HOURS", "VRAM-GIB-HOURS", "EVICTIONS", "LEASES", "CAUSED"]
+    header = [args.by.upper(), "GPU-HOURS", "VRAM-GIB-HOURS", "EVICTIONS", "LEASES", "CAUSED", "IDLE-GPU-HOURS"]
     table = [header, *([name, *(f"{row[f]:g}" if isinstance(row[f], float) else str(row[f]) for f in _FIELDS)]
                        for name, row in rows.items())]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]

@@ -70,6 +70,10 @@ class UsageRecord:
     # or a lost host's) and that agent's team ("" for the operator). Absent from the records of earlier releases.
     caused_by: str = ""
     caused_team: str = ""
+    # GPU-seconds of its GPUs' time below the idle threshold, as the leader's sampled utilization saw it (a lower
+    # bound: unknown utilization, or time before the leader started watching, counts as busy). Absent from the
+    # records of earlier releases (0).
+    idle_gpu_seconds: float = 0.0
 
     @property
     def key_name(self) -> str:
@@ -198,9 +202,9 @@ def split_by_hour(start_unix: float, end_unix: float) -> list[tuple[str, float]]
 
 
 # A rollup: ``accounting/hours/<hour>/<team>`` = {"gpu_s", "vram_mib_s", "evictions", "leases",
-# "agents": {agent: [gpu_s, vram_mib_s, evictions, leases]}, "caused", "caused_agents": {agent: count}}: the last
-# two, the evictions the team's (and each agent's) requests caused in that hour, are absent from earlier releases'
-# rollups (read as 0).
+# "agents": {agent: [gpu_s, vram_mib_s, evictions, leases]}, "caused", "caused_agents": {agent: count},
+# "idle_gpu_s", "idle_agents": {agent: idle_gpu_s}}: the last four, the evictions the team's (and each agent's)
+# requests caused in that hour and its idle GPU-seconds, are absent from earlier releases' rollups (read as 0).
 def empty_rollup() -> dict[str, Any]:
     return {"gpu_s": 0.0, "vram_mib_s": 0.0, "evictions": 0, "leases": 0, "agents": {}}
 
@@ -225,6 +229,11 @@ def charge(rollups: dict[tuple[str, str], dict[str, Any]], record: UsageRecord,
         r["gpu_s"] = round(r["gpu_s"] + gpu_s, 3)
         r["vram_mib_s"] = round(r["vram_mib_s"] + vram_s, 3)
         a[0], a[1] = round(a[0] + gpu_s, 3), round(a[1] + vram_s, 3)
+        if record.idle_gpu_seconds > 0:     # by the hours it was held in (absent from earlier releases' rollups)
+            idle = round(record.idle_gpu_seconds * secs / max(seconds(record.start_unix, record.end_unix), 1e-9), 3)
+            r["idle_gpu_s"] = round(float(r.get("idle_gpu_s", 0.0)) + idle, 3)
+            by_agent = r.setdefault("idle_agents", {})
+            by_agent[record.agent] = round(float(by_agent.get(record.agent, 0.0)) + idle, 3)
         if final and i == len(pieces) - 1:
             ev = 1 if record.reason in EVICTED else 0
             r["evictions"] += ev
@@ -291,21 +300,26 @@ class Totals:
     evictions: int = 0
     leases: int = 0
     caused: int = 0
+    idle_s: float = 0.0
 
-    def add(self, gpu_s: float, vram_mib_s: float, evictions: int, leases: int, caused: int = 0) -> None:
+    def add(self, gpu_s: float, vram_mib_s: float, evictions: int, leases: int, caused: int = 0,
+            idle_s: float = 0.0) -> None:
         self.gpu_s += gpu_s
         self.vram_mib_s += vram_mib_s
         self.evictions += evictions
         self.leases += leases
         self.caused += caused
+        self.idle_s += idle_s
 
     def row(self) -> dict[str, float | int]:
-        """GPU-hours, VRAM-GiB-hours (to 1/1000), evictions suffered, leases ended, evictions caused; and the exact
-        seconds."""
+        """GPU-hours, VRAM-GiB-hours (to 1/1000), evictions suffered, leases ended, evictions caused, idle GPU-hours;
+        and the exact seconds."""
         return {"gpu_hours": round(self.gpu_s / HOUR_S, 3),
                 "vram_gib_hours": round(self.vram_mib_s / 1024 / HOUR_S, 3),
                 "evictions": self.evictions, "leases": self.leases, "evictions_caused": self.caused,
-                "gpu_seconds": round(self.gpu_s, 3), "vram_mib_seconds": round(self.vram_mib_s, 3)}
+                "idle_gpu_hours": round(self.idle_s / HOUR_S, 3),
+                "gpu_seconds": round(self.gpu_s, 3), "vram_mib_seconds": round(self.vram_mib_s, 3),
+                "idle_gpu_seconds": round(self.idle_s, 3)}
 
 
 def totals_from_rollups(rollups: Iterable[tuple[str, str, Mapping[str, Any]]], by: str) -> dict[str, Totals]:
@@ -314,12 +328,14 @@ def totals_from_rollups(rollups: Iterable[tuple[str, str, Mapping[str, Any]]], b
     for _hour, team, r in rollups:
         if by == "team":
             out[team].add(float(r["gpu_s"]), float(r["vram_mib_s"]), int(r["evictions"]), int(r["leases"]),
-                          int(r.get("caused", 0)))
+                          int(r.get("caused", 0)), float(r.get("idle_gpu_s", 0.0)))
         else:
             for agent, (g, v, e, n) in r["agents"].items():
                 out[agent].add(float(g), float(v), int(e), int(n))
             for agent, c in (r.get("caused_agents") or {}).items():
                 out[agent].add(0.0, 0.0, 0, 0, int(c))
+            for agent, idle in (r.get("idle_agents") or {}).items():
+                out[agent].add(0.0, 0.0, 0, 0, 0, float(idle))
     return dict(out)
 
 
@@ -335,7 +351,9 @@ def totals_from_records(records: Iterable[UsageRecord], by: str, since: float, u
             continue
         n = len(r.gpus)
         name = r.host if by == "host" else r.team if by == "team" else r.agent
-        out[name].add(n * secs, n * r.vram_mb * secs, int(ended_inside and r.reason in EVICTED), int(ended_inside))
+        share = secs / max(end - r.start_unix, 1e-9) if end > r.start_unix else float(ended_inside)
+        out[name].add(n * secs, n * r.vram_mb * secs, int(ended_inside and r.reason in EVICTED), int(ended_inside),
+                      idle_s=r.idle_gpu_seconds * share)
     return dict(out)
 
 

@@ -109,6 +109,19 @@ def below_since(points: Points, below_pct: float) -> float | None:
     return since
 
 
+def idle_seconds(points: Points, start: float, end: float, below_pct: float) -> float:
+    """How long within [start, end] the GPU's utilization was known and below the threshold, each value holding from
+    when it was first seen until the next one and the last until ``end`` (unknown before the first): never more
+    than it was idle, as this history saw it (usage accounting's idle GPU-seconds)."""
+    total = 0.0
+    for i, (at, pct) in enumerate(points):
+        if pct == UNKNOWN or pct >= below_pct:
+            continue
+        until = points[i + 1][0] if i + 1 < len(points) else end
+        total += max(0.0, min(until, end) - max(at, start))
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseIdle:
     """One lease's judgment: ``idle_since`` (None: not below the threshold now), ``idle`` (below for the whole

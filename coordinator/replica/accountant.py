@@ -40,7 +40,10 @@ from coordinator.policy.accounting import (
     hour_start,
     plan_commit,
     rollup_keys,
+    seconds,
 )
+from coordinator.policy.idle import idle_seconds
+from coordinator.policy.teams import Membership
 from coordinator.records import dumps
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.teams import mirror_membership
@@ -164,7 +167,18 @@ class Accountant:
             return []
         membership = mirror_membership(self.ctx.mirror)
         team_of = membership.team_of if membership is not None else (lambda _agent: "default")
-        return ended_in(deleted, self.keys, team_of, end_unix)
+        return [self._with_idle(r, membership) for r in ended_in(deleted, self.keys, team_of, end_unix)]
+
+    def _with_idle(self, record: UsageRecord, membership: Membership | None) -> UsageRecord:
+        """The record with its idle GPU-seconds: each GPU's time within the lease below the idle threshold (its
+        team's, else the fleet's), from this replica's sampled utilization (``policy.idle.idle_seconds``), the
+        lease's wall times turned into this replica's monotonic clock."""
+        c = self.ctx.config
+        below = (membership.team(record.team).idle_below_pct if membership is not None else 0.0) or c.idle_below_pct
+        shift = clock.monotonic() - clock.wall()
+        start, end = record.start_unix + shift, record.start_unix + shift + seconds(record.start_unix, record.end_unix)
+        idle = sum(idle_seconds(self.ctx.utilization.points(u), start, end, below) for u in record.gpus)
+        return dataclasses.replace(record, idle_gpu_seconds=round(min(idle, record.gpu_seconds), 3)) if idle else record
 
     async def _load_rollups(self, units: list[Unit]) -> None:
         """Read the rollups ``units`` charge that are not cached yet."""
@@ -201,6 +215,8 @@ class Accountant:
                 metrics.TEAM_EVICTIONS_SUFFERED.labels(r.team).inc()
             if r.caused_team:
                 metrics.TEAM_EVICTIONS_CAUSED.labels(r.caused_team).inc()
+            if r.idle_gpu_seconds:
+                metrics.TEAM_IDLE_GPU_SECONDS.labels(r.team).inc(r.idle_gpu_seconds)
             metrics.USAGE_RECORDS.labels(r.reason).inc()
         return dataclasses.replace(after, mod_revision=res.revision)
 

@@ -75,12 +75,9 @@ def _parse(kv: KV) -> Parsed:
 
 def sample(ctx: ReplicaContext) -> None:
     """Feed ``ctx.utilization`` with what the mirror's usage reports say now (see the module's docstring). Each
-    version of a report is parsed once; with idle reclaim off everywhere nothing is sampled (and the history is
-    dropped: turned on later, it starts then, late rather than early)."""
+    version of a report is parsed once. Sampled whether idle reclaim is on or not: usage accounting measures each
+    lease's idle GPU-seconds from the same history (``replica/accountant.py``)."""
     history, seen = ctx.utilization, set()
-    if not any_policy_on(ctx):
-        history.keep_only(())
-        return
     now = clock.monotonic()
     for kv in ctx.mirror.items("usage"):
         at = ctx.observed.saw(kv.key, kv.mod_revision)
@@ -92,11 +89,6 @@ def sample(ctx: ReplicaContext) -> None:
             history.observe(uuid, now if stale else at, -1 if stale else pct)
             seen.add(uuid)
     history.keep_only(seen)   # a GPU whose report is gone has no points: unknown
-
-
-def any_policy_on(ctx: ReplicaContext) -> bool:
-    fleet, _, by_team = policies(ctx)
-    return fleet.on or any(p.on for p in by_team.values())
 
 
 def _leases(ctx: ReplicaContext) -> dict[str, tuple[VramLease, float, list[str]]]:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 import pytest
@@ -141,6 +141,14 @@ def make_load(cluster: Cluster, prom: Prometheus, addr: str, procs_file: Path, c
     run.wait(30)
     seen(prom, "gpucoord_victim_process_wait_seconds_count > 0", "the wait on the victim's processes")
 
+    # Idle GPU-seconds: leases held on GPU 0 while the node reports it at 0 % (each record with idle time),
+    # twice with a scrape between (a new counter's increase shows from its second sample).
+    procs_file.write_text(json.dumps({"utilization": {"0": 0}}))
+    for n in (1, 2):
+        idle_records(cluster, addr, n)
+        seen(prom, f"gpucoord_team_idle_gpu_seconds_total{{team=\"ta\"}} and on() (count(up) >= {n})",
+             f"idle record {n}")
+
     # A revoke, a release and a close.
     with Client(addr, agent="a", host="h1") as a:
         lease = a.acquire(1000)
@@ -148,6 +156,23 @@ def make_load(cluster: Cluster, prom: Prometheus, addr: str, procs_file: Path, c
         a.acquire(2000).release()
         a.acquire(500)
     seen(prom, 'gpucoord_releases_total{reason="close"} > 0', "the close")
+
+
+def idle_records(cluster: Cluster, addr: str, n: int) -> None:
+    """Until ``n`` usage records of agent ``a`` have idle time: hold a lease on GPU 0 (at 0 %) over a few of the
+    leader's one-second utilization samples, release it, read its record (deadlines, never a bare sleep)."""
+    def records() -> list[dict[str, Any]]:
+        return [json.loads(kv.value) for kv in cluster.get_prefix(cluster.keys.usage_records())]
+
+    def one_more() -> bool:
+        with Client(addr, agent="a", host="h1") as a:
+            lease = a.acquire(100, gpu=0)
+            held = time.monotonic()
+            wait_for(lambda: time.monotonic() - held >= 2.5, 30, "a lease held over a few samples")  # a duration
+            lease.release()
+        wait_for(lambda: any(d["lease_id"] == lease.id for d in records()), 30, "its usage record")
+        return sum(1 for d in records() if d["agent"] == "a" and d.get("idle_gpu_seconds", 0) > 0) >= n
+    wait_for(one_more, 120, f"{n} records of agent a with idle time")
 
 
 def test_every_dashboard_expression_returns_data_from_a_real_prometheus(

@@ -113,7 +113,7 @@ def test_usage_by_team_equals_the_history(cluster: Cluster, capsys: pytest.Captu
                      "--prefix", cluster.prefix]) == 0
     head, *lines = capsys.readouterr().out.splitlines()
     assert head == ("agent,GPU-hours [GPU*h],VRAM-GiB-hours [GiB*h],evictions suffered [count],leases ended [count],"
-                    "evictions caused [count]")
+                    "evictions caused [count],idle GPU-hours [GPU*h]")
     assert sorted(line.split(",")[0] for line in lines) == ["t1-a", "t2-a", "t3-a"]
     gang = next(r for r in records(cluster).values() if r["agent"] == "t2-a")
     assert cli_main(["usage", "--lease", gang["lease_id"], "--etcd", ",".join(cluster.endpoints),

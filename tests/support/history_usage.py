@@ -11,8 +11,10 @@ lease that never ended), and the record says what the history says:
 * how it ended, by the rule of docs/teams.md (session key deleted in that revision: ``session``; else its
   notice deleted: ``revoke``/``reclaim``/``eviction`` by the notice's flags; else ``release``), written
   here again from the history rather than taken from the accountant's code;
-* the rollups, as they stand at the end, sum to the records per team (GPU-seconds, evictions, leases), when
-  no record or rollup was swept by retention.
+* each record's idle GPU-seconds lie within [0, its GPU-seconds] (the accountant measures them on its own clock
+  from the sampled utilization: the history bounds them, it cannot give them exactly);
+* the rollups, as they stand at the end, sum to the records per team (GPU-seconds, evictions, leases, idle
+  GPU-seconds), when no record or rollup was swept by retention.
 
 The checker reads the same events as ``tests.history.read_history``."""
 from __future__ import annotations
@@ -163,13 +165,18 @@ def _compare(rep: UsageReport, name: str, e: dict[str, Any], at_rev: int, rec: d
     if abs(rec["gpu_seconds"] - n * secs) > 0.002 or abs(rec["vram_mib_seconds"] - n * doc["vram_mb"] * secs) > 0.5:
         rep.violations.append(f"usage record {name}: {rec['gpu_seconds']} GPU-s, {rec['vram_mib_seconds']} "
                               f"MiB-s; the history says {n * secs} and {n * doc['vram_mb'] * secs}")
+    idle = float(rec.get("idle_gpu_seconds", 0.0))   # (absent from earlier releases' records: 0)
+    if not 0.0 <= idle <= rec["gpu_seconds"] + 0.002:
+        rep.violations.append(f"usage record {name}: {idle} idle GPU-s, outside [0, its {rec['gpu_seconds']} GPU-s]")
     rep.gpu_seconds[rec["team"]] = rep.gpu_seconds.get(rec["team"], 0.0) + n * secs
 
 
 def _compare_rollups(rep: UsageReport, records: list[dict[str, Any]], rollups: dict[bytes, dict[str, Any]]) -> None:
     from_records: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0, 0])
+    idle: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])     # team -> records', rollups' idle GPU-s
     for r in records:
         t = from_records[r["team"]]
+        idle[r["team"]][0] += float(r.get("idle_gpu_seconds", 0.0))
         t[0] += r["gpu_seconds"]
         t[1] += r["reason"] in ("eviction", "reclaim", "revoke")
         t[2] += 1
@@ -178,6 +185,7 @@ def _compare_rollups(rep: UsageReport, records: list[dict[str, Any]], rollups: d
     from_rollups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0, 0])
     for key, r in rollups.items():
         t = from_rollups[key.decode().rsplit("/", 1)[1]]
+        idle[key.decode().rsplit("/", 1)[1]][1] += float(r.get("idle_gpu_s", 0.0))
         t[0] += r["gpu_s"]
         t[1] += r["evictions"]
         t[2] += r["leases"]
@@ -187,3 +195,5 @@ def _compare_rollups(rep: UsageReport, records: list[dict[str, Any]], rollups: d
         if abs(a[0] - b[0]) > 0.01 * max(1, a[2]) or a[1:] != b[1:]:
             rep.violations.append(f"team {team}: records sum to {a}, rollups to {b} (GPU-s, evictions, leases, "
                                   "evictions caused)")
+        if abs(idle[team][0] - idle[team][1]) > 0.01 * max(1, a[2]):
+            rep.violations.append(f"team {team}: records sum to {idle[team][0]} idle GPU-s, rollups to {idle[team][1]}")
