@@ -87,7 +87,10 @@ def test_churn_of_sessions_and_hosts_leaves_nothing_behind(cluster: Cluster) -> 
         start = svc.tracked()
         cluster.lt.run(_churn(svc, hosts, SESSIONS, ACQUIRE_EVERY, HOSTS), timeout=600)
         try:
-            wait_for(lambda: svc.tracked() == start, 15, "tracked structures back to their starting count")
+            # Back to their starting count or below: a leak grows a count; a key the test does not own (the
+            # replica's own registration or election key, renewed under a loaded machine) may go meanwhile.
+            wait_for(lambda: all(n <= start[k] for k, n in svc.tracked().items()), 15,
+                     "tracked structures back to their starting count")
         finally:
             print("start", start, "end", svc.tracked())
     finally:
