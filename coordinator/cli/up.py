@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 
 # etcd's --max-txn-ops for the embedded etcd, and the coordinator's etcd_max_txn_ops: room for a multi-host gang
-# of up to 60 hosts x 8 GPUs in its one transaction (etcd's default, 128, holds about 7 x 8).
+# of more than 7 hosts x 8 GPUs (etcd's default, 128, holds about 7 x 8) in its one transaction, up to what
+# etcd's 1.5 MiB request allows (about 19 x 8: docs/agents.md "How large").
 UP_MAX_TXN_OPS = 1024
 
 

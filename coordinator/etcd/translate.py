@@ -30,8 +30,11 @@ def translate(e: grpc.aio.AioRpcError, write: bool) -> errors.GpucoordError:
         return errors.Unavailable(f"etcd unavailable: {details}")
     if "too many operations in txn request" in details:
         return errors.FailedPrecondition(
-            f"etcd_max_txn_ops: etcd refused a transaction as too large ({details}): the coordinators' "
-            f"etcd_max_txn_ops is above etcd's --max-txn-ops; set them equal", "etcd_max_txn_ops")
+            f"etcd_max_txn_ops: a transaction passed etcd's --max-txn-ops ({details}); is the coordinators' "
+            f"etcd_max_txn_ops above etcd's? set them equal", "etcd_max_txn_ops")
+    if "request is too large" in details:
+        return errors.FailedPrecondition(f"etcd refused a request as too large ({details}): above its "
+                                         f"--max-request-bytes")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.InvalidArgument(f"etcd rejected the request: {details}")
     return errors.Unavailable(f"etcd error {code.name}: {details}")

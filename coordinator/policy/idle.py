@@ -18,7 +18,7 @@ the stretch start later, so a lease can be judged idle late, never early.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 from coordinator import errors
 
@@ -72,13 +72,17 @@ class UtilizationHistory:
     def __init__(self, max_points: int = MAX_POINTS) -> None:
         self.max_points = max_points
         self._points: dict[str, list[tuple[float, int]]] = {}
+        self._current: dict[str, int] = {}
 
-    def observe(self, gpu_uuid: str, at: float, pct: int) -> None:
+    def observe(self, gpu_uuid: str, at: float, pct: int, thresholds: Collection[float] = ()) -> None:
         """The GPU reports ``pct`` (UNKNOWN: cannot tell) as seen at ``at``; times never go back (an earlier
-        ``at`` counts as the last point's)."""
+        ``at`` counts as the last point's). With ``thresholds`` (the idle thresholds in use) a point is kept only
+        when the value moves across one of them or to or from unknown: a busy GPU whose load wanders, or an idle
+        one at 0-3 %, adds no point, so the bounded history spans hours of a long lease."""
         pct = pct if 0 <= pct <= 100 else UNKNOWN
+        self._current[gpu_uuid] = pct
         points = self._points.setdefault(gpu_uuid, [])
-        if points and points[-1][1] == pct:
+        if points and _same_band(points[-1][1], pct, thresholds):
             return
         at = max(at, points[-1][0]) if points else at
         points.append((at, pct))
@@ -92,10 +96,19 @@ class UtilizationHistory:
         keep = set(gpu_uuids)
         for uuid in [u for u in self._points if u not in keep]:
             del self._points[uuid]
+            self._current.pop(uuid, None)
 
     def current(self, gpu_uuid: str) -> int:
-        points = self._points.get(gpu_uuid)
-        return points[-1][1] if points else UNKNOWN
+        """The GPU's last reported value (the points keep only the moves across thresholds)."""
+        return self._current.get(gpu_uuid, UNKNOWN)
+
+
+def _same_band(a: int, b: int, thresholds: Collection[float]) -> bool:
+    """Whether two values tell every judgment the same: equal, or (with thresholds) both known and on the same
+    side of each threshold."""
+    if a == b or not thresholds:
+        return a == b
+    return a != UNKNOWN and b != UNKNOWN and all((a < t) == (b < t) for t in thresholds)
 
 
 def below_since(points: Points, below_pct: float) -> float | None:

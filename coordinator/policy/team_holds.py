@@ -35,26 +35,44 @@ def over_team_limit(rnd: Round[Any], it: Item[Any], decision: object) -> str | N
 
 
 def over_share(rnd: Round[Any], it: Item[Any], decision: object) -> str | None:
-    """Why ``it``'s new grant waits for its team's fair share, or None: the teams of the host's other waiters
-    (each with the least its request would be charged) contend with it for the capacity beyond the quotas.
-    A waiter counts while it is queued, or a new call with a wait, and not granted or answered in this round."""
-    state = rnd.ctx.teams
-    if state is None or state.borrowable_mb is None or not isinstance(decision, Grant) or decision.existing:
+    """Why ``it`` waits for its team's fair share of the idle capacity (``team_admission.share_refusal``), or
+    None: a new grant, or for a request that does not fit yet the least it could be charged, would take its team
+    past its share while a request of another team waits here that could take that room. A waiter counts while
+    it is queued (or a new call with a wait), not granted, answered, leaving or held for its team or a cordon in
+    this round, its own team's limit allows it, and its GPUs' need fits the GPUs in question (its VRAM per GPU
+    on one of them, or as many whole GPUs as the host has): one that could not be granted holds nobody back."""
+    state, req = rnd.ctx.teams, it.req
+    if state is None or state.borrowable_mb is None:
         return None
-    members = state.membership
-    gone = {x.id for x in rnd.out.new_leases} | {id(c) for c, _ in rnd.out.refusals}
+    if isinstance(decision, Grant) and decision.existing is None:
+        gpus = list(decision.gang or ((decision.gpu,) if decision.gpu is not None else ()))
+        charge = grant_charge_mb(gpus, req.vram_mb, req.exclusive)
+    elif isinstance(decision, Waits):
+        gpus = list(decision.candidates)
+        charge = least_charge_mb(gpus, req.vram_mb, req.gpu_count, req.exclusive)
+    else:
+        return None
+    if not gpus:
+        return None
+    members, plan, host_gpus = state.membership, rnd.out, list(rnd.view.gpus.values())
+    out = {x.id for x in plan.new_leases} | set(plan.team_waits) | set(plan.cordon_waits)
+    answered = {id(c) for c, _ in plan.refusals} | {id(c) for c, _ in plan.failures}
+    room = max(g.usable_mb for g in gpus)
     waiting: dict[str, int] = {}
-    gpus = list(rnd.view.gpus.values())
     for x in rnd.items:
-        if x is it or x.req.lease_id in gone or (x.call is not None and id(x.call) in gone):
+        if x is it or x.req.lease_id in out or (x.call is not None and id(x.call) in answered):
+            continue
+        if x.rank in rnd.displaced or rnd._leaving(x) or (x.entry is not None and x.entry.multi_host):
             continue
         if x.entry is None and (x.call is None or x.call.deadline <= rnd.now):
             continue
-        least = least_charge_mb(gpus, x.req.vram_mb, x.req.gpu_count, x.req.exclusive)
+        if (x.req.exclusive and x.req.gpu_count > len(host_gpus)) or (not x.req.exclusive and x.req.vram_mb > room):
+            continue    # it could not take this room
+        least = least_charge_mb(host_gpus, x.req.vram_mb, x.req.gpu_count, x.req.exclusive)
+        if team_limit(state, rnd.view, x.agent, least, rnd.team_used) is not None:
+            continue    # its own team's limit holds it back
         team = members.team_of(x.agent)
         waiting[team] = min(waiting.get(team, least), least)
     if not waiting:
         return None
-    granted = decision.gang or ((decision.gpu,) if decision.gpu is not None else ())
-    return share_refusal(state, members.team_of(it.agent), rnd.team_used,
-                         grant_charge_mb(granted, it.req.vram_mb, it.req.exclusive), waiting)
+    return share_refusal(state, members.team_of(it.agent), rnd.team_used, charge, waiting)

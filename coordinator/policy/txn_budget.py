@@ -52,6 +52,7 @@ def beyond(ops: int, compares: int, size: int, max_txn_ops: int) -> str:
 
 
 def too_large(compares: Sequence[Compare], ops: Sequence[Op], max_txn_ops: int) -> str:
-    """``beyond`` of a built transaction."""
-    return beyond(len(ops), len(compares), sum(len(op.key) + len(op.value) for op in ops if isinstance(op, Put)),
-                  max_txn_ops)
+    """``beyond`` of a built transaction: its puts' keys and values and every other key it names, in bytes."""
+    size = sum(len(op.key) + (len(op.value) if isinstance(op, Put) else 0) for op in ops if hasattr(op, "key"))
+    size += sum(len(getattr(c, "key", b"") or getattr(c, "prefix", b"")) for c in compares)
+    return beyond(len(ops), len(compares), size, max_txn_ops)

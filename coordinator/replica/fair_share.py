@@ -7,7 +7,6 @@ differently (which leases may be taken, and the compares that guard a reclaim, d
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from coordinator import clock, errors
@@ -15,7 +14,7 @@ from coordinator.policy.accounting import decayed_by_team
 from coordinator.policy.fair_share import fair_factors
 from coordinator.records import InvalidRecord, VramLease
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.teams import mirror_membership
+from coordinator.replica.teams import mirror_membership, usable_by_host
 from coordinator.replica.view import lease_of
 
 log = logging.getLogger(__name__)
@@ -41,15 +40,10 @@ async def refresh(ctx: ReplicaContext) -> dict[str, float]:
 
 
 def fleet_vram_mb(ctx: ReplicaContext) -> int:
-    """The VRAM of every GPU of the registered hosts, as their inventories say (an unreadable one counts 0)."""
-    total = 0
-    for kv in ctx.mirror.items("hosts"):
-        try:
-            gpus = json.loads(kv.value)["inventory"]["gpus"]
-            total += sum(int(g["vram_total_mb"]) for g in gpus)
-        except (ValueError, TypeError, KeyError):
-            continue
-    return total
+    """The usable VRAM of every GPU of the registered hosts (its total less its partition's headroom, what a
+    grant is charged), parsed strictly (a malformed registration counts 0, as its host admits nothing)."""
+    usable = usable_by_host(ctx.keys, ctx.mirror.items("hosts"), ctx.mirror.items("partitions"))
+    return sum(sum(gpus) for gpus in usable.values())
 
 
 async def run(ctx: ReplicaContext) -> None:
@@ -58,4 +52,6 @@ async def run(ctx: ReplicaContext) -> None:
             await refresh(ctx)
         except errors.GpucoordError as e:
             log.warning("fair share: could not read the teams' usage (%s); the last factors stand", e)
+        except Exception:   # a bad stored value must not end the duty: the last factors stand
+            log.exception("fair share: computing the factors failed; the last factors stand")
         await asyncio.sleep(ctx.config.fair_share_every_s)

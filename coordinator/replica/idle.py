@@ -78,6 +78,8 @@ def sample(ctx: ReplicaContext) -> None:
     version of a report is parsed once. Sampled whether idle reclaim is on or not: usage accounting measures each
     lease's idle GPU-seconds from the same history (``replica/accountant.py``)."""
     history, seen = ctx.utilization, set()
+    fleet, _, by_team = policies(ctx)
+    thresholds = {fleet.below_pct, *(p.below_pct for p in by_team.values())}
     now = clock.monotonic()
     for kv in ctx.mirror.items("usage"):
         at = ctx.observed.saw(kv.key, kv.mod_revision)
@@ -86,7 +88,7 @@ def sample(ctx: ReplicaContext) -> None:
             continue   # malformed: its GPUs are unknown (they get no points)
         stale = ctx.usage_age(kv) > STALE_INTERVALS * parsed[0]
         for uuid, pct in parsed[1]:
-            history.observe(uuid, now if stale else at, -1 if stale else pct)
+            history.observe(uuid, now if stale else at, -1 if stale else pct, thresholds)
             seen.add(uuid)
     history.keep_only(seen)   # a GPU whose report is gone has no points: unknown
 

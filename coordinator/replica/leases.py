@@ -142,7 +142,7 @@ class Leases:
                         ops.append(Put(self.keys.departing(part.host, part.gpu_uuid, part.id),
                                        dumps(record.to_json())))
                     forced = True
-            res = await self.store.commit(compares, ops)
+            res = await self.store.commit(list(dict.fromkeys(compares)), ops)   # (decided_on repeats some)
             if res.succeeded:
                 metrics.EVICTIONS.labels("revoke").inc()
                 metrics.RELEASES.labels(reason).inc()

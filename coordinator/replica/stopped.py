@@ -5,9 +5,10 @@ After a notice's deadline the holder has killed what it ran (``gpucoord run`` SI
 kill margin past the deadline is only the time to see them exit. So the leader revokes as soon as it sees that
 they did: every record of the lease (a gang: one per GPU, on each host) is bound to processes, and its host's
 node, in a usage report taken and seen after the deadline, shows the GPU's whole process list without any of
-them. A part on a host that is lost (its registration and its usage report both gone: a multi-host gang's
-``host-lost`` case) is settled by the loss: nobody can know its processes, and nothing is granted on a host
-that has no registration; the revoke compares that both are still absent. Anything else (a part not bound to
+them. A part on the host that a ``host-lost`` notice names as lost (its registration and its usage report both
+gone, before the notice was sent) is settled by the loss: nobody can know its processes, and nothing is granted
+on a host that has no registration; the revoke compares that both are still absent. A host lost under another
+notice (perhaps after its deadline, its processes last seen running) waits for the margin. Anything else (a part not bound to
 processes, a GPU whose processes the node cannot list, a report from before the deadline) waits for the margin.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from coordinator.etcd.types import KV
 from coordinator.policy.departing import reports_none
 from coordinator.records import EvictionRecord, InvalidRecord, VramLease
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.host_lost import REASON as HOST_LOST
 from coordinator.replica.leases import usage_report
 from coordinator.txn import Absent, Compare, ModRevisionIs
 
@@ -40,7 +42,9 @@ def stopped_everywhere(ctx: ReplicaContext, record: EvictionRecord, lease: VramL
             compares.append(ModRevisionIs(kv.key, kv.mod_revision))
         usage_kv = mirror.get(keys.usage(host))
         if lease.hosts and usage_kv is None and mirror.get(keys.host(host)) is None:
-            compares += [Absent(keys.host(host)), Absent(keys.usage(host))]    # a lost host
+            if record.reason != HOST_LOST:
+                return None      # lost after another notice, maybe after its deadline: the margin decides
+            compares += [Absent(keys.host(host)), Absent(keys.usage(host))]    # the lost host
             continue
         if usage_kv is None or not all(p.pids or p.pgid for p in records):
             return None

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator.keys import Keys, session_id_from_etcd_lease
+from coordinator.keys import Keys, lease_id_for, session_id_from_etcd_lease
 from coordinator.node.fake import parse_fake_gpus
 from coordinator.policy.admission import GpuView
 from coordinator.policy.host import HostView
-from coordinator.records import GpuLedger, HostInventory, SessionInfo, VramLease
+from coordinator.records import (
+    GpuLedger,
+    HostInventory,
+    QueueEntry,
+    SessionInfo,
+    VramLease,
+)
 
 KEYS = Keys("/t/")
 HOST = "h"
@@ -64,3 +70,34 @@ def host_view(spec: str, leases: list[VramLease]) -> HostView:
                             leases=[x for x in leases if x.gpu_uuid == g.uuid]) for g in inventory.gpus}
     return HostView(HOST, 500, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), None, None, gpus,
                     {x.id: x for x in leases}, None, (), ())
+
+
+# One 16 GiB GPU, its leases, and waiting calls with their queue entries (the team-wait and share tests).
+def one_gpu_host(leases: list[VramLease], entries: tuple[QueueEntry, ...] = ()) -> HostView:
+    """One 16 GiB GPU."""
+    inventory = HostInventory(HOST, "", 8, tuple(range(8)), 1 << 34, "/", 1 << 40, parse_fake_gpus("1x16GiB", HOST))
+    gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=g.vram_total_mb,
+                            ledger=GpuLedger(g.vram_total_mb, 2, 300), leases=list(leases)) for g in inventory.gpus}
+    return HostView(HOST, 500, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), None, None, gpus,
+                    {x.id: x for x in leases}, None, (), entries)
+
+
+def one_gpu_lease(lease_id: str, agent: str, vram_mb: int, priority: int = 0) -> VramLease:
+    s = session(agent)
+    return VramLease(id=lease_id, host=HOST, gpu_uuid=f"GPU-sim-{HOST}-0", gpu_index=0, agent=agent,
+                     session_id=s.session_id, vram_mb=vram_mb, priority=priority, preemptible=True,
+                     request_id=lease_id, token=1, created_at=1.0, etcd_lease=s.etcd_lease)
+
+
+def waiting_call(agent: str, rid: str, vram_mb: int, wait_s: float, arrival: int, priority: int = 0) -> Call:
+    return Call(session(agent), vram_mb, None, priority, True, rid, lease_id_for(agent, rid, HOST), wait_s, arrival,
+                NOW + wait_s)
+
+
+def entry_of(call: Call) -> QueueEntry:
+    """``call`` as its queue entry (written by an earlier round)."""
+    s = call.session
+    return QueueEntry(rank=Keys.queue_rank(call.priority, call.arrival_ns, call.lease_id), agent=s.agent,
+                      session_id=s.session_id, etcd_lease=s.etcd_lease, vram_mb=call.vram_mb, gpu="",
+                      priority=call.priority, preemptible=True, request_id=call.request_id, lease_id=call.lease_id,
+                      deadline_unix=WALL + call.wait_s, replica="r1", mod_revision=450, wait_s=call.wait_s)

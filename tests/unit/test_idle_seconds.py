@@ -4,10 +4,11 @@ Hypothesis properties: never more than the window, unknown counts as busy, addit
 monotone in the threshold."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.policy.idle import UNKNOWN, Points, idle_seconds
+from coordinator.policy.idle import UNKNOWN, Points, UtilizationHistory, idle_seconds
 
 
 def test_only_known_values_below_the_threshold_count_each_until_the_next_change() -> None:
@@ -33,3 +34,18 @@ def test_idle_time_is_bounded_additive_and_monotone_in_the_threshold(points: Poi
     assert 0.0 <= whole <= end - start + 1e-9
     assert abs(whole - idle_seconds(points, start, mid, below) - idle_seconds(points, mid, end, below)) <= 1e-6
     assert idle_seconds(points, start, end, below + 10) >= whole - 1e-9
+
+
+def test_with_thresholds_the_history_keeps_only_moves_across_them_so_it_spans_a_long_lease() -> None:
+    """A GPU whose load wanders above the threshold, or idles at 0-3 %, adds no point: 10,000 samples of a
+    12-hour lease that went idle once are 2 points, and its idle time is measured whole."""
+    history = UtilizationHistory(max_points=8)
+    for i in range(10_000):
+        pct = 40 + i % 50 if i < 5_000 else i % 4
+        history.observe("g", i * 4.32, pct, thresholds={5.0})
+    assert len(history.points("g")) == 2 and history.current("g") == 9_999 % 4
+    assert idle_seconds(history.points("g"), 0.0, 10_000 * 4.32, 5.0) == pytest.approx(5_000 * 4.32)
+    plain = UtilizationHistory(max_points=8)       # without thresholds: every change, the last 8 kept
+    for i in range(100):
+        plain.observe("g", float(i), i % 4)
+    assert len(plain.points("g")) == 8
