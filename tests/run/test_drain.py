@@ -96,10 +96,11 @@ def test_drain_with_wait_empties_the_host_child_first_while_other_hosts_grant_an
         gone.wait(10)
         out = drained.stdout.splitlines()
         # The run's lease and the two held, and the looping client's when the cordon caught one of its leases on
-        # h1 between its acquire and its release (which one a machine's speed decides).
-        first = re.fullmatch(r"host h1 cordoned: no new lease on it; ([34]) leases on it, \1 eviction notices sent "
-                             r"\(reason drain\)", out[0])
-        assert first is not None, out[0]
+        # h1 between its acquire and its release (which a machine's speed decides; so does whether that lease
+        # was still there for its notice, or its holder released it first).
+        first = re.fullmatch(r"host h1 cordoned: no new lease on it; ([34]) leases on it, ([34]) eviction notices "
+                             r"sent \(reason drain\)", out[0])
+        assert first is not None and int(first[2]) <= int(first[1]), out[0]
         assert out[1].startswith("draining h1: ") and out[-1] == "host h1 drained: no lease left", out
         assert all(x.evicting.is_set() and x.notice is not None and x.notice.reason == "drain" for x in held)
         assert not [x for x in cluster.leases() if x.host == "h1"]
