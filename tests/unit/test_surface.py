@@ -20,9 +20,6 @@ from coordinator.cli.queue import render_queue
 from coordinator.cli.render import render_status
 from coordinator.cli.teams import describe, render_teams, set_request
 from coordinator.config import CoordinatorConfig
-from coordinator.keys import Keys, lease_id_for
-from coordinator.node.fake import parse_fake_gpus
-from coordinator.policy.admission import GpuView
 from coordinator.policy.decide import wait_over
 from coordinator.policy.host import HostView
 from coordinator.policy.partition import (
@@ -44,36 +41,21 @@ from coordinator.policy.teams import (
     check_changes,
     over_share,
 )
-from coordinator.records import GpuLedger, HostInventory, QueueEntry, VramLease
 from coordinator.replica.teams import waiting_charge_mb
-from tests.support.planner_calls import _KV, HOST, KEYS, NOW, WALL, Call, session
+from tests.support.planner_calls import (
+    KEYS,
+    NOW,
+    WALL,
+    Call,
+    entry_of,
+    one_gpu_host,
+    waiting_call,
+)
 
 pytestmark = pytest.mark.unit
 
 MIB = 1 << 20
 LIMIT = 8192
-
-
-def _host(leases: list[VramLease], entries: tuple[QueueEntry, ...] = ()) -> HostView:
-    """One 16 GiB GPU."""
-    inventory = HostInventory(HOST, "", 8, tuple(range(8)), 1 << 34, "/", 1 << 40, parse_fake_gpus("1x16GiB", HOST))
-    gpus = {g.uuid: GpuView(uuid=g.uuid, index=g.index, total_mb=g.vram_total_mb, usable_mb=g.vram_total_mb,
-                            ledger=GpuLedger(g.vram_total_mb, 2, 300), leases=list(leases)) for g in inventory.gpus}
-    return HostView(HOST, 500, inventory, _KV(KEYS.host(HOST), b"{}", 40, 0x99), None, None, gpus,
-                    {x.id: x for x in leases}, None, (), entries)
-
-
-def _call(agent: str, rid: str, vram_mb: int, wait_s: float, arrival: int) -> Call:
-    return Call(session(agent), vram_mb, None, 0, True, rid, lease_id_for(agent, rid, HOST), wait_s, arrival,
-                NOW + wait_s)
-
-
-def _entry(call: Call) -> QueueEntry:
-    s = call.session
-    return QueueEntry(rank=Keys.queue_rank(call.priority, call.arrival_ns, call.lease_id), agent=s.agent,
-                      session_id=s.session_id, etcd_lease=s.etcd_lease, vram_mb=call.vram_mb, gpu="",
-                      priority=call.priority, preemptible=True, request_id=call.request_id, lease_id=call.lease_id,
-                      deadline_unix=WALL + call.wait_s, replica="r1", mod_revision=450, wait_s=call.wait_s)
 
 
 def _round(view: HostView, batch: list[Call], team_used: int, waiting: dict[str, Call] | None = None) -> Plan[Call]:
@@ -206,16 +188,16 @@ def test_the_queue_table_shows_sizes_by_the_display_rule_and_a_gangs_shape() -> 
 
 
 def test_a_request_its_teams_limit_could_never_let_in_is_refused_at_once_even_with_a_wait() -> None:
-    view = _host([])
-    big, fits = _call("a", "big", LIMIT + 4096, 30.0, 1000), _call("b", "fits", 4096, 30.0, 1001)
+    view = one_gpu_host([])
+    big, fits = waiting_call("a", "big", LIMIT + 4096, 30.0, 1000), waiting_call("b", "fits", 4096, 30.0, 1001)
     plan = _round(view, [big, fits], team_used=0)
     ((call, err),) = plan.refusals
     assert call.request_id == "big" and isinstance(err, errors.FailedPrecondition) and err.field == "team"
     assert f"limit of team 't' ({LIMIT} MiB)" in err.message and "even with nothing of it in use" in err.message
     assert [x.request_id for x in plan.new_leases] == ["fits"]
     # One already queued (its team's limit lowered while it waited) leaves the queue with that answer.
-    queued = _call("a", "queued", LIMIT + 4096, 30.0, 900)
-    plan = _round(_host([], (_entry(queued),)), [], team_used=0, waiting={queued.lease_id: queued})
+    queued = waiting_call("a", "queued", LIMIT + 4096, 30.0, 900)
+    plan = _round(one_gpu_host([], (entry_of(queued),)), [], team_used=0, waiting={queued.lease_id: queued})
     assert [e.request_id for e in plan.left] == ["queued"]
     ((call, err),) = plan.failures
     assert call is queued and err.field == "team"
@@ -225,6 +207,6 @@ def test_a_lease_records_its_minimum_runtime_capped_by_its_teams_maximum() -> No
     """``run --min-runtime 600`` under a team maximum of 0: the lease says 0, what reclaim applies."""
     import dataclasses
 
-    asked = dataclasses.replace(_call("a", "long", 1024, 0.0, 1000), min_runtime_s=600.0)
-    (lease,) = _round(_host([]), [asked], team_used=0).new_leases
+    asked = dataclasses.replace(waiting_call("a", "long", 1024, 0.0, 1000), min_runtime_s=600.0)
+    (lease,) = _round(one_gpu_host([]), [asked], team_used=0).new_leases
     assert lease.min_runtime_s == 0.0
