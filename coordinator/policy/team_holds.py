@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from coordinator.policy.decide import Grant, Item, Waits
+from coordinator.policy.admission import GpuView
+from coordinator.policy.decide import Grant, Item, Request, Waits
 from coordinator.policy.team_admission import (
     grant_charge_mb,
     least_charge_mb,
@@ -21,17 +22,22 @@ def over_team_limit(rnd: Round[Any], it: Item[Any], decision: object) -> str | N
     """Why this request waits for its team (G11; charged VRAM x GPUs), or None: a new grant would take its
     team above its limit, or, for a request that does not fit yet, even the least it could be charged
     would (``least_charge_mb``)."""
-    state, req = rnd.ctx.teams, it.req
-    if state is None:
+    state, charged = rnd.ctx.teams, _charged(it.req, decision)
+    if state is None or charged is None:
         return None
+    return team_limit(state, rnd.view, it.agent, charged[1], rnd.team_used)
+
+
+def _charged(req: Request, decision: object) -> tuple[list[GpuView], int] | None:
+    """The GPUs a decision is about and what it charges the team: a new grant's GPUs and its charge, or, for a
+    request that does not fit yet, its candidates and the least it could be charged on them; None otherwise."""
     if isinstance(decision, Grant) and decision.existing is None:
-        gpus = decision.gang or ((decision.gpu,) if decision.gpu is not None else ())
-        charge = grant_charge_mb(gpus, req.vram_mb, req.exclusive)
-    elif isinstance(decision, Waits):
-        charge = least_charge_mb(decision.candidates, req.vram_mb, req.gpu_count, req.exclusive)
-    else:
-        return None
-    return team_limit(state, rnd.view, req.agent, charge, rnd.team_used)
+        gpus = list(decision.gang or ((decision.gpu,) if decision.gpu is not None else ()))
+        return gpus, grant_charge_mb(gpus, req.vram_mb, req.exclusive)
+    if isinstance(decision, Waits):
+        return list(decision.candidates), least_charge_mb(decision.candidates, req.vram_mb, req.gpu_count,
+                                                          req.exclusive)
+    return None
 
 
 def over_share(rnd: Round[Any], it: Item[Any], decision: object) -> str | None:
@@ -41,19 +47,10 @@ def over_share(rnd: Round[Any], it: Item[Any], decision: object) -> str | None:
     it is queued (or a new call with a wait), not granted, answered, leaving or held for its team or a cordon in
     this round, its own team's limit allows it, and its GPUs' need fits the GPUs in question (its VRAM per GPU
     on one of them, or as many whole GPUs as the host has): one that could not be granted holds nobody back."""
-    state, req = rnd.ctx.teams, it.req
-    if state is None or state.borrowable_mb is None:
+    state, charged = rnd.ctx.teams, _charged(it.req, decision)
+    if state is None or state.borrowable_mb is None or charged is None or not charged[0]:
         return None
-    if isinstance(decision, Grant) and decision.existing is None:
-        gpus = list(decision.gang or ((decision.gpu,) if decision.gpu is not None else ()))
-        charge = grant_charge_mb(gpus, req.vram_mb, req.exclusive)
-    elif isinstance(decision, Waits):
-        gpus = list(decision.candidates)
-        charge = least_charge_mb(gpus, req.vram_mb, req.gpu_count, req.exclusive)
-    else:
-        return None
-    if not gpus:
-        return None
+    gpus, charge = charged
     members, plan, host_gpus = state.membership, rnd.out, list(rnd.view.gpus.values())
     out = {x.id for x in plan.new_leases} | set(plan.team_waits) | set(plan.cordon_waits)
     answered = {id(c) for c, _ in plan.refusals} | {id(c) for c, _ in plan.failures}
