@@ -13,6 +13,7 @@ import pytest
 
 from agent_client import Client, errors
 from coordinator.etcd.process import EtcdCluster, EtcdOptions
+from coordinator.etcd.session import EtcdSession
 from coordinator.node.fake_hosts import register_fake_hosts
 from coordinator.records import MAX_GANG_HOSTS
 from tests.history import check_store
@@ -52,13 +53,28 @@ def _gang_writes(cluster: Cluster, before: int) -> list[bytes]:
             if key.startswith(own) and any(k in key[len(own) - 1:] for k in GANG_KINDS)]
 
 
-def _fleet(cluster: Cluster, hosts: int = HOSTS, **config: object) -> tuple[str, object]:
+def _fleet(cluster: Cluster, hosts: int = HOSTS, **config: object) -> tuple[str, EtcdSession]:
     addr = cluster.start_coordinator(**config)
     registration = cluster.lt.run(register_fake_hosts(cluster.store, cluster.keys, "big", hosts, f"{GPUS}x80GiB"))
     svc = cluster.coordinators[addr][1]
     wait_for(lambda: svc.mirror.get(cluster.keys.usage(f"big-{hosts - 1:04d}")) is not None, LIVENESS_S,
              "the simulated hosts in the mirror")
     return addr, registration
+
+
+def _refused(cluster: Cluster, hosts: int, **config: object) -> errors.FailedPrecondition:
+    """A gang of ``hosts`` x 8 whole GPUs asked on a fleet of that many simulated hosts: the refusal (FAILED_
+    PRECONDITION), after which nothing of a gang was written."""
+    addr, registration = _fleet(cluster, hosts, **config)
+    try:
+        with Client(addr, agent="agent-big", host="big-0000") as c:
+            before = revision(cluster)
+            with pytest.raises(errors.FailedPrecondition) as refused:
+                c.acquire(exclusive=True, gpu_count=GPUS, hosts=hosts)
+            assert not _gang_writes(cluster, before)
+            return refused.value
+    finally:
+        cluster.lt.run(registration.close())
 
 
 @pytest.mark.usefixtures("history_checked")
@@ -81,23 +97,15 @@ def test_a_gang_beyond_the_default_transaction_is_granted_and_released_whole_whe
             print(f"{HOSTS} x {GPUS} gang: granted at revision {puts}, released at {deletes}")
             assert len(puts) == 1 and len(deletes) == 1, (puts, deletes)
     finally:
-        cluster.lt.run(registration.close())   # type: ignore[attr-defined]
+        cluster.lt.run(registration.close())
 
 
 @pytest.mark.usefixtures("history_checked")
 def test_a_gang_beyond_the_configured_transaction_is_refused_naming_hosts_and_writes_nothing(
         cluster: Cluster) -> None:
-    addr, registration = _fleet(cluster)      # etcd_max_txn_ops left at etcd's default, 128
-    try:
-        with Client(addr, agent="agent-big", host="big-0000") as c:
-            before = revision(cluster)
-            with pytest.raises(errors.FailedPrecondition) as refused:
-                c.acquire(exclusive=True, gpu_count=GPUS, hosts=HOSTS)
-            assert refused.value.field == "hosts", refused.value
-            assert "etcd_max_txn_ops" in str(refused.value)
-            assert not _gang_writes(cluster, before)
-    finally:
-        cluster.lt.run(registration.close())   # type: ignore[attr-defined]
+    refused = _refused(cluster, HOSTS)      # etcd_max_txn_ops left at etcd's default, 128
+    assert refused.field == "hosts", refused
+    assert "etcd_max_txn_ops" in str(refused)
 
 
 def test_a_setting_above_what_etcd_accepts_is_refused_naming_it_and_writes_nothing(etcd: EtcdEndpoint,
@@ -106,17 +114,9 @@ def test_a_setting_above_what_etcd_accepts_is_refused_naming_it_and_writes_nothi
     transaction comes back as FAILED_PRECONDITION naming the setting, and nothing is written."""
     cluster = Cluster(etcd.endpoints, prefix + "default-etcd/")
     try:
-        addr, registration = _fleet(cluster, etcd_max_txn_ops=MAX_TXN_OPS)
-        try:
-            with Client(addr, agent="agent-big", host="big-0000") as c:
-                before = revision(cluster)
-                with pytest.raises(errors.FailedPrecondition) as refused:
-                    c.acquire(exclusive=True, gpu_count=GPUS, hosts=HOSTS)
-                assert refused.value.field == "etcd_max_txn_ops", refused.value
-                assert not cluster.get_prefix(cluster.keys.leases())
-                assert not _gang_writes(cluster, before)
-        finally:
-            cluster.lt.run(registration.close())   # type: ignore[attr-defined]
+        refused = _refused(cluster, HOSTS, etcd_max_txn_ops=MAX_TXN_OPS)
+        assert refused.field == "etcd_max_txn_ops", refused
+        assert not cluster.get_prefix(cluster.keys.leases())
         cluster.lt.run(check_store(cluster.store, cluster.keys), timeout=240).assert_ok()
     finally:
         cluster.close()
@@ -126,14 +126,6 @@ def test_a_setting_above_what_etcd_accepts_is_refused_naming_it_and_writes_nothi
 def test_a_gang_whose_records_would_pass_etcds_request_size_is_refused_naming_hosts(cluster: Cluster) -> None:
     """Each GPU's record lists every part, so a gang's grant grows with (GPUs x hosts) squared: 64 hosts x 8 GPUs
     would be megabytes, past etcd's --max-request-bytes (1.5 MiB), whatever etcd_max_txn_ops allows."""
-    addr, registration = _fleet(cluster, MAX_GANG_HOSTS, etcd_max_txn_ops=4 * MAX_TXN_OPS)
-    try:
-        with Client(addr, agent="agent-big", host="big-0000") as c:
-            before = revision(cluster)
-            with pytest.raises(errors.FailedPrecondition) as refused:
-                c.acquire(exclusive=True, gpu_count=GPUS, hosts=MAX_GANG_HOSTS)
-            assert refused.value.field == "hosts", refused.value
-            assert "bytes" in str(refused.value)
-            assert not _gang_writes(cluster, before)
-    finally:
-        cluster.lt.run(registration.close())   # type: ignore[attr-defined]
+    refused = _refused(cluster, MAX_GANG_HOSTS, etcd_max_txn_ops=4 * MAX_TXN_OPS)
+    assert refused.field == "hosts", refused
+    assert "bytes" in str(refused)
