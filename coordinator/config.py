@@ -81,6 +81,9 @@ class CoordinatorConfig:
     untracked_vram: bool = True          # subtract NVML-used VRAM that no lease accounts for
     batch_max: int = 64                  # most acquires decided from one snapshot (group commit)
     commit_attempts: int = 32            # compare-and-set retries before UNAVAILABLE
+    # Transactions of different hosts committed together as one etcd transaction, each nested with its own
+    # compares (docs/etcd.md "Shared commits"); 1 commits each alone.
+    shared_commit_max: int = 64
     max_sessions_per_agent: int = 64     # open sessions of one agent name (OpenSession past it: RESOURCE_EXHAUSTED)
     # A stream's answers its client has not read yet (KeepAlive, Session): past either bound the stream is
     # closed with RESOURCE_EXHAUSTED naming ``stream``.
@@ -170,7 +173,7 @@ class CoordinatorConfig:
             raise ConfigError("calls_per_s_per_identity",
                               f"must be a finite number >= 0 (0: no limit), got {self.calls_per_s_per_identity}")
         for name in ("max_queue_per_host", "max_queue_per_agent", "max_leases_per_agent", "batch_max",
-                     "commit_attempts", "max_sessions_per_agent", "stream_answers_max", "stream_answer_bytes_max",
+                     "commit_attempts", "shared_commit_max", "max_sessions_per_agent", "stream_answers_max", "stream_answer_bytes_max",
                      "call_burst_per_identity", "max_streams_per_identity"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")

@@ -66,6 +66,10 @@ class HistoryReport:
     events: int = 0
     leases_created: int = 0
     evictions: int = 0
+    # Revisions that wrote lease records of several hosts, none of a multi-host gang: transactions of different
+    # hosts that shared one etcd transaction (coordinator/etcd/shared_commits.py), and the leader's batched
+    # removals. Counted, not a rule: every rule above holds at each such revision as at any other.
+    shared_revisions: int = 0
     max_used: dict[str, int] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
     over_capacity: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)   # G1: (rev, host, gpu)
@@ -142,6 +146,7 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
         rep.revisions += 1
         touched: set[tuple[str, str]] = set()
         touched_ids: set[tuple[str, str]] = set()     # (host, lease id) of the lease records this revision changes
+        single_host: set[str] = set()                 # hosts of the lease records it changes, multi-host gangs aside
         granted_from_queue: list[tuple[str, list[str]]] = []
         created: list[tuple[str, str, dict[str, Any]]] = []
         # Sessions that end in this revision (expiry, or closed): their leases go with them.
@@ -215,6 +220,8 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
                                 f"{max_token[(host, gpu)]}")
                         max_token[(host, gpu)] = max(max_token[(host, gpu)], lease["token"])
                     leases[(host, gpu)][lease_id] = lease
+                    if not lease.get("hosts"):
+                        single_host.add(host)
                 else:
                     gone = leases[(host, gpu)].pop(lease_id, None)
                     if gone is None:    # etcd only reports the delete of a key that exists
@@ -222,6 +229,8 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
                                               f"{host}/{gpu} deleted, never put")
                     else:
                         teams.deleted(gone)
+                    if gone is not None and not gone.get("hosts"):
+                        single_host.add(host)
                     bound = gone is not None and (gone.get("pids") or gone.get("pgid"))
                     if bound and lease_id in notices and gone["session_id"] not in sessions_gone:
                         ended[lease_id] = gone | {"requested_by": notices[lease_id].get("requested_by", "")}
@@ -238,6 +247,7 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
                 else:
                     partitions.pop(host, None)
                 touched |= {k for k in leases if k[0] == host}
+        rep.shared_revisions += len(single_host) > 1
         for hg in touched:
             host, gpu = hg
             live = leases[hg]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from coordinator.config import CoordinatorConfig
+from coordinator.etcd.shared_commits import SharedCommits
 from coordinator.etcd.store import Store
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys
@@ -38,9 +39,13 @@ class ReplicaContext:
     borrowable_mb: int | None = None
     # Whether this replica can reach etcd (its candidacy's keepalives tell; replica/reach.py).
     reach: EtcdReach = dataclasses.field(default_factory=lambda: EtcdReach(""))
+    # The replica's admission rounds and releases commit through it: those of different hosts share etcd
+    # transactions (docs/etcd.md "Shared commits").
+    commits: SharedCommits = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.reach.replica_id = self.replica_id
+        self.commits = SharedCommits(self.store, self.config.etcd_max_txn_ops, self.config.shared_commit_max)
 
     def usage_age(self, kv: KV) -> float:
         """Seconds since this replica saw this usage report (``usage/<host>`` at this mod_revision)."""

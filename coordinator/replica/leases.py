@@ -23,7 +23,6 @@ from coordinator.records import (
     load_record,
 )
 from coordinator.replica.context import ReplicaContext
-from coordinator.replica.release_batch import ReleaseCommits
 from coordinator.txn import Absent, Compare, Delete, ModRevisionIs, Op, Put
 
 # Raises (PERMISSION_DENIED or UNAVAILABLE naming pids) unless the lease's node says its processes are the caller's.
@@ -35,7 +34,6 @@ class Leases:
     def __init__(self, ctx: ReplicaContext) -> None:
         self.ctx = ctx
         self.store, self.keys, self.config, self.mirror = ctx.store, ctx.keys, ctx.config, ctx.mirror
-        self.release_commits = ReleaseCommits(ctx.store)
 
     async def withdraw_evictions(self, entry: QueueEntry) -> None:
         """The request that evicted these leases left without a grant: its notices are withdrawn, so that
@@ -268,7 +266,7 @@ class Leases:
                     continue
                 # The reports list none of them: they must still say so when the lease goes.
                 compares += usage_compares
-            if await self.release_commits.commit(compares, ops):
+            if (await self.ctx.commits.commit(compares, ops)).succeeded:
                 metrics.RELEASES.labels("release").inc()
                 return True
         raise errors.Unavailable("release: too much contention; retry")

@@ -98,7 +98,7 @@ class AdmissionRound(AdmitterState):
                 self._settle(plan, revision=0)
                 return
             try:
-                res = await rep.store.commit(plan.compares, plan.ops, deadline=deadline)
+                res = await rep.commits.commit(plan.compares, plan.ops, deadline=deadline)
             except (errors.SessionGone, errors.OutcomeUnknown):
                 res = None  # ids are deterministic: reading again settles it
             if res is not None and res.succeeded:

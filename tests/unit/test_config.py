@@ -332,7 +332,12 @@ def test_etcd_max_txn_ops_defaults_to_etcds_own_128_and_is_bounded() -> None:
         assert field_error(etcd_max_txn_ops=bad) == "etcd_max_txn_ops"
 
 
-@pytest.mark.parametrize("field", ["batch_max", "commit_attempts"])
+def test_shared_commits_default_to_64_parts_and_1_turns_them_off() -> None:
+    assert load().shared_commit_max == 64
+    assert load(env={"GPUCOORD_SHARED_COMMIT_MAX": "1"}).shared_commit_max == 1
+
+
+@pytest.mark.parametrize("field", ["batch_max", "commit_attempts", "shared_commit_max"])
 def test_limit_errors_name_their_own_field(field: str) -> None:
     assert field_error(**{field: 0}) == field
 
