@@ -58,7 +58,8 @@ class EvictionRecord:
     withdrawn: bool = False
 
     def to_json(self) -> dict[str, object]:
-        d = dataclasses.asdict(self)
+        # Not dataclasses.asdict (it deep-copies): every eviction notice writes one.
+        d: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del d["withdrawn"]
         if not self.revoke:
             del d["revoke"]

@@ -293,9 +293,8 @@ class QueueEntry:
         return 2 if self.gpu_count != 1 or self.exclusive or self.topology != "any" or self.gpus else 1
 
     def to_json(self) -> dict[str, object]:
-        d = dataclasses.asdict(self)
-        d.pop("rank")
-        d.pop("mod_revision")
+        # Not dataclasses.asdict (it deep-copies): every waiting request writes one.
+        d: dict[str, object] = {name: getattr(self, name) for name in _QUEUE_FIELDS}
         d["victims"] = list(self.victims)
         if self.format > 1:
             d.update(format=self.format, gpus=list(self.gpus))
@@ -351,6 +350,7 @@ class QueueEntry:
                    start_after=num_of(d, "start_after", 0.0), mod_revision=kv.mod_revision)
 
 
+_QUEUE_FIELDS = tuple(f.name for f in dataclasses.fields(QueueEntry) if f.name not in ("rank", "mod_revision"))
 _QUEUE_V2 = frozenset({"gpu_count", "exclusive", "topology", "gpus"})
 _QUEUE_V3 = frozenset({"min_runtime_s"})
 _QUEUE_V4 = frozenset({"time_limit_s", "time_limit_warning_s"})

@@ -80,7 +80,8 @@ class UsageRecord:
         return record_name(self.lease_id, self.start_revision)
 
     def to_json(self) -> dict[str, object]:
-        d = dataclasses.asdict(self)
+        # Not dataclasses.asdict: it deep-copies field by field, and the leader writes one record per lease end.
+        d: dict[str, object] = {name: getattr(self, name) for name in _RECORD_FIELDS}
         d["gpus"], d["gpu_indexes"] = list(self.gpus), list(self.gpu_indexes)
         return d
 
@@ -88,6 +89,9 @@ class UsageRecord:
     def from_json(cls, d: Mapping[str, Any]) -> UsageRecord:
         return cls(**{**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d},
                       "gpus": tuple(d["gpus"]), "gpu_indexes": tuple(d["gpu_indexes"])})
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))
 
 
 def record_name(lease_id: str, start_revision: int) -> str:
