@@ -80,8 +80,7 @@ class UsageRecord:
         return record_name(self.lease_id, self.start_revision)
 
     def to_json(self) -> dict[str, object]:
-        # Not dataclasses.asdict: it deep-copies field by field, and the leader writes one record per lease end.
-        d: dict[str, object] = {name: getattr(self, name) for name in _RECORD_FIELDS}
+        d: dict[str, object] = {name: getattr(self, name) for name in _RECORD_FIELDS}   # (asdict deep-copies)
         d["gpus"], d["gpu_indexes"] = list(self.gpus), list(self.gpu_indexes)
         return d
 
