@@ -191,7 +191,10 @@ class Accountant:
     async def _commit(self, term: Election, cursor: Cursor, units: list[Unit], after: Cursor) -> Cursor:
         """Write ``units`` (records and their rollups) and the cursor ``after`` in one transaction that compares
         the cursor as read and the fence. Raises NotOwner when the fence fails (the term is over)."""
-        staged = {k: json.loads(json.dumps(v)) for k, v in self._rollups.items()}
+        # A copy of the rollups this commit charges (all loaded by ``_load_rollups``), not of every cached one: a
+        # rollup lists its team's agents, and the cache holds up to 4096 of them.
+        needed = {k for u in units for k in rollup_keys(u.record, u.pieces, u.final)}
+        staged = {k: json.loads(json.dumps(self._rollups[k])) for k in needed}
         touched: set[tuple[str, str]] = set()
         for u in units:
             touched |= charge(staged, u.record, u.pieces, u.final)
