@@ -45,6 +45,10 @@ class CoordinatorConfig:
     advertise: str = ""
     metrics_listen: str = ""             # "host:port" to serve Prometheus metrics; empty: off
     session_ttl_s: int = 10              # default TTL of an agent's session
+    # The TTL of the etcd lease under each session's keys: sessions are kept alive in the replicas' memory, and
+    # this etcd lease is refreshed once a third of it has passed (docs/guarantees.md, G4). With no replica
+    # running at all, a dead agent's keys go when it passes.
+    session_etcd_ttl_s: int = 600
     keepalive_interval_s: float = 0.0    # what clients are told to use; x3 must be <= the TTL (0: min(3, TTL/3))
     etcd_timeout_s: float = 0.0          # deadline of one etcd call; must be < TTL / 2 (0: min(3, TTL/3))
     election_ttl_s: int = 5
@@ -141,6 +145,8 @@ class CoordinatorConfig:
             raise ConfigError("etcd_timeout_s", "must be < session_ttl_s / 2")
         if self.election_ttl_s < MIN_TTL_S:
             raise ConfigError("election_ttl_s", f"must be >= {MIN_TTL_S}")
+        if not 30 <= self.session_etcd_ttl_s <= 86400:
+            raise ConfigError("session_etcd_ttl_s", f"must be within [30, 86400], got {quote(self.session_etcd_ttl_s)}")
         if not MIN_TXN_OPS <= self.etcd_max_txn_ops <= MAX_TXN_OPS:
             raise ConfigError("etcd_max_txn_ops", f"must be within [{MIN_TXN_OPS}, {MAX_TXN_OPS}] (etcd's "
                                                   f"--max-txn-ops), got {quote(self.etcd_max_txn_ops)}")

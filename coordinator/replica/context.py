@@ -3,6 +3,7 @@ the replica's identity, the watch-fed mirror and the book of eviction notices.""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.shared_commits import SharedCommits
@@ -42,6 +43,8 @@ class ReplicaContext:
     # The replica's admission rounds and releases commit through it: those of different hosts share etcd
     # transactions (docs/etcd.md "Shared commits").
     commits: SharedCommits = dataclasses.field(init=False)
+    # The seconds a session this replica keeps alive has left (replica/liveness.py); None for another's.
+    session_left: Callable[[str], float | None] = lambda _session_id: None
 
     def __post_init__(self) -> None:
         self.reach.replica_id = self.replica_id

@@ -45,6 +45,7 @@ from coordinator.replica.gauges import MirrorGauges
 from coordinator.replica.idle import IdleReclaim
 from coordinator.replica.leader import Leadership
 from coordinator.replica.leases import Confirm, Leases
+from coordinator.replica.liveness import Liveness
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.ownership import Ownership, owner_of  # noqa: F401 - owner_of: where the tests look
 from coordinator.replica.partitions import Partitions
@@ -76,6 +77,8 @@ class CoordinatorService(Follower):
         self.leases = Leases(self.ctx)
         self.partitions = Partitions(self.ctx, self.leases)
         self._sessions: dict[tuple[str, str], SessionInfo] = {}
+        self.liveness = Liveness(self.ctx, lambda info: self._sessions.pop((info.agent, info.session_id), None))
+        self.ctx.session_left = self.liveness.table.remaining
         self.ends = LeaseEnds(keys, self.mirror)   # gpucoord_releases_total's close and expiry
         self._admitters: dict[str, HostAdmitter] = {}
         self._fleet: FleetAdmitter | None = None
@@ -102,6 +105,7 @@ class CoordinatorService(Follower):
         self._tasks.append(spawn(MirrorGauges(self.ctx).run(), "the fleet gauges"))
         self._tasks.append(spawn(IdleReclaim(self.ctx, self.leases).sample_forever(), "the GPUs' utilization"))
         self._tasks.append(spawn(fair_share.run(self.ctx), "the teams' fair shares"))
+        self._tasks.append(spawn(self.liveness.run(), "the sessions' expiry"))
         if leader_duties:
             self.leadership = Leadership(self.ctx, self.leases)
             self._tasks.append(spawn(self.leadership.run(), "leadership"))
@@ -191,7 +195,8 @@ class CoordinatorService(Follower):
                 if not partition.allows(agent):
                     raise errors.NotOwner(
                         f"agent: {agent!r} is not in the {partition.mode} partition of host {host!r}", "agent")
-            etcd_lease = await self.store.grant(ttl)
+            etcd_ttl = self.liveness.etcd_ttl(ttl)
+            etcd_lease = await self.store.grant(etcd_ttl)
             session_id = session_id_from_etcd_lease(etcd_lease)
             value = dumps({"agent": agent, "host": host, "pid": pid, "client_version": client_version,
                            "ttl": ttl, "opened_at": clock.wall(), "coordinator": self.replica_id})
@@ -211,6 +216,7 @@ class CoordinatorService(Follower):
                     await self._revoke_unused(etcd_lease)
             if written:
                 self._sessions[(agent, session_id)] = info = SessionInfo(agent, session_id, host, etcd_lease, ttl)
+                self.liveness.opened(info, etcd_ttl)
                 self.ends.kept(info)
                 return session_id, ttl
         raise errors.Unavailable("open session: too much contention on the host's partition; retry")
@@ -265,18 +271,15 @@ class CoordinatorService(Follower):
         self.reach.check()
         timeout = min(self.store.timeout, info.ttl_s / 4) if info.ttl_s > 0 else None
         try:
-            ttl = await self.store.keepalive(info.etcd_lease, timeout=timeout)
+            ttl = await self.liveness.keepalive(info, timeout)
         except errors.Timeout:
             self.reach.suspect_now("a session's keepalive timed out")
             raise
-        if ttl <= 0:
-            self._sessions.pop((info.agent, info.session_id), None)
-            raise errors.SessionGone(f"session: session {info.session_id} of agent {info.agent!r} has expired",
-                                     "session")
         self.ends.kept(info)
         return ttl
 
     async def close_session(self, info: SessionInfo) -> None:
+        self.liveness.forget(info.session_id)
         self.ends.closing(info)
         await self.store.revoke(info.etcd_lease)
         self._sessions.pop((info.agent, info.session_id), None)
@@ -346,6 +349,7 @@ class CoordinatorService(Follower):
     def tracked(self) -> dict[str, int]:
         """How many per-host and per-session structures this replica holds (tests of bounded memory)."""
         return {"admitters": len(self._admitters), "sessions": len(self._sessions), "streams": len(self._streams),
+                "live_sessions": len(self.liveness.table),
                 "evictions": len(self.evictions), "background": len(self._background),
                 **{f"mirror_{k}": v for k, v in self.mirror.tracked().items()}}
 

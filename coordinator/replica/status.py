@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 from typing import Any
 
 from coordinator import clock
@@ -18,6 +19,8 @@ from coordinator.records import (
     EvictionRecord,
     InvalidRecord,
     QueueEntry,
+    VramLease,
+    load_record,
 )
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.idle import status_fields as idle_fields
@@ -93,9 +96,27 @@ async def read_status(ctx: ReplicaContext, host: str = ""
         views = [host_view(ctx.keys, h, host_snapshot_of(revision, h, per_host[h]),
                            ctx.config.untracked_vram, ctx.usage_age)
                  for h in sorted(per_host)]
-    etcd_leases = {lease.etcd_lease for v in views for lease in v.leases.values()}
-    ttls = dict(zip(etcd_leases, await asyncio.gather(*(ctx.store.time_to_live(x) for x in etcd_leases))))
+    sessions = {lease.etcd_lease: lease for v in views for lease in v.leases.values()}
+    etcd_left = await asyncio.gather(*(ctx.store.time_to_live(x) for x in sessions))
+    ttls = {x: _session_left(ctx, lease, left) for (x, lease), left in zip(sessions.items(), etcd_left)}
     return revision, views, ttls, gangs
+
+
+def _session_left(ctx: ReplicaContext, lease: VramLease, etcd_left: int) -> int:
+    """What the lease's session has left: as this replica keeps it, or (another replica keeps it) at most its
+    TTL; -1 when its etcd lease is gone. (A session's etcd lease has the long session_etcd_ttl_s.)"""
+    if etcd_left < 0:
+        return -1
+    left = ctx.session_left(lease.session_id)
+    if left is not None:
+        return min(etcd_left, math.ceil(left))
+    kv = ctx.mirror.get(ctx.keys.session(lease.agent, lease.session_id))
+    ttl = ctx.config.session_ttl_s
+    if kv is not None:
+        with contextlib.suppress(InvalidRecord):
+            stored = load_record(kv.value).get("ttl")
+            ttl = stored if isinstance(stored, int) and stored > 0 else ttl
+    return min(etcd_left, ttl)
 
 
 def departing_json(d: DepartingRecord, usage: dict[str, Any] | None, held: bool) -> dict[str, Any]:

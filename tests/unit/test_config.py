@@ -332,6 +332,12 @@ def test_etcd_max_txn_ops_defaults_to_etcds_own_128_and_is_bounded() -> None:
         assert field_error(etcd_max_txn_ops=bad) == "etcd_max_txn_ops"
 
 
+def test_a_sessions_etcd_lease_lives_600_s_by_default_within_30_s_to_a_day() -> None:
+    assert load().session_etcd_ttl_s == 600
+    for bad in (29, 86401):
+        assert field_error(session_etcd_ttl_s=bad) == "session_etcd_ttl_s"
+
+
 def test_shared_commits_default_to_64_parts_and_1_turns_them_off() -> None:
     assert load().shared_commit_max == 64
     assert load(env={"GPUCOORD_SHARED_COMMIT_MAX": "1"}).shared_commit_max == 1

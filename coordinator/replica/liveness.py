@@ -1,0 +1,278 @@
+"""Sessions kept alive in the replica's memory (issue 32): an agent's keepalive touches an entry here, not etcd.
+
+Each session still has an etcd lease of its own, which carries its keys (its record, leases, queue entries and
+notices), so that a session ends in one revision whichever way it ends. But that etcd lease has a long TTL
+(``session_etcd_ttl_s``, refreshed once a third of it has passed), and the session's own TTL is kept here:
+
+* **Tracking.** The replica that opened a session, or that last took it over, tracks it (its record's
+  ``coordinator``). A keepalive to another replica takes it over first: one compare-and-put of the record.
+* **Expiry.** Deadlines sit in buckets of ``TICK_S`` (as ZooKeeper's session tracker keeps them). Each tick the
+  replica takes the sessions past their deadline, reads a revision linearizably, waits for its mirror to reach
+  it, and revokes the etcd lease of each session whose record still names this replica (or a replica no longer
+  registered): etcd deletes the session's keys in one revision, as when the etcd lease expired by itself. One
+  that another replica took over meanwhile is left to it.
+* **Adoption.** The sessions of a replica that is no longer registered (killed, or cut from etcd past its
+  election TTL) are adopted, each by the live replica that rendezvous hashing of its id picks, with a deadline
+  of one TTL from then. A live agent moves to another replica and keeps its session; a dead one's session is
+  revoked then.
+
+What etcd promises is then only the long TTL: with no replica running at all, a dead agent's keys go when it
+passes. What gpucoord promises is docs/guarantees.md's G4 and G7.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import math
+from typing import Callable, Iterable
+
+from coordinator import clock, errors
+from coordinator.record_fields import load_record
+from coordinator.records import InvalidRecord, SessionInfo, dumps
+from coordinator.replica.context import ReplicaContext
+from coordinator.txn import ModRevisionIs, Put
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1
+ADOPT_SCAN_S = 30.0
+REVOKES_AT_ONCE = 64      # etcd revokes in flight together when many sessions end in one tick
+
+
+@dataclasses.dataclass
+class _Tracked:
+    info: SessionInfo
+    bucket: int            # the tick whose end is its deadline
+    refreshed_at: float    # monotonic time of the last refresh of its etcd lease by this replica (0: never)
+    etcd_ttl: int          # its etcd lease's TTL as granted (what a refresh restores)
+    owned: bool            # its record names this replica (opened or taken over here), not only adopted
+
+
+def adopter(session_id: str, replicas: Iterable[str]) -> str:
+    """The live replica that adopts an orphaned session: rendezvous hashing of its id."""
+    return max(replicas, key=lambda r: hashlib.sha256(f"session\0{session_id}\0{r}".encode()).digest())
+
+
+class SessionTable:
+    """The sessions this replica keeps alive, by deadline bucket (pure bookkeeping; ``Liveness`` acts)."""
+
+    def __init__(self, now: Callable[[], float] = clock.monotonic) -> None:
+        self._now = now
+        self._by_id: dict[str, _Tracked] = {}
+        self._buckets: dict[int, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._by_id
+
+    def get(self, session_id: str) -> _Tracked | None:
+        return self._by_id.get(session_id)
+
+    def touch(self, info: SessionInfo, ttl_s: float, etcd_ttl: int = 0, refreshed: bool = False,
+              owned: bool = True) -> _Tracked:
+        """Its deadline moves to ``ttl_s`` from now (rounded up to a tick). ``owned`` False: adopted only."""
+        now = self._now()
+        bucket = math.ceil((now + ttl_s) / TICK_S)
+        t = self._by_id.get(info.session_id)
+        if t is None:
+            t = self._by_id[info.session_id] = _Tracked(info, bucket, 0.0, etcd_ttl, owned)
+        elif t.bucket != bucket:
+            self._unbucket(info.session_id, t.bucket)
+            t.bucket = bucket
+        self._buckets.setdefault(bucket, set()).add(info.session_id)
+        if refreshed:
+            t.refreshed_at = now
+        t.owned = t.owned or owned
+        if etcd_ttl:
+            t.etcd_ttl = etcd_ttl
+        return t
+
+    def _unbucket(self, session_id: str, bucket: int) -> None:
+        members = self._buckets.get(bucket)
+        if members is not None:
+            members.discard(session_id)
+            if not members:
+                del self._buckets[bucket]
+
+    def drop(self, session_id: str) -> None:
+        t = self._by_id.pop(session_id, None)
+        if t is not None:
+            self._unbucket(session_id, t.bucket)
+
+    def expired(self) -> list[SessionInfo]:
+        """The sessions whose deadline has passed (they stay tracked until dropped or touched)."""
+        last = math.floor(self._now() / TICK_S)
+        out = []
+        for bucket in sorted(b for b in self._buckets if b <= last):
+            out += [self._by_id[sid].info for sid in self._buckets[bucket]]
+        return out
+
+    def remaining(self, session_id: str) -> float | None:
+        t = self._by_id.get(session_id)
+        return None if t is None else max(0.0, t.bucket * TICK_S - self._now())
+
+
+class Liveness:
+    """The keepalive, expiry and adoption of the sessions this replica tracks (module doc)."""
+
+    def __init__(self, ctx: ReplicaContext, on_gone: Callable[[SessionInfo], object]) -> None:
+        self.ctx = ctx
+        self.table = SessionTable()
+        self.on_gone = on_gone         # the service forgets its cached identity
+        self._adopted_at = -1          # the generation of coordinators/ (the mirror's) last adopted at
+        self._scanned = 0.0            # when every session was last looked at for adoption
+
+    def etcd_ttl(self, ttl_s: int) -> int:
+        """The TTL of a new session's etcd lease: the configured long one, at least three session TTLs."""
+        return max(self.ctx.config.session_etcd_ttl_s, 3 * ttl_s)
+
+    def opened(self, info: SessionInfo, etcd_ttl: int) -> None:
+        self.table.touch(info, info.ttl_s, etcd_ttl, refreshed=True)
+
+    def forget(self, session_id: str) -> None:
+        self.table.drop(session_id)
+
+    async def keepalive(self, info: SessionInfo, timeout: float | None) -> int:
+        """Keep ``info`` alive here: the session's TTL (taken over first if another replica tracks it). Its etcd
+        lease is refreshed once a third of its TTL has passed since the last refresh here."""
+        ttl = info.ttl_s or self.ctx.config.session_ttl_s
+        t = self.table.get(info.session_id)
+        if t is None or not t.owned:
+            etcd_ttl = await self._take_over(info, timeout)
+            self.table.touch(info, ttl, etcd_ttl, refreshed=True)
+            return ttl
+        if clock.monotonic() - t.refreshed_at > t.etcd_ttl / 3:
+            left = await self.ctx.store.keepalive(info.etcd_lease, timeout=timeout)
+            if left <= 0:
+                self._gone(info)
+                raise _expired(info)
+            self.table.touch(info, ttl, left, refreshed=True)
+        else:
+            self.table.touch(info, ttl)
+        return ttl
+
+    async def _take_over(self, info: SessionInfo, timeout: float | None) -> int:
+        """Make this replica the session's tracker (its record's ``coordinator``); its etcd lease's TTL."""
+        key = self.ctx.keys.session(info.agent, info.session_id)
+        for _ in range(self.ctx.config.commit_attempts):
+            kv = await self.ctx.store.get(key)
+            if kv is None:
+                self._gone(info)
+                raise _expired(info)
+            doc = load_record(kv.value)
+            if doc.get("coordinator") != self.ctx.replica_id:
+                doc["coordinator"] = self.ctx.replica_id
+                res = await self.ctx.store.commit([ModRevisionIs(key, kv.mod_revision)],
+                                                  [Put(key, dumps(doc), kv.etcd_lease)])
+                if not res.succeeded:
+                    continue
+            left = await self.ctx.store.keepalive(info.etcd_lease, timeout=timeout)
+            if left <= 0:
+                self._gone(info)
+                raise _expired(info)
+            return left
+        raise errors.Unavailable("keepalive: the session's record keeps changing; retry")
+
+    def _gone(self, info: SessionInfo) -> None:
+        self.table.drop(info.session_id)
+        self.on_gone(info)
+
+    # -- expiry and adoption ------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.adopt()
+                if self.table.expired():
+                    await self.expire()
+            except errors.GpucoordError as e:
+                log.warning("session expiry: %s; trying again", e)
+                await asyncio.sleep(0.5)
+
+    def _live(self) -> dict[str, str] | None:
+        mirror = self.ctx.mirror
+        if not mirror.ready:
+            return None
+        live: dict[str, str] = {}
+        for kv in mirror.items("coordinators"):
+            try:
+                live[str(kv.json()["replica"])] = ""
+            except (ValueError, KeyError, TypeError):
+                continue
+        return live if self.ctx.replica_id in live else None    # not registered yet (or not now): no adoption
+
+    def _sessions(self) -> Iterable[tuple[SessionInfo, str]]:
+        """Every session the mirror holds, with the replica its record names."""
+        keys = self.ctx.keys
+        for kv in self.ctx.mirror.items("sessions"):
+            try:
+                _, parts = keys.parse(kv.key)
+                doc = load_record(kv.value)
+                ttl = doc.get("ttl")
+                yield (SessionInfo(parts[0], parts[1], str(doc.get("host", "")), kv.etcd_lease,
+                                   ttl if isinstance(ttl, int) else 0), str(doc.get("coordinator", "")))
+            except (ValueError, IndexError, InvalidRecord):
+                continue
+
+    def adopt(self) -> None:
+        """Track the sessions of replicas no longer registered that rendezvous hashing gives this one: a
+        deadline of one TTL from now (a live agent keeps it alive here or elsewhere by then)."""
+        # Looked at when a replica joins or leaves (or this one registers), and every ADOPT_SCAN_S besides (a
+        # session written by a replica that died at once): not at each open, which would scan every session.
+        generation = self.ctx.mirror.generation("coordinators")
+        if generation == self._adopted_at and clock.monotonic() - self._scanned < ADOPT_SCAN_S:
+            return
+        live = self._live()
+        if live is None:
+            return
+        self._adopted_at, self._scanned = generation, clock.monotonic()
+        me = self.ctx.replica_id
+        for info, tracker in self._sessions():
+            if tracker not in live and info.session_id not in self.table and adopter(info.session_id, live) == me:
+                self.table.touch(info, info.ttl_s or self.ctx.config.session_ttl_s, owned=False)
+
+    async def expire(self) -> None:
+        """Revoke the sessions past their deadline that no live replica took over meanwhile."""
+        store, mirror = self.ctx.store, self.ctx.mirror
+        revision = (await store.get_prefix(self.ctx.keys.coordinators(), keys_only=True)).revision
+        if not await mirror.caught_up(revision, self.ctx.config.etcd_timeout_s):
+            return   # tried again at the next tick
+        live = self._live()
+        if live is None:
+            return   # not registered (not yet, or not now): another replica adopts what must go
+        due = []
+        for info in self.table.expired():
+            kv = mirror.get(self.ctx.keys.session(info.agent, info.session_id))
+            tracker = ""
+            if kv is not None:
+                try:
+                    tracker = str(load_record(kv.value).get("coordinator", ""))
+                except InvalidRecord:
+                    tracker = ""
+            if kv is None:
+                self._gone(info)
+                continue
+            if tracker != self.ctx.replica_id and tracker in live:
+                self.table.drop(info.session_id)     # another replica keeps it alive
+                continue
+            due.append(info)
+        gate = asyncio.Semaphore(REVOKES_AT_ONCE)
+
+        async def revoke(info: SessionInfo) -> None:
+            async with gate:
+                await store.revoke(info.etcd_lease)
+            log.info("session %s of agent %r expired (no keepalive for %d s)", info.session_id, info.agent,
+                     info.ttl_s or self.ctx.config.session_ttl_s)
+            self._gone(info)
+        results = await asyncio.gather(*(revoke(i) for i in due), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0] if isinstance(failed[0], errors.GpucoordError) else errors.Unavailable(str(failed[0]))
+
+
+def _expired(info: SessionInfo) -> errors.SessionGone:
+    return errors.SessionGone(f"session: session {info.session_id} of agent {info.agent!r} has expired", "session")

@@ -1,0 +1,96 @@
+"""G4 and G7 with sessions kept alive in the replicas' memory (``replica/liveness.py``, issue 32): the replica a
+session's keepalives reach tracks it (taking it over from another), the one that stops hearing from it leaves it
+to the one that does, and the sessions of a replica that is gone are adopted: a dead agent's is revoked, a live
+agent's kept. Each session's etcd lease has the long ``session_etcd_ttl_s``, so a session that goes before it
+went because a replica revoked it. The history checker ends each test."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from agent_client import Client
+from agent_client.api import coordinator_pb2 as pb
+from tests.support.cluster import Cluster
+from tests.support.rpcs import coordinator_stub
+from tests.support.waiting import LIVENESS_S, Background, pass_time, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
+TTL = 5
+
+
+def _open(addr: str, agent: str) -> pb.SessionRef:
+    resp = coordinator_stub(addr).OpenSession(pb.OpenSessionRequest(agent=agent, host="h1", ttl_seconds=TTL),
+                                              timeout=30)
+    return pb.SessionRef(agent=agent, session_id=resp.session_id)
+
+
+def _keep_alive(addr: str, ref: pb.SessionRef, stop: threading.Event) -> None:
+    """KeepAlive messages every TTL/5 to ``addr`` until ``stop``."""
+    def requests():  # type: ignore[no-untyped-def]
+        while not stop.is_set():
+            yield pb.KeepAliveRequest(session=ref)
+            stop.wait(TTL / 5)
+    call = coordinator_stub(addr).KeepAlive(requests())
+    try:
+        for _ in call:
+            if stop.is_set():
+                break
+    except grpc.RpcError:
+        if not stop.is_set():
+            raise
+    finally:
+        call.cancel()
+
+
+def _record(cluster: Cluster, ref: pb.SessionRef) -> dict[str, object] | None:
+    kvs = cluster.get_prefix(cluster.keys.session(ref.agent, ref.session_id))
+    return kvs[0].json() if kvs else None
+
+
+def _etcd_lease(cluster: Cluster, ref: pb.SessionRef) -> int:
+    (kv,) = cluster.get_prefix(cluster.keys.session(ref.agent, ref.session_id))
+    return int(kv.etcd_lease)
+
+
+def test_a_session_kept_alive_through_the_other_replica_is_taken_over_and_left_alone_by_the_first(
+        cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x16GiB")
+    a, b = cluster.start_coordinator(), cluster.start_coordinator()
+    ref = _open(a, "mover")
+    stop = threading.Event()
+    keeper = Background(_keep_alive, b, ref, stop)
+    try:
+        b_id = cluster.service(b).replica_id
+        wait_for(lambda: (_record(cluster, ref) or {}).get("coordinator") == b_id, LIVENESS_S,
+                 "replica b to take the session over")
+        # The opener hears nothing from it for its TTL: it sees b keeps it, and drops it.
+        wait_for(lambda: ref.session_id not in cluster.service(a).liveness.table, LIVENESS_S,
+                 "replica a to leave the session to b")
+        pass_time(2 * TTL, "two more TTLs of keepalives through b")
+        assert _record(cluster, ref) is not None, "a session kept alive through replica b was lost"
+    finally:
+        stop.set()
+        keeper.result()
+    etcd_lease = _etcd_lease(cluster, ref)
+    wait_for(lambda: _record(cluster, ref) is None, LIVENESS_S, "b to revoke the session once its keepalives stop")
+    assert cluster.lt.run(cluster.store.time_to_live(etcd_lease)) < 0
+
+
+def test_a_stopped_replicas_sessions_are_adopted_the_dead_agents_revoked_the_live_agents_kept(
+        cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x16GiB")
+    a, b = cluster.start_coordinator(), cluster.start_coordinator()
+    with Client(f"{a},{b}", agent="alive", host="h1", ttl=TTL) as alive:
+        lease = alive.acquire(1024)
+        wait_for(lambda: len(cluster.get_prefix(cluster.keys.sessions("alive"))) == 1, LIVENESS_S, "its session")
+        dead = _open(a, "dead")      # opened at a, never kept alive again
+        etcd_lease = _etcd_lease(cluster, dead)
+        cluster.stop_coordinator(a)
+        wait_for(lambda: _record(cluster, dead) is None, LIVENESS_S, "replica b to adopt and revoke the dead session")
+        assert cluster.lt.run(cluster.store.time_to_live(etcd_lease)) < 0
+        pass_time(2 * TTL, "two TTLs of the live agent's keepalives through b")
+        assert len(cluster.get_prefix(cluster.keys.sessions("alive"))) == 1, "the live agent's session was lost"
+        assert [x.id for x in cluster.leases()] == [lease.id]
+        lease.release()
