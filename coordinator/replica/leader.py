@@ -128,7 +128,9 @@ class Leadership:
         session.on_refresh = self.ctx.reach.refreshed
         self.ctx.reach.probe = session.probe
         election = self.election = Election(session, self.keys, me)
-        info = dumps({"replica": me, "address": self.ctx.advertise, "started_at": clock.wall()})
+        # "sessions": this replica keeps sessions alive in memory (replica/liveness.py): one without it (the
+        # previous release) refreshes their etcd leases on each keepalive instead.
+        info = dumps({"replica": me, "address": self.ctx.advertise, "started_at": clock.wall(), "sessions": "memory"})
         await election.campaign(info, extra_puts=[(self.keys.coordinator(me), info)])
         while not session.done.is_set():
             observer = asyncio.ensure_future(election.observe(self._on_leader))

@@ -15,6 +15,11 @@ notices), so that a session ends in one revision whichever way it ends. But that
   election TTL) are adopted, each by the live replica that rendezvous hashing of its id picks, with a deadline
   of one TTL from then. A live agent moves to another replica and keeps its session; a dead one's session is
   revoked then.
+* **Upgrades.** A replica of the previous release (its registration lacks ``"sessions": "memory"``) keeps
+  sessions alive by refreshing their etcd leases, and never takes one over. While one is registered, a session
+  past its deadline is revoked only if its etcd lease has no more TTL left than this replica's own last refresh
+  (or, for an adopted one, than when it was first found past its deadline) leaves it: more means another
+  replica refreshed it, and the deadline moves on by a TTL.
 
 What etcd promises is then only the long TTL: with no replica running at all, a dead agent's keys go when it
 passes. What gpucoord promises is docs/guarantees.md's G4 and G7.
@@ -38,6 +43,9 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 ADOPT_SCAN_S = 30.0
+# A refresh of a session's etcd lease that this replica did not make shows as more TTL left than its own last
+# refresh leaves: by more than this (etcd counts whole seconds, and the refresh took a while).
+REFRESH_SLACK_S = 2.0
 REVOKES_AT_ONCE = 64      # etcd revokes in flight together when many sessions end in one tick
 
 
@@ -194,16 +202,19 @@ class Liveness:
                 await asyncio.sleep(0.5)
 
     def _live(self) -> dict[str, str] | None:
+        """The registered replicas (id -> how they keep sessions: "memory", or "" for the previous release's
+        etcd refreshes); None while this one is not registered (not yet, or not now): it adopts nothing."""
         mirror = self.ctx.mirror
         if not mirror.ready:
             return None
         live: dict[str, str] = {}
         for kv in mirror.items("coordinators"):
             try:
-                live[str(kv.json()["replica"])] = ""
-            except (ValueError, KeyError, TypeError):
+                doc = kv.json()
+                live[str(doc["replica"])] = str(doc.get("sessions", ""))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
-        return live if self.ctx.replica_id in live else None    # not registered yet (or not now): no adoption
+        return live if self.ctx.replica_id in live else None
 
     def _sessions(self) -> Iterable[tuple[SessionInfo, str]]:
         """Every session the mirror holds, with the replica its record names."""
@@ -260,6 +271,8 @@ class Liveness:
                 self.table.drop(info.session_id)     # another replica keeps it alive
                 continue
             due.append(info)
+        if any(how != "memory" for how in live.values()):
+            due = [info for info in await asyncio.gather(*(self._unrefreshed(i) for i in due)) if info is not None]
         gate = asyncio.Semaphore(REVOKES_AT_ONCE)
 
         async def revoke(info: SessionInfo) -> None:
@@ -272,6 +285,24 @@ class Liveness:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0] if isinstance(failed[0], errors.GpucoordError) else errors.Unavailable(str(failed[0]))
+
+
+    async def _unrefreshed(self, info: SessionInfo) -> SessionInfo | None:
+        """``info`` if no other replica has refreshed its etcd lease since this one last did (see the module doc);
+        else None, its deadline moved on by a TTL."""
+        t = self.table.get(info.session_id)
+        left = await self.ctx.store.time_to_live(info.etcd_lease)
+        if t is None or left < 0:
+            return info    # gone already: the revoke is a no-op
+        now = clock.monotonic()
+        expected = t.etcd_ttl - (now - t.refreshed_at) if t.refreshed_at else None
+        if expected is not None and left <= expected + REFRESH_SLACK_S:
+            return info
+        # Refreshed elsewhere (or first seen so): its last refresh was about (etcd TTL - left) ago.
+        t.etcd_ttl = max(t.etcd_ttl, left)
+        t.refreshed_at = now - (t.etcd_ttl - left)
+        self.table.touch(info, info.ttl_s or self.ctx.config.session_ttl_s, owned=t.owned)
+        return None
 
 
 def _expired(info: SessionInfo) -> errors.SessionGone:

@@ -5,6 +5,7 @@ agent's kept. Each session's etcd lease has the long ``session_etcd_ttl_s``, so 
 went because a replica revoked it. The history checker ends each test."""
 from __future__ import annotations
 
+import json
 import threading
 
 import grpc
@@ -12,6 +13,7 @@ import pytest
 
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
+from coordinator.etcd.session import EtcdSession
 from tests.support.cluster import Cluster
 from tests.support.rpcs import coordinator_stub
 from tests.support.waiting import LIVENESS_S, Background, pass_time, wait_for
@@ -94,3 +96,34 @@ def test_a_stopped_replicas_sessions_are_adopted_the_dead_agents_revoked_the_liv
         assert len(cluster.get_prefix(cluster.keys.sessions("alive"))) == 1, "the live agent's session was lost"
         assert [x.id for x in cluster.leases()] == [lease.id]
         lease.release()
+
+
+def test_a_session_a_previous_release_replica_keeps_alive_is_not_revoked_while_it_does(cluster: Cluster) -> None:
+    """During a rolling upgrade a replica of the previous release keeps a session alive by refreshing its etcd
+    lease, and never takes it over: the replica that tracks it sees the refreshes and leaves it be; once they
+    stop, it revokes the session."""
+    cluster.start_node("h1", "1x16GiB")
+    a = cluster.start_coordinator()
+    old = cluster.lt.run(EtcdSession(cluster.store, 5, "an old replica").open())
+    cluster.lt.run(cluster.store.put(cluster.keys.coordinator("old-release"),
+                                     json.dumps({"replica": "old-release", "address": ""}).encode(), old.etcd_lease))
+    try:
+        ref = _open(a, "upgraded")
+        etcd_lease = _etcd_lease(cluster, ref)
+        stop = threading.Event()
+
+        def refresh() -> None:      # what the old replica does on each of the agent's keepalives
+            while not stop.is_set():
+                assert cluster.lt.run(cluster.store.keepalive(etcd_lease)) > 0
+                stop.wait(TTL / 5)
+        refresher = Background(refresh)
+        try:
+            pass_time(3 * TTL, "three TTLs of refreshes by the old replica only")
+            assert _record(cluster, ref) is not None, "a session an old replica kept alive was revoked"
+        finally:
+            stop.set()
+            refresher.result()
+        wait_for(lambda: _record(cluster, ref) is None, LIVENESS_S, "the session to be revoked once nobody refreshes it")
+        assert cluster.lt.run(cluster.store.time_to_live(etcd_lease)) < 0
+    finally:
+        cluster.lt.run(old.close())
