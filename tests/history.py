@@ -70,6 +70,8 @@ class HistoryReport:
     # hosts that shared one etcd transaction (coordinator/etcd/shared_commits.py), and the leader's batched
     # removals. Counted, not a rule: every rule above holds at each such revision as at any other.
     shared_revisions: int = 0
+    # Sessions taken over by another replica (a put of a session record that exists: replica/liveness.py).
+    session_takeovers: int = 0
     max_used: dict[str, int] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
     over_capacity: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)   # G1: (rev, host, gpu)
@@ -184,6 +186,8 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
                     registrations[parts[0]] = ev.kv.etcd_lease
                 else:
                     registrations.pop(parts[0], None)
+            elif kind == "sessions" and ev.kind == "PUT" and ev.kv.version > 1:
+                rep.session_takeovers += 1
             elif kind == "departing" and ev.kind == "PUT" and json.loads(ev.kv.value).get("forced"):
                 forced.add(parts[-1])
             if kind == "evictions" and ev.kind == "PUT":

@@ -273,7 +273,8 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         history = c.lt.run(check_store(c.store, c.keys, time_limit_slack_s=TIME_LIMIT_SLACK_S), timeout=300)
         print(f"nemesis seed {seed}: history {history.revisions} revisions, {history.leases_created} leases, "
               f"{history.shared_revisions} revisions writing several hosts' leases (shared commits, batched "
-              f"removals), violations {len(history.violations)}")
+              f"removals), {history.session_takeovers} sessions taken over by another replica, "
+              f"violations {len(history.violations)}")
         # Usage records (issue 33), up to where the accountant's cursor reached before the replicas stopped.
         usage = check_usage(c.lt.run(read_history(c.store, c.keys.root()), timeout=300), c.keys)
         print(f"nemesis seed {seed}: usage records {usage.records}, leases ended {usage.ended} (+{usage.pending} "
