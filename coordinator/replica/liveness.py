@@ -149,7 +149,9 @@ class Liveness:
         lease is refreshed once a third of its TTL has passed since the last refresh here."""
         ttl = info.ttl_s or self.ctx.config.session_ttl_s
         t = self.table.get(info.session_id)
-        if t is None or not t.owned:
+        if t is None or not t.owned or not self._mine_in_mirror(info):
+            # Not tracked here, or the mirror shows it gone or kept by another replica (or has not seen it
+            # yet): etcd says, and this replica takes it over.
             etcd_ttl = await self._take_over(info, timeout)
             self.table.touch(info, ttl, etcd_ttl, refreshed=True)
             return ttl
@@ -162,6 +164,15 @@ class Liveness:
         else:
             self.table.touch(info, ttl)
         return ttl
+
+    def _mine_in_mirror(self, info: SessionInfo) -> bool:
+        kv = self.ctx.mirror.get(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready else None
+        if kv is None:
+            return False
+        try:
+            return load_record(kv.value).get("coordinator") == self.ctx.replica_id
+        except InvalidRecord:
+            return False
 
     async def _take_over(self, info: SessionInfo, timeout: float | None) -> int:
         """Make this replica the session's tracker (its record's ``coordinator``); its etcd lease's TTL."""
@@ -199,6 +210,9 @@ class Liveness:
                     await self.expire()
             except errors.GpucoordError as e:
                 log.warning("session expiry: %s; trying again", e)
+                await asyncio.sleep(0.5)
+            except Exception:   # the expiry of every session here must go on (logged with its stack)
+                log.exception("session expiry: an unexpected error; trying again")
                 await asyncio.sleep(0.5)
 
     def _live(self) -> dict[str, str] | None:

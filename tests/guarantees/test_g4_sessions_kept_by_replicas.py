@@ -127,3 +127,44 @@ def test_a_session_a_previous_release_replica_keeps_alive_is_not_revoked_while_i
         assert cluster.lt.run(cluster.store.time_to_live(etcd_lease)) < 0
     finally:
         cluster.lt.run(old.close())
+
+
+def test_a_session_revoked_behind_its_replicas_back_is_gone_at_the_next_keepalive(cluster: Cluster) -> None:
+    """The replica keeps the session in memory, but answers no keepalive of a session whose record its mirror
+    no longer holds: the agent hears NOT_FOUND at once, as when etcd said the session's etcd lease was gone."""
+    cluster.start_node("h1", "1x16GiB")
+    a = cluster.start_coordinator()
+    ref = _open(a, "revoked")
+    cluster.lt.run(cluster.store.revoke(_etcd_lease(cluster, ref)))
+    svc = cluster.service(a)
+    wait_for(lambda: svc.mirror.get(cluster.keys.session(ref.agent, ref.session_id)) is None, LIVENESS_S,
+             "the replica's mirror to see the session go")
+    with pytest.raises(grpc.RpcError) as refused:
+        for _ in coordinator_stub(a).KeepAlive(iter([pb.KeepAliveRequest(session=ref)]), timeout=30):
+            pass
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND, refused.value
+
+
+def test_an_agent_that_comes_back_to_its_first_replica_keeps_its_session(cluster: Cluster) -> None:
+    """The agent's keepalives go to b (b takes the session over), then back to a within the TTL: a must take it
+    over again, not only note the keepalive in its memory, or b revokes the session at its deadline."""
+    cluster.start_node("h1", "1x16GiB")
+    a, b = cluster.start_coordinator(), cluster.start_coordinator()
+    ref = _open(a, "returner")
+    a_id, b_id = cluster.service(a).replica_id, cluster.service(b).replica_id
+    away = threading.Event()
+    at_b = Background(_keep_alive, b, ref, away)
+    try:
+        wait_for(lambda: (_record(cluster, ref) or {}).get("coordinator") == b_id, LIVENESS_S, "b to take it over")
+    finally:
+        away.set()
+        at_b.result()
+    back = threading.Event()
+    at_a = Background(_keep_alive, a, ref, back)
+    try:
+        wait_for(lambda: (_record(cluster, ref) or {}).get("coordinator") == a_id, LIVENESS_S, "a to take it back")
+        pass_time(2 * TTL, "two TTLs of keepalives through a")
+        assert _record(cluster, ref) is not None, "the session was revoked while its agent kept it alive through a"
+    finally:
+        back.set()
+        at_a.result()
