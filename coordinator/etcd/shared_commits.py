@@ -38,8 +38,15 @@ class _Part:
     success: tuple[Op, ...]
     failure: tuple[Op, ...]
     deadline: float | None
-    footprint: Footprint
     future: asyncio.Future[TxnResult]
+    _footprint: Footprint | None = None
+
+    @property
+    def footprint(self) -> Footprint:
+        """Computed when another part may share with it (a part alone is sent as it is)."""
+        if self._footprint is None:
+            self._footprint = footprint(self.compares, self.success, self.failure)
+        return self._footprint
 
 
 class SharedCommits:
@@ -62,8 +69,7 @@ class SharedCommits:
         # A caller that went away (cancelled) while its part was in flight leaves the answer to nobody: it
         # is retrieved here, so that an error is not reported as never retrieved.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        part = _Part(tuple(compares), tuple(success), tuple(failure), deadline,
-                     footprint(compares, success, failure), future)
+        part = _Part(tuple(compares), tuple(success), tuple(failure), deadline, future)
         self._pending.append(part)
         if self._in_flight < IN_FLIGHT:
             self._in_flight += 1
@@ -79,8 +85,8 @@ class SharedCommits:
         batch: list[_Part] = []
         try:
             while self._pending:
-                chosen = share([p.footprint for p in self._pending], self.max_txn_ops, self.max_parts,
-                               SHARED_BYTES_BUDGET)
+                chosen = [0] if len(self._pending) == 1 else share(
+                    [p.footprint for p in self._pending], self.max_txn_ops, self.max_parts, SHARED_BYTES_BUDGET)
                 batch = [self._pending[i] for i in chosen]
                 taken = set(chosen)
                 self._pending = [p for i, p in enumerate(self._pending) if i not in taken]
