@@ -56,6 +56,7 @@ class _Tracked:
     refreshed_at: float    # monotonic time of the last refresh of its etcd lease by this replica (0: never)
     etcd_ttl: int          # its etcd lease's TTL as granted (what a refresh restores)
     owned: bool            # its record names this replica (opened or taken over here), not only adopted
+    mine_at: int = 0       # the mod_revision of its record last seen naming this replica (parsed once per version)
 
 
 def adopter(session_id: str, replicas: Iterable[str]) -> str:
@@ -149,7 +150,7 @@ class Liveness:
         lease is refreshed once a third of its TTL has passed since the last refresh here."""
         ttl = info.ttl_s or self.ctx.config.session_ttl_s
         t = self.table.get(info.session_id)
-        if t is None or not t.owned or not self._mine_in_mirror(info):
+        if t is None or not t.owned or not self._mine_in_mirror(info, t):
             # Not tracked here, or the mirror shows it gone or kept by another replica (or has not seen it
             # yet): etcd says, and this replica takes it over.
             etcd_ttl = await self._take_over(info, timeout)
@@ -165,14 +166,19 @@ class Liveness:
             self.table.touch(info, ttl)
         return ttl
 
-    def _mine_in_mirror(self, info: SessionInfo) -> bool:
+    def _mine_in_mirror(self, info: SessionInfo, t: _Tracked) -> bool:
         kv = self.ctx.mirror.get(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready else None
         if kv is None:
             return False
+        if kv.mod_revision == t.mine_at:
+            return True
         try:
-            return load_record(kv.value).get("coordinator") == self.ctx.replica_id
+            mine = load_record(kv.value).get("coordinator") == self.ctx.replica_id
         except InvalidRecord:
             return False
+        if mine:
+            t.mine_at = kv.mod_revision
+        return mine
 
     async def _take_over(self, info: SessionInfo, timeout: float | None) -> int:
         """Make this replica the session's tracker (its record's ``coordinator``); its etcd lease's TTL."""
