@@ -157,11 +157,7 @@ class Liveness:
             self.table.touch(info, ttl, etcd_ttl, refreshed=True)
             return ttl
         if clock.monotonic() - t.refreshed_at > t.etcd_ttl / 3:
-            left = await self.ctx.store.keepalive(info.etcd_lease, timeout=timeout)
-            if left <= 0:
-                self._gone(info)
-                raise _expired(info)
-            self.table.touch(info, ttl, left, refreshed=True)
+            self.table.touch(info, ttl, await self._refresh(info, timeout), refreshed=True)
         else:
             self.table.touch(info, ttl)
         return ttl
@@ -172,10 +168,7 @@ class Liveness:
             return False
         if kv.mod_revision == t.mine_at:
             return True
-        try:
-            mine = load_record(kv.value).get("coordinator") == self.ctx.replica_id
-        except InvalidRecord:
-            return False
+        mine = _tracker(kv.value) == self.ctx.replica_id
         if mine:
             t.mine_at = kv.mod_revision
         return mine
@@ -195,12 +188,16 @@ class Liveness:
                                                   [Put(key, dumps(doc), kv.etcd_lease)])
                 if not res.succeeded:
                     continue
-            left = await self.ctx.store.keepalive(info.etcd_lease, timeout=timeout)
-            if left <= 0:
-                self._gone(info)
-                raise _expired(info)
-            return left
+            return await self._refresh(info, timeout)
         raise errors.Unavailable("keepalive: the session's record keeps changing; retry")
+
+    async def _refresh(self, info: SessionInfo, timeout: float | None) -> int:
+        """Refresh the session's etcd lease: its TTL as restored; SessionGone (forgotten here) if it is gone."""
+        left = await self.ctx.store.keepalive(info.etcd_lease, timeout=timeout)
+        if left <= 0:
+            self._gone(info)
+            raise _expired(info)
+        return left
 
     def _gone(self, info: SessionInfo) -> None:
         self.table.drop(info.session_id)
@@ -278,15 +275,10 @@ class Liveness:
         due = []
         for info in self.table.expired():
             kv = mirror.get(self.ctx.keys.session(info.agent, info.session_id))
-            tracker = ""
-            if kv is not None:
-                try:
-                    tracker = str(load_record(kv.value).get("coordinator", ""))
-                except InvalidRecord:
-                    tracker = ""
             if kv is None:
                 self._gone(info)
                 continue
+            tracker = _tracker(kv.value)
             if tracker != self.ctx.replica_id and tracker in live:
                 self.table.drop(info.session_id)     # another replica keeps it alive
                 continue
@@ -323,6 +315,14 @@ class Liveness:
         t.refreshed_at = now - (t.etcd_ttl - left)
         self.table.touch(info, info.ttl_s or self.ctx.config.session_ttl_s, owned=t.owned)
         return None
+
+
+def _tracker(value: bytes) -> str:
+    """The replica a session record names as keeping it alive ("" for none, or a malformed record)."""
+    try:
+        return str(load_record(value).get("coordinator", ""))
+    except InvalidRecord:
+        return ""
 
 
 def _expired(info: SessionInfo) -> errors.SessionGone:
