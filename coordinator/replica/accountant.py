@@ -141,7 +141,6 @@ class Accountant:
         i, part = 0, start.part if todo and todo[0][0] == start.revision + 1 else 0
         while i < len(records):
             units, i, part = plan_commit(records, i, part, OPS_PER_TXN - 1)
-            await self._load_rollups(units)
             if i == len(records):
                 after = Cursor(last)
             else:
@@ -180,9 +179,9 @@ class Accountant:
         idle = sum(idle_seconds(self.ctx.utilization.points(u), start, end, below) for u in record.gpus)
         return dataclasses.replace(record, idle_gpu_seconds=round(min(idle, record.gpu_seconds), 3)) if idle else record
 
-    async def _load_rollups(self, units: list[Unit]) -> None:
-        """Read the rollups ``units`` charge that are not cached yet."""
-        missing = sorted({k for u in units for k in rollup_keys(u.record, u.pieces, u.final)} - set(self._rollups))
+    async def _load_rollups(self, needed: set[tuple[str, str]]) -> None:
+        """Read the rollups of ``needed`` that are not cached yet."""
+        missing = sorted(needed - set(self._rollups))
         if missing:
             snap = await self.ctx.store.snapshot([Range(self.keys.usage_rollup(h, t)) for h, t in missing])
             for (h, t), kvs in zip(missing, snap.ranges):
@@ -191,9 +190,10 @@ class Accountant:
     async def _commit(self, term: Election, cursor: Cursor, units: list[Unit], after: Cursor) -> Cursor:
         """Write ``units`` (records and their rollups) and the cursor ``after`` in one transaction that compares
         the cursor as read and the fence. Raises NotOwner when the fence fails (the term is over)."""
-        # A copy of the rollups this commit charges (all loaded by ``_load_rollups``), not of every cached one: a
-        # rollup lists its team's agents, and the cache holds up to 4096 of them.
+        # A copy of the rollups this commit charges, not of every cached one: a rollup lists its team's agents, and
+        # the cache holds up to 4096 of them.
         needed = {k for u in units for k in rollup_keys(u.record, u.pieces, u.final)}
+        await self._load_rollups(needed)
         staged = {k: json.loads(json.dumps(self._rollups[k])) for k in needed}
         touched: set[tuple[str, str]] = set()
         for u in units:
