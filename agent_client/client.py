@@ -13,15 +13,13 @@ import time
 import uuid
 from typing import Mapping, Sequence, TypedDict, Unpack
 
-from agent_client import errors
-from agent_client._aio import spawn
+from agent_client import errors, kept_together
 from agent_client._version import __version__
 from agent_client.api import coordinator_pb2 as pb
-from agent_client.keepalive import KeepAlive
 from agent_client.lease import AsyncLease, EvictionNotice
 from agent_client.run import AsyncBoundProcess, RunOptions
 from agent_client.stream import SessionStream
-from agent_client.tls import credentials
+from agent_client.tls import credentials, files
 from agent_client.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -79,6 +77,7 @@ class AsyncClient:
         self.agent, self.host = agent, host
         # mTLS: the three files from the arguments, else GPUCOORD_TLS_CA/CERT/KEY; none: plaintext.
         self._tls = credentials(tls_ca, tls_cert, tls_key)
+        self._tls_files = files(tls_ca, tls_cert, tls_key)   # which sessions may share one keepalive stream
         self.ttl = ttl or 0                 # 0 until connected: the coordinator's default
         self._keepalive_arg = keepalive_interval
         self.keepalive_interval = keepalive_interval or max(0.5, (ttl or 10) / 4)
@@ -91,7 +90,7 @@ class AsyncClient:
         self.expired = False
         self._leases: dict[str, AsyncLease] = {}
         self._early_notices: dict[str, EvictionNotice] = {}
-        self._keepalive_task: asyncio.Task[None] | None = None
+        self._kept: kept_together.KeepAliveGroup | None = None   # the group keeping the session alive
         self._connecting = asyncio.Lock()
 
     # -- the transport's state, read through (the tests read _owner, _streams, _unary_only) --------------
@@ -164,7 +163,7 @@ class AsyncClient:
             self.keepalive_interval = resp.keepalive_interval_seconds
         if self._retry_for_arg is None:
             self.retry_for = float(self.ttl)
-        self._keepalive_task = spawn(KeepAlive(self._transport, self).run(), f"keepalive of session {self.session_id}")
+        self._kept = kept_together.join(self, self._transport, self._tls_files)
 
     def _deliver(self, notice: EvictionNotice) -> None:
         lease = self._leases.get(notice.lease_id)
@@ -182,10 +181,7 @@ class AsyncClient:
             return
         already = self.done.is_set()
         self.done.set()
-        if self._keepalive_task is not None:
-            self._keepalive_task.cancel()
-            # Its stream ends before the channels close: no call is left behind to be destroyed pending.
-            await asyncio.gather(self._keepalive_task, return_exceptions=True)
+        await self._leave_group()
         if self.session_id and not already:
             try:
                 await self._call("CloseSession", pb.CloseSessionRequest(session=self._ref()),
@@ -197,9 +193,14 @@ class AsyncClient:
     async def orphan(self) -> None:
         """Stop keeping the session alive but leave its keys: they go when the TTL passes."""
         self.done.set()
-        if self._keepalive_task is not None:
-            self._keepalive_task.cancel()
+        await self._leave_group()
         await self._close_channels()
+
+    async def _leave_group(self) -> None:
+        """No longer kept alive (its group's stream ends with its last session, before the channels close)."""
+        group, self._kept = self._kept, None
+        if group is not None:
+            await group.leave(self)
 
     async def _close_channels(self) -> None:
         await self._transport.close()

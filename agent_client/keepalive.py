@@ -1,6 +1,7 @@
-"""A session kept alive: one KeepAlive stream at a time, to the replica the calls use, moved to the next
-replica when it breaks or goes silent, for as long as the session's TTL allows. The stream's answers carry
-the session's eviction notices."""
+"""A session kept alive on its own: one KeepAlive stream at a time, to the replica the calls use, moved to the
+next replica when it breaks or goes silent, for as long as the session's TTL allows. The stream's answers
+carry the session's eviction notices. Clients keep their sessions alive together
+(``agent_client.kept_together``) and come here only where a replica does not serve that stream."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,14 @@ from agent_client.lease import EvictionNotice
 from agent_client.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+def notice_of(n: pb.EvictionNotice) -> EvictionNotice:
+    """A notice as the client keeps it: its deadline on this process's monotonic clock."""
+    left = (n.grace_left_seconds if n.HasField("grace_left_seconds")
+            else n.deadline_unix - time.time())   # an older coordinator: wall clocks
+    return EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by, n.deadline_unix,
+                          time.monotonic() + left, n.revoke, n.reclaim_team, n.withdrawn, n.asked_by)
 
 
 class KeptSession(Protocol):
@@ -93,11 +102,7 @@ class KeepAlive:
             if resp.ttl_seconds > 0:
                 self.last_refresh = time.monotonic()
             for n in resp.notices:
-                left = (n.grace_left_seconds if n.HasField("grace_left_seconds")
-                        else n.deadline_unix - time.time())   # an older coordinator: wall clocks
-                self.session._deliver(EvictionNotice(n.lease_id, n.gpu_uuid, n.reason, n.requested_by,
-                                                     n.deadline_unix, time.monotonic() + left, n.revoke,
-                                                     n.reclaim_team, n.withdrawn, n.asked_by))
+                self.session._deliver(notice_of(n))
 
     async def _watchdog(self, opened: float) -> None:
         """Returns once no answer came for two intervals: a replica that hangs without closing its socket

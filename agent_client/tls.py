@@ -14,11 +14,18 @@ import grpc
 ENV = ("GPUCOORD_TLS_CA", "GPUCOORD_TLS_CERT", "GPUCOORD_TLS_KEY")
 
 
+def files(ca: str | None = None, cert: str | None = None, key: str | None = None,
+          env: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """The CA, certificate and key files from the arguments, else the environment ("" for none)."""
+    env = os.environ if env is None else env
+    ca_file, cert_file, key_file = (given or env.get(var, "") for given, var in zip((ca, cert, key), ENV))
+    return ca_file, cert_file, key_file
+
+
 def credentials(ca: str | None = None, cert: str | None = None, key: str | None = None,
                 env: Mapping[str, str] | None = None) -> grpc.ChannelCredentials | None:
     """Channel credentials from the arguments, else the environment; None when neither gives any."""
-    env = os.environ if env is None else env
-    paths = [given or env.get(var, "") for given, var in zip((ca, cert, key), ENV)]
+    paths = files(ca, cert, key, env)
     if not any(paths):
         return None
     missing = [var for p, var in zip(paths, ENV) if not p]

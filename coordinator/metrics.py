@@ -53,7 +53,8 @@ ETCD_NOSPACE = Counter("gpucoord_etcd_nospace_total", "etcd writes refused becau
                        "(alarm NOSPACE): compact, defrag and disarm it", registry=REGISTRY)
 ACQUIRE_LATENCY = Histogram("gpucoord_acquire_seconds", "Acquire RPC latency, wait included",
                             buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5, 1, 5, 30), registry=REGISTRY)
-SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive streams open on this replica", registry=REGISTRY)
+SESSIONS = Gauge("gpucoord_keepalive_streams", "KeepAlive and KeepAliveSessions streams open on this replica",
+                 registry=REGISTRY)
 QUEUE_DEPTH = Gauge("gpucoord_queue_depth", "Waiting requests served by this replica", ["host"], registry=REGISTRY)
 LEASES = Gauge("gpucoord_leases", "Live VRAM leases per host (a gang counts once), from the replica's watch", ["host"], registry=REGISTRY)
 VRAM = Gauge("gpucoord_vram_bytes", "VRAM per GPU, leased and free, from the replica's watch", ["host", "gpu", "kind"],

@@ -44,6 +44,46 @@ class KeepAliveRequest(_message.Message):
     session: SessionRef
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
+class KeepAliveSessionsRequest(_message.Message):
+    __slots__ = ("seq", "sessions")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionRef]
+    def __init__(self, seq: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionRef, _Mapping]]] = ...) -> None: ...
+
+class SessionNotKept(_message.Message):
+    __slots__ = ("session_id", "code", "message", "reason", "field")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    code: int
+    message: str
+    reason: str
+    field: str
+    def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class SessionNotice(_message.Message):
+    __slots__ = ("session_id", "notice")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    notice: EvictionNotice
+    def __init__(self, session_id: _Optional[str] = ..., notice: _Optional[_Union[EvictionNotice, _Mapping]] = ...) -> None: ...
+
+class KeepAliveSessionsResponse(_message.Message):
+    __slots__ = ("seq", "not_kept", "notices")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NOT_KEPT_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    not_kept: _containers.RepeatedCompositeFieldContainer[SessionNotKept]
+    notices: _containers.RepeatedCompositeFieldContainer[SessionNotice]
+    def __init__(self, seq: _Optional[int] = ..., not_kept: _Optional[_Iterable[_Union[SessionNotKept, _Mapping]]] = ..., notices: _Optional[_Iterable[_Union[SessionNotice, _Mapping]]] = ...) -> None: ...
+
 class EvictionNotice(_message.Message):
     __slots__ = ("lease_id", "gpu_uuid", "reason", "requested_by", "deadline_unix", "grace_left_seconds", "revoke", "processes", "reclaim_team", "withdrawn", "asked_by")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]

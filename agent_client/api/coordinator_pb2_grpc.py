@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.KeepAliveSessions = channel.stream_stream(
+                '/gpucoord.v1.Coordinator/KeepAliveSessions',
+                request_serializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveSessionsRequest.SerializeToString,
+                response_deserializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveSessionsResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/gpucoord.v1.Coordinator/CloseSession',
                 request_serializer=agent__client_dot_api_dot_coordinator__pb2.CloseSessionRequest.SerializeToString,
@@ -154,6 +159,18 @@ class CoordinatorServicer:
     def KeepAlive(self, request_iterator, context):
         """Keeps a session alive. The server answers each request with the remaining TTL and pushes
         eviction notices for the session's leases as they appear.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAliveSessions(self, request_iterator, context):
+        """Keeps many sessions of one process alive with one message per interval, whatever the process holds
+        (docs/guarantees.md G4): each request names every session to keep alive, and is answered with the ones
+        that were not kept (each with the status KeepAlive would have ended with); every other one was. The
+        sessions' eviction notices come on the stream, each naming its session. A session no longer named is
+        no longer kept alive here. A fault of the replica (etcd out of reach, a refresh past its time) ends the
+        stream with its status, as it ends KeepAlive. Clients fall back to KeepAlive where it is UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -316,6 +333,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveRequest.FromString,
                     response_serializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveResponse.SerializeToString,
             ),
+            'KeepAliveSessions': grpc.stream_stream_rpc_method_handler(
+                    servicer.KeepAliveSessions,
+                    request_deserializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveSessionsRequest.FromString,
+                    response_serializer=agent__client_dot_api_dot_coordinator__pb2.KeepAliveSessionsResponse.SerializeToString,
+            ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
                     request_deserializer=agent__client_dot_api_dot_coordinator__pb2.CloseSessionRequest.FromString,
@@ -466,6 +488,33 @@ class Coordinator:
             '/gpucoord.v1.Coordinator/KeepAlive',
             agent__client_dot_api_dot_coordinator__pb2.KeepAliveRequest.SerializeToString,
             agent__client_dot_api_dot_coordinator__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAliveSessions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gpucoord.v1.Coordinator/KeepAliveSessions',
+            agent__client_dot_api_dot_coordinator__pb2.KeepAliveSessionsRequest.SerializeToString,
+            agent__client_dot_api_dot_coordinator__pb2.KeepAliveSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -155,12 +155,21 @@ class Liveness:
             # yet): etcd says, and this replica takes it over.
             etcd_ttl = await self._take_over(info, timeout)
             self.table.touch(info, ttl, etcd_ttl, refreshed=True)
-            return ttl
-        if clock.monotonic() - t.refreshed_at > t.etcd_ttl / 3:
+        elif clock.monotonic() - t.refreshed_at > t.etcd_ttl / 3:
             self.table.touch(info, ttl, await self._refresh(info, timeout), refreshed=True)
         else:
             self.table.touch(info, ttl)
         return ttl
+
+    def kept_in_memory(self, info: SessionInfo) -> bool:
+        """``keepalive`` for a session it would keep without etcd (tracked here, the mirror showing it so, its
+        etcd lease not due for a refresh): touched, True. False, untouched: it needs ``keepalive``."""
+        t = self.table.get(info.session_id)
+        if t is None or not t.owned or not self._mine_in_mirror(info, t) \
+                or clock.monotonic() - t.refreshed_at > t.etcd_ttl / 3:
+            return False
+        self.table.touch(info, info.ttl_s or self.ctx.config.session_ttl_s)
+        return True
 
     def _mine_in_mirror(self, info: SessionInfo, t: _Tracked) -> bool:
         kv = self.ctx.mirror.get(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready else None

@@ -49,7 +49,7 @@ from coordinator.replica.liveness import Liveness
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.ownership import Ownership, owner_of  # noqa: F401 - owner_of: where the tests look
 from coordinator.replica.partitions import Partitions
-from coordinator.replica.status import StatusReport, read_report
+from coordinator.replica.status import StatusReport, agent_hosts, read_report
 from coordinator.replica.view import invalid_host
 from coordinator.txn import Exists, ModRevisionIs, NothingWrittenSince, Put, Range
 
@@ -82,7 +82,7 @@ class CoordinatorService(Follower):
         self.ends = LeaseEnds(keys, self.mirror)   # gpucoord_releases_total's close and expiry
         self._admitters: dict[str, HostAdmitter] = {}
         self._fleet: FleetAdmitter | None = None
-        self._widest = 1   # the most hosts a multi-host gang asked for through this replica (``_lease_id``)   # multi-host gangs (replica/fleet.py), made at the first one
+        self._widest = 1   # the most hosts a multi-host gang asked for through this replica (``_lease_id``)
         self.admitter_idle_s = ADMITTER_IDLE_S
         self.ownership = Ownership(self.mirror)
         # KeepAlive streams this replica serves: session id -> queues of outgoing notices.
@@ -131,11 +131,10 @@ class CoordinatorService(Follower):
         self._push_pending(session_id, only=queue)
 
     def unregister_stream(self, session_id: str, queue: Outbox) -> None:
-        qs = self._streams.get(session_id)
-        if qs is not None:
-            qs.discard(queue)
-            if not qs:
-                del self._streams[session_id]
+        qs = self._streams.get(session_id, set())
+        qs.discard(queue)
+        if not qs:
+            self._streams.pop(session_id, None)
 
     def grace_left(self, record: EvictionRecord) -> float:
         """Seconds left until a notice's deadline, measured as the leader measures it (our monotonic clock,
@@ -235,14 +234,7 @@ class CoordinatorService(Follower):
 
     async def agent_hosts(self, agent: str) -> set[str]:
         """The hosts on which ``agent`` has a live session (authorization of an agent's reads)."""
-        snap = await self.store.get_prefix(self.keys.sessions(agent))
-        hosts = set()
-        for kv in snap.kvs:
-            try:
-                hosts.add(str(load_record(kv.value).get("host", "")))
-            except InvalidRecord:
-                continue   # a malformed session grants no host
-        return hosts
+        return await agent_hosts(self.ctx, agent)
 
     async def session(self, agent: str, session_id: str) -> SessionInfo:
         """The session's (cached) identity. Liveness is checked by every transaction, not here. The caller
@@ -277,6 +269,15 @@ class CoordinatorService(Follower):
             raise
         self.ends.kept(info)
         return ttl
+
+    def kept_in_memory(self, agent: str, session_id: str) -> bool:
+        """The keepalive of a session known here that needs no etcd (``Liveness.kept_in_memory``): True when
+        done; False: it needs ``session`` and ``keepalive`` (KeepAliveSessions' fast path)."""
+        info = self._sessions.get((agent, session_id))
+        if info is None or not self.reach.ok or not self.liveness.kept_in_memory(info):
+            return False
+        self.ends.kept(info)
+        return True
 
     async def close_session(self, info: SessionInfo) -> None:
         self.liveness.forget(info.session_id)

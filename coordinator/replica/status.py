@@ -102,6 +102,18 @@ async def read_status(ctx: ReplicaContext, host: str = ""
     return revision, views, ttls, gangs
 
 
+async def agent_hosts(ctx: ReplicaContext, agent: str) -> set[str]:
+    """The hosts on which ``agent`` has a live session (authorization of an agent's reads)."""
+    snap = await ctx.store.get_prefix(ctx.keys.sessions(agent))
+    hosts = set()
+    for kv in snap.kvs:
+        try:
+            hosts.add(str(load_record(kv.value).get("host", "")))
+        except InvalidRecord:
+            continue   # a malformed session grants no host
+    return hosts
+
+
 def _session_left(ctx: ReplicaContext, lease: VramLease, etcd_left: int) -> int:
     """What the lease's session has left: as this replica keeps it, or (another replica keeps it) at most its
     TTL; -1 when its etcd lease is gone. (A session's etcd lease has the long session_etcd_ttl_s.)"""

@@ -83,9 +83,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
     def __init__(self, svc: CoordinatorService, forward: bool = True) -> None:
         self.svc = svc
         cfg = svc.config
-        # With TLS a forwarded call would carry the replica's identity, not the agent's: replicas then do
-        # not forward (each decides what it receives; compare-and-set keeps it correct) and only tell
-        # clients the owner's address, which they follow.
+        # With TLS a forwarded call would carry the replica's identity, not the agent's: replicas then do not forward
+        # (each decides what it receives; compare-and-set keeps it correct), only tell clients the owner's address.
         self.forward = forward
         self.forwarder = Forwarder(svc.replica_id, margin_s=max(2.0, 2 * cfg.etcd_timeout_s),
                                    avoid_s=float(cfg.election_ttl_s))
@@ -126,9 +125,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
         interval = min(self.svc.config.keepalive_interval_s, ttl / 3)
         return pb.OpenSessionResponse(session_id=sid, ttl_seconds=ttl, keepalive_interval_seconds=interval)
 
-    async def KeepAlive(self, request_iterator: AsyncIterator[pb.KeepAliveRequest],
-                        context: ServicerContext) -> None:
-        await self.streams.keepalive(request_iterator, context)
+    async def KeepAlive(self, requests: AsyncIterator[pb.KeepAliveRequest], context: ServicerContext) -> None:
+        await self.streams.keepalive(requests, context)
+
+    async def KeepAliveSessions(self, requests: AsyncIterator[pb.KeepAliveSessionsRequest], context: ServicerContext,
+                                ) -> None:   # the sessions of one agent process (coordinator.rpc.keepalive_sessions)
+        await self.streams.kept_together.serve(requests, context)
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest], context: ServicerContext) -> None:
         await self.streams.session(request_iterator, context)
@@ -343,8 +345,7 @@ async def create_server(config: CoordinatorConfig, etcd_channel: ChannelFactory 
     ``metrics_gate``: the /metrics server's, which then honours this server's deny list of certificates."""
     tls = config.tls_files()
     check_listen(config.listen, tls, config.insecure)
-    # Identity, revocation, limits, authorization, bounds and audit: one interceptor, before any handler
-    # (coordinator.security).
+    # One interceptor before any handler: identity, revocation, limits, authorization, bounds, audit.
     guard = make_guard(tls is not None, config.calls_per_s_per_identity, config.call_burst_per_identity,
                        config.max_streams_per_identity)
     if metrics_gate is not None:

@@ -1,4 +1,5 @@
-"""The server side of a session's streams: KeepAlive, and Session (a session's calls as messages of one stream).
+"""The server side of a session's streams: KeepAlive, and Session (a session's calls as messages of one stream);
+KeepAliveSessions, many sessions' keepalives on one stream, is ``coordinator.rpc.keepalive_sessions``.
 
 Each call a Session message carries goes to the handler of its unary call (after the interceptor has
 checked it as that call), runs as its own task and is answered on the stream as it finishes, with the
@@ -21,6 +22,7 @@ from coordinator.limits import MAX_STREAM_CALLS
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
 from coordinator.rpc.answers import AnswerQueue, reader_ended, send_answers
+from coordinator.rpc.keepalive_sessions import KeepAliveSessions
 from coordinator.security.authz import COORDINATOR, SESSION_STREAM_CALLS
 from coordinator.security.interceptor import Refused, audit_call
 from coordinator.security.status import WireStatus, deadline_exceeded, wire_status
@@ -79,6 +81,7 @@ class SessionStreams:
         self.session_of = session   # a KeepAlive message's session: its fields validated, then looked up
         self.notice = notice
         self.handlers = handlers
+        self.kept_together = KeepAliveSessions(svc, session, notice)   # the KeepAliveSessions stream
 
     def _answers(self) -> AnswerQueue:
         """A stream's queue of answers, bounded as configured (docs/guarantees.md "Limits")."""

@@ -10,6 +10,9 @@ Coordinator.OpenSession            as itself (``agent``)          yes         no
 Coordinator.KeepAlive, Acquire,    on its own sessions            yes         no     no
   Release, CloseSession,           (``session.agent``)
   AttachProcesses
+Coordinator.KeepAliveSessions      each message: on its own       yes         no     no
+                                   sessions (every ``sessions[]
+                                   .agent``)
 Coordinator.GetStatus,             one host it has a live         yes         no     no
   GetPartition                     session on (``host``); GetStatus
                                    of every host: those hosts
@@ -117,6 +120,8 @@ def target_of(method: str, request: Message | None) -> str:
     if name in SESSION_RPCS:
         what = f"session {quote(request.session.session_id)} of agent {quote(request.session.agent)}"
         return what + (f", lease {quote(request.lease_id)}" if name in ("Release", "AttachProcesses") else "")
+    if name == "KeepAliveSessions":
+        return f"{len(request.sessions)} sessions"
     if name in ("EvictLease", "RevokeLease"):
         return f"lease {quote(request.lease_id)}"
     if name in HOST_READ_RPCS:
@@ -204,6 +209,12 @@ async def authorize(identity: Identity | None, tls: bool, method: str, request: 
         if request.session.agent != identity.name:
             raise deny(f"an agent acts only on its own sessions ({quote(identity.name)})")
         return
+    if name == "KeepAliveSessions":
+        other = next((ref for ref in request.sessions if ref.agent != identity.name), None)
+        if other is not None:
+            raise deny(f"an agent acts only on its own sessions ({quote(identity.name)}), not on session "
+                       f"{quote(other.session_id)} of agent {quote(other.agent)}")
+        return
     if name in HOST_READ_RPCS:
         if not request.host and name == "GetStatus":
             return   # its own view: the servicer answers with the hosts it has a live session on, redacted
@@ -230,4 +241,4 @@ def needs_audit(identity: Identity | None, method: str) -> bool:
     if method.startswith(COORDINATOR) and name in OPERATOR_RPCS:
         return True
     return (identity is not None and identity.role == "operator" and method.startswith(COORDINATOR)
-            and name not in ("GetStatus", "GetPartition", "Ping", "KeepAlive"))
+            and name not in ("GetStatus", "GetPartition", "Ping", "KeepAlive", "KeepAliveSessions"))

@@ -90,7 +90,8 @@ def audit_call(method: str, request: Message | None, code: grpc.StatusCode) -> N
     authz.audit(caller.identity, caller.tls, caller.peer, method, authz.target_of(method, request), outcome)
 
 
-STREAMS_CAPPED = frozenset({authz.COORDINATOR + "KeepAlive", authz.SESSION_STREAM, authz.REGISTRY + "Register"})
+STREAMS_CAPPED = frozenset({authz.COORDINATOR + "KeepAlive", authz.COORDINATOR + "KeepAliveSessions",
+                            authz.SESSION_STREAM, authz.REGISTRY + "Register"})
 
 # What a handler returns: the response of a unary call, or the responses of a streaming one.
 Answer = Awaitable[object] | AsyncIterator[object]

@@ -22,7 +22,7 @@ from coordinator.limits import MAX_STREAM_CALLS
 from tests.support.cluster import Cluster, queue
 from tests.support.patching import patch_method
 from tests.support.rpcs import StreamCallError, acquire_req, session_call
-from tests.support.waiting import wait_for
+from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = pytest.mark.integration
 C = grpc.StatusCode
@@ -255,6 +255,11 @@ def test_client_falls_back_to_unary_calls_on_a_server_without_the_stream(cluster
         async with AsyncClient(addr, agent="agent-a", host="h1") as c:
             lease = await c.acquire(1000)
             assert c._unary_only == {addr}
+            # No KeepAliveSessions there either: the session is kept alive on a KeepAlive stream of its own.
+            deadline = time.monotonic() + LIVENESS_S
+            while not (c._kept is not None and c._kept.legacy) and time.monotonic() < deadline:  # noqa: ASYNC110 - polled with a deadline: the group's state, no event to wait on
+                await asyncio.sleep(0.05)
+            assert c._kept is not None and c._kept.legacy is not None and c.session_id in c._kept.legacy
             assert lease.vram_mb == 1000 and await c.release(lease.id)
             with pytest.raises(errors.NotFound) as info:
                 await c.acquire(1000, gpu="7")      # a refusal comes back typed, through the unary call

@@ -33,6 +33,9 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
                                            timeout=10)
     if rpc == "KeepAlive":
         return lambda: next(iter(s.coord.KeepAlive(iter([pb.KeepAliveRequest(session=w.ref())]), timeout=10)))
+    if rpc == "KeepAliveSessions":
+        request = pb.KeepAliveSessionsRequest(seq=1, sessions=[w.ref()])
+        return lambda: next(iter(s.coord.KeepAliveSessions(iter([request]), timeout=10)))
     if rpc == "Acquire":
         return lambda: s.coord.Acquire(pb.AcquireRequest(session=w.ref(), vram_mb=64,
                                                          request_id=uuid.uuid4().hex), timeout=10)
@@ -119,7 +122,7 @@ def _call(rpc: str, w: World, s: Stubs) -> Callable[[], Any]:
     raise AssertionError(rpc)
 
 
-RPCS = ("OpenSession", "KeepAlive", "Acquire", "Release", "AttachProcesses", "CloseSession", "Session(Acquire)",
+RPCS = ("OpenSession", "KeepAlive", "KeepAliveSessions", "Acquire", "Release", "AttachProcesses", "CloseSession", "Session(Acquire)",
         "Session(Release)", "Session(KeepAlive)", "GetStatus(host)", "GetStatus(all)",
         "GetPartition", "ApplyPartition", "EvictLease", "RevokeLease", "Ping", "Health", "Node.GetInventory",
         "Node.CheckToken", "Node.ConfirmProcesses", "Node.Health", "SetTeam", "GetTeam", "ListTeams", "DeleteTeam",
@@ -150,6 +153,8 @@ SAYS = {"OpenSession": "session_id", "KeepAlive": "ttl_seconds", "Session(KeepAl
 def _check_success(rpc: str, resp: Any) -> None:
     if rpc in SAYS:
         assert getattr(resp, SAYS[rpc]), (rpc, resp)
+    elif rpc == "KeepAliveSessions":   # kept: named in no refusal
+        assert resp.seq == 1 and not resp.not_kept, resp
     elif rpc == "GetStatus(host)":
         assert [h.host for h in resp.hosts] == [HOST]
     elif rpc == "GetStatus(all)":
