@@ -63,6 +63,7 @@ class KeepAliveGroup:
         self.last_refresh: dict[str, float] = {}      # when a replica last kept each session alive
         self.answered = time.monotonic()               # when the stream last answered anything
         self._pending: dict[int, list[str]] = {}      # a request's seq -> the sessions it named
+        self._left: set[str] = set()                   # sessions that left since the last request
         self._seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.legacy: dict[str, asyncio.Task[None]] | None = None   # per-session KeepAlive, after UNIMPLEMENTED
@@ -94,7 +95,8 @@ class KeepAliveGroup:
         await self.transport.close()
 
     def _drop(self, session_id: str) -> None:
-        self.members.pop(session_id, None)
+        if self.members.pop(session_id, None) is not None:
+            self._left.add(session_id)   # the replica stops sending its notices here
         self.last_refresh.pop(session_id, None)
 
     def _end(self, session: KeptSession, why: str) -> None:
@@ -155,12 +157,13 @@ class KeepAliveGroup:
         while True:
             self._expire_overdue()
             ids = list(self.members)
-            for i in range(0, len(ids), CHUNK):
+            left, self._left = sorted(self._left), set()
+            for i in range(0, max(len(ids), 1), CHUNK):
                 chunk = ids[i:i + CHUNK]
                 seq = next(self._seq)
                 self._pending[seq] = chunk
                 queue.put_nowait(pb.KeepAliveSessionsRequest(
-                    seq=seq, sessions=[self.members[sid][0]._ref() for sid in chunk]))
+                    seq=seq, sessions=[self.members[sid][0]._ref() for sid in chunk], left=left if i == 0 else ()))
             await asyncio.sleep(self.interval)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:

@@ -45,12 +45,14 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
 class KeepAliveSessionsRequest(_message.Message):
-    __slots__ = ("seq", "sessions")
+    __slots__ = ("seq", "sessions", "left")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionRef]
-    def __init__(self, seq: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionRef, _Mapping]]] = ...) -> None: ...
+    left: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionRef, _Mapping]]] = ..., left: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionNotKept(_message.Message):
     __slots__ = ("session_id", "code", "message", "reason", "field")

@@ -168,8 +168,8 @@ class CoordinatorServicer:
         """Keeps many sessions of one process alive with one message per interval, whatever the process holds
         (docs/guarantees.md G4): each request names every session to keep alive, and is answered with the ones
         that were not kept (each with the status KeepAlive would have ended with); every other one was. The
-        sessions' eviction notices come on the stream, each naming its session. A session no longer named is
-        no longer kept alive here. A fault of the replica (etcd out of reach, a refresh past its time) ends the
+        sessions' eviction notices come on the stream, each naming its session, until a request names it in
+        `left` (or the stream ends). A fault of the replica (etcd out of reach, a refresh past its time) ends the
         stream with its status, as it ends KeepAlive. Clients fall back to KeepAlive where it is UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -9,7 +9,9 @@ of a session (etcd out of reach, a refresh past its time) ends the stream with i
 KeepAlive, so the client moves all of its sessions to the next replica together.
 
 A session kept alive here gets its eviction notices on this stream, each naming it, from its first keepalive
-here until a request no longer names it, it is found gone, or the stream ends.
+here until a request names it in ``left``, it is found gone, or the stream ends. A process may need several
+requests per interval (10,000 sessions at most in each); past ``KEPT_MAX`` sessions registered, the ones a
+request does not name are let go (a client that never says which sessions left holds no more than that).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from coordinator.rpc.answers import AnswerQueue, reader_ended, send_answers
 from coordinator.security.status import as_error
 
 MAX_SESSIONS = 10_000   # sessions one request may name (a request of 10,000 is about 0.6 MB)
+KEPT_MAX = 4 * MAX_SESSIONS   # sessions one stream gets notices for, past which unnamed ones are let go
 SLOW_AT_ONCE = 64       # full keepalives (takeovers, refreshes) of one request in flight at once
 # What a session's own keepalive may fail with and leave the others kept: the session is gone, its reference
 # is malformed, its record is. Anything else is the replica's fault and ends the stream.
@@ -109,7 +112,11 @@ class KeepAliveSessions:
                 not_kept.append(pb.SessionNotKept(session_id=ref.session_id, code=grpc.StatusCode[status.code].value[0],
                                                   message=fault.message, reason=status.reason, field=status.field))
         gone = {k.session_id for k in not_kept}
-        for session_id in [s for s in kept if s not in named or s in gone]:
+        drop = gone.union(request.left)
+        if len(kept) + len(named) > KEPT_MAX:
+            # A client that never says which sessions left: what it did not name now goes (a bound on memory).
+            drop |= kept.keys() - named
+        for session_id in drop & kept.keys():
             self.svc.unregister_stream(session_id, kept.pop(session_id))
         for session_id in named - gone - kept.keys():
             kept[session_id] = _Tagged(out, session_id)

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from agent_client import AsyncClient
+from agent_client import AsyncClient, kept_together
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.rpc.keepalive_sessions import MAX_SESSIONS
 from tests.support.cluster import Cluster, revision, writes_since
@@ -61,6 +61,28 @@ def test_the_sessions_of_one_process_share_one_stream_and_outlive_their_ttl(clus
     finally:
         _close(cluster, clients)
     assert not cluster.get_prefix(cluster.keys.sessions()), "closed sessions left their records"
+
+
+def test_sessions_over_several_requests_per_interval_all_stay_kept_and_a_closed_one_is_let_go(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kept_together, "CHUNK", 3)   # 7 sessions: three requests per interval
+    cluster.start_node("h1", "1x16GiB")
+    addr = cluster.start_coordinator()
+    clients = _clients(cluster, [addr], 7)
+    try:
+        wait_for(lambda: all(_stream_of(cluster, addr, c.session_id) for c in clients), LIVENESS_S,
+                 "every session kept alive through the group's stream")
+        pass_time(3 * TTL, "three TTLs of keepalives in three requests each")
+        assert all(_alive(cluster, c) for c in clients), "a session named in another request of the interval was lost"
+        assert all(_stream_of(cluster, addr, c.session_id) for c in clients), \
+            "a session named in another request lost its notices"
+        closed, *rest = clients
+        cluster.lt.run(closed.close())
+        wait_for(lambda: not _stream_of(cluster, addr, closed.session_id), LIVENESS_S,
+                 "the replica to let the closed session go from the stream (named in left)")
+        assert all(_stream_of(cluster, addr, c.session_id) for c in rest)
+    finally:
+        _close(cluster, clients)
 
 
 def test_a_session_found_gone_ends_alone_and_the_others_stay_kept(cluster: Cluster) -> None:
