@@ -279,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--n", type=int, default=300, help="acquires to time for each latency figure")
     be.add_argument("--quick", action="store_true", help="every phase small (under a minute): a smoke test")
     be.add_argument("--json", action="store_true", help="one JSON document instead of lines")
+    be.add_argument("--sessions", type=int, default=0, metavar="N",
+                    help="reclaim: idle sessions for P8, killed at once for P6 (default 1000; 20 with --quick)")
+    be.add_argument("--hosts", type=int, default=0, metavar="N",
+                    help="p5: simulated hosts of 8 GPUs each (default 1000; 20 with --quick)")
+    be.add_argument("--leases", type=int, default=0, metavar="N",
+                    help="p5: live leases over them (default 10000; 40 with --quick)")
     be.add_argument("--profile-coordinator", default="", metavar="FILE",
                     help="run the p4 phase's coordinator under cProfile, stats written to FILE")
     be.set_defaults(fn=cmd_bench)

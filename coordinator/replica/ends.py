@@ -15,9 +15,9 @@ from __future__ import annotations
 from coordinator import metrics
 from coordinator.etcd.types import WatchBatch
 from coordinator.keys import Keys
-from coordinator.record_fields import load_record
 from coordinator.records import InvalidRecord, SessionInfo
 from coordinator.replica.mirror import Mirror
+from coordinator.replica.view import lease_of
 
 MAX_TRACKED = 200_000   # sessions remembered as kept alive here (a bound, well above max sessions per replica)
 
@@ -39,11 +39,11 @@ class LeaseEnds:
         ids = set()
         for kv in self.mirror.host_items("leases", host):
             try:
-                doc = load_record(kv.value)
+                lease = lease_of(kv)
             except InvalidRecord:
                 continue
-            if doc.get("session_id") == session_id and doc.get("agent") == agent:
-                ids.add(str(doc.get("id", kv.key)))
+            if lease.session_id == session_id and lease.agent == agent:
+                ids.add(lease.id)
         return len(ids)
 
     def closing(self, info: SessionInfo) -> None:
@@ -59,9 +59,14 @@ class LeaseEnds:
 
     def before(self, batch: WatchBatch) -> None:
         """A watch batch about to be applied to the mirror: the sessions it deletes that were kept alive here
-        and not closed here expired; their leases (still in the mirror) count as ``expiry``."""
+        and not closed here expired; their leases count as ``expiry``. Their etcd lease's revoke deleted the
+        leases in the same revision, so in the same batch: those deletions are looked up (their records still
+        in the mirror), not every lease of the host for each session (10,000 sessions expiring together made
+        that quadratic)."""
+        sessions, leases = self.keys.kind("sessions"), self.keys.kind("leases")
+        expired: set[tuple[str, str]] = set()
         for ev in batch.events:
-            if ev.kind == "PUT" or not ev.kv.key.startswith(self.keys.kind("sessions")):
+            if ev.kind == "PUT" or not ev.kv.key.startswith(sessions):
                 continue
             try:
                 _, parts = self.keys.parse(ev.kv.key)
@@ -75,9 +80,22 @@ class LeaseEnds:
                 self._closing.discard(key)
                 continue
             if host is not None:
-                n = self._session_leases(parts[0], parts[1], host)
-                if n:
-                    metrics.RELEASES.labels("expiry").inc(n)
+                expired.add(key)
+        if not expired:
+            return
+        ids = set()
+        for ev in batch.events:
+            if ev.kind == "PUT" or not ev.kv.key.startswith(leases):
+                continue
+            kv = self.mirror.get(ev.kv.key)
+            try:
+                lease = lease_of(kv) if kv is not None else None
+            except InvalidRecord:
+                continue
+            if lease is not None and (lease.agent, lease.session_id) in expired:
+                ids.add(lease.id)
+        if ids:
+            metrics.RELEASES.labels("expiry").inc(len(ids))
 
 
 __all__ = ["LeaseEnds"]

@@ -1,8 +1,7 @@
 """The fleet gauges from the replica's mirror: ``gpucoord_leases{host}``, ``gpucoord_vram_bytes{host,gpu,kind}``
 and ``gpucoord_team_vram_bytes{team,kind}``, updated after the watch applies a batch, never by a read.
 
-A host's series are computed again only when one of its keys changed (its keys' revisions are its
-signature); a host whose records are all gone loses its series. The team series are computed again from the
+A host's series are computed again only when one of its keys changed (``Mirror.host_stamp``); a host whose records are all gone loses its series. The team series are computed again from the
 kept host views when a lease, a queue entry or a team changed. At most one update every ``MIN_INTERVAL_S``:
 a busy fleet costs one pass over the changed hosts per interval, an idle one nothing.
 """
@@ -18,25 +17,17 @@ from coordinator.policy.host import HostView
 from coordinator.policy.teams import DEFAULT_TEAM, Membership, Usage, usage_by_team
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.teams import charges_from_views, read_teams
-from coordinator.replica.view import HostSnapshot, host_view
+from coordinator.replica.view import host_view
 
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.5
-Signature = tuple[int, ...]
-
-
-def _signature(snap: HostSnapshot) -> Signature:
-    singles = (snap.host, snap.usage, snap.partition)
-    return (*(kv.mod_revision if kv is not None else 0 for kv in singles),
-            *(kv.mod_revision for kind in (snap.ledgers, snap.leases, snap.queue, snap.departing) for kv in kind),
-            len(snap.ledgers), len(snap.leases), len(snap.queue), len(snap.departing))
 
 
 class MirrorGauges:
     def __init__(self, ctx: ReplicaContext) -> None:
         self.ctx = ctx
-        self._signatures: dict[str, Signature] = {}
+        self._signatures: dict[str, int] = {}   # host -> its mirror stamp when its series were computed
         self._views: dict[str, HostView] = {}
         self._teams_at = -1
 
@@ -60,13 +51,13 @@ class MirrorGauges:
             self._forget(host)
             changed = True
         for host in hosts:
-            snap = ctx.mirror.host_snapshot(host)
-            sig = _signature(snap)
-            if self._signatures.get(host) == sig:
+            stamp = ctx.mirror.host_stamp(host)
+            if self._signatures.get(host) == stamp:
                 continue
             changed = True
-            self._signatures[host] = sig
-            view = host_view(ctx.keys, host, snap, ctx.config.untracked_vram, ctx.usage_age)
+            self._signatures[host] = stamp
+            view = host_view(ctx.keys, host, ctx.mirror.host_snapshot(host), ctx.config.untracked_vram,
+                             ctx.usage_age)
             old = self._views.get(host)
             self._views[host] = view
             for uuid in (set(old.gpus) - set(view.gpus)) if old is not None else ():

@@ -20,9 +20,11 @@ import logging
 from coordinator import clock, errors
 from coordinator.etcd.election import Election
 from coordinator.etcd.removals import Removal, remove_entries
-from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry, VramLease
+from coordinator.records import EvictionRecord, InvalidRecord, QueueEntry
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
+from coordinator.replica.mirror import MULTI_HOST
+from coordinator.replica.view import lease_of
 from coordinator.txn import Range
 
 log = logging.getLogger(__name__)
@@ -43,11 +45,9 @@ class HostLoss:
         if not mirror.ready:
             return {}
         out: dict[str, str] = {}
-        for kv in mirror.all_host_items("leases"):
-            if b'"hosts":[[' not in kv.value:
-                continue   # (cheap: only multi-host records carry parts)
+        for kv in mirror.marked_leases(MULTI_HOST):   # only multi-host records carry parts
             try:
-                lease = VramLease.from_kv(kv)
+                lease = lease_of(kv)
             except InvalidRecord:
                 continue
             if lease.id in out or self._noticed(lease.id):

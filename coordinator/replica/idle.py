@@ -42,7 +42,7 @@ from coordinator.records import InvalidRecord, VramLease
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases, usage_report
 from coordinator.replica.teams import read_teams
-from coordinator.replica.view import STALE_INTERVALS
+from coordinator.replica.view import STALE_INTERVALS, lease_of
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _leases(ctx: ReplicaContext) -> dict[str, tuple[VramLease, float, list[str]]
     out: dict[str, tuple[VramLease, float, list[str]]] = {}
     for kv in ctx.mirror.all_host_items("leases"):
         try:
-            lease = VramLease.from_kv(kv)
+            lease = lease_of(kv)
         except InvalidRecord:
             continue
         seen = ctx.observed.saw(kv.key, kv.create_revision)

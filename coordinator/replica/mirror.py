@@ -17,10 +17,17 @@ from coordinator.replica.view import HostSnapshot
 
 _PER_HOST = ("gpus", "leases", "queue", "departing")
 _EMPTY: dict[bytes, KV] = {}
+# Byte markers of lease records that periodic duties look for among every lease (``marked_leases``): a
+# multi-host gang's parts (the host-loss sweep) and a time limit (the time-limit sweep). Kept as indexes so
+# that those duties cost what the marked leases are, not what every lease of the fleet is.
+MULTI_HOST = b'"hosts":[['
+TIME_LIMITED = b'"time_limit_s"'
+_MARKERS = (MULTI_HOST, TIME_LIMITED)
 
 
 # Kinds no replica decides on, kept out of memory: usage records and rollups (the leader's accountant reads etcd).
 _NOT_MIRRORED = frozenset({"accounting"})
+_HOST_SINGLES = ("hosts", "usage", "partitions", "cordons")   # flat kinds of one key per host, named last
 
 
 class Mirror:
@@ -39,6 +46,11 @@ class Mirror:
         # only hosts with leases.
         self._lease_stamps: dict[str, int] = {}
         self._lease_changes = 0
+        # host -> when any of its keys (per-host kinds, registration, usage, partition, cordon) last changed: a
+        # count that never goes back; only hosts with keys.
+        self._host_stamps: dict[str, int] = {}
+        self._host_changes = 0
+        self._marked: dict[bytes, dict[bytes, KV]] = {m: {} for m in _MARKERS}   # marker -> lease key -> its KV
         self._leases_prefix = keys.kind("leases")
         self._teams_prefix = keys.kind("teams")
         self._reset_at = 0
@@ -76,6 +88,9 @@ class Mirror:
         self._buckets.clear()
         self._lease_keys.clear()
         self._lease_stamps.clear()
+        self._host_stamps.clear()
+        for marked in self._marked.values():
+            marked.clear()
         for kv in kvs:
             self._put(kv)
         self.revision = revision
@@ -111,24 +126,54 @@ class Mirror:
             return self._buckets.setdefault((kind, parts[0]), {})
         return None
 
+    def _parse(self, key: bytes) -> tuple[str | None, list[str]]:
+        try:
+            return self.keys.parse(key)
+        except ValueError:
+            return None, []
+
     def _put(self, kv: KV) -> None:
-        bucket = self._bucket(kv.key)
-        if bucket is None:
-            self._put_flat(kv)
-        else:
-            bucket[kv.key] = kv
-        if bucket is not None and kv.key.startswith(self._leases_prefix):
-            self._lease_keys[last_segment(kv.key)] = kv.key
+        kind, parts = self._parse(kv.key)
+        if kind not in _PER_HOST or len(parts) < 2:
+            self._put_flat(kv, kind)
+            if kind in _HOST_SINGLES and parts:
+                self._stamp(parts[-1])
+            return
+        host = parts[0]
+        self._buckets.setdefault((kind, host), {})[kv.key] = kv
+        self._stamp(host)
+        if kind == "leases":
+            self._lease_keys[parts[-1]] = kv.key
             self._lease_changes += 1
-            self._lease_stamps[self.keys.parse(kv.key)[1][0]] = self._lease_changes
+            self._lease_stamps[host] = self._lease_changes
+            for marker, marked in self._marked.items():
+                if marker in kv.value:
+                    marked[kv.key] = kv
+                else:
+                    marked.pop(kv.key, None)
+
+    def _stamp(self, host: str) -> None:
+        self._host_changes += 1
+        self._host_stamps[host] = self._host_changes
+
+    def _unstamp_if_gone(self, host: str) -> None:
+        k = self.keys
+        if not any((kind, host) in self._buckets for kind in _PER_HOST) and not any(
+                key in self._flat for key in (k.host(host), k.usage(host), k.partition(host), k.cordon(host))):
+            self._host_stamps.pop(host, None)
 
     def _delete(self, key: bytes) -> None:
-        try:
-            kind, parts = self.keys.parse(key)
-        except ValueError:
+        kind, parts = self._parse(key)
+        if kind is None:
             self._delete_flat(key, None)
             return
+        if kind in _HOST_SINGLES and parts:
+            self._delete_flat(key, kind)
+            self._stamp(parts[-1])
+            self._unstamp_if_gone(parts[-1])
+            return
         if kind in _PER_HOST and len(parts) > 1:
+            self._stamp(parts[0])
             bucket = self._buckets.get((kind, parts[0]))
             if bucket is not None:
                 bucket.pop(key, None)
@@ -136,22 +181,18 @@ class Mirror:
                     del self._buckets[(kind, parts[0])]
             if kind == "leases":
                 self._lease_keys.pop(parts[-1], None)
+                for marked in self._marked.values():
+                    marked.pop(key, None)
                 self._lease_changes += 1
                 if (kind, parts[0]) in self._buckets:
                     self._lease_stamps[parts[0]] = self._lease_changes
                 else:
                     self._lease_stamps.pop(parts[0], None)
+            self._unstamp_if_gone(parts[0])
         else:
             self._delete_flat(key, kind)
 
-    def _kind_of(self, key: bytes) -> str | None:
-        try:
-            return self.keys.parse(key)[0]
-        except ValueError:
-            return None
-
-    def _put_flat(self, kv: KV) -> None:
-        kind = self._kind_of(kv.key)
+    def _put_flat(self, kv: KV, kind: str | None) -> None:
         if kind in _NOT_MIRRORED:
             return
         self._flat[kv.key] = kv
@@ -176,6 +217,11 @@ class Mirror:
         derived from ``items(kind)``."""
         return max(self._kind_changed.get(kind, 0), self._reset_at)
 
+    def flat(self, key: bytes) -> KV | None:
+        """``get`` of a key of a kind that is not per host (a session, a host's registration), without parsing
+        the key to find its bucket."""
+        return self._flat.get(key)
+
     def get(self, key: bytes) -> KV | None:
         bucket = self._bucket(key, create=False)
         return (bucket if bucket is not None else self._flat).get(key)
@@ -188,7 +234,8 @@ class Mirror:
     def tracked(self) -> dict[str, int]:
         """How many structures the mirror holds (tests of bounded memory)."""
         return {"keys": len(self._flat) + sum(len(b) for b in self._buckets.values()),
-                "buckets": len(self._buckets), "lease_index": len(self._lease_keys)}
+                "buckets": len(self._buckets), "lease_index": len(self._lease_keys),
+                "marked_leases": sum(len(m) for m in self._marked.values()), "host_stamps": len(self._host_stamps)}
 
     def host_items(self, kind: str, host: str) -> tuple[KV, ...]:
         bucket = self._buckets.get((kind, host), {})
@@ -202,6 +249,11 @@ class Mirror:
                             self.host_items("leases", host), self.host_items("queue", host),
                             self.host_items("departing", host), tuple(self._flat.get(key) for key in extra_keys),
                             cordon=self._flat.get(k.cordon(host)))
+
+    def host_stamp(self, host: str) -> int:
+        """A number that changes whenever one of ``host``'s keys is put or deleted (or the mirror is reset) and
+        never comes back (0: no key of it): what is derived from a host's snapshot is kept until it moves."""
+        return self._host_stamps.get(host, 0)
 
     def lease_stamps(self) -> dict[str, int]:
         """Every host with leases, with a number that changes whenever one of its leases is put or deleted
@@ -219,6 +271,10 @@ class Mirror:
     def all_host_items(self, kind: str) -> list[KV]:
         """Every key of one per-host kind (e.g. ``departing``), over all hosts."""
         return [kv for (k, _), bucket in self._buckets.items() if k == kind for kv in bucket.values()]
+
+    def marked_leases(self, marker: bytes) -> list[KV]:
+        """Every lease record whose value holds ``marker`` (``MULTI_HOST``, ``TIME_LIMITED``), over all hosts."""
+        return list(self._marked[marker].values())
 
     def items(self, kind: str) -> list[KV]:
         """Every flat key of one kind (e.g. ``evictions``)."""

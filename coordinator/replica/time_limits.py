@@ -21,9 +21,11 @@ import logging
 
 from coordinator import clock, errors
 from coordinator.policy.time_limits import REASON, Limited, due
-from coordinator.records import EvictionRecord, InvalidRecord, VramLease
+from coordinator.records import EvictionRecord, InvalidRecord
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.leases import Leases
+from coordinator.replica.mirror import TIME_LIMITED
+from coordinator.replica.view import lease_of
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,9 @@ class TimeLimits:
         """Every lease with a time limit in this replica's mirror, with its end on our clock (a gang's latest
         part's: never early) and whether an operator's notice stands for it already."""
         by_id: dict[str, Limited] = {}
-        for kv in self.ctx.mirror.all_host_items("leases"):
-            if b'"time_limit_s"' not in kv.value:
-                continue   # (cheap: only format 4 records carry a limit)
+        for kv in self.ctx.mirror.marked_leases(TIME_LIMITED):   # only format 4 records carry a limit
             try:
-                lease = VramLease.from_kv(kv)
+                lease = lease_of(kv)
             except InvalidRecord:
                 continue   # its host is INVALID until it is rewritten (the admitters report it)
             if not lease.time_limit_s:

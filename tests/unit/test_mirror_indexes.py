@@ -1,0 +1,82 @@
+"""The mirror's indexes, whatever the sequence of puts, deletes and resets: the marked lease records
+(``Mirror.marked_leases``) are exactly those whose value carries the marker, the ones the host-loss and
+time-limit sweeps would find by scanning every lease; a host's stamp (``Mirror.host_stamp``) moves with every
+change of one of its keys and with no other host's, and is 0 exactly when it has no key."""
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.etcd.types import KV, WatchBatch, WatchEvent
+from coordinator.keys import Keys
+from coordinator.replica.mirror import MULTI_HOST, TIME_LIMITED, Mirror
+
+KEYS = Keys()
+VALUES = (b'{"plain":1}', b'{"hosts":[["h1",[0]]]}', b'{"time_limit_s":60}',
+          b'{"hosts":[["h1",[0]]],"time_limit_s":5}')
+# (host, gpu, lease id) of lease keys, and a non-lease key of the same host.
+LEASE_KEYS = [KEYS.lease(h, g, lid) for h in ("h1", "h2") for g in ("GPU-a", "GPU-b") for lid in ("l1", "l2")]
+OTHER_KEYS = [KEYS.queue_entry("h1", "q1"), KEYS.host("h1"), KEYS.usage("h2"), KEYS.partition("h2"),
+              KEYS.cordon("h1"), KEYS.sessions() + b"agent/0000000000000001"]
+HOST_OF = {**{k: k.decode().split("/")[-3] for k in LEASE_KEYS}, KEYS.queue_entry("h1", "q1"): "h1",
+           KEYS.host("h1"): "h1", KEYS.usage("h2"): "h2", KEYS.partition("h2"): "h2", KEYS.cordon("h1"): "h1"}
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.sampled_from(LEASE_KEYS + OTHER_KEYS), st.sampled_from(VALUES)),
+    st.tuples(st.just("delete"), st.sampled_from(LEASE_KEYS + OTHER_KEYS), st.just(b"")),
+    st.tuples(st.just("reset"), st.just(b""), st.just(b"")),
+), max_size=40)
+
+
+def _scan(mirror: Mirror, marker: bytes) -> set[bytes]:
+    return {kv.key for kv in mirror.all_host_items("leases") if marker in kv.value}
+
+
+@given(ops)
+def test_marked_leases_are_exactly_the_lease_records_carrying_the_marker(steps: list[tuple[str, bytes, bytes]]) -> None:
+    mirror = Mirror(KEYS)
+    mirror.reset([], 1)
+    revision = 1
+    for op, key, value in steps:
+        revision += 1
+        if op == "reset":
+            kvs = mirror.all_host_items("leases")   # a resync to the same content
+            mirror.reset(kvs, revision)
+            continue
+        kv = KV(key, value, revision, revision, 1, 0)
+        mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+        for marker in (MULTI_HOST, TIME_LIMITED):
+            assert {kv.key for kv in mirror.marked_leases(marker)} == _scan(mirror, marker)
+    for marker in (MULTI_HOST, TIME_LIMITED):
+        assert {kv.key for kv in mirror.marked_leases(marker)} == _scan(mirror, marker)
+        # The index holds the current version of each record, not one it replaced.
+        current = {kv.key: kv for kv in mirror.all_host_items("leases")}
+        assert all(current[kv.key] is kv for kv in mirror.marked_leases(marker))
+
+
+def _has_keys(mirror: Mirror, host: str) -> bool:
+    return any(HOST_OF.get(kv.key) == host for kind in ("leases", "queue") for kv in mirror.all_host_items(kind)) \
+        or any(mirror.get(k) is not None for k, h in HOST_OF.items() if h == host)
+
+
+@given(ops)
+def test_a_host_stamp_moves_with_its_own_keys_only(steps: list[tuple[str, bytes, bytes]]) -> None:
+    mirror = Mirror(KEYS)
+    mirror.reset([], 1)
+    revision = 1
+    for op, key, value in steps:
+        revision += 1
+        before = {h: mirror.host_stamp(h) for h in ("h1", "h2")}
+        if op == "reset":
+            mirror.reset([kv for k in HOST_OF if (kv := mirror.get(k)) is not None], revision)
+            continue
+        kv = KV(key, value, revision, revision, 1, 0)
+        existed = mirror.get(key) is not None
+        mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+        for host in ("h1", "h2"):
+            stamp = mirror.host_stamp(host)
+            assert (stamp == 0) == (not _has_keys(mirror, host)), (host, stamp)
+            if HOST_OF.get(key) != host:
+                assert stamp == before[host], f"{host}'s stamp moved with {op} of another's key {key!r}"
+            elif stamp and (op == "put" or existed):
+                assert stamp != before[host], f"{host}'s stamp did not move with {op} of {key!r}"
