@@ -73,7 +73,7 @@ class KeepAliveGroup:
         self.last_refresh[session.session_id] = time.monotonic()
         if self.legacy is not None:
             self._keep_alone(session, own)
-        elif self._task is None:
+        elif self._task is None or self._task.done():   # done: its sessions all ended before this one came
             self._task = spawn(self.run(), f"keepalive of {len(self.members)} sessions")
 
     async def leave(self, session: KeptSession) -> None:

@@ -175,3 +175,27 @@ def test_bad_requests_are_refused_naming_sessions_and_change_nothing(cluster: Cl
         assert not writes_since(cluster, before), "a refused keepalive wrote to etcd"
     finally:
         _close(cluster, [client])
+
+
+def test_a_group_whose_sessions_all_ended_keeps_the_next_session_alive(cluster: Cluster) -> None:
+    cluster.start_node("h1", "1x16GiB")
+    a, b = cluster.start_coordinator(), cluster.start_coordinator()
+    (first,) = _clients(cluster, [a, b], 1, ttl=300)
+    group = first._kept
+    assert group is not None
+    coordinator_stub(a).CloseSession(pb.CloseSessionRequest(session=first._ref()), timeout=30)
+    wait_for(first.done.is_set, LIVENESS_S, "the group to find its only session gone")
+    # Its stream breaks with no session left: the group's task ends.
+    cluster.stop_coordinator(a)
+    wait_for(lambda: group._task is not None and group._task.done(), LIVENESS_S, "the empty group's task to end")
+
+    async def second_client() -> AsyncClient:
+        c = AsyncClient([a, b], agent="together-next", host="h1", ttl=300)
+        return await c.connect()
+    second = cluster.lt.run(second_client())
+    try:
+        assert second._kept is group, "the same process, addresses and interval: the same group"
+        wait_for(lambda: _stream_of(cluster, b, second.session_id), LIVENESS_S,
+                 "the group to keep its new session alive on a stream again")
+    finally:
+        _close(cluster, [first, second])
