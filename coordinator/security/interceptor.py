@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 from coordinator import errors
 from coordinator.security import authz, bounds
 from coordinator.security.identity import Identity, peer_identity, peer_serial
-from coordinator.security.limits import COSTS, TARPIT_S, Limits
+from coordinator.security.limits import TARPIT_S, Limits, cost
 from coordinator.security.revocation import Revocations
 from coordinator.security.status import refuse
 
@@ -191,7 +191,7 @@ class SecurityInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         assert self.limits is not None
         who = self._who(caller)
         try:
-            self.limits.take(who, COSTS.get(authz.rpc_name(method), 1))
+            self.limits.take(who, cost(authz.rpc_name(method), request))
         except errors.CapacityError:
             size = request.ByteSize() if request is not None and hasattr(request, "ByteSize") else 0
             if self.limits.hold(who, size):

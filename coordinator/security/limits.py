@@ -3,8 +3,8 @@ service under a flood").
 
 * a token bucket of calls per identity: ``calls_per_s`` tokens a second, at most ``burst`` saved up; every
   unary call, every stream's opening and every message of a stream takes its cost in tokens (``COSTS``:
-  1, and more for the calls that read or write much: a GetStatus or an OpenSession takes 10); a health
-  check takes 1, like any call.
+  1, and more for the calls that read or write much: a GetStatus or an OpenSession takes 10, a
+  KeepAliveSessions message one more per 64 sessions it names); a health check takes 1, like any call.
 * a cap on the KeepAlive and Session streams one identity holds open at once.
 
 A refusal is RESOURCE_EXHAUSTED naming the limit (``rate`` or ``streams``) and costs no etcd read, no
@@ -37,6 +37,16 @@ MAX_HELD_BYTES = 64 * 1024   # and the request is smaller than this (held reques
 # take more, so that a flood of them is held to fewer per second than one of cheap calls.
 COSTS = {"GetStatus": 10, "OpenSession": 10, "ApplyPartition": 10, "GetPartition": 2,
          "ListTeams": 10, "GetTeam": 10, "SetTeam": 2}   # the team reads take every lease of the fleet
+KEPT_PER_TOKEN = 64   # a KeepAliveSessions message takes 1 token and 1 more per this many sessions it names
+
+
+def cost(rpc: str, request: object) -> int:
+    """The tokens a call (or a stream's message) takes: ``COSTS``, and for a KeepAliveSessions message its
+    number of sessions (each may cost the server an etcd read), so that one message is not 10,000 calls' work
+    for one token."""
+    if rpc == "KeepAliveSessions" and request is not None:
+        return 1 + len(getattr(request, "sessions", ())) // KEPT_PER_TOKEN
+    return COSTS.get(rpc, 1)
 
 
 @dataclasses.dataclass

@@ -1,14 +1,15 @@
-"""Fair service (pure, a fake clock): the per-identity token bucket, the cap on open streams, and how many
-refused calls are held before their answer."""
+"""Fair service (pure, a fake clock): the per-identity token bucket, the cap on open streams, how many
+refused calls are held before their answer, and what a call costs."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors
 from coordinator.security import limits
-from coordinator.security.limits import Limits
+from coordinator.security.limits import COSTS, KEPT_PER_TOKEN, Limits, cost
 
 pytestmark = pytest.mark.unit
 
@@ -86,3 +87,14 @@ def test_refused_calls_held_are_bounded_per_identity_in_all_and_by_size() -> Non
     many = Limits(1.0, 1, 1)
     held = sum(many.hold(f"id-{i}", 10) for i in range(limits.MAX_HELD_ALL + 10))
     assert held == limits.MAX_HELD_ALL
+
+
+def test_a_keepalive_of_many_sessions_costs_by_its_sessions_and_other_calls_as_before() -> None:
+    def request(n: int) -> pb.KeepAliveSessionsRequest:
+        return pb.KeepAliveSessionsRequest(sessions=[pb.SessionRef(agent="a", session_id=f"{i:016x}")
+                                                     for i in range(n)])
+    assert cost("KeepAliveSessions", request(1)) == 1
+    assert cost("KeepAliveSessions", request(KEPT_PER_TOKEN)) == 2
+    assert cost("KeepAliveSessions", request(10 * KEPT_PER_TOKEN + 1)) == 11
+    assert cost("KeepAliveSessions", None) == 1   # the stream's opening
+    assert cost("GetStatus", None) == COSTS["GetStatus"] and cost("Acquire", pb.AcquireRequest()) == 1
