@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -25,6 +25,22 @@ log = logging.getLogger(__name__)
 
 # What an item that is not a message counts for in bytes (an eviction record, an error, the end).
 _OTHER_BYTES = 256
+
+
+async def read_requests(out: AnswerQueue, reading: Callable[[], Awaitable[None]], stream: str) -> None:
+    """A stream's reader of requests: ``reading()`` reads them and puts their answers into ``out``; then the
+    answers end (None). A GpucoordError ends the stream with its status; an unexpected error is logged
+    (``reader_ended``) and the stream just ends."""
+    try:
+        await reading()
+        out.put_nowait(None)
+    except errors.GpucoordError as e:
+        out.put_nowait(e)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
+        reader_ended(stream, e)   # the stream just ends
+        out.put_nowait(None)
 
 
 def reader_ended(stream: str, e: Exception) -> None:

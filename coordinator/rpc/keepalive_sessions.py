@@ -25,7 +25,7 @@ from coordinator import errors, metrics
 from coordinator.aio import spawn
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
-from coordinator.rpc.answers import AnswerQueue, reader_ended, send_answers
+from coordinator.rpc.answers import AnswerQueue, read_requests, send_answers
 from coordinator.security.status import as_error
 
 MAX_SESSIONS = 10_000   # sessions one request may name (a request of 10,000 is about 0.6 MB)
@@ -64,17 +64,8 @@ class KeepAliveSessions:
         kept: dict[str, _Tagged] = {}   # the sessions kept alive here: their notices come on this stream
 
         async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    out.put_nowait(await self._answer(request, kept, out))
-                out.put_nowait(None)
-            except errors.GpucoordError as e:
-                out.put_nowait(e)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                reader_ended("keepalive sessions", e)   # the stream just ends
-                out.put_nowait(None)
+            async for request in request_iterator:
+                out.put_nowait(await self._answer(request, kept, out))
 
         def convert(item: object) -> object:
             if isinstance(item, tuple):
@@ -84,7 +75,7 @@ class KeepAliveSessions:
             return item
 
         metrics.SESSIONS.inc()
-        reader = spawn(read(), "keepalive sessions stream reader")
+        reader = spawn(read_requests(out, read, "keepalive sessions"), "keepalive sessions stream reader")
         try:
             await send_answers(out, context, "KeepAliveSessions", convert)
         finally:

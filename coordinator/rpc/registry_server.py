@@ -37,7 +37,7 @@ from coordinator.node.registration import (
 )
 from coordinator.replica.service import CoordinatorService
 from coordinator.rpc import registry_fields as fields
-from coordinator.rpc.answers import AnswerQueue, reader_ended, send_answers
+from coordinator.rpc.answers import AnswerQueue, read_requests, send_answers
 from coordinator.security.status import refuse
 from coordinator.txn import Range
 
@@ -166,62 +166,52 @@ class RegistryServicer(pb_grpc.RegistryServicer):  # type: ignore[misc]
         tasks: list[asyncio.Task[None]] = []
 
         async def read() -> None:
+            requests = request_iterator.__aiter__()
             try:
-                requests = request_iterator.__aiter__()
+                first = await requests.__anext__()
+            except StopAsyncIteration:
+                return
+            if first.WhichOneof("call") != "register":
+                raise errors.InvalidArgument("register: the stream's first message must register the host",
+                                             "register")
+            self.svc.reach.check()
+            h = _Host(fields.registration(first.register))
+            if not (h.reg.resume_etcd_lease and await self._resume(h)):
+                # A new daemon waits out a dead one's registration; one that resumes in vain (its own
+                # registration ran out and another daemon holds the host) is told at once.
+                await self._register(h, wait=not h.reg.resume_etcd_lease)
+            out.put_nowait(self._registered(h))
+            tasks.append(spawn(self._follow(h.reg.host, out), f"the registry stream of host {h.reg.host}"))
+            while True:
                 try:
-                    first = await requests.__anext__()
+                    request = await asyncio.wait_for(requests.__anext__(), SILENT_TTLS * h.reg.ttl_s)
                 except StopAsyncIteration:
-                    out.put_nowait(None)
-                    return
-                if first.WhichOneof("call") != "register":
-                    raise errors.InvalidArgument("register: the stream's first message must register the host",
+                    break
+                except TimeoutError:
+                    # Stopped (SIGSTOP) or gone without closing: its registration has run out by now.
+                    raise errors.Unavailable(f"heartbeat: none from host {h.reg.host} for "
+                                             f"{SILENT_TTLS * h.reg.ttl_s} s", "heartbeat") from None
+                self.svc.reach.check()   # cut off from etcd: the node moves to another replica
+                call = request.WhichOneof("call")
+                if call == "heartbeat":
+                    await self._heartbeat(h, out)
+                elif call == "usage":
+                    await self._usage(h, fields.usage(request.usage), out)
+                elif call == "deregister":
+                    if h.etcd_lease:
+                        await self.store.revoke(h.etcd_lease)
+                        log.info("host %s deregistered", h.reg.host)
+                    h.etcd_lease = 0
+                    break
+                elif call == "register":
+                    raise errors.InvalidArgument("register: only the stream's first message registers",
                                                  "register")
-                self.svc.reach.check()
-                h = _Host(fields.registration(first.register))
-                if not (h.reg.resume_etcd_lease and await self._resume(h)):
-                    # A new daemon waits out a dead one's registration; one that resumes in vain (its own
-                    # registration ran out and another daemon holds the host) is told at once.
-                    await self._register(h, wait=not h.reg.resume_etcd_lease)
-                out.put_nowait(self._registered(h))
-                tasks.append(spawn(self._follow(h.reg.host, out), f"the registry stream of host {h.reg.host}"))
-                while True:
-                    try:
-                        request = await asyncio.wait_for(requests.__anext__(), SILENT_TTLS * h.reg.ttl_s)
-                    except StopAsyncIteration:
-                        break
-                    except TimeoutError:
-                        # Stopped (SIGSTOP) or gone without closing: its registration has run out by now.
-                        raise errors.Unavailable(f"heartbeat: none from host {h.reg.host} for "
-                                                 f"{SILENT_TTLS * h.reg.ttl_s} s", "heartbeat") from None
-                    self.svc.reach.check()   # cut off from etcd: the node moves to another replica
-                    call = request.WhichOneof("call")
-                    if call == "heartbeat":
-                        await self._heartbeat(h, out)
-                    elif call == "usage":
-                        await self._usage(h, fields.usage(request.usage), out)
-                    elif call == "deregister":
-                        if h.etcd_lease:
-                            await self.store.revoke(h.etcd_lease)
-                            log.info("host %s deregistered", h.reg.host)
-                        h.etcd_lease = 0
-                        break
-                    elif call == "register":
-                        raise errors.InvalidArgument("register: only the stream's first message registers",
-                                                     "register")
-                    else:
-                        raise errors.InvalidArgument("call: one of heartbeat, usage or deregister is required",
-                                                     "call")
-                # The node closed its side: the registration runs down by itself unless it resumes elsewhere.
-                out.put_nowait(None)
-            except errors.GpucoordError as e:
-                out.put_nowait(e)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                reader_ended("register", e)
-                out.put_nowait(None)
+                else:
+                    raise errors.InvalidArgument("call: one of heartbeat, usage or deregister is required",
+                                                 "call")
+            # The node closed its side: the registration runs down by itself unless it resumes elsewhere.
 
-        tasks.append(spawn(read(), "registry stream reader"))
+        tasks.append(spawn(read_requests(out, read, "register"), "registry stream reader"))
         try:
             await send_answers(out, context, "Register", lambda item: item)
         finally:

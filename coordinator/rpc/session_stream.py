@@ -21,7 +21,7 @@ from coordinator.aio import spawn
 from coordinator.limits import MAX_STREAM_CALLS
 from coordinator.records import EvictionRecord, SessionInfo
 from coordinator.replica.service import CoordinatorService
-from coordinator.rpc.answers import AnswerQueue, reader_ended, send_answers
+from coordinator.rpc.answers import AnswerQueue, read_requests, send_answers
 from coordinator.rpc.keepalive_sessions import KeepAliveSessions
 from coordinator.security.authz import COORDINATOR, SESSION_STREAM_CALLS
 from coordinator.security.interceptor import Refused, audit_call
@@ -106,25 +106,16 @@ class SessionStreams:
         registered: list[str] = []
 
         async def read() -> None:
-            try:
-                async for req in request_iterator:
-                    info = await self.session_of(req.session)
-                    ttl = await self.svc.keepalive(info)
-                    if not registered:
-                        registered.append(info.session_id)
-                        self.svc.register_stream(info.session_id, out)
-                    out.put_nowait(pb.KeepAliveResponse(ttl_seconds=ttl))
-                out.put_nowait(None)
-            except errors.GpucoordError as e:
-                out.put_nowait(e)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                reader_ended("keepalive", e)   # the stream just ends
-                out.put_nowait(None)
+            async for req in request_iterator:
+                info = await self.session_of(req.session)
+                ttl = await self.svc.keepalive(info)
+                if not registered:
+                    registered.append(info.session_id)
+                    self.svc.register_stream(info.session_id, out)
+                out.put_nowait(pb.KeepAliveResponse(ttl_seconds=ttl))
 
         metrics.SESSIONS.inc()
-        reader = spawn(read(), "keepalive stream reader")
+        reader = spawn(read_requests(out, read, "keepalive"), "keepalive stream reader")
         try:
             await self._send(out, context, "KeepAlive", lambda r: r)
         finally:
@@ -171,42 +162,34 @@ class SessionStreams:
             out.put_nowait(_refusal(call_id, wire_status(error)))
 
         async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    if isinstance(request, Refused):   # by the interceptor, as the unary call would be
-                        refuse(request.request.call_id, request.error)
-                        continue
-                    call_id, field = request.call_id, request.WhichOneof("call")
-                    if field == "cancel":
-                        task = calls.get(request.cancel)
-                        if task is not None:
-                            task.cancel()   # as a unary call's handler is when its caller cancels
-                    elif field is None:
-                        refuse(call_id, errors.InvalidArgument(
-                            "call: one of acquire, release or keepalive is required", "call"))
-                    elif call_id == 0 or call_id in calls:
-                        why = "must be > 0" if call_id == 0 else "already names a call in flight on this stream"
-                        refuse(call_id, errors.InvalidArgument(f"call_id: {why}", "call_id"))
-                    elif len(calls) >= MAX_STREAM_CALLS:
-                        refuse(call_id, errors.CapacityError(
-                            f"call_id: {MAX_STREAM_CALLS} calls already in flight on this stream; wait for "
-                            "answers or open another stream", "call_id"))
-                    else:
-                        calls[call_id] = spawn(answer(call_id, field, getattr(request, field),
-                                                      request.timeout_seconds), f"session stream call {call_id}")
-                # The client has sent its last call: answer what is in flight, then end the stream.
-                while calls:
-                    await asyncio.gather(*calls.values(), return_exceptions=True)
-                out.put_nowait(None)
-            except errors.GpucoordError as e:
-                out.put_nowait(e)   # malformed bytes: the stream ends with INVALID_ARGUMENT
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - an unexpected error in a stream reader is logged with its stack
-                reader_ended("session", e)   # the stream just ends
-                out.put_nowait(None)
+            async for request in request_iterator:
+                if isinstance(request, Refused):   # by the interceptor, as the unary call would be
+                    refuse(request.request.call_id, request.error)
+                    continue
+                call_id, field = request.call_id, request.WhichOneof("call")
+                if field == "cancel":
+                    task = calls.get(request.cancel)
+                    if task is not None:
+                        task.cancel()   # as a unary call's handler is when its caller cancels
+                elif field is None:
+                    refuse(call_id, errors.InvalidArgument(
+                        "call: one of acquire, release or keepalive is required", "call"))
+                elif call_id == 0 or call_id in calls:
+                    why = "must be > 0" if call_id == 0 else "already names a call in flight on this stream"
+                    refuse(call_id, errors.InvalidArgument(f"call_id: {why}", "call_id"))
+                elif len(calls) >= MAX_STREAM_CALLS:
+                    refuse(call_id, errors.CapacityError(
+                        f"call_id: {MAX_STREAM_CALLS} calls already in flight on this stream; wait for "
+                        "answers or open another stream", "call_id"))
+                else:
+                    calls[call_id] = spawn(answer(call_id, field, getattr(request, field),
+                                                  request.timeout_seconds), f"session stream call {call_id}")
+            # The client has sent its last call: answer what is in flight, then end the stream.
+            while calls:
+                await asyncio.gather(*calls.values(), return_exceptions=True)
 
-        reader = spawn(read(), "session stream reader")
+        # Malformed bytes raise a GpucoordError from the iterator: the stream ends with INVALID_ARGUMENT.
+        reader = spawn(read_requests(out, read, "session"), "session stream reader")
         try:
             await self._send(out, context, "Session", lambda r: pb.SessionResponse(keepalive=r))
         finally:
