@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 import grpc
 
@@ -105,8 +105,13 @@ class KeepAlive:
                 self.session._deliver(notice_of(n))
 
     async def _watchdog(self, opened: float) -> None:
-        """Returns once no answer came for two intervals: a replica that hangs without closing its socket
-        (SIGSTOP, a stuck loop, a partition that drops packets) never breaks the stream."""
-        stale = max(1.0, 2 * self.session.keepalive_interval)
-        while time.monotonic() - max(self.last_refresh, opened) < stale:  # noqa: ASYNC110 - a timestamp the reader moves; no event to wait on
-            await asyncio.sleep(min(0.5, self.session.keepalive_interval / 2))
+        await silent(lambda: max(self.last_refresh, opened), self.session.keepalive_interval)
+
+
+async def silent(answered: Callable[[], float], interval: float) -> None:
+    """Returns once no answer came for two intervals since ``answered()`` (a monotonic time the stream's reader
+    moves): a replica that hangs without closing its socket (SIGSTOP, a stuck loop, a partition that drops
+    packets) never breaks the stream."""
+    stale = max(1.0, 2 * interval)
+    while time.monotonic() - answered() < stale:  # noqa: ASYNC110 - a timestamp the reader moves; no event to wait on
+        await asyncio.sleep(min(0.5, interval / 2))

@@ -26,7 +26,7 @@ from agent_client import errors
 from agent_client._aio import drain, first_of, spawn
 from agent_client.api import coordinator_pb2 as pb
 from agent_client.api import coordinator_pb2_grpc as pb_grpc
-from agent_client.keepalive import KeepAlive, KeptSession, notice_of
+from agent_client.keepalive import KeepAlive, KeptSession, notice_of, silent
 from agent_client.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,4 @@ class KeepAliveGroup:
                     member[0]._deliver(notice_of(n.notice))
 
     async def _watchdog(self, opened: float) -> None:
-        """Returns once no answer came for two intervals: a replica that hangs without closing its socket
-        (SIGSTOP, a stuck loop, a partition that drops packets) never breaks the stream."""
-        stale = max(1.0, 2 * self.interval)
-        while time.monotonic() - max(self.answered, opened) < stale:  # noqa: ASYNC110 - a timestamp the reader moves; no event to wait on
-            await asyncio.sleep(min(0.5, self.interval / 2))
+        await silent(lambda: max(self.answered, opened), self.interval)

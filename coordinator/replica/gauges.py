@@ -27,7 +27,7 @@ MIN_INTERVAL_S = 0.5
 class MirrorGauges:
     def __init__(self, ctx: ReplicaContext) -> None:
         self.ctx = ctx
-        self._signatures: dict[str, int] = {}   # host -> its mirror stamp when its series were computed
+        self._stamps: dict[str, int] = {}   # host -> its mirror stamp when its series were computed
         self._views: dict[str, HostView] = {}
         self._teams_at = -1
 
@@ -47,15 +47,15 @@ class MirrorGauges:
         ctx = self.ctx
         hosts = self._hosts()
         changed = False
-        for host in set(self._signatures) - hosts:
+        for host in set(self._stamps) - hosts:
             self._forget(host)
             changed = True
         for host in hosts:
             stamp = ctx.mirror.host_stamp(host)
-            if self._signatures.get(host) == stamp:
+            if self._stamps.get(host) == stamp:
                 continue
             changed = True
-            self._signatures[host] = stamp
+            self._stamps[host] = stamp
             view = host_view(ctx.keys, host, ctx.mirror.host_snapshot(host), ctx.config.untracked_vram,
                              ctx.usage_age)
             old = self._views.get(host)
@@ -78,7 +78,7 @@ class MirrorGauges:
             self._update_teams()
 
     def _forget(self, host: str) -> None:
-        self._signatures.pop(host, None)
+        self._stamps.pop(host, None)
         view = self._views.pop(host, None)
         _remove(metrics.LEASES, host)
         for uuid in view.gpus if view is not None else ():

@@ -167,19 +167,15 @@ class Liveness:
         """``keepalive`` for a session it would keep without etcd (tracked here, the mirror showing it so, its
         etcd lease not due for a refresh): touched, True. False, untouched: it needs ``keepalive``."""
         t = self.table.get(info.session_id)
-        if t is None or not t.owned or clock.monotonic() - t.refreshed_at > t.etcd_ttl / 3:
-            return False
-        # The mirror's record, as _mine_in_mirror reads it, without parsing its key again: the common case is
-        # the version already seen naming this replica.
-        kv = self.ctx.mirror.flat(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready \
-            else None
-        if kv is None or (kv.mod_revision != t.mine_at and not self._mine_in_mirror(info, t)):
+        if t is None or not t.owned or clock.monotonic() - t.refreshed_at > t.etcd_ttl / 3 \
+                or not self._mine_in_mirror(info, t):
             return False
         self.table.touch(info, info.ttl_s or self.ctx.config.session_ttl_s)
         return True
 
     def _mine_in_mirror(self, info: SessionInfo, t: _Tracked) -> bool:
-        kv = self.ctx.mirror.get(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready else None
+        # A session record is a flat key: read without parsing the key for its bucket (every keepalive comes here).
+        kv = self.ctx.mirror.flat(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready else None
         if kv is None:
             return False
         if kv.mod_revision == t.mine_at:

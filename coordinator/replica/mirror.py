@@ -116,10 +116,7 @@ class Mirror:
         return key.startswith(self._teams_prefix) or (event != "PUT" and key.startswith(self._leases_prefix))
 
     def _bucket(self, key: bytes, create: bool = True) -> dict[bytes, KV] | None:
-        try:
-            kind, parts = self.keys.parse(key)
-        except ValueError:
-            return None
+        kind, parts = self._parse(key)
         if kind in _PER_HOST and len(parts) > 1:
             if not create:
                 return self._buckets.get((kind, parts[0]), _EMPTY)
