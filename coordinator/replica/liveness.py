@@ -7,10 +7,12 @@ notices), so that a session ends in one revision whichever way it ends. But that
 * **Tracking.** The replica that opened a session, or that last took it over, tracks it (its record's
   ``coordinator``). A keepalive to another replica takes it over first: one compare-and-put of the record.
 * **Expiry.** Deadlines sit in buckets of ``TICK_S`` (as ZooKeeper's session tracker keeps them). Each tick the
-  replica takes the sessions past their deadline, reads a revision linearizably, waits for its mirror to reach
-  it, and revokes the etcd lease of each session whose record still names this replica (or a replica no longer
-  registered): etcd deletes the session's keys in one revision, as when the etcd lease expired by itself. One
-  that another replica took over meanwhile is left to it.
+  replica takes the sessions past their deadline, reads the registrations linearizably, waits briefly for its
+  mirror to reach that revision (else reads those sessions' records from etcd: a write outside the prefix moves
+  etcd's revision where no event of the prefix may carry the mirror), and revokes the etcd lease of each session
+  whose record still names this replica (or a replica no longer registered): etcd deletes the session's keys in
+  one revision, as when the etcd lease expired by itself. One that another replica took over meanwhile is left
+  to it.
 * **Adoption.** The sessions of a replica that is no longer registered (killed, or cut from etcd past its
   election TTL) are adopted, each by the live replica that rendezvous hashing of its id picks, with a deadline
   of one TTL from then. A live agent moves to another replica and keeps its session; a dead one's session is
@@ -34,10 +36,11 @@ import math
 from typing import Callable, Iterable
 
 from coordinator import clock, errors
+from coordinator.etcd.types import KV
 from coordinator.record_fields import load_record
 from coordinator.records import InvalidRecord, SessionInfo, dumps
 from coordinator.replica.context import ReplicaContext
-from coordinator.txn import ModRevisionIs, Put
+from coordinator.txn import ModRevisionIs, Put, Range
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ ADOPT_SCAN_S = 30.0
 REFRESH_SLACK_S = 2.0
 REVOKES_AT_ONCE = 256     # etcd revokes in flight together when many sessions end in one tick (64 took 5 s more
 #                           for 1,000 at once; one client revokes about 4,000 a second whatever the number)
+MIRROR_WAIT_S = 1.0       # how long expiry waits for the mirror to reach etcd's revision before reading etcd itself
+READ_AT_ONCE = 128        # session records read together when it does
 LOGGED_PER_ROUND = 20     # expired sessions named in the log per expiry round (the rest are counted)
 
 
@@ -59,6 +64,16 @@ class _Tracked:
     etcd_ttl: int          # its etcd lease's TTL as granted (what a refresh restores)
     owned: bool            # its record names this replica (opened or taken over here), not only adopted
     mine_at: int = 0       # the mod_revision of its record last seen naming this replica (parsed once per version)
+
+
+@dataclasses.dataclass
+class _Read:
+    """Session records read from etcd: the keys read, and those found (a key read and not found is gone)."""
+    keys: set[bytes]
+    found: dict[bytes, KV]
+
+    def get(self, key: bytes) -> KV | None:
+        return self.found.get(key)
 
 
 def adopter(session_id: str, replicas: Iterable[str]) -> str:
@@ -230,14 +245,16 @@ class Liveness:
                 log.exception("session expiry: an unexpected error; trying again")
                 await asyncio.sleep(0.5)
 
-    def _live(self) -> dict[str, str] | None:
+    def _live(self, registrations: Iterable[KV] | None = None) -> dict[str, str] | None:
         """The registered replicas (id -> how they keep sessions: "memory", or "" for the previous release's
-        etcd refreshes); None while this one is not registered (not yet, or not now): it adopts nothing."""
-        mirror = self.ctx.mirror
-        if not mirror.ready:
-            return None
+        etcd refreshes), from ``registrations`` (default: the mirror's); None while this one is not registered
+        (not yet, or not now): it adopts nothing."""
+        if registrations is None:
+            if not self.ctx.mirror.ready:
+                return None
+            registrations = self.ctx.mirror.items("coordinators")
         live: dict[str, str] = {}
-        for kv in mirror.items("coordinators"):
+        for kv in registrations:
             try:
                 doc = kv.json()
                 live[str(doc["replica"])] = str(doc.get("sessions", ""))
@@ -277,16 +294,26 @@ class Liveness:
 
     async def expire(self) -> None:
         """Revoke the sessions past their deadline that no live replica took over meanwhile."""
-        store, mirror = self.ctx.store, self.ctx.mirror
-        revision = (await store.get_prefix(self.ctx.keys.coordinators(), keys_only=True)).revision
-        if not await mirror.caught_up(revision, self.ctx.config.etcd_timeout_s):
-            return   # tried again at the next tick
-        live = self._live()
+        store, keys = self.ctx.store, self.ctx.keys
+        registrations = await store.get_prefix(keys.coordinators())
+        # Decided from what etcd held at this read or later: a takeover by another replica until now is seen.
+        if await self.ctx.mirror.caught_up(registrations.revision, MIRROR_WAIT_S):
+            expired = self.table.expired()
+            live, records = self._live(), self.ctx.mirror.get
+        else:
+            # The mirror has not reached etcd's revision: it lags, or the last writes were outside the prefix
+            # (another application sharing etcd, an etcd lease of another prefix expiring) and no event of the
+            # prefix comes to carry it there while the fleet is quiet (etcd's progress notifications are not
+            # trusted before 3.5.8: coordinator.etcd.watch). The records are read from etcd instead.
+            read = await self._read(self.table.expired())
+            # Those still past their deadline after the read (a keepalive meanwhile moved it on), read by it.
+            expired = [i for i in self.table.expired() if keys.session(i.agent, i.session_id) in read.keys]
+            live, records = self._live(registrations.kvs), read.get
         if live is None:
             return   # not registered (not yet, or not now): another replica adopts what must go
         due = []
-        for info in self.table.expired():
-            kv = mirror.get(self.ctx.keys.session(info.agent, info.session_id))
+        for info in expired:
+            kv = records(keys.session(info.agent, info.session_id))
             if kv is None:
                 self._gone(info)
                 continue
@@ -315,6 +342,17 @@ class Liveness:
         if failed:
             raise failed[0] if isinstance(failed[0], errors.GpucoordError) else errors.Unavailable(str(failed[0]))
 
+
+    async def _read(self, sessions: list[SessionInfo]) -> _Read:
+        """The records of ``sessions`` in etcd now (linearizable)."""
+        read = _Read(set(), {})
+        keys = [self.ctx.keys.session(info.agent, info.session_id) for info in sessions]
+        for at in range(0, len(keys), READ_AT_ONCE):
+            chunk = keys[at:at + READ_AT_ONCE]
+            snap = await self.ctx.store.snapshot([Range(key) for key in chunk])
+            read.keys.update(chunk)
+            read.found.update((kvs[0].key, kvs[0]) for kvs in snap.ranges if kvs)
+        return read
 
     async def _unrefreshed(self, info: SessionInfo) -> SessionInfo | None:
         """``info`` if no other replica has refreshed its etcd lease since this one last did (see the module doc);

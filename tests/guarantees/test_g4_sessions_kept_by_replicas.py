@@ -14,6 +14,7 @@ import pytest
 from agent_client import Client
 from agent_client.api import coordinator_pb2 as pb
 from coordinator.etcd.session import EtcdSession
+from coordinator.node.fake_hosts import fake_host_names, register_fake_hosts
 from tests.support.cluster import Cluster
 from tests.support.rpcs import coordinator_stub
 from tests.support.waiting import LIVENESS_S, Background, pass_time, wait_for
@@ -168,3 +169,34 @@ def test_an_agent_that_comes_back_to_its_first_replica_keeps_its_session(cluster
     finally:
         back.set()
         at_a.result()
+
+
+def test_a_dead_agents_session_expires_while_the_last_writes_to_etcd_are_another_applications(
+        cluster: Cluster) -> None:
+    """etcd shared with another application: its writes move etcd's revision past every event of the prefix, and
+    in a quiet fleet no event of the prefix comes to carry the replica's mirror there. Expiry does not wait for
+    one: it reads what it needs from etcd (``Liveness.expire``)."""
+    addr = cluster.start_coordinator()
+    # Hosts without a node daemon: nothing under the prefix is written again by itself.
+    registration = cluster.lt.run(register_fake_hosts(cluster.store, cluster.keys, "quiet", 1, "1x16GiB"))
+    other = f"/other-application-of-{cluster.prefix.strip('/')}/counter".encode()
+    stop = threading.Event()
+
+    def other_application() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            cluster.lt.run(cluster.store.put(other, str(n).encode()))
+            stop.wait(0.2)
+    writer = Background(other_application)
+    try:
+        resp = coordinator_stub(addr).OpenSession(pb.OpenSessionRequest(
+            agent="gone", host=fake_host_names("quiet", 1)[0], ttl_seconds=TTL), timeout=30)
+        ref = pb.SessionRef(agent="gone", session_id=resp.session_id)
+        # No keepalive: the agent died at once. Its session goes after its TTL, not with its long etcd lease.
+        wait_for(lambda: _record(cluster, ref) is None, LIVENESS_S, "the dead agent's session to expire")
+    finally:
+        stop.set()
+        writer.result()
+        cluster.lt.run(cluster.store.delete(other))
+        cluster.lt.run(registration.close())
