@@ -27,7 +27,8 @@ asks its leases with a time limit of 2 to 4 s (``TIME_LIMITS``) and holds them u
 ``HOLD_PAST_LIMIT_S`` past it, so that only the leader's revoke ends them in time: the history checker's time-limit
 rule (no lease outlives its limit + grace + kill margin) applies under every fault. The replicas run with idle eviction on (a 3 s window): h1's GPU 0 reports 0 %, the others 50 %, and an idle holder keeps a lease
 there until its notice (tests/support/idle_load.py: the history checker's idle rule). A last line ``nemesis summary`` gives the seed, the
-faults, the calls, the violations and the leaks in one line.
+faults, the calls, the violations and the leaks in one line. Another application writes to the same etcd beside
+the prefix all along (``_another_application``).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from agent_client.api import coordinator_pb2 as pb
+from coordinator import errors
+from coordinator.etcd.store import Store
 from tests.faultlink import FaultLink
 from tests.history import check_store, read_history
 from tests.support import history_time_limits
@@ -200,6 +203,23 @@ def _set_teams(addr: str) -> None:
                                    members=pb.TeamMembers(patterns=[f"n-{i}" for i in range(1, 40, 2)])), timeout=10)
 
 
+async def _another_application(endpoints: list[str], prefix: str, duration: float) -> None:
+    """Another application sharing etcd: its writes move etcd's revision where no event of the prefix carries
+    the replicas' mirrors (session expiry must not wait for one: ``Liveness.expire``)."""
+    key = f"/another-application-beside-{prefix.strip('/')}".encode()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + duration
+    async with Store(endpoints, timeout=2.0, retry_for=1.0) as store:
+        n = 0
+        while loop.time() < end:
+            n += 1
+            with contextlib.suppress(errors.GpucoordError):   # etcd under the faults: the next write, then
+                await store.put(key, str(n).encode())
+            await asyncio.sleep(0.3)
+        with contextlib.suppress(errors.GpucoordError):
+            await store.delete(key)
+
+
 def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: Cluster, tmp_path: Path) -> None:
     seed = int(os.environ.get("GPUCOORD_NEMESIS_SEED") or random.randrange(1 << 30))
     duration = float(os.environ.get("GPUCOORD_NEMESIS_S", "60"))
@@ -237,6 +257,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
                                                 multi_host=MULTI_HOST))
             operator = asyncio.create_task(run_cordons([a, b], list(HOSTS), duration - FAULT_EVERY_S, seed, cordons))
             idler = asyncio.create_task(hold_idle([a, b], HOSTS[0], duration - FAULT_EVERY_S, idle, TTL))
+            neighbour = asyncio.create_task(_another_application(etcd3.endpoints, c.prefix, duration))
             loop = asyncio.get_running_loop()
             end = loop.time() + duration - FAULT_EVERY_S
             while loop.time() < end:
@@ -252,6 +273,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
             await load
             await operator
             await idler
+            await neighbour
             return report
 
         report = asyncio.run(scenario())
