@@ -6,13 +6,13 @@ notices), so that a session ends in one revision whichever way it ends. But that
 
 * **Tracking.** The replica that opened a session, or that last took it over, tracks it (its record's
   ``coordinator``). A keepalive to another replica takes it over first: one compare-and-put of the record.
-* **Expiry.** Deadlines sit in buckets of ``TICK_S`` (as ZooKeeper's session tracker keeps them). Each tick the
-  replica takes the sessions past their deadline, reads the registrations linearizably, waits briefly for its
-  mirror to reach that revision (else reads those sessions' records from etcd: a write outside the prefix moves
-  etcd's revision where no event of the prefix may carry the mirror), and revokes the etcd lease of each session
-  whose record still names this replica (or a replica no longer registered): etcd deletes the session's keys in
-  one revision, as when the etcd lease expired by itself. One that another replica took over meanwhile is left
-  to it.
+* **Expiry.** Deadlines sit in buckets of ``TICK_S`` (``replica/session_table.py``, as ZooKeeper's session
+  tracker keeps them). Each tick the replica takes the sessions past their deadline, reads the registrations
+  linearizably, waits for its mirror to reach that revision (or reads those sessions' records from etcd once the
+  mirror stands still short of it: a write outside the prefix moves etcd's revision where no event of the
+  prefix may carry the mirror), and revokes the etcd lease of each session whose record still names this
+  replica (or a replica no longer registered): etcd deletes the session's keys in one revision, as when the
+  etcd lease expired by itself. One that another replica took over meanwhile is left to it.
 * **Adoption.** The sessions of a replica that is no longer registered (killed, or cut from etcd past its
   election TTL) are adopted, each by the live replica that rendezvous hashing of its id picks, with a deadline
   of one TTL from then. A live agent moves to another replica and keeps its session; a dead one's session is
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
-import math
 from typing import Callable, Iterable
 
 from coordinator import clock, errors
@@ -40,30 +38,20 @@ from coordinator.etcd.types import KV
 from coordinator.record_fields import load_record
 from coordinator.records import InvalidRecord, SessionInfo, dumps
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.session_table import TICK_S, SessionTable, Tracked, adopter
 from coordinator.txn import ModRevisionIs, Put, Range
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.1
 ADOPT_SCAN_S = 30.0
 # A refresh of a session's etcd lease that this replica did not make shows as more TTL left than its own last
 # refresh leaves: by more than this (etcd counts whole seconds, and the refresh took a while).
 REFRESH_SLACK_S = 2.0
 REVOKES_AT_ONCE = 256     # etcd revokes in flight together when many sessions end in one tick (64 took 5 s more
 #                           for 1,000 at once; one client revokes about 4,000 a second whatever the number)
-MIRROR_WAIT_S = 1.0       # how long expiry waits for the mirror to reach etcd's revision before reading etcd itself
+MIRROR_WAIT_S = 1.0       # how long expiry waits for a mirror short of etcd's revision to move, before reading etcd
 READ_AT_ONCE = 128        # session records read together when it does
 LOGGED_PER_ROUND = 20     # expired sessions named in the log per expiry round (the rest are counted)
-
-
-@dataclasses.dataclass
-class _Tracked:
-    info: SessionInfo
-    bucket: int            # the tick whose end is its deadline
-    refreshed_at: float    # monotonic time of the last refresh of its etcd lease by this replica (0: never)
-    etcd_ttl: int          # its etcd lease's TTL as granted (what a refresh restores)
-    owned: bool            # its record names this replica (opened or taken over here), not only adopted
-    mine_at: int = 0       # the mod_revision of its record last seen naming this replica (parsed once per version)
 
 
 @dataclasses.dataclass
@@ -76,72 +64,6 @@ class _Read:
         return self.found.get(key)
 
 
-def adopter(session_id: str, replicas: Iterable[str]) -> str:
-    """The live replica that adopts an orphaned session: rendezvous hashing of its id."""
-    return max(replicas, key=lambda r: hashlib.sha256(f"session\0{session_id}\0{r}".encode()).digest())
-
-
-class SessionTable:
-    """The sessions this replica keeps alive, by deadline bucket (pure bookkeeping; ``Liveness`` acts)."""
-
-    def __init__(self, now: Callable[[], float] = clock.monotonic) -> None:
-        self._now = now
-        self._by_id: dict[str, _Tracked] = {}
-        self._buckets: dict[int, set[str]] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._by_id
-
-    def get(self, session_id: str) -> _Tracked | None:
-        return self._by_id.get(session_id)
-
-    def touch(self, info: SessionInfo, ttl_s: float, etcd_ttl: int = 0, refreshed: bool = False,
-              owned: bool = True) -> _Tracked:
-        """Its deadline moves to ``ttl_s`` from now (rounded up to a tick). ``owned`` False: adopted only."""
-        now = self._now()
-        bucket = math.ceil((now + ttl_s) / TICK_S)
-        t = self._by_id.get(info.session_id)
-        if t is None:
-            t = self._by_id[info.session_id] = _Tracked(info, bucket, 0.0, etcd_ttl, owned)
-        elif t.bucket != bucket:
-            self._unbucket(info.session_id, t.bucket)
-            t.bucket = bucket
-        self._buckets.setdefault(bucket, set()).add(info.session_id)
-        if refreshed:
-            t.refreshed_at = now
-        t.owned = t.owned or owned
-        if etcd_ttl:
-            t.etcd_ttl = etcd_ttl
-        return t
-
-    def _unbucket(self, session_id: str, bucket: int) -> None:
-        members = self._buckets.get(bucket)
-        if members is not None:
-            members.discard(session_id)
-            if not members:
-                del self._buckets[bucket]
-
-    def drop(self, session_id: str) -> None:
-        t = self._by_id.pop(session_id, None)
-        if t is not None:
-            self._unbucket(session_id, t.bucket)
-
-    def expired(self) -> list[SessionInfo]:
-        """The sessions whose deadline has passed (they stay tracked until dropped or touched)."""
-        last = math.floor(self._now() / TICK_S)
-        out = []
-        for bucket in sorted(b for b in self._buckets if b <= last):
-            out += [self._by_id[sid].info for sid in self._buckets[bucket]]
-        return out
-
-    def remaining(self, session_id: str) -> float | None:
-        t = self._by_id.get(session_id)
-        return None if t is None else max(0.0, t.bucket * TICK_S - self._now())
-
-
 class Liveness:
     """The keepalive, expiry and adoption of the sessions this replica tracks (module doc)."""
 
@@ -151,6 +73,7 @@ class Liveness:
         self.on_gone = on_gone         # the service forgets its cached identity
         self._adopted_at = -1          # the generation of coordinators/ (the mirror's) last adopted at
         self._scanned = 0.0            # when every session was last looked at for adoption
+        self._trackers: dict[bytes, tuple[int, str]] = {}   # session key -> (mod_revision, tracker) at the last scan
 
     def etcd_ttl(self, ttl_s: int) -> int:
         """The TTL of a new session's etcd lease: the configured long one, at least three session TTLs."""
@@ -188,7 +111,7 @@ class Liveness:
         self.table.touch(info, info.ttl_s or self.ctx.config.session_ttl_s)
         return True
 
-    def _mine_in_mirror(self, info: SessionInfo, t: _Tracked) -> bool:
+    def _mine_in_mirror(self, info: SessionInfo, t: Tracked) -> bool:
         # A session record is a flat key: read without parsing the key for its bucket (every keepalive comes here).
         kv = self.ctx.mirror.flat(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready else None
         if kv is None:
@@ -262,18 +185,16 @@ class Liveness:
                 continue
         return live if self.ctx.replica_id in live else None
 
-    def _sessions(self) -> Iterable[tuple[SessionInfo, str]]:
-        """Every session the mirror holds, with the replica its record names."""
-        keys = self.ctx.keys
-        for kv in self.ctx.mirror.items("sessions"):
-            try:
-                _, parts = keys.parse(kv.key)
-                doc = load_record(kv.value)
-                ttl = doc.get("ttl")
-                yield (SessionInfo(parts[0], parts[1], str(doc.get("host", "")), kv.etcd_lease,
-                                   ttl if isinstance(ttl, int) else 0), str(doc.get("coordinator", "")))
-            except (ValueError, IndexError, InvalidRecord):
-                continue
+    def _info(self, kv: KV) -> SessionInfo | None:
+        """The session a mirror's record is (None for a malformed one)."""
+        try:
+            _, parts = self.ctx.keys.parse(kv.key)
+            doc = load_record(kv.value)
+            ttl = doc.get("ttl")
+            return SessionInfo(parts[0], parts[1], str(doc.get("host", "")), kv.etcd_lease,
+                               ttl if isinstance(ttl, int) else 0)
+        except (ValueError, IndexError, InvalidRecord):
+            return None
 
     def adopt(self) -> None:
         """Track the sessions of replicas no longer registered that rendezvous hashing gives this one: a
@@ -288,16 +209,26 @@ class Liveness:
             return
         self._adopted_at, self._scanned = generation, clock.monotonic()
         me = self.ctx.replica_id
-        for info, tracker in self._sessions():
-            if tracker not in live and info.session_id not in self.table and adopter(info.session_id, live) == me:
+        # Each record's tracker is parsed once per version (10,000 sessions every ADOPT_SCAN_S otherwise cost a
+        # JSON parse each): the map is built anew at each scan, so it holds only the sessions of the last one.
+        before, trackers = self._trackers, {}
+        for kv in self.ctx.mirror.items("sessions"):
+            known = before.get(kv.key)
+            tracker = known[1] if known is not None and known[0] == kv.mod_revision else _tracker(kv.value)
+            trackers[kv.key] = (kv.mod_revision, tracker)
+            if tracker in live:
+                continue
+            info = self._info(kv)
+            if info is not None and info.session_id not in self.table and adopter(info.session_id, live) == me:
                 self.table.touch(info, info.ttl_s or self.ctx.config.session_ttl_s, owned=False)
+        self._trackers = trackers
 
     async def expire(self) -> None:
         """Revoke the sessions past their deadline that no live replica took over meanwhile."""
         store, keys = self.ctx.store, self.ctx.keys
         registrations = await store.get_prefix(keys.coordinators())
         # Decided from what etcd held at this read or later: a takeover by another replica until now is seen.
-        if await self.ctx.mirror.caught_up(registrations.revision, MIRROR_WAIT_S):
+        if await self._mirror_reaches(registrations.revision):
             expired = self.table.expired()
             live, records = self._live(), self.ctx.mirror.get
         else:
@@ -342,6 +273,18 @@ class Liveness:
         if failed:
             raise failed[0] if isinstance(failed[0], errors.GpucoordError) else errors.Unavailable(str(failed[0]))
 
+
+    async def _mirror_reaches(self, revision: int) -> bool:
+        """Whether the mirror reaches ``revision``: waited for while it moves (the etcd timeout at most), given
+        up once it stands still for ``MIRROR_WAIT_S`` short of it."""
+        mirror, loop = self.ctx.mirror, asyncio.get_running_loop()
+        until = loop.time() + self.ctx.config.etcd_timeout_s
+        while True:
+            seen = mirror.revision
+            if await mirror.caught_up(revision, max(0.0, min(MIRROR_WAIT_S, until - loop.time()))):
+                return True
+            if mirror.revision == seen or loop.time() >= until:
+                return False
 
     async def _read(self, sessions: list[SessionInfo]) -> _Read:
         """The records of ``sessions`` in etcd now (linearizable)."""

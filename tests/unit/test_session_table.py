@@ -1,4 +1,4 @@
-"""The replica's table of sessions it keeps alive (``replica/liveness.SessionTable``): a session is never due
+"""The replica's table of sessions it keeps alive (``replica/session_table.SessionTable``): a session is never due
 before its TTL has passed since its last touch, and is due within one tick after; adoption picks one live
 replica per session, and moves few sessions when a replica joins."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.records import SessionInfo
-from coordinator.replica.liveness import TICK_S, SessionTable, adopter
+from coordinator.replica.session_table import TICK_S, SessionTable, adopter
 
 
 class Clock:
