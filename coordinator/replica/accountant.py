@@ -27,9 +27,10 @@ from typing import Any, Sequence
 import orjson
 
 from coordinator import clock, errors, metrics
+from coordinator.aio import cancel_and_wait
 from coordinator.etcd.election import Election
 from coordinator.etcd.removals import Removal, remove_entries
-from coordinator.etcd.types import WatchEvent
+from coordinator.etcd.types import WatchBatch, WatchEvent
 from coordinator.policy.accounting import (
     EVICTED,
     Deleted,
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 OPS_PER_TXN = 100        # below etcd's --max-txn-ops (128): records, rollups and the cursor of one commit
 IDLE_CURSOR_S = 10.0     # the cursor follows deletions that ended no lease at most this late
 SWEEP_EVERY_S = 60.0
+GATHER_S = 0.25          # the lease ends of this long after a watch batch share its transactions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +111,53 @@ class Accountant:
             # The first leader that accounts: leases that ended before it have no record.
             cursor = await self._commit(term, Cursor(0), [], Cursor(await self._now()))
         written_at = clock.monotonic()
-        async for batch in self.ctx.store.watch(self.keys.root(), start_revision=cursor.revision + 1,
-                                                prev_kv=True, deletes_only=True):
+        batches: asyncio.Queue[WatchBatch] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._watch(cursor.revision + 1, batches))
+        try:
+            while True:
+                events, resync = await self._next(batches, reader)
+                if events:
+                    cursor, written_at = await self._batch(term, cursor, events, written_at)
+                if resync:
+                    metrics.USAGE_RESYNCS.inc()
+                    now = await self._now()
+                    log.error("accountant: etcd compacted its history past revision %d: the leases that ended up "
+                              "to revision %d have no usage record", cursor.revision, now)
+                    await self._commit(term, cursor, [], Cursor(now))
+                    return
+        finally:
+            await cancel_and_wait([reader])
+
+    async def _watch(self, start_revision: int, batches: asyncio.Queue[WatchBatch]) -> None:
+        async for batch in self.ctx.store.watch(self.keys.root(), start_revision=start_revision, prev_kv=True,
+                                                deletes_only=True):
+            batches.put_nowait(batch)
             if batch.resync:
-                metrics.USAGE_RESYNCS.inc()
-                now = await self._now()
-                log.error("accountant: etcd compacted its history past revision %d: the leases that ended up to "
-                          "revision %d have no usage record", cursor.revision, now)
-                await self._commit(term, cursor, [], Cursor(now))
                 return
-            cursor, written_at = await self._batch(term, cursor, batch.events, written_at)
+
+    async def _next(self, batches: asyncio.Queue[WatchBatch], reader: asyncio.Future[None]
+                    ) -> tuple[list[WatchEvent], bool]:
+        """The deletions of the next watch batch and of every batch that came within ``GATHER_S`` of it, so that
+        their records share transactions (under load a batch holds a lease end or two: one transaction each
+        doubled the etcd writes of a release); and whether a resync batch ends them."""
+        getter = asyncio.ensure_future(batches.get())
+        waiting: set[asyncio.Future[Any]] = {getter, reader}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            await cancel_and_wait([getter])
+            reader.result()      # the watch's error ends the pass
+            raise errors.Unavailable("accountant: its watch ended")
+        batch = getter.result()
+        if not batch.resync:
+            await asyncio.sleep(GATHER_S)
+        events: list[WatchEvent] = []
+        while not batch.resync:
+            events += batch.events
+            try:
+                batch = batches.get_nowait()
+            except asyncio.QueueEmpty:
+                return events, False
+        return events, True
 
     async def _batch(self, term: Election, cursor: Cursor, events: Sequence[WatchEvent],
                      written_at: float) -> tuple[Cursor, float]:
