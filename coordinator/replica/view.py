@@ -113,8 +113,12 @@ def host_snapshot_of(revision: int, host: str, by_kind: Mapping[str, Iterable[KV
 
 
 # Parsing the same stored JSON again on every admission is wasted work: these records are immutable, so
-# they are cached by their exact bytes.
-@functools.lru_cache(maxsize=4096)
+# they are cached by their exact bytes. Per-host caches hold a large fleet's hosts: the gauges and the samplers
+# read every host in turn, and an LRU cache smaller than that cycle misses every time (4,096 missed at 10,000).
+HOSTS_CACHED = 1 << 14
+
+
+@functools.lru_cache(maxsize=HOSTS_CACHED)
 def _inventory(value: bytes) -> HostInventory:
     return HostInventory.from_json(load_record(value).get("inventory"))  # type: ignore[arg-type]
 
@@ -177,7 +181,7 @@ def invalid_host(host: str, why: str) -> errors.FailedPrecondition:
                                      "no admission there until it is rewritten", "host")
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=HOSTS_CACHED)
 def _default_partition(host_value: bytes) -> Partition:
     return default_partition(_inventory(host_value))
 

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from coordinator.config import CoordinatorConfig
 from coordinator.etcd.types import KV
@@ -110,3 +112,46 @@ def test_a_teams_policy_overrides_the_fleets_for_its_agents(monkeypatch: Any) ->
     assert idle.judged(c)["l2"][0].idle
     off = ctx()   # the fleet's default: off, and no team sets a window
     assert idle.judged(off) == {}
+
+
+steps = st.lists(st.one_of(
+    st.tuples(st.just("report"), st.integers(0, 100)),      # a new version of the report, this percent
+    st.tuples(st.just("age"), st.sampled_from([0.0, 10.0])),  # the report fresh, or stale
+    st.tuples(st.just("team"), st.sampled_from([0.0, 5.0, 50.0])),   # a team's idle threshold (0: none)
+    st.tuples(st.just("gone"), st.just(0)),
+    st.tuples(st.just("sample"), st.just(0)),
+), max_size=30)
+
+
+@settings(max_examples=300)
+@given(steps)
+@example([("report", 5), ("sample", 0), ("age", 10.0), ("sample", 0)])    # the same report, now stale
+@example([("report", 3), ("sample", 0), ("report", 8), ("sample", 0), ("team", 5.0), ("sample", 0)])  # a new band
+def test_sampling_that_skips_reports_it_sampled_unchanged_keeps_the_same_history(plan: list[tuple[str, Any]]) -> None:
+    """``sample`` with its memory between passes (as ``IdleReclaim`` runs it) skips a report whose version,
+    staleness and thresholds it sampled before: the history it keeps is the one sampling everything keeps."""
+    with pytest.MonkeyPatch.context() as mp:
+        plain, memo = ctx(idle_after_s=10.0, idle_below_pct=10.0), ctx(idle_after_s=10.0, idle_below_pct=10.0)
+        mp.setattr(idle.clock, "monotonic", lambda: plain.observed.now)
+        last: dict[bytes, Any] = {}
+        rev = 1
+        for op, arg in plan:
+            for c in (plain, memo):
+                if op == "report":
+                    put_usage(c, rev + 1, arg)
+                elif op == "age":
+                    c.age = arg
+                elif op == "team":
+                    team = {"name": "t", "members": ["a"], "idle_below_pct": arg}
+                    c.mirror.kvs["teams"] = [KV(K.team("t"), json.dumps(team).encode(), 1, rev + 1, 1, 0)] \
+                        if arg else []
+                elif op == "gone":
+                    c.mirror.kvs["usage"] = []
+            rev += 1
+            if op == "sample":
+                idle.sample(plain)
+                idle.sample(memo, last)
+                assert memo.utilization.points("GPU-0") == plain.utilization.points("GPU-0")
+                assert memo.utilization.current("GPU-0") == plain.utilization.current("GPU-0")
+            plain.observed.now += 1.0
+            memo.observed.now = plain.observed.now
