@@ -189,3 +189,26 @@ def test_the_node_exports_only_its_own_families() -> None:
         {n for n in node if n.startswith("gpucoord_node_")}
         | {"gpucoord_refusals_total", "gpucoord_etcd_errors_total", "gpucoord_etcd_nospace_total",
            "gpucoord_metrics_refusals_total", "gpucoord_tls_handshake_failures_total"})
+
+
+def test_the_gauges_of_a_fleet_larger_than_one_slice_cover_every_host_and_leave_with_them(cluster: Cluster) -> None:
+    """The gauges compute ``HOSTS_AT_ONCE`` host views between two yields to the event loop: every host of a
+    fleet several slices large gets its series, and loses them when it goes."""
+    from coordinator.node.fake_hosts import fake_host_names, register_fake_hosts
+    from coordinator.replica.gauges import HOSTS_AT_ONCE
+    count = 2 * HOSTS_AT_ONCE + 7
+    prefix = f"g{uuid.uuid4().hex[:6]}"
+    names = fake_host_names(prefix, count)
+    cluster.start_coordinator()
+    registration = cluster.lt.run(register_fake_hosts(cluster.store, cluster.keys, prefix, count, "1x16GiB"))
+    try:
+        wait_for(lambda: all(sample("gpucoord_leases", host=h) == 0.0 for h in names), 60,
+                 f"the lease gauge of all {count} hosts")
+        free = [s for s in scrape() if s[0] == "gpucoord_vram_bytes" and s[1].get("kind") == "free"
+                and s[1].get("host", "").startswith(prefix)]
+        assert sorted(s[1]["host"] for s in free) == sorted(names)
+        assert all(s[2] == USABLE_MB * MIB for s in free)
+    finally:
+        cluster.lt.run(registration.close())
+    wait_for(lambda: all(sample("gpucoord_leases", host=h) is None for h in names), 60,
+             f"the series of all {count} hosts gone with them")
