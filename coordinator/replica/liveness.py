@@ -126,8 +126,12 @@ class Liveness:
     async def _take_over(self, info: SessionInfo, timeout: float | None) -> int:
         """Make this replica the session's tracker (its record's ``coordinator``); its etcd lease's TTL."""
         key = self.ctx.keys.session(info.agent, info.session_id)
+        # The mirror's record first (a replica taking over a failed one's thousands of sessions reads none of them
+        # from etcd): the compare-and-put fails on a stale one, and etcd is read then.
+        kv = self.ctx.mirror.flat(key) if self.ctx.mirror.ready else None
         for _ in range(self.ctx.config.commit_attempts):
-            kv = await self.ctx.store.get(key)
+            if kv is None:
+                kv = await self.ctx.store.get(key)
             if kv is None:
                 self._gone(info)
                 raise _expired(info)
@@ -137,6 +141,7 @@ class Liveness:
                 res = await self.ctx.store.commit([ModRevisionIs(key, kv.mod_revision)],
                                                   [Put(key, dumps(doc), kv.etcd_lease)])
                 if not res.succeeded:
+                    kv = None
                     continue
             return await self._refresh(info, timeout)
         raise errors.Unavailable("keepalive: the session's record keeps changing; retry")

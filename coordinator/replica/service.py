@@ -244,7 +244,8 @@ class CoordinatorService(Follower):
         info = self._sessions.get((agent, session_id))
         if info is not None:
             return info
-        kv = await self.store.get(self.keys.session(agent, session_id))
+        key = self.keys.session(agent, session_id)   # a record's identity never changes: the mirror's will do
+        kv = (self.mirror.flat(key) if self.mirror.ready else None) or await self.store.get(key)
         if kv is None:
             raise errors.SessionGone(f"session: no live session {session_id} of agent {agent!r} "
                                      "(unknown or expired)", "session")
