@@ -111,11 +111,11 @@ class Accountant:
             # The first leader that accounts: leases that ended before it have no record.
             cursor = await self._commit(term, Cursor(0), [], Cursor(await self._now()))
         written_at = clock.monotonic()
-        batches: asyncio.Queue[WatchBatch] = asyncio.Queue()
+        batches: asyncio.Queue[WatchBatch | Exception] = asyncio.Queue()
         reader = asyncio.ensure_future(self._watch(cursor.revision + 1, batches))
         try:
             while True:
-                events, resync = await self._next(batches, reader)
+                events, resync = await self._next(batches)
                 if events:
                     cursor, written_at = await self._batch(term, cursor, events, written_at)
                 if resync:
@@ -128,35 +128,38 @@ class Accountant:
         finally:
             await cancel_and_wait([reader])
 
-    async def _watch(self, start_revision: int, batches: asyncio.Queue[WatchBatch]) -> None:
-        async for batch in self.ctx.store.watch(self.keys.root(), start_revision=start_revision, prev_kv=True,
-                                                deletes_only=True):
-            batches.put_nowait(batch)
-            if batch.resync:
-                return
+    async def _watch(self, start_revision: int, batches: asyncio.Queue[WatchBatch | Exception]) -> None:
+        """The watch's batches into ``batches``, then how it ended (its error; it ends after a resync batch)."""
+        try:
+            async for batch in self.ctx.store.watch(self.keys.root(), start_revision=start_revision, prev_kv=True,
+                                                    deletes_only=True):
+                batches.put_nowait(batch)
+                if batch.resync:
+                    return
+            batches.put_nowait(errors.Unavailable("accountant: its watch ended"))
+        except Exception as e:   # noqa: BLE001 - handed to the accountant's loop, which raises it
+            batches.put_nowait(e)
 
-    async def _next(self, batches: asyncio.Queue[WatchBatch], reader: asyncio.Future[None]
-                    ) -> tuple[list[WatchEvent], bool]:
+    @staticmethod
+    async def _next(batches: asyncio.Queue[WatchBatch | Exception]) -> tuple[list[WatchEvent], bool]:
         """The deletions of the next watch batch and of every batch that came within ``GATHER_S`` of it, so that
         their records share transactions (under load a batch holds a lease end or two: one transaction each
-        doubled the etcd writes of a release); and whether a resync batch ends them."""
-        getter = asyncio.ensure_future(batches.get())
-        waiting: set[asyncio.Future[Any]] = {getter, reader}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if not getter.done():
-            await cancel_and_wait([getter])
-            reader.result()      # the watch's error ends the pass
-            raise errors.Unavailable("accountant: its watch ended")
-        batch = getter.result()
-        if not batch.resync:
+        doubled the etcd writes of a release); and whether a resync batch ends them. The watch's error is raised
+        (the pass starts over from the cursor)."""
+        item = await batches.get()
+        if isinstance(item, Exception):
+            raise item
+        if not item.resync:
             await asyncio.sleep(GATHER_S)
         events: list[WatchEvent] = []
-        while not batch.resync:
-            events += batch.events
+        while not item.resync:
+            events += item.events
             try:
-                batch = batches.get_nowait()
+                item = batches.get_nowait()
             except asyncio.QueueEmpty:
                 return events, False
+            if isinstance(item, Exception):
+                raise item
         return events, True
 
     async def _batch(self, term: Election, cursor: Cursor, events: Sequence[WatchEvent],
