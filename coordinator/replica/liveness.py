@@ -29,7 +29,6 @@ passes. What gpucoord promises is docs/guarantees.md's G4 and G7.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Callable, Iterable
 
@@ -52,16 +51,6 @@ REVOKES_AT_ONCE = 256     # etcd revokes in flight together when many sessions e
 MIRROR_WAIT_S = 1.0       # how long expiry waits for a mirror short of etcd's revision to move, before reading etcd
 READ_AT_ONCE = 128        # session records read together when it does
 LOGGED_PER_ROUND = 20     # expired sessions named in the log per expiry round (the rest are counted)
-
-
-@dataclasses.dataclass
-class _Read:
-    """Session records read from etcd: the keys read, and those found (a key read and not found is gone)."""
-    keys: set[bytes]
-    found: dict[bytes, KV]
-
-    def get(self, key: bytes) -> KV | None:
-        return self.found.get(key)
 
 
 class Liveness:
@@ -113,7 +102,7 @@ class Liveness:
 
     def _mine_in_mirror(self, info: SessionInfo, t: Tracked) -> bool:
         # A session record is a flat key: read without parsing the key for its bucket (every keepalive comes here).
-        kv = self.ctx.mirror.flat(self.ctx.keys.session(info.agent, info.session_id)) if self.ctx.mirror.ready else None
+        kv = self.ctx.mirror.flat(self.ctx.keys.session(info.agent, info.session_id))
         if kv is None:
             return False
         if kv.mod_revision == t.mine_at:
@@ -128,7 +117,7 @@ class Liveness:
         key = self.ctx.keys.session(info.agent, info.session_id)
         # The mirror's record first (a replica taking over a failed one's thousands of sessions reads none of them
         # from etcd): the compare-and-put fails on a stale one, and etcd is read then.
-        kv = self.ctx.mirror.flat(key) if self.ctx.mirror.ready else None
+        kv = self.ctx.mirror.flat(key)
         for _ in range(self.ctx.config.commit_attempts):
             if kv is None:
                 kv = await self.ctx.store.get(key)
@@ -233,6 +222,7 @@ class Liveness:
         store, keys = self.ctx.store, self.ctx.keys
         registrations = await store.get_prefix(keys.coordinators())
         # Decided from what etcd held at this read or later: a takeover by another replica until now is seen.
+        records: Callable[[bytes], KV | None]
         if await self._mirror_reaches(registrations.revision):
             expired = self.table.expired()
             live, records = self._live(), self.ctx.mirror.get
@@ -243,7 +233,7 @@ class Liveness:
             # trusted before 3.5.8: coordinator.etcd.watch). The records are read from etcd instead.
             read = await self._read(self.table.expired())
             # Those still past their deadline after the read (a keepalive meanwhile moved it on), read by it.
-            expired = [i for i in self.table.expired() if keys.session(i.agent, i.session_id) in read.keys]
+            expired = [i for i in self.table.expired() if keys.session(i.agent, i.session_id) in read]
             live, records = self._live(registrations.kvs), read.get
         if live is None:
             return   # not registered (not yet, or not now): another replica adopts what must go
@@ -278,7 +268,6 @@ class Liveness:
         if failed:
             raise failed[0] if isinstance(failed[0], errors.GpucoordError) else errors.Unavailable(str(failed[0]))
 
-
     async def _mirror_reaches(self, revision: int) -> bool:
         """Whether the mirror reaches ``revision``: waited for while it moves (the etcd timeout at most), given
         up once it stands still for ``MIRROR_WAIT_S`` short of it."""
@@ -291,15 +280,14 @@ class Liveness:
             if mirror.revision == seen or loop.time() >= until:
                 return False
 
-    async def _read(self, sessions: list[SessionInfo]) -> _Read:
-        """The records of ``sessions`` in etcd now (linearizable)."""
-        read = _Read(set(), {})
+    async def _read(self, sessions: list[SessionInfo]) -> dict[bytes, KV | None]:
+        """The records of ``sessions`` in etcd now (linearizable), by key: None for one read and not found."""
+        read: dict[bytes, KV | None] = {}
         keys = [self.ctx.keys.session(info.agent, info.session_id) for info in sessions]
         for at in range(0, len(keys), READ_AT_ONCE):
             chunk = keys[at:at + READ_AT_ONCE]
             snap = await self.ctx.store.snapshot([Range(key) for key in chunk])
-            read.keys.update(chunk)
-            read.found.update((kvs[0].key, kvs[0]) for kvs in snap.ranges if kvs)
+            read.update((key, kvs[0] if kvs else None) for key, kvs in zip(chunk, snap.ranges))
         return read
 
     async def _unrefreshed(self, info: SessionInfo) -> SessionInfo | None:

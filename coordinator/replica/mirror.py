@@ -216,8 +216,8 @@ class Mirror:
 
     def flat(self, key: bytes) -> KV | None:
         """``get`` of a key of a kind that is not per host (a session, a host's registration), without parsing
-        the key to find its bucket."""
-        return self._flat.get(key)
+        the key to find its bucket; None while the mirror is not ready (the caller reads etcd)."""
+        return self._flat.get(key) if self.ready else None
 
     def get(self, key: bytes) -> KV | None:
         bucket = self._bucket(key, create=False)

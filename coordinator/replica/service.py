@@ -245,7 +245,7 @@ class CoordinatorService(Follower):
         if info is not None:
             return info
         key = self.keys.session(agent, session_id)   # a record's identity never changes: the mirror's will do
-        kv = (self.mirror.flat(key) if self.mirror.ready else None) or await self.store.get(key)
+        kv = self.mirror.flat(key) or await self.store.get(key)
         if kv is None:
             raise errors.SessionGone(f"session: no live session {session_id} of agent {agent!r} "
                                      "(unknown or expired)", "session")
