@@ -192,7 +192,7 @@ def test_the_node_exports_only_its_own_families() -> None:
 
 
 def test_the_gauges_of_a_fleet_larger_than_one_slice_cover_every_host_and_leave_with_them(cluster: Cluster) -> None:
-    """The gauges compute ``HOSTS_AT_ONCE`` host views between two yields to the event loop: every host of a
+    """The gauges compute ``HOSTS_AT_ONCE`` host views at most between two yields to the event loop: every host of a
     fleet several slices large gets its series, and loses them when it goes."""
     from coordinator.node.fake_hosts import fake_host_names, register_fake_hosts
     from coordinator.replica.gauges import HOSTS_AT_ONCE
