@@ -72,7 +72,6 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
         # Queued requests held back only by their victims' processes: lease id -> when first (the metric).
         self._held_since: dict[str, float] = {}
         self._teams_revision = 0
-        self._team_waiters = False
         self._task = spawn(self._run(), f"admission rounds on {host}")
         self._expiry = spawn(self._expire_loop(), f"queue expiry on {host}")
 
@@ -131,13 +130,6 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
     def has_waiters(self) -> bool:
         return bool(self._waiting)
 
-    @property
-    def has_team_waiters(self) -> bool:
-        """Some waiter of ours was held back by its team's limit alone at the last round (G11): its team's use
-        over the fleet dropping (a lease ended on any host) or its team changing may let it in
-        (``Follower._on_events``). Set by each round; true a little too long at worst (an extra round)."""
-        return self._team_waiters
-
     def hand_off(self, err: errors.GpucoordError) -> None:
         """etcd is out of reach: every caller, pending or waiting, is answered ``err`` (UNAVAILABLE) now, so
         that it retries through another replica, which takes over a waiter's queue entry with the same
@@ -168,6 +160,7 @@ class HostAdmitter(QueueExpiry, AdmissionRound):
         if not self._idle or self._wake.is_set():
             return False
         self.retired = True
+        self.ctx.team_waiting.discard(self.host)
         self._expiry.cancel()
         try:
             metrics.QUEUE_DEPTH.remove(self.host)

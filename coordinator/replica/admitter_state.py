@@ -25,7 +25,6 @@ class AdmitterState:
     _orphans: dict[str, int]
     _held_since: dict[str, float]
     _teams_revision: int    # the revision of the teams' copy the last round decided on (0: no team)
-    _team_waiters: bool     # some waiter of ours waited for its team's limit at the last round
 
     def _fail(self, c: AcquireCall, err: errors.GpucoordError) -> None:
         raise NotImplementedError

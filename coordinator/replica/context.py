@@ -43,6 +43,9 @@ class ReplicaContext:
     # The replica's admission rounds and releases commit through it: those of different hosts share etcd
     # transactions (docs/etcd.md "Shared commits").
     commits: SharedCommits = dataclasses.field(init=False)
+    # The hosts whose admitter has a waiter held back by its team's limit alone at its last round (G11): a lease's
+    # end on any host wakes them (``Follower._on_events``), without a look at each of a fleet's admitters.
+    team_waiting: set[str] = dataclasses.field(default_factory=set)
     # The seconds a session this replica keeps alive has left (replica/liveness.py); None for another's.
     session_left: Callable[[str], float | None] = lambda _session_id: None
 

@@ -15,6 +15,7 @@ from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import Keys
 from coordinator.records import EvictionRecord, InvalidRecord, SessionInfo
 from coordinator.replica.admitter import HostAdmitter
+from coordinator.replica.context import ReplicaContext
 from coordinator.replica.ends import LeaseEnds
 from coordinator.replica.fleet import FleetAdmitter
 from coordinator.replica.leader import Leadership
@@ -34,6 +35,7 @@ class Outbox(Protocol):
 class Follower:
     """The watch side of ``CoordinatorService``: what it reads and changes of the service is declared here."""
 
+    ctx: ReplicaContext
     store: Store
     keys: Keys
     mirror: Mirror
@@ -165,9 +167,13 @@ class Follower:
             # A lease ended on any host (maybe granted and released through another replica), or a team
             # changed (a raised limit, new members): the hosts whose waiters wait for their team decide again,
             # and so do those with leases under a request's notice (does the requester still need them?).
-            noticed = {r.host for r in self.evictions.values() if r.requester_priority is not None}
-            for host, admitter in self._admitters.items():
-                if (team_room and admitter.has_team_waiters) or host in noticed:
+            # Those hosts only: a fleet's replica has an admitter on each of thousands of hosts.
+            hosts = {r.host for r in self.evictions.values() if r.requester_priority is not None}
+            if team_room:
+                hosts |= self.ctx.team_waiting
+            for host in hosts:
+                admitter = self._admitters.get(host)
+                if admitter is not None:
                     admitter.notify()
 
     def _on_reach(self, ok: bool) -> None:

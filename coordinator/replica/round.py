@@ -230,7 +230,12 @@ class AdmissionRound(AdmitterState):
             else:
                 loop.call_later(max(0.0, c.deadline - time.monotonic()), self._expire_wake.set)
         metrics.EVICTIONS.labels("notice").inc(len(plan.evictions))
-        self._team_waiters = any(c.team_limit for c in self._waiting.values())
+        # A waiter held back by its team's limit alone: a lease's end on any host may let it in (G11). True a
+        # little too long at worst (an extra round).
+        if any(c.team_limit for c in self._waiting.values()):
+            self.ctx.team_waiting.add(self.host)
+        else:
+            self.ctx.team_waiting.discard(self.host)
         if plan.team_waits and self.ctx.mirror.teams_eased_at > self._teams_revision:
             # A lease ended (or a team changed) after the teams' copy this round decided on, and the watch saw it
             # before these waiters were ours to wake (``Follower._on_events``): decide again now.
