@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 1.0
 SWEEP_GRACE_S = 2.0
+HOSTS_READ_AT_ONCE = 128   # the queues' hosts' registrations read together by a sweep (etcd's --max-txn-ops at least)
 # A waiter's own replica removes its entry within moments of its deadline; the leader removes one that is
 # still there this long after it only as a safety net (and the waiter's replica still answers it right).
 OVERDUE_S = 20.0
@@ -346,15 +347,24 @@ class Leadership:
         stays as it is. The waiter's replica answers from what it then reads (FAILED_PRECONDITION only if
         the host is gone or the partition changed), so a sweep never changes the answer."""
         keys = self.keys
-        snap = await self.ctx.store.snapshot([Range(keys.hosts(), prefix=True, keys_only=True),
-                                              Range(keys.queue(), prefix=True),
+        snap = await self.ctx.store.snapshot([Range(keys.queue(), prefix=True),
                                               Range(keys.coordinators(), prefix=True, keys_only=True)])
-        hosts = {keys.parse(kv.key)[1][0] for kv in snap.ranges[0]}
-        replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[2]}
+        if not snap.ranges[0]:
+            return
+        # The registrations of the queues' hosts only, read after the queue: a fleet of 10,000 hosts with
+        # nobody waiting read 10,000 keys a sweep. A host registered meanwhile is seen; one gone meanwhile is
+        # swept at the next sweep (and a removal for a gone host compares its absence).
+        queued = sorted({keys.parse(kv.key)[1][0] for kv in snap.ranges[0]})
+        hosts: set[str] = set()
+        for at in range(0, len(queued), HOSTS_READ_AT_ONCE):
+            chunk = queued[at:at + HOSTS_READ_AT_ONCE]
+            read = await self.ctx.store.snapshot([Range(keys.host(h), keys_only=True) for h in chunk])
+            hosts |= {h for h, kvs in zip(chunk, read.ranges) if kvs}
+        replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[1]}
         now = clock.monotonic()
         removals: list[Removal] = []
         swept: list[tuple[QueueEntry, str]] = []
-        for kv in snap.ranges[1]:
+        for kv in snap.ranges[0]:
             host = keys.parse(kv.key)[1][0]
             try:
                 entry = QueueEntry.from_kv(kv)
