@@ -40,6 +40,7 @@ _TLS_HINT = "give readable PEM files with --tls-ca, --tls-cert and --tls-key (or
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator import errors
     from coordinator.config import ConfigError, CoordinatorConfig
+    from coordinator.heap import FreezingCollector
     from coordinator.rpc.coordinator_server import serve
     from coordinator.security.tls import TlsError
 
@@ -61,6 +62,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as e:
         raise UsageError(f"bad configuration: {e}", "see 'gpucoord coordinator --help'") from e
     _setup_logging(args.verbose)
+    FreezingCollector().install()   # full garbage collections that follow the growth, not the heap (heap.py)
     try:
         _run_until_signal(lambda stop: serve(config, ready=lambda p: _ready_line("coordinator", p), stop=stop))
     except errors.Unavailable as e:
