@@ -17,7 +17,8 @@ class KVStore(Protocol):
 
     * ``snapshot`` reads several ranges at ONE revision, never as a transaction: a linearizable Range fixes
       the revision R, the other ranges (and further pages) are Ranges at R, read concurrently. A prefix is
-      read in pages (``PAGE_KEYS``, halved while a page exceeds gRPC's message limit), all at R, so a read
+      read in pages (``PAGE_KEYS``, doubled after each full page up to ``PAGE_KEYS_MAX``, halved while a page
+      exceeds gRPC's message limit), all at R, so a read
       has no size limit. It may be retried (no side effect), and is retried as a whole when R has been
       compacted meanwhile. Raises Unavailable or Timeout; EtcdNoSpace never (reads work under NOSPACE).
     * ``commit`` is ONE write transaction with compares. It is never retried here: a compare failure is

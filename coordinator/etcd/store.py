@@ -59,9 +59,12 @@ __all__ = ["CHANNEL_OPTIONS", "KV", "PAGE_KEYS", "ChannelFactory", "PrefixRead",
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Keys per page of a range read: about 0.5 MiB with gpucoord's values, far below gRPC's 4 MiB limit. A page
-# that still exceeds it (large values) is read again at half the size.
+# Keys in the first page of a range read: about 0.5 MiB with gpucoord's values. Each full page doubles the next,
+# up to PAGE_KEYS_MAX: etcd (3.4, 3.5) counts every key left in the range for each page, so a replica's first
+# read of 200,000 keys in pages of 1,024 cost etcd seconds of counting. A page that exceeds gRPC's 4 MiB limit
+# (large values, or the largest pages) is read again at half the size, and pages grow no more past that size.
 PAGE_KEYS = 1024
+PAGE_KEYS_MAX = 8192
 
 
 def _call_timeout(own: float, deadline: float | None) -> float:
@@ -212,7 +215,7 @@ class Store(ServerInfo):
         """
         paged = bool(req.range_end) and not req.count_only
         wanted = req.limit
-        page = PAGE_KEYS
+        page, most = PAGE_KEYS, PAGE_KEYS_MAX
         key = req.key
         out: list[KV] = []
         while True:
@@ -225,7 +228,7 @@ class Store(ServerInfo):
                 resp = await self._range(r, deadline)
             except grpc.aio.AioRpcError as e:
                 if paged and page > 1 and response_too_large(e):
-                    page //= 2
+                    page = most = page // 2
                     continue
                 if serializable and revision and future_revision(e):
                     serializable = False
@@ -237,6 +240,7 @@ class Store(ServerInfo):
             if not (paged and resp.more and resp.kvs) or (wanted and len(out) >= wanted):
                 return tuple(out), revision
             key = resp.kvs[-1].key + b"\0"
+            page = min(page * 2, most)
 
     async def get(self, key: bytes) -> KV | None:
         snap = await self.snapshot([Range(key)])

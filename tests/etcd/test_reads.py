@@ -55,6 +55,7 @@ def test_a_snapshot_is_ranges_at_one_revision_never_a_transaction(own_etcd: Etcd
 def test_pages_of_a_prefix_read_are_all_at_the_first_pages_revision(own_etcd: EtcdCluster, lt: LoopThread,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store_module, "PAGE_KEYS", 7)
+    monkeypatch.setattr(store_module, "PAGE_KEYS_MAX", 7)
     calls = record_etcd_calls()
     prefix = b"/paged/"
     written: dict[bytes, int] = {}
@@ -80,6 +81,26 @@ def test_pages_of_a_prefix_read_are_all_at_the_first_pages_revision(own_etcd: Et
             assert len(got) == 50 and len(written) > 50, "writes between pages must not show in the read"
     lt.run(go())
     assert len(calls.of("Range")) >= 50 // 7 + 1
+
+
+def test_the_pages_of_a_long_read_double_up_to_the_largest_page(own_etcd: EtcdCluster, lt: LoopThread,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """etcd counts every key left in the range for each page: a read of 200,000 keys in pages of 1,024 cost it
+    seconds. Pages grow from ``PAGE_KEYS`` to ``PAGE_KEYS_MAX``, and the read still returns every key once."""
+    monkeypatch.setattr(store_module, "PAGE_KEYS", 4)
+    monkeypatch.setattr(store_module, "PAGE_KEYS_MAX", 16)
+    calls = record_etcd_calls()
+    prefix = b"/growing/"
+
+    async def go() -> None:
+        async with Store(own_etcd.endpoints, channel=calls.channel) as s:
+            for i in range(60):
+                await s.put(prefix + b"%03d" % i, b"v")
+            snap = await s.get_prefix(prefix)
+            assert [kv.key for kv in snap.kvs] == [prefix + b"%03d" % i for i in range(60)]
+            await s.delete(prefix, prefix=True)
+    lt.run(go())
+    assert [r.limit for r in calls.of("Range") if r.range_end] == [4, 8, 16, 16, 16]
 
 
 def test_a_page_larger_than_grpcs_message_limit_is_read_in_smaller_pages(own_etcd: EtcdCluster,
