@@ -39,7 +39,7 @@ def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int,
         interval = min(3.0, ttl / 3)
         raws = [r.raw_holder(f"/bench/raw-holder/{i}", ttl, interval) for i in range(samples)]
 
-        async def reclaim() -> tuple[list[float], list[float], float, int]:
+        async def reclaim() -> tuple[list[float], list[float], float, float, int]:
             async with Store([r.ep]) as s:
                 async def count(prefix: bytes) -> int:
                     snap = await s.snapshot([Range(prefix, prefix=True, keys_only=True)])
@@ -63,7 +63,7 @@ def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int,
                 t_mass = time.perf_counter()
                 ours: dict[bytes, float] = {}
                 theirs: dict[bytes, float] = {}
-                mass_done = 0.0
+                mass_done = mass_first = 0.0
                 deadline = t0 + ttl * 3 + 10
                 while time.perf_counter() < deadline and (len(ours) < samples or len(theirs) < samples
                                                           or not mass_done):
@@ -76,18 +76,22 @@ def phase_idle_and_reclaim(sessions: int, idle_s: float, ttl: int, samples: int,
                             book[k] = now - t0
                     if not snap.ranges[-1] and not mass_done:
                         mass_done = now - t_mass
+                    if len(snap.ranges[-1]) < mass_before and not mass_first:
+                        mass_first = now - t_mass    # the first expiry: the rest is the revokes' pace
                     await asyncio.sleep(0.02)
-                return list(ours.values()), list(theirs.values()), mass_done or float("inf"), mass_before
-        ours, theirs, mass, mass_n = eventloop.run(reclaim())
+                return (list(ours.values()), list(theirs.values()), mass_done or float("inf"), mass_first,
+                        mass_before)
+        ours, theirs, mass, mass_first, mass_n = eventloop.run(reclaim())
     out["p8"] = {"sessions": sessions, "ttl_s": ttl, "window_s": wall, "coordinator_cpu_pct": coord_cpu * 100,
                  "coordinator_rss_mb": rss, "node_cpu_pct": node_cpu * 100, "etcd_proposals_s": writes}
     out["p6"] = {"ttl_s": ttl, "gpucoord_reclaim_s": ours, "raw_expiry_s": theirs, "mass_sessions": mass_n,
-                 "mass_reclaim_s": mass}
+                 "mass_reclaim_s": mass, "mass_first_reclaimed_s": mass_first}
     return [
         line("P6", f"reclaim after SIGKILL, median of {samples}, TTL {ttl} s", statistics.median(ours) if ours else
              float("inf"), "s", statistics.median(theirs) if theirs else float("nan"),
              "raw etcd_lease holder killed alike", "<= 1.1", lambda x: x <= 1.1),
-        line("P6", f"{mass_n} sessions killed at once: all reclaimed", mass, "s", None, f"TTL {ttl} s + 2 s",
+        line("P6", f"{mass_n} sessions killed at once: all reclaimed", mass, "s", None,
+             f"TTL {ttl} s + 2 s; the first at {mass_first:.1f} s",
              f"<= {ttl + 2} s", lambda x: x <= ttl + 2, use_ratio=False),
         line("P8", f"coordinator CPU, {sessions} idle sessions", coord_cpu * 100, "%", None,
              f"of one core, TTL {ttl} s, {wall:.0f} s window", "<= 5 %", lambda x: x <= 5.0),
