@@ -87,11 +87,13 @@ class LeaseIs:
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """A read: one key, or every key under ``key`` when ``prefix``; ``keys_only`` leaves the values out."""
+    """A read: one key, or every key under ``key`` when ``prefix``, or every key from ``key`` up to ``until``
+    (excluded) when it is given; ``keys_only`` leaves the values out."""
 
     key: bytes
     prefix: bool = False
     keys_only: bool = False
+    until: bytes = b""
 
 
 Op = Put | Delete | Get | Txn

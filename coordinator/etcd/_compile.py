@@ -56,6 +56,8 @@ def range_request(r: Range) -> rpc.RangeRequest:
     req = rpc.RangeRequest(key=r.key, keys_only=r.keys_only)
     if r.prefix:
         req.range_end = prefix_range_end(r.key)
+    elif r.until:
+        req.range_end = r.until
     return req
 
 

@@ -19,7 +19,7 @@ from coordinator.replica.context import ReplicaContext
 from coordinator.replica.ends import LeaseEnds
 from coordinator.replica.fleet import FleetAdmitter
 from coordinator.replica.leader import Leadership
-from coordinator.replica.mirror import Mirror
+from coordinator.replica.mirror import Mirror, mirrored_ranges
 from coordinator.replica.observed import Observed
 from coordinator.replica.reach import EtcdReach
 
@@ -67,9 +67,13 @@ class Follower:
                             stop=lambda: self._closed)
 
     async def _watch_once(self) -> None:
-        snap = await self.store.get_prefix(self.keys.root())
-        self.mirror.reset(snap.kvs, snap.revision)
-        self._observe(snap.kvs, reset=True)
+        # Every key under the prefix but the kinds the mirror does not keep (the usage records and rollups:
+        # a week of records in a busy fleet is hundreds of thousands of keys, read at each start and watch reset
+        # only to be dropped); the watch still starts from this read's revision.
+        snap = await self.store.snapshot(mirrored_ranges(self.keys))
+        kvs = [kv for kvs in snap.ranges for kv in kvs]
+        self.mirror.reset(kvs, snap.revision)
+        self._observe(kvs, reset=True)
         self.evictions.clear()
         for kv in self.mirror.items("evictions"):
             try:

@@ -12,8 +12,9 @@ import asyncio
 from typing import Iterable
 
 from coordinator.etcd.types import KV, WatchBatch
-from coordinator.keys import Keys, last_segment
+from coordinator.keys import Keys, last_segment, prefix_range_end
 from coordinator.replica.view import HostSnapshot
+from coordinator.txn import Range
 
 _PER_HOST = ("gpus", "leases", "queue", "departing")
 _EMPTY: dict[bytes, KV] = {}
@@ -28,6 +29,16 @@ _MARKERS = (MULTI_HOST, TIME_LIMITED)
 # Kinds no replica decides on, kept out of memory: usage records and rollups (the leader's accountant reads etcd).
 _NOT_MIRRORED = frozenset({"accounting"})
 _HOST_SINGLES = ("hosts", "usage", "partitions", "cordons")   # flat kinds of one key per host, named last
+
+
+def mirrored_ranges(keys: Keys) -> list[Range]:
+    """The ranges that hold every key the mirror keeps: the whole prefix, less the kinds it does not keep."""
+    out, start = [], keys.root()
+    for kind in sorted(_NOT_MIRRORED):
+        out.append(Range(start, until=keys.kind(kind)))
+        start = prefix_range_end(keys.kind(kind))
+    out.append(Range(start, until=prefix_range_end(keys.root())))
+    return out
 
 
 class Mirror:

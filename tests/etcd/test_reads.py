@@ -267,3 +267,29 @@ def test_a_waiting_multi_host_gang_reads_no_fleet_snapshot_while_other_hosts_chu
     finally:
         cluster.close()
     assert reads <= 2, f"the waiting gang read the fleet from etcd {reads} times over 50 grants elsewhere"
+
+
+def test_a_replicas_mirror_is_loaded_without_the_usage_records(etcd: EtcdEndpoint, prefix: str) -> None:
+    """The mirror keeps no usage record or rollup (``accounting/``): a week of records in a busy fleet is hundreds
+    of thousands of keys, which a replica read at each start and watch reset only to drop them. Its first read
+    covers every other key under the prefix, and the watch still carries the accounting kinds to the leader."""
+    calls = record_etcd_calls()
+    cluster = Cluster(etcd.endpoints, prefix, etcd_channel=calls.channel)
+    accounting = cluster.keys.kind("accounting")
+    try:
+        cluster.start_node("h1", "1x8GiB")
+        addr = cluster.start_coordinator()
+        with Client(addr, agent="agent-a", host="h1") as c:
+            c.acquire(1000).release()     # a usage record is written
+            wait_for(lambda: cluster.get_prefix(cluster.keys.usage_record("")) != [], 30, "a usage record")
+            c.acquire(1000).release()     # admitted from the mirror, which holds h1 and the session
+    finally:
+        cluster.close()
+    root = cluster.keys.root()
+    # The first page of each read with values (the test's own cluster reads the prefix's keys once, at its start).
+    spans = [(r.key, r.range_end) for r in calls.of("Range") if r.range_end and r.key.startswith(root)
+             and not r.revision and not r.keys_only]
+    assert spans, "the replica's first read of its mirror"
+    assert not [s for s in spans if s[0] <= accounting < s[1]], "a read of the whole prefix took the accounting"
+    loaded = [s for s in spans if s[0] == root]
+    assert loaded and all(s[1] == accounting for s in loaded)

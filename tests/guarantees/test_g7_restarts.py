@@ -90,7 +90,7 @@ def test_the_replicas_watch_survives_an_etcd_error_during_a_resync(cluster: Clus
     error, unnoticed: the replica never woke waiters, delivered notices or, as leader, enforced deadlines.)"""
     from coordinator.etcd.store import Store
     cluster.start_node("h1", "1x8GiB")
-    orig_watch, orig_get_prefix = Store.watch, Store.get_prefix
+    orig_watch, orig_snapshot = Store.watch, Store.snapshot
     arm = {"resync": False, "fail": False}
     root = cluster.keys.root()
 
@@ -103,14 +103,15 @@ def test_the_replicas_watch_survives_an_etcd_error_during_a_resync(cluster: Clus
                 return
             yield batch
 
-    async def get_prefix(self: Any, prefix: bytes) -> Any:
-        if arm["fail"] and prefix == root:
+    async def snapshot(self: Any, ranges: Any, **kw: Any) -> Any:
+        ranges = list(ranges)
+        if arm["fail"] and ranges[0].key == root:    # the read of the whole state (``mirrored_ranges``)
             arm["fail"] = False
             raise cerrors.Unavailable("etcd unavailable: injected (longer than retry_for)")
-        return await orig_get_prefix(self, prefix)
+        return await orig_snapshot(self, ranges, **kw)
 
     monkeypatch.setattr(Store, "watch", watch)
-    monkeypatch.setattr(Store, "get_prefix", get_prefix)
+    monkeypatch.setattr(Store, "snapshot", snapshot)
     addr = cluster.start_coordinator()
     svc = cluster.service(addr)
     with Client(addr, agent="a", host="h1") as a, Client(addr, agent="b", host="h1") as b:
