@@ -52,6 +52,9 @@ class Mirror:
         self._changes = 0                        # every change to a flat key, ever (resets included)
         self._kind_changed: dict[str, int] = {}  # kind -> the value of ``_changes`` at its last change
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
+        # kind -> the hosts with a bucket of that kind: ``all_host_items`` reads the departing records of a fleet
+        # (the leader, at each usage report) without a look at its other buckets.
+        self._kind_hosts: dict[str, set[str]] = {kind: set() for kind in _PER_HOST}
         self._lease_keys: dict[str, bytes] = {}      # lease id -> its key
         # host -> when its leases last changed (a count of lease changes that never goes back, resets included);
         # only hosts with leases.
@@ -60,6 +63,8 @@ class Mirror:
         # host -> when any of its keys (per-host kinds, registration, usage, partition, cordon) last changed: a
         # count that never goes back; only hosts with keys.
         self._host_stamps: dict[str, int] = {}
+        # host -> the same, for its keys other than its usage report (which its daemon rewrites every few seconds).
+        self._shape_stamps: dict[str, int] = {}
         self._host_changes = 0
         self._marked: dict[bytes, dict[bytes, KV]] = {m: {} for m in _MARKERS}   # marker -> lease key -> its KV
         self._leases_prefix = keys.kind("leases")
@@ -97,9 +102,12 @@ class Mirror:
         self._kind_changed.clear()
         self._reset_at = self._changes
         self._buckets.clear()
+        for hosts in self._kind_hosts.values():
+            hosts.clear()
         self._lease_keys.clear()
         self._lease_stamps.clear()
         self._host_stamps.clear()
+        self._shape_stamps.clear()
         for marked in self._marked.values():
             marked.clear()
         for kv in kvs:
@@ -126,12 +134,10 @@ class Mirror:
         limit, other members)."""
         return key.startswith(self._teams_prefix) or (event != "PUT" and key.startswith(self._leases_prefix))
 
-    def _bucket(self, key: bytes, create: bool = True) -> dict[bytes, KV] | None:
+    def _bucket(self, key: bytes) -> dict[bytes, KV] | None:
         kind, parts = self._parse(key)
         if kind in _PER_HOST and len(parts) > 1:
-            if not create:
-                return self._buckets.get((kind, parts[0]), _EMPTY)
-            return self._buckets.setdefault((kind, parts[0]), {})
+            return self._buckets.get((kind, parts[0]), _EMPTY)
         return None
 
     def _parse(self, key: bytes) -> tuple[str | None, list[str]]:
@@ -145,10 +151,14 @@ class Mirror:
         if kind not in _PER_HOST or len(parts) < 2:
             self._put_flat(kv, kind)
             if kind in _HOST_SINGLES and parts:
-                self._stamp(parts[-1])
+                self._stamp(parts[-1], usage=kind == "usage")
             return
         host = parts[0]
-        self._buckets.setdefault((kind, host), {})[kv.key] = kv
+        bucket = self._buckets.get((kind, host))
+        if bucket is None:
+            bucket = self._buckets[(kind, host)] = {}
+            self._kind_hosts[kind].add(host)
+        bucket[kv.key] = kv
         self._stamp(host)
         if kind == "leases":
             self._lease_keys[parts[-1]] = kv.key
@@ -160,15 +170,18 @@ class Mirror:
                 else:
                     marked.pop(kv.key, None)
 
-    def _stamp(self, host: str) -> None:
+    def _stamp(self, host: str, usage: bool = False) -> None:
         self._host_changes += 1
         self._host_stamps[host] = self._host_changes
+        if not usage:
+            self._shape_stamps[host] = self._host_changes
 
     def _unstamp_if_gone(self, host: str) -> None:
         k = self.keys
         if not any((kind, host) in self._buckets for kind in _PER_HOST) and not any(
                 key in self._flat for key in (k.host(host), k.usage(host), k.partition(host), k.cordon(host))):
             self._host_stamps.pop(host, None)
+            self._shape_stamps.pop(host, None)
 
     def _delete(self, key: bytes) -> None:
         kind, parts = self._parse(key)
@@ -177,7 +190,7 @@ class Mirror:
             return
         if kind in _HOST_SINGLES and parts:
             self._delete_flat(key, kind)
-            self._stamp(parts[-1])
+            self._stamp(parts[-1], usage=kind == "usage")
             self._unstamp_if_gone(parts[-1])
             return
         if kind in _PER_HOST and len(parts) > 1:
@@ -187,6 +200,7 @@ class Mirror:
                 bucket.pop(key, None)
                 if not bucket:   # a host's last key gone: its bucket goes too (bounded by live keys)
                     del self._buckets[(kind, parts[0])]
+                    self._kind_hosts[kind].discard(parts[0])
             if kind == "leases":
                 self._lease_keys.pop(parts[-1], None)
                 for marked in self._marked.values():
@@ -231,7 +245,7 @@ class Mirror:
         return self._flat.get(key) if self.ready else None
 
     def get(self, key: bytes) -> KV | None:
-        bucket = self._bucket(key, create=False)
+        bucket = self._bucket(key)
         return (bucket if bucket is not None else self._flat).get(key)
 
     def lease(self, lease_id: str) -> KV | None:
@@ -242,8 +256,10 @@ class Mirror:
     def tracked(self) -> dict[str, int]:
         """How many structures the mirror holds (tests of bounded memory)."""
         return {"keys": len(self._flat) + sum(len(b) for b in self._buckets.values()),
-                "buckets": len(self._buckets), "lease_index": len(self._lease_keys),
-                "marked_leases": sum(len(m) for m in self._marked.values()), "host_stamps": len(self._host_stamps)}
+                "buckets": len(self._buckets), "kind_hosts": sum(len(h) for h in self._kind_hosts.values()),
+                "lease_index": len(self._lease_keys),
+                "marked_leases": sum(len(m) for m in self._marked.values()), "host_stamps": len(self._host_stamps),
+                "shape_stamps": len(self._shape_stamps)}
 
     def host_items(self, kind: str, host: str) -> tuple[KV, ...]:
         bucket = self._buckets.get((kind, host), {})
@@ -263,6 +279,10 @@ class Mirror:
         never comes back (0: no key of it): what is derived from a host's snapshot is kept until it moves."""
         return self._host_stamps.get(host, 0)
 
+    def shape_stamp(self, host: str) -> int:
+        """As ``host_stamp``, but a change of the host's usage report alone leaves it as it is."""
+        return self._shape_stamps.get(host, 0)
+
     def lease_stamps(self) -> dict[str, int]:
         """Every host with leases, with a number that changes whenever one of its leases is put or deleted
         (or the mirror is reset) and never comes back: what is derived from a host's leases is kept until its
@@ -278,7 +298,7 @@ class Mirror:
 
     def all_host_items(self, kind: str) -> list[KV]:
         """Every key of one per-host kind (e.g. ``departing``), over all hosts."""
-        return [kv for (k, _), bucket in self._buckets.items() if k == kind for kv in bucket.values()]
+        return [kv for host in self._kind_hosts.get(kind, ()) for kv in self._buckets[(kind, host)].values()]
 
     def marked_leases(self, marker: bytes) -> list[KV]:
         """Every lease record whose value holds ``marker`` (``MULTI_HOST``, ``TIME_LIMITED``), over all hosts."""

@@ -212,3 +212,36 @@ def test_the_gauges_of_a_fleet_larger_than_one_slice_cover_every_host_and_leave_
         cluster.lt.run(registration.close())
     wait_for(lambda: all(sample("gpucoord_leases", host=h) is None for h in names), 60,
              f"the series of all {count} hosts gone with them")
+
+
+def test_a_hosts_usage_report_reaches_its_gauges_within_the_usage_interval_even_in_a_quiet_fleet(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose usage report alone changed has its series computed again at most every ``USAGE_EVERY_S``
+    (daemons rewrite their reports every few seconds): two reports in a row, the second within that interval
+    of the first, and then nothing more in the whole fleet. The second still reaches the gauge, on time."""
+    from coordinator.node.fake_hosts import fake_host_names, register_fake_hosts
+    from coordinator.replica import gauges
+    from coordinator.txn import Put
+    monkeypatch.setattr(gauges, "USAGE_EVERY_S", 2.0)
+    prefix = f"u{uuid.uuid4().hex[:6]}"
+    (host,) = fake_host_names(prefix, 1)
+    cluster.start_coordinator()
+    registration = cluster.lt.run(register_fake_hosts(cluster.store, cluster.keys, prefix, 1, "1x16GiB"))
+    try:
+        (kv,) = cluster.get_prefix(cluster.keys.usage(host))
+        doc = json.loads(kv.value)
+        gpu = doc["gpus"][0]["uuid"]
+        wait_for(lambda: sample("gpucoord_gpu_utilization_percent", host=host, gpu=gpu) is not None, 30,
+                 "the host's utilization series")
+
+        def report(pct: int) -> None:
+            doc["gpus"][0]["utilization_pct"] = pct
+            cluster.lt.run(cluster.store.commit([], [Put(kv.key, json.dumps(doc).encode(), kv.etcd_lease)]))
+        report(40)
+        wait_for(lambda: sample("gpucoord_gpu_utilization_percent", host=host, gpu=gpu) == 40.0, 30,
+                 "the first report in the gauge")
+        report(70)      # within USAGE_EVERY_S of the first: its turn comes later, with nothing else to wake it
+        wait_for(lambda: sample("gpucoord_gpu_utilization_percent", host=host, gpu=gpu) == 70.0, 30,
+                 "the second report in the gauge")
+    finally:
+        cluster.lt.run(registration.close())

@@ -80,3 +80,53 @@ def test_a_host_stamp_moves_with_its_own_keys_only(steps: list[tuple[str, bytes,
                 assert stamp == before[host], f"{host}'s stamp moved with {op} of another's key {key!r}"
             elif stamp and (op == "put" or existed):
                 assert stamp != before[host], f"{host}'s stamp did not move with {op} of {key!r}"
+
+
+@given(ops)
+def test_a_hosts_shape_stamp_moves_with_its_keys_but_its_usage_report(steps: list[tuple[str, bytes, bytes]]) -> None:
+    """``shape_stamp``: as ``host_stamp``, except that a change of the host's usage report alone leaves it (the fleet
+    gauges follow those at most every ``USAGE_EVERY_S``)."""
+    mirror = Mirror(KEYS)
+    mirror.reset([], 1)
+    revision = 1
+    for op, key, value in steps:
+        revision += 1
+        before = {h: mirror.shape_stamp(h) for h in ("h1", "h2")}
+        if op == "reset":
+            mirror.reset([kv for k in HOST_OF if (kv := mirror.get(k)) is not None], revision)
+            continue
+        kv = KV(key, value, revision, revision, 1, 0)
+        existed = mirror.get(key) is not None
+        mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+        for host in ("h1", "h2"):
+            shape = mirror.shape_stamp(host)
+            if not _has_keys(mirror, host):
+                assert shape == 0
+            elif HOST_OF.get(key) != host or KEYS.parse(key)[0] == "usage":
+                assert shape == before[host], f"{host}'s shape moved with {op} of {key!r}"
+            elif op == "put" or existed:
+                assert shape != before[host], f"{host}'s shape did not move with {op} of {key!r}"
+
+
+@given(ops)
+def test_every_key_of_a_per_host_kind_is_found_by_its_kind_and_no_other(steps: list[tuple[str, bytes, bytes]]) -> None:
+    """``all_host_items(kind)`` (kept by an index of the hosts with a bucket of each kind) is every key of that
+    kind, against a plain model of the keys put and deleted."""
+    mirror = Mirror(KEYS)
+    mirror.reset([], 1)
+    model: dict[bytes, bytes] = {}
+    revision = 1
+    for op, key, value in steps:
+        revision += 1
+        if op == "reset":
+            mirror.reset([kv for k in model if (kv := mirror.get(k)) is not None], revision)
+        else:
+            kv = KV(key, value, revision, revision, 1, 0)
+            mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+            if op == "put":
+                model[key] = value
+            else:
+                model.pop(key, None)
+        for kind in ("leases", "queue", "departing", "gpus"):
+            found = mirror.all_host_items(kind)
+            assert sorted(kv.key for kv in found) == sorted(k for k in model if k.startswith(KEYS.kind(kind)))
