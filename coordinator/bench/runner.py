@@ -28,6 +28,7 @@ class Sizes:
     p5_hosts: int = 1000
     p5_leases: int = 10_000
     idle_sessions: int = 1000
+    reporting_hosts: int = 1000  # P8 again with this many hosts rewriting their usage reports (as daemons do)
     idle_s: float = 20.0
     ttl: int = 10
     samples: int = 5
@@ -38,7 +39,7 @@ class Sizes:
 
 
 QUICK = Sizes(n=20, seconds=1.0, levels=(1, 16), p3_agents=16, p3_hosts=4, p5_hosts=20, p5_leases=40,
-              idle_sessions=20, idle_s=1.0, ttl=2, samples=1, p7_n=5, teams_rounds=1)
+              idle_sessions=20, reporting_hosts=20, idle_s=1.0, ttl=2, samples=1, p7_n=5, teams_rounds=1)
 
 
 PHASES = ("latency", "contended", "p3", "p5", "reclaim", "p7", "gang", "multihost", "teams")
@@ -54,7 +55,8 @@ def run(what: str, sizes: Sizes, out: Figures, profile: str = "",
         "contended": lambda: phase_contended(sizes.seconds, sizes.levels, out, profile),
         "p3": lambda: phase_p3(sizes.seconds, sizes.p3_agents, sizes.p3_hosts, sizes.replicas, out),
         "p5": lambda: phase_p5(sizes.n, sizes.p5_hosts, sizes.p5_leases, out),
-        "reclaim": lambda: phase_idle_and_reclaim(sizes.idle_sessions, sizes.idle_s, sizes.ttl, sizes.samples, out),
+        "reclaim": lambda: phase_idle_and_reclaim(sizes.idle_sessions, sizes.idle_s, sizes.ttl, sizes.samples, out,
+                                                  sizes.reporting_hosts),
         "p7": lambda: phase_p7(sizes.p7_n, out),
         "gang": lambda: phase_gang(sizes.seconds, sizes.gang_agents, out),
         "multihost": lambda: phase_multihost(sizes.seconds, sizes.multihost_agents, out, sizes.n, sizes.levels[-1],
