@@ -1,8 +1,9 @@
 """The fleet gauges from the replica's mirror: ``gpucoord_leases{host}``, ``gpucoord_vram_bytes{host,gpu,kind}``
 and ``gpucoord_team_vram_bytes{team,kind}``, updated after the watch applies a batch, never by a read.
 
-A host's series are computed again only when one of its keys changed (``Mirror.host_stamp``); a host whose records are all gone loses its series. The team series are computed again from the
-kept host views when a lease, a queue entry or a team changed. At most one update every ``MIN_INTERVAL_S``:
+A host's series are computed again only when one of its keys changed (``Mirror.host_stamp``), and when only its
+usage report changed, at most every ``USAGE_EVERY_S``; a host whose records are all gone loses its series. The
+team series are computed again from the kept host views when a lease, a queue entry or a team changed. At most one update every ``MIN_INTERVAL_S``:
 a busy fleet costs one pass over the changed hosts per interval, an idle one nothing.
 """
 from __future__ import annotations
