@@ -11,7 +11,7 @@ import time
 
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
-from coordinator.txn import Put, Range
+from coordinator.txn import Put
 
 TICK_S = 0.1          # reports are written in batches, one batch per tick
 PUTS_PER_TXN = 100    # below etcd's default --max-txn-ops
@@ -20,11 +20,7 @@ PUTS_PER_TXN = 100    # below etcd's default --max-txn-ops
 async def report_usage(endpoints: list[str], keys: Keys, hosts: list[str], interval_s: float, seconds: float) -> int:
     """Rewrite ``hosts``' usage reports every ``interval_s`` for ``seconds``; returns how many were written."""
     async with Store(endpoints) as store:
-        reports = []
-        for at in range(0, len(hosts), PUTS_PER_TXN):
-            chunk = hosts[at:at + PUTS_PER_TXN]
-            snap = await store.snapshot([Range(keys.usage(h)) for h in chunk])
-            reports += [kvs[0] for kvs in snap.ranges if kvs]
+        reports = [kv for kv in (await store.get_many([keys.usage(h) for h in hosts])).values() if kv is not None]
         per_tick = max(1, round(len(reports) * TICK_S / interval_s))
         written, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds and reports:

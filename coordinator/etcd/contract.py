@@ -46,6 +46,11 @@ class KVStore(Protocol):
         """One key, linearizable. Raises Unavailable, Timeout."""
         ...
 
+    async def get_many(self, keys: Sequence[bytes], *, keys_only: bool = False) -> dict[bytes, KV | None]:
+        """Each of ``keys`` (None for one not found), linearizable, in groups each at one revision. Raises
+        Unavailable, Timeout."""
+        ...
+
     async def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> PrefixRead:
         """Every key under ``prefix``, paged, at one revision (the read's). Raises Unavailable, Timeout."""
         ...

@@ -65,6 +65,7 @@ T = TypeVar("T")
 # (large values, or the largest pages) is read again at half the size, and pages grow no more past that size.
 PAGE_KEYS = 1024
 PAGE_KEYS_MAX = 8192
+KEYS_AT_ONCE = 128   # single-key Ranges of ``get_many`` in flight together
 
 
 def _call_timeout(own: float, deadline: float | None) -> float:
@@ -245,6 +246,16 @@ class Store(ServerInfo):
     async def get(self, key: bytes) -> KV | None:
         snap = await self.snapshot([Range(key)])
         return snap.ranges[0][0] if snap.ranges[0] else None
+
+    async def get_many(self, keys: Sequence[bytes], *, keys_only: bool = False) -> dict[bytes, KV | None]:
+        """Each of ``keys`` now (linearizable), None for one not found: ``KEYS_AT_ONCE`` at a time, each group at
+        one revision (not the whole)."""
+        read: dict[bytes, KV | None] = {}
+        for at in range(0, len(keys), KEYS_AT_ONCE):
+            chunk = keys[at:at + KEYS_AT_ONCE]
+            snap = await self.snapshot([Range(key, keys_only=keys_only) for key in chunk])
+            read.update((key, kvs[0] if kvs else None) for key, kvs in zip(chunk, snap.ranges))
+        return read
 
     async def get_prefix(self, prefix: bytes, *, keys_only: bool = False) -> PrefixRead:
         """Every key under ``prefix`` at one revision, read in pages (any number, any size)."""

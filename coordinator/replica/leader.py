@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 1.0
 SWEEP_GRACE_S = 2.0
-HOSTS_READ_AT_ONCE = 128   # the queues' hosts' registrations read together by a sweep (etcd's --max-txn-ops at least)
 # A waiter's own replica removes its entry within moments of its deadline; the leader removes one that is
 # still there this long after it only as a safety net (and the waiter's replica still answers it right).
 OVERDUE_S = 20.0
@@ -355,11 +354,8 @@ class Leadership:
         # nobody waiting read 10,000 keys a sweep. A host registered meanwhile is seen; one gone meanwhile is
         # swept at the next sweep (and a removal for a gone host compares its absence).
         queued = sorted({keys.parse(kv.key)[1][0] for kv in snap.ranges[0]})
-        hosts: set[str] = set()
-        for at in range(0, len(queued), HOSTS_READ_AT_ONCE):
-            chunk = queued[at:at + HOSTS_READ_AT_ONCE]
-            read = await self.ctx.store.snapshot([Range(keys.host(h), keys_only=True) for h in chunk])
-            hosts |= {h for h, kvs in zip(chunk, read.ranges) if kvs}
+        registered = await self.ctx.store.get_many([keys.host(h) for h in queued], keys_only=True)
+        hosts = {h for h in queued if registered[keys.host(h)] is not None}
         replicas = {keys.parse(kv.key)[1][0] for kv in snap.ranges[1]}
         now = clock.monotonic()
         removals: list[Removal] = []

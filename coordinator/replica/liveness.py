@@ -38,7 +38,7 @@ from coordinator.record_fields import load_record
 from coordinator.records import InvalidRecord, SessionInfo, dumps
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.session_table import TICK_S, SessionTable, Tracked, adopter
-from coordinator.txn import ModRevisionIs, Put, Range
+from coordinator.txn import ModRevisionIs, Put
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ REFRESH_SLACK_S = 2.0
 REVOKES_AT_ONCE = 256     # etcd revokes in flight together when many sessions end in one tick (64 took 5 s more
 #                           for 1,000 at once; one client revokes about 4,000 a second whatever the number)
 MIRROR_WAIT_S = 1.0       # how long expiry waits for a mirror short of etcd's revision to move, before reading etcd
-READ_AT_ONCE = 128        # session records read together when it does
 LOGGED_PER_ROUND = 20     # expired sessions named in the log per expiry round (the rest are counted)
 
 
@@ -282,13 +281,7 @@ class Liveness:
 
     async def _read(self, sessions: list[SessionInfo]) -> dict[bytes, KV | None]:
         """The records of ``sessions`` in etcd now (linearizable), by key: None for one read and not found."""
-        read: dict[bytes, KV | None] = {}
-        keys = [self.ctx.keys.session(info.agent, info.session_id) for info in sessions]
-        for at in range(0, len(keys), READ_AT_ONCE):
-            chunk = keys[at:at + READ_AT_ONCE]
-            snap = await self.ctx.store.snapshot([Range(key) for key in chunk])
-            read.update((key, kvs[0] if kvs else None) for key, kvs in zip(chunk, snap.ranges))
-        return read
+        return await self.ctx.store.get_many([self.ctx.keys.session(i.agent, i.session_id) for i in sessions])
 
     async def _unrefreshed(self, info: SessionInfo) -> SessionInfo | None:
         """``info`` if no other replica has refreshed its etcd lease since this one last did (see the module doc);
