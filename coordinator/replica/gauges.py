@@ -3,8 +3,9 @@ and ``gpucoord_team_vram_bytes{team,kind}``, updated after the watch applies a b
 
 A host's series are computed again only when one of its keys changed (``Mirror.host_stamp``), and when only its
 usage report changed, at most every ``USAGE_EVERY_S``; a host whose records are all gone loses its series. The
-team series are computed again from the kept host views when a lease, a queue entry or a team changed. At most one update every ``MIN_INTERVAL_S``:
-a busy fleet costs one pass over the changed hosts per interval, an idle one nothing.
+team series are computed again from the kept host views when a lease, a queue entry or a team changed. At most
+one update every ``MIN_INTERVAL_S``: a busy fleet costs one pass over the changed hosts per interval, an idle one
+nothing.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ USAGE_EVERY_S = 15.0
 class MirrorGauges:
     def __init__(self, ctx: ReplicaContext) -> None:
         self.ctx = ctx
-        self._stamps: dict[str, int] = {}   # host -> its mirror stamp when its series were computed
-        self._shapes: dict[str, tuple[int, float]] = {}   # host -> its shape stamp and when, at that computation
+        # host -> its mirror stamp and shape stamp when its series were computed, and when that was
+        self._computed: dict[str, tuple[int, int, float]] = {}
         self._views: dict[str, HostView] = {}
         self._teams_at = -1
         self._registered: set[str] = set()
@@ -64,16 +65,16 @@ class MirrorGauges:
         ctx = self.ctx
         hosts = self._hosts()
         changed, deferred = 0, False
-        for host in set(self._stamps) - hosts:
+        for host in set(self._computed) - hosts:
             self._forget(host)
             changed += 1
         sliced, began = 0, time.perf_counter()
         now = time.monotonic()
         for host in hosts:
             stamp = ctx.mirror.host_stamp(host)
-            if self._stamps.get(host) == stamp:
+            computed, shape, at = self._computed.get(host, (-1, -1, 0.0))
+            if computed == stamp:
                 continue
-            shape, at = self._shapes.get(host, (-1, 0.0))
             if shape == ctx.mirror.shape_stamp(host) and now - at < USAGE_EVERY_S:
                 deferred = True   # only its usage report changed, and not long ago: later (its stamp still differs)
                 continue
@@ -86,8 +87,7 @@ class MirrorGauges:
                 stamp = ctx.mirror.host_stamp(host)    # the mirror may have moved meanwhile
                 if not stamp:
                     continue     # every key of the host went meanwhile: the next pass forgets it
-            self._stamps[host] = stamp
-            self._shapes[host] = (ctx.mirror.shape_stamp(host), time.monotonic())
+            self._computed[host] = (stamp, ctx.mirror.shape_stamp(host), time.monotonic())
             view = host_view(ctx.keys, host, ctx.mirror.host_snapshot(host), ctx.config.untracked_vram,
                              ctx.usage_age)
             old = self._views.get(host)
@@ -111,8 +111,7 @@ class MirrorGauges:
         return deferred
 
     def _forget(self, host: str) -> None:
-        self._stamps.pop(host, None)
-        self._shapes.pop(host, None)
+        self._computed.pop(host, None)
         view = self._views.pop(host, None)
         _remove(metrics.LEASES, host)
         for uuid in view.gpus if view is not None else ():
