@@ -2,13 +2,13 @@
 each nested in its branch with its own compares, so that one raft entry carries many (group commit across
 hosts, as ``policy/planner.py``'s rounds share one commit on a host).
 
-A transaction alone is sent as it is (a serial client pays nothing: one proposal per commit). While
-``IN_FLIGHT`` shared transactions are in flight, new ones wait and leave together in the next, as many as may
-share one (``sharing.share``: none writes what another reads or writes; within etcd's operations limit, the
-parts cap and the bytes budget). Each part's answer is its nested transaction's: a compare that failed fails
-that part alone, at the shared revision. etcd refuses a whole request for one part's fault (a put on an
-etcd_lease that has just expired, a limit): the parts are then committed one by one, so each hears its own
-answer. An error of etcd itself (out of reach, timed out, outcome unknown) is every part's.
+A transaction alone is sent as it is, from its caller's task (a serial client pays nothing: one proposal per
+commit, no task between). While ``IN_FLIGHT`` transactions are in flight, new ones wait and leave together in
+the next, as many as may share one (``sharing.share``: none writes what another reads or writes; within etcd's
+operations limit, the parts cap and the bytes budget). Each part's answer is its nested transaction's: a compare
+that failed fails that part alone, at the shared revision. etcd refuses a whole request for one part's fault (a
+put on an etcd_lease that has just expired, a limit): the parts are then committed one by one, so each hears its
+own answer. An error of etcd itself (out of reach, timed out, outcome unknown) is every part's.
 """
 from __future__ import annotations
 
@@ -65,6 +65,14 @@ class SharedCommits:
                      deadline: float | None = None) -> TxnResult:
         if self.max_parts <= 1:
             return await self.store.commit(compares, success, failure, deadline=deadline)
+        if not self._in_flight:
+            # Nothing in flight: this one goes at once, from the caller's own task (no task, no future: a serial
+            # caller's commit costs what ``Store.commit`` does). Those that come meanwhile gather behind it.
+            self._in_flight += 1
+            try:
+                return await self.store.commit(compares, success, failure, deadline=deadline)
+            finally:
+                self._in_flight -= 1
         future: asyncio.Future[TxnResult] = asyncio.get_running_loop().create_future()
         # A caller that went away (cancelled) while its part was in flight leaves the answer to nobody: it
         # is retrieved here, so that an error is not reported as never retrieved.

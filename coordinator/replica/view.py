@@ -133,6 +133,14 @@ def lease_of(kv: KV) -> VramLease:
     return VramLease.from_kv(kv)
 
 
+# A host's usage report, checked: its rounds read the same report until its node writes the next (every few
+# seconds). Sized for the hosts a replica admits on at once, not the fleet: a report's dict is kilobytes. Shared
+# by every view of it: read, never changed.
+@functools.lru_cache(maxsize=1024)
+def _usage(value: bytes) -> dict[str, object]:
+    return check_usage(load_record(value))
+
+
 @functools.lru_cache(maxsize=4096)
 def _partition(value: bytes) -> Partition:
     return Partition.from_json(load_record(value).get("partition"))  # type: ignore[arg-type]
@@ -200,7 +208,7 @@ def host_view(keys: Keys, host: str, snap: HostSnapshot, untracked: bool,
     part_kv = snap.partition
     partition = _parsed(keys, part_kv, lambda: _partition(part_kv.value), problems) if part_kv else None
     usage_kv = snap.usage
-    usage = (_parsed(keys, usage_kv, lambda: check_usage(load_record(usage_kv.value)), problems)
+    usage = (_parsed(keys, usage_kv, lambda: _usage(usage_kv.value), problems)
              if usage_kv else None)
     age = (usage_age(usage_kv) if usage_age is not None else 0.0) if usage_kv else -1.0
     stale = usage_is_stale(usage, age)
