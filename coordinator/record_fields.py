@@ -158,7 +158,6 @@ def check_usage(doc: object) -> dict[str, object]:
     if "interval_s" in checked and not 0 < num_of(checked, "interval_s") < 1e6:
         raise fail("interval_s", "must be > 0")
     for i, g in enumerate(list_of(checked, "gpus", [])):
-        f = f"gpus[{i}]"
         try:
             g = dict_of(g, "gpu")
             str_of(g, "uuid")
@@ -172,13 +171,13 @@ def check_usage(doc: object) -> dict[str, object]:
             if "processes_omitted" in g:
                 int_of(g, "processes_omitted", hi=1 << 32)
             for j, p in enumerate(list_of(g, "processes", [])):
-                p = dict_of(p, f"processes[{j}]")
+                p = p if isinstance(p, dict) else dict_of(p, f"processes[{j}]")   # (the name made on an error only)
                 int_of(p, "pid", hi=1 << 32)
                 int_of(p, "used_mb", hi=1 << 30)
                 str_of(p, "state", "")
                 str_of(p, "lease_id", "")
             for j, u in enumerate(list_of(g, "leases", [])):
-                u = dict_of(u, f"leases[{j}]")
+                u = u if isinstance(u, dict) else dict_of(u, f"leases[{j}]")
                 str_of(u, "lease_id")
                 str_of(u, "agent", "")
                 int_of(u, "vram_mb", hi=1 << 30, default=0)
@@ -186,5 +185,5 @@ def check_usage(doc: object) -> dict[str, object]:
                 bool_of(u, "over_use", False)
                 ints_of(u, "pids", 1 << 32, "process ids", most=1 << 62)
         except InvalidRecord as e:
-            raise fail(f, str(e)) from None
+            raise fail(f"gpus[{i}]", str(e)) from None
     return checked

@@ -73,32 +73,45 @@ def _parse(kv: KV) -> Parsed:
     return float(doc.get("interval_s", 5.0)), tuple(rows)
 
 
-def sample(ctx: ReplicaContext, last: dict[bytes, tuple[int, bool, frozenset[float]]] | None = None) -> None:
+Sampled = dict[bytes, tuple[tuple[int, bool, frozenset[float]], tuple[str, ...]]]
+"""``sample``'s memory between passes: per usage report, its version, staleness and the thresholds as last sampled,
+and its GPUs."""
+
+
+def sample(ctx: ReplicaContext, last: Sampled | None = None) -> None:
     """Feed ``ctx.utilization`` with what the mirror's usage reports say now (see the module's docstring). Each
     version of a report is parsed once. Sampled whether idle reclaim is on or not: usage accounting measures each
     lease's idle GPU-seconds from the same history (``replica/accountant.py``).
 
-    ``last`` (kept by the caller between passes): each report's version, staleness and the thresholds as last
-    sampled. A report sampled so before changes nothing when observed again (the same values, in the same bands),
-    so it is skipped: a fleet of 10,000 hosts is 80,000 GPUs a second otherwise."""
-    history, seen = ctx.utilization, set()
+    ``last`` (kept by the caller between passes, see ``Sampled``): a report sampled so before changes nothing when
+    observed again (the same values, in the same bands), so it is skipped, its GPUs unread; the GPUs without a
+    report are looked for only when a report came, went or changed its GPUs. A fleet of 10,000 hosts is 80,000
+    GPUs a second otherwise."""
+    history = ctx.utilization
     fleet, _, by_team = policies(ctx)
     thresholds = frozenset({fleet.below_pct, *(p.below_pct for p in by_team.values())})
     now = clock.monotonic()
-    sampled: dict[bytes, tuple[int, bool, frozenset[float]]] = {}
+    sampled: Sampled = {}
+    gpus_moved = last is None
     for kv in ctx.mirror.items("usage"):
-        at = ctx.observed.saw(kv.key, kv.mod_revision)
         parsed = _parse(kv)
         if parsed is None:
+            gpus_moved = True
             continue   # malformed: its GPUs are unknown (they get no points)
         stale = ctx.usage_age(kv) > STALE_INTERVALS * parsed[0]
-        sampled[kv.key] = state = (kv.mod_revision, stale, thresholds)
-        unchanged = last is not None and last.get(kv.key) == state
+        state = (kv.mod_revision, stale, thresholds)
+        before = last.get(kv.key) if last is not None else None
+        if before is not None and before[0] == state:
+            sampled[kv.key] = before
+            continue
+        uuids = tuple(uuid for uuid, _ in parsed[1])
+        sampled[kv.key] = (state, uuids)
+        gpus_moved = gpus_moved or before is None or before[1] != uuids
+        at = ctx.observed.saw(kv.key, kv.mod_revision)
         for uuid, pct in parsed[1]:
-            if not unchanged:
-                history.observe(uuid, now if stale else at, -1 if stale else pct, thresholds)
-            seen.add(uuid)
-    history.keep_only(seen)   # a GPU whose report is gone has no points: unknown
+            history.observe(uuid, now if stale else at, -1 if stale else pct, thresholds)
+    if gpus_moved or (last is not None and len(last) != len(sampled)):
+        history.keep_only(uuid for _, uuids in sampled.values() for uuid in uuids)   # a GPU without a report: unknown
     if last is not None:
         last.clear()
         last.update(sampled)
@@ -192,7 +205,7 @@ class IdleReclaim:
     def __init__(self, ctx: ReplicaContext, leases: Leases) -> None:
         self.ctx, self.leases = ctx, leases
         self._warned: set[str] = set()
-        self._sampled: dict[bytes, tuple[int, bool, frozenset[float]]] = {}   # sample's memory between passes
+        self._sampled: Sampled = {}   # sample's memory between passes
 
     async def sample_forever(self) -> None:
         """Every replica: keep the history and the gauge current (cheap: one pass over the usage reports)."""

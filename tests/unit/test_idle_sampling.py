@@ -52,9 +52,12 @@ def ctx(**config: Any) -> Any:
     return c
 
 
-def put_usage(c: Any, rev: int, pct: Any) -> None:
-    doc = {"ts": 0.0, "interval_s": 1.0, "gpus": [{"uuid": "GPU-0", "vram_used_mb": 0, "utilization_pct": pct}]}
-    c.mirror.kvs["usage"] = [KV(K.usage("h1"), json.dumps(doc).encode(), 1, rev, 1, 0)]
+def put_usage(c: Any, rev: int, pct: Any, host: str = "h1", gpus: tuple[str, ...] = ("GPU-0",)) -> None:
+    """``host``'s report (the others' stay): ``pct`` on each of ``gpus``."""
+    doc = {"ts": 0.0, "interval_s": 1.0,
+           "gpus": [{"uuid": uuid, "vram_used_mb": 0, "utilization_pct": pct} for uuid in gpus]}
+    others = [kv for kv in c.mirror.kvs["usage"] if kv.key != K.usage(host)]
+    c.mirror.kvs["usage"] = [*others, KV(K.usage(host), json.dumps(doc).encode(), 1, rev, 1, 0)]
 
 
 def put_lease(c: Any, agent: str = "a", lease_id: str = "l1") -> None:
@@ -114,22 +117,35 @@ def test_a_teams_policy_overrides_the_fleets_for_its_agents(monkeypatch: Any) ->
     assert idle.judged(off) == {}
 
 
+HOSTS = ("h1", "h2")
+GPU_SETS = ((0,), (0, 1), (1,))   # the GPUs a host's report names (a report may name other GPUs later)
 steps = st.lists(st.one_of(
-    st.tuples(st.just("report"), st.integers(0, 100)),      # a new version of the report, this percent
-    st.tuples(st.just("age"), st.sampled_from([0.0, 10.0])),  # the report fresh, or stale
+    # a new version of a host's report: its GPUs, this percent on each
+    st.tuples(st.just("report"), st.tuples(st.sampled_from(HOSTS), st.sampled_from(GPU_SETS), st.integers(0, 100))),
+    st.tuples(st.just("age"), st.sampled_from([0.0, 10.0])),  # the reports fresh, or stale
     st.tuples(st.just("team"), st.sampled_from([0.0, 5.0, 50.0])),   # a team's idle threshold (0: none)
-    st.tuples(st.just("gone"), st.just(0)),
+    st.tuples(st.just("gone"), st.sampled_from(HOSTS)),
     st.tuples(st.just("sample"), st.just(0)),
 ), max_size=30)
 
 
+def _uuids(host: str, gpus: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(f"{host}-GPU-{i}" for i in gpus)
+
+
 @settings(max_examples=300)
 @given(steps)
-@example([("report", 5), ("sample", 0), ("age", 10.0), ("sample", 0)])    # the same report, now stale
-@example([("report", 3), ("sample", 0), ("report", 8), ("sample", 0), ("team", 5.0), ("sample", 0)])  # a new band
+@example([("report", ("h1", (0,), 5)), ("sample", 0), ("age", 10.0), ("sample", 0)])    # the same report, now stale
+@example([("report", ("h1", (0,), 3)), ("sample", 0), ("report", ("h1", (0,), 8)), ("sample", 0), ("team", 5.0),
+          ("sample", 0)])  # a new band
+@example([("report", ("h1", (0, 1), 3)), ("sample", 0), ("report", ("h1", (0,), 3)), ("sample", 0)])  # a GPU left
+@example([("report", ("h1", (0,), 3)), ("sample", 0), ("gone", "h1"), ("report", ("h2", (0,), 3)),
+          ("sample", 0)])   # one report went and another came: as many reports as before
 def test_sampling_that_skips_reports_it_sampled_unchanged_keeps_the_same_history(plan: list[tuple[str, Any]]) -> None:
     """``sample`` with its memory between passes (as ``IdleReclaim`` runs it) skips a report whose version,
-    staleness and thresholds it sampled before: the history it keeps is the one sampling everything keeps."""
+    staleness and thresholds it sampled before, and looks for GPUs without a report only when a report came, went
+    or changed its GPUs: the history it keeps is the one sampling everything keeps, GPU by GPU."""
+    every_gpu = [uuid for host in HOSTS for uuid in _uuids(host, (0, 1))]
     with pytest.MonkeyPatch.context() as mp:
         plain, memo = ctx(idle_after_s=10.0, idle_below_pct=10.0), ctx(idle_after_s=10.0, idle_below_pct=10.0)
         mp.setattr(idle.clock, "monotonic", lambda: plain.observed.now)
@@ -138,7 +154,8 @@ def test_sampling_that_skips_reports_it_sampled_unchanged_keeps_the_same_history
         for op, arg in plan:
             for c in (plain, memo):
                 if op == "report":
-                    put_usage(c, rev + 1, arg)
+                    host, gpus, pct = arg
+                    put_usage(c, rev + 1, pct, host, _uuids(host, gpus))
                 elif op == "age":
                     c.age = arg
                 elif op == "team":
@@ -146,12 +163,13 @@ def test_sampling_that_skips_reports_it_sampled_unchanged_keeps_the_same_history
                     c.mirror.kvs["teams"] = [KV(K.team("t"), json.dumps(team).encode(), 1, rev + 1, 1, 0)] \
                         if arg else []
                 elif op == "gone":
-                    c.mirror.kvs["usage"] = []
+                    c.mirror.kvs["usage"] = [kv for kv in c.mirror.kvs["usage"] if kv.key != K.usage(arg)]
             rev += 1
             if op == "sample":
                 idle.sample(plain)
                 idle.sample(memo, last)
-                assert memo.utilization.points("GPU-0") == plain.utilization.points("GPU-0")
-                assert memo.utilization.current("GPU-0") == plain.utilization.current("GPU-0")
+                for uuid in every_gpu:
+                    assert memo.utilization.points(uuid) == plain.utilization.points(uuid), uuid
+                    assert memo.utilization.current(uuid) == plain.utilization.current(uuid), uuid
             plain.observed.now += 1.0
             memo.observed.now = plain.observed.now
