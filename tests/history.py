@@ -72,6 +72,9 @@ class HistoryReport:
     shared_revisions: int = 0
     # Sessions taken over by another replica (a put of a session record that exists: replica/liveness.py).
     session_takeovers: int = 0
+    # Revisions that deleted several session records: sessions that expired together, their keys deleted in shared
+    # transactions (replica/ended_together.py). Counted, not a rule: each session's keys still go in one revision.
+    sessions_ended_together: int = 0
     max_used: dict[str, int] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
     over_capacity: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)   # G1: (rev, host, gpu)
@@ -154,6 +157,7 @@ def check_history(events: list[WatchEvent], keys: Keys, time_limit_slack_s: floa
         # Sessions that end in this revision (expiry, or closed): their leases go with them.
         sessions_gone = {keys.parse(ev.kv.key)[1][-1] for ev in by_rev[rev]
                          if ev.kind == "DELETE" and keys.parse(ev.kv.key)[0] == "sessions"}
+        rep.sessions_ended_together += len(sessions_gone) > 1
         for ev in by_rev[rev]:
             kind, parts = keys.parse(ev.kv.key)
             teams.event(kind, parts, ev)

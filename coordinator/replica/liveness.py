@@ -12,7 +12,8 @@ notices), so that a session ends in one revision whichever way it ends. But that
   mirror stands still short of it: a write outside the prefix moves etcd's revision where no event of the
   prefix may carry the mirror), and revokes the etcd lease of each session whose record still names this
   replica (or a replica no longer registered): etcd deletes the session's keys in one revision, as when the
-  etcd lease expired by itself. One that another replica took over meanwhile is left to it.
+  etcd lease expired by itself. One that another replica took over meanwhile is left to it. When many are due
+  at once, their keys go in shared transactions first (``replica/ended_together.py``).
 * **Adoption.** The sessions of a replica that is no longer registered (killed, or cut from etcd past its
   election TTL) are adopted, each by the live replica that rendezvous hashing of its id picks, with a deadline
   of one TTL from then. A live agent moves to another replica and keeps its session; a dead one's session is
@@ -33,10 +34,16 @@ import logging
 from typing import Callable, Iterable
 
 from coordinator import clock, errors
+from coordinator.aio import spawn
 from coordinator.etcd.types import KV
 from coordinator.record_fields import load_record
 from coordinator.records import InvalidRecord, SessionInfo, dumps
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.ended_together import (
+    TOGETHER_AT_LEAST,
+    delete_together,
+    revoke_all,
+)
 from coordinator.replica.session_table import TICK_S, SessionTable, Tracked, adopter
 from coordinator.txn import ModRevisionIs, Put
 
@@ -222,7 +229,8 @@ class Liveness:
         registrations = await store.get_prefix(keys.coordinators())
         # Decided from what etcd held at this read or later: a takeover by another replica until now is seen.
         records: Callable[[bytes], KV | None]
-        if await self._mirror_reaches(registrations.revision):
+        from_mirror = await self._mirror_reaches(registrations.revision)
+        if from_mirror:
             expired = self.table.expired()
             live, records = self._live(), self.ctx.mirror.get
         else:
@@ -249,6 +257,15 @@ class Liveness:
             due.append(info)
         if any(how != "memory" for how in live.values()):
             due = [info for info in await asyncio.gather(*(self._unrefreshed(i) for i in due)) if info is not None]
+        together: list[SessionInfo] = []
+        if from_mirror and len(due) >= TOGETHER_AT_LEAST:
+            # Many at once: their keys go in shared transactions (replica/ended_together.py), their etcd leases
+            # are revoked after, in the background.
+            together, due = await delete_together(self.ctx, due, records)
+            for info in together:
+                self._gone(info)
+            if together:
+                spawn(revoke_all(self.ctx, together, REVOKES_AT_ONCE), "revoking ended sessions' etcd leases")
         gate = asyncio.Semaphore(REVOKES_AT_ONCE)
 
         async def revoke(info: SessionInfo) -> None:
@@ -257,7 +274,7 @@ class Liveness:
             self._gone(info)
         results = await asyncio.gather(*(revoke(i) for i in due), return_exceptions=True)
         # One line per round, not per session: 10,000 agents dying together write 10,000 lines otherwise.
-        done = [i for i, r in zip(due, results) if not isinstance(r, BaseException)]
+        done = together + [i for i, r in zip(due, results) if not isinstance(r, BaseException)]
         for info in done[:LOGGED_PER_ROUND]:
             log.info("session %s of agent %r expired (no keepalive for %d s)", info.session_id, info.agent,
                      info.ttl_s or self.ctx.config.session_ttl_s)

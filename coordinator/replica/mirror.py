@@ -9,7 +9,7 @@ answered from the mirror: the caller reads etcd instead.
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable
+from typing import Collection, Iterable
 
 from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import Keys, last_segment, prefix_range_end
@@ -299,6 +299,16 @@ class Mirror:
     def all_host_items(self, kind: str) -> list[KV]:
         """Every key of one per-host kind (e.g. ``departing``), over all hosts."""
         return [kv for host in self._kind_hosts.get(kind, ()) for kv in self._buckets[(kind, host)].values()]
+
+    def keys_on_etcd_leases(self, etcd_leases: Collection[int]) -> dict[int, list[bytes]]:
+        """etcd lease -> the keys held here that are attached to it, for those of ``etcd_leases`` (one pass over
+        every key: for many sessions at once)."""
+        out: dict[int, list[bytes]] = {}
+        for kvs in (self._flat.values(), *(bucket.values() for bucket in self._buckets.values())):
+            for kv in kvs:
+                if kv.etcd_lease in etcd_leases:
+                    out.setdefault(kv.etcd_lease, []).append(kv.key)
+        return out
 
     def marked_leases(self, marker: bytes) -> list[KV]:
         """Every lease record whose value holds ``marker`` (``MULTI_HOST``, ``TIME_LIMITED``), over all hosts."""

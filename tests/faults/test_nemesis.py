@@ -28,7 +28,9 @@ asks its leases with a time limit of 2 to 4 s (``TIME_LIMITS``) and holds them u
 rule (no lease outlives its limit + grace + kill margin) applies under every fault. The replicas run with idle eviction on (a 3 s window): h1's GPU 0 reports 0 %, the others 50 %, and an idle holder keeps a lease
 there until its notice (tests/support/idle_load.py: the history checker's idle rule). A last line ``nemesis summary`` gives the seed, the
 faults, the calls, the violations and the leaks in one line. Another application writes to the same etcd beside
-the prefix all along (``_another_application``).
+the prefix all along (``_another_application``). Every 12 s a process dies with 20 sessions (each holding a lease or
+waiting for one), kept alive together until then: they expire together, their keys deleted in shared transactions
+(tests/support/mass_death.py).
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ from tests.support.etcd3 import Etcd3
 from tests.support.history_usage import check_usage
 from tests.support.idle_load import IdleReport, hold_idle
 from tests.support.load import LoadReport, run_load
+from tests.support.mass_death import SESSIONS as SESSIONS_PER_DEATH
+from tests.support.mass_death import MassDeathReport, die_with_sessions
 from tests.support.noise import unhandled_in_log
 from tests.support.processes import LinkedReplica
 from tests.support.rpcs import coordinator_stub
@@ -248,6 +252,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
 
         cordons = CordonReport()
         idle = IdleReport()
+        deaths = MassDeathReport()
 
         async def scenario() -> LoadReport:
             report = LoadReport()
@@ -258,6 +263,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
             operator = asyncio.create_task(run_cordons([a, b], list(HOSTS), duration - FAULT_EVERY_S, seed, cordons))
             idler = asyncio.create_task(hold_idle([a, b], HOSTS[0], duration - FAULT_EVERY_S, idle, TTL))
             neighbour = asyncio.create_task(_another_application(etcd3.endpoints, c.prefix, duration))
+            dying = asyncio.create_task(die_with_sessions([a, b], list(HOSTS), duration - FAULT_EVERY_S, deaths, TTL))
             loop = asyncio.get_running_loop()
             end = loop.time() + duration - FAULT_EVERY_S
             while loop.time() < end:
@@ -274,6 +280,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
             await operator
             await idler
             await neighbour
+            await dying
             return report
 
         report = asyncio.run(scenario())
@@ -304,6 +311,7 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         print(f"nemesis seed {seed}: history {history.revisions} revisions, {history.leases_created} leases, "
               f"{history.shared_revisions} revisions writing several hosts' leases (shared commits, batched "
               f"removals), {history.session_takeovers} sessions taken over by another replica, "
+              f"{history.sessions_ended_together} revisions ending several sessions (of {deaths.died} left to die), "
               f"violations {len(history.violations)}")
         # Usage records (issue 33), up to where the accountant's cursor reached before the replicas stopped.
         usage = check_usage(c.lt.run(read_history(c.store, c.keys.root()), timeout=300), c.keys)
@@ -326,6 +334,9 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
     print(f"nemesis seed {seed}: idle holder acquires {idle.outcomes.count('ok')} of {len(idle.outcomes)}, notices "
           f"{idle.notices}")
     assert not idle.undocumented(), idle.undocumented()[:5]
+    print(f"nemesis seed {seed}: processes dying with {SESSIONS_PER_DEATH} sessions: calls {len(deaths.outcomes)}, "
+          f"sessions left to die {deaths.died}")
+    assert not deaths.unexpected(), deaths.unexpected()[:5]
     assert any(x.outcome == "ok" for x in gangs), "no gang was granted: the load did not mix gangs in"
     assert limited, "no lease with a time limit was granted: the load did not mix time limits in"
     assert any(x.outcome == "ok" for x in multi), "no multi-host gang was granted: the load did not mix them in"
