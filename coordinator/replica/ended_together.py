@@ -3,9 +3,9 @@
 Revoking one etcd lease is one unary call: a replica revokes about 2,000 a second beside the watch that follows
 their deletions, so 10,000 sessions expiring in one tick took five seconds after their TTL. When many expire at
 once (``TOGETHER_AT_LEAST``), each one's keys (its record, leases, queue entries: every key the mirror holds on
-its etcd lease) are deleted instead in a transaction nested in a shared one, with its own compare: its record
-unchanged since the mirror read it. A part whose compare fails (another replica took the session over, or
-its record was rewritten) is left to the revoke, as is a session with more keys than a part may carry.
+its etcd lease) are deleted instead in a transaction nested in a shared one, with its own compares: each of those
+keys unchanged since the mirror read it. A part whose compare fails (another replica took the session over, or
+one of its keys was rewritten) is left to the revoke, as is a session with more keys than a part may carry.
 
 A session's keys still go in one revision (its nested transaction is atomic). The mirror had caught up with
 the registrations read that decided the expiry; a write that attached a key to the session's etcd lease after
@@ -39,7 +39,7 @@ async def delete_together(ctx: ReplicaContext, due: list[SessionInfo],
     """Delete the keys of the sessions ``due`` (``record``: their records, as the mirror holds them) in shared
     transactions: (the sessions whose keys went, those left to a revoke)."""
     keys, max_ops = ctx.keys, ctx.config.etcd_max_txn_ops
-    attached = ctx.mirror.keys_on_etcd_leases({info.etcd_lease for info in due})
+    attached = ctx.mirror.on_etcd_leases({info.etcd_lease for info in due})
     left: list[SessionInfo] = []
     batches: list[list[Part]] = [[]]
     widest = 0
@@ -47,14 +47,17 @@ async def delete_together(ctx: ReplicaContext, due: list[SessionInfo],
         key = keys.session(info.agent, info.session_id)
         kv = record(key)
         mine = attached.get(info.etcd_lease, [])
-        if kv is None or kv.etcd_lease != info.etcd_lease or key not in mine or len(mine) > max_ops // 2:
+        if kv is None or kv.etcd_lease != info.etcd_lease or kv not in mine or len(mine) > max_ops // 2:
             left.append(info)
             continue
         # etcd's limit: the parts of a transaction, plus the widest part's operations, within --max-txn-ops.
         if batches[-1] and len(batches[-1]) + 1 + max(widest, len(mine)) > max_ops:
             batches.append([])
             widest = 0
-        batches[-1].append((info, Txn((ModRevisionIs(key, kv.mod_revision),), tuple(Delete(k) for k in mine))))
+        # Each key as the mirror holds it: one rewritten meanwhile (its etcd lease may be another's now) fails the
+        # part, and the revoke, which deletes exactly what is on the etcd lease, ends the session.
+        batches[-1].append((info, Txn(tuple(ModRevisionIs(x.key, x.mod_revision) for x in mine),
+                                      tuple(Delete(x.key) for x in mine))))
         widest = max(widest, len(mine))
     ended: list[SessionInfo] = []
     gate = asyncio.Semaphore(IN_FLIGHT)

@@ -300,14 +300,14 @@ class Mirror:
         """Every key of one per-host kind (e.g. ``departing``), over all hosts."""
         return [kv for host in self._kind_hosts.get(kind, ()) for kv in self._buckets[(kind, host)].values()]
 
-    def keys_on_etcd_leases(self, etcd_leases: Collection[int]) -> dict[int, list[bytes]]:
+    def on_etcd_leases(self, etcd_leases: Collection[int]) -> dict[int, list[KV]]:
         """etcd lease -> the keys held here that are attached to it, for those of ``etcd_leases`` (one pass over
         every key: for many sessions at once)."""
-        out: dict[int, list[bytes]] = {}
+        out: dict[int, list[KV]] = {}
         for kvs in (self._flat.values(), *(bucket.values() for bucket in self._buckets.values())):
             for kv in kvs:
                 if kv.etcd_lease in etcd_leases:
-                    out.setdefault(kv.etcd_lease, []).append(kv.key)
+                    out.setdefault(kv.etcd_lease, []).append(kv)
         return out
 
     def marked_leases(self, marker: bytes) -> list[KV]:
