@@ -16,9 +16,10 @@ Installed by the coordinator's process (``gpucoord coordinator``), not by a libr
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 THAW_EVERY_S = 600.0
 
@@ -57,4 +58,18 @@ class FreezingCollector:
         self._unfreeze()
 
 
-__all__ = ["THAW_EVERY_S", "FreezingCollector"]
+@contextlib.contextmanager
+def collections_paused() -> Iterator[None]:
+    """No cyclic collection while a large structure without cycles is built in one piece (a replica's mirror: 200,000
+    keys at 100,000 leases, whose load took 0.14 s of collections in a restart of 2 s). Reference counting frees
+    what it frees meanwhile; the collector runs again after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+__all__ = ["THAW_EVERY_S", "FreezingCollector", "collections_paused"]

@@ -210,13 +210,15 @@ class IdleReclaim:
     async def sample_forever(self) -> None:
         """Every replica: keep the history and the gauge current (cheap: one pass over the usage reports)."""
         while True:
+            # The first pass a period after the start: it parses every usage report (10,000 in a large fleet),
+            # which a starting replica's first calls would wait behind.
+            await asyncio.sleep(SAMPLE_S)
             if self.ctx.mirror.ready:
                 try:
                     sample(self.ctx, self._sampled)
                     update_gauge(judged(self.ctx))
                 except Exception:
                     log.exception("sampling the GPUs' utilization failed; retrying")
-            await asyncio.sleep(SAMPLE_S)
 
     async def sweep(self) -> list[str]:
         """The leader: send the notices due now; the lease ids noticed."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from coordinator.heap import FreezingCollector
+from coordinator.heap import FreezingCollector, collections_paused
 
 
 class Calls:
@@ -55,3 +55,17 @@ def test_installed_it_freezes_what_a_real_full_collection_leaves_and_uninstalled
         c.uninstall()
     assert c not in gc.callbacks
     assert gc.get_freeze_count() == 0
+
+
+def test_collections_paused_disables_the_collector_for_its_block_only_and_leaves_a_disabled_one_disabled() -> None:
+    assert gc.isenabled()
+    with collections_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.etcd.types import KV, WatchBatch, WatchEvent
-from coordinator.keys import Keys
-from coordinator.replica.mirror import MULTI_HOST, TIME_LIMITED, Mirror
+from coordinator.keys import Keys, prefix_range_end
+from coordinator.replica.mirror import MULTI_HOST, TIME_LIMITED, Mirror, mirrored_ranges
 
 KEYS = Keys()
 VALUES = (b'{"plain":1}', b'{"hosts":[["h1",[0]]]}', b'{"time_limit_s":60}',
@@ -119,3 +119,15 @@ def test_every_key_of_a_per_host_kind_is_found_by_its_kind_and_no_other(steps: l
         for kind in ("leases", "queue", "departing", "gpus"):
             found = mirror.all_host_items(kind)
             assert sorted(kv.key for kv in found) == sorted(k for k in model if k.startswith(KEYS.kind(kind)))
+
+
+@given(st.one_of(
+    st.binary(max_size=12).map(lambda tail: KEYS.root() + tail),
+    st.tuples(st.sampled_from(["accounting", "gpus", "hosts", "leases", "sessions", "usage", "queue", "teams"]),
+              st.binary(max_size=8)).map(lambda kt: KEYS.kind(kt[0]) + kt[1])))
+def test_the_mirrors_ranges_hold_every_key_of_the_prefix_once_but_the_accounting(key: bytes) -> None:
+    """``mirrored_ranges``: end to end, no key in two (they are read side by side), none of ``accounting/``."""
+    ranges = mirrored_ranges(KEYS)
+    holding = [r for r in ranges if r.key <= key < r.until]
+    assert len(holding) == (0 if key.startswith(KEYS.kind("accounting")) else 1), (key, holding)
+    assert all(a.until == b.key or b.key == prefix_range_end(KEYS.kind("accounting")) for a, b in zip(ranges, ranges[1:]))
