@@ -34,7 +34,7 @@ import logging
 from typing import Callable, Iterable
 
 from coordinator import clock, errors
-from coordinator.aio import spawn
+from coordinator.aio import cancel_and_wait, spawn
 from coordinator.etcd.types import KV
 from coordinator.record_fields import load_record
 from coordinator.records import InvalidRecord, SessionInfo, dumps
@@ -69,6 +69,7 @@ class Liveness:
         self._adopted_at = -1          # the generation of coordinators/ (the mirror's) last adopted at
         self._scanned = 0.0            # when every session was last looked at for adoption
         self._trackers: dict[bytes, tuple[int, str]] = {}   # session key -> (mod_revision, tracker) at the last scan
+        self._revoking: set[asyncio.Task[None]] = set()      # revokes after sessions ended together (ended_together)
 
     def etcd_ttl(self, ttl_s: int) -> int:
         """The TTL of a new session's etcd lease: the configured long one, at least three session TTLs."""
@@ -155,18 +156,21 @@ class Liveness:
 
     # -- expiry and adoption ------------------------------------------------------------------------
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            try:
-                self.adopt()
-                if self.table.expired():
-                    await self.expire()
-            except errors.GpucoordError as e:
-                log.warning("session expiry: %s; trying again", e)
-                await asyncio.sleep(0.5)
-            except Exception:   # the expiry of every session here must go on (logged with its stack)
-                log.exception("session expiry: an unexpected error; trying again")
-                await asyncio.sleep(0.5)
+        try:
+            while True:
+                await asyncio.sleep(TICK_S)
+                try:
+                    self.adopt()
+                    if self.table.expired():
+                        await self.expire()
+                except errors.GpucoordError as e:
+                    log.warning("session expiry: %s; trying again", e)
+                    await asyncio.sleep(0.5)
+                except Exception:   # the expiry of every session here must go on (logged with its stack)
+                    log.exception("session expiry: an unexpected error; trying again")
+                    await asyncio.sleep(0.5)
+        finally:
+            await cancel_and_wait(self._revoking)   # the replica stops: the long TTL ends what is left
 
     def _live(self, registrations: Iterable[KV] | None = None) -> dict[str, str] | None:
         """The registered replicas (id -> how they keep sessions: "memory", or "" for the previous release's
@@ -265,7 +269,9 @@ class Liveness:
             for info in together:
                 self._gone(info)
             if together:
-                spawn(revoke_all(self.ctx, together, REVOKES_AT_ONCE), "revoking ended sessions' etcd leases")
+                task = spawn(revoke_all(self.ctx, together, REVOKES_AT_ONCE), "revoking ended sessions' etcd leases")
+                self._revoking.add(task)
+                task.add_done_callback(self._revoking.discard)
         gate = asyncio.Semaphore(REVOKES_AT_ONCE)
 
         async def revoke(info: SessionInfo) -> None:
