@@ -11,7 +11,7 @@ from tests.support.rpcs import coordinator_stub
 from tests.support.waiting import LIVENESS_S, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("history_checked")]
-TTL = 3
+TTL = 8   # long enough that no session expires while the 40 are opened and acquire, on a busy machine
 SESSIONS = 40   # however the expiry ticks split them, at least one tick ends replica/ended_together's threshold
 
 
