@@ -201,11 +201,16 @@ class Cluster:
                 for kv in self.get_prefix(self.keys.coordinators())}
 
     def owner(self, host: str, replicas: int) -> str:
-        """The address of the replica that owns ``host`` once ``replicas`` replicas are registered."""
+        """The address of the replica that owns ``host`` once ``replicas`` replicas are registered, and once every
+        in-process replica's own view (its mirror) names it too: a replica whose mirror has not seen a registration
+        yet forwards the host's calls to the one it thinks owns it (a test that hooks the owner would miss them)."""
         from coordinator.replica.service import owner_of
         reps = wait_for(lambda: (lambda r: r if len(r) == replicas else None)(self.replicas()), 15,
                         f"{replicas} replicas to register")
-        return str(reps[owner_of(host, reps)])
+        winner = owner_of(host, reps)
+        wait_for(lambda: all(svc.owner(host) == (winner, reps[winner]) for _, svc in self.coordinators.values()), 15,
+                 f"every replica to see that {winner} owns {host}")
+        return str(reps[winner])
 
     def leases(self) -> list[Any]:
         from coordinator.records import VramLease

@@ -7,7 +7,7 @@ import dataclasses
 import time
 from typing import Any, Awaitable, Callable
 
-from coordinator.txn import Delete, Op, Put
+from coordinator.txn import Delete, Op, Put, Txn
 from tests.support.cluster import Cluster
 from tests.support.waiting import wait_for
 
@@ -40,11 +40,17 @@ def patch_commit(cluster: Cluster, svc: Any,
 
 
 def is_put(op: Op, key_part: bytes) -> bool:
-    """``op`` (an operation of ``coordinator.txn``) puts a key containing ``key_part``."""
+    """``op`` (an operation of ``coordinator.txn``) puts a key containing ``key_part``; a transaction nested in a
+    shared one (``coordinator/etcd/shared_commits.py``: a round's commit that went with another's) if its success
+    branch does."""
+    if isinstance(op, Txn):
+        return any(is_put(o, key_part) for o in op.success)
     return isinstance(op, Put) and key_part in op.key
 
 
 def is_delete(op: Op, key_part: bytes) -> bool:
+    if isinstance(op, Txn):
+        return any(is_delete(o, key_part) for o in op.success)
     return isinstance(op, Delete) and key_part in op.key
 
 
