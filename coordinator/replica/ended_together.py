@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
 
 from coordinator import errors
-from coordinator.etcd.types import KV, NestedResult
+from coordinator.etcd.types import NestedResult
 from coordinator.records import SessionInfo
 from coordinator.replica.context import ReplicaContext
 from coordinator.txn import Delete, ModRevisionIs, Txn
@@ -34,10 +33,9 @@ IN_FLIGHT = 4            # shared transactions in flight at once
 Part = tuple[SessionInfo, Txn]
 
 
-async def delete_together(ctx: ReplicaContext, due: list[SessionInfo],
-                          record: Callable[[bytes], KV | None]) -> tuple[list[SessionInfo], list[SessionInfo]]:
-    """Delete the keys of the sessions ``due`` (``record``: their records, as the mirror holds them) in shared
-    transactions: (the sessions whose keys went, those left to a revoke)."""
+async def delete_together(ctx: ReplicaContext, due: list[SessionInfo]) -> tuple[list[SessionInfo], list[SessionInfo]]:
+    """Delete the keys of the sessions ``due`` in shared transactions, as the mirror holds them: (the sessions whose
+    keys went, those left to a revoke: one whose record the mirror does not hold on its etcd lease, too)."""
     keys, max_ops = ctx.keys, ctx.config.etcd_max_txn_ops
     attached = ctx.mirror.on_etcd_leases({info.etcd_lease for info in due})
     left: list[SessionInfo] = []
@@ -45,9 +43,8 @@ async def delete_together(ctx: ReplicaContext, due: list[SessionInfo],
     widest = 0
     for info in due:
         key = keys.session(info.agent, info.session_id)
-        kv = record(key)
         mine = attached.get(info.etcd_lease, [])
-        if kv is None or kv.etcd_lease != info.etcd_lease or kv not in mine or len(mine) > max_ops // 2:
+        if not any(x.key == key for x in mine) or len(mine) > max_ops // 2:
             left.append(info)
             continue
         # etcd's limit: the parts of a transaction, plus the widest part's operations, within --max-txn-ops.

@@ -265,7 +265,7 @@ class Liveness:
         if from_mirror and len(due) >= TOGETHER_AT_LEAST:
             # Many at once: their keys go in shared transactions (replica/ended_together.py), their etcd leases
             # are revoked after, in the background.
-            together, due = await delete_together(self.ctx, due, records)
+            together, due = await delete_together(self.ctx, due)
             for info in together:
                 self._gone(info)
             if together:

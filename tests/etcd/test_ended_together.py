@@ -30,9 +30,6 @@ class _Mirror:
                 out.setdefault(kv.etcd_lease, []).append(kv)
         return out
 
-    def get(self, key: bytes) -> KV | None:
-        return next((kv for kv in self.kvs if kv.key == key), None)
-
 
 def test_each_sessions_keys_go_in_one_shared_revision_and_one_rewritten_meanwhile_is_left_alone(
         etcd: EtcdEndpoint, prefix: str, lt: LoopThread) -> None:
@@ -57,7 +54,7 @@ def test_each_sessions_keys_go_in_one_shared_revision_and_one_rewritten_meanwhil
             ctx: Any = SimpleNamespace(keys=keys, config=CoordinatorConfig(etcd_max_txn_ops=16), mirror=mirror,
                                        store=s)
             before = (await s.snapshot([Range(keys.root(), prefix=True, keys_only=True)])).revision
-            ended, left = await delete_together(ctx, infos, mirror.get)
+            ended, left = await delete_together(ctx, infos)
             assert [i.session_id for i in left] == [infos[2].session_id]
             assert {i.session_id for i in ended} == {i.session_id for i in infos} - {infos[2].session_id}
             after = await s.snapshot([Range(k) for i in infos for k in owned[i.session_id]])
@@ -95,7 +92,7 @@ def test_more_sessions_than_one_etcd_transaction_takes_end_in_several(etcd: Etcd
             snap = await s.snapshot([Range(keys.root(), prefix=True)])
             mirror = _Mirror(list(snap.ranges[0]))
             ctx: Any = SimpleNamespace(keys=keys, config=CoordinatorConfig(), mirror=mirror, store=s)
-            ended, left = await delete_together(ctx, infos, mirror.get)
+            ended, left = await delete_together(ctx, infos)
             assert not left and len(ended) == len(infos)
             assert not (await s.snapshot([Range(keys.root(), prefix=True, keys_only=True)])).ranges[0]
     lt.run(go())
