@@ -12,6 +12,7 @@ from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.policy.idle import UtilizationHistory
 from coordinator.records import EvictionRecord
+from coordinator.replica.idle_judged import IdleJudgments
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.observed import Observed
 from coordinator.replica.reach import EtcdReach
@@ -34,6 +35,8 @@ class ReplicaContext:
     observed: Observed = dataclasses.field(default_factory=Observed)
     # Each GPU's reported utilization over time, sampled by replica/idle.py (docs/policies.md "Idle GPUs").
     utilization: UtilizationHistory = dataclasses.field(default_factory=UtilizationHistory)
+    # Every lease's idle judgment, as far as it is kept between passes (replica/idle_judged.py).
+    idle_judgments: IdleJudgments = dataclasses.field(default_factory=IdleJudgments)
     # Each team's fair-share factor over time (replica/fair_share.py), as last computed: admission's reclaim order.
     fair_share: dict[str, float] = dataclasses.field(default_factory=dict)
     # The fleet's GPU VRAM beyond the teams' quotas, as last computed with the factors (None: not yet).

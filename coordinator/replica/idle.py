@@ -33,16 +33,15 @@ from coordinator.policy.idle import (
     REASON,
     IdlePolicy,
     LeaseIdle,
-    judge,
     team_policy,
     to_evict,
 )
 from coordinator.policy.teams import Membership
-from coordinator.records import InvalidRecord, VramLease
 from coordinator.replica.context import ReplicaContext
+from coordinator.replica.idle_judged import Judged
 from coordinator.replica.leases import Leases, usage_report
 from coordinator.replica.teams import read_teams
-from coordinator.replica.view import HOSTS_CACHED, STALE_INTERVALS, lease_of
+from coordinator.replica.view import HOSTS_CACHED, STALE_INTERVALS
 
 log = logging.getLogger(__name__)
 
@@ -117,23 +116,6 @@ def sample(ctx: ReplicaContext, last: Sampled | None = None) -> None:
         last.update(sampled)
 
 
-def _leases(ctx: ReplicaContext) -> dict[str, tuple[VramLease, float, list[str]]]:
-    """lease id -> (its first record, when this replica first saw it (a gang: its latest part), its GPUs)."""
-    out: dict[str, tuple[VramLease, float, list[str]]] = {}
-    for kv in ctx.mirror.all_host_items("leases"):
-        try:
-            lease = lease_of(kv)
-        except InvalidRecord:
-            continue
-        seen = ctx.observed.saw(kv.key, kv.create_revision)
-        held = out.get(lease.id)
-        if held is None:
-            out[lease.id] = (lease, seen, [lease.gpu_uuid])
-        else:
-            out[lease.id] = (held[0], max(held[1], seen), [*held[2], lease.gpu_uuid])
-    return out
-
-
 def policies(ctx: ReplicaContext) -> tuple[IdlePolicy, Membership, dict[str, IdlePolicy]]:
     """The fleet's policy, the teams' membership and each team's policy (only those that set something)."""
     fleet = fleet_policy(ctx)
@@ -143,17 +125,16 @@ def policies(ctx: ReplicaContext) -> tuple[IdlePolicy, Membership, dict[str, Idl
     return fleet, Membership(teams.values()), by_team
 
 
-def judged(ctx: ReplicaContext, now: float | None = None) -> dict[str, tuple[LeaseIdle, str]]:
-    """lease id -> (its idle judgment, its team), for every lease in the mirror."""
+def judged(ctx: ReplicaContext, now: float | None = None, idle_only: bool = False) -> Judged:
+    """lease id -> (its idle judgment, its team), for every lease in the mirror (``idle_only``: the idle ones);
+    kept between passes where nothing it depends on moved (``replica/idle_judged.py``)."""
     now = clock.monotonic() if now is None else now
     fleet, membership, by_team = policies(ctx)
-    out: dict[str, tuple[LeaseIdle, str]] = {}
     if not fleet.on and not any(p.on for p in by_team.values()):
-        return out   # idle reclaim is off: nothing to judge
-    for lease_id, (lease, seen, uuids) in _leases(ctx).items():
-        team = membership.team_of(lease.agent)
-        out[lease_id] = (judge(lease_id, seen, uuids, ctx.utilization, by_team.get(team, fleet), now), team)
-    return out
+        return {}   # idle reclaim is off: nothing to judge
+    teams = tuple((kv.key, kv.mod_revision) for kv in ctx.mirror.items("teams"))
+    return ctx.idle_judgments.judge(ctx.mirror, ctx.observed, ctx.utilization, fleet, membership, by_team,
+                                    (fleet, teams), now, idle_only)
 
 
 def status_fields(ctx: ReplicaContext) -> dict[str, dict[str, Any]]:
@@ -188,7 +169,7 @@ class IdleNow(Collection[str]):
 
     def _judged(self) -> frozenset[str]:
         if self._ids is None:
-            self._ids = frozenset(x for x, (j, _) in judged(self._ctx).items() if j.idle)
+            self._ids = frozenset(judged(self._ctx, idle_only=True))
         return self._ids
 
     def __contains__(self, lease_id: object) -> bool:
@@ -216,14 +197,14 @@ class IdleReclaim:
             if self.ctx.mirror.ready:
                 try:
                     sample(self.ctx, self._sampled)
-                    update_gauge(judged(self.ctx))
+                    update_gauge(judged(self.ctx, idle_only=True))
                 except Exception:
                     log.exception("sampling the GPUs' utilization failed; retrying")
 
     async def sweep(self) -> list[str]:
         """The leader: send the notices due now; the lease ids noticed."""
-        found = judged(self.ctx)
-        idle_now = {x for x, (j, _) in found.items() if j.idle}
+        found = judged(self.ctx, idle_only=True)
+        idle_now = set(found)
         for lease_id in sorted(idle_now - self._warned):
             j, team = found[lease_id]
             if j.action == "warn":

@@ -16,6 +16,7 @@ from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.policy.idle import UNKNOWN, UtilizationHistory
 from coordinator.replica import idle
+from coordinator.replica.idle_judged import IdleJudgments
 
 pytestmark = pytest.mark.unit
 K = Keys("/t/")
@@ -24,6 +25,13 @@ K = Keys("/t/")
 class FakeMirror:
     def __init__(self) -> None:
         self.kvs: dict[str, list[KV]] = {"usage": [], "leases": [], "teams": []}
+        self.lease_changes = 0
+
+    def lease_stamps(self) -> dict[str, int]:
+        return {"h1": self.lease_changes} if self.kvs["leases"] else {}   # (every lease here is on h1)
+
+    def host_items(self, kind: str, host: str) -> list[KV]:
+        return [kv for kv in self.items(kind) if f"/{host}/".encode() in kv.key]
 
     def items(self, kind: str) -> list[KV]:
         return list(self.kvs.get(kind, []))
@@ -47,7 +55,7 @@ class FakeObserved:
 def ctx(**config: Any) -> Any:
     observed = FakeObserved()
     c = SimpleNamespace(config=CoordinatorConfig(**config), mirror=FakeMirror(), observed=observed, keys=K,
-                        utilization=UtilizationHistory(), age=0.0)
+                        utilization=UtilizationHistory(), idle_judgments=IdleJudgments(), age=0.0)
     c.usage_age = lambda kv: c.age
     return c
 
@@ -65,6 +73,7 @@ def put_lease(c: Any, agent: str = "a", lease_id: str = "l1") -> None:
            "vram_mb": 100, "priority": 0, "preemptible": True, "request_id": lease_id, "token": 1, "created_at": 0.0}
     kv = KV(K.lease("h1", "GPU-0", lease_id), json.dumps(doc).encode(), 5, 5, 1, 0)
     c.mirror.kvs["leases"].append(kv)
+    c.mirror.lease_changes += 1
     c.observed.saw(kv.key, kv.create_revision)   # (the replica's watch sees it now)
 
 
