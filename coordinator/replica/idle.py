@@ -131,6 +131,7 @@ def judged(ctx: ReplicaContext, now: float | None = None, idle_only: bool = Fals
     now = clock.monotonic() if now is None else now
     fleet, membership, by_team = policies(ctx)
     if not fleet.on and not any(p.on for p in by_team.values()):
+        ctx.idle_judgments.clear()   # (nothing kept while it is off)
         return {}   # idle reclaim is off: nothing to judge
     teams = tuple((kv.key, kv.mod_revision) for kv in ctx.mirror.items("teams"))
     return ctx.idle_judgments.judge(ctx.mirror, ctx.observed, ctx.utilization, fleet, membership, by_team,

@@ -46,14 +46,18 @@ class IdleJudgments:
         self._policies: Hashable = None
         self._mark = 0
 
+    def clear(self) -> None:
+        self._hosts.clear()
+        self._host_of.clear()
+        self._policies = None
+
     def judge(self, mirror: Mirror, observed: Observed, history: UtilizationHistory, fleet: IdlePolicy,
               membership: Membership, by_team: dict[str, IdlePolicy], policies: Hashable, now: float,
               idle_only: bool = False) -> Judged:
         """Every lease's judgment at ``now`` (``idle_only``: the idle leases' alone). ``policies`` is a value that
         changes whenever the fleet's or a team's policy, or a team's members, do."""
         if policies != self._policies:
-            self._hosts.clear()
-            self._host_of.clear()
+            self.clear()
             self._policies = policies
         self._mark, moved = history.moved_since(self._mark)
         stamps = mirror.lease_stamps()

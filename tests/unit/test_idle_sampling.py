@@ -124,6 +124,8 @@ def test_a_teams_policy_overrides_the_fleets_for_its_agents(monkeypatch: Any) ->
     assert idle.judged(c)["l2"][0].idle
     off = ctx()   # the fleet's default: off, and no team sets a window
     assert idle.judged(off) == {}
+    c.config, c.mirror.kvs["teams"] = CoordinatorConfig(), []   # turned off: nothing kept
+    assert idle.judged(c) == {} and not c.idle_judgments._hosts
 
 
 HOSTS = ("h1", "h2")
