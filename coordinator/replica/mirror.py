@@ -58,6 +58,7 @@ class Mirror:
         self._kinds: dict[str, dict[bytes, KV]] = {}
         self._changes = 0                        # every change to a flat key, ever (resets included)
         self._kind_changed: dict[str, int] = {}  # kind -> the value of ``_changes`` at its last change
+        self._kind_keys_changed: dict[str, int] = {}   # kind -> the same, at its last key that came or went
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
         # kind -> the hosts with a bucket of that kind: ``all_host_items`` reads the departing records of a fleet
         # (the leader, at each usage report) without a look at its other buckets.
@@ -226,9 +227,13 @@ class Mirror:
             return
         self._flat[kv.key] = kv
         if kind is not None:
-            self._kinds.setdefault(kind, {})[kv.key] = kv
+            of_kind = self._kinds.setdefault(kind, {})
+            came = kv.key not in of_kind
+            of_kind[kv.key] = kv
             self._changes += 1
             self._kind_changed[kind] = self._changes
+            if came:
+                self._kind_keys_changed[kind] = self._changes
 
     def _delete_flat(self, key: bytes, kind: str | None) -> None:
         if self._flat.pop(key, None) is None or kind is None:
@@ -240,11 +245,17 @@ class Mirror:
                 del self._kinds[kind]
         self._changes += 1
         self._kind_changed[kind] = self._changes
+        self._kind_keys_changed[kind] = self._changes
 
     def generation(self, kind: str) -> int:
         """Changes when a flat key of ``kind`` changes (or the mirror is reset): a cache key for what is
         derived from ``items(kind)``."""
         return max(self._kind_changed.get(kind, 0), self._reset_at)
+
+    def keys_generation(self, kind: str) -> int:
+        """As ``generation``, but only a key of ``kind`` that comes or goes moves it, not one rewritten: a cache
+        key for what is derived from the keys alone (the hosts that have a usage report, say)."""
+        return max(self._kind_keys_changed.get(kind, 0), self._reset_at)
 
     def flat(self, key: bytes) -> KV | None:
         """``get`` of a key of a kind that is not per host (a session, a host's registration), without parsing

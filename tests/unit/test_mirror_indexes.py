@@ -131,3 +131,30 @@ def test_the_mirrors_ranges_hold_every_key_of_the_prefix_once_but_the_accounting
     holding = [r for r in ranges if r.key <= key < r.until]
     assert len(holding) == (0 if key.startswith(KEYS.kind("accounting")) else 1), (key, holding)
     assert all(a.until == b.key or b.key == prefix_range_end(KEYS.kind("accounting")) for a, b in zip(ranges, ranges[1:]))
+
+
+@given(ops)
+def test_a_kinds_keys_generation_moves_when_one_of_its_keys_comes_or_goes_and_never_comes_back(
+        steps: list[tuple[str, bytes, bytes]]) -> None:
+    """``keys_generation(kind)`` moves whenever the set of keys of ``kind`` changes (and at a reset), never back to a
+    value it had; a key rewritten in place moves ``generation`` but leaves it."""
+    mirror = Mirror(KEYS)
+    mirror.reset([], 1)
+    revision = 1
+    flat_kinds = ("hosts", "usage", "partitions", "cordons")
+    seen: dict[str, set[int]] = {kind: {mirror.keys_generation(kind)} for kind in flat_kinds}
+    for op, key, value in steps:
+        revision += 1
+        before = {kind: (mirror.keys_generation(kind), {kv.key for kv in mirror.items(kind)}) for kind in flat_kinds}
+        if op == "reset":
+            mirror.reset([kv for k in HOST_OF if (kv := mirror.get(k)) is not None], revision)
+        else:
+            kv = KV(key, value, revision, revision, 1, 0)
+            mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+        for kind in flat_kinds:
+            generation, keys = mirror.keys_generation(kind), {kv.key for kv in mirror.items(kind)}
+            if keys != before[kind][1] or op == "reset":
+                assert generation not in seen[kind], (kind, op, key)
+            else:
+                assert generation == before[kind][0], (kind, op, key)
+            seen[kind].add(generation)
