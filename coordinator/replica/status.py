@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from coordinator import clock
+from coordinator.aio import Pacer
 from coordinator.etcd.types import KV
 from coordinator.policy.departing import reported_pids
 from coordinator.policy.host import HostView
@@ -28,6 +29,10 @@ from coordinator.replica.teams import mirror_team_state
 from coordinator.replica.view import HOST_KINDS, host_snapshot_of, host_view, read_host
 from coordinator.replica.waits import host_waits
 from coordinator.txn import Range
+
+# A whole fleet's status is built in slices with pauses for the event loop (``aio.Pacer``): 10,000 hosts and 100,000
+# leases are seconds of work, during which an acquire of the same replica waited up to 2 s.
+KEYS_AT_ONCE = 256     # keys grouped by host between two looks at the clock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +94,28 @@ async def read_status(ctx: ReplicaContext, host: str = ""
             with contextlib.suppress(InvalidRecord):
                 gangs.append(QueueEntry.from_kv(kv))
         per_host: dict[str, dict[str, list[KV]]] = {}
+        pacer = Pacer()
         for kind, kvs in zip(HOST_KINDS, snap.ranges):
-            for kv in kvs:
+            for n, kv in enumerate(kvs, 1):
                 h = ctx.keys.parse(kv.key)[1][0]
                 per_host.setdefault(h, {}).setdefault(kind, []).append(kv)
-        views = [host_view(ctx.keys, h, host_snapshot_of(revision, h, per_host[h]),
-                           ctx.config.untracked_vram, ctx.usage_age)
-                 for h in sorted(per_host)]
+                if n % KEYS_AT_ONCE == 0:
+                    await pacer.step()
+        views = []
+        for h in sorted(per_host):
+            views.append(host_view(ctx.keys, h, host_snapshot_of(revision, h, per_host[h]),
+                                   ctx.config.untracked_vram, ctx.usage_age))
+            await pacer.step()
     sessions = {lease.etcd_lease: lease for v in views for lease in v.leases.values()}
-    etcd_left = await asyncio.gather(*(ctx.store.time_to_live(x) for x in sessions))
-    ttls = {x: _session_left(ctx, lease, left) for (x, lease), left in zip(sessions.items(), etcd_left)}
+    ttls, asked = {}, []
+    for x, lease in sessions.items():
+        left = ctx.session_left(lease.session_id)
+        if left is not None:
+            ttls[x] = math.ceil(left)   # kept in this replica's memory: no etcd call (its etcd lease holds the keys)
+        else:
+            asked.append((x, lease))
+    etcd_left = await asyncio.gather(*(ctx.store.time_to_live(x) for x, _ in asked))
+    ttls.update({x: _session_left(ctx, lease, left) for (x, lease), left in zip(asked, etcd_left)})
     return revision, views, ttls, gangs
 
 
@@ -115,13 +132,10 @@ async def agent_hosts(ctx: ReplicaContext, agent: str) -> set[str]:
 
 
 def _session_left(ctx: ReplicaContext, lease: VramLease, etcd_left: int) -> int:
-    """What the lease's session has left: as this replica keeps it, or (another replica keeps it) at most its
-    TTL; -1 when its etcd lease is gone. (A session's etcd lease has the long session_etcd_ttl_s.)"""
+    """What the lease's session, kept by another replica, has left: at most its TTL; -1 when its etcd lease is
+    gone. (A session's etcd lease has the long session_etcd_ttl_s.)"""
     if etcd_left < 0:
         return -1
-    left = ctx.session_left(lease.session_id)
-    if left is not None:
-        return min(etcd_left, math.ceil(left))
     kv = ctx.mirror.get(ctx.keys.session(lease.agent, lease.session_id))
     ttl = ctx.config.session_ttl_s
     if kv is not None:
@@ -153,49 +167,50 @@ def _utilization(report: dict[str, Any], stale: bool) -> dict[str, Any]:
 def status_json(revision: int, views: list[HostView], ttls: dict[int, int],
                 idle: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The operator's view, as plain JSON (``gpucoord status --json``); ``idle``: each lease's idle fields."""
-    idle = idle or {}
-    hosts = []
-    for v in views:
-        inv = v.inventory
-        part = v.partition or (default_partition(inv) if inv else None)
-        # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
-        reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
-        gpus = []
-        described = {x.uuid: x for x in inv.gpus} if inv else {}
-        for g in sorted(v.gpus.values(), key=lambda g: g.index):
-            info = described.get(g.uuid)
-            numa = info.numa_node if info is not None else None
-            gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
-                         "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
-                         "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
-                         "name": info.name if info is not None else "",
-                         "numa_node": -1 if numa is None else numa,     # -1: unknown
-                         "nvlink_peers": list(info.nvlink_peers) if info is not None else [],
-                         "processes": list(reported.get(g.uuid, {}).get("processes", ())),
-                         "lease_use": list(reported.get(g.uuid, {}).get("leases", ())),
-                         "departing_mb": g.departing_mb, **_utilization(reported.get(g.uuid, {}), v.usage_stale),
-                         "departing": [departing_json(d, v.usage, held) for d in v.departing
-                                       if d.gpu_uuid == g.uuid for held in [d.lease_id in v.departing_held]]})
-        leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1),
-                   **idle.get(lease.id, NOT_IDLE)}
-                  for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
-        agents = []
-        if part is not None and inv is not None:
-            for alloc in part.allocations:
-                # Every GPU's record (a gang holds VRAM on each), counted as one lease per id.
-                used = [x for g in v.gpus.values() for x in g.leases if x.agent == alloc.agent]
-                agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
-                               "leased_mb": sum(x.vram_mb for x in used), "leases": len({x.id for x in used})})
-        queue = [{**e.to_json(), "rank": e.rank} for e in v.entries]
-        hosts.append({
-            "host": v.host, "alive": v.alive, "address": inv.address if inv else "",
-            "invalid": v.invalid,   # why a stored value of the host is malformed ("" when none is)
-            "simulated": bool(inv.simulated) if inv else False, "labels": dict(inv.labels) if inv else {},
-            "usage_age_s": round(v.usage_age_s, 1),
-            "usage_stale": v.usage_stale,
-            "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
-            "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",
-            "partition_explicit": v.partition is not None, "gpus": gpus, "agents": agents, "leases": leases,
-            "queue": queue, "cordoned": v.cordon is not None, "cordon": v.cordon.to_json() if v.cordon else None,
-            "draining": v.cordon is not None and v.cordon.drain and bool(v.leases)})
-    return {"revision": revision, "hosts": hosts}
+    return {"revision": revision, "hosts": [host_json(v, ttls, idle or {}) for v in views]}
+
+
+def host_json(v: HostView, ttls: dict[int, int], idle: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One host of ``status_json``."""
+    inv = v.inventory
+    part = v.partition or (default_partition(inv) if inv else None)
+    # The node's attribution of each GPU's processes to leases (over-use, orphans), as last reported.
+    reported = {str(g.get("uuid")): g for g in (v.usage or {}).get("gpus", ())}
+    gpus = []
+    described = {x.uuid: x for x in inv.gpus} if inv else {}
+    for g in sorted(v.gpus.values(), key=lambda g: g.index):
+        info = described.get(g.uuid)
+        numa = info.numa_node if info is not None else None
+        gpus.append({"index": g.index, "uuid": g.uuid, "total_mb": g.total_mb, "usable_mb": g.usable_mb,
+                     "leased_mb": g.leased_mb, "used_mb": -1 if g.nvml_used_mb is None else g.nvml_used_mb,
+                     "untracked_mb": g.untracked_mb, "free_mb": g.free_mb, "seq": g.seq,
+                     "name": info.name if info is not None else "",
+                     "numa_node": -1 if numa is None else numa,     # -1: unknown
+                     "nvlink_peers": list(info.nvlink_peers) if info is not None else [],
+                     "processes": list(reported.get(g.uuid, {}).get("processes", ())),
+                     "lease_use": list(reported.get(g.uuid, {}).get("leases", ())),
+                     "departing_mb": g.departing_mb, **_utilization(reported.get(g.uuid, {}), v.usage_stale),
+                     "departing": [departing_json(d, v.usage, held) for d in v.departing
+                                   if d.gpu_uuid == g.uuid for held in [d.lease_id in v.departing_held]]})
+    leases = [{**lease.to_json(), "ttl_remaining": ttls.get(lease.etcd_lease, -1),
+               **idle.get(lease.id, NOT_IDLE)}
+              for lease in sorted(v.leases.values(), key=lambda x: (x.gpu_index, x.token))]
+    agents = []
+    if part is not None and inv is not None:
+        for alloc in part.allocations:
+            # Every GPU's record (a gang holds VRAM on each), counted as one lease per id.
+            used = [x for g in v.gpus.values() for x in g.leases if x.agent == alloc.agent]
+            agents.append({"agent": alloc.agent, "allocation": alloc.to_json(),
+                           "leased_mb": sum(x.vram_mb for x in used), "leases": len({x.id for x in used})})
+    queue = [{**e.to_json(), "rank": e.rank} for e in v.entries]
+    return {
+        "host": v.host, "alive": v.alive, "address": inv.address if inv else "",
+        "invalid": v.invalid,   # why a stored value of the host is malformed ("" when none is)
+        "simulated": bool(inv.simulated) if inv else False, "labels": dict(inv.labels) if inv else {},
+        "usage_age_s": round(v.usage_age_s, 1),
+        "usage_stale": v.usage_stale,
+        "cpu_count": inv.cpu_count if inv else 0, "mem_bytes": inv.mem_bytes if inv else 0,
+        "disk_bytes": inv.disk_bytes if inv else 0, "partition_mode": part.mode if part else "shared",
+        "partition_explicit": v.partition is not None, "gpus": gpus, "agents": agents, "leases": leases,
+        "queue": queue, "cordoned": v.cordon is not None, "cordon": v.cordon.to_json() if v.cordon else None,
+        "draining": v.cordon is not None and v.cordon.drain and bool(v.leases)}

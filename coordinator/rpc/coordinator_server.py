@@ -243,7 +243,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):  # type: ignore[misc]
                             for v in report.views):
             # Nothing of that name, not even a gone host's leases: NOT_FOUND (and no series is made for it).
             raise errors.NotFound(f"host: no host {quote(host)} ('gpucoord status' lists them)", "host")
-        out = status_response(report, self._notice)
+        out = await status_response(report, self._notice)
         if not host and teams:
             teams_pb, days = await team_rpcs.status_teams(self.teams, report.views)
             out.teams.extend(teams_pb)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from agent_client.api import coordinator_pb2 as pb
+from coordinator.aio import Pacer
 from coordinator.host_records import CordonRecord
 from coordinator.policy.departing import process_state
+from coordinator.policy.host import HostView
 from coordinator.policy.waiting import WaitReason
 from coordinator.records import EvictionRecord, VramLease
-from coordinator.replica.status import StatusReport
+from coordinator.replica.status import StatusReport, host_json
 
 
 def lease_pb(lease: VramLease, ttl_remaining: int = 0, parts: Sequence[VramLease] = ()) -> pb.Lease:
@@ -43,69 +45,15 @@ def wait_pb(entry: pb.QueueEntry, wait: WaitReason) -> None:
                            vram_mb=b.vram_mb, ends_at_unix=b.ends_at or 0.0, rank=b.rank, priority=b.priority)
 
 
-def status_response(report: StatusReport,
-                    as_notice: Callable[[EvictionRecord], pb.EvictionNotice]) -> pb.GetStatusResponse:
-    """The hosts' status as a message (and the VRAM and lease gauges set from it); ``as_notice``: an
-    eviction notice as an agent gets it."""
-    doc = report.doc
+async def status_response(report: StatusReport,
+                          as_notice: Callable[[EvictionRecord], pb.EvictionNotice]) -> pb.GetStatusResponse:
+    """The hosts' status as a message; ``as_notice``: an eviction notice as an agent gets it. Built host by host,
+    in slices with pauses for the event loop (a fleet's status is seconds of work)."""
     out = pb.GetStatusResponse(revision=report.revision, leader=report.leader)
-    views = {v.host: v for v in report.views}
-    for h in doc["hosts"]:
-        hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
-                           invalid=h["invalid"],
-                           usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"], partition_mode=h["partition_mode"],
-                           cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"], disk_bytes=h["disk_bytes"],
-                           labels=h["labels"])
-        for g in h["gpus"]:
-            gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
-                             usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
-                             untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"],
-                             numa_node=g["numa_node"], nvlink_peers=g["nvlink_peers"])
-            for p in g["processes"]:
-                gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
-                                 lease_id=str(p.get("lease_id", "")))
-            for u in g["lease_use"]:
-                gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
-                                 used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
-                                 pids=[int(x) for x in u["pids"]])
-            gs.departing_mb = int(g["departing_mb"])
-            gs.utilization_percent = int(g["utilization_pct"])
-            for p in g["process_utilization"]:
-                gs.process_utilization.add(pid=int(p["pid"]), sm_percent=int(p["sm_pct"]))
-            for d in g["departing"]:
-                gs.departing.add(**d)
-        for a in h["agents"]:
-            hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
-                          leased_mb=a["leased_mb"], leases=a["leases"])
-        view = views[h["host"]]
-        parts: dict[str, list[VramLease]] = {}
-        for g in view.gpus.values():
-            for x in g.leases:
-                parts.setdefault(x.id, []).append(x)
-        for lease in view.leases.values():
-            msg = lease_pb(lease, report.ttls.get(lease.etcd_lease, -1), parts.get(lease.id, ()))
-            idle = report.idle.get(lease.id)
-            if idle is not None:
-                msg.idle, msg.idle_since, msg.idle_action = idle["idle"], idle["idle_since"], idle["idle_action"]
-            notice = report.notices.get(lease.id)
-            if notice is not None:
-                msg.eviction.CopyFrom(as_notice(notice))
-                msg.eviction.processes = process_state(view.usage, lease.gpu_uuid, lease.id, lease.pids,
-                                                       lease.pgid)
-            hs.leases.append(msg)
-        for q in h["queue"]:
-            hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
-                         priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
-                         gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
-                         gpus=q.get("gpus", []), topology=q.get("topology", "any"), hosts=q.get("hosts", 1),
-                         same=q.get("same", ""), prefer=q.get("prefer", ""), reserve=q.get("reserve", []),
-                         start_after_unix=q.get("start_after", 0.0))
-            wait = report.waits.get(h["host"], {}).get(q["rank"])
-            if wait is not None:
-                wait_pb(hs.queue[-1], wait)
-        hs.cordoned, hs.draining = h["cordoned"], h["draining"]
-        if view.cordon is not None:
-            hs.cordon.CopyFrom(cordon_pb(view.cordon))
+    pacer = Pacer()
+    for view in report.views:
+        _host(out, host_json(view, report.ttls, report.idle), view, report, as_notice)
+        await pacer.step()
     for n, e in enumerate(sorted(report.gangs, key=lambda e: e.rank), 1):
         held = sorted(v.host for v in report.views if any(x.lease_id == e.lease_id for x in v.entries))
         shape = f"{e.hosts} hosts x {e.gpu_count} {'whole GPUs' if e.exclusive else f'GPUs with {e.vram_mb} MiB each'}"
@@ -115,6 +63,64 @@ def status_response(report: StatusReport,
                            reason=f"waits for {shape}; " + (f"reserves {', '.join(held)}" if held else
                                                              "reserves no host: every set it could get is cordoned"))
     return out
+
+
+def _host(out: pb.GetStatusResponse, h: dict[str, Any], view: HostView, report: StatusReport,
+          as_notice: Callable[[EvictionRecord], pb.EvictionNotice]) -> None:
+    """One host of the status (``h``: its ``host_json``), added to ``out``."""
+    hs = out.hosts.add(host=h["host"], address=h["address"], alive=h["alive"], simulated=h["simulated"],
+                       invalid=h["invalid"], usage_age_seconds=h["usage_age_s"], usage_stale=h["usage_stale"],
+                       partition_mode=h["partition_mode"], cpu_count=h["cpu_count"], mem_bytes=h["mem_bytes"],
+                       disk_bytes=h["disk_bytes"], labels=h["labels"])
+    for g in h["gpus"]:
+        gs = hs.gpus.add(index=g["index"], uuid=g["uuid"], name=g["name"], total_mb=g["total_mb"],
+                         usable_mb=g["usable_mb"], leased_mb=g["leased_mb"], used_mb=g["used_mb"],
+                         untracked_mb=g["untracked_mb"], free_mb=g["free_mb"], seq=g["seq"],
+                         numa_node=g["numa_node"], nvlink_peers=g["nvlink_peers"])
+        for p in g["processes"]:
+            gs.processes.add(pid=int(p["pid"]), used_mb=int(p["used_mb"]), state=str(p.get("state", "")),
+                             lease_id=str(p.get("lease_id", "")))
+        for u in g["lease_use"]:
+            gs.lease_use.add(lease_id=u["lease_id"], agent=u["agent"], vram_mb=int(u["vram_mb"]),
+                             used_mb=int(u["used_mb"]), over_use=bool(u["over_use"]),
+                             pids=[int(x) for x in u["pids"]])
+        gs.departing_mb = int(g["departing_mb"])
+        gs.utilization_percent = int(g["utilization_pct"])
+        for p in g["process_utilization"]:
+            gs.process_utilization.add(pid=int(p["pid"]), sm_percent=int(p["sm_pct"]))
+        for d in g["departing"]:
+            gs.departing.add(**d)
+    for a in h["agents"]:
+        hs.agents.add(agent=a["agent"], allocation_json=json.dumps(a["allocation"]),
+                      leased_mb=a["leased_mb"], leases=a["leases"])
+    parts: dict[str, list[VramLease]] = {}
+    for g in view.gpus.values():
+        for x in g.leases:
+            parts.setdefault(x.id, []).append(x)
+    for lease in view.leases.values():
+        msg = lease_pb(lease, report.ttls.get(lease.etcd_lease, -1), parts.get(lease.id, ()))
+        idle = report.idle.get(lease.id)
+        if idle is not None:
+            msg.idle, msg.idle_since, msg.idle_action = idle["idle"], idle["idle_since"], idle["idle_action"]
+        notice = report.notices.get(lease.id)
+        if notice is not None:
+            msg.eviction.CopyFrom(as_notice(notice))
+            msg.eviction.processes = process_state(view.usage, lease.gpu_uuid, lease.id, lease.pids,
+                                                   lease.pgid)
+        hs.leases.append(msg)
+    for q in h["queue"]:
+        hs.queue.add(rank=q["rank"], agent=q.get("agent", ""), vram_mb=q.get("vram_mb", 0),
+                     priority=q.get("priority", 0), gpu=q.get("gpu", ""), request_id=q.get("request_id", ""),
+                     gpu_count=q.get("gpu_count", 1), exclusive=q.get("exclusive", False),
+                     gpus=q.get("gpus", []), topology=q.get("topology", "any"), hosts=q.get("hosts", 1),
+                     same=q.get("same", ""), prefer=q.get("prefer", ""), reserve=q.get("reserve", []),
+                     start_after_unix=q.get("start_after", 0.0))
+        wait = report.waits.get(h["host"], {}).get(q["rank"])
+        if wait is not None:
+            wait_pb(hs.queue[-1], wait)
+    hs.cordoned, hs.draining = h["cordoned"], h["draining"]
+    if view.cordon is not None:
+        hs.cordon.CopyFrom(cordon_pb(view.cordon))
 
 
 def cordon_pb(record: CordonRecord) -> pb.Cordon:
