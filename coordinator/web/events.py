@@ -19,7 +19,8 @@ Doc = dict[str, Any]
 Event = dict[str, Any]
 
 KEEP = 200          # events kept for the pages that open later
-INTERVAL_S = 0.5    # between two reads while a page watches
+INTERVAL_S = 0.5    # between two reads while a page watches, at least
+READ_SHARE = 0.2    # ... and at most this share of the time reading: a fleet's status is seconds of the replica's work
 
 
 def _gib(mb: int | float) -> str:
@@ -144,11 +145,13 @@ class Feed:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._watchers > 0)
+            began = time.monotonic()
             try:
                 doc: Doc | None = self._read()
                 error = ""
             except Exception as e:  # noqa: BLE001 - any failure of a read is shown on the pages, and the feed goes on
                 doc, error = None, str(e) or type(e).__name__
+            took = time.monotonic() - began
             with self._cond:
                 if doc is not None:
                     now = self._clock()
@@ -159,7 +162,12 @@ class Feed:
                 self.error = error
                 self.version += 1
                 self._cond.notify_all()
-            pace.wait(self._interval)
+            pace.wait(self.pause_after(took))
+
+    def pause_after(self, took: float) -> float:
+        """The pause after a read that took ``took`` seconds: ``interval``, or longer, so that reads take at most
+        ``READ_SHARE`` of the time (10,000 hosts are a status of seconds)."""
+        return max(self._interval, took * (1 - READ_SHARE) / READ_SHARE)
 
 
 __all__ = ["Feed", "changes"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
+
 from coordinator.web import pages
 from coordinator.web.events import Feed, changes
 
@@ -62,6 +64,12 @@ def test_the_feed_numbers_the_events_it_keeps() -> None:
             version = feed.wait_past(version, 10.0)
     kept = feed.events()
     assert [(e["seq"], e["kind"]) for e in kept] == [(3, "end"), (4, "end")] and feed.events(3) == kept[1:]
+
+
+def test_the_feed_reads_at_its_interval_but_spends_at_most_a_fifth_of_the_time_reading() -> None:
+    feed = Feed(lambda: doc(), interval=0.5)
+    assert feed.pause_after(0.01) == 0.5              # a small fleet: every half second
+    assert feed.pause_after(2.0) == pytest.approx(8.0)   # 10,000 hosts: a status of seconds, a fifth of the time
 
 
 def test_a_gpu_bar_shows_leased_untracked_and_free_as_parts_of_its_usable_vram() -> None:
