@@ -23,22 +23,26 @@ PAUSE_S = 0.005     # ... and its shortest pause
 
 
 class Pacer:
-    """Long work on the event loop in slices: ``await pacer.step()`` after each item pauses once ``slice_s`` of work
-    has passed since the last pause, for as long as that work took (``pause_s`` at least), so that whatever else
-    the loop serves gets half of it or more (a fleet's status beside the acquires of the same replica)."""
+    """Long work on the event loop in slices: ``await pacer.step()`` before or after each item pauses once ``slice_s``
+    of work has passed since the last pause (or ``every`` items have), for as long as that work took (``pause_s`` at
+    least), so that whatever else the loop serves gets half of it or more (a fleet's status, the fleet gauges'
+    first pass, beside the acquires of the same replica). ``step`` says whether it paused."""
 
-    def __init__(self, slice_s: float | None = None, pause_s: float | None = None) -> None:
+    def __init__(self, slice_s: float | None = None, pause_s: float | None = None, every: int | None = None) -> None:
         self.slice_s = SLICE_S if slice_s is None else slice_s
         self.pause_s = PAUSE_S if pause_s is None else pause_s
-        self.pauses = 0
+        self.every = every
+        self._items = 0
         self._began = time.perf_counter()
 
-    async def step(self) -> None:
+    async def step(self) -> bool:
+        self._items += 1
         worked = time.perf_counter() - self._began
-        if worked >= self.slice_s:
-            self.pauses += 1
+        if worked >= self.slice_s or (self.every is not None and self._items > self.every):
             await asyncio.sleep(max(self.pause_s, worked))
-            self._began = time.perf_counter()
+            self._items, self._began = 1, time.perf_counter()
+            return True
+        return False
 
 
 _RUNNING: set[asyncio.Task[Any]] = set()

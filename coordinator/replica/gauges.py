@@ -16,6 +16,7 @@ import time
 from prometheus_client import Gauge
 
 from coordinator import metrics
+from coordinator.aio import Pacer
 from coordinator.keys import last_segment
 from coordinator.policy.host import HostView
 from coordinator.policy.teams import DEFAULT_TEAM, Membership, Usage, usage_by_team
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.5
 _REGISTERED = ("hosts", "usage", "partitions")   # the flat kinds, one key per host, that give a host its series
-HOSTS_AT_ONCE = 16      # host views computed between two pauses at most (about 5 ms of work at 8 GPUs a host)
-SLICE_S = 0.005         # ... and fewer when they take longer than this (hosts with many leases)
-PAUSE_S = 0.005         # each pause, at least as long as the slice before it: calls get half of the loop or more
+# Host views computed between two pauses at most (about 5 ms of work at 8 GPUs a host), and fewer when they take
+# longer than ``aio.SLICE_S`` (hosts with many leases); each pause at least as long as the slice before it, so that
+# calls get half of the loop or more (``aio.Pacer``).
+HOSTS_AT_ONCE = 16
 # A host whose usage report alone changed (its daemon rewrites it every few seconds) has its series computed again
 # at most this often (about a scrape interval): 1,000 hosts' reports every 5 s made the gauges recompute 200 host
 # views a second, and took a replica from 3.8 % to 12 % of a core. Any other change of the host is followed at once.
@@ -59,8 +61,8 @@ class MirrorGauges:
 
     async def update(self) -> bool:
         """Bring every gauge to what the mirror says now. It yields to the event loop after ``HOSTS_AT_ONCE``
-        hosts computed or ``SLICE_S`` of work, whichever comes first, for as long as that work took (``PAUSE_S``
-        at least): a replica's first pass over 10,000 hosts and 100,000 leases is seconds of work, which held its
+        hosts computed or ``aio.SLICE_S`` of work, whichever comes first, for as long as that work took
+        (``aio.PAUSE_S`` at least): a replica's first pass over 10,000 hosts and 100,000 leases is seconds of work, which held its
         start and every call behind it (in slices of 64 hosts, 60 ms each, its first acquire waited 3.6 s)."""
         ctx = self.ctx
         hosts = self._hosts()
@@ -68,7 +70,7 @@ class MirrorGauges:
         for host in set(self._computed) - hosts:
             self._forget(host)
             changed += 1
-        sliced, began = 0, time.perf_counter()
+        pacer = Pacer(every=HOSTS_AT_ONCE)
         now = time.monotonic()
         for host in hosts:
             stamp = ctx.mirror.host_stamp(host)
@@ -79,11 +81,7 @@ class MirrorGauges:
                 deferred = True   # only its usage report changed, and not long ago: later (its stamp still differs)
                 continue
             changed += 1
-            sliced += 1
-            worked = time.perf_counter() - began
-            if sliced > HOSTS_AT_ONCE or worked >= SLICE_S:
-                await asyncio.sleep(max(PAUSE_S, worked))
-                sliced, began = 1, time.perf_counter()
+            if await pacer.step():
                 stamp = ctx.mirror.host_stamp(host)    # the mirror may have moved meanwhile
                 if not stamp:
                     continue     # every key of the host went meanwhile: the next pass forgets it
