@@ -20,21 +20,13 @@ from coordinator.replica import idle
 from coordinator.replica.idle_judged import IdleJudgments
 from coordinator.replica.mirror import Mirror
 from coordinator.replica.view import lease_of
+from tests.support.observed import FakeObserved
 
 pytestmark = pytest.mark.unit
 K = Keys("/t/")
 HOSTS = ("h1", "h2")
 IDS = ("L0", "L1", "L2", "L3")
 GPUS = tuple(f"{h}-GPU-{i}" for h in HOSTS for i in (0, 1))
-
-
-class FakeObserved:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.seen: dict[tuple[bytes, int], float] = {}
-
-    def saw(self, key: bytes, ident: int) -> float:
-        return self.seen.setdefault((key, ident), self.now)
 
 
 class World:

@@ -17,6 +17,7 @@ from coordinator.keys import Keys
 from coordinator.policy.idle import UNKNOWN, UtilizationHistory
 from coordinator.replica import idle
 from coordinator.replica.idle_judged import IdleJudgments
+from tests.support.observed import FakeObserved
 
 pytestmark = pytest.mark.unit
 K = Keys("/t/")
@@ -41,15 +42,6 @@ class FakeMirror:
 
     def get(self, key: bytes) -> KV | None:
         return None
-
-
-class FakeObserved:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.seen: dict[tuple[bytes, int], float] = {}
-
-    def saw(self, key: bytes, ident: int) -> float:
-        return self.seen.setdefault((key, ident), self.now)
 
 
 def ctx(**config: Any) -> Any:
