@@ -44,6 +44,9 @@ class MirrorGauges:
         # host -> its mirror stamp and shape stamp when its series were computed, and when that was
         self._computed: dict[str, tuple[int, int, float]] = {}
         self._views: dict[str, HostView] = {}
+        # host -> the value this replica last set of each of its series, by (gpu uuid or "", kind): a host computed
+        # again touches only the series whose value moved (a usage report's rewrite mostly moves none of them).
+        self._set: dict[str, dict[tuple[str, str], float]] = {}
         self._teams_at = -1
         self._registered: set[str] = set()
         self._registered_at: tuple[int, ...] = ()
@@ -90,18 +93,21 @@ class MirrorGauges:
                              ctx.usage_age)
             old = self._views.get(host)
             self._views[host] = view
+            last = self._set.setdefault(host, {})
             for uuid in (set(old.gpus) - set(view.gpus)) if old is not None else ():
                 for kind in ("leased", "free"):
                     _remove(metrics.VRAM, host, uuid, kind)
+                    last.pop((uuid, kind), None)
                 _remove(metrics.GPU_UTILIZATION, host, uuid)
-            metrics.LEASES.labels(host).set(len(view.leases))
+                last.pop((uuid, "utilization"), None)
+            _set(last, ("", "leases"), metrics.LEASES, (host,), len(view.leases))
             reported = {str(x.get("uuid")): x for x in (view.usage or {}).get("gpus", ())}
             for g in view.gpus.values():
-                metrics.VRAM.labels(host, g.uuid, "leased").set(g.leased_mb * metrics.MIB)
-                metrics.VRAM.labels(host, g.uuid, "free").set(g.free_mb * metrics.MIB)
+                _set(last, (g.uuid, "leased"), metrics.VRAM, (host, g.uuid, "leased"), g.leased_mb * metrics.MIB)
+                _set(last, (g.uuid, "free"), metrics.VRAM, (host, g.uuid, "free"), g.free_mb * metrics.MIB)
                 pct = reported.get(g.uuid, {}).get("utilization_pct", -1)
-                metrics.GPU_UTILIZATION.labels(host, g.uuid).set(-1 if view.usage_stale or not isinstance(pct, int)
-                                                                 else pct)
+                _set(last, (g.uuid, "utilization"), metrics.GPU_UTILIZATION, (host, g.uuid),
+                     -1 if view.usage_stale or not isinstance(pct, int) else pct)
         teams_at = ctx.mirror.generation("teams")
         if changed or teams_at != self._teams_at:
             self._teams_at = teams_at
@@ -110,6 +116,7 @@ class MirrorGauges:
 
     def _forget(self, host: str) -> None:
         self._computed.pop(host, None)
+        self._set.pop(host, None)
         view = self._views.pop(host, None)
         _remove(metrics.LEASES, host)
         for uuid in view.gpus if view is not None else ():
@@ -150,6 +157,15 @@ class MirrorGauges:
                     await asyncio.sleep(MIN_INTERVAL_S)
                 elif deferred and not moved:
                     break    # a host whose usage report alone changed waited its turn: now
+
+
+def _set(last: dict[tuple[str, str], float], series: tuple[str, str], gauge: Gauge, labels: tuple[str, ...],
+         value: float) -> None:
+    """Set ``gauge{labels}`` to ``value`` unless this replica set it so last (``last[series]``): ``labels()``
+    and ``set()`` are most of a host's cost otherwise, at 24 series a host of 8 GPUs."""
+    if last.get(series) != value:
+        last[series] = value
+        gauge.labels(*labels).set(value)
 
 
 def _remove(gauge: Gauge, *labels: str) -> None:

@@ -191,9 +191,11 @@ def test_the_node_exports_only_its_own_families() -> None:
            "gpucoord_metrics_refusals_total", "gpucoord_tls_handshake_failures_total"})
 
 
-def test_the_gauges_of_a_fleet_larger_than_one_slice_cover_every_host_and_leave_with_them(cluster: Cluster) -> None:
+def test_the_gauges_of_a_fleet_larger_than_one_slice_cover_every_host_and_leave_and_come_back_with_them(
+        cluster: Cluster) -> None:
     """The gauges compute ``HOSTS_AT_ONCE`` host views at most between two yields to the event loop: every host of a
-    fleet several slices large gets its series, and loses them when it goes."""
+    fleet several slices large gets its series, loses them when it goes, and gets them again when it comes back
+    with the very same values (a replica sets only the series whose value moved since it last set them)."""
     from coordinator.node.fake_hosts import fake_host_names, register_fake_hosts
     from coordinator.replica.gauges import HOSTS_AT_ONCE
     count = 2 * HOSTS_AT_ONCE + 7
@@ -212,6 +214,16 @@ def test_the_gauges_of_a_fleet_larger_than_one_slice_cover_every_host_and_leave_
         cluster.lt.run(registration.close())
     wait_for(lambda: all(sample("gpucoord_leases", host=h) is None for h in names), 60,
              f"the series of all {count} hosts gone with them")
+    registration = cluster.lt.run(register_fake_hosts(cluster.store, cluster.keys, prefix, count, "1x16GiB"))
+    try:
+        def back() -> bool:
+            free = {s[1]["host"]: s[2] for s in scrape() if s[0] == "gpucoord_vram_bytes"
+                    and s[1].get("kind") == "free" and s[1].get("host", "").startswith(prefix)}
+            return (all(sample("gpucoord_leases", host=h) == 0.0 for h in names)
+                    and free == {h: USABLE_MB * MIB for h in names})
+        wait_for(back, 60, f"the series of all {count} hosts back with them")
+    finally:
+        cluster.lt.run(registration.close())
 
 
 def test_a_hosts_usage_report_reaches_its_gauges_within_the_usage_interval_even_in_a_quiet_fleet(
