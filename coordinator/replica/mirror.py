@@ -59,6 +59,9 @@ class Mirror:
         self._changes = 0                        # every change to a flat key, ever (resets included)
         self._kind_changed: dict[str, int] = {}  # kind -> the value of ``_changes`` at its last change
         self._kind_keys_changed: dict[str, int] = {}   # kind -> the same, at its last key that came or went
+        # kind -> key -> the value of ``_changes`` at its last put, in that order (a put moves its key to the end):
+        # ``puts_since`` reads only the keys put since a generation, newest first.
+        self._put_order: dict[str, dict[bytes, int]] = {}
         self._buckets: dict[tuple[str, str], dict[bytes, KV]] = {}
         # kind -> the hosts with a bucket of that kind: ``all_host_items`` reads the departing records of a fleet
         # (the leader, at each usage report) without a look at its other buckets.
@@ -108,6 +111,7 @@ class Mirror:
         self._kinds.clear()
         self._changes += 1
         self._kind_changed.clear()
+        self._put_order.clear()
         self._reset_at = self._changes
         self._buckets.clear()
         for hosts in self._kind_hosts.values():
@@ -234,6 +238,9 @@ class Mirror:
             self._kind_changed[kind] = self._changes
             if came:
                 self._kind_keys_changed[kind] = self._changes
+            order = self._put_order.setdefault(kind, {})
+            order.pop(kv.key, None)
+            order[kv.key] = self._changes
 
     def _delete_flat(self, key: bytes, kind: str | None) -> None:
         if self._flat.pop(key, None) is None or kind is None:
@@ -243,6 +250,7 @@ class Mirror:
             of_kind.pop(key, None)
             if not of_kind:
                 del self._kinds[kind]
+        self._put_order.get(kind, {}).pop(key, None)
         self._changes += 1
         self._kind_changed[kind] = self._changes
         self._kind_keys_changed[kind] = self._changes
@@ -256,6 +264,20 @@ class Mirror:
         """As ``generation``, but only a key of ``kind`` that comes or goes moves it, not one rewritten: a cache
         key for what is derived from the keys alone (the hosts that have a usage report, say)."""
         return max(self._kind_keys_changed.get(kind, 0), self._reset_at)
+
+    def puts_since(self, kind: str, generation: int) -> list[KV] | None:
+        """The keys of ``kind`` put (come or rewritten) after ``generation`` (a ``generation(kind)`` value), newest
+        first; None when the mirror was reset since (then read ``items(kind)``). A key deleted since is not among
+        them (``keys_generation`` moved)."""
+        if generation < self._reset_at:
+            return None
+        out = []
+        of_kind = self._kinds.get(kind, {})
+        for key, at in reversed(self._put_order.get(kind, {}).items()):
+            if at <= generation:
+                break
+            out.append(of_kind[key])
+        return out
 
     def flat(self, key: bytes) -> KV | None:
         """``get`` of a key of a kind that is not per host (a session, a host's registration), without parsing

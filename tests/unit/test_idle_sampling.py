@@ -3,6 +3,7 @@ records, with no etcd: a fresh report's utilization is sampled as of when the re
 gone report makes the GPU unknown, and a team's policy overrides the fleet's for its agents."""
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +28,35 @@ class FakeMirror:
     def __init__(self) -> None:
         self.kvs: dict[str, list[KV]] = {"usage": [], "leases": [], "teams": []}
         self.lease_changes = 0
+        self.changes = 0                     # the usage reports' generation, as ``Mirror.generation``
+        self.keys_at = 0                     # ... and ``keys_generation``
+        self.put_at: dict[bytes, int] = {}   # each report's generation when last put
+
+    def generation(self, kind: str) -> int:
+        return self.changes
+
+    def keys_generation(self, kind: str) -> int:
+        return self.keys_at
+
+    def puts_since(self, kind: str, generation: int) -> list[KV]:
+        return sorted((kv for kv in self.kvs["usage"] if self.put_at[kv.key] > generation),
+                      key=lambda kv: -self.put_at[kv.key])
+
+    def flat(self, key: bytes) -> KV | None:
+        return next((kv for kv in self.kvs["usage"] if kv.key == key), None)
+
+    def put_usage(self, kv: KV) -> None:
+        self.changes += 1
+        if kv.key not in self.put_at:
+            self.keys_at = self.changes
+        self.put_at[kv.key] = self.changes
+        self.kvs["usage"] = [*(other for other in self.kvs["usage"] if other.key != kv.key), kv]
+
+    def drop_usage(self, key: bytes) -> None:
+        if self.put_at.pop(key, None) is not None:
+            self.changes += 1
+            self.keys_at = self.changes
+        self.kvs["usage"] = [kv for kv in self.kvs["usage"] if kv.key != key]
 
     def lease_stamps(self) -> dict[str, int]:
         return {"h1": self.lease_changes} if self.kvs["leases"] else {}   # (every lease here is on h1)
@@ -56,8 +86,7 @@ def put_usage(c: Any, rev: int, pct: Any, host: str = "h1", gpus: tuple[str, ...
     """``host``'s report (the others' stay): ``pct`` on each of ``gpus``."""
     doc = {"ts": 0.0, "interval_s": 1.0,
            "gpus": [{"uuid": uuid, "vram_used_mb": 0, "utilization_pct": pct} for uuid in gpus]}
-    others = [kv for kv in c.mirror.kvs["usage"] if kv.key != K.usage(host)]
-    c.mirror.kvs["usage"] = [*others, KV(K.usage(host), json.dumps(doc).encode(), 1, rev, 1, 0)]
+    c.mirror.put_usage(KV(K.usage(host), json.dumps(doc).encode(), 1, rev, 1, 0))
 
 
 def put_lease(c: Any, agent: str = "a", lease_id: str = "l1") -> None:
@@ -85,7 +114,7 @@ def test_a_fresh_report_is_sampled_as_first_seen_and_a_stale_or_gone_one_is_unkn
     put_usage(c, 3, 1)
     idle.sample(c)
     assert c.utilization.points("GPU-0")[-1] == (111.0, 1)
-    c.mirror.kvs["usage"] = []   # the host's report is gone
+    c.mirror.drop_usage(K.usage("h1"))   # the host's report is gone
     idle.sample(c)
     assert c.utilization.points("GPU-0") == () and not idle.judged(c)["l1"][0].idle
 
@@ -125,11 +154,15 @@ GPU_SETS = ((0,), (0, 1), (1,))   # the GPUs a host's report names (a report may
 steps = st.lists(st.one_of(
     # a new version of a host's report: its GPUs, this percent on each
     st.tuples(st.just("report"), st.tuples(st.sampled_from(HOSTS), st.sampled_from(GPU_SETS), st.integers(0, 100))),
-    st.tuples(st.just("age"), st.sampled_from([0.0, 10.0])),  # the reports fresh, or stale
+    st.tuples(st.just("wait"), st.sampled_from([0.0, 2.0, 10.0])),  # time passes: the reports go stale 3 s after
     st.tuples(st.just("team"), st.sampled_from([0.0, 5.0, 50.0])),   # a team's idle threshold (0: none)
     st.tuples(st.just("gone"), st.sampled_from(HOSTS)),
     st.tuples(st.just("sample"), st.just(0)),
 ), max_size=30)
+
+
+def _age(observed: FakeObserved, kv: KV) -> float:
+    return max(0.0, observed.now - observed.saw(kv.key, kv.mod_revision))
 
 
 def _uuids(host: str, gpus: tuple[int, ...]) -> tuple[str, ...]:
@@ -138,35 +171,41 @@ def _uuids(host: str, gpus: tuple[int, ...]) -> tuple[str, ...]:
 
 @settings(max_examples=300)
 @given(steps)
-@example([("report", ("h1", (0,), 5)), ("sample", 0), ("age", 10.0), ("sample", 0)])    # the same report, now stale
+@example([("report", ("h1", (0,), 5)), ("sample", 0), ("wait", 10.0), ("sample", 0)])    # the same report, now stale
+@example([("report", ("h1", (0,), 5)), ("sample", 0), ("report", ("h2", (0,), 5)), ("sample", 0), ("wait", 2.0),
+          ("sample", 0), ("report", ("h2", (0,), 6)), ("sample", 0)])   # one report goes stale while another is put
 @example([("report", ("h1", (0,), 3)), ("sample", 0), ("report", ("h1", (0,), 8)), ("sample", 0), ("team", 5.0),
           ("sample", 0)])  # a new band
 @example([("report", ("h1", (0, 1), 3)), ("sample", 0), ("report", ("h1", (0,), 3)), ("sample", 0)])  # a GPU left
 @example([("report", ("h1", (0,), 3)), ("sample", 0), ("gone", "h1"), ("report", ("h2", (0,), 3)),
           ("sample", 0)])   # one report went and another came: as many reports as before
 def test_sampling_that_skips_reports_it_sampled_unchanged_keeps_the_same_history(plan: list[tuple[str, Any]]) -> None:
-    """``sample`` with its memory between passes (as ``IdleReclaim`` runs it) skips a report whose version,
-    staleness and thresholds it sampled before, and looks for GPUs without a report only when a report came, went
-    or changed its GPUs: the history it keeps is the one sampling everything keeps, GPU by GPU."""
+    """``sample`` with its memory between passes (as ``IdleReclaim`` runs it) samples only the reports put since its
+    last pass and those gone stale since, while no report came or went and the thresholds held; else it skips a
+    report whose version, staleness and thresholds it sampled before, and looks for GPUs without a report only when
+    a report came, went or changed its GPUs: the history it keeps is the one sampling everything keeps, GPU by
+    GPU. (A report's age is the test's clock less when the replica first saw it, as ``ReplicaContext.usage_age``.)"""
     every_gpu = [uuid for host in HOSTS for uuid in _uuids(host, (0, 1))]
     with pytest.MonkeyPatch.context() as mp:
         plain, memo = ctx(idle_after_s=10.0, idle_below_pct=10.0), ctx(idle_after_s=10.0, idle_below_pct=10.0)
+        for c in (plain, memo):
+            c.usage_age = functools.partial(_age, c.observed)
         mp.setattr(idle.clock, "monotonic", lambda: plain.observed.now)
-        last: dict[bytes, Any] = {}
+        last = idle.SampleMemory()
         rev = 1
         for op, arg in plan:
             for c in (plain, memo):
                 if op == "report":
                     host, gpus, pct = arg
                     put_usage(c, rev + 1, pct, host, _uuids(host, gpus))
-                elif op == "age":
-                    c.age = arg
+                elif op == "wait":
+                    c.observed.now += arg
                 elif op == "team":
                     team = {"name": "t", "members": ["a"], "idle_below_pct": arg}
                     c.mirror.kvs["teams"] = [KV(K.team("t"), json.dumps(team).encode(), 1, rev + 1, 1, 0)] \
                         if arg else []
                 elif op == "gone":
-                    c.mirror.kvs["usage"] = [kv for kv in c.mirror.kvs["usage"] if kv.key != K.usage(arg)]
+                    c.mirror.drop_usage(K.usage(arg))
             rev += 1
             if op == "sample":
                 idle.sample(plain)

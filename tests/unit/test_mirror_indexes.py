@@ -5,7 +5,7 @@ change of one of its keys and with no other host's, and is 0 exactly when it has
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from coordinator.etcd.types import KV, WatchBatch, WatchEvent
@@ -158,3 +158,52 @@ def test_a_kinds_keys_generation_moves_when_one_of_its_keys_comes_or_goes_and_ne
             else:
                 assert generation == before[kind][0], (kind, op, key)
             seen[kind].add(generation)
+
+
+FLAT_KEYS = [f(h) for f in (KEYS.usage, KEYS.host) for h in ("h1", "h2", "h3")]
+flat_ops = st.lists(st.tuples(st.sampled_from(["put"] * 6 + ["delete"] * 2 + ["reset"]), st.sampled_from(FLAT_KEYS),
+                              st.sampled_from(VALUES)), max_size=30)
+
+
+@settings(max_examples=300)
+@given(flat_ops, st.integers(0, 40))
+@example([("put", KEYS.usage("h1"), VALUES[0]), ("put", KEYS.usage("h2"), VALUES[0]),
+          ("put", KEYS.usage("h1"), VALUES[1])], 2)     # a key rewritten after another key was put
+@example([("put", KEYS.usage("h1"), VALUES[0]), ("put", KEYS.usage("h2"), VALUES[0]),
+          ("delete", KEYS.usage("h2"), b"")], 1)         # a key put since, and gone
+def test_the_keys_put_since_a_generation_are_those_whose_value_changed_since_and_still_exist(
+        steps: list[tuple[str, bytes, bytes]], at: int) -> None:
+    """``puts_since(kind, g)`` for a ``g`` read after any step: exactly the keys of ``kind`` put since then and still
+    there, each with its current value, newest first; None once the mirror was reset since."""
+    mirror = Mirror(KEYS)
+    mirror.reset([], 1)
+    revision = 1
+    flat_kinds = ("hosts", "usage")
+    marks: list[tuple[dict[str, int], dict[bytes, int], bool]] = []   # generations, then each key's last put, reset?
+    last_put: dict[bytes, int] = {}
+    for op, key, value in steps:
+        revision += 1
+        marks.append(({kind: mirror.generation(kind) for kind in flat_kinds}, dict(last_put), False))
+        if op == "reset":
+            mirror.reset([kv for k in FLAT_KEYS if (kv := mirror.get(k)) is not None], revision)
+            marks = [(g, puts, True) for g, puts, _ in marks]
+        else:
+            kv = KV(key, value, revision, revision, 1, 0)
+            mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+            if op == "put":
+                last_put[key] = revision
+            else:
+                last_put.pop(key, None)
+    if not marks:
+        return
+    generations, puts_then, reset_since = marks[at % len(marks)]
+    for kind in flat_kinds:
+        found = mirror.puts_since(kind, generations[kind])
+        if reset_since:
+            assert found is None
+            continue
+        assert found is not None
+        now = {kv.key: kv for kv in mirror.items(kind)}
+        expected = sorted((k for k in now if last_put.get(k) != puts_then.get(k)), key=lambda k: -last_put[k])
+        assert [kv.key for kv in found] == expected, kind
+        assert all(kv is now[kv.key] for kv in found)
