@@ -1,8 +1,9 @@
 """What node daemons do to gpucoord while a fleet is idle: each host rewrites its usage report every interval.
 
 Simulated hosts (``gpucoord node --fake-hosts``) write theirs once; here each one is written again every
-``interval_s`` (its ``ts`` and ``interval_s`` as a daemon writes them), spread evenly over the interval, for as
-long as asked: the watch events every replica then follows, as in a real fleet."""
+``interval_s`` (its ``ts`` and ``interval_s`` as a daemon writes them, in a daemon's bytes: compact JSON, sorted
+keys), spread evenly over the interval, for as long as asked: the watch events every replica then follows, as in a
+real fleet."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import time
 
 from coordinator.etcd.store import Store
 from coordinator.keys import Keys
+from coordinator.record_fields import dumps
 from coordinator.txn import Put
 
 TICK_S = 0.1          # reports are written in batches, one batch per tick
@@ -28,7 +30,7 @@ async def report_usage(endpoints: list[str], keys: Keys, hosts: list[str], inter
             for _ in range(per_tick):
                 kv = reports[written % len(reports)]
                 doc = json.loads(kv.value) | {"ts": time.time(), "interval_s": interval_s}
-                batch.append(Put(kv.key, json.dumps(doc).encode(), kv.etcd_lease))
+                batch.append(Put(kv.key, dumps(doc), kv.etcd_lease))
                 written += 1
             for at in range(0, len(batch), PUTS_PER_TXN):
                 await store.commit([], batch[at:at + PUTS_PER_TXN])
