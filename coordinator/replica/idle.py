@@ -27,6 +27,7 @@ import functools
 import heapq
 import logging
 import math
+import re
 from typing import Any, Collection, Iterator
 
 from coordinator import clock, errors, metrics
@@ -40,9 +41,10 @@ from coordinator.policy.idle import (
     to_evict,
 )
 from coordinator.policy.teams import Membership
+from coordinator.record_fields import InvalidRecord, check_usage, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.idle_judged import Judged
-from coordinator.replica.leases import Leases, usage_report
+from coordinator.replica.leases import Leases
 from coordinator.replica.teams import read_teams
 from coordinator.replica.view import HOSTS_CACHED, STALE_INTERVALS
 
@@ -62,11 +64,28 @@ Parsed = tuple[float, tuple[tuple[str, int], ...]] | None
 malformed."""
 
 
-@functools.lru_cache(maxsize=HOSTS_CACHED)
+# The end of a report as its daemon writes it (stored values have sorted keys, compact): ``,"ts":<a JSON number>}``.
+_TS = b',"ts":'
+_TS_TAIL = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?}")
+
+
 def _parse(kv: KV) -> Parsed:
-    """(Cached by the KV itself, key, value and revisions: each version of a report is parsed once.)"""
-    doc = usage_report(kv)
-    if doc is None:
+    """A report as sampling reads it. A daemon rewrites its report every few seconds, most often with a new ``ts``
+    alone, its last member: the report less that member is what is parsed (and cached), so each content is parsed
+    once, not each version. (It is valid JSON, and a valid report, exactly when the whole is, and sampling reads no
+    ``ts``.)"""
+    value = kv.value
+    at = value.rfind(_TS)
+    if at > 1 and value[at - 1] not in b"{ \t\r\n" and _TS_TAIL.fullmatch(value, at + len(_TS)):
+        return _parse_value(value[:at] + b"}")
+    return _parse_value(value)
+
+
+@functools.lru_cache(maxsize=HOSTS_CACHED)
+def _parse_value(value: bytes) -> Parsed:
+    try:
+        doc: dict[str, Any] = check_usage(load_record(value, "usage"))
+    except InvalidRecord:
         return None
     rows = []
     for g in doc.get("gpus", ()):

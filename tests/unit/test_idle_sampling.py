@@ -16,6 +16,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.etcd.types import KV
 from coordinator.keys import Keys
 from coordinator.policy.idle import UNKNOWN, UtilizationHistory
+from coordinator.record_fields import InvalidRecord, check_usage, load_record
 from coordinator.replica import idle
 from coordinator.replica.idle_judged import IdleJudgments
 from tests.support.observed import FakeObserved
@@ -215,3 +216,41 @@ def test_sampling_that_skips_reports_it_sampled_unchanged_keeps_the_same_history
                     assert memo.utilization.current(uuid) == plain.utilization.current(uuid), uuid
             plain.observed.now += 1.0
             memo.observed.now = plain.observed.now
+
+
+def _full_parse(value: bytes) -> idle.Parsed:
+    """A report parsed whole: ``_parse`` must say what this says of every value."""
+    try:
+        doc = check_usage(load_record(value, "usage"))
+    except InvalidRecord:
+        return None
+    return float(doc.get("interval_s", 5.0)), tuple(   # type: ignore[arg-type]
+        (str(g.get("uuid", "")), g.get("utilization_pct", -1) if type(g.get("utilization_pct", -1)) is int else -1)
+        for g in doc.get("gpus", ()))   # type: ignore[union-attr]
+
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2, 200), st.floats(allow_nan=False, allow_infinity=False),
+                      st.text(max_size=4))
+gpu = st.fixed_dictionaries({"uuid": st.one_of(st.sampled_from(["GPU-0", "GPU-1"]), json_leaf),
+                             "vram_used_mb": st.one_of(st.integers(0, 100), json_leaf)},
+                            optional={"utilization_pct": st.one_of(st.integers(-1, 100), json_leaf)})
+report = st.fixed_dictionaries({}, optional={"gpus": st.one_of(st.lists(gpu, max_size=3), json_leaf),
+                                             "interval_s": st.one_of(st.floats(0.5, 10), json_leaf),
+                                             "ts": st.one_of(st.floats(-1e12, 1e12), st.integers(), json_leaf),
+                                             "zz": json_leaf})
+tails = st.sampled_from([b"", b',"ts":1}', b',"ts":-0.5e3}', b',"ts":01}', b',"ts":1.}', b',"ts":"x"}', b'}',
+                         b',"ts":1}}', b' ,"ts":1}'])
+
+
+@settings(max_examples=400)
+@given(report, st.booleans(), st.binary(max_size=6), tails, st.integers(0, 12))
+@example({"gpus": [], "ts": 1.0}, True, b"", b"", 0)
+@example({}, True, b"{", b',"ts":1}', 1)          # ``{,"ts":1}``: not JSON, though ``{}`` is
+@example({}, True, b"{ ", b',"ts":1}', 1)         # nor ``{ ,"ts":1}``
+def test_a_report_is_sampled_as_it_parses_whole_whatever_its_ts(doc: dict[str, Any], sorted_keys: bool, junk: bytes,
+                                                                  tail: bytes, cut: int) -> None:
+    """``_parse`` parses a report less its last ``ts`` member (and caches that): what it says of any value, a
+    daemon's report or not, valid or not, is what parsing the whole value says."""
+    value = json.dumps(doc, sort_keys=sorted_keys, separators=(",", ":")).encode()
+    for v in (value, value[:-1] + tail if tail else value, junk + tail, value[:cut] + tail):
+        assert idle._parse(KV(b"/t/usage/h1", v, 1, 1, 1, 0)) == _full_parse(v), v
