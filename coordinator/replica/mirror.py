@@ -29,6 +29,7 @@ _MARKERS = (MULTI_HOST, TIME_LIMITED)
 # Kinds no replica decides on, kept out of memory: usage records and rollups (the leader's accountant reads etcd).
 _NOT_MIRRORED = frozenset({"accounting"})
 _HOST_SINGLES = ("hosts", "usage", "partitions", "cordons")   # flat kinds of one key per host, named last
+_PUT_ORDERED = frozenset({"usage", "hosts"})   # the kinds ``puts_since`` answers for (not sessions: too many)
 
 
 # Kinds of many keys in a large fleet, each read as a range of its own: the ranges after a snapshot's first are read
@@ -238,9 +239,10 @@ class Mirror:
             self._kind_changed[kind] = self._changes
             if came:
                 self._kind_keys_changed[kind] = self._changes
-            order = self._put_order.setdefault(kind, {})
-            order.pop(kv.key, None)
-            order[kv.key] = self._changes
+            if kind in _PUT_ORDERED:
+                order = self._put_order.setdefault(kind, {})
+                order.pop(kv.key, None)
+                order[kv.key] = self._changes
 
     def _delete_flat(self, key: bytes, kind: str | None) -> None:
         if self._flat.pop(key, None) is None or kind is None:
@@ -266,9 +268,11 @@ class Mirror:
         return max(self._kind_keys_changed.get(kind, 0), self._reset_at)
 
     def puts_since(self, kind: str, generation: int) -> list[KV] | None:
-        """The keys of ``kind`` put (come or rewritten) after ``generation`` (a ``generation(kind)`` value), newest
-        first; None when the mirror was reset since (then read ``items(kind)``). A key deleted since is not among
-        them (``keys_generation`` moved)."""
+        """The keys of ``kind`` (one of ``_PUT_ORDERED``) put (come or rewritten) after ``generation`` (a
+        ``generation(kind)`` value), newest first; None when the mirror was reset since (then read ``items(kind)``).
+        A key deleted since is not among them (``keys_generation`` moved)."""
+        if kind not in _PUT_ORDERED:
+            raise ValueError(f"puts_since: the mirror keeps no put order of {kind!r}")
         if generation < self._reset_at:
             return None
         out = []
