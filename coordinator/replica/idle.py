@@ -41,10 +41,9 @@ from coordinator.policy.idle import (
     to_evict,
 )
 from coordinator.policy.teams import Membership
-from coordinator.record_fields import InvalidRecord, check_usage, load_record
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.idle_judged import Judged
-from coordinator.replica.leases import Leases
+from coordinator.replica.leases import Leases, usage_doc
 from coordinator.replica.teams import read_teams
 from coordinator.replica.view import HOSTS_CACHED, STALE_INTERVALS
 
@@ -83,9 +82,8 @@ def _parse(kv: KV) -> Parsed:
 
 @functools.lru_cache(maxsize=HOSTS_CACHED)
 def _parse_value(value: bytes) -> Parsed:
-    try:
-        doc: dict[str, Any] = check_usage(load_record(value, "usage"))
-    except InvalidRecord:
+    doc = usage_doc(value)
+    if doc is None:
         return None
     rows = []
     for g in doc.get("gpus", ()):
@@ -168,7 +166,6 @@ def _sample_one(ctx: ReplicaContext, kv: KV, now: float, thresholds: frozenset[f
     if parsed is None:
         sampled.pop(kv.key, None)
         return True   # malformed: its GPUs are unknown (they get no points)
-    at = ctx.observed.saw(kv.key, kv.mod_revision)
     stale = ctx.usage_age(kv) > STALE_INTERVALS * parsed[0]
     state = (kv.mod_revision, stale, thresholds)
     was = before.get(kv.key)
@@ -177,6 +174,7 @@ def _sample_one(ctx: ReplicaContext, kv: KV, now: float, thresholds: frozenset[f
         if not stale:
             heapq.heappush(stale_at, (was[2], kv.key, kv.mod_revision))
         return False
+    at = ctx.observed.saw(kv.key, kv.mod_revision)
     uuids = tuple(uuid for uuid, _ in parsed[1])
     goes_stale = math.inf if stale else at + STALE_INTERVALS * parsed[0]
     sampled[kv.key] = (state, uuids, goes_stale)

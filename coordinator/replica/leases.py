@@ -341,8 +341,13 @@ class Leases:
 
 def usage_report(kv: KV) -> dict[str, Any] | None:
     """A node's ``usage/<host>`` report, checked; None when it is malformed (its host is INVALID)."""
+    return usage_doc(kv.value)
+
+
+def usage_doc(value: bytes) -> dict[str, Any] | None:
+    """``usage_report`` of a report's stored bytes."""
     try:
-        return check_usage(load_record(kv.value, "usage"))
+        return check_usage(load_record(value, "usage"))
     except InvalidRecord:
         return None
 
