@@ -4,6 +4,8 @@ time-limit sweeps would find by scanning every lease; a host's stamp (``Mirror.h
 change of one of its keys and with no other host's, and is 0 exactly when it has no key."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -97,6 +99,16 @@ def test_a_host_stamp_moves_with_its_own_keys_only(stamp_of: str, ignored: tuple
                 assert stamp != before[host], f"{host}'s {stamp_of} did not move with {op} of {key!r}"
 
 
+def _step(mirror: Mirror, op: str, key: bytes, value: bytes, revision: int, kept: Iterable[bytes]) -> None:
+    """One step of a plan at ``revision``: a resync to what the mirror holds of the keys ``kept``, or the watch event
+    that puts or deletes ``key``."""
+    if op == "reset":
+        mirror.reset([kv for k in kept if (kv := mirror.get(k)) is not None], revision)
+    else:
+        kv = KV(key, value, revision, revision, 1, 0)
+        mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+
+
 @given(ops)
 def test_every_key_of_a_per_host_kind_is_found_by_its_kind_and_no_other(steps: list[tuple[str, bytes, bytes]]) -> None:
     """``all_host_items(kind)`` (kept by an index of the hosts with a bucket of each kind) is every key of that
@@ -107,15 +119,11 @@ def test_every_key_of_a_per_host_kind_is_found_by_its_kind_and_no_other(steps: l
     revision = 1
     for op, key, value in steps:
         revision += 1
-        if op == "reset":
-            mirror.reset([kv for k in model if (kv := mirror.get(k)) is not None], revision)
-        else:
-            kv = KV(key, value, revision, revision, 1, 0)
-            mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
-            if op == "put":
-                model[key] = value
-            else:
-                model.pop(key, None)
+        _step(mirror, op, key, value, revision, model)
+        if op == "put":
+            model[key] = value
+        elif op == "delete":
+            model.pop(key, None)
         for kind in ("leases", "queue", "departing", "gpus"):
             found = mirror.all_host_items(kind)
             assert sorted(kv.key for kv in found) == sorted(k for k in model if k.startswith(KEYS.kind(kind)))
@@ -146,11 +154,7 @@ def test_a_kinds_keys_generation_moves_when_one_of_its_keys_comes_or_goes_and_ne
     for op, key, value in steps:
         revision += 1
         before = {kind: (mirror.keys_generation(kind), {kv.key for kv in mirror.items(kind)}) for kind in flat_kinds}
-        if op == "reset":
-            mirror.reset([kv for k in HOST_OF if (kv := mirror.get(k)) is not None], revision)
-        else:
-            kv = KV(key, value, revision, revision, 1, 0)
-            mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
+        _step(mirror, op, key, value, revision, HOST_OF)
         for kind in flat_kinds:
             generation, keys = mirror.keys_generation(kind), {kv.key for kv in mirror.items(kind)}
             if keys != before[kind][1] or op == "reset":
@@ -184,16 +188,13 @@ def test_the_keys_put_since_a_generation_are_those_whose_value_changed_since_and
     for op, key, value in steps:
         revision += 1
         marks.append(({kind: mirror.generation(kind) for kind in flat_kinds}, dict(last_put), False))
+        _step(mirror, op, key, value, revision, FLAT_KEYS)
         if op == "reset":
-            mirror.reset([kv for k in FLAT_KEYS if (kv := mirror.get(k)) is not None], revision)
             marks = [(g, puts, True) for g, puts, _ in marks]
+        elif op == "put":
+            last_put[key] = revision
         else:
-            kv = KV(key, value, revision, revision, 1, 0)
-            mirror.apply(WatchBatch(revision, (WatchEvent("PUT" if op == "put" else "DELETE", kv, None),)))
-            if op == "put":
-                last_put[key] = revision
-            else:
-                last_put.pop(key, None)
+            last_put.pop(key, None)
     if not marks:
         return
     generations, puts_then, reset_since = marks[at % len(marks)]
