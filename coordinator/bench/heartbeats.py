@@ -20,19 +20,28 @@ PUTS_PER_TXN = 100    # below etcd's default --max-txn-ops
 
 
 async def report_usage(endpoints: list[str], keys: Keys, hosts: list[str], interval_s: float, seconds: float) -> int:
-    """Rewrite ``hosts``' usage reports every ``interval_s`` for ``seconds``; returns how many were written."""
+    """Rewrite ``hosts``' usage reports every ``interval_s`` for ``seconds``; returns how many were written.
+    ``seconds=0`` writes each host's report once, at once: a daemon's first report, with its interval."""
     async with Store(endpoints) as store:
         reports = [kv for kv in (await store.get_many([keys.usage(h) for h in hosts])).values() if kv is not None]
+        if not seconds:
+            batch = [Put(kv.key, _rewritten(kv.value, interval_s), kv.etcd_lease) for kv in reports]
+            for at in range(0, len(batch), PUTS_PER_TXN):
+                await store.commit([], batch[at:at + PUTS_PER_TXN])
+            return len(batch)
         per_tick = max(1, round(len(reports) * TICK_S / interval_s))
         written, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds and reports:
             batch = []
             for _ in range(per_tick):
                 kv = reports[written % len(reports)]
-                doc = json.loads(kv.value) | {"ts": time.time(), "interval_s": interval_s}
-                batch.append(Put(kv.key, dumps(doc), kv.etcd_lease))
+                batch.append(Put(kv.key, _rewritten(kv.value, interval_s), kv.etcd_lease))
                 written += 1
             for at in range(0, len(batch), PUTS_PER_TXN):
                 await store.commit([], batch[at:at + PUTS_PER_TXN])
             await asyncio.sleep(TICK_S)
         return written
+
+
+def _rewritten(value: bytes, interval_s: float) -> bytes:
+    return dumps(json.loads(value) | {"ts": time.time(), "interval_s": interval_s})

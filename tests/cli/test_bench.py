@@ -24,7 +24,7 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
-EXPECTED = {"P1": 1, "P2": 3, "P3": 3, "P4": 4, "P5": 3, "P6": 2, "P7": 2, "P8": 5, "GANG": 2, "MULTIHOST": 5,
+EXPECTED = {"P1": 1, "P2": 3, "P3": 3, "P4": 4, "P5": 3, "P6": 2, "P7": 2, "P8": 6, "GANG": 2, "MULTIHOST": 5,
             "TEAMS": 3}
 
 
