@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import orjson
 
@@ -187,3 +188,20 @@ def check_usage(doc: object) -> dict[str, object]:
         except InvalidRecord as e:
             raise fail(f"gpus[{i}]", str(e)) from None
     return checked
+
+
+# The end of a usage report as its daemon writes it (stored values have sorted keys, compact): ``,"ts":<a JSON
+# number>}``.
+_TS = b',"ts":'
+_TS_TAIL = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?}")
+
+
+def without_ts(value: bytes) -> bytes:
+    """A stored usage report less its last member when that is its ``ts`` (the value itself else). A daemon
+    rewrites its report every few seconds, most often with a new ``ts`` alone: what a reader derives from the rest
+    is kept by this content, not by each version. It is valid JSON, and a valid report, exactly when the whole
+    is."""
+    at = value.rfind(_TS)
+    if at > 1 and value[at - 1] not in b"{ \t\r\n" and _TS_TAIL.fullmatch(value, at + len(_TS)):
+        return value[:at] + b"}"
+    return value

@@ -17,9 +17,11 @@ from prometheus_client import Gauge
 
 from coordinator import metrics
 from coordinator.aio import Pacer
+from coordinator.etcd.types import KV
 from coordinator.keys import last_segment
 from coordinator.policy.host import HostView
 from coordinator.policy.teams import DEFAULT_TEAM, Membership, Usage, usage_by_team
+from coordinator.record_fields import without_ts
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.teams import charges_from_views, read_teams
 from coordinator.replica.view import host_view
@@ -47,6 +49,8 @@ class MirrorGauges:
         # host -> the value this replica last set of each of its series, by (gpu uuid or "", kind): a host computed
         # again touches only the series whose value moved (a usage report's rewrite mostly moves none of them).
         self._set: dict[str, dict[tuple[str, str], float]] = {}
+        # host -> its usage report's content (less its ``ts``) when its series were computed, as a hash
+        self._reports: dict[str, int | None] = {}
         self._teams_at = -1
         self._registered: set[str] = set()
         self._registered_at: tuple[int, ...] = ()
@@ -80,9 +84,13 @@ class MirrorGauges:
             computed, shape, at = self._computed.get(host, (-1, -1, 0.0))
             if computed == stamp:
                 continue
-            if shape == ctx.mirror.shape_stamp(host) and now - at < USAGE_EVERY_S:
-                deferred = True   # only its usage report changed, and not long ago: later (its stamp still differs)
-                continue
+            if shape == ctx.mirror.shape_stamp(host):    # only its usage report changed
+                if self._same_report(host):
+                    self._computed[host] = (stamp, shape, at)   # its daemon's rewrite: every series as it is
+                    continue
+                if now - at < USAGE_EVERY_S:
+                    deferred = True   # not long ago: later (its stamp still differs)
+                    continue
             changed += 1
             if await pacer.step():
                 stamp = ctx.mirror.host_stamp(host)    # the mirror may have moved meanwhile
@@ -93,6 +101,7 @@ class MirrorGauges:
                              ctx.usage_age)
             old = self._views.get(host)
             self._views[host] = view
+            self._reports[host] = _content(ctx.mirror.flat(ctx.keys.usage(host)))
             last = self._set.setdefault(host, {})
             for uuid in (set(old.gpus) - set(view.gpus)) if old is not None else ():
                 for kind in ("leased", "free"):
@@ -114,9 +123,17 @@ class MirrorGauges:
             self._update_teams()
         return deferred
 
+    def _same_report(self, host: str) -> bool:
+        """Whether the host's usage report says what it said when its series were computed, while it was fresh:
+        then they are what computing them again would give (a fresh report's series depend on its content alone)."""
+        view = self._views.get(host)
+        return (view is not None and not view.usage_stale and host in self._reports
+                and self._reports[host] == _content(self.ctx.mirror.flat(self.ctx.keys.usage(host))))
+
     def _forget(self, host: str) -> None:
         self._computed.pop(host, None)
         self._set.pop(host, None)
+        self._reports.pop(host, None)
         view = self._views.pop(host, None)
         _remove(metrics.LEASES, host)
         for uuid in view.gpus if view is not None else ():
@@ -173,6 +190,12 @@ def _remove(gauge: Gauge, *labels: str) -> None:
         gauge.remove(*labels)
     except KeyError:
         pass
+
+
+def _content(kv: KV | None) -> int | None:
+    """A usage report's content less its ``ts``, as a hash (a gauge is no admission decision: a collision of 64-bit
+    hashes would keep a host's series until its next change)."""
+    return None if kv is None else hash(without_ts(kv.value))
 
 
 __all__ = ["MirrorGauges"]

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -255,5 +256,80 @@ def test_a_hosts_usage_report_reaches_its_gauges_within_the_usage_interval_even_
         report(70)      # within USAGE_EVERY_S of the first: its turn comes later, with nothing else to wake it
         wait_for(lambda: sample("gpucoord_gpu_utilization_percent", host=host, gpu=gpu) == 70.0, 30,
                  "the second report in the gauge")
+    finally:
+        cluster.lt.run(registration.close())
+
+
+def test_a_daemons_rewrite_of_the_same_figures_computes_nothing_and_a_stale_hosts_figures_come_back(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon rewrites its report every heartbeat, most often with a new ``ts`` alone: its host's series are not
+    computed again for that (a fleet of 10,000 hosts sends about 2,000 such rewrites a second). A new figure still
+    reaches them; and a host whose series were computed while its report was stale (its daemon stuck) gets its
+    figures back when the daemon rewrites the very same ones."""
+    from coordinator.node.fake_hosts import fake_host_names, register_fake_hosts
+    from coordinator.record_fields import dumps
+    from coordinator.replica import gauges
+    from coordinator.txn import Put
+    monkeypatch.setattr(gauges, "USAGE_EVERY_S", 0.0)     # a usage report's change is followed at once
+    computed: list[str] = []
+    stuck: set[str] = set()     # hosts whose report the replica sees as stale (as of a daemon stuck long ago)
+    real_view = gauges.host_view
+
+    def counted(keys: Any, host: str, snap: Any, untracked: bool, usage_age: Any) -> Any:
+        computed.append(host)
+        return real_view(keys, host, snap, untracked, (lambda kv: 1e9) if host in stuck else usage_age)
+    monkeypatch.setattr(gauges, "host_view", counted)
+    prefix = f"s{uuid.uuid4().hex[:6]}"
+    host, other = fake_host_names(prefix, 2)
+    addr = cluster.start_coordinator()
+    registration = cluster.lt.run(register_fake_hosts(cluster.store, cluster.keys, prefix, 2, "1x16GiB"))
+    try:
+        reports = {h: cluster.get_prefix(cluster.keys.usage(h))[0] for h in (host, other)}
+        docs = {h: json.loads(kv.value) for h, kv in reports.items()}
+        gpu = {h: docs[h]["gpus"][0]["uuid"] for h in (host, other)}
+
+        def utilization(h: str) -> float | None:
+            return sample("gpucoord_gpu_utilization_percent", host=h, gpu=gpu[h])
+
+        def report(h: str, pct: int) -> None:
+            """As a daemon writes it: its bytes (sorted keys, ``ts`` last), a new ``ts``."""
+            docs[h]["gpus"][0]["utilization_pct"] = pct
+            value = dumps(docs[h] | {"interval_s": 5.0, "ts": time.time()})
+            cluster.lt.run(cluster.store.commit([], [Put(reports[h].key, value, reports[h].etcd_lease)]))
+
+        marks = iter(range(1, 100))
+
+        def every_host_looked_at() -> None:
+            """Two passes of the gauges since now, each seen through a new figure of the other host."""
+            for _ in range(2):
+                mark = next(marks)
+                report(other, mark)
+                wait_for(lambda m=mark: utilization(other) == m, 30, f"the other host's figure {mark}")
+
+        # A stale report (its daemon stuck): a lease on the host (its shape moves) has its series computed again,
+        # with the utilization unknown (-1).
+        report(host, 40)
+        wait_for(lambda: utilization(host) == 40.0, 30, "the host's first figure")
+        stuck.add(host)
+        with Client(addr, agent=f"a{prefix}", host=host) as c:
+            c.acquire(1024).release()
+        wait_for(lambda: utilization(host) == -1.0, 30, "the host's stale report in its gauge")
+        # The daemon is back with the very same figures: they count again.
+        stuck.discard(host)
+        report(host, 40)
+        wait_for(lambda: utilization(host) == 40.0, 30, "the host's figures back once its report is fresh")
+
+        # A daemon's rewrites with a new ts alone: nothing computed again (while fresh); a new figure: at once.
+        report(host, 55)
+        wait_for(lambda: utilization(host) == 55.0, 30, "a new figure")
+        every_host_looked_at()
+        before = computed.count(host)
+        for _ in range(3):
+            report(host, 55)
+            every_host_looked_at()
+        assert computed.count(host) == before, "a rewrite of the same figures computed the host's series again"
+        assert utilization(host) == 55.0
+        report(host, 70)
+        wait_for(lambda: utilization(host) == 70.0, 30, "a new figure after rewrites of the same")
     finally:
         cluster.lt.run(registration.close())
