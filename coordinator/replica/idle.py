@@ -27,7 +27,6 @@ import functools
 import heapq
 import logging
 import math
-import re
 from typing import Any, Collection, Iterator
 
 from coordinator import clock, errors, metrics
@@ -41,6 +40,7 @@ from coordinator.policy.idle import (
     to_evict,
 )
 from coordinator.policy.teams import Membership
+from coordinator.record_fields import without_ts
 from coordinator.replica.context import ReplicaContext
 from coordinator.replica.idle_judged import Judged
 from coordinator.replica.leases import Leases, usage_doc
@@ -63,21 +63,10 @@ Parsed = tuple[float, tuple[tuple[str, int], ...]] | None
 malformed."""
 
 
-# The end of a report as its daemon writes it (stored values have sorted keys, compact): ``,"ts":<a JSON number>}``.
-_TS = b',"ts":'
-_TS_TAIL = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?}")
-
-
 def _parse(kv: KV) -> Parsed:
-    """A report as sampling reads it. A daemon rewrites its report every few seconds, most often with a new ``ts``
-    alone, its last member: the report less that member is what is parsed (and cached), so each content is parsed
-    once, not each version. (It is valid JSON, and a valid report, exactly when the whole is, and sampling reads no
-    ``ts``.)"""
-    value = kv.value
-    at = value.rfind(_TS)
-    if at > 1 and value[at - 1] not in b"{ \t\r\n" and _TS_TAIL.fullmatch(value, at + len(_TS)):
-        return _parse_value(value[:at] + b"}")
-    return _parse_value(value)
+    """A report as sampling reads it: parsed (and cached) less its ``ts`` (``record_fields.without_ts``), so each
+    content is parsed once, not each version (sampling reads no ``ts``)."""
+    return _parse_value(without_ts(kv.value))
 
 
 @functools.lru_cache(maxsize=HOSTS_CACHED)
@@ -92,8 +81,9 @@ def _parse_value(value: bytes) -> Parsed:
     return float(doc.get("interval_s", 5.0)), tuple(rows)
 
 
-Sampled = dict[bytes, tuple[tuple[int, bool, frozenset[float]], tuple[str, ...], float]]
-"""Per usage report: its version, staleness and the thresholds as last sampled, its GPUs, and when it goes stale
+Sampled = dict[bytes, tuple[tuple[int, bool, frozenset[float]], tuple[tuple[str, int], ...], float]]
+"""Per usage report: its version, staleness and the thresholds as last sampled, its GPUs and their figures, and when
+it goes stale
 if it was fresh (``inf`` once stale)."""
 
 
@@ -153,7 +143,7 @@ def sample(ctx: ReplicaContext, last: SampleMemory | None = None) -> None:
         if last is not None:
             last.sampled, last.stale_at = sampled, stale_at
     if gpus_moved:
-        history.keep_only(uuid for _, uuids, _ in sampled.values() for uuid in uuids)   # a GPU without a report: unknown
+        history.keep_only(uuid for _, rows, _ in sampled.values() for uuid, _ in rows)   # a GPU without a report: unknown
     if last is not None:
         last.generation, last.keys_generation, last.thresholds = generation, keys_generation, thresholds
 
@@ -175,14 +165,16 @@ def _sample_one(ctx: ReplicaContext, kv: KV, now: float, thresholds: frozenset[f
             heapq.heappush(stale_at, (was[2], kv.key, kv.mod_revision))
         return False
     at = ctx.observed.saw(kv.key, kv.mod_revision)
-    uuids = tuple(uuid for uuid, _ in parsed[1])
+    rows = parsed[1]
     goes_stale = math.inf if stale else at + STALE_INTERVALS * parsed[0]
-    sampled[kv.key] = (state, uuids, goes_stale)
+    sampled[kv.key] = (state, rows, goes_stale)
     if not stale:
         heapq.heappush(stale_at, (goes_stale, kv.key, kv.mod_revision))
-    for uuid, pct in parsed[1]:
+    if was is not None and was[0][1:] == state[1:] and was[1] == rows:
+        return False    # a daemon's rewrite of the same figures (its ts alone new): observed again, they change nothing
+    for uuid, pct in rows:
         ctx.utilization.observe(uuid, now if stale else at, -1 if stale else pct, thresholds)
-    return was is None or was[1] != uuids
+    return was is None or [u for u, _ in was[1]] != [u for u, _ in rows]
 
 
 def policies(ctx: ReplicaContext) -> tuple[IdlePolicy, Membership, dict[str, IdlePolicy]]:
