@@ -30,6 +30,7 @@ _MARKERS = (MULTI_HOST, TIME_LIMITED)
 _NOT_MIRRORED = frozenset({"accounting"})
 _HOST_SINGLES = ("hosts", "usage", "partitions", "cordons")   # flat kinds of one key per host, named last
 _PUT_ORDERED = frozenset({"usage", "hosts"})   # the kinds ``puts_since`` answers for (not sessions: too many)
+HOST_LOG_KEPT = 1 << 16   # the changes of host stamps ``hosts_changed_since`` looks back over
 
 
 # Kinds of many keys in a large fleet, each read as a range of its own: the ranges after a snapshot's first are read
@@ -78,6 +79,10 @@ class Mirror:
         # host -> the same, for its keys other than its usage report (which its daemon rewrites every few seconds).
         self._shape_stamps: dict[str, int] = {}
         self._host_changes = 0
+        # The host of each change of a host stamp (put, delete, reset), oldest first, cut by half when longer than
+        # ``HOST_LOG_KEPT``: ``hosts_changed_since`` reads the hosts changed since a mark without a look at the others.
+        self._host_log: list[str] = []
+        self._host_log_start = 0      # the mark of ``_host_log[0]``
         self._marked: dict[bytes, dict[bytes, KV]] = {m: {} for m in _MARKERS}   # marker -> lease key -> its KV
         self._leases_prefix = keys.kind("leases")
         self._teams_prefix = keys.kind("teams")
@@ -121,6 +126,8 @@ class Mirror:
         self._lease_stamps.clear()
         self._host_stamps.clear()
         self._shape_stamps.clear()
+        self._host_log_start += len(self._host_log) + 1    # every mark given before is from before the reset
+        self._host_log.clear()
         for marked in self._marked.values():
             marked.clear()
         for kv in kvs:
@@ -188,6 +195,11 @@ class Mirror:
         self._host_stamps[host] = self._host_changes
         if not usage:
             self._shape_stamps[host] = self._host_changes
+        self._host_log.append(host)
+        if len(self._host_log) > HOST_LOG_KEPT:
+            cut = len(self._host_log) // 2
+            del self._host_log[:cut]
+            self._host_log_start += cut
 
     def _unstamp_if_gone(self, host: str) -> None:
         k = self.keys
@@ -322,6 +334,15 @@ class Mirror:
         """A number that changes whenever one of ``host``'s keys is put or deleted (or the mirror is reset) and
         never comes back (0: no key of it): what is derived from a host's snapshot is kept until it moves."""
         return self._host_stamps.get(host, 0)
+
+    def hosts_changed_since(self, mark: int) -> tuple[int, set[str] | None]:
+        """The hosts whose stamp moved (a key of theirs put or deleted) since ``mark`` (a mark this returned before),
+        and the mark to pass next time; None instead of the hosts when the log no longer reaches back to ``mark``
+        or the mirror was reset since (any host may have changed: look at them all)."""
+        end = self._host_log_start + len(self._host_log)
+        if mark < self._host_log_start:
+            return end, None
+        return end, set(self._host_log[mark - self._host_log_start:])
 
     def shape_stamp(self, host: str) -> int:
         """As ``host_stamp``, but a change of the host's usage report alone leaves it as it is."""

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from coordinator.etcd.types import KV, WatchBatch, WatchEvent
 from coordinator.keys import Keys, prefix_range_end
+from coordinator.replica import mirror as mirror_module
 from coordinator.replica.mirror import MULTI_HOST, TIME_LIMITED, Mirror, mirrored_ranges
 
 KEYS = Keys()
@@ -208,3 +209,41 @@ def test_the_keys_put_since_a_generation_are_those_whose_value_changed_since_and
         expected = sorted((k for k in now if last_put.get(k) != puts_then.get(k)), key=lambda k: -last_put[k])
         assert [kv.key for kv in found] == expected, kind
         assert all(kv is now[kv.key] for kv in found)
+
+
+@pytest.mark.parametrize("kept", [4, None])
+@settings(max_examples=200)
+@given(steps=ops, at=st.integers(0, 40))
+def test_the_hosts_changed_since_a_mark_are_those_with_a_key_put_or_deleted_since(
+        kept: int | None, steps: list[tuple[str, bytes, bytes]], at: int) -> None:
+    """``hosts_changed_since(mark)`` for a mark read after any step: exactly the hosts one of whose keys was put or
+    deleted since (a host whose last key went among them); None once the mirror was reset since, or when its log no
+    longer reaches back (``HOST_LOG_KEPT``: here 4, and the default, which these steps never reach)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if kept is not None:
+            patch.setattr(mirror_module, "HOST_LOG_KEPT", kept)
+        _hosts_changed_since(kept, steps, at)
+
+
+def _hosts_changed_since(kept: int | None, steps: list[tuple[str, bytes, bytes]], at: int) -> None:
+    mirror = Mirror(KEYS)
+    mirror.reset([], 1)
+    revision = 1
+    marks: list[tuple[int, set[str], bool]] = []    # the mark, the hosts changed since, a reset since?
+    for op, key, value in steps:
+        revision += 1
+        marks.append((mirror.hosts_changed_since(-1)[0], set(), False))
+        _step(mirror, op, key, value, revision, HOST_OF)
+        marks = [(m, hosts | ({HOST_OF[key]} if key in HOST_OF and op != "reset" else set()), reset or op == "reset")
+                 for m, hosts, reset in marks]
+    if not marks:
+        return
+    mark, expected, reset_since = marks[at % len(marks)]
+    end, found = mirror.hosts_changed_since(mark)
+    assert end == mirror.hosts_changed_since(-1)[0]
+    if reset_since:
+        assert found is None
+    elif kept is None:
+        assert found == expected
+    else:
+        assert found is None or found == expected
