@@ -17,11 +17,12 @@ def main(args: argparse.Namespace) -> int:
     if not 1 <= args.n <= 100_000:
         raise UsageError(f"--n: must be within [1, 100000], got {quote(args.n)}", "see 'gpucoord bench --help'")
     sizes = QUICK if args.quick else Sizes(n=args.n)
-    for flag, field, most in (("sessions", "idle_sessions", 100_000), ("hosts", "p5_hosts", 100_000),
-                              ("leases", "p5_leases", 1_000_000)):
+    for flag, field, most in (("sessions", "idle_sessions", 100_000), ("reporting_hosts", "reporting_hosts", 100_000),
+                              ("hosts", "p5_hosts", 100_000), ("leases", "p5_leases", 1_000_000)):
         given = getattr(args, flag, 0) or 0
+        name = flag.replace("_", "-")
         if given and not 1 <= given <= most:
-            raise UsageError(f"--{flag}: must be within [1, {most}], got {quote(given)}", "see 'gpucoord bench --help'")
+            raise UsageError(f"--{name}: must be within [1, {most}], got {quote(given)}", "see 'gpucoord bench --help'")
         if given:
             sizes = dataclasses.replace(sizes, **{field: int(given)})  # type: ignore[arg-type]
     out: Figures = {"quick": bool(args.quick), "cores": os.cpu_count()}

@@ -281,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", action="store_true", help="one JSON document instead of lines")
     be.add_argument("--sessions", type=int, default=0, metavar="N",
                     help="reclaim: idle sessions for P8, killed at once for P6 (default 1000; 20 with --quick)")
+    be.add_argument("--reporting-hosts", type=int, default=0, metavar="N",
+                    help="reclaim: simulated hosts rewriting their usage reports every 5 s, P8's second CPU line "
+                         "(default 1000; 20 with --quick)")
     be.add_argument("--hosts", type=int, default=0, metavar="N",
                     help="p5: simulated hosts of 8 GPUs each (default 1000; 20 with --quick)")
     be.add_argument("--leases", type=int, default=0, metavar="N",

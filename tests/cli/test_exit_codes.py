@@ -57,6 +57,8 @@ def _walk(tmp: Path) -> list[list[str]]:
         ["run", "--agent", "a", "--join", "bad/id", *c, "--", "true"],
         ["run", "--agent", "a", "--rank", "1", *c, "--", "true"],
         ["bench", "acquire", "--n", "0"],
+        ["bench", "reclaim", "--reporting-hosts", "-1"],
+        ["bench", "reclaim", "--reporting-hosts", "100001"],
         ["certs", "init", "--dir", str(tmp / "pki2"), "--days", "0"],
         ["certs", "init", "--dir", str(tmp / "pki"), "--days", "99999999"],
         ["certs", "issue", "--dir", str(tmp / "pki"), "--role", "agent", "--name", "a/b"],
