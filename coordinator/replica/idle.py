@@ -83,8 +83,7 @@ def _parse_value(value: bytes) -> Parsed:
 
 Sampled = dict[bytes, tuple[tuple[int, bool, frozenset[float]], tuple[tuple[str, int], ...], float]]
 """Per usage report: its version, staleness and the thresholds as last sampled, its GPUs and their figures, and when
-it goes stale
-if it was fresh (``inf`` once stale)."""
+it goes stale if it was fresh (``inf`` once stale)."""
 
 
 @dataclasses.dataclass
