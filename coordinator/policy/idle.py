@@ -21,6 +21,7 @@ import dataclasses
 from typing import Collection, Iterable, Mapping
 
 from coordinator import errors
+from coordinator.changelog import ChangeLog
 
 REASON = "idle"                 # the reason of an idle lease's eviction notice
 ACTIONS = ("warn", "evict")
@@ -74,8 +75,7 @@ class UtilizationHistory:
         self.max_points = max_points
         self._points: dict[str, list[tuple[float, int]]] = {}
         self._current: dict[str, int] = {}
-        self._moves: list[str] = []   # the GPU of each change of the points, oldest first (see ``moved_since``)
-        self._moves_start = 0         # the mark of ``_moves[0]``
+        self._moves = ChangeLog(MOVES_KEPT)   # the GPU of each change of the points (see ``moved_since``)
 
     def observe(self, gpu_uuid: str, at: float, pct: int, thresholds: Collection[float] = ()) -> None:
         """The GPU reports ``pct`` (UNKNOWN: cannot tell) as seen at ``at``; times never go back (an earlier
@@ -91,7 +91,7 @@ class UtilizationHistory:
         points.append((at, pct))
         if len(points) > self.max_points:
             del points[0]
-        self._moved(gpu_uuid)
+        self._moves.add(gpu_uuid)
 
     def points(self, gpu_uuid: str) -> Points:
         return tuple(self._points.get(gpu_uuid, ()))
@@ -101,22 +101,12 @@ class UtilizationHistory:
         for uuid in [u for u in self._points if u not in keep]:
             del self._points[uuid]
             self._current.pop(uuid, None)
-            self._moved(uuid)
-
-    def _moved(self, gpu_uuid: str) -> None:
-        self._moves.append(gpu_uuid)
-        if len(self._moves) > MOVES_KEPT:
-            cut = len(self._moves) // 2
-            del self._moves[:cut]
-            self._moves_start += cut
+            self._moves.add(uuid)
 
     def moved_since(self, mark: int) -> tuple[int, set[str] | None]:
         """The GPUs whose points changed since ``mark`` (0, or a mark this returned before), and the mark to pass
         next time; None instead of the GPUs when the log no longer reaches back to ``mark`` (any may have)."""
-        end = self._moves_start + len(self._moves)
-        if mark < self._moves_start:
-            return end, None
-        return end, set(self._moves[mark - self._moves_start:])
+        return self._moves.since(mark)
 
     def current(self, gpu_uuid: str) -> int:
         """The GPU's last reported value (the points keep only the moves across thresholds)."""

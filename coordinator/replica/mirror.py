@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Collection, Iterable
 
+from coordinator.changelog import ChangeLog
 from coordinator.etcd.types import KV, WatchBatch
 from coordinator.keys import Keys, last_segment, prefix_range_end
 from coordinator.replica.view import HostSnapshot
@@ -79,10 +80,9 @@ class Mirror:
         # host -> the same, for its keys other than its usage report (which its daemon rewrites every few seconds).
         self._shape_stamps: dict[str, int] = {}
         self._host_changes = 0
-        # The host of each change of a host stamp (put, delete, reset), oldest first, cut by half when longer than
-        # ``HOST_LOG_KEPT``: ``hosts_changed_since`` reads the hosts changed since a mark without a look at the others.
-        self._host_log: list[str] = []
-        self._host_log_start = 0      # the mark of ``_host_log[0]``
+        # The host of each change of a host stamp (put, delete): ``hosts_changed_since`` reads the hosts changed since
+        # a mark without a look at the others.
+        self._host_log = ChangeLog(HOST_LOG_KEPT)
         self._log_hosts = True
         self._marked: dict[bytes, dict[bytes, KV]] = {m: {} for m in _MARKERS}   # marker -> lease key -> its KV
         self._leases_prefix = keys.kind("leases")
@@ -127,8 +127,7 @@ class Mirror:
         self._lease_stamps.clear()
         self._host_stamps.clear()
         self._shape_stamps.clear()
-        self._host_log_start += len(self._host_log) + 1    # every mark given before is from before the reset
-        self._host_log.clear()
+        self._host_log.void()    # every mark given before is from before the reset
         for marked in self._marked.values():
             marked.clear()
         self._log_hosts = False     # (every host changed: no log needed to say so; 10 % of a reset of 200,000 keys)
@@ -198,13 +197,8 @@ class Mirror:
         self._host_stamps[host] = self._host_changes
         if not usage:
             self._shape_stamps[host] = self._host_changes
-        if not self._log_hosts:
-            return
-        self._host_log.append(host)
-        if len(self._host_log) > HOST_LOG_KEPT:
-            cut = len(self._host_log) // 2
-            del self._host_log[:cut]
-            self._host_log_start += cut
+        if self._log_hosts:
+            self._host_log.add(host)
 
     def _unstamp_if_gone(self, host: str) -> None:
         k = self.keys
@@ -344,10 +338,7 @@ class Mirror:
         """The hosts whose stamp moved (a key of theirs put or deleted) since ``mark`` (a mark this returned before),
         and the mark to pass next time; None instead of the hosts when the log no longer reaches back to ``mark``
         or the mirror was reset since (any host may have changed: look at them all)."""
-        end = self._host_log_start + len(self._host_log)
-        if mark < self._host_log_start:
-            return end, None
-        return end, set(self._host_log[mark - self._host_log_start:])
+        return self._host_log.since(mark)
 
     def shape_stamp(self, host: str) -> int:
         """As ``host_stamp``, but a change of the host's usage report alone leaves it as it is."""

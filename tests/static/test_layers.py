@@ -2,7 +2,7 @@
 
 Layers, bottom up (a module may import its own layer's modules and those of the layers below):
     limits   protocol limits and ``quote()``: imports nothing of the package
-    core     keys, errors, clock, records, aio, txn, heap                (limits)
+    core     keys, errors, clock, records, aio, txn, heap, changelog     (limits)
     security certificates, TLS, identity, authorization, the interceptor  (limits, core)
     config   config, metrics (and its HTTP server)                       (limits, core, security)
     etcd     the store and its request builders, etcd processes        (base)
@@ -37,7 +37,7 @@ BASE_LAYERS = {
     "limits": {"coordinator.limits"},
     "core": {"coordinator", "coordinator.keys", "coordinator.errors", "coordinator.clock", "coordinator.records",
              "coordinator.record_fields", "coordinator.host_records", "coordinator.notice_records",
-             "coordinator.aio", "coordinator.txn", "coordinator.heap"},
+             "coordinator.aio", "coordinator.txn", "coordinator.heap", "coordinator.changelog"},
     "security": set(),      # coordinator.security and its modules
     "config": {"coordinator.config", "coordinator.metrics", "coordinator.metrics_http"},
 }
