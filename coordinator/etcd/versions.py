@@ -15,8 +15,10 @@ Version = tuple[int, int, int]
 # whose context is cancelled (a client deadline, a paused process). gpucoord never sends read-only
 # transactions, but other clients of the same etcd may.
 # The first entry is no crash but a data inconsistency: the fault tier's HashKV comparison is there to catch it.
+# Its range is also KILL_DRIFT's: the releases where killing a member during writes may make it drift.
+KILL_DRIFT: tuple[Version, Version] = ((3, 5, 0), (3, 5, 3))
 KNOWN_CRASH_BUGS: tuple[tuple[Version, Version, str], ...] = (
-    ((3, 5, 0), (3, 5, 3), "a member killed during writes can apply entries twice on restart and drift from "
+    (*KILL_DRIFT, "a member killed during writes can apply entries twice on restart and drift from "
                            "the others (data inconsistency, etcd-io/etcd#13766, fixed in 3.5.3)"),
     ((3, 5, 0), (3, 5, 5), "panics when a read-only transaction is cancelled by its client deadline "
                            "(etcd-io/etcd#14110, fixed in 3.5.5)"),
@@ -45,6 +47,11 @@ def parse_etcd_version(text: str) -> Version | None:
 def crash_bugs(version: Version) -> list[str]:
     """The known crash bugs of this etcd server version (empty: none known)."""
     return [what for first, fixed, what in KNOWN_CRASH_BUGS if first <= version < fixed]
+
+
+def drifts_when_killed(version: Version | None) -> bool:
+    """Whether a member of this release killed during writes may come back drifted (etcd-io/etcd#13766)."""
+    return version is not None and KILL_DRIFT[0] <= version < KILL_DRIFT[1]
 
 
 def format_version(version: Version | None) -> str:

@@ -5,7 +5,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.etcd.versions import crash_bugs, format_version, parse_etcd_version
+from coordinator.etcd.versions import (
+    crash_bugs,
+    drifts_when_killed,
+    format_version,
+    parse_etcd_version,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -44,10 +49,15 @@ def test_the_3_5_1_bug_names_the_upstream_issue() -> None:
     assert any("14110" in b for b in crash_bugs((3, 5, 1)))
 
 
-@pytest.mark.parametrize("version, drifts", [((3, 5, 1), True), ((3, 5, 2), True), ((3, 5, 3), False),
+@pytest.mark.parametrize("version, drifts", [((3, 5, 0), True), ((3, 5, 1), True), ((3, 5, 2), True), ((3, 5, 3), False),
                                               ((3, 5, 16), False), ((3, 4, 23), False)])
 def test_the_data_inconsistency_of_3_5_0_to_3_5_2_is_known(version: tuple[int, int, int], drifts: bool) -> None:
     assert any("13766" in b for b in crash_bugs(version)) is drifts
+    assert drifts_when_killed(version) is drifts    # the nemesis kills no member of these releases
+
+
+def test_an_unknown_version_is_not_said_to_drift() -> None:
+    assert drifts_when_killed(None) is False
 
 
 @given(st.tuples(st.integers(0, 99), st.integers(0, 99), st.integers(0, 999)))

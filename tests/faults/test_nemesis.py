@@ -3,7 +3,8 @@
 two hosts of 2 GPUs and two coordinator replicas (real processes) on a 3-member etcd, while a seeded
 scheduler injects one fault every few seconds and heals it.
 
-Process faults: kill -9 of the etcd leader, SIGSTOP of an etcd member, SIGSTOP of a replica, kill -9 of a
+Process faults: kill -9 of the etcd leader (not on etcd 3.5.0-3.5.2, whose killed members may drift:
+etcd-io/etcd#13766), SIGSTOP of an etcd member, SIGSTOP of a replica, kill -9 of a
 replica (restarted on its port), kill of a node daemon (it stops without deregistering, as SIGKILL leaves it;
 restarted at once, it takes over once the old registration runs out: meanwhile a multi-host gang with a part
 there is a gang on a lost host). Network faults, on the fault links (tests/faultlink.py) that every connection
@@ -47,7 +48,9 @@ import pytest
 
 from agent_client.api import coordinator_pb2 as pb
 from coordinator import errors
+from coordinator.etcd.process import binary_version
 from coordinator.etcd.store import Store
+from coordinator.etcd.versions import drifts_when_killed, format_version
 from tests.faultlink import FaultLink
 from tests.history import check_store, read_history
 from tests.support import history_time_limits
@@ -95,6 +98,7 @@ class Replicas:
             r.close()
 
 
+KILL_LEADER = "kill -9 etcd leader"
 Fault = tuple[Callable[[], object], Callable[[object], None], float]   # inject, heal(what inject returned), lasts
 
 
@@ -157,7 +161,7 @@ def _faults(e: Etcd3, reps: Replicas, members: list[FaultLink], c: Cluster, rng:
     member = lambda: members[rng.randrange(3)]
     return {
         # processes
-        "kill -9 etcd leader": (kill_leader, lambda m: e.restart(m), FAULT_LASTS_S),
+        KILL_LEADER: (kill_leader, lambda m: e.restart(m), FAULT_LASTS_S),
         "SIGSTOP etcd member": (stop_member, lambda m: e.cont(m), FAULT_LASTS_S),
         "SIGSTOP replica": (replica(stop), cont, FAULT_LASTS_S),
         "kill -9 replica": (replica(kill), restart, FAULT_LASTS_S),
@@ -245,6 +249,12 @@ def test_nemesis(etcd3: Etcd3, member_links: list[FaultLink], nemesis_cluster: C
         kind = os.environ.get("GPUCOORD_NEMESIS_FAULTS", "all")
         if kind in ("process", "network"):
             faults = {n: f for n, f in faults.items() if (n in _NETWORK) == (kind == "network")}
+        version = binary_version(etcd3.cluster.binary)
+        if drifts_when_killed(version):
+            # A member of this release killed during writes may apply entries twice and drift (etcd-io/etcd#13766):
+            # the HashKV check would fail on etcd's bug, not ours. The fault tier's second run (3.5.16) kills.
+            faults.pop(KILL_LEADER, None)
+            print(f"nemesis: no '{KILL_LEADER}' on etcd {format_version(version)} (etcd-io/etcd#13766)")
         a, b = reps.addrs
         teams = seed % 2 == 0 or os.environ.get("GPUCOORD_NEMESIS_TEAMS") == "1"
         if teams:
