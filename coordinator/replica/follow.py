@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 from coordinator.aio import retry_forever
 from coordinator.etcd.store import Store
@@ -117,13 +117,15 @@ class Follower:
     def _observe_all(self) -> None:
         """``_observe`` of every key of the mirror just loaded, found by its kind indexes (the load parsed each key
         already), and nothing else remembered."""
-        seen: set[bytes] = set()
-        for kind in self._OBSERVED_KINDS:
-            by_creation = kind in self._BY_CREATION
-            for kv in [*self.mirror.all_host_items(kind), *self.mirror.items(kind)]:
-                self.observed.saw(kv.key, kv.create_revision if by_creation else kv.mod_revision)
-                seen.add(kv.key)
-        self.observed.keep_only(seen)
+        def versions() -> Iterator[tuple[bytes, int]]:
+            for kind in self._OBSERVED_KINDS:
+                by_creation = kind in self._BY_CREATION
+                for kvs in (self.mirror.all_host_items(kind), self.mirror.items(kind)):
+                    if by_creation:
+                        yield from ((kv.key, kv.create_revision) for kv in kvs)
+                    else:
+                        yield from ((kv.key, kv.mod_revision) for kv in kvs)
+        self.observed.reload(versions())
 
     def _on_events(self, batch: WatchBatch) -> None:
         woken: set[str] = set()

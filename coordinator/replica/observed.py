@@ -8,6 +8,8 @@ is noticed at most 3 node intervals after the replica starts.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from coordinator import clock
 
 
@@ -37,9 +39,15 @@ class Observed:
     def forget(self, key: bytes) -> None:
         self._seen.pop(key, None)
 
-    def keep_only(self, keys: set[bytes]) -> None:
-        for key in [k for k in self._seen if k not in keys]:
-            del self._seen[key]
+    def reload(self, versions: Iterable[tuple[bytes, int]], now: float | None = None) -> None:
+        """What ``saw`` of each (key, version) would keep, and nothing else: the keys of a state read again. One
+        pass, one clock reading (a replica's first read is 110,000 such keys at 100,000 leases)."""
+        now = clock.monotonic() if now is None else now
+        old, seen = self._seen, {}
+        for key, ident in versions:
+            held = old.get(key)
+            seen[key] = held if held is not None and held[0] >= ident else (ident, now)
+        self._seen = seen
 
     def __len__(self) -> int:
         return len(self._seen)

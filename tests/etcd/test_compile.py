@@ -8,8 +8,12 @@ it checks the raw messages themselves (tests/static/test_layers.py allows it by 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from aetcd import rpc
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator.etcd import _compile
 from coordinator.etcd.types import KV, DeleteResult, GetResult, NestedResult, PutResult
@@ -126,3 +130,17 @@ def test_a_branch_of_reads_alone_is_not_a_write() -> None:
     assert not has_write([Get(b"a"), Txn((Absent(b"a"),), (Get(b"a"),), (Txn((), (Get(b"b"),)),))])
     assert has_write([Get(b"a"), Txn((Absent(b"a"),), (Get(b"a"),), (Txn((), (Delete(b"b"),)),))])
     assert has_write([Put(b"a", b"")])
+
+
+@given(st.binary(max_size=20), st.binary(max_size=40), st.integers(0, 1 << 62), st.integers(0, 1 << 62),
+       st.integers(0, 1 << 40), st.integers(0, 1 << 62))
+def test_a_key_read_is_the_kv_its_constructor_makes_and_stays_frozen(key: bytes, value: bytes, create: int, mod: int,
+                                                                     version: int, lease: int) -> None:
+    """``_compile.kv`` builds a ``KV`` without its ``__init__``: the same object in every way that shows."""
+    got = _compile.kv(rpc.KeyValue(key=key, value=value, create_revision=create, mod_revision=mod, version=version,
+                                   lease=lease))
+    want = KV(key, value, create, mod, version, lease)
+    assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
+    assert dataclasses.astuple(got) == dataclasses.astuple(want)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.value = b"x"    # type: ignore[misc]
