@@ -46,6 +46,17 @@ def rss_mb(pid: int) -> float:
     return float(psutil.Process(pid).memory_info().rss) / (1 << 20)
 
 
+def renice(pid: int, nice: int) -> None:
+    """Every thread of ``pid`` at ``nice`` (Linux's niceness is a thread's: gRPC's threads would keep theirs)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):    # a thread that ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
 def _spawn(argv: list[str], kind: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.bench import eventloop
-from coordinator.bench.rig import etcd_metric, proposals
+from coordinator.bench.rig import etcd_metric, proposals, renice
 from coordinator.bench.stats import percentile
 from coordinator.etcd.store import Store
 from tests.support.cluster import EtcdEndpoint
@@ -143,3 +144,23 @@ def test_the_phases_share_one_event_loop_and_each_run_cancels_what_it_left() -> 
         assert first is second and not first.is_closed()
         assert left[0].cancelled() and left[1].cancelled()
     assert first.is_closed()
+
+
+def test_renice_lowers_every_thread_of_a_process_not_only_its_first() -> None:
+    """P5's restart puts its agents' process at nice 19: Linux's niceness is per thread, and a gRPC client's
+    work runs on threads of its own."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys, threading; t = threading.Thread(target=sys.stdin.read);"
+                              "t.start(); print('up', flush=True); t.join()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"up\n"
+        renice(child.pid, 7)
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) >= 2
+        # /proc/PID/task/TID/stat: the 19th field is the thread's niceness (after the name in parentheses).
+        nice = [int(open(f"/proc/{child.pid}/task/{t}/stat").read().rpartition(")")[2].split()[16]) for t in tids]
+        assert nice == [7] * len(tids)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
